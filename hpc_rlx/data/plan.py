@@ -1,0 +1,121 @@
+"""Shard planning: which rows each rank owns and which of them it uses at each step. Pure math.
+
+The layout makes the *global* batch at every step independent of the world size, so 1 rank
+with global batch B trains on exactly the same samples per step as 2, 4 or 8 ranks:
+
+* The N training samples are cut into B contiguous **rows** (row j holds samples
+  ``[row_start[j], row_start[j] + row_len[j])``). Every row holds ``K = N // B`` samples;
+  with ``leftover="partial"`` the first ``N % B`` rows hold one extra sample.
+* Global step ``s`` of an epoch takes one sample from every row: row j contributes its
+  sample at column ``perm_j(s)``, where ``perm_j`` is a per-epoch permutation seeded by
+  ``(seed, epoch, j)`` alone. A row shorter than the step count contributes nothing at the
+  step that maps past its end (a sample-weighted partial batch).
+* Rank r owns a contiguous block of rows, so its shard is one contiguous hyperslab of the
+  file. Every rank makes the same number of steps per epoch whatever its row count, so the
+  collectives always line up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ConfigError
+
+LEFTOVER_MODES = ("drop", "partial")
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    n_samples: int          # training samples in the file (before dropping leftovers)
+    global_batch: int
+    world_size: int
+    leftover: str
+    steps_per_epoch: int
+    row_start: tuple        # per row: first sample index (global)
+    row_len: tuple          # per row: sample count
+    rank_rows: tuple        # per rank: (first_row, stop_row)
+
+    @property
+    def dropped(self) -> int:
+        return self.n_samples - sum(self.row_len)
+
+    def shard_bounds(self, rank: int) -> tuple[int, int]:
+        """The contiguous sample range [start, stop) that `rank` must hold."""
+        first, stop = self.rank_rows[rank]
+        if first == stop:
+            return (0, 0)
+        return (self.row_start[first], self.row_start[stop - 1] + self.row_len[stop - 1])
+
+    def all_bounds(self) -> list[tuple[int, int]]:
+        return [self.shard_bounds(r) for r in range(self.world_size)]
+
+    def rank_batch(self, rank: int) -> int:
+        first, stop = self.rank_rows[rank]
+        return stop - first
+
+    def describe(self) -> str:
+        extra = (f"{self.dropped} leftover samples dropped" if self.leftover == "drop"
+                 else f"{self.n_samples % self.global_batch} leftover samples used in partial batches")
+        return (f"{self.n_samples} training samples, global batch {self.global_batch}, "
+                f"{self.steps_per_epoch} steps/epoch on {self.world_size} ranks; {extra}")
+
+
+def plan_shards(n_samples: int, global_batch: int, world_size: int, leftover: str = "drop") -> ShardPlan:
+    """Plan the rows. Raises ConfigError for plans that cannot give every rank work."""
+    if leftover not in LEFTOVER_MODES:
+        raise ConfigError(f"data.leftover={leftover!r} is not one of {LEFTOVER_MODES}")
+    if global_batch <= 0:
+        raise ConfigError(f"train.batch_size must be positive, got {global_batch}")
+    if world_size > n_samples:
+        raise ConfigError(f"more ranks ({world_size}) than training samples ({n_samples})")
+    if global_batch < world_size:
+        raise ConfigError(
+            f"train.batch_size={global_batch} is smaller than the number of ranks ({world_size}); "
+            f"every rank needs at least one sample per step")
+    if global_batch > n_samples:
+        raise ConfigError(
+            f"train.batch_size={global_batch} is larger than the training set ({n_samples} samples)")
+    base, extra = divmod(n_samples, global_batch)
+    if leftover == "drop":
+        extra = 0
+    row_len = [base + (1 if j < extra else 0) for j in range(global_batch)]
+    row_start = np.concatenate([[0], np.cumsum(row_len)[:-1]]).astype(int).tolist()
+    steps = base + (1 if extra else 0)
+    # Rows split as evenly as possible; ranks may own one row more than others.
+    per, more = divmod(global_batch, world_size)
+    rank_rows, first = [], 0
+    for r in range(world_size):
+        count = per + (1 if r < more else 0)
+        rank_rows.append((first, first + count))
+        first += count
+    return ShardPlan(n_samples, global_batch, world_size, leftover, steps,
+                     tuple(row_start), tuple(row_len), tuple(rank_rows))
+
+
+def _row_permutation(seed: int, epoch: int, row: int, n: int, shuffle: bool) -> np.ndarray:
+    if not shuffle:
+        return np.arange(n)
+    rng = np.random.Generator(np.random.PCG64([seed, epoch, row]))
+    return rng.permutation(n)
+
+
+class EpochOrder:
+    """Local sample indices a rank uses at each step of one epoch (indices into its shard)."""
+
+    def __init__(self, plan: ShardPlan, rank: int, epoch: int, seed: int, shuffle: bool = True):
+        first, stop = plan.rank_rows[rank]
+        steps = plan.steps_per_epoch
+        shard_start = plan.shard_bounds(rank)[0]
+        # table[j, s] = local index used by local row j at step s, or -1 for no sample
+        self.table = np.full((stop - first, steps), -1, dtype=np.int64)
+        for j, row in enumerate(range(first, stop)):
+            length = plan.row_len[row]
+            perm = _row_permutation(seed, epoch, row, steps, shuffle)
+            cols = perm < length
+            self.table[j, cols] = plan.row_start[row] - shard_start + perm[cols]
+
+    def step_indices(self, step: int) -> np.ndarray:
+        col = self.table[:, step]
+        return col[col >= 0]

@@ -1,0 +1,248 @@
+"""The TrainSpec: everything a worker needs to train a model it has no code for.
+
+Rank 0 turns the composed Hydra config into a TrainSpec (`build_spec`), which is a few KB of
+plain JSON-able data and is broadcast to every rank. Parameter values are *not* in the
+spec: rank 0 materialises them (`initial_parameters`) and broadcasts them by buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError, DataError
+
+DTYPES = ("float32", "float64")
+DEVICES = ("cpu", "cuda", "all", "auto")
+DISTRIBUTIONS = ("read", "scatter")
+ON_NONFINITE = ("stop", "skip")
+CKPT_METRICS = ("val_loss", "val_accuracy")
+
+
+@dataclass
+class DataPlan:
+    path: str
+    x: str
+    y: str
+    n_train: int                 # rows [0, n_train) of `path` are training data
+    val_path: str | None         # validation rows come from here ...
+    val_start: int               # ... rows [val_start, val_stop)
+    val_stop: int
+    distribution: str
+    leftover: str
+    shuffle: bool
+    check_finite: bool
+    sample_shape: list
+    x_dtype: str
+    y_dtype: str
+
+
+@dataclass
+class TrainSpec:
+    graph: dict                  # the model graph IR (hpc_rlx.graph JSON form)
+    param_source: dict           # {"kind": "seed", "seed": s} or {"kind": "file", "path": p}
+    data: DataPlan
+    train: dict
+    optim: dict
+    policy: dict
+    device: dict
+    comm: dict
+    checkpoint: dict
+    debug: dict
+    run_dir: str
+    resume: str
+    world_size: int
+    config_yaml: str = ""
+    extras: dict = field(default_factory=dict)   # report/trace switches
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainSpec":
+        d = dict(d)
+        d["data"] = DataPlan(**d["data"])
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate_config(cfg: dict) -> None:
+    """Value checks Hydra's schema cannot express. Every message names the key and value."""
+    t, o, c, dev, ck = cfg["train"], cfg["optim"], cfg["comm"], cfg["device"], cfg["checkpoint"]
+    _require(isinstance(t["epochs"], int) and t["epochs"] >= 1,
+             f"train.epochs must be a positive integer, got {t['epochs']!r}")
+    _require(isinstance(t["batch_size"], int) and t["batch_size"] >= 1,
+             f"train.batch_size must be a positive integer, got {t['batch_size']!r}")
+    _require(t["dtype"] in DTYPES, f"train.dtype={t['dtype']!r} is not one of {DTYPES}")
+    _require(t["on_nonfinite"] in ON_NONFINITE,
+             f"train.on_nonfinite={t['on_nonfinite']!r} is not one of {ON_NONFINITE}")
+    _require(t["max_steps"] is None or (isinstance(t["max_steps"], int) and t["max_steps"] >= 1),
+             f"train.max_steps must be null or a positive integer, got {t['max_steps']!r}")
+    lr = o["lr"]
+    _require(isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0,
+             f"optim.lr must be a positive number, got {lr!r}")
+    _require(o.get("lr_scale_ratio", 0.0) >= 0,
+             f"optim.lr_scale_ratio must be >= 0, got {o.get('lr_scale_ratio')!r}")
+    if o.get("clip_grad_norm") is not None:
+        _require(o["clip_grad_norm"] > 0, f"optim.clip_grad_norm must be > 0, got {o['clip_grad_norm']!r}")
+    _require(dev["kind"] in DEVICES, f"device={dev['kind']!r} is not one of {DEVICES}")
+    _require(isinstance(dev["cpu_lanes"], int) and dev["cpu_lanes"] >= 0,
+             f"device.cpu_lanes must be an integer >= 0, got {dev['cpu_lanes']!r}")
+    _require(dev["kind"] not in ("cpu",) or dev["cpu_lanes"] >= 1,
+             "device=cpu needs device.cpu_lanes >= 1")
+    _require(c["bucket_cap_mb"] > 0, f"comm.bucket_cap_mb must be > 0, got {c['bucket_cap_mb']!r}")
+    _require(cfg["data"]["distribution"] in DISTRIBUTIONS,
+             f"data.distribution={cfg['data']['distribution']!r} is not one of {DISTRIBUTIONS}")
+    vf = cfg["data"]["val_fraction"]
+    _require(vf is None or 0 <= vf < 1, f"data.val_fraction must be in [0, 1), got {vf!r}")
+    _require(ck["metric"] in CKPT_METRICS,
+             f"checkpoint.metric={ck['metric']!r} is not one of {CKPT_METRICS}")
+    _require(isinstance(ck["keep_last"], int) and ck["keep_last"] >= 1,
+             f"checkpoint.keep_last must be >= 1, got {ck['keep_last']!r}")
+    for key in ("every_steps", "every_epochs", "every_minutes"):
+        v = ck[key]
+        _require(v is None or v > 0, f"checkpoint.{key} must be null or > 0, got {v!r}")
+
+
+def check_run_dir_writable(run_dir: str) -> None:
+    path = Path(run_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"run directory {run_dir} is not writable: {e.strerror or e}") from e
+
+
+def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes: int | None):
+    from .graph import Graph, build_model
+
+    name = model_cfg["name"]
+    if name == "graph":
+        return Graph.from_file(model_cfg["path"])
+    if name in ("mlp", "cnn") and num_classes is None:
+        raise DataError("cannot tell the number of classes: set model.num_classes "
+                        "or give the label dataset a num_classes attribute")
+    if name == "mlp":
+        return build_model("mlp", input_shape=tuple(sample_shape), num_classes=num_classes,
+                           hidden=list(model_cfg["hidden"]), activation=model_cfg["activation"],
+                           dropout=float(model_cfg["dropout"]))
+    if name == "cnn":
+        if len(sample_shape) != 3:
+            raise DataError(f"model=cnn needs (C, H, W) images; the data's samples have shape "
+                            f"{tuple(sample_shape)}")
+        return build_model("cnn", input_shape=tuple(sample_shape), num_classes=num_classes,
+                           channels=list(model_cfg["channels"]), kernel=int(model_cfg["kernel"]),
+                           hidden=int(model_cfg["hidden"]), pool=model_cfg["pool"])
+    if name == "transformer_lm":
+        if len(sample_shape) != 1:
+            raise DataError(f"model=transformer_lm needs token sequences (N, T); the data's "
+                            f"samples have shape {tuple(sample_shape)}")
+        return build_model("transformer_lm", vocab_size=num_classes, seq_len=int(sample_shape[0]),
+                           d_model=int(model_cfg["d_model"]), n_heads=int(model_cfg["n_heads"]),
+                           n_layers=int(model_cfg["n_layers"]), d_ff=int(model_cfg["d_ff"]))
+    raise ConfigError(f"model={name!r} is not one of mlp, cnn, transformer_lm, graph")
+
+
+def _num_classes(model_cfg: dict, info) -> int | None:
+    if model_cfg.get("num_classes") is not None:
+        return int(model_cfg["num_classes"])
+    for key in ("num_classes", "vocab_size"):
+        if key in info.attrs:
+            return int(info.attrs[key])
+    return None
+
+
+def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") -> TrainSpec:
+    """Rank 0: validate the config, inspect the data, build the graph and the shard plan."""
+    from .data import hdf5
+    from .data.plan import plan_shards
+
+    validate_config(cfg)
+    check_run_dir_writable(run_dir)
+    d = cfg["data"]
+    if d.get("prepare") and not Path(d["path"]).exists():
+        from .data.prepare import ensure_prepared
+        ensure_prepared(d["path"], d["prepare"])
+    info = hdf5.describe(d["path"], d["x"], d["y"])
+
+    if d.get("val_path"):
+        vinfo = hdf5.describe(d["val_path"], d["x"], d["y"])
+        n_train, val_path, val_start, val_stop = info.n, d["val_path"], 0, vinfo.n
+    else:
+        n_val = int(round(info.n * float(d["val_fraction"] or 0.0)))
+        n_train = info.n - n_val
+        val_path, val_start, val_stop = d["path"], n_train, info.n
+        if n_train <= 0:
+            raise DataError(f"data.val_fraction={d['val_fraction']} leaves no training samples "
+                            f"in {d['path']} ({info.n} samples)")
+
+    graph = _build_graph(cfg["model"], info.x_shape, info.x_dtype, _num_classes(cfg["model"], info))
+    x_in = next(i for i in graph.inputs if i.name == "x")
+    y_in = next(i for i in graph.inputs if i.name == "y")
+    hdf5.check_compatible(
+        info, input_shape=tuple(x_in.shape[1:]),
+        input_dtype_kind="int" if x_in.dtype == "int64" else "float",
+        label_kind="class" if y_in.dtype == "int64" else "float",
+        label_shape=tuple(y_in.shape[1:]))
+
+    # Fails here, on rank 0, with the same message every rank will print.
+    plan = plan_shards(n_train, cfg["train"]["batch_size"], world_size, d["leftover"])
+
+    init_from = cfg["model"].get("init_from")
+    source = ({"kind": "file", "path": init_from} if init_from
+              else {"kind": "seed", "seed": int(cfg["train"]["seed"])})
+    data_plan = DataPlan(
+        path=d["path"], x=d["x"], y=d["y"], n_train=n_train, val_path=val_path,
+        val_start=val_start, val_stop=val_stop, distribution=d["distribution"],
+        leftover=d["leftover"], shuffle=bool(d["shuffle"]), check_finite=bool(d["check_finite"]),
+        sample_shape=list(info.x_shape), x_dtype=str(info.x_dtype), y_dtype=str(info.y_dtype))
+    return TrainSpec(
+        graph=graph.to_dict(), param_source=source, data=data_plan, train=dict(cfg["train"]),
+        optim=dict(cfg["optim"]), policy=dict(cfg["policy"]), device=dict(cfg["device"]),
+        comm=dict(cfg["comm"]), checkpoint=dict(cfg["checkpoint"]), debug=dict(cfg["debug"]),
+        run_dir=str(run_dir), resume=str(cfg["resume"]), world_size=world_size,
+        config_yaml=config_yaml,
+        extras={"report": dict(cfg.get("report", {})), "trace": dict(cfg.get("trace", {})),
+                "plan": plan.describe()})
+
+
+def initial_parameters(spec: TrainSpec, graph, layout) -> np.ndarray:
+    """Rank 0: the initial flat parameter vector, in the compute dtype."""
+    from .graph import init_params
+
+    dtype = np.dtype(spec.train["dtype"])
+    flat = np.zeros(layout.size, dtype=np.float64)
+    src = spec.param_source
+    if src["kind"] == "seed":
+        init_params(graph, flat, int(src["seed"]))
+    else:
+        import h5py
+        try:
+            with h5py.File(src["path"], "r") as f:
+                views = layout.views(flat)
+                for p in graph.params:
+                    if p.name not in f:
+                        raise ConfigError(f"model.init_from={src['path']} has no dataset {p.name!r}")
+                    arr = f[p.name][...]
+                    if tuple(arr.shape) != tuple(p.shape):
+                        raise ConfigError(f"model.init_from={src['path']}: {p.name} has shape "
+                                          f"{arr.shape}, the model needs {tuple(p.shape)}")
+                    views[p.name][...] = arr
+        except OSError as e:
+            raise ConfigError(f"model.init_from={src['path']} cannot be read: {e}") from e
+    return flat.astype(dtype)

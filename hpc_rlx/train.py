@@ -1,0 +1,545 @@
+"""The training loop: `train(spec, comm) -> result`. Importable and testable without Hydra.
+
+Per step (policy `sync`): every lane writes its sample-weighted gradient into the fused
+bucket, the loop writes the sample count, loss sum, correct count and control flags into the
+bucket's tail, one Allreduce sums all of it, and every rank divides by the global sample
+count and applies the same optimizer step. Other policies reuse the same pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import comm as mpi
+from .errors import DataError
+from .spec import TrainSpec
+
+# Tail slots of the fused bucket, in order. Policies may append their own.
+TAIL_FIELDS = ("samples", "loss_sum", "correct", "stop", "nonfinite", "ckpt_due")
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by debug.fail_* to exercise the failure paths in tests."""
+
+
+def maybe_fail(spec: TrainSpec, rank: int, point: str, step: int | None = None) -> None:
+    dbg = spec.debug
+    if dbg.get("fail_point") != point or dbg.get("fail_rank") is None or int(dbg["fail_rank"]) != rank:
+        return
+    if step is not None and step != int(dbg.get("fail_step") or 0):
+        return
+    raise InjectedFailure(f"injected failure (debug.fail_point={point})")
+
+
+@dataclass
+class RankStats:
+    lanes: list
+    inventory: list
+    samples: int = 0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    data_s: float = 0.0
+    first_loss: float | None = None
+    last_loss: float | None = None
+    lane_samples: dict = field(default_factory=dict)
+    lane_busy_s: dict = field(default_factory=dict)
+
+
+class Context:
+    """Everything one rank holds during training. Policies drive it through its methods."""
+
+    def __init__(self, spec: TrainSpec, comm, log=print):
+        from .data.plan import EpochOrder, plan_shards
+        from .graph import Graph, ParamLayout
+        from .optim import make_optimizer, make_schedule, scaled_lr
+
+        self.spec, self.comm, self.log = spec, comm, log
+        self.rank, self.world = comm.rank, comm.size
+        self.dtype = np.dtype(spec.train["dtype"])
+        self.graph = Graph.from_dict(spec.graph)
+        self.layout = ParamLayout(self.graph)
+        self.per_sample = max(1, int(getattr(self.graph, "predictions_per_sample", 1)))
+        self.EpochOrder = EpochOrder
+
+        # Initial weights: rank 0 materialises them, everyone receives them by buffer Bcast.
+        self.params = np.empty(self.layout.size, dtype=self.dtype)
+
+        def _init():
+            if self.rank == 0:
+                from .spec import initial_parameters
+                self.params[...] = initial_parameters(spec, self.graph, self.layout)
+        mpi.root_computes(comm, _init)
+        comm.Bcast(self.params, root=0)
+
+        self.plan = plan_shards(spec.data.n_train, spec.train["batch_size"], self.world, spec.data.leftover)
+        self.steps_per_epoch = self.plan.steps_per_epoch
+        self.bucket = mpi.FusedBucket(self.layout.size, TAIL_FIELDS + tuple(spec.extras.get("tail", ())),
+                                      self.dtype, cap_mb=float(spec.comm["bucket_cap_mb"]),
+                                      deterministic=bool(spec.comm["deterministic"]))
+        opt = dict(spec.optim)
+        kwargs = {}
+        if opt["name"] == "sgd":
+            kwargs = dict(momentum=opt["momentum"], nesterov=opt["nesterov"], weight_decay=opt["weight_decay"])
+        elif opt["name"] == "adamw":
+            kwargs = dict(betas=tuple(opt["betas"]), eps=opt["eps"], weight_decay=opt["weight_decay"])
+        self.optimizer = make_optimizer(opt["name"], self.layout.size, np, self.dtype, **kwargs)
+        self.base_lr = scaled_lr(float(opt["lr"]), self.world, float(opt.get("lr_scale_ratio") or 0.0))
+        self.total_steps = spec.train["epochs"] * self.steps_per_epoch
+        if spec.train.get("max_steps"):
+            self.total_steps = min(self.total_steps, int(spec.train["max_steps"]))
+        self.schedule = make_schedule(opt["schedule"], self.base_lr, self.total_steps,
+                                      warmup_steps=int(opt.get("warmup_steps") or 0),
+                                      step_size=int(opt.get("step_size") or 1000),
+                                      gamma=float(opt.get("gamma") or 0.1),
+                                      min_lr=float(opt.get("min_lr") or 0.0))
+        self.step = 0            # global optimizer steps taken (all ranks agree)
+        self.epoch = 0
+        self.step_in_epoch = 0
+        self.skipped_steps = 0
+        self.history: list[dict] = []
+
+    # ---- data -------------------------------------------------------------------------
+    def load_data(self) -> None:
+        from .data import hdf5
+        from .data.distribute import load_shard
+
+        d = self.spec.data
+        t0 = time.perf_counter()
+        num_classes = getattr(self.graph, "num_classes", None)
+
+        def _train():
+            maybe_fail(self.spec, self.rank, "data")
+            x, y = load_shard(self.comm, d.distribution, d.path, d.x, d.y, self.plan.all_bounds())
+            start = self.plan.shard_bounds(self.rank)[0]
+            hdf5.check_values(x, y, num_classes, d.check_finite, first_row=start)
+            return x, y
+        # load_shard itself agrees on read errors; value checks are agreed here.
+        self.x, self.y = mpi.agree(self.comm, _train)
+        n_val = d.val_stop - d.val_start
+        per, more = divmod(n_val, self.world)
+        val_bounds, lo = [], d.val_start
+        for r in range(self.world):
+            hi = lo + per + (1 if r < more else 0)
+            val_bounds.append((lo, hi))
+            lo = hi
+
+        def _val():
+            if n_val == 0:
+                return (np.empty((0,)), np.empty((0,)))
+            x, y = load_shard(self.comm, d.distribution, d.val_path, d.x, d.y, val_bounds)
+            hdf5.check_values(x, y, num_classes, d.check_finite, first_row=val_bounds[self.rank][0])
+            return x, y
+        self.vx, self.vy = mpi.agree(self.comm, _val)
+        self.x = self._cast_inputs(self.x)
+        self.vx = self._cast_inputs(self.vx)
+        self.data_s = time.perf_counter() - t0
+
+    def _cast_inputs(self, x: np.ndarray) -> np.ndarray:
+        if x.dtype.kind == "f" and x.dtype != self.dtype:
+            return x.astype(self.dtype)
+        return x
+
+    def order(self, epoch: int):
+        return self.EpochOrder(self.plan, self.rank, epoch, int(self.spec.train["seed"]),
+                               shuffle=self.spec.data.shuffle)
+
+    # ---- numerics ---------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        return float(self.schedule(step))
+
+    def apply_gradient(self, grad: np.ndarray, lr: float) -> float | None:
+        """Clip (optionally) and step the optimizer with a mean gradient. Returns the norm."""
+        norm = None
+        clip = self.spec.optim.get("clip_grad_norm")
+        if clip:
+            from .optim import clip_grad_norm_
+            norm = clip_grad_norm_(grad, float(clip))
+        self.optimizer.step(self.params, grad, lr)
+        return norm
+
+    def evaluate(self, lanes) -> dict:
+        """Global validation loss/accuracy: every rank scores its slice, one small Allreduce."""
+        from mpi4py import MPI
+        loss_sum, correct = lanes.evaluate(self.vx, self.vy) if self.vx.shape[0] else (0.0, 0.0)
+        buf = np.array([loss_sum, correct, float(self.vx.shape[0])], dtype=np.float64)
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        if buf[2] == 0:
+            return {"val_loss": None, "val_accuracy": None}
+        return {"val_loss": buf[0] / buf[2], "val_accuracy": buf[1] / (buf[2] * self.per_sample)}
+
+
+
+# --------------------------------------------------------------------------------------
+# Preemption: a signal only sets a flag; the flag travels in the next step's bucket.
+# --------------------------------------------------------------------------------------
+
+class StopFlag:
+    def __init__(self):
+        self.signal = None
+
+    def install(self) -> None:
+        import signal
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                signal.signal(sig, self._handler)
+            except (ValueError, OSError):   # not the main thread / not available
+                pass
+
+    def _handler(self, signum, frame) -> None:
+        self.signal = signum
+
+    @property
+    def raised(self) -> bool:
+        return self.signal is not None
+
+
+# --------------------------------------------------------------------------------------
+# Policy `sync`: one gradient Allreduce per step.
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class EpochTotals:
+    samples: float = 0.0
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    steps: int = 0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    step_wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class SyncPolicy:
+    name = "sync"
+    tail_fields: tuple = ()
+
+    def __init__(self, spec: TrainSpec):
+        self.spec = spec
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def run_epoch(self, run: "Run", epoch: int, first_step: int) -> EpochTotals:
+        ctx, lanes, bucket = run.ctx, run.lanes, run.ctx.bucket
+        order = ctx.order(epoch)
+        totals = EpochTotals()
+        for s in range(first_step, ctx.steps_per_epoch):
+            t_step = time.perf_counter()
+            idx = order.step_indices(s)
+            xb, yb = ctx.x[idx], ctx.y[idx]
+            maybe_fail(ctx.spec, ctx.rank, "step", ctx.step)
+            n, loss_sum, correct, compute = lanes.step(xb, yb, run.dropout_seed())
+            run.slowdown(compute)
+            compute = time.perf_counter() - t_step
+            bucket.zero_tail()
+            bucket["samples"] = n
+            bucket["loss_sum"] = loss_sum
+            bucket["correct"] = correct
+            run.fill_flags(loss_sum)
+            dt_comm = bucket.allreduce(ctx.comm)
+            total_n = bucket["samples"]
+            flags = run.read_flags()
+            if flags["nonfinite"] and run.on_nonfinite == "stop":
+                run.stop_reason = "nonfinite"
+                break
+            if flags["nonfinite"]:
+                ctx.skipped_steps += 1
+            elif total_n > 0:
+                bucket.payload /= total_n
+                ctx.apply_gradient(bucket.payload, ctx.lr_at(ctx.step))
+            ctx.step += 1
+            ctx.step_in_epoch = s + 1
+            totals.samples += total_n
+            totals.loss_sum += bucket["loss_sum"]
+            totals.correct += bucket["correct"]
+            totals.steps += 1
+            totals.compute_s += compute
+            totals.comm_s += dt_comm
+            totals.step_wall_s += time.perf_counter() - t_step
+            run.after_step(n, loss_sum / max(n, 1), compute, dt_comm)
+            if run.should_stop_after_step(flags):
+                break
+        return totals
+
+
+def make_policy(spec: TrainSpec):
+    name = spec.policy["name"]
+    if name == "sync":
+        return SyncPolicy(spec)
+    from .policies.runners import make_runner   # cadence / async live with their math
+    return make_runner(spec)
+
+
+# --------------------------------------------------------------------------------------
+# The run: setup, epochs, checkpoints, outputs.
+# --------------------------------------------------------------------------------------
+
+class Run:
+    def __init__(self, spec: TrainSpec, comm):
+        self.spec, self.comm = spec, comm
+        self.rank = comm.rank
+        self.is_root = comm.rank == 0
+        self.on_nonfinite = spec.train["on_nonfinite"]
+        self.stop_flag = StopFlag()
+        self.stop_reason: str | None = None
+        self.t_start = time.perf_counter()
+        self._last_log = time.perf_counter()
+        self._tty = self.is_root and sys.stdout.isatty()
+        slow = spec.debug.get("slowdown") or {}
+        self._slow_factor = float({int(k): v for k, v in dict(slow).items()}.get(comm.rank, 1.0))
+
+    # ---- logging ----------------------------------------------------------------------
+    def log(self, msg: str) -> None:
+        if self.is_root:
+            if self._tty:
+                sys.stdout.write("\r\033[K")
+            print(f"[hpc_rlx] {msg}", flush=True)
+
+    def dropout_seed(self) -> int:
+        return (int(self.spec.train["seed"]) * 1_000_003 + self.ctx.step) * 4099 + self.rank
+
+    def slowdown(self, compute_s: float) -> None:
+        """debug.slowdown: honest extra wall time, so mixed hardware can be simulated."""
+        if self._slow_factor > 1.0:
+            time.sleep((self._slow_factor - 1.0) * compute_s)
+
+    # ---- flags in the bucket ------------------------------------------------------------
+    def fill_flags(self, loss_sum: float) -> None:
+        b = self.ctx.bucket
+        b["stop"] = 1.0 if self.stop_flag.raised else 0.0
+        bad = not math.isfinite(loss_sum) or not bool(np.isfinite(b.payload).all())
+        b["nonfinite"] = 1.0 if bad else 0.0
+        b["ckpt_due"] = 1.0 if (self.is_root and self.checkpoints.minutes_due()) else 0.0
+
+    def read_flags(self) -> dict:
+        b = self.ctx.bucket
+        return {"stop": b["stop"] > 0, "nonfinite": b["nonfinite"] > 0, "ckpt_due": b["ckpt_due"] > 0}
+
+    def after_step(self, n: int, loss: float, compute: float, comm_s: float) -> None:
+        st = self.stats
+        st.samples += n
+        st.compute_s += compute
+        st.comm_s += comm_s
+        if n:
+            if st.first_loss is None:
+                st.first_loss = loss
+            st.last_loss = loss
+        self._progress()
+
+    def should_stop_after_step(self, flags: dict) -> bool:
+        ctx = self.ctx
+        if flags["stop"]:
+            self.stop_reason = "signal"
+            return True
+        if flags["ckpt_due"] or self.checkpoints.steps_due(ctx.step):
+            self.save_checkpoint(reason="cadence")
+        if ctx.total_steps and ctx.step >= ctx.total_steps:
+            self.stop_reason = "max_steps"
+            return True
+        return False
+
+    def _progress(self) -> None:
+        if not self.is_root:
+            return
+        ctx = self.ctx
+        now = time.perf_counter()
+        if self._tty:
+            done = ctx.step_in_epoch / max(1, ctx.steps_per_epoch)
+            bar = "#" * int(30 * done)
+            sys.stdout.write(f"\r epoch {ctx.epoch + 1}/{self.spec.train['epochs']} "
+                             f"[{bar:<30}] step {ctx.step_in_epoch}/{ctx.steps_per_epoch}")
+            sys.stdout.flush()
+        elif now - self._last_log >= float(self.spec.train.get("log_every_s") or 10):
+            self._last_log = now
+            print(f"[hpc_rlx] epoch {ctx.epoch + 1} step {ctx.step_in_epoch}/{ctx.steps_per_epoch} "
+                  f"(global step {ctx.step}) loss {self.stats.last_loss}", flush=True)
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def save_checkpoint(self, reason: str, metric: float | None = None) -> None:
+        maybe_fail(self.spec, self.rank, "checkpoint")
+        self.checkpoints.save(self, reason, metric)
+
+    # ---- main -------------------------------------------------------------------------
+    def execute(self) -> dict:
+        from . import comm as mpi_mod
+        from .checkpoints_runtime import RuntimeCheckpoints
+        from .lanes import LaneSet, inventory, resolve_lanes
+        from .threads import limit_threads
+
+        spec, comm = self.spec, self.comm
+        maybe_fail(spec, self.rank, "startup")
+        self.threads = limit_threads(comm, spec.train.get("threads_per_rank"),
+                                     lanes=max(1, int(spec.device.get("cpu_lanes") or 1)))
+        self.ctx = ctx = Context(spec, comm, log=self.log)
+        self.log(spec.extras.get("plan", ""))
+        ctx.load_data()
+        lanes_spec = mpi_mod.agree(comm, lambda: resolve_lanes(
+            spec.device["kind"], int(spec.device["cpu_lanes"]), int(spec.device["gpus_per_rank"]),
+            mpi_mod.local_rank(comm)))
+        self.lanes = LaneSet(ctx.graph, lanes_spec, spec.train["dtype"], ctx.params,
+                             ctx.bucket.payload, ctx.layout)
+        self.stats = RankStats(lanes=self.lanes.names, inventory=inventory())
+        self.policy = make_policy(spec)
+        self.checkpoints = RuntimeCheckpoints(self)
+        self.checkpoints.maybe_resume()
+        self.stop_flag.install()
+        self.outputs = RunOutputs(self) if self.is_root else None
+        if self.outputs:
+            self.outputs.start()
+        self.log(f"{comm.size} ranks, lanes on rank 0: {self.lanes.names}, "
+                 f"{ctx.layout.size} parameters, {ctx.steps_per_epoch} steps/epoch")
+
+        epochs = int(spec.train["epochs"])
+        while ctx.epoch < epochs and self.stop_reason is None:
+            t_epoch = time.perf_counter()
+            first = ctx.step_in_epoch
+            totals = self.policy.run_epoch(self, ctx.epoch, first)
+            epoch_done = self.stop_reason is None or ctx.step_in_epoch >= ctx.steps_per_epoch
+            if self.stop_reason == "nonfinite":
+                break
+            metrics = None
+            if epoch_done:
+                metrics = self._end_epoch(totals, time.perf_counter() - t_epoch)
+                ctx.epoch += 1
+                ctx.step_in_epoch = 0
+                if self.checkpoints.epoch_due(ctx.epoch) and self.stop_reason is None:
+                    self.save_checkpoint("epoch", metrics.get(spec.checkpoint["metric"]))
+            if self.stop_reason == "signal":
+                self.log(f"stop requested (signal) at step {ctx.step}: writing a checkpoint")
+                self.save_checkpoint("preempt", metrics.get(spec.checkpoint["metric"]) if metrics else None)
+                self.checkpoints.maybe_requeue()
+        return self._finish()
+
+    def _end_epoch(self, totals: EpochTotals, wall: float) -> dict:
+        ctx, spec = self.ctx, self.spec
+        val = ctx.evaluate(self.lanes)
+        train_loss = totals.loss_sum / totals.samples if totals.samples else None
+        rec = {
+            "epoch": ctx.epoch + 1,
+            "step": ctx.step,
+            "train_loss": train_loss,
+            "train_accuracy": (totals.correct / (totals.samples * ctx.per_sample)) if totals.samples else None,
+            "val_loss": val["val_loss"],
+            "val_accuracy": val["val_accuracy"],
+            "lr": ctx.lr_at(max(ctx.step - 1, 0)),
+            "samples_per_s": totals.samples / totals.step_wall_s if totals.step_wall_s else None,
+            "compute_s": totals.compute_s,
+            "comm_s": totals.comm_s,
+            "data_s": ctx.data_s if ctx.epoch == 0 else 0.0,
+            "epoch_s": wall,
+            "steps": totals.steps,
+            "skipped_steps": ctx.skipped_steps,
+            "policy": self.policy.name,
+        }
+        rec.update(totals.extra)
+        ctx.history.append({k: rec[k] for k in ("epoch", "step", "val_loss", "val_accuracy", "train_loss")})
+        if self.outputs:
+            self.outputs.epoch(rec)
+        va = rec["val_accuracy"]
+        self.log(f"epoch {rec['epoch']}/{spec.train['epochs']}  train_loss {_fmt(train_loss)}  "
+                 f"val_loss {_fmt(rec['val_loss'])}  val_acc {_fmt(va)}  "
+                 f"{_fmt(rec['samples_per_s'], 0)} samples/s  comm {_fmt(totals.comm_s, 3)}s")
+        return rec
+
+    def _finish(self) -> dict:
+        ctx, comm = self.ctx, self.comm
+        st = self.stats
+        st.lane_samples = {ln.name: ln.samples for ln in self.lanes.lanes}
+        st.lane_busy_s = {ln.name: ln.busy_s for ln in self.lanes.lanes}
+        st.data_s = ctx.data_s
+        mine = dict(st.__dict__, rank=self.rank, host=mpi.hostname(),
+                    wall_s=time.perf_counter() - self.t_start)
+        ranks = comm.gather(mine, root=0)
+        self.lanes.close()
+        final = ctx.history[-1] if ctx.history else {}
+        result = {
+            "status": self.stop_reason or "completed",
+            "epochs_completed": ctx.epoch,
+            "steps": ctx.step,
+            "skipped_steps": ctx.skipped_steps,
+            "final": final,
+            "world_size": comm.size,
+            "ranks": ranks,
+        }
+        if self.is_root:
+            self.outputs.finish(result)
+        if self.stop_reason == "nonfinite":
+            # Decided from the bucket, so every rank raises this same error in the same step.
+            raise mpi.CollectiveError(kind="NonFiniteError", message=
+                f"non-finite loss or gradient at step {ctx.step} (train.on_nonfinite=stop); "
+                f"no checkpoint was written from that state; lower optim.lr, set optim.clip_grad_norm, "
+                f"or train.on_nonfinite=skip")
+        return result
+
+
+def _fmt(v, digits: int = 4) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.{digits}f}"
+
+
+class RunOutputs:
+    """Rank 0's files in the run directory."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.dir = Path(run.spec.run_dir)
+
+    def start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.run.spec.config_yaml:
+            (self.dir / "config.yaml").write_text(self.run.spec.config_yaml)
+        (self.dir / "graph.json").write_text(json.dumps(self.run.spec.graph, indent=1))
+        self.metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
+
+    def epoch(self, rec: dict) -> None:
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+
+    def finish(self, result: dict) -> None:
+        import h5py
+        self.metrics.close()
+        ctx = self.run.ctx
+        tmp = self.dir / "model.h5.tmp"
+        with h5py.File(tmp, "w") as f:
+            views = ctx.layout.views(ctx.params)
+            for name, arr in views.items():
+                f.create_dataset(name, data=np.asarray(arr))
+            f.attrs["graph_fingerprint"] = ctx.graph.fingerprint()
+            f.attrs["graph"] = json.dumps(self.run.spec.graph)
+        os.replace(tmp, self.dir / "model.h5")
+        summary = dict(result)
+        summary["run_dir"] = str(self.dir)
+        summary["lanes"] = self.run.lanes.names
+        with open(self.dir / "summary.json.tmp", "w") as f:
+            json.dump(summary, f, indent=1, default=_json_default)
+        os.replace(self.dir / "summary.json.tmp", self.dir / "summary.json")
+        if self.run.spec.extras.get("report", {}).get("plots", False):
+            try:
+                from .report import write_plots
+                write_plots(self.dir)
+            except ImportError:
+                pass
+
+
+def _json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    return str(o)
+
+
+def train(spec: TrainSpec, comm) -> dict:
+    """Train on every rank of `comm`; returns the run result (same on every rank except
+    `ranks`, which only rank 0 holds)."""
+    return Run(spec, comm).execute()
