@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install hpc_rlx into ./.venv (created if missing).
+#   bash scripts/install.sh          # runtime: numpy, h5py, mpi4py + MPICH wheel, hydra-core ...
+#   bash scripts/install.sh --test   # + test tools (pytest, hypothesis, torch CPU as the oracle)
+#                                    #   and, as root on Debian, slurm-wlm + munge for the Slurm tests
+# On a cluster, build mpi4py against the site MPI instead of using the MPICH wheel (see README).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+if [ "${1:-}" = "--test" ]; then
+    .venv/bin/python -m pip install --quiet -e '.[test]'
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+        if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
+            echo "installing slurm-wlm and munge for the Slurm tests"
+            apt-get update -qq
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
+        fi
+    fi
+else
+    .venv/bin/python -m pip install --quiet -e '.[mpich,report]'
+fi
+echo "hpc_rlx installed in $(pwd)/.venv"

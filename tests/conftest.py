@@ -1,0 +1,63 @@
+"""Shared test helpers: run real mpirun jobs as subprocesses, always with a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+MPIRUN = str(Path(PYTHON).with_name("mpirun")) if Path(PYTHON).with_name("mpirun").exists() else shutil.which("mpirun")
+
+
+def mpi_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["HYDRA_FULL_ERROR"] = "0"
+    env.update(extra or {})
+    return env
+
+
+def mpirun(n: int, args: list[str], timeout: float = 120, cwd: str | Path | None = None,
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `mpirun -n N python ARGS`; a hang fails the calling test (TimeoutExpired), not CI."""
+    cmd = [MPIRUN, "-n", str(n), PYTHON] + list(args)
+    try:
+        return subprocess.run(cmd, cwd=cwd or REPO, env=mpi_env(env), capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"mpirun -n {n} {' '.join(args)} did not finish in {timeout}s\n"
+                    f"--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}")
+
+
+def train_job(n: int, run_dir: Path, overrides: list[str], timeout: float = 180,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """`mpirun -n N python -m hpc_rlx hydra.run.dir=RUN_DIR OVERRIDES`."""
+    return mpirun(n, ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "report.plots=false"] + overrides,
+                  timeout=timeout, env=env)
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"rc={proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def digits_h5(tmp_path_factory) -> Path:
+    """The real default dataset, prepared once per test session."""
+    from hpc_rlx.data.prepare import ensure_prepared
+    path = tmp_path_factory.mktemp("data") / "digits.h5"
+    ensure_prepared(str(path), "digits")
+    return path
