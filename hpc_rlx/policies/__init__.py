@@ -1,0 +1,31 @@
+"""Averaging policies: the pure math behind `policy=cadence` and `policy=async`.
+
+Nothing here touches MPI, files or clocks beyond `time.sleep` in the slowdown injector. Every
+decision is a deterministic function of numbers that come out of the one fused Allreduce, so
+all ranks reach the same decision without an extra collective:
+
+- `consensus`: the work-weighted parameter average packed into / finished from the bucket.
+- `bucket`: the bucket layout, `[w*W ... | w | per-rank report slots]`, and its readout.
+- `elche`: the cadence scheduler (steps per rank per window, anchor tuning).
+- `interval`: the async interval controller (K from comm overhead, divergence guard).
+- `outer`: outer optimizers applied to the consensus (average, DiLoCo, SlowMo).
+- `window`: trimming a window's step counts to what is left of the epoch.
+- `slowdown`: honest extra wall time per step, to simulate slow hardware on one machine.
+"""
+
+from .bucket import REPORT_FIELDS, SyncLayout, SyncReport
+from .consensus import finish_consensus, pack_consensus, relative_divergence, work_weight
+from .elche import ElcheScheduler
+from .interval import IntervalController
+from .outer import DiLoCo, OuterAverage, OuterOptimizer, SlowMo, make_outer
+from .slowdown import SlowdownInjector, parse_slowdown, slowdown_for_rank
+from .window import plan_window
+
+__all__ = [
+    "REPORT_FIELDS", "SyncLayout", "SyncReport",
+    "finish_consensus", "pack_consensus", "relative_divergence", "work_weight",
+    "ElcheScheduler", "IntervalController",
+    "DiLoCo", "OuterAverage", "OuterOptimizer", "SlowMo", "make_outer",
+    "SlowdownInjector", "parse_slowdown", "slowdown_for_rank",
+    "plan_window",
+]

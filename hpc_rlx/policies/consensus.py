@@ -1,0 +1,112 @@
+"""Work-weighted parameter consensus carried by one Allreduce(SUM).
+
+Each rank writes `[w_i * W_i ..., w_i]` into the bucket; after the SUM every rank holds
+`[sum w_i W_i ..., sum w_i]` and the consensus is the first part divided by the last slot.
+Because the skip decision (summed weight == 0) is read from the reduced bucket itself, it is
+identical on every rank.
+
+Arrays may be NumPy or CuPy: only array methods and NumPy ufuncs with `out=` are used, which
+CuPy dispatches to the device, so this module never imports CuPy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import ConfigError
+
+
+def work_weight(n_steps: int, gamma: float = 1.0) -> float:
+    """The consensus weight `n**gamma` of a rank that ran `n_steps` local steps.
+
+    An idle rank (n == 0) weighs exactly 0 for every gamma (Python's `0**0` is 1, which
+    would let an idle rank vote).
+    """
+    if n_steps < 0:
+        raise ValueError(f"n_steps must be >= 0, got {n_steps}")
+    if not (math.isfinite(gamma) and gamma >= 0):
+        raise ConfigError(f"policy.gamma must be a finite number >= 0, got {gamma!r}")
+    if n_steps == 0:
+        return 0.0
+    return float(n_steps) ** float(gamma)
+
+
+def _flat(a, what: str):
+    if a.ndim != 1:
+        raise ValueError(f"{what} must be a flat 1-D array, got shape {tuple(a.shape)}")
+    return a
+
+
+def pack_consensus(params, weight: float, bucket) -> None:
+    """Write `weight * params` into `bucket[:n]` and `weight` into `bucket[n]`, in place.
+
+    `bucket` may be longer than `n + 1` (other slots follow); they are left alone.
+    """
+    params = _flat(params, "params")
+    n = params.size
+    if bucket.shape[0] < n + 1:
+        raise ValueError(f"bucket has {bucket.shape[0]} slots, needs at least {n + 1}")
+    if not (weight >= 0 and math.isfinite(weight)):
+        raise ValueError(f"consensus weight must be finite and >= 0, got {weight!r}")
+    head = bucket[:n]
+    if weight == 0:
+        # exact zeros: 0 * NaN from an idle rank's stale params must not poison the sum
+        head.fill(0)
+    else:
+        np.multiply(params, weight, out=head)
+    bucket[n] = weight
+
+
+def summed_weight(bucket, n_params: int) -> float:
+    """The summed weight slot of a reduced bucket."""
+    return float(bucket[n_params])
+
+
+def finish_consensus(bucket, out_params) -> bool:
+    """After the Allreduce(SUM): `out_params = bucket[:n] / bucket[n]`.
+
+    Returns True when the consensus was applied, False when the summed weight is 0 (every
+    rank idle), in which case `out_params` is left unchanged. `out_params` may be the rank's
+    own params array.
+    """
+    out_params = _flat(out_params, "out_params")
+    n = out_params.size
+    total = summed_weight(bucket, n)
+    if not total > 0:
+        return False
+    np.divide(bucket[:n], total, out=out_params)
+    return True
+
+
+def relative_divergence(params, bucket, own_weight: float | None = None,
+                        chunk: int = 1 << 20) -> float:
+    """`||W_i - W|| / ||W||` for this rank, with W the consensus still inside the bucket.
+
+    Call it after the Allreduce and BEFORE `finish_consensus` overwrites `params`, so the
+    pre-sync local params and the consensus are both available without a full copy (the
+    work is done in float64 chunks of `chunk` elements). A rank that did no work
+    (`own_weight == 0`) or a sync where every rank was idle reports 0.0: nothing diverged.
+
+    The value is local to the rank. To let every rank act on the max over ranks with no
+    extra collective, write it into this rank's `divergence` report slot of the NEXT sync's
+    bucket (see `bucket.SyncLayout`).
+    """
+    params = _flat(params, "params")
+    n = params.size
+    total = summed_weight(bucket, n)
+    if not total > 0 or own_weight == 0:
+        return 0.0
+    diff_sq = 0.0
+    cons_sq = 0.0
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        cons = bucket[start:stop].astype(np.float64)
+        cons /= total
+        cons_sq += float(cons.dot(cons))
+        cons -= params[start:stop]
+        diff_sq += float(cons.dot(cons))
+    if cons_sq <= 0:
+        return 0.0 if diff_sq == 0 else math.inf
+    return math.sqrt(diff_sq / cons_sq)

@@ -1,0 +1,125 @@
+"""The async averaging interval K: local steps between syncs, tuned from measurements.
+
+Overhead rule. With `c` the (smoothed) slowest ms per local step and `s` the (smoothed)
+Allreduce cost, a window of K steps spends `s / (K c)` of its compute time communicating.
+The smallest K that keeps this at or below `overhead_target` is `ceil(s / (target * c))`.
+K jumps up to it at once when the overhead is too high; it comes down only when that K is
+more than 10% below the current one, so noise does not make it twitch. Computing K from the
+cost model, rather than nudging it by one per sync, settles in a couple of syncs.
+
+Divergence guard. At every sync the max over ranks of `||W_i - W|| / ||W||` is compared with
+`divergence_threshold`. Above it, K is halved (min 1) and a ceiling is set there, so the
+overhead rule cannot undo the cut at the next sync. The ceiling relaxes by 25% per sync
+whose divergence is below half the threshold, and holds in between (AIMD, as in congestion
+control). K never exceeds `max_anchor`.
+
+Inputs are the numbers every rank reads from the sync bucket (`SyncReport.comm_ms`,
+max of `ms_per_step`, `max_divergence`), so all ranks get the same K.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import ConfigError
+from .smoothing import adaptive_ema, valid_time
+
+SHRINK_DEADBAND = 0.10
+CEILING_RECOVERY = 1.25
+
+
+class IntervalController:
+    def __init__(self, k: int = 10, max_anchor: int = 200, overhead_target: float = 0.10,
+                 divergence_threshold: float | None = 0.05):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"policy.anchor (initial K) must be an integer >= 1, got {k!r}")
+        if isinstance(max_anchor, bool) or not isinstance(max_anchor, int) or max_anchor < 1:
+            raise ConfigError(f"policy.max_anchor must be an integer >= 1, got {max_anchor!r}")
+        if not (isinstance(overhead_target, (int, float)) and 0 < overhead_target < 1):
+            raise ConfigError(f"policy.overhead_target must be in (0, 1), got {overhead_target!r}")
+        if divergence_threshold is not None and not (
+                isinstance(divergence_threshold, (int, float)) and divergence_threshold > 0):
+            raise ConfigError("policy.divergence_threshold must be > 0 or null (guard off), "
+                              f"got {divergence_threshold!r}")
+        self.max_anchor = int(max_anchor)
+        self.overhead_target = float(overhead_target)
+        self.divergence_threshold = (None if divergence_threshold is None
+                                     else float(divergence_threshold))
+        self.k = min(int(k), self.max_anchor)
+        self.ceiling = self.max_anchor
+        self.ema_comm_ms: float | None = None
+        self.ema_step_ms: float | None = None
+        self.trips = 0
+        self.last_divergence: float | None = None
+
+    @property
+    def overhead(self) -> float | None:
+        """Predicted comm / compute at the current K (None until both are measured)."""
+        if self.ema_comm_ms is None or self.ema_step_ms is None:
+            return None
+        return self.ema_comm_ms / (self.k * self.ema_step_ms)
+
+    def observe(self, comm_ms: float | None, ms_per_step: float | None,
+                divergence: float | None = None) -> int:
+        """One sync's measurements in; the K for the next window out.
+
+        `comm_ms`: Allreduce cost (None before the first timed sync). `ms_per_step`: the
+        slowest rank's ms per local step. `divergence`: max over ranks of the relative
+        divergence (None when not measured).
+        """
+        if comm_ms is not None and math.isfinite(comm_ms) and comm_ms >= 0:
+            self.ema_comm_ms = adaptive_ema(self.ema_comm_ms, float(comm_ms))
+        if valid_time(ms_per_step):
+            self.ema_step_ms = adaptive_ema(self.ema_step_ms, float(ms_per_step))
+        tripped = self._guard(divergence)
+        if not tripped:
+            self._tune()
+        self.k = max(1, min(self.k, self.ceiling, self.max_anchor))
+        return self.k
+
+    def _guard(self, divergence: float | None) -> bool:
+        if divergence is None or self.divergence_threshold is None:
+            return False
+        d = float(divergence)
+        self.last_divergence = d
+        if math.isnan(d) or d > self.divergence_threshold:
+            self.ceiling = max(1, self.k // 2)
+            self.k = self.ceiling
+            self.trips += 1
+            return True
+        if d < self.divergence_threshold / 2:
+            self.ceiling = min(self.max_anchor, math.ceil(self.ceiling * CEILING_RECOVERY))
+        return False
+
+    def _tune(self) -> None:
+        if self.ema_comm_ms is None or self.ema_step_ms is None:
+            return
+        needed = max(1, math.ceil(self.ema_comm_ms / (self.overhead_target * self.ema_step_ms)))
+        if needed > self.k or needed < (1 - SHRINK_DEADBAND) * self.k:
+            self.k = needed
+
+    def state_dict(self) -> dict:
+        return {
+            "k": self.k,
+            "ceiling": self.ceiling,
+            "max_anchor": self.max_anchor,
+            "overhead_target": self.overhead_target,
+            "divergence_threshold": self.divergence_threshold,
+            "ema_comm_ms": self.ema_comm_ms,
+            "ema_step_ms": self.ema_step_ms,
+            "trips": self.trips,
+            "last_divergence": self.last_divergence,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        # the knobs of the resumed config win; the learned values come from the checkpoint
+        self.ceiling = min(int(state["ceiling"]), self.max_anchor)
+        self.k = max(1, min(int(state["k"]), self.ceiling))
+        self.ema_comm_ms = _opt_float(state.get("ema_comm_ms"))
+        self.ema_step_ms = _opt_float(state.get("ema_step_ms"))
+        self.trips = int(state.get("trips", 0))
+        self.last_divergence = _opt_float(state.get("last_divergence"))
+
+
+def _opt_float(x) -> float | None:
+    return None if x is None else float(x)

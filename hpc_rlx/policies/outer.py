@@ -1,0 +1,181 @@
+"""Outer optimizers: turn the consensus W into the next global model, at every sync.
+
+`policy.outer`:
+
+- `average`: the consensus itself.
+- `diloco`: Nesterov momentum on the pseudo-gradient `g = W_prev - W`
+  (`v = mu*v + g; W_new = W_prev - lr*(g + mu*v)`), defaults lr 0.7, mu 0.9. The inner
+  optimizer state is disposable: `resets_inner` tells the loop to reset it.
+- `slowmo`: slow momentum on the same pseudo-gradient, in the paper's inner-LR units:
+  `u = beta*u + g/gamma; W_new = W_prev - alpha*gamma*u` with `gamma` the inner LR at the
+  sync (1 when not given), defaults alpha 1.0, beta 0.5. Inner state is kept.
+
+`W_prev` is the previous global model, identical on every rank. The state (previous global,
+momentum) is replicated: every rank applies the same deterministic update to the same
+consensus, so it needs no collective. Every update is in place, with no temporaries.
+Arrays may be NumPy or CuPy (only array methods and ufuncs with `out=` are used).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import ConfigError
+
+
+class OuterOptimizer:
+    """Interface the loop calls: `begin(params)` once, then `step(params)` after each sync."""
+
+    name = "base"
+    resets_inner = False
+
+    def begin(self, params) -> None:
+        """Record the starting global model (the broadcast initial params)."""
+
+    def step(self, params, inner_lr: float | None = None) -> None:
+        """`params` holds the consensus; overwrite it in place with the new global model."""
+
+    def state_dict(self) -> dict:
+        return {"name": self.name}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_name(self.name, state)
+
+
+class OuterAverage(OuterOptimizer):
+    """Plain consensus: the new global model is the work-weighted average."""
+
+    name = "average"
+
+
+class _MomentumOuter(OuterOptimizer):
+    def __init__(self, lr: float, momentum: float):
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise ConfigError(f"policy.outer_lr must be a finite number > 0, got {lr!r}")
+        if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
+            raise ConfigError(f"policy.outer_momentum must be in [0, 1), got {momentum!r}")
+        self.lr = float(lr)
+        self.momentum = float(momentum)
+        self.prev = None
+        self.buf = None
+
+    def begin(self, params) -> None:
+        self.prev = params.copy()
+        self.buf = params.copy()
+        self.buf.fill(0)
+
+    def _pseudo_grad_into(self, params) -> None:
+        if self.prev is None:
+            raise RuntimeError(f"outer optimizer '{self.name}': call begin(params) before step()")
+        if params.shape != self.prev.shape:
+            raise ValueError(f"params shape {tuple(params.shape)} != outer state "
+                             f"{tuple(self.prev.shape)}")
+        np.subtract(self.prev, params, out=params)  # params now holds g = W_prev - W
+
+    def _descend(self, params, scale: float) -> None:
+        # W_prev -= scale * buf, using params (free by now) as scratch; the result is both the
+        # new global model and the next W_prev
+        np.multiply(self.buf, scale, out=params)
+        self.prev -= params
+        params[...] = self.prev
+
+    def state_dict(self) -> dict:
+        return {"name": self.name, "lr": self.lr, "momentum": self.momentum,
+                "prev": _host_copy(self.prev), "buf": _host_copy(self.buf)}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_name(self.name, state)
+        if self.prev is None:
+            raise RuntimeError(f"outer optimizer '{self.name}': call begin(params) before "
+                               "load_state_dict() so the state lands on the right device")
+        for key in ("prev", "buf"):
+            src = np.asarray(state[key])
+            dst = getattr(self, key)
+            if src.shape != dst.shape:
+                raise ValueError(f"outer state '{key}' has shape {src.shape}, model has {dst.shape}")
+            _copy_into(dst, src)
+
+
+class DiLoCo(_MomentumOuter):
+    name = "diloco"
+    resets_inner = True
+
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True):
+        super().__init__(lr, momentum)
+        self.nesterov = bool(nesterov)
+
+    def step(self, params, inner_lr: float | None = None) -> None:
+        self._pseudo_grad_into(params)          # params = g
+        self.buf *= self.momentum
+        self.buf += params                      # v = mu*v + g
+        if self.nesterov:
+            params *= self.lr
+            self.prev -= params                 # W_prev - lr*g ...
+            self._descend(params, self.lr * self.momentum)  # ... - lr*mu*v
+        else:
+            self._descend(params, self.lr)      # W_prev - lr*v
+
+
+class SlowMo(_MomentumOuter):
+    name = "slowmo"
+    resets_inner = False
+
+    def __init__(self, lr: float = 1.0, momentum: float = 0.5):
+        super().__init__(lr, momentum)
+
+    def step(self, params, inner_lr: float | None = None) -> None:
+        gamma = 1.0 if inner_lr is None else float(inner_lr)
+        if not (math.isfinite(gamma) and gamma > 0):
+            raise ValueError(f"inner_lr must be finite and > 0, got {inner_lr!r}")
+        self._pseudo_grad_into(params)
+        params /= gamma
+        self.buf *= self.momentum
+        self.buf += params                      # u = beta*u + g/gamma
+        self._descend(params, self.lr * gamma)  # W_prev - alpha*gamma*u
+
+
+OUTERS = {"average": OuterAverage, "diloco": DiLoCo, "slowmo": SlowMo}
+
+
+def make_outer(name: str, lr: float | None = None, momentum: float | None = None,
+               **extra) -> OuterOptimizer:
+    """Build `policy.outer` by name; lr / momentum of None take the method's defaults."""
+    if name not in OUTERS:
+        raise ConfigError(f"policy.outer must be one of {sorted(OUTERS)}, got {name!r}")
+    if name == "average":
+        if extra or lr is not None or momentum is not None:
+            given = {k: v for k, v in dict(extra, lr=lr, momentum=momentum).items() if v is not None}
+            if given:
+                raise ConfigError(f"policy.outer=average takes no parameters, got {given}")
+        return OuterAverage()
+    kwargs = dict(extra)
+    if lr is not None:
+        kwargs["lr"] = lr
+    if momentum is not None:
+        kwargs["momentum"] = momentum
+    try:
+        return OUTERS[name](**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"bad parameters for policy.outer={name}: {kwargs} ({e})") from None
+
+
+def _check_name(name: str, state: dict) -> None:
+    if state.get("name") != name:
+        raise ValueError(f"outer optimizer state is for {state.get('name')!r}, not {name!r}")
+
+
+def _host_copy(a):
+    if a is None:
+        return None
+    if isinstance(a, np.ndarray):
+        return a.copy()
+    return a.get()
+
+
+def _copy_into(dst, src: np.ndarray) -> None:
+    if isinstance(dst, np.ndarray):
+        dst[...] = src
+    else:
+        dst.set(src.astype(dst.dtype, copy=False))
