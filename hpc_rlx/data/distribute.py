@@ -1,0 +1,210 @@
+"""Getting each rank its rows of the dataset: the only MPI code in ``hpc_rlx.data``.
+
+Two modes, same result:
+
+- ``"read"``: every rank opens the file (shared filesystem) and reads only its own hyperslab;
+- ``"scatter"``: rank 0 alone opens the file and hands every rank its rows with buffer
+  ``Scatterv`` (no pickling), x and y separately, in rounds bounded in bytes and below the
+  32-bit count/displacement limit of MPI.
+
+Failures never leave ranks waiting in a collective: each possible failure point is followed by
+a small pickled ``bcast``/``allgather`` of the status, and then every rank raises the same
+:class:`~hpc_rlx.errors.DataError`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from hpc_rlx.data.hdf5 import describe, read_rows
+from hpc_rlx.errors import ConfigError, DataError, HpcRlxError
+
+__all__ = ["MODES", "load_shard", "round_rows"]
+
+MODES = ("read", "scatter")
+
+# MPI counts and displacements are C ints (counted in elements of the datatype)
+_INT_MAX = 2**31 - 1
+# rank 0's send buffers per round (x and y together)
+_CHUNK_BYTES = 256 << 20
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, HpcRlxError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _raise_if_failed(statuses: Sequence[str | None], what: str) -> None:
+    """Same DataError on every rank, from the same gathered statuses."""
+    failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+    if not failed:
+        return
+    r, msg = failed[0]
+    more = f" and {len(failed) - 1} other rank(s)" if len(failed) > 1 else ""
+    raise DataError(f"{what} failed on rank {r}{more}: {msg}")
+
+
+def _check_bounds(bounds, size: int) -> list[tuple[int, int]]:
+    if len(bounds) != size:
+        raise ValueError(f"load_shard needs one (start, stop) per rank: {len(bounds)} bounds for {size} ranks")
+    out = []
+    for r, (a, b) in enumerate(bounds):
+        a, b = int(a), int(b)
+        if not 0 <= a <= b:
+            raise ValueError(f"rank {r} has a bad row range [{a}, {b})")
+        out.append((a, b))
+    return out
+
+
+def round_rows(size: int, row_bytes: int, row_elems: int, chunk_bytes: int, int_max: int = _INT_MAX) -> int:
+    """Rows per rank per scatter round.
+
+    Bounded so that rank 0's send buffer stays under ``chunk_bytes`` and every count and
+    displacement (all ranks' rows of a round, in elements) fits in a C int.
+    """
+    by_mem = chunk_bytes // max(1, size * row_bytes)
+    by_int = int_max // max(1, size * row_elems)
+    if by_int < 1:
+        raise DataError(
+            f"one sample has {row_elems} elements: {size} ranks' samples do not fit one MPI "
+            f"count ({int_max}); use mode 'read'"
+        )
+    return max(1, min(by_mem, by_int))
+
+
+def load_shard(comm, mode: str, path, x_name: str, y_name: str, bounds, *, chunk_bytes: int = _CHUNK_BYTES):
+    """This rank's rows ``bounds[comm.rank]`` of x and y, as native-order NumPy arrays.
+
+    ``bounds`` holds one ``(start, stop)`` per rank (identical on every rank); empty ranges are
+    fine. Collective: every rank of ``comm`` must call it with the same arguments.
+    """
+    if mode not in MODES:
+        raise ConfigError(f"unknown data distribution mode {mode!r}; choose one of {list(MODES)}")
+    bounds = _check_bounds(bounds, comm.Get_size())
+    if mode == "read":
+        return _load_read(comm, path, x_name, y_name, bounds)
+    return _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes)
+
+
+def _check_numeric(path, name: str, dtype: np.dtype) -> None:
+    # MPI buffers and the executors need plain numbers; both modes reject the same files
+    if dtype.kind not in "biuf":
+        raise DataError(f"dataset {name!r} in {path!r} has non-numeric dtype {dtype}")
+
+
+def _load_read(comm, path, x_name, y_name, bounds):
+    status = None
+    x = y = None
+    try:
+        info = describe(path, x_name, y_name)
+        _check_numeric(path, x_name, info.x_dtype)
+        _check_numeric(path, y_name, info.y_dtype)
+        x, y = read_rows(path, x_name, y_name, *bounds[comm.Get_rank()])
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        status = _message(e)
+    _raise_if_failed(comm.allgather(status), f"reading {path!r}")
+    return x, y
+
+
+def _mpi_type(dtype: np.dtype):
+    from mpi4py.util.dtlib import from_numpy_dtype
+
+    return from_numpy_dtype(dtype)
+
+
+def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes):
+    import h5py  # only rank 0 touches the file
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    where = f"scattering {path!r}"
+
+    # 1. rank 0 checks the file and the ranges, and tells everyone the shapes
+    meta, status = None, None
+    if rank == 0:
+        try:
+            info = describe(path, x_name, y_name)
+            _check_numeric(path, x_name, info.x_dtype)
+            _check_numeric(path, y_name, info.y_dtype)
+            for r, (a, b) in enumerate(bounds):
+                if b > info.n:
+                    raise DataError(
+                        f"rank {r}'s rows [{a}, {b}) are outside dataset {path!r} with {info.n} rows"
+                    )
+            meta = (
+                info.x_shape, info.x_dtype.newbyteorder("=").str,
+                info.y_shape, info.y_dtype.newbyteorder("=").str,
+            )
+        except Exception as e:  # noqa: BLE001
+            status = _message(e)
+    status, meta = comm.bcast((status, meta), root=0)
+    _raise_if_failed([status], where)
+    x_shape, x_dt, y_shape, y_dt = meta
+    x_dt, y_dt = np.dtype(x_dt), np.dtype(y_dt)
+    x_elems = math.prod(x_shape)
+    y_elems = math.prod(y_shape)
+
+    lens = [b - a for a, b in bounds]
+    my_start, my_len = bounds[rank][0], lens[rank]
+
+    # 2. every rank allocates; rank 0 also its reusable send buffers and the file handle
+    f = None
+    out_x = out_y = send_x = send_y = None
+    status = None
+    try:
+        cap = round_rows(
+            size, x_dt.itemsize * x_elems + y_dt.itemsize * y_elems, max(x_elems, y_elems), chunk_bytes, _INT_MAX
+        )
+        out_x = np.empty((my_len,) + tuple(x_shape), dtype=x_dt)
+        out_y = np.empty((my_len,) + tuple(y_shape), dtype=y_dt)
+        if rank == 0:
+            rows0 = sum(min(cap, n) for n in lens)  # round 0 is the largest
+            send_x = np.empty((rows0,) + tuple(x_shape), dtype=x_dt)
+            send_y = np.empty((rows0,) + tuple(y_shape), dtype=y_dt)
+            f = h5py.File(path, "r")
+    except Exception as e:  # noqa: BLE001
+        status = _message(e)
+    statuses = comm.allgather(status)
+    if any(s is not None for s in statuses) and f is not None:
+        f.close()
+    _raise_if_failed(statuses, where)
+
+    # 3. rounds: rank 0 reads, everyone hears whether it worked, then two Scatterv
+    try:
+        tx, ty = _mpi_type(x_dt), _mpi_type(y_dt)
+        rounds = max((math.ceil(n / cap) for n in lens), default=0)
+        for k in range(rounds):
+            counts = [max(0, min(cap, n - k * cap)) for n in lens]
+            offs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+            status = None
+            if rank == 0:
+                try:
+                    dx, dy = f[x_name], f[y_name]
+                    for r, c in enumerate(counts):
+                        if c:
+                            a = bounds[r][0] + k * cap
+                            o = int(offs[r])
+                            dx.read_direct(send_x, source_sel=np.s_[a : a + c], dest_sel=np.s_[o : o + c])
+                            dy.read_direct(send_y, source_sel=np.s_[a : a + c], dest_sel=np.s_[o : o + c])
+                except Exception as e:  # noqa: BLE001
+                    status = _message(e)
+            _raise_if_failed([comm.bcast(status, root=0)], where)
+
+            lo, hi = k * cap, k * cap + counts[rank]
+            for send, out, elems, mt in ((send_x, out_x, x_elems, tx), (send_y, out_y, y_elems, ty)):
+                sendspec = None
+                if rank == 0:
+                    sendspec = [
+                        send.reshape(-1),
+                        [c * elems for c in counts],
+                        [int(o) * elems for o in offs],
+                        mt,
+                    ]
+                comm.Scatterv(sendspec, [out[lo:hi].reshape(-1), mt], root=0)
+    finally:
+        if f is not None:
+            f.close()
+    return out_x, out_y

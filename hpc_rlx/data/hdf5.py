@@ -1,0 +1,229 @@
+"""Reading and validating HDF5 training data (no MPI).
+
+A dataset file holds two row-aligned datasets, inputs ``x`` (N, *sample_shape) and targets
+``y`` (N, *label_shape); row i of both is sample i. Everything here reports user-fixable problems
+as :class:`~hpc_rlx.errors.DataError` with the path, the dataset names and the offending values.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import h5py
+import numpy as np
+
+from hpc_rlx.errors import DataError
+
+__all__ = ["DatasetInfo", "describe", "check_compatible", "read_rows", "check_values"]
+
+# check_values scans inputs in blocks of about this many elements, so a multi-GB shard never
+# needs a same-sized boolean temporary
+_SCAN_ELEMS = 1 << 22
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    path: str
+    n: int
+    x_shape: tuple[int, ...]  # per sample
+    x_dtype: np.dtype
+    y_shape: tuple[int, ...]  # per sample
+    y_dtype: np.dtype
+    attrs: dict[str, Any] = field(default_factory=dict)
+    x_name: str = "x"
+    y_name: str = "y"
+
+
+def _plain(v):
+    """HDF5 attribute value -> plain Python value (str, int, float, list)."""
+    if isinstance(v, bytes):
+        return v.decode("utf-8", errors="replace")
+    if isinstance(v, np.ndarray):
+        return [_plain(e) for e in v.tolist()] if v.dtype.kind in "OS" else v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def _list_datasets(f: h5py.File) -> list[str]:
+    names: list[str] = []
+    f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+    return names
+
+
+def _open(path) -> h5py.File:
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise DataError(f"dataset file {path!r} does not exist")
+    if os.path.isdir(path):
+        raise DataError(f"dataset path {path!r} is a directory, not an HDF5 file")
+    try:
+        is_h5 = h5py.is_hdf5(path)
+    except OSError as e:
+        raise DataError(f"cannot read dataset file {path!r}: {e}") from None
+    if not is_h5:
+        raise DataError(f"dataset file {path!r} is not an HDF5 file")
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:
+        raise DataError(f"cannot open HDF5 file {path!r}: {e}") from None
+
+
+def _get_dataset(f: h5py.File, path: str, name: str, role: str) -> h5py.Dataset:
+    obj = f.get(name)
+    if obj is None:
+        have = _list_datasets(f)
+        raise DataError(
+            f"HDF5 file {path!r} has no {role} dataset {name!r}; datasets in the file: "
+            f"{have if have else 'none'}"
+        )
+    if not isinstance(obj, h5py.Dataset):
+        raise DataError(
+            f"{role} {name!r} in HDF5 file {path!r} is a group, not a dataset; datasets in the "
+            f"file: {_list_datasets(f)}"
+        )
+    if obj.shape is None or len(obj.shape) == 0:
+        raise DataError(
+            f"{role} dataset {name!r} in {path!r} is a scalar; it needs one row per sample"
+        )
+    return obj
+
+
+def _describe_open(f: h5py.File, path: str, x_name: str, y_name: str) -> DatasetInfo:
+    x = _get_dataset(f, path, x_name, "input")
+    y = _get_dataset(f, path, y_name, "label")
+    for name, d in ((x_name, x), (y_name, y)):
+        if d.shape[0] == 0:
+            raise DataError(f"dataset {name!r} in {path!r} is empty (shape {d.shape})")
+    if x.shape[0] != y.shape[0]:
+        raise DataError(
+            f"inputs {x_name!r} and labels {y_name!r} in {path!r} have different lengths: "
+            f"{x.shape[0]} vs {y.shape[0]} rows"
+        )
+    attrs = {k: _plain(v) for k, v in f.attrs.items()}
+    return DatasetInfo(
+        path=path,
+        n=int(x.shape[0]),
+        x_shape=tuple(int(s) for s in x.shape[1:]),
+        x_dtype=np.dtype(x.dtype),
+        y_shape=tuple(int(s) for s in y.shape[1:]),
+        y_dtype=np.dtype(y.dtype),
+        attrs=attrs,
+        x_name=x_name,
+        y_name=y_name,
+    )
+
+
+def describe(path, x_name: str = "x", y_name: str = "y") -> DatasetInfo:
+    """Shapes, dtypes, length and root attributes of a dataset file; reads no sample data."""
+    path = os.fspath(path)
+    with _open(path) as f:
+        return _describe_open(f, path, x_name, y_name)
+
+
+_INPUT_KINDS = {"float": "fiub", "int": "iu"}  # integers feed float models (cast), not vice versa
+_LABEL_KINDS = ("class", "float")
+
+
+def check_compatible(
+    info: DatasetInfo,
+    input_shape,
+    input_dtype_kind: str,
+    label_kind: str,
+    label_shape=(),
+) -> None:
+    """Check the file against what the model expects, per sample.
+
+    ``input_shape``/``label_shape`` are per-sample shapes; a ``None`` or ``-1`` entry matches any
+    size. ``input_dtype_kind`` is "float" (any numeric input is accepted and cast) or "int"
+    (token ids: integer data only). ``label_kind`` is "class" (integer class indices) or "float".
+    """
+    if input_dtype_kind not in _INPUT_KINDS:
+        raise ValueError(f"input_dtype_kind must be one of {sorted(_INPUT_KINDS)}, got {input_dtype_kind!r}")
+    if label_kind not in _LABEL_KINDS:
+        raise ValueError(f"label_kind must be one of {list(_LABEL_KINDS)}, got {label_kind!r}")
+    where = f"dataset {info.path!r}"
+
+    def _matches(have, want) -> bool:
+        want = tuple(want)
+        return len(have) == len(want) and all(w is None or w == -1 or h == w for h, w in zip(have, want))
+
+    if not _matches(info.x_shape, input_shape):
+        raise DataError(
+            f"{where}: per-sample input shape of {info.x_name!r} is {info.x_shape}, but the model "
+            f"expects {tuple(input_shape)}"
+        )
+    if info.x_dtype.kind not in _INPUT_KINDS[input_dtype_kind]:
+        raise DataError(
+            f"{where}: inputs {info.x_name!r} have dtype {info.x_dtype}, but the model needs "
+            + ("integer token ids" if input_dtype_kind == "int" else "numeric inputs")
+        )
+    if label_kind == "class" and info.y_dtype.kind not in "iu":
+        raise DataError(
+            f"{where}: labels {info.y_name!r} have dtype {info.y_dtype}, but the loss needs integer "
+            "class indices"
+            + (" (float labels found; store them as int64)" if info.y_dtype.kind == "f" else "")
+        )
+    if label_kind == "float" and info.y_dtype.kind not in "fiub":
+        raise DataError(f"{where}: labels {info.y_name!r} have non-numeric dtype {info.y_dtype}")
+    if not _matches(info.y_shape, label_shape):
+        raise DataError(
+            f"{where}: per-sample label shape of {info.y_name!r} is {info.y_shape}, but the model "
+            f"expects {tuple(label_shape)}"
+        )
+
+
+def _read_into(d: h5py.Dataset, start: int, stop: int) -> np.ndarray:
+    # native byte order, so buffers from 'read' and 'scatter' modes agree and MPI can send them
+    out = np.empty((stop - start,) + d.shape[1:], dtype=d.dtype.newbyteorder("="))
+    if stop > start:
+        d.read_direct(out, source_sel=np.s_[start:stop])
+    return out
+
+
+def read_rows(path, x_name: str, y_name: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[start, stop)`` of x and y; reads only that hyperslab from disk."""
+    path = os.fspath(path)
+    with _open(path) as f:
+        info = _describe_open(f, path, x_name, y_name)
+        if not (0 <= start <= stop <= info.n):
+            raise DataError(
+                f"row range [{start}, {stop}) is outside dataset {path!r} with {info.n} rows"
+            )
+        try:
+            return _read_into(f[x_name], start, stop), _read_into(f[y_name], start, stop)
+        except OSError as e:
+            raise DataError(f"reading rows [{start}, {stop}) of {path!r} failed: {e}") from None
+
+
+def check_values(x: np.ndarray, y: np.ndarray, num_classes, check_finite: bool, first_row: int = 0) -> None:
+    """Reject out-of-range class labels and (optionally) non-finite inputs.
+
+    ``first_row`` is the global index of row 0 of this shard, so messages name the row in the
+    file. ``num_classes=None`` skips the label check (regression targets).
+    """
+    if num_classes is not None and y.size:
+        bad = (y < 0) | (y >= num_classes)
+        if bad.any():
+            flat = int(np.flatnonzero(bad.reshape(-1))[0])
+            row, col = divmod(flat, max(1, int(np.prod(y.shape[1:], dtype=np.int64))))
+            pos = f"row {first_row + row}" + (f" (position {np.unravel_index(col, y.shape[1:])})" if y.ndim > 1 else "")
+            raise DataError(
+                f"label {y.reshape(-1)[flat].item()} at {pos} is outside [0, {num_classes}) "
+                f"for num_classes={num_classes}; {int(bad.sum())} bad label(s) in rows "
+                f"[{first_row}, {first_row + len(y)})"
+            )
+    if check_finite and x.dtype.kind == "f" and x.size:
+        per_row = max(1, int(np.prod(x.shape[1:], dtype=np.int64)))
+        block = max(1, _SCAN_ELEMS // per_row)
+        for s in range(0, len(x), block):
+            ok = np.isfinite(x[s : s + block]).reshape(min(block, len(x) - s), -1).all(axis=1)
+            if not ok.all():
+                r = s + int(np.argmin(ok))
+                bad_vals = x[r][~np.isfinite(x[r])]
+                raise DataError(
+                    f"input row {first_row + r} contains a non-finite value ({bad_vals.flat[0]}); "
+                    "clean the data or turn the finite-value check off"
+                )
