@@ -182,6 +182,7 @@ def test_layout_gathers_every_rank_report_and_consensus():
         assert rep.total_samples == 16 * 16
         assert rep.ms_per_step[:2] == [20.0, 62.5] and math.isnan(rep.ms_per_step[2])
         assert rep.window_ms == 250.0
+        assert rep.slowest_ms_per_step == 62.5
         assert rep.comm_ms == 2.0
         assert rep.max_divergence == pytest.approx(0.03)
         for name in layout.fields:  # bit-identical on every rank
@@ -291,6 +292,8 @@ def test_elche_anchor_grows_under_high_overhead():
     sched.observe([1.0], comm_ms=3.0, window_ms=10.0)  # overhead 0.3 = 3x the target
     assert sched.anchor == math.ceil(10 * 0.3 / 0.1)
     assert sched.counts == [sched.anchor]
+    assert sched.metrics()["overhead"] == pytest.approx(0.3)
+    json.dumps(sched.metrics())
 
 
 def test_elche_anchor_is_capped():
@@ -401,6 +404,7 @@ def test_async_divergence_guard_shrinks_k_and_holds_it():
         ks.append(ctrl.k)
     assert ks == [k0 // 2, k0 // 4, k0 // 8, max(1, k0 // 16)]
     assert ctrl.trips == 4
+    assert ctrl.metrics()["divergence_trips"] == 4 and ctrl.metrics()["k"] == ks[-1]
     ctrl.observe(8.0, 2.0, divergence=0.04)  # between half and full threshold: hold
     assert ctrl.k == ks[-1]
     for _ in range(30):  # calm again: the ceiling relaxes back to the overhead's choice
@@ -596,9 +600,9 @@ def test_slowdown_is_honest_wall_time():
     inj = SlowdownInjector(3.0)
     compute = 0.0
     t0 = time.perf_counter()
-    for _ in range(20):
+    for _ in range(30):
         s = time.perf_counter()
-        time.sleep(0.002)  # the "compute" of a step
+        time.sleep(0.003)  # the "compute" of a step
         t = time.perf_counter() - s
         compute += t
         inj.after_step(t)
@@ -633,3 +637,52 @@ def test_plan_window_invariants(counts, data):
     else:
         # nothing that still fits was left out
         assert all(g == c or b > remaining - used for g, c, b in zip(got, counts, batches))
+
+
+# ----------------------------------------------------------------------------- async, end to end
+
+def run_async_quadratic(lr, syncs=12, world=2, dim=6):
+    """Local SGD on per-rank quadratics 0.5*(W - c_r)' H_r (W - c_r), H_r diagonal, synced
+    through the real bucket path.
+
+    Divergence travels one sync late in the bucket, as in the training loop.
+    """
+    rng = np.random.default_rng(20)
+    centers = [rng.normal(size=dim) + 3.0 for _ in range(world)]
+    curv = [rng.uniform(0.5, 1.5, size=dim) for _ in range(world)]
+    layout = SyncLayout(dim, world)
+    ctrls = [IntervalController(k=8, max_anchor=64, overhead_target=0.1,
+                                divergence_threshold=0.5) for _ in range(world)]
+    params = [np.zeros(dim) for _ in range(world)]
+    last_div = [0.0] * world
+    ks = []
+    with np.errstate(over="ignore", invalid="ignore"):
+        for _ in range(syncs):
+            k = ctrls[0].k
+            buckets = []
+            for r in range(world):
+                for _ in range(k):
+                    params[r] -= lr * curv[r] * (params[r] - centers[r])
+                b = np.zeros(layout.size)
+                layout.pack(b, params[r], work_weight(k), r,
+                            dict(steps=k, compute_ms=k * 1.0, sync_ms=2.0, divergence=last_div[r]))
+                buckets.append(b)
+            decided = []
+            for r, b in enumerate(allreduce_sum(buckets)):
+                last_div[r] = relative_divergence(params[r], b, own_weight=work_weight(k))
+                layout.finish(b, params[r])
+                rep = layout.read(b)
+                decided.append(ctrls[r].observe(rep.comm_ms, rep.slowest_ms_per_step,
+                                                rep.max_divergence))
+            assert len(set(decided)) == 1  # every rank took the same decision
+            ks.append(decided[0])
+    return ks, ctrls[0]
+
+
+def test_async_guard_shrinks_k_in_a_diverging_run_only():
+    calm_ks, calm = run_async_quadratic(lr=0.1)
+    assert calm.trips == 0
+    assert calm_ks[-1] == math.ceil(2.0 / (0.1 * 1.0))  # the overhead rule alone: K = 20
+    wild_ks, wild = run_async_quadratic(lr=2.5)  # |1 - lr*h| > 1: local steps blow up
+    assert wild.trips >= 2
+    assert wild_ks[-1] < calm_ks[-1] and min(wild_ks) == 1

@@ -86,6 +86,12 @@ class SyncReport:
         return out
 
     @property
+    def slowest_ms_per_step(self) -> float | None:
+        """The largest ms/step among ranks that ran steps (the async controller's input)."""
+        known = [m for m in self.ms_per_step if not math.isnan(m)]
+        return max(known) if known else None
+
+    @property
     def window_ms(self) -> float:
         """The window's wall time: the slowest rank's compute time (the others wait)."""
         return float(np.max(self.values["compute_ms"]))

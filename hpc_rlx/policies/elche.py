@@ -111,6 +111,12 @@ class ElcheScheduler:
         floor = min(targets)
         return [min(t, floor + d) for t in targets]
 
+    def metrics(self) -> dict:
+        """What to log for this sync (metrics.jsonl)."""
+        return {"anchor": self.anchor, "counts": list(self.counts),
+                "overhead": self.last_overhead,
+                "ms_per_step_ema": [None if m is None else round(m, 4) for m in self.ema_ms]}
+
     def state_dict(self) -> dict:
         return {
             "world_size": self.world_size,

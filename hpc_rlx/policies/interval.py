@@ -98,6 +98,11 @@ class IntervalController:
         if needed > self.k or needed < (1 - SHRINK_DEADBAND) * self.k:
             self.k = needed
 
+    def metrics(self) -> dict:
+        """What to log for this sync (metrics.jsonl)."""
+        return {"k": self.k, "k_ceiling": self.ceiling, "overhead": self.overhead,
+                "divergence": self.last_divergence, "divergence_trips": self.trips}
+
     def state_dict(self) -> dict:
         return {
             "k": self.k,
