@@ -1,0 +1,140 @@
+#!/bin/bash
+# hpc_rlx training as a Slurm batch job: one MPI rank per task, data-parallel over all nodes.
+#
+#   mkdir -p logs                                     # Slurm does not create the log directory
+#   sbatch slurm/train.sh                             # the default job
+#   sbatch slurm/train.sh model=cnn policy=cadence train.epochs=20     # Hydra overrides pass through
+#   sbatch --nodes=4 --time=12:00:00 slurm/train.sh optim.lr=0.05      # sbatch options beat the header
+#
+# Edit the header for your site in this one place. Lines starting "##SBATCH" are switched off.
+#SBATCH --job-name=hpc_rlx
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=4
+#SBATCH --cpus-per-task=4
+##SBATCH --gpus-per-node=4
+##SBATCH --partition=compute
+##SBATCH --account=myproject
+#SBATCH --time=01:00:00
+# 90 s before the time limit every rank gets SIGUSR1: it checkpoints at the next step, the job
+# requeues itself and resumes from that checkpoint (same job id, same run directory).
+#SBATCH --signal=USR1@90
+#SBATCH --requeue
+# a requeued job appends to its log instead of overwriting it
+#SBATCH --open-mode=append
+#SBATCH --output=logs/%x-%j.out
+#
+# Environment knobs (all optional):
+#   HPC_RLX_VENV=/path/to/venv     virtual environment to use (default: the active one, else ./.venv)
+#   HPC_RLX_LAUNCHER=srun|mpirun   skip detection; "srun" honours SLURM_MPI_TYPE / the site default
+#   HPC_RLX_MPIRUN=mpirun          the mpirun to fall back on
+#   HPC_RLX_REQUEUE=0              do not requeue after a preemption checkpoint
+#   HPC_RLX_NTASKS=N               ranks when this script runs outside Slurm (bash slurm/train.sh)
+
+set -euo pipefail
+
+# ---- software environment ------------------------------------------------------------------
+# On clusters with environment modules, load the site MPI/HDF5/CUDA here, for example:
+#   module purge
+#   module load gcc/12 openmpi/4.1 hdf5/1.14 cuda/12.4
+submit_dir=${SLURM_SUBMIT_DIR:-$PWD}
+venv=${HPC_RLX_VENV:-}
+if [[ -z $venv && -z ${VIRTUAL_ENV:-} && -x $submit_dir/.venv/bin/python ]]; then
+    venv=$submit_dir/.venv
+fi
+if [[ -n $venv ]]; then
+    if [[ ! -x $venv/bin/python ]]; then
+        echo "hpc_rlx: HPC_RLX_VENV=$venv has no bin/python" >&2
+        exit 2
+    fi
+    export VIRTUAL_ENV=$venv PATH=$venv/bin:$PATH
+fi
+python=${HPC_RLX_PYTHON:-python}
+export PYTHONUNBUFFERED=1
+
+# ---- threads: BLAS threads per rank = CPUs per task, so ranks x threads fit the cores ----------
+threads=${SLURM_CPUS_PER_TASK:-1}
+export OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads MKL_NUM_THREADS=$threads
+export VECLIB_MAXIMUM_THREADS=$threads NUMEXPR_NUM_THREADS=$threads
+
+# Defaults go first so that the user's own overrides, later on the line, win.
+defaults=()
+if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
+    defaults+=("train.threads_per_rank=$threads")
+fi
+if [[ -n ${SLURM_JOB_ID:-} && ${HPC_RLX_REQUEUE:-1} != 0 ]]; then
+    defaults+=("checkpoint.requeue=true")
+fi
+
+# ---- launcher: srun when its PMI matches this MPI, else mpirun --------------------------------
+# A mismatched srun does not fail: every rank silently starts as rank 0 of a world of 1. So each
+# candidate plugin is tried on two tasks, and kept only if MPI sees a world of 2.
+probe_srun() {
+    timeout 120 srun --mpi="$1" --ntasks=2 --kill-on-bad-exit=1 --quiet "$python" -c \
+        'import sys; from mpi4py import MPI; sys.exit(0 if MPI.COMM_WORLD.Get_size() == 2 else 3)' \
+        >/dev/null 2>&1
+}
+
+srun_plugins() {
+    if [[ -n ${SLURM_MPI_TYPE:-} ]]; then
+        echo "$SLURM_MPI_TYPE"
+        return
+    fi
+    # "srun --mpi=list" prints one plugin per indented line; pmix first, then pmi2
+    srun --mpi=list 2>&1 | awk '/^[[:space:]]+[A-Za-z]/ {print $1}' \
+        | grep -Ev '^(none|cray_shasta)$' | sort -r || true
+}
+
+ntasks=${SLURM_NTASKS:-${HPC_RLX_NTASKS:-1}}
+mpirun_bin=${HPC_RLX_MPIRUN:-mpirun}
+choice=${HPC_RLX_LAUNCHER:-auto}
+launch=()
+# Slurm 22.05 srun does not inherit --cpus-per-task from sbatch: pass it on
+cpt=()
+if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
+    cpt=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+fi
+if [[ -z ${SLURM_JOB_ID:-} ]]; then
+    # outside Slurm (bash slurm/train.sh): a plain local MPI run
+    launch=("$mpirun_bin" -n "$ntasks")
+    why="not in a Slurm job"
+elif [[ $choice == srun ]]; then
+    launch=(srun --kill-on-bad-exit=1 ${cpt[@]+"${cpt[@]}"})
+    why="HPC_RLX_LAUNCHER=srun"
+elif [[ $choice == mpirun ]]; then
+    launch=("$mpirun_bin" -n "$ntasks")
+    why="HPC_RLX_LAUNCHER=mpirun"
+elif [[ $choice != auto ]]; then
+    echo "hpc_rlx: HPC_RLX_LAUNCHER=$choice: expected srun, mpirun or auto" >&2
+    exit 2
+elif (( ntasks == 1 )); then
+    launch=(srun --mpi=none ${cpt[@]+"${cpt[@]}"})
+    why="one task"
+else
+    why="no srun MPI plugin starts this MPI"
+    for plugin in $(srun_plugins); do
+        if probe_srun "$plugin"; then
+            launch=(srun --mpi="$plugin" --kill-on-bad-exit=1 ${cpt[@]+"${cpt[@]}"})
+            why="srun --mpi=$plugin works with this MPI"
+            break
+        fi
+    done
+    if (( ${#launch[@]} == 0 )); then
+        launch=("$mpirun_bin" -n "$ntasks")
+    fi
+fi
+if [[ ${launch[0]} == "$mpirun_bin" ]] && ! command -v "$mpirun_bin" >/dev/null; then
+    echo "hpc_rlx: cannot launch: $why, and '$mpirun_bin' is not on PATH ($PATH)" >&2
+    exit 2
+fi
+
+echo "hpc_rlx: $(date '+%F %T') job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-local}) restart" \
+     "${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-$(hostname)}: $ntasks ranks," \
+     "$threads BLAS threads per rank"
+echo "hpc_rlx: python $(command -v "$python"), launcher: ${launch[*]} ($why)"
+if [[ -n ${SLURM_JOB_ID:-} ]]; then
+    echo "hpc_rlx: run directory: outputs/slurm-$SLURM_JOB_ID (unless hydra.run.dir is given)"
+fi
+
+# exec: the batch shell becomes the launcher, so signals sent to it (scancel -b, --signal=B:...)
+# reach srun/mpirun, which forward them to every rank.
+exec "${launch[@]}" "$python" -m hpc_rlx ${defaults[@]+"${defaults[@]}"} "$@"
