@@ -87,6 +87,7 @@ def test_round_trip_is_bitwise_for_arrays_and_exact_for_meta(tmp_path):
         "half": np.array([1.5, -2.25], dtype=np.float16),
         "cplx": np.array([1 + 2j, -0.0 - 1j], dtype=np.complex128),
         "bytes": np.arange(7, dtype=np.int8),
+        "big_endian": np.array([1.5, -3.0], dtype=">f8"),
     }
     meta = {
         "step": 7, "epoch": 1, "step_in_epoch": 3,
@@ -366,6 +367,23 @@ def test_failed_write_leaves_previous_checkpoint(tmp_path, monkeypatch, stage):
     assert on_disk(tmp_path) == [2]
 
 
+def test_failed_read_back_and_failed_first_save(tmp_path, monkeypatch):
+    def garbled(path):
+        raise CheckpointError(f"checkpoint {path} failed its checksum")
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    mgr.save(state(1), 1)
+    monkeypatch.setattr(mg, "verify_checkpoint", garbled)
+    with pytest.raises(CheckpointError, match="read back differently") as info:
+        mgr.save(state(2), 2)
+    assert "ckpt-00000001.h5" in str(info.value)
+    assert_previous_intact(tmp_path)
+    monkeypatch.setattr(hf, "_write_h5", _raise_enospc)
+    fresh = tmp_path / "fresh"
+    with pytest.raises(CheckpointError, match="disk full.*no earlier checkpoint was affected"):
+        CheckpointManager(fresh).save(state(1), 1)
+    assert list(fresh.iterdir()) == []
+
+
 def test_failed_pointer_update_keeps_both_and_resume_finds_the_new_one(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path, keep_last=1)
     mgr.save(state(1), 1)
@@ -511,8 +529,8 @@ def test_changed_metric_rebuilds_best_from_the_metric_history(tmp_path):
     history = []
     mgr = CheckpointManager(tmp_path, keep_last=1, metric="val_loss")
     for step, (loss, acc) in enumerate([(1.0, 0.9), (0.5, 0.6), (0.8, 0.7)], start=1):
-        history.append({"step": step, "val_loss": loss, "val_accuracy": acc})
-        mgr.save(state(step, metric_history=list(history)), step, loss)
+        history.append({"epoch": step, "step": step, "val_loss": loss, "val_accuracy": acc})
+        mgr.save(state(step, history=list(history)), step, loss)
     assert on_disk(tmp_path) == [2, 3]
     by_acc = CheckpointManager(tmp_path, keep_last=1, metric="val_accuracy")
     warned = Warnings()

@@ -32,6 +32,7 @@ from hpc_rlx.checkpoint.retention import BestTracker, metric_mode, plan_deletion
 from hpc_rlx.errors import CheckpointError, ConfigError
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+_HISTORY_KEYS = ("metric_history", "history")  # where the training loop keeps its metric history
 
 
 def _dump(obj) -> bytes:
@@ -142,6 +143,7 @@ class CheckpointManager:
             if isinstance(e, (OSError, RuntimeError, CheckpointError)):
                 raise CheckpointError(self._failure(final, e)) from e
             raise
+        self._previous_uid, self._history = uid, history  # the new file is complete from here on
         try:
             hf._fsync_dir(self.directory)
             hf._write_text_atomic(self.directory / POINTER, final.name + "\n")
@@ -150,7 +152,6 @@ class CheckpointManager:
                 f"checkpoint {final} was written but the '{POINTER}' pointer could not be updated: "
                 f"{e} (disk full?); resume=auto still finds it, nothing was deleted") from e
 
-        self._previous_uid = uid
         present = set(self.steps())
         self._best.rebuild((s, v) for s, v in history if s in present)
         doomed = plan_deletions(present, step, self.keep_last, self._best.step)
@@ -166,13 +167,16 @@ class CheckpointManager:
         return final
 
     def _failure(self, final: Path, e: BaseException) -> str:
+        if isinstance(e, CheckpointError):
+            why = f"{e} (it read back differently from what was written: failing storage?)"
+        elif isinstance(e, OSError) and e.errno is not None and e.errno not in _DISK_ERRNOS:
+            why = str(e)
+        else:  # HDF5 reports some write failures without an errno
+            why = f"{e} (disk full or over quota?)"
         kept = self._pointer_name()
-        kept = f"the previous checkpoint {kept} and " if kept else ""
-        hint = ""
-        if not isinstance(e, OSError) or e.errno in _DISK_ERRNOS or e.errno is None:
-            hint = " (disk full or over quota?)"
-        return (f"could not write checkpoint {final}: {e}{hint}; {kept}the '{POINTER}' pointer "
-                f"are unchanged")
+        kept = (f"the previous checkpoint {kept} and the '{POINTER}' pointer are unchanged" if kept
+                else "no earlier checkpoint was affected")
+        return f"could not write checkpoint {final}: {why}; {kept}"
 
     def _check_space(self, final: Path, need: int) -> None:
         try:
@@ -298,9 +302,11 @@ class CheckpointManager:
              f"never deleted by hpc_rlx): {', '.join(moved)}")
 
     def _history_from_meta(self, meta: dict, step: int) -> list[tuple[int, float | None]]:
-        """(step, value) pairs of `metric` from the loop's meta["metric_history"] (list of dicts)."""
+        """(step, value) pairs of `metric` from the loop's metric history in meta: a list of
+        dicts with "step" and metric values, under "metric_history" or "history"."""
         values: dict[int, float | None] = {}
-        for entry in meta.get("metric_history") or []:
+        entries = next((meta[k] for k in _HISTORY_KEYS if isinstance(meta.get(k), list)), [])
+        for entry in entries:
             if isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] <= step:
                 v = entry.get(self.metric)
                 values[entry["step"]] = usable_value(v) if isinstance(v, (int, float)) else None
