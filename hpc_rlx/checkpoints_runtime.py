@@ -33,6 +33,7 @@ class RuntimeCheckpoints:
                                          metric=cfg["metric"]) if run.is_root else None
         self._last_save = time.monotonic()
         self.saved_step = None
+        self.enabled = bool(self.every_steps or self.every_epochs or self.every_minutes)
 
     # ---- cadence (all ranks evaluate these on the same agreed numbers) -------------------
     def steps_due(self, step: int) -> bool:

@@ -92,10 +92,13 @@ class Context:
             kwargs = dict(betas=tuple(opt["betas"]), eps=opt["eps"], weight_decay=opt["weight_decay"])
         self.optimizer = make_optimizer(opt["name"], self.layout.size, np, self.dtype, **kwargs)
         self.base_lr = scaled_lr(float(opt["lr"]), self.world, float(opt.get("lr_scale_ratio") or 0.0))
-        self.total_steps = spec.train["epochs"] * self.steps_per_epoch
+        # The schedule spans the configured epochs; max_steps only stops early, so a run
+        # stopped by max_steps and resumed follows exactly the same LR curve.
+        self.schedule_steps = spec.train["epochs"] * self.steps_per_epoch
+        self.total_steps = self.schedule_steps
         if spec.train.get("max_steps"):
             self.total_steps = min(self.total_steps, int(spec.train["max_steps"]))
-        self.schedule = make_schedule(opt["schedule"], self.base_lr, self.total_steps,
+        self.schedule = make_schedule(opt["schedule"], self.base_lr, self.schedule_steps,
                                       warmup_steps=int(opt.get("warmup_steps") or 0),
                                       step_size=int(opt.get("step_size") or 1000),
                                       gamma=float(opt.get("gamma") or 0.1),
@@ -419,7 +422,14 @@ class Run:
                 self.log(f"stop requested (signal) at step {ctx.step}: writing a checkpoint")
                 self.save_checkpoint("preempt", metrics.get(spec.checkpoint["metric"]) if metrics else None)
                 self.checkpoints.maybe_requeue()
+        if self.stop_reason in (None, "max_steps") and self.checkpoints.enabled:
+            # The end of a run is always resumable (e.g. with more epochs).
+            self.save_checkpoint("final", self._last_metric())
         return self._finish()
+
+    def _last_metric(self) -> float | None:
+        hist = self.ctx.history
+        return hist[-1].get(self.spec.checkpoint["metric"]) if hist else None
 
     def _end_epoch(self, totals: EpochTotals, wall: float) -> dict:
         ctx, spec = self.ctx, self.spec
