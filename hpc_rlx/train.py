@@ -95,9 +95,7 @@ class Context:
         # The schedule spans the configured epochs; max_steps only stops early, so a run
         # stopped by max_steps and resumed follows exactly the same LR curve.
         self.schedule_steps = spec.train["epochs"] * self.steps_per_epoch
-        self.total_steps = self.schedule_steps
-        if spec.train.get("max_steps"):
-            self.total_steps = min(self.total_steps, int(spec.train["max_steps"]))
+        self.total_steps = int(spec.train["max_steps"]) if spec.train.get("max_steps") else None
         self.schedule = make_schedule(opt["schedule"], self.base_lr, self.schedule_steps,
                                       warmup_steps=int(opt.get("warmup_steps") or 0),
                                       step_size=int(opt.get("step_size") or 1000),
