@@ -91,7 +91,7 @@ def _run_job(tmp: Path, nranks: int):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [str(MPIRUN), "-n", str(nranks), sys.executable, str(SCRIPT), str(job), str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return ok, bad, out

@@ -209,7 +209,9 @@ def check_values(x: np.ndarray, y: np.ndarray, num_classes, check_finite: bool, 
         if bad.any():
             flat = int(np.flatnonzero(bad.reshape(-1))[0])
             row, col = divmod(flat, max(1, int(np.prod(y.shape[1:], dtype=np.int64))))
-            pos = f"row {first_row + row}" + (f" (position {np.unravel_index(col, y.shape[1:])})" if y.ndim > 1 else "")
+            pos = f"row {first_row + row}"
+            if y.ndim > 1:
+                pos += f" (position {tuple(int(i) for i in np.unravel_index(col, y.shape[1:]))})"
             raise DataError(
                 f"label {y.reshape(-1)[flat].item()} at {pos} is outside [0, {num_classes}) "
                 f"for num_classes={num_classes}; {int(bad.sum())} bad label(s) in rows "
