@@ -29,6 +29,7 @@
 #   HPC_RLX_MPIRUN=mpirun          the mpirun to fall back on
 #   HPC_RLX_REQUEUE=0              do not requeue after a preemption checkpoint
 #   HPC_RLX_NTASKS=N               ranks when this script runs outside Slurm (bash slurm/train.sh)
+#   HPC_RLX_MODULE=hpc_rlx.doctor  run the preflight check in exactly this job's environment
 
 set -euo pipefail
 
@@ -56,13 +57,16 @@ threads=${SLURM_CPUS_PER_TASK:-1}
 export OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads MKL_NUM_THREADS=$threads
 export VECLIB_MAXIMUM_THREADS=$threads NUMEXPR_NUM_THREADS=$threads
 
+module=${HPC_RLX_MODULE:-hpc_rlx}
 # Defaults go first so that the user's own overrides, later on the line, win.
 defaults=()
-if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
-    defaults+=("train.threads_per_rank=$threads")
-fi
-if [[ -n ${SLURM_JOB_ID:-} && ${HPC_RLX_REQUEUE:-1} != 0 ]]; then
-    defaults+=("checkpoint.requeue=true")
+if [[ $module == hpc_rlx ]]; then
+    if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
+        defaults+=("train.threads_per_rank=$threads")
+    fi
+    if [[ -n ${SLURM_JOB_ID:-} && ${HPC_RLX_REQUEUE:-1} != 0 ]]; then
+        defaults+=("checkpoint.requeue=true")
+    fi
 fi
 
 # ---- launcher: srun when its PMI matches this MPI, else mpirun --------------------------------
@@ -131,10 +135,10 @@ echo "hpc_rlx: $(date '+%F %T') job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-loc
      "${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-$(hostname)}: $ntasks ranks," \
      "$threads BLAS threads per rank"
 echo "hpc_rlx: python $(command -v "$python"), launcher: ${launch[*]} ($why)"
-if [[ -n ${SLURM_JOB_ID:-} ]]; then
+if [[ $module == hpc_rlx && -n ${SLURM_JOB_ID:-} ]]; then
     echo "hpc_rlx: run directory: outputs/slurm-$SLURM_JOB_ID (unless hydra.run.dir is given)"
 fi
 
 # exec: the batch shell becomes the launcher, so signals sent to it (scancel -b, --signal=B:...)
 # reach srun/mpirun, which forward them to every rank.
-exec "${launch[@]}" "$python" -m hpc_rlx ${defaults[@]+"${defaults[@]}"} "$@"
+exec "${launch[@]}" "$python" -m "$module" ${defaults[@]+"${defaults[@]}"} "$@"

@@ -1,0 +1,429 @@
+"""Preflight check: what this MPI job would run on, and what would make training slow or hang.
+
+    python -m hpc_rlx.doctor                        # this machine, one rank
+    mpirun -n 4 python -m hpc_rlx.doctor            # exactly as you would launch training
+    srun -n 8 python -m hpc_rlx.doctor              # inside salloc / a batch job
+    python -m hpc_rlx.doctor --run-dir /scratch/me/outputs --json --strict
+
+Every rank collects its own facts (host, cores it may use, BLAS threads, GPUs, run directory);
+rank 0 gathers them and prints one report with plain-word warnings. Exit status: 0, or 1 with
+--strict when there is any warning. The doctor only reads, except for one short-lived probe file
+per rank in the run directory (or its nearest existing parent), removed before it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_CPUS_PER_TASK", "SLURM_JOB_NODELIST",
+             "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_MPI_TYPE", "SLURM_RESTART_COUNT")
+LAUNCH_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+# Facts that must agree on every rank: a mix means nodes run different software.
+SOFTWARE_KEYS = ("python", "numpy", "h5py", "hdf5", "mpi4py", "mpi_library", "hpc_rlx")
+
+
+# ==================================================================================================
+# Local facts (one rank)
+# ==================================================================================================
+
+def _safe(fn, default=None):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - a probe that fails is reported, never fatal
+        return default if default is not None else f"unknown ({type(exc).__name__}: {exc})"
+
+
+def usable_cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def blas_pools() -> list[dict]:
+    """BLAS/OpenMP thread pools loaded in this process (NumPy's BLAS at least)."""
+    import numpy  # noqa: F401 - loads the BLAS so that threadpoolctl can see it
+    from threadpoolctl import threadpool_info
+
+    return [{"api": p.get("internal_api"), "version": p.get("version"),
+             "threads": int(p.get("num_threads") or 1), "layer": p.get("threading_layer")}
+            for p in threadpool_info()]
+
+
+def _mpi_library_paths() -> list[str]:
+    paths = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1] if len(line.split()) >= 6 else ""
+                name = os.path.basename(path)
+                if name.startswith(("libmpi.", "libmpi_", "libmpich")) and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    return paths
+
+
+def cuda_aware_mpi() -> tuple[str, str]:
+    """("yes" | "no" | "unknown", how we know), from MPIX_Query_cuda_support in the loaded MPI."""
+    handles = []
+    for path in _mpi_library_paths():
+        try:
+            handles.append((path, ctypes.CDLL(path)))
+        except OSError:
+            continue
+    handles.append(("process symbols", ctypes.CDLL(None)))
+    for where, lib in handles:
+        fn = getattr(lib, "MPIX_Query_cuda_support", None)
+        if fn is None:
+            continue
+        fn.restype, fn.argtypes = ctypes.c_int, []
+        value = int(fn())
+        return ("yes" if value else "no"), f"MPIX_Query_cuda_support() = {value} in {where}"
+    return "unknown", "the MPI library has no MPIX_Query_cuda_support"
+
+
+def visible_gpus() -> tuple[int | None, str]:
+    """How many GPUs this rank can use, and where the number comes from."""
+    try:
+        from hpc_rlx import backend
+        if backend.cupy_available():
+            return int(backend.gpu_count()), "CuPy"
+        cupy_note = "CuPy sees none"
+    except Exception as exc:  # noqa: BLE001
+        cupy_note = f"CuPy unavailable ({type(exc).__name__})"
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=15)
+            n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+            if cvd is not None:
+                n = min(n, len([d for d in cvd.split(",") if d.strip() and d.strip() != "-1"]))
+            return n, f"nvidia-smi -L ({cupy_note})"
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    if cvd:
+        return None, f"CUDA_VISIBLE_DEVICES={cvd}, no nvidia-smi ({cupy_note})"
+    return 0, f"no nvidia-smi ({cupy_note})"
+
+
+def nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def writable(directory: Path) -> tuple[bool, str]:
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".hpc_rlx_doctor_"):
+            pass
+        return True, ""
+    except OSError as exc:
+        return False, f"{type(exc).__name__}: {exc.strerror or exc}"
+
+
+def software() -> dict:
+    import h5py
+    import numpy
+
+    import hpc_rlx
+
+    info = {"python": platform.python_version(), "executable": sys.executable,
+            "numpy": numpy.__version__, "h5py": h5py.__version__,
+            "hdf5": h5py.version.hdf5_version, "hpc_rlx": hpc_rlx.__version__,
+            "h5py_mpi": bool(_safe(lambda: h5py.get_config().mpi, False))}
+    info["hydra"] = _safe(lambda: __import__("hydra").__version__)
+    return info
+
+
+def mpi_facts(comm) -> dict:
+    from mpi4py import MPI
+
+    import mpi4py
+
+    level = MPI.Query_thread()
+    names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+             MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    aware, how = _safe(cuda_aware_mpi, ("unknown", "probe failed"))
+    return {"mpi4py": mpi4py.__version__,
+            "mpi_library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split()),
+            "mpi_standard": "%d.%d" % MPI.Get_version(), "thread_level": names.get(level, str(level)),
+            "processor": MPI.Get_processor_name(), "cuda_aware": aware, "cuda_aware_how": how}
+
+
+def collect_local(rank: int, size: int, run_dir: Path) -> dict:
+    cores = usable_cores()
+    rec = {"rank": rank, "size": size, "host": socket.gethostname().split(".")[0],
+           "pid": os.getpid(), "cpu_count": os.cpu_count() or 1, "cores": cores,
+           "env": {k: os.environ[k] for k in THREAD_ENV + SLURM_ENV + LAUNCH_ENV if k in os.environ}}
+    pools = _safe(blas_pools, [])
+    rec["blas"] = pools if isinstance(pools, list) else []
+    rec["blas_threads"] = max([p["threads"] for p in rec["blas"]] or [1])
+    rec["gpus"], rec["gpus_how"] = _safe(visible_gpus, (None, "probe failed"))
+    sw = _safe(software, {})
+    rec.update(sw if isinstance(sw, dict) else {})
+    base = nearest_existing(run_dir)
+    ok, why = writable(base)
+    rec["run_dir"] = {"path": str(run_dir.absolute()), "exists": run_dir.exists(),
+                      "checked": str(base), "writable": ok, "why": why}
+    return rec
+
+
+# ==================================================================================================
+# Analysis and report (pure: plain dicts in, strings out)
+# ==================================================================================================
+
+def _rank_span(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    parts, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            parts.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(parts)
+
+
+def by_host(records: list[dict]) -> dict[str, list[dict]]:
+    hosts: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        hosts[r["host"]].append(r)
+    return dict(hosts)
+
+
+def analyse(records: list[dict], *, shared: dict | None = None, cwd_files: dict | None = None) -> list[str]:
+    """Plain-word warnings about what would make a run slow, fail or hang."""
+    warnings = []
+    size = records[0]["size"] if records else 1
+    for host, recs in sorted(by_host(records).items()):
+        n = len(recs)
+        union = set().union(*(set(r["cores"]) for r in recs))
+        cores = len(union)
+        threads = [r["blas_threads"] for r in recs]
+        total = sum(threads)
+        if n > cores:
+            warnings.append(
+                f"{host}: {n} ranks share {cores} usable cores: every rank waits for a core at every "
+                f"step (oversubscribed {n / cores:.1f}x). Start at most {cores} ranks on this node.")
+        elif total > cores:
+            env = recs[0]["env"]
+            asked = ", ".join(f"{k}={env[k]}" for k in THREAD_ENV if k in env) or "no thread limit set"
+            per = max(1, cores // n)
+            warnings.append(
+                f"{host}: {n} ranks x {max(threads)} BLAS threads = {total} threads on {cores} cores "
+                f"(oversubscribed {total / cores:.1f}x; {asked}): ranks steal cores from each other "
+                f"and steps slow down. Set OMP_NUM_THREADS={per} (slurm/train.sh sets it to "
+                f"--cpus-per-task) or train.threads_per_rank={per}.")
+        if n > 1 and all(len(r["cores"]) == 1 for r in recs) and cores < n:
+            warnings.append(f"{host}: ranks are pinned to the same core(s) {sorted(union)}: "
+                            "check the launcher's binding options (--cpu-bind / -bind-to).")
+        cpt = recs[0]["env"].get("SLURM_CPUS_PER_TASK")
+        if cpt and cpt.isdigit() and max(threads) > int(cpt):
+            warnings.append(f"{host}: Slurm gave each task {cpt} CPUs but BLAS runs {max(threads)} "
+                            f"threads per rank: set OMP_NUM_THREADS={cpt}.")
+    # srun whose PMI does not match the MPI library starts N lone rank-0 processes
+    for r in records:
+        step_tasks = r["env"].get("SLURM_STEP_NUM_TASKS", "")
+        if size == 1 and step_tasks.isdigit() and int(step_tasks) > 1:
+            warnings.append(
+                f"srun started {step_tasks} tasks but MPI sees a world of 1: srun's PMI plugin "
+                f"(--mpi={r['env'].get('SLURM_MPI_TYPE', 'site default')}) does not match this MPI "
+                "library, so every task would train alone. Use srun --mpi=pmi2 (or pmix), or "
+                "mpirun; slurm/train.sh picks one that works.")
+            break
+    # every rank must run the same software
+    for key in SOFTWARE_KEYS:
+        values = defaultdict(list)
+        for r in records:
+            values[str(r.get(key))].append(r["rank"])
+        if len(values) > 1:
+            detail = "; ".join(f"{v} on ranks {_rank_span(rs)}" for v, rs in sorted(values.items()))
+            warnings.append(f"ranks run different {key}: {detail}. Mixed software across nodes can "
+                            "hang or crash collectives: use one environment on every node.")
+    # GPUs
+    for r in records:
+        if r.get("gpus") and r.get("cuda_aware") == "no":
+            warnings.append(f"{r['host']} has {r['gpus']} GPU(s) but this MPI is not CUDA-aware: "
+                            "gradients will be copied through host memory each step (slower).")
+            break
+    # run directory
+    bad = [r for r in records if not r["run_dir"]["writable"]]
+    if bad:
+        r = bad[0]
+        warnings.append(f"run directory {r['run_dir']['path']} cannot be written on ranks "
+                        f"{_rank_span([b['rank'] for b in bad])} ({r['run_dir']['checked']}: "
+                        f"{r['run_dir']['why']}): the run will fail when it saves.")
+    if shared and shared.get("missing"):
+        warnings.append(
+            f"the run directory is not shared: ranks {_rank_span(shared['missing'])} do not see a file "
+            f"rank 0 wrote in {shared['dir']}. Rank 0 writes checkpoints there; a requeued job whose "
+            "rank 0 lands on another node would not find them. Use a shared filesystem "
+            "(hydra.run.dir=/shared/path/...).")
+    if cwd_files and cwd_files.get("train_sh") and not cwd_files.get("logs"):
+        warnings.append("slurm/train.sh writes its log to logs/, which does not exist here: "
+                        "Slurm would fail the job at launch without any log. Run: mkdir -p logs")
+    return warnings
+
+
+def launcher(env: dict, size: int) -> str:
+    """How the ranks were started, from the variables launchers set."""
+    step_tasks = env.get("SLURM_STEP_NUM_TASKS")
+    if "SLURM_STEP_ID" in env and step_tasks == str(size):
+        return f"srun (job {env.get('SLURM_JOB_ID')}, step {env['SLURM_STEP_ID']}, " \
+               f"--mpi={env.get('SLURM_MPI_TYPE', 'site default')})"
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        return "Open MPI mpirun"
+    if "PMI_SIZE" in env or "PMIX_RANK" in env or "PMI_RANK" in env:
+        return "mpirun / mpiexec"
+    return "none (a single process)" if size == 1 else "unknown"
+
+
+def format_report(records: list[dict], warnings: list[str], *, shared: dict | None = None) -> str:
+    r0 = records[0]
+    hosts = by_host(records)
+    lines = [f"hpc_rlx doctor: {r0['size']} rank(s) on {len(hosts)} node(s)", ""]
+    lines += ["MPI",
+              f"  library       {r0.get('mpi_library', 'unknown')} (MPI {r0.get('mpi_standard', '?')}, "
+              f"mpi4py {r0.get('mpi4py', '?')})",
+              f"  world size    {r0['size']}",
+              f"  launched by   {launcher(r0['env'], r0['size'])}",
+              f"  thread level  {r0.get('thread_level', '?')}",
+              f"  CUDA-aware    {r0.get('cuda_aware', 'unknown')} ({r0.get('cuda_aware_how', '')})",
+              ""]
+    lines.append("Nodes")
+    lines.append(f"  {'host':<16} {'ranks':<10} {'per node':>8} {'cores':>6} {'BLAS thr/rank':>13} "
+                 f"{'ranks x thr':>11} {'GPUs':>5}")
+    for host, recs in sorted(hosts.items()):
+        union = set().union(*(set(r["cores"]) for r in recs))
+        threads = [r["blas_threads"] for r in recs]
+        thr = str(threads[0]) if len(set(threads)) == 1 else f"{min(threads)}-{max(threads)}"
+        gpus = recs[0].get("gpus")
+        lines.append(f"  {host:<16} {_rank_span([r['rank'] for r in recs]):<10} {len(recs):>8} "
+                     f"{len(union):>6} {thr:>13} {sum(threads):>11} {'?' if gpus is None else gpus:>5}")
+    blas = ", ".join(f"{p['api']} {p['version']} ({p['layer']})" for p in r0.get("blas", [])) or "none found"
+    env = ", ".join(f"{k}={r0['env'][k]}" for k in THREAD_ENV if k in r0["env"]) or "none set"
+    lines += [f"  cores = usable by the ranks (CPU affinity); this node has {r0['cpu_count']} CPUs",
+              f"  BLAS          {blas}; thread variables: {env}",
+              f"  GPUs          {r0.get('gpus_how', '')}", ""]
+    lines += ["Software",
+              f"  Python {r0.get('python', '?')} ({r0.get('executable', '?')})",
+              f"  NumPy {r0.get('numpy', '?')}, h5py {r0.get('h5py', '?')}, HDF5 {r0.get('hdf5', '?')} "
+              f"(parallel HDF5: {'yes' if r0.get('h5py_mpi') else 'no'}), hydra-core {r0.get('hydra', '?')}, "
+              f"hpc_rlx {r0.get('hpc_rlx', '?')}", ""]
+    rd = r0["run_dir"]
+    state = "exists" if rd["exists"] else f"does not exist yet (checked {rd['checked']})"
+    ok = all(r["run_dir"]["writable"] for r in records)
+    lines += ["Run directory",
+              f"  {rd['path']}: {state}; writable on every rank: {'yes' if ok else 'NO'}"]
+    if shared is not None and len(records) > 1:
+        lines.append(f"  shared by all ranks: {'yes' if not shared.get('missing') else 'NO'}"
+                     f"{'' if shared.get('checked') else ' (not checked)'}")
+    lines.append("")
+    env0 = r0["env"]
+    if "SLURM_JOB_ID" in env0:
+        lines += ["Slurm",
+                  f"  job {env0['SLURM_JOB_ID']}, step {env0.get('SLURM_STEP_ID', '(batch)')}, "
+                  f"{env0.get('SLURM_NTASKS', '?')} tasks, {env0.get('SLURM_CPUS_PER_TASK', '?')} CPUs per "
+                  f"task, nodes {env0.get('SLURM_JOB_NODELIST', '?')}", ""]
+    if warnings:
+        lines.append(f"Warnings ({len(warnings)})")
+        lines += [f"  ! {w}" for w in warnings]
+    else:
+        lines.append("No problems found.")
+    return "\n".join(lines) + "\n"
+
+
+# ==================================================================================================
+# Collective part
+# ==================================================================================================
+
+def _check_shared(comm, base: Path) -> dict:
+    """Rank 0 writes a probe file; which ranks can see it?"""
+    name = None
+    if comm.rank == 0:
+        probe = base / f".hpc_rlx_doctor_{uuid.uuid4().hex[:12]}"
+        try:
+            probe.write_text(socket.gethostname())
+            name = str(probe)
+        except OSError:
+            name = None
+    name = comm.bcast(name, root=0)
+    if name is None:
+        return {"checked": False, "missing": [], "dir": str(base)}
+    seen = False
+    deadline = time.monotonic() + 3.0
+    while True:
+        try:
+            # listing the directory revalidates NFS's cached view of it
+            seen = os.path.basename(name) in os.listdir(os.path.dirname(name))
+        except OSError:
+            seen = False
+        if seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    flags = comm.gather(seen, root=0)
+    comm.Barrier()
+    if comm.rank == 0:
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+        return {"checked": True, "missing": [r for r, s in enumerate(flags) if not s], "dir": str(base)}
+    return {}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m hpc_rlx.doctor",
+                                 description="Preflight check of the MPI/BLAS/GPU/storage environment.")
+    ap.add_argument("--run-dir", default="outputs",
+                    help="where runs will write (default: outputs, as python -m hpc_rlx does)")
+    ap.add_argument("--json", action="store_true", help="print the facts and warnings as JSON")
+    ap.add_argument("--strict", action="store_true", help="exit with status 1 when there are warnings")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run_dir = Path(args.run_dir)
+    try:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+    except Exception as exc:  # noqa: BLE001 - report instead of a traceback
+        print(f"hpc_rlx doctor: mpi4py cannot start MPI: {type(exc).__name__}: {exc}\n"
+              "Install mpi4py against your MPI (or pip install hpc_rlx[mpich]).", file=sys.stderr)
+        return 1
+    rec = collect_local(comm.rank, comm.size, run_dir)
+    rec.update(_safe(lambda: mpi_facts(comm), {}))
+    records = comm.gather(rec, root=0)
+    shared = _check_shared(comm, nearest_existing(run_dir)) if comm.size > 1 else None
+    if comm.rank != 0:
+        return 0
+    cwd_files = {"train_sh": Path("slurm/train.sh").is_file(), "logs": Path("logs").is_dir()}
+    warnings = analyse(records, shared=shared, cwd_files=cwd_files)
+    if args.json:
+        print(json.dumps({"ranks": records, "shared": shared, "warnings": warnings}, indent=1))
+    else:
+        print(format_report(records, warnings, shared=shared), end="")
+    sys.stdout.flush()
+    return 1 if (args.strict and warnings) else 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.exit(code)
