@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hpc_rlx.data.hdf5 import describe, read_rows
+from hpc_rlx.data.hdf5 import describe, open_readonly, read_rows
 from hpc_rlx.errors import ConfigError, DataError, HpcRlxError
 
 __all__ = ["MODES", "load_shard", "round_rows"]
@@ -117,8 +117,6 @@ def _mpi_type(dtype: np.dtype):
 
 
 def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes):
-    import h5py  # only rank 0 touches the file
-
     rank, size = comm.Get_rank(), comm.Get_size()
     where = f"scattering {path!r}"
 
@@ -164,7 +162,7 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes):
             rows0 = sum(min(cap, n) for n in lens)  # round 0 is the largest
             send_x = np.empty((rows0,) + tuple(x_shape), dtype=x_dt)
             send_y = np.empty((rows0,) + tuple(y_shape), dtype=y_dt)
-            f = h5py.File(path, "r")
+            f = open_readonly(path)
     except Exception as e:  # noqa: BLE001
         status = _message(e)
     statuses = comm.allgather(status)

@@ -16,7 +16,7 @@ import numpy as np
 
 from hpc_rlx.errors import DataError
 
-__all__ = ["DatasetInfo", "describe", "check_compatible", "read_rows", "check_values"]
+__all__ = ["DatasetInfo", "describe", "check_compatible", "read_rows", "check_values", "open_readonly"]
 
 # check_values scans inputs in blocks of about this many elements, so a multi-GB shard never
 # needs a same-sized boolean temporary
@@ -66,9 +66,22 @@ def _open(path) -> h5py.File:
     if not is_h5:
         raise DataError(f"dataset file {path!r} is not an HDF5 file")
     try:
-        return h5py.File(path, "r")
+        return open_readonly(path)
     except OSError as e:
         raise DataError(f"cannot open HDF5 file {path!r}: {e}") from None
+
+
+def open_readonly(path) -> h5py.File:
+    """Open for reading without HDF5's file lock.
+
+    Locks fail on many cluster filesystems (NFS, some Lustre mounts), and are not needed here:
+    datasets are written under a temporary name and renamed into place, so a reader never sees a
+    file that is still being written.
+    """
+    try:
+        return h5py.File(path, "r", locking=False)
+    except (TypeError, ValueError):  # HDF5 builds older than 1.12.1 have no locking switch
+        return h5py.File(path, "r")
 
 
 def _get_dataset(f: h5py.File, path: str, name: str, role: str) -> h5py.Dataset:
@@ -227,5 +240,5 @@ def check_values(x: np.ndarray, y: np.ndarray, num_classes, check_finite: bool, 
                 bad_vals = x[r][~np.isfinite(x[r])]
                 raise DataError(
                     f"input row {first_row + r} contains a non-finite value ({bad_vals.flat[0]}); "
-                    "clean the data or turn the finite-value check off"
+                    "clean the data or set data.check_finite=false"
                 )
