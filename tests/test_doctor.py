@@ -1,0 +1,182 @@
+"""`python -m hpc_rlx.doctor`: the analysis on made-up clusters, and the real report under mpirun."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import h5py
+import pytest
+
+from hpc_rlx import doctor
+
+from .conftest import REPO, explain, mpirun
+
+
+def rec(rank, size, host="n1", cores=(0, 1), threads=1, env=None, **extra):
+    r = {"rank": rank, "size": size, "host": host, "pid": 1000 + rank, "cpu_count": len(cores),
+         "cores": list(cores), "env": dict(env or {}), "blas_threads": threads,
+         "blas": [{"api": "openblas", "version": "0.3", "threads": threads, "layer": "pthreads"}],
+         "gpus": 0, "gpus_how": "test", "python": "3.11.7", "numpy": "2.0", "h5py": "3.1",
+         "hdf5": "1.14", "mpi4py": "4.0", "mpi_library": "MPICH 4", "hpc_rlx": "0.1.0",
+         "run_dir": {"path": "/x/outputs", "exists": True, "checked": "/x/outputs",
+                     "writable": True, "why": ""}}
+    r.update(extra)
+    return r
+
+
+def cluster(hosts: dict, threads=1, env=None):
+    """{host: ranks on it} -> records, ranks numbered host by host."""
+    size = sum(hosts.values())
+    out, rank = [], 0
+    for host, n in hosts.items():
+        for _ in range(n):
+            out.append(rec(rank, size, host, threads=threads, env=env))
+            rank += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------- analysis
+
+def test_balanced_job_has_no_warnings():
+    assert doctor.analyse(cluster({"n1": 2, "n2": 2})) == []
+
+
+def test_more_ranks_than_cores_is_reported_with_the_numbers():
+    w = doctor.analyse(cluster({"n1": 3, "n2": 2}))
+    assert len(w) == 1
+    assert "n1: 3 ranks share 2 usable cores" in w[0] and "1.5x" in w[0]
+
+
+def test_ranks_times_blas_threads_above_cores_is_oversubscription():
+    w = doctor.analyse(cluster({"n1": 2}, threads=2, env={"OMP_NUM_THREADS": "4"}))
+    assert len(w) == 1
+    assert "2 ranks x 2 BLAS threads = 4 threads on 2 cores" in w[0]
+    assert "OMP_NUM_THREADS=4" in w[0] and "OMP_NUM_THREADS=1" in w[0]
+
+
+def test_blas_threads_above_slurm_cpus_per_task():
+    recs = [rec(0, 1, cores=range(8), threads=4, env={"SLURM_CPUS_PER_TASK": "2"})]
+    w = doctor.analyse(recs)
+    assert any("Slurm gave each task 2 CPUs but BLAS runs 4 threads" in x for x in w)
+
+
+def test_ranks_pinned_to_one_core():
+    recs = [rec(r, 2, cores=(0,)) for r in range(2)]
+    w = doctor.analyse(recs)
+    assert any("pinned to the same core(s) [0]" in x for x in w)
+
+
+def test_srun_without_matching_pmi_is_caught():
+    recs = [rec(0, 1, env={"SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_ID": "0", "SLURM_MPI_TYPE": "none"})]
+    w = doctor.analyse(recs)
+    assert len(w) == 1 and "srun started 4 tasks but MPI sees a world of 1" in w[0]
+    assert "--mpi=none" in w[0]
+
+
+def test_mixed_software_names_the_ranks():
+    recs = cluster({"n1": 2, "n2": 2})
+    for r in recs[2:]:
+        r["h5py"] = "3.9"
+    w = doctor.analyse(recs)
+    assert len(w) == 1
+    assert "different h5py" in w[0] and "3.1 on ranks 0-1" in w[0] and "3.9 on ranks 2-3" in w[0]
+
+
+def test_unwritable_and_unshared_run_dir():
+    recs = cluster({"n1": 1, "n2": 2})
+    recs[2]["run_dir"].update(writable=False, why="PermissionError: Permission denied")
+    w = doctor.analyse(recs, shared={"checked": True, "missing": [1, 2], "dir": "/local"})
+    assert any("cannot be written on ranks 2" in x and "Permission denied" in x for x in w)
+    assert any("not shared: ranks 1-2" in x for x in w)
+
+
+def test_gpus_without_cuda_aware_mpi():
+    recs = [rec(0, 1, gpus=4, cuda_aware="no")]
+    assert any("not CUDA-aware" in x for x in doctor.analyse(recs))
+    recs[0]["cuda_aware"] = "yes"
+    assert doctor.analyse(recs) == []
+
+
+def test_missing_logs_dir_next_to_train_sh():
+    recs = cluster({"n1": 1})
+    assert any("mkdir -p logs" in x for x in doctor.analyse(recs, cwd_files={"train_sh": True, "logs": False}))
+    assert doctor.analyse(recs, cwd_files={"train_sh": True, "logs": True}) == []
+
+
+def test_rank_span():
+    assert doctor._rank_span([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+
+
+def test_report_lists_every_host_and_the_warnings():
+    recs = cluster({"a1": 2, "b2": 1})
+    text = doctor.format_report(recs, ["something odd"], shared={"checked": True, "missing": []})
+    assert "3 rank(s) on 2 node(s)" in text
+    lines = [line.split() for line in text.splitlines()]
+    assert ["a1", "0-1", "2", "2", "1", "2", "0"] in lines
+    assert ["b2", "2", "1", "2", "1", "1", "0"] in lines
+    assert "! something odd" in text and "shared by all ranks: yes" in text
+
+
+def test_launcher_names():
+    assert doctor.launcher({"SLURM_STEP_ID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_JOB_ID": "9",
+                            "SLURM_MPI_TYPE": "pmi2"}, 4).startswith("srun (job 9, step 3, --mpi=pmi2")
+    assert doctor.launcher({"PMI_SIZE": "4"}, 4) == "mpirun / mpiexec"
+    assert doctor.launcher({}, 1) == "none (a single process)"
+
+
+# ---------------------------------------------------------------------------------- real runs
+
+def _env(**extra):
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.mpi
+def test_doctor_under_mpirun_reports_world_hosts_and_versions(tmp_path):
+    proc = mpirun(2, ["-m", "hpc_rlx.doctor", "--run-dir", str(tmp_path / "runs")], cwd=tmp_path,
+                  env=_env(OMP_NUM_THREADS="1"), timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    out = proc.stdout
+    assert out.count("hpc_rlx doctor:") == 1, "only rank 0 prints"
+    assert "2 rank(s) on 1 node(s)" in out
+    assert "world size    2" in out and "launched by   mpirun" in out
+    assert "MPICH" in out
+    assert f"HDF5 {h5py.version.hdf5_version}" in out and f"h5py {h5py.__version__}" in out
+    host = socket.gethostname().split(".")[0]
+    row = next(line.split() for line in out.splitlines() if line.strip().startswith(host + " "))
+    assert row[1:3] == ["0-1", "2"]
+    assert "writable on every rank: yes" in out and "shared by all ranks: yes" in out
+    assert "CUDA-aware" in out
+    cores = len(os.sched_getaffinity(0))
+    if cores >= 2:
+        assert "No problems found." in out, out
+    # the probe files are cleaned up
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".hpc_rlx_doctor")] == []
+
+
+@pytest.mark.mpi
+def test_doctor_warns_about_blas_oversubscription(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    threads = 2 * cores
+    proc = mpirun(2, ["-m", "hpc_rlx.doctor", "--json"], cwd=tmp_path,
+                  env=_env(OMP_NUM_THREADS=str(threads)), timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    report = json.loads(proc.stdout)
+    ranks = report["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2
+    assert all(r["env"]["OMP_NUM_THREADS"] == str(threads) for r in ranks)
+    assert any("oversubscribed" in w and f"OMP_NUM_THREADS={threads}" in w for w in report["warnings"]), \
+        report["warnings"]
+
+
+@pytest.mark.mpi
+def test_doctor_strict_fails_on_an_unwritable_run_dir(tmp_path):
+    # /proc refuses new files even to root
+    proc = mpirun(1, ["-m", "hpc_rlx.doctor", "--strict", "--run-dir", "/proc/hpc_rlx_outputs"],
+                  cwd=tmp_path, env=_env(OMP_NUM_THREADS="1"), timeout=120)
+    assert proc.returncode != 0, explain(proc)
+    assert "cannot be written on ranks 0" in proc.stdout, explain(proc)
+    assert "writable on every rank: NO" in proc.stdout
