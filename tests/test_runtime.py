@@ -115,7 +115,7 @@ def test_more_ranks_than_samples_is_refused(tmp_path):
     with h5py.File(tiny, "w") as f:
         f["x"] = np.random.default_rng(0).random((3, 4)).astype(np.float32)
         f["y"] = np.array([0, 1, 0], dtype=np.int64)
-        f["y"].attrs["num_classes"] = 2
+        f.attrs["num_classes"] = 2
     proc = train_job(4, tmp_path / "run", ["data=file", f"data.path={tiny}", "data.val_fraction=0",
                                            "train.batch_size=4"], timeout=60)
     assert proc.returncode != 0
