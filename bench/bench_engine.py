@@ -1,0 +1,215 @@
+"""Graph engine vs PyTorch CPU: forward + backward + SGD step, one BLAS thread, one process.
+
+    .venv/bin/python bench/bench_engine.py [--repeats 7] [--steps 10] [--only mlp,cnn,lm]
+
+Prints per-step times and the ratio engine / PyTorch for the MLP 784-1024-1024-10 at batch
+128 (the target is <= 1.0), a small CNN and the transformer LM, all float32. A hand-written
+NumPy step of the same MLP is printed as a reference point for this machine. The engines take
+turns inside every repeat so a noisy, shared machine slows both alike; the best repeat (as timeit
+does) and the median repeat are both reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params  # noqa: E402
+
+LR = 1e-3
+
+
+def engine_step_fn(graph, feeds, seed=0):
+    layout = ParamLayout(graph)
+    params = np.empty(layout.size, np.float32)
+    grads = np.empty(layout.size, np.float32)
+    init_params(graph, params, seed)
+    pv, gv = layout.views(params), layout.views(grads)
+    ex = Executor(graph, np, "float32")
+    scratch = np.empty_like(grads)
+
+    def step(i):
+        ex.forward_backward(pv, gv, feeds, train=True, seed=i)
+        np.multiply(grads, -LR, out=scratch)
+        np.add(params, scratch, out=params)
+
+    return step
+
+
+def torch_step_fn(model, x, y):
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    lossf = torch.nn.CrossEntropyLoss()
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)
+        logits = model(x)
+        loss = lossf(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def numpy_mlp_step_fn(sizes, x, y):
+    """The same MLP step written by hand in NumPy: the reference the issue quotes."""
+    rng = np.random.default_rng(0)
+    ws = [(rng.standard_normal((a, b)) * np.sqrt(2.0 / a)).astype(np.float32) for a, b in zip(sizes, sizes[1:])]
+    bs = [np.zeros(b, np.float32) for b in sizes[1:]]
+    n = x.shape[0]
+
+    def step(i):
+        acts, h = [x], x
+        for k, (w, b) in enumerate(zip(ws, bs)):
+            h = h @ w + b
+            if k < len(ws) - 1:
+                np.maximum(h, 0, out=h)
+            acts.append(h)
+        z = h - h.max(1, keepdims=True)
+        e = np.exp(z)
+        p = e / e.sum(1, keepdims=True)
+        p[np.arange(n), y] -= 1
+        g = p / n
+        for k in range(len(ws) - 1, -1, -1):
+            gw, gb = acts[k].T @ g, g.sum(0)
+            if k:
+                g = (g @ ws[k].T) * (acts[k] > 0)
+            ws[k] -= LR * gw
+            bs[k] -= LR * gb
+
+    return step
+
+
+def timed(step, steps, start):
+    t0 = time.perf_counter()
+    for i in range(start, start + steps):
+        step(i)
+    return (time.perf_counter() - t0) / steps
+
+
+def race(contenders, steps, repeats, warmup=3):
+    for step in contenders.values():
+        for i in range(warmup):
+            step(i)
+    times = {k: [] for k in contenders}
+    for r in range(repeats):
+        for k, step in contenders.items():
+            times[k].append(timed(step, steps, warmup + r * steps))
+    return {k: (min(v), statistics.median(v)) for k, v in times.items()}
+
+
+def mlp_case():
+    import torch
+
+    sizes, batch = [784, 1024, 1024, 10], 128
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
+    y = rng.integers(0, sizes[-1], batch)
+    g = build_model("mlp", input_shape=(784,), num_classes=10, hidden=[1024, 1024], activation="relu")
+    model = torch.nn.Sequential(
+        torch.nn.Linear(784, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)
+    )
+    return "MLP 784-1024-1024-10, batch 128", {
+        "engine": engine_step_fn(g, {"x": x, "y": y}),
+        "torch": torch_step_fn(model, torch.from_numpy(x), torch.from_numpy(y)),
+        "numpy-by-hand": numpy_mlp_step_fn(sizes, x, y),
+    }
+
+
+def cnn_case():
+    import torch
+
+    batch = 64
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((batch, 1, 28, 28)).astype(np.float32)
+    y = rng.integers(0, 10, batch)
+    g = build_model("cnn", input_shape=(1, 28, 28), num_classes=10, channels=[16, 32], kernel=3, hidden=128, pool="max")
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(32 * 7 * 7, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10),
+    )
+    return "CNN 1x28x28 conv16-conv32 (3x3, max-pool) fc128, batch 64", {
+        "engine": engine_step_fn(g, {"x": x, "y": y}),
+        "torch": torch_step_fn(model, torch.from_numpy(x), torch.from_numpy(y)),
+    }
+
+
+def lm_case():
+    import torch
+
+    V, T, D, H, L, F, batch = 256, 64, 128, 4, 2, 512, 16
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, V, (batch, T))
+    y = rng.integers(0, V, (batch, T))
+    g = build_model("transformer_lm", vocab_size=V, seq_len=T, d_model=D, n_heads=H, n_layers=L, d_ff=F)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(D), torch.nn.LayerNorm(D)
+            self.q, self.k, self.v, self.o = (torch.nn.Linear(D, D) for _ in range(4))
+            self.fc, self.proj = torch.nn.Linear(D, F), torch.nn.Linear(F, D)
+
+        def forward(self, h):
+            B = h.shape[0]
+            a = self.ln1(h)
+            q, k, v = (m(a).view(B, T, H, D // H).transpose(1, 2) for m in (self.q, self.k, self.v))
+            s = (q @ k.transpose(-1, -2)) / (D // H) ** 0.5
+            s = s.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+            o = (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D)
+            h = h + self.o(o)
+            return h + self.proj(torch.nn.functional.gelu(self.fc(self.ln2(h)), approximate="tanh"))
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = torch.nn.Embedding(V, D), torch.nn.Parameter(torch.zeros(T, D))
+            self.blocks = torch.nn.Sequential(*(Block() for _ in range(L)))
+            self.ln = torch.nn.LayerNorm(D)
+            self.head = torch.nn.Linear(D, V, bias=False)
+
+        def forward(self, ids):
+            return self.head(self.ln(self.blocks(self.tok(ids) + self.pos)))
+
+    return f"transformer LM V={V} T={T} d={D} heads={H} layers={L} ff={F}, batch {batch}", {
+        "engine": engine_step_fn(g, {"x": x, "y": y}),
+        "torch": torch_step_fn(LM(), torch.from_numpy(x), torch.from_numpy(y)),
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--only", default="mlp,cnn,lm")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    cases = {"mlp": mlp_case, "cnn": cnn_case, "lm": lm_case}
+    with threadpool_limits(limits=1):
+        print(f"numpy {np.__version__}, torch {torch.__version__}, 1 BLAS thread, float32, "
+              f"median of {args.repeats} x {args.steps} steps")
+        for key in args.only.split(","):
+            title, contenders = cases[key]()
+            t = race(contenders, args.steps, args.repeats)
+            print(f"{title}")
+            for name, (best, med) in t.items():
+                print(f"  {name:14s} best {best * 1e3:7.2f} ms/step  median {med * 1e3:7.2f} ms/step  "
+                      f"{name}/torch = {best / t['torch'][0]:.2f}x (median {med / t['torch'][1]:.2f}x)")
+            print(f"  ratio engine/torch = {t['engine'][0] / t['torch'][0]:.2f} (best), "
+                  f"{t['engine'][1] / t['torch'][1]:.2f} (median)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Array-module selection: NumPy on the host, CuPy on an NVIDIA GPU.
+
+CuPy is imported here and nowhere else, lazily and guarded, so a NumPy-only machine never
+needs it. Everything else receives the module (``xp``) explicitly and never converts arrays
+between host and device behind the caller's back: ``to_numpy`` is the one explicit way out.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+from hpc_rlx.errors import DeviceError
+
+_lock = threading.Lock()
+_probed = False
+_cupy = None
+_cupy_problem = "CuPy was not probed yet"
+_gpus = 0
+
+
+def _probe() -> None:
+    """Import CuPy once and count the GPUs it sees; remember why it failed otherwise."""
+    global _probed, _cupy, _cupy_problem, _gpus
+    with _lock:
+        if _probed:
+            return
+        try:
+            import cupy  # the only CuPy import in hpc_rlx
+
+            n = int(cupy.cuda.runtime.getDeviceCount())
+            if n < 1:
+                _cupy_problem = "CuPy is installed but sees no CUDA device"
+            else:
+                _cupy, _gpus, _cupy_problem = cupy, n, ""
+        except ImportError as exc:
+            _cupy_problem = f"CuPy is not installed ({exc}); install hpc_rlx[cuda12] or [cuda13]"
+        except Exception as exc:  # driver/runtime missing or broken: report, don't crash
+            _cupy_problem = f"CuPy cannot reach a CUDA device: {type(exc).__name__}: {exc}"
+        _probed = True
+
+
+def cupy_available() -> bool:
+    """True when CuPy imports and at least one CUDA device is visible."""
+    _probe()
+    return _cupy is not None
+
+
+def gpu_count() -> int:
+    """Number of CUDA devices CuPy can use on this process (0 without CuPy)."""
+    _probe()
+    return _gpus
+
+
+def get_xp(device: str):
+    """The array module for ``device``: ``"cpu"`` -> numpy, ``"cuda"`` (or ``"gpu"``) -> cupy."""
+    if not isinstance(device, str):
+        raise DeviceError(f"device must be a string such as 'cpu' or 'cuda', got {device!r}")
+    name = device.strip().lower()
+    if name in ("cpu", "numpy", "host"):
+        return np
+    if name in ("cuda", "gpu", "cupy"):
+        _probe()
+        if _cupy is None:
+            raise DeviceError(f"device {device!r} requested but unavailable: {_cupy_problem}")
+        return _cupy
+    raise DeviceError(f"unknown device {device!r}; use 'cpu' or 'cuda'")
+
+
+def _loaded_cupy():
+    # An array can only be a CuPy array if CuPy was imported by someone already.
+    return _cupy if _cupy is not None else sys.modules.get("cupy")
+
+
+def is_device_array(arr) -> bool:
+    cp = _loaded_cupy()
+    return cp is not None and isinstance(arr, cp.ndarray)
+
+
+def array_module(arr):
+    """numpy or cupy, whichever owns ``arr`` (numpy for host arrays and Python scalars)."""
+    if is_device_array(arr):
+        return _loaded_cupy()
+    return np
+
+
+def to_numpy(arr) -> np.ndarray:
+    """An explicit device-to-host copy for CuPy arrays; NumPy arrays are returned as they are."""
+    if is_device_array(arr):
+        return arr.get()
+    return np.asarray(arr)
+
+
+def synchronize(xp) -> None:
+    """Wait for queued device work (needed before handing a GPU buffer to MPI); no-op on NumPy."""
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+_host_tuned = None
+
+
+def keep_host_memory() -> bool:
+    """Ask glibc to keep freed host memory for reuse instead of returning it to the kernel.
+
+    A training step frees and re-allocates the same multi-megabyte activations every step; by
+    default glibc trims them off the heap (or unmaps them) and the next step pays page faults
+    to get them back, which cost as much as the convolutions themselves here. This is the host
+    analogue of CuPy's memory pool. Idempotent; False where it does not apply (not glibc).
+    """
+    global _host_tuned
+    with _lock:
+        if _host_tuned is None:
+            _host_tuned = False
+            if sys.platform.startswith("linux"):
+                try:
+                    import ctypes
+
+                    libc = ctypes.CDLL(None)
+                    m_trim_threshold, m_mmap_threshold = -1, -3
+                    ok_mmap = libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)  # glibc's ceiling
+                    ok_trim = libc.mallopt(m_trim_threshold, 1024 * 1024 * 1024)
+                    _host_tuned = bool(ok_mmap and ok_trim)
+                except (OSError, AttributeError):
+                    _host_tuned = False
+        return _host_tuned
+
+
+def scatter_add(xp, target, indices, values) -> None:
+    """``target[indices[k]] += values[k]`` with repeated indices accumulated (embedding VJP)."""
+    if xp is np:
+        np.add.at(target, indices, values)
+    else:
+        import cupyx  # ships with CuPy; only reached with a CuPy array in hand
+
+        cupyx.scatter_add(target, indices, values)
+
+
+def derive_seed(*parts: int) -> int:
+    """A well-mixed 63-bit seed from several integers (train seed, node, step ...)."""
+    state = np.random.SeedSequence([int(p) & 0xFFFFFFFFFFFFFFFF for p in parts]).generate_state(2, np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+def uniform(xp, seed: int, shape, dtype):
+    """Uniform [0, 1) samples of ``dtype`` generated directly on ``xp``'s device."""
+    if xp is np:
+        return np.random.default_rng(seed).random(shape, dtype=dtype)
+    return xp.random.RandomState(seed % (2**63)).random_sample(shape, dtype=dtype)

@@ -1,0 +1,270 @@
+"""Runs a Graph on NumPy or CuPy: forward, and reverse-mode gradients into caller-owned views.
+
+Everything that can be decided from the graph alone is decided once, in the constructor: the
+execution order, which nodes the loss depends on differentiably, which VJP serves each
+argument, which forward values the backward pass will read (the rest are dropped as soon as
+their last consumer ran), and which parameter-gradient write comes first (that one goes
+straight into the caller's view; later ones accumulate into it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpc_rlx import backend
+from hpc_rlx.errors import DataError, DeviceError, GraphError
+from hpc_rlx.graph.ir import Graph
+from hpc_rlx.graph.params import ParamLayout
+from hpc_rlx.graph.registry import OPS, VJPS, vjp_fn
+from hpc_rlx.graph.shapes import FLOAT, fmt_shape
+
+_DTYPES = {"float32": np.float32, "float64": np.float64}
+
+
+class _Ctx:
+    """What an op's forward may know about the call (dropout needs the seed and its node)."""
+
+    __slots__ = ("train", "seed", "need_saved", "index", "node")
+
+    def __init__(self, train, seed):
+        self.train, self.seed = train, seed
+        self.need_saved, self.index, self.node = False, 0, ""
+
+
+class _Step:
+    __slots__ = ("index", "name", "forward", "attrs", "args", "slot", "need_saved", "release")
+
+
+class _BackStep:
+    __slots__ = ("slot", "attrs", "args", "grads")
+
+
+class Executor:
+    """``Executor(graph, xp=numpy, dtype="float32")``; see ``forward_backward`` and ``evaluate``."""
+
+    def __init__(self, graph: Graph, xp=np, dtype="float32"):
+        if not isinstance(graph, Graph):
+            raise TypeError(f"Executor needs a Graph, got {type(graph).__name__}")
+        name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
+        self.graph, self.xp = graph, xp
+        self.dtype = np.dtype(_DTYPES[name])
+        self.layout = ParamLayout(graph)
+        self._array_type = xp.ndarray
+        if xp is np:
+            backend.keep_host_memory()  # steps re-allocate the same buffers: keep them mapped
+
+        g = graph
+        self._inputs = [(s.name, s.shape, s.dtype) for s in g.inputs]
+        self._params = [(p.name, tuple(p.shape)) for p in g.params]
+        slot = {s.name: i for i, s in enumerate(g.inputs)}
+        slot.update({p.name: len(g.inputs) + i for i, p in enumerate(g.params)})
+        n_leaf = len(slot)
+        for k, idx in enumerate(g.order):
+            slot[g.nodes[idx].name] = n_leaf + k
+        self._nslots = len(slot)
+        self._outputs = [(out, slot[ref]) for out, ref in g.outputs.items()]
+        self._loss_slot = slot[g.outputs[g.loss_name]]
+        param_of = {slot[p.name]: p.name for p in g.params}
+
+        nodes = [g.nodes[i] for i in g.order]  # topological
+        node_slot = [slot[n.name] for n in nodes]
+        node_args = [[slot[r] for r in n.inputs] for n in nodes]
+
+        # Only nodes some output depends on run at all.
+        live = {s for _, s in self._outputs}
+        for k in range(len(nodes) - 1, -1, -1):
+            if node_slot[k] in live:
+                live.update(node_args[k])
+
+        # Differentiable reach: which values get a cotangent from the loss.
+        requires = set(param_of)
+        for k, n in enumerate(nodes):
+            if g.types[n.name].dtype == FLOAT and any(a in requires for a in node_args[k]):
+                requires.add(node_slot[k])
+        reached = {self._loss_slot} if self._loss_slot in requires else set()
+        for k in range(len(nodes) - 1, -1, -1):
+            if node_slot[k] in reached:
+                reached.update(a for a in node_args[k] if a in requires)
+
+        backward, kept, first_write = [], set(), set()
+        for k in range(len(nodes) - 1, -1, -1):
+            n, s = nodes[k], node_slot[k]
+            if s not in reached:
+                continue
+            rule = VJPS.get(n.op)
+            if rule is None:
+                raise GraphError(f"node '{n.name}': op '{n.op}' has no VJP, but the loss is differentiated through it")
+            bs = _BackStep()
+            bs.slot, bs.attrs, bs.args, bs.grads = s, g.norm_attrs[n.name], node_args[k], []
+            for pos, a in enumerate(node_args[k]):
+                if a not in reached:
+                    continue
+                fn = vjp_fn(n.op, pos)
+                if fn is None:
+                    arg = OPS[n.op].arg_names[pos] if pos < len(OPS[n.op].arg_names) else pos
+                    raise GraphError(
+                        f"node '{n.name}': op '{n.op}' has no VJP for argument {arg!r} ('{n.inputs[pos]}'), "
+                        "but the loss is differentiated through it"
+                    )
+                pname = param_of.get(a)
+                first = pname is not None and a not in first_write
+                if first:
+                    first_write.add(a)
+                bs.grads.append((a, fn, pname, first))
+            kept.update(node_args[k][i] for i in rule.needs_args if i < len(node_args[k]))
+            if rule.needs_ans:
+                kept.add(s)
+            backward.append(bs)
+        self._backward = backward
+        self._unreached_params = [name for s, name in param_of.items() if s not in first_write]
+        self._first_node_slot = n_leaf
+        self._train_plan = self._plan(nodes, node_slot, node_args, live, kept, {b.slot for b in backward})
+        self._eval_plan = self._plan(nodes, node_slot, node_args, live, set(), set())
+
+    def _plan(self, nodes, node_slot, node_args, live, kept, saving):
+        """Forward steps; each releases the values no later step (or the backward pass) reads."""
+        keep = set(kept) | {s for _, s in self._outputs}
+        last_use = {}
+        for k, args in enumerate(node_args):
+            if node_slot[k] in live:
+                for a in args:
+                    last_use[a] = k
+        steps = []
+        for k, n in enumerate(nodes):
+            if node_slot[k] not in live:
+                continue
+            st = _Step()
+            st.index, st.name = self.graph.order[k], n.name
+            st.forward, st.attrs = OPS[n.op].forward, self.graph.norm_attrs[n.name]
+            st.args, st.slot = node_args[k], node_slot[k]
+            st.need_saved = node_slot[k] in saving
+            # Inputs and parameters belong to the caller and are never released.
+            st.release = [
+                a for a in set(node_args[k]) if a >= self._first_node_slot and last_use.get(a) == k and a not in keep
+            ]
+            if node_slot[k] not in last_use and node_slot[k] not in keep:
+                st.release.append(node_slot[k])
+            steps.append(st)
+        return steps
+
+    # ------------------------------------------------------------------ argument checks
+
+    def _check_arrays(self, arrays, what: str) -> None:
+        if not isinstance(arrays, dict):
+            raise TypeError(f"{what} must be a dict of name -> array")
+        for name, shape in self._params:
+            v = arrays.get(name)
+            if v is None:
+                raise GraphError(f"{what}: parameter '{name}' is missing")
+            if type(v) is not self._array_type:
+                raise DeviceError(
+                    f"{what}['{name}'] is a {type(v).__module__}.{type(v).__name__}, but this executor runs on "
+                    f"{self.xp.__name__}; move it explicitly"
+                )
+            if v.dtype != self.dtype or v.shape != shape:
+                raise GraphError(
+                    f"{what}['{name}'] is {v.dtype} {tuple(v.shape)}, expected {self.dtype} {shape}"
+                )
+
+    def _load(self, env, feeds, params) -> None:
+        if not isinstance(feeds, dict):
+            raise TypeError("feeds must be a dict of input name -> array")
+        unknown = sorted(set(feeds) - {n for n, _, _ in self._inputs})
+        if unknown:
+            raise DataError(f"feeds {unknown} match no graph input (inputs: {[n for n, _, _ in self._inputs]})")
+        batch = None
+        for i, (name, shape, dtype) in enumerate(self._inputs):
+            a = feeds.get(name)
+            if a is None:
+                raise DataError(f"input '{name}' was not fed")
+            if type(a) is not self._array_type:
+                raise DeviceError(
+                    f"input '{name}' is a {type(a).__module__}.{type(a).__name__}, but this executor runs on "
+                    f"{self.xp.__name__}; move it explicitly"
+                )
+            if dtype == FLOAT:
+                if a.dtype != self.dtype:
+                    raise DataError(f"input '{name}' has dtype {a.dtype}, the executor computes in {self.dtype}")
+            elif a.dtype.kind not in "iu":
+                raise DataError(f"input '{name}' must hold integers, got dtype {a.dtype}")
+            ok = a.ndim == len(shape)
+            for d, n in zip(shape, a.shape if ok else ()):
+                if d is None:
+                    if batch is None:
+                        batch = n
+                    ok = ok and n == batch and n > 0
+                else:
+                    ok = ok and n == d
+            if not ok:
+                raise DataError(
+                    f"input '{name}' has shape {tuple(a.shape)}, the graph expects {fmt_shape(shape)}"
+                    + (f" with batch {batch}" if batch is not None else "")
+                )
+            env[i] = a
+        base = len(self._inputs)
+        for j, (name, _) in enumerate(self._params):
+            env[base + j] = params[name]
+
+    # ------------------------------------------------------------------ running
+
+    def _forward(self, plan, env, saved, ctx) -> None:
+        xp = self.xp
+        for st in plan:
+            ctx.index, ctx.node, ctx.need_saved = st.index, st.name, st.need_saved
+            out, sv = st.forward(xp, [env[a] for a in st.args], st.attrs, ctx)
+            env[st.slot] = out
+            if sv is not None:
+                saved[st.slot] = sv
+            for a in st.release:
+                env[a] = None
+
+    def forward_backward(self, param_views, grad_views, feeds, train=True, seed=None, grad_scale=1.0) -> dict:
+        """Overwrite ``grad_views`` with ``grad_scale * d(mean loss)/d(param)``; return the outputs as floats."""
+        self._check_arrays(param_views, "param_views")
+        self._check_arrays(grad_views, "grad_views")
+        xp = self.xp
+        env = [None] * self._nslots
+        saved = [None] * self._nslots
+        self._load(env, feeds, param_views)
+        self._forward(self._train_plan, env, saved, _Ctx(bool(train), seed))
+        results = [(name, env[s]) for name, s in self._outputs]
+
+        cot = [None] * self._nslots
+        cot[self._loss_slot] = xp.asarray(grad_scale, dtype=self.dtype)
+        for name in self._unreached_params:
+            grad_views[name][...] = 0
+        for bs in self._backward:
+            g = cot[bs.slot]
+            cot[bs.slot] = None
+            args = [env[a] for a in bs.args]
+            ans, sv = env[bs.slot], saved[bs.slot]
+            for a, fn, pname, first in bs.grads:
+                if pname is None:
+                    r = fn(xp, g, args, ans, sv, bs.attrs, None)
+                    c = cot[a]
+                    cot[a] = r if c is None else c + r  # never in place: r or c may alias another value
+                elif first:
+                    dest = grad_views[pname]
+                    r = fn(xp, g, args, ans, sv, bs.attrs, dest)
+                    if r is not dest:
+                        dest[...] = r
+                else:
+                    grad_views[pname][...] += fn(xp, g, args, ans, sv, bs.attrs, None)
+            env[bs.slot] = saved[bs.slot] = None
+            del g, args, ans, sv
+        return {name: float(v) for name, v in results}
+
+    def forward(self, param_views, feeds, train=False, seed=None) -> dict:
+        """Forward pass only; ``train`` enables dropout (then ``seed`` is needed)."""
+        self._check_arrays(param_views, "param_views")
+        env = [None] * self._nslots
+        self._load(env, feeds, param_views)
+        plan = self._eval_plan
+        self._forward(plan, env, [None] * self._nslots, _Ctx(bool(train), seed))
+        return {name: float(env[s]) for name, s in self._outputs}
+
+    def evaluate(self, param_views, feeds) -> dict:
+        """Forward only, no dropout: ``{"loss": mean_loss, <metric>: value, ...}``."""
+        return self.forward(param_views, feeds, train=False)

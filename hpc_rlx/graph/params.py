@@ -1,0 +1,150 @@
+"""Parameter storage and initialisation.
+
+Parameters (and their gradients) live in one caller-owned flat array each; ``ParamLayout``
+hands out per-parameter views in declaration order, so the runtime can all-reduce the
+gradient buffer as it is. Init schemes are plain data in the graph (``{"scheme": ...}``) and
+are drawn per parameter from ``SeedSequence([seed, index])``: the same seed gives the same
+values whatever the buffer's dtype or the other parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from math import prod
+
+import numpy as np
+
+# scheme -> {allowed key: default (None = required)}
+INIT_SCHEMES = {
+    "zeros": {},
+    "ones": {},
+    "constant": {"value": None},
+    "normal": {"std": None, "mean": 0.0},
+    "uniform": {"bound": None},
+    "he_normal": {"fan_in": 0},
+    "he_uniform": {"fan_in": 0},
+    "fan_in_uniform": {"fan_in": 0},
+    "xavier_normal": {"fan_in": 0, "fan_out": 0, "gain": 1.0},
+    "xavier_uniform": {"fan_in": 0, "fan_out": 0, "gain": 1.0},
+}
+
+
+def default_fans(shape) -> tuple:
+    """(fan_in, fan_out) when the graph does not state them: (in, out) matrices, (O, C, kh, kw) kernels."""
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return shape[0], shape[0]
+    if len(shape) == 4:
+        rf = shape[2] * shape[3]
+        return shape[1] * rf, shape[0] * rf
+    return prod(shape[:-1]), shape[-1]
+
+
+def check_init(init, shape) -> None:
+    """Raise ValueError describing what is wrong with an init spec."""
+    if not isinstance(init, dict) or not isinstance(init.get("scheme"), str):
+        raise ValueError(f"init must be an object with a 'scheme' string, got {init!r}")
+    scheme = init["scheme"]
+    if scheme not in INIT_SCHEMES:
+        raise ValueError(f"unknown init scheme {scheme!r} (known: {', '.join(INIT_SCHEMES)})")
+    allowed = INIT_SCHEMES[scheme]
+    extra = sorted(set(init) - set(allowed) - {"scheme"})
+    if extra:
+        raise ValueError(f"init scheme {scheme!r} takes {sorted(allowed) or 'no options'}, not {extra}")
+    for key, default in allowed.items():
+        if default is None and key not in init:
+            raise ValueError(f"init scheme {scheme!r} needs {key!r}")
+        if key in init:
+            v = init[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"init option {key!r} must be a finite number, got {v!r}")
+            if key in ("std", "bound") and v < 0 or key.startswith("fan") and v < 0:
+                raise ValueError(f"init option {key!r} must be >= 0, got {v!r}")
+
+
+def draw_init(init: dict, shape, rng: np.random.Generator) -> np.ndarray:
+    """Float64 values for one parameter."""
+    scheme = init["scheme"]
+    d_in, d_out = default_fans(shape)
+    fan_in = init.get("fan_in") or d_in
+    fan_out = init.get("fan_out") or d_out
+    if scheme == "zeros":
+        return np.zeros(shape)
+    if scheme == "ones":
+        return np.ones(shape)
+    if scheme == "constant":
+        return np.full(shape, float(init["value"]))
+    if scheme == "normal":
+        return rng.normal(init.get("mean", 0.0), init["std"], size=shape)
+    if scheme == "uniform":
+        return rng.uniform(-init["bound"], init["bound"], size=shape)
+    if scheme == "he_normal":
+        return rng.normal(0.0, math.sqrt(2.0 / fan_in), size=shape)
+    if scheme == "he_uniform":
+        b = math.sqrt(6.0 / fan_in)
+        return rng.uniform(-b, b, size=shape)
+    if scheme == "fan_in_uniform":
+        b = 1.0 / math.sqrt(fan_in)
+        return rng.uniform(-b, b, size=shape)
+    gain = init.get("gain", 1.0)
+    if scheme == "xavier_normal":
+        return rng.normal(0.0, gain * math.sqrt(2.0 / (fan_in + fan_out)), size=shape)
+    if scheme == "xavier_uniform":
+        b = gain * math.sqrt(6.0 / (fan_in + fan_out))
+        return rng.uniform(-b, b, size=shape)
+    raise ValueError(f"unknown init scheme {scheme!r}")
+
+
+class ParamLayout:
+    """Where each parameter lives in a flat buffer: declaration order, densely packed."""
+
+    def __init__(self, graph):
+        self.names = [p.name for p in graph.params]
+        self.shapes = {p.name: tuple(p.shape) for p in graph.params}
+        self.offsets = {}
+        off = 0
+        for p in graph.params:
+            self.offsets[p.name] = off
+            off += prod(p.shape)
+        self.size = off
+
+    def __repr__(self) -> str:
+        return f"ParamLayout({len(self.names)} params, {self.size} elements)"
+
+    def views(self, flat) -> dict:
+        """name -> view into ``flat`` (NumPy or CuPy, 1-D, contiguous, at least ``size`` long)."""
+        if getattr(flat, "ndim", None) != 1 or not flat.flags.c_contiguous:
+            raise ValueError(f"parameter buffer must be a contiguous 1-D array, got shape {getattr(flat, 'shape', None)}")
+        if flat.shape[0] < self.size:
+            raise ValueError(f"parameter buffer holds {flat.shape[0]} elements, the layout needs {self.size}")
+        out = {}
+        for name in self.names:
+            off, shape = self.offsets[name], self.shapes[name]
+            out[name] = flat[off : off + prod(shape)].reshape(shape)
+        return out
+
+    def pack(self, arrays: dict, out):
+        """Copy per-parameter arrays into the flat buffer ``out`` (e.g. when loading a checkpoint)."""
+        views = self.views(out)
+        missing = [n for n in self.names if n not in arrays]
+        if missing:
+            raise ValueError(f"missing parameter(s) {missing}")
+        for name, v in views.items():
+            if tuple(arrays[name].shape) != v.shape:
+                raise ValueError(f"parameter '{name}' has shape {tuple(arrays[name].shape)}, layout says {v.shape}")
+            v[...] = arrays[name]
+        return out
+
+
+def init_params(graph, flat: np.ndarray, seed: int) -> np.ndarray:
+    """Fill the host buffer ``flat`` with the graph's initial parameter values."""
+    if not isinstance(flat, np.ndarray):
+        raise TypeError("init_params fills a NumPy buffer; copy it to the device afterwards")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    views = ParamLayout(graph).views(flat)
+    for i, p in enumerate(graph.params):
+        rng = np.random.default_rng([int(seed), i])
+        views[p.name][...] = draw_init(p.init, tuple(p.shape), rng)
+    return flat
