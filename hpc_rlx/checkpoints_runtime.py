@@ -2,13 +2,18 @@
 
 The storage layer (atomic HDF5 files, checksums, retention) is `hpc_rlx.checkpoint`; this
 module decides *when* (identically on every rank), gathers *what*, and moves it over MPI:
-rank 0 writes and reads, everybody else receives by buffer Bcast.
+rank 0 writes and reads, everybody else receives by buffer Bcast, so only rank 0 needs to
+see the checkpoint directory.
+
+Every decision that leads to a collective is taken on numbers all ranks agree on (the step,
+the epoch, the flags of the step's fused bucket), and every failure on rank 0 is broadcast as
+one error, so no rank is ever left waiting in a collective the others skipped.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -18,21 +23,29 @@ import numpy as np
 from . import comm as mpi
 from .errors import CheckpointError
 
+_NO_RESUME = ("none", "null", "", "false", "no", "off")
+# What fixes which rows a step uses: if any of it differs, a mid-epoch position means nothing.
+_PLAN_KEYS = ("n_samples", "global_batch", "leftover", "steps_per_epoch", "seed", "shuffle")
+
 
 class RuntimeCheckpoints:
     def __init__(self, run):
-        from .checkpoint import CheckpointManager
+        from .checkpoint import CheckpointManager, checkpoints_dir
 
         self.run = run
         cfg = run.spec.checkpoint
         self.every_steps = cfg.get("every_steps")
         self.every_epochs = cfg.get("every_epochs")
         self.every_minutes = cfg.get("every_minutes")
-        self.directory = Path(run.spec.run_dir) / "checkpoints"
+        self.directory = checkpoints_dir(run.spec.run_dir)
         self.manager = CheckpointManager(self.directory, keep_last=int(cfg["keep_last"]),
                                          metric=cfg["metric"]) if run.is_root else None
         self._last_save = time.monotonic()
-        self.saved_step = None
+        self.saved_step: int | None = None
+        self._saved_at: tuple | None = None     # (step, epoch, step_in_epoch) of the last save
+        # A cadence save that falls on the last step of an epoch waits for that epoch's
+        # validation, so the file holds a finished epoch and its metric (see Run).
+        self.deferred = False
         self.enabled = bool(self.every_steps or self.every_epochs or self.every_minutes)
 
     # ---- cadence (all ranks evaluate these on the same agreed numbers) -------------------
@@ -46,7 +59,20 @@ class RuntimeCheckpoints:
         """Only rank 0's answer counts: it travels in the bucket's `ckpt_due` slot."""
         return bool(self.every_minutes) and time.monotonic() - self._last_save >= 60 * float(self.every_minutes)
 
-    # ---- save -------------------------------------------------------------------------
+    # ---- what goes into a checkpoint ----------------------------------------------------
+    def _plan(self) -> dict:
+        ctx, spec = self.run.ctx, self.run.spec
+        return {"n_samples": int(ctx.plan.n_samples), "global_batch": int(ctx.plan.global_batch),
+                "leftover": ctx.plan.leftover, "steps_per_epoch": int(ctx.steps_per_epoch),
+                "seed": int(spec.train["seed"]), "shuffle": bool(spec.data.shuffle)}
+
+    def _totals(self) -> dict | None:
+        t = self.run.current_totals
+        if not self.run.ctx.step_in_epoch or t is None:
+            return None
+        return {"samples": float(t.samples), "loss_sum": float(t.loss_sum),
+                "correct": float(t.correct), "steps": int(t.steps)}
+
     def _state(self):
         from .checkpoint import CheckpointState
 
@@ -58,6 +84,9 @@ class RuntimeCheckpoints:
         pstate = run.policy.state_dict()
         for k, v in pstate.get("arrays", {}).items():
             arrays[f"policy/{k}"] = np.asarray(v)
+        per_rank = pstate.get("meta", {}).get("positions")
+        if per_rank is None:   # policy=sync: every rank is at the same step of its rows
+            per_rank = [ctx.step_in_epoch] * run.comm.size
         meta = {
             "epoch": ctx.epoch,
             "step": ctx.step,
@@ -69,7 +98,9 @@ class RuntimeCheckpoints:
             # and the position are the whole RNG state.
             "rng": {"seed": int(run.spec.train["seed"]), "epoch": ctx.epoch, "step": ctx.step},
             "shard_positions": {"scheme": "rows", "epoch": ctx.epoch, "step_in_epoch": ctx.step_in_epoch,
-                                "per_rank": pstate.get("meta", {}).get("positions")},
+                                "per_rank": per_rank},
+            "plan": self._plan(),
+            "epoch_totals": self._totals(),
             "history": ctx.history,
             "world_size": run.comm.size,
             "graph_fingerprint": ctx.graph.fingerprint(),
@@ -78,65 +109,138 @@ class RuntimeCheckpoints:
         }
         return CheckpointState(arrays=arrays, meta=meta)
 
+    # ---- save (collective: every rank calls it at the same step) -------------------------
     def save(self, run, reason: str, metric: float | None) -> None:
         ctx = run.ctx
-        if self.saved_step == ctx.step:
-            return
+        at = (ctx.step, ctx.epoch, ctx.step_in_epoch)
+        self.deferred = False
+        if self._saved_at == at:
+            return          # e.g. the final save right after an epoch save: same state
         t0 = time.perf_counter()
 
         def _write():
-            path = self.manager.save(self._state(), step=ctx.step, metric_value=metric)
-            return str(path)
-        # A failed write (disk full ...) raises the same CheckpointError on every rank.
+            return str(self.manager.save(self._state(), step=ctx.step, metric_value=metric))
+        # A failed write (disk full ...) raises the same CheckpointError on every rank; the
+        # previous checkpoint and the `latest` pointer are then untouched.
         path = mpi.root_computes(run.comm, _write)
-        self.saved_step = ctx.step
+        self.saved_step, self._saved_at = ctx.step, at
         self._last_save = time.monotonic()
         run.log(f"checkpoint ({reason}) at step {ctx.step}: {path} "
                 f"[{time.perf_counter() - t0:.2f}s]")
 
     # ---- resume -----------------------------------------------------------------------
-    def _find(self) -> str | None:
-        choice = self.run.spec.resume
-        if choice in ("none", "null", "None", "", "false", "False"):
+    def _warn(self, message: str) -> None:
+        self.run.log(f"warning: {message}")
+
+    def _read_choice(self):
+        """Rank 0: the checkpoint `resume=` asks for, read and verified, or None."""
+        from .checkpoint import CheckpointManager, checkpoints_dir, read_checkpoint
+
+        choice = str(self.run.spec.resume).strip()
+        if choice.lower() in _NO_RESUME:
             return None
         if choice == "auto":
-            p = self.manager.latest_valid(warn=lambda m: self.run.log(f"warning: {m}"))
-            return str(p) if p else None
-        if not Path(choice).exists():
-            raise CheckpointError(f"resume={choice}: no such checkpoint file")
-        return choice
+            state = self.manager.load_latest(warn=self._warn)
+            present = self.manager.steps()
+            if state is None and present:
+                # Never start over silently next to checkpoints that exist: a storage hiccup
+                # would otherwise cost the whole run.
+                names = ", ".join(self.manager.path_for(s).name for s in present)
+                raise CheckpointError(
+                    f"resume=auto: none of the checkpoints in {self.directory} can be read ({names}); "
+                    f"see the warnings above. Use resume=PATH for a specific file, or resume=none "
+                    f"to start over in this directory")
+            return state
+        path = Path(choice).expanduser()
+        if path.is_dir():
+            # a run directory or its checkpoints/ directory: the newest valid checkpoint there
+            where = checkpoints_dir(path) if checkpoints_dir(path).is_dir() else path
+            state = CheckpointManager(where).load_latest(warn=self._warn)
+            if state is None:
+                raise CheckpointError(f"resume={choice}: no readable checkpoint (ckpt-<step>.h5) in {where}")
+            return state
+        if not path.exists():
+            raise CheckpointError(f"resume={choice}: no such checkpoint file or directory")
+        return read_checkpoint(path)
+
+    def _check(self, state) -> None:
+        """Rank 0: refuse a checkpoint this run cannot continue exactly."""
+        from .checkpoint import check_compatible
+
+        run, ctx = self.run, self.run.ctx
+        check_compatible(state, ctx.graph.fingerprint())
+        meta, where = state.meta, state.path
+        if meta.get("dtype", run.spec.train["dtype"]) != run.spec.train["dtype"]:
+            raise CheckpointError(f"checkpoint {where} was written with train.dtype={meta.get('dtype')}, "
+                                  f"this run uses train.dtype={run.spec.train['dtype']}")
+        opt = (meta.get("optimizer") or {}).get("name")
+        if opt is not None and opt != run.spec.optim["name"]:
+            raise CheckpointError(
+                f"checkpoint {where} holds optim={opt} state, this run uses optim={run.spec.optim['name']}; "
+                f"to start a new optimizer from those weights, use model.init_from=<run_dir>/model.h5")
+        saved, now = meta.get("plan"), self._plan()
+        if saved:
+            changed = {k: (saved.get(k), now[k]) for k in _PLAN_KEYS if saved.get(k) != now[k]}
+            if changed and int(meta.get("step_in_epoch", 0)) > 0:
+                detail = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+                raise CheckpointError(
+                    f"checkpoint {where} stopped in the middle of epoch {int(meta['epoch']) + 1} "
+                    f"(step {meta['step_in_epoch']} of {saved.get('steps_per_epoch')}), but the data plan "
+                    f"changed ({detail}), so that position means other samples now; resume with the same "
+                    f"train.batch_size, train.seed and data settings, or from an end-of-epoch checkpoint")
+            if changed:
+                self._warn(f"the data plan differs from checkpoint {where} "
+                           f"({', '.join(sorted(changed))}); continuing from its epoch boundary")
 
     def maybe_resume(self) -> None:
-        from .checkpoint import check_compatible, read_checkpoint
-
+        """Collective: rank 0 picks, reads and checks; everyone receives the arrays by Bcast."""
         run, ctx, comm = self.run, self.run.ctx, self.run.comm
         holder = {}
 
         def _load():
-            path = self._find()
-            if path is None:
+            state = self._read_choice()
+            if state is None:
                 return None
-            state = read_checkpoint(path)
-            check_compatible(state, ctx.graph.fingerprint())
-            if state.meta.get("dtype", run.spec.train["dtype"]) != run.spec.train["dtype"]:
-                raise CheckpointError(f"checkpoint {path} was written with train.dtype="
-                                      f"{state.meta.get('dtype')}, this run uses {run.spec.train['dtype']}")
+            self._check(state)
+            # Best tracking from the recorded history, later checkpoints moved aside: only
+            # now that the checkpoint has been accepted.
+            self.manager.restore_history(state, warn=self._warn)
             holder["state"] = state
-            if run.spec.resume == "auto":
-                self.manager.restore_history(path)
-            shapes = {k: (v.shape, v.dtype.str) for k, v in state.arrays.items()}
-            return {"path": path, "meta": state.meta, "shapes": shapes}
+            shapes = {k: (list(v.shape), v.dtype.str) for k, v in state.arrays.items()}
+            return {"path": str(state.path), "meta": state.meta, "shapes": shapes}
         info = mpi.root_computes(comm, _load)
         if info is None:
             return
         arrays = {}
-        for name, (shape, dt) in sorted(info["shapes"].items()):
-            arr = holder["state"].arrays[name] if comm.rank == 0 else np.empty(shape, dtype=np.dtype(dt))
-            arr = np.ascontiguousarray(arr)
+        for name in sorted(info["shapes"]):
+            shape, dt = info["shapes"][name]
+            if comm.rank == 0:
+                arr = holder["state"].arrays[name]
+                if not arr.flags.c_contiguous:   # (np.ascontiguousarray would turn 0-d into 1-d)
+                    arr = arr.copy(order="C")
+            else:
+                arr = np.empty(tuple(shape), dtype=np.dtype(dt))
             comm.Bcast(arr, root=0)
             arrays[name] = arr
+        holder.clear()
+        # Every rank holds the same data, so these checks fail everywhere or nowhere.
+        mpi.agree(comm, lambda: self._apply(info, arrays))
+        run.resumed_from = info["path"]
         meta = info["meta"]
-        ctx.params[...] = arrays["params"]
+        where = (f"in epoch {ctx.epoch + 1} at step {ctx.step_in_epoch}/{ctx.steps_per_epoch}"
+                 if ctx.step_in_epoch else f"after epoch {ctx.epoch}")
+        ranks = (f"written on {meta['world_size']} ranks, shards re-planned for {comm.size}"
+                 if int(meta["world_size"]) != comm.size else f"written on {comm.size} ranks")
+        run.log(f"resumed from {info['path']}: global step {ctx.step}, {where} ({ranks})")
+
+    def _apply(self, info: dict, arrays: dict) -> None:
+        run, ctx = self.run, self.run.ctx
+        meta = info["meta"]
+        params = arrays["params"]
+        if params.shape != ctx.params.shape:
+            raise CheckpointError(f"checkpoint {info['path']} holds {params.size} parameters, "
+                                  f"the model has {ctx.params.size}")
+        ctx.params[...] = params
         ctx.optimizer.load_state_dict({
             "arrays": {k[4:]: v for k, v in arrays.items() if k.startswith("opt/")},
             "scalars": meta["optimizer"]["scalars"]})
@@ -145,25 +249,41 @@ class RuntimeCheckpoints:
             "meta": meta["policy"]["state"], "world_size": meta["world_size"]})
         ctx.epoch, ctx.step = int(meta["epoch"]), int(meta["step"])
         ctx.step_in_epoch = int(meta["step_in_epoch"])
+        if ctx.step_in_epoch > ctx.steps_per_epoch:
+            raise CheckpointError(f"checkpoint {info['path']} is at step {ctx.step_in_epoch} of an epoch "
+                                  f"that now has {ctx.steps_per_epoch} steps")
         ctx.skipped_steps = int(meta.get("skipped_steps", 0))
         ctx.history = list(meta.get("history", []))
+        run.carried_totals = meta.get("epoch_totals") if ctx.step_in_epoch else None
+        lanes = getattr(run, "lanes", None)
+        if lanes is not None:
+            lanes.refresh_device_params()
         self.saved_step = ctx.step
-        run.resumed_from = info["path"]
-        run.log(f"resumed from {info['path']} (epoch {ctx.epoch}, step {ctx.step}, "
-                f"written on {meta['world_size']} ranks)")
+        self._saved_at = (ctx.step, ctx.epoch, ctx.step_in_epoch)
 
     # ---- Slurm requeue ------------------------------------------------------------------
     def maybe_requeue(self) -> None:
+        """After a preemption checkpoint: `scontrol requeue $SLURM_JOB_ID` (rank 0 only).
+
+        Called once the run's outputs are written, because Slurm ends the job right away.
+        The requeued job keeps its id, so it finds the same run directory and resumes there.
+        """
         run = self.run
-        job = os.environ.get("SLURM_JOB_ID")
-        if not (run.is_root and run.spec.checkpoint.get("requeue") and job):
+        if not (run.is_root and run.spec.checkpoint.get("requeue")):
             return
+        job = os.environ.get("SLURM_JOB_ID")
+        if not job:
+            run.log("checkpoint.requeue=true but this is not a Slurm job (no SLURM_JOB_ID): not requeued")
+            return
+        scontrol = shutil.which("scontrol") or "scontrol"
         try:
-            out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
-            run.log(f"scontrol requeue {job}: rc={out.returncode} {out.stderr.strip()}")
+            out = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as e:
-            run.log(f"warning: scontrol requeue {job} failed: {e}")
-
-
-def state_summary(state) -> str:
-    return json.dumps({k: (v.shape, str(v.dtype)) for k, v in state.arrays.items()})
+            run.log(f"warning: scontrol requeue {job} failed: {e}; resubmit the job to resume "
+                    f"from its checkpoint")
+            return
+        if out.returncode == 0:
+            run.log(f"requeued Slurm job {job}: it resumes from its latest checkpoint")
+        else:
+            run.log(f"warning: scontrol requeue {job} exited {out.returncode}: "
+                    f"{(out.stderr or out.stdout).strip()}; resubmit the job to resume from its checkpoint")

@@ -234,7 +234,7 @@ class SyncPolicy:
     def run_epoch(self, run: "Run", epoch: int, first_step: int) -> EpochTotals:
         ctx, lanes, bucket = run.ctx, run.lanes, run.ctx.bucket
         order = ctx.order(epoch)
-        totals = EpochTotals()
+        totals = run.epoch_totals()
         for s in range(first_step, ctx.steps_per_epoch):
             t_step = time.perf_counter()
             idx = order.step_indices(s)
@@ -294,6 +294,9 @@ class Run:
         self.on_nonfinite = spec.train["on_nonfinite"]
         self.stop_flag = StopFlag()
         self.stop_reason: str | None = None
+        self.resumed_from: str | None = None
+        self.carried_totals: dict | None = None     # a mid-epoch checkpoint's running totals
+        self.current_totals: EpochTotals | None = None
         self.t_start = time.perf_counter()
         self._last_log = time.perf_counter()
         self._tty = self.is_root and sys.stdout.isatty()
@@ -344,7 +347,12 @@ class Run:
             self.stop_reason = "signal"
             return True
         if flags["ckpt_due"] or self.checkpoints.steps_due(ctx.step):
-            self.save_checkpoint(reason="cadence")
+            if isinstance(self.policy, SyncPolicy) and ctx.step_in_epoch >= ctx.steps_per_epoch:
+                # The epoch's last step: save once its validation is done (see execute), so a
+                # resume does not redo the epoch's end.
+                self.checkpoints.deferred = True
+            else:
+                self.save_checkpoint(reason="cadence")
         if ctx.total_steps and ctx.step >= ctx.total_steps:
             self.stop_reason = "max_steps"
             return True
@@ -367,6 +375,17 @@ class Run:
                   f"(global step {ctx.step}) loss {self.stats.last_loss}", flush=True)
 
     # ---- checkpoints --------------------------------------------------------------------
+    def epoch_totals(self) -> EpochTotals:
+        """The running totals of the epoch a policy is about to train. After a mid-epoch
+        resume they start from the checkpoint's, so the epoch's train_loss covers all its steps."""
+        t = EpochTotals()
+        carried, self.carried_totals = self.carried_totals, None
+        if carried:
+            t.samples, t.loss_sum = float(carried["samples"]), float(carried["loss_sum"])
+            t.correct, t.steps = float(carried["correct"]), int(carried["steps"])
+        self.current_totals = t
+        return t
+
     def save_checkpoint(self, reason: str, metric: float | None = None) -> None:
         maybe_fail(self.spec, self.rank, "checkpoint")
         self.checkpoints.save(self, reason, metric)
@@ -379,6 +398,8 @@ class Run:
         from .threads import limit_threads
 
         spec, comm = self.spec, self.comm
+        # Early, so a signal during startup becomes a stop at the first step, not a dead rank.
+        self.stop_flag.install()
         maybe_fail(spec, self.rank, "startup")
         self.threads = limit_threads(comm, spec.train.get("threads_per_rank"),
                                      lanes=max(1, int(spec.device.get("cpu_lanes") or 1)))
@@ -394,7 +415,8 @@ class Run:
         self.policy = make_policy(spec)
         self.checkpoints = RuntimeCheckpoints(self)
         self.checkpoints.maybe_resume()
-        self.stop_flag.install()
+        if ctx.total_steps and ctx.step >= ctx.total_steps:
+            self.stop_reason = "max_steps"     # resumed at or past train.max_steps: no step to take
         self.outputs = RunOutputs(self) if self.is_root else None
         if self.outputs:
             self.outputs.start()
@@ -414,20 +436,27 @@ class Run:
                 metrics = self._end_epoch(totals, time.perf_counter() - t_epoch)
                 ctx.epoch += 1
                 ctx.step_in_epoch = 0
-                if self.checkpoints.epoch_due(ctx.epoch) and self.stop_reason is None:
-                    self.save_checkpoint("epoch", metrics.get(spec.checkpoint["metric"]))
+                epoch_due = self.checkpoints.epoch_due(ctx.epoch)
+                if (epoch_due or self.checkpoints.deferred) and self.stop_reason is None:
+                    self.save_checkpoint("epoch" if epoch_due else "cadence",
+                                         metrics.get(spec.checkpoint["metric"]))
             if self.stop_reason == "signal":
                 self.log(f"stop requested (signal) at step {ctx.step}: writing a checkpoint")
                 self.save_checkpoint("preempt", metrics.get(spec.checkpoint["metric"]) if metrics else None)
-                self.checkpoints.maybe_requeue()
         if self.stop_reason in (None, "max_steps") and self.checkpoints.enabled:
             # The end of a run is always resumable (e.g. with more epochs).
             self.save_checkpoint("final", self._last_metric())
-        return self._finish()
+        result = self._finish()
+        if self.stop_reason == "signal":
+            self.checkpoints.maybe_requeue()   # last: Slurm ends the job right away
+        return result
 
     def _last_metric(self) -> float | None:
+        """The metric of the current parameters: only if they are those of the last validation."""
         hist = self.ctx.history
-        return hist[-1].get(self.spec.checkpoint["metric"]) if hist else None
+        if not hist or hist[-1].get("step") != self.ctx.step:
+            return None
+        return hist[-1].get(self.spec.checkpoint["metric"])
 
     def _end_epoch(self, totals: EpochTotals, wall: float) -> dict:
         ctx, spec = self.ctx, self.spec
@@ -478,6 +507,7 @@ class Run:
             "skipped_steps": ctx.skipped_steps,
             "final": final,
             "world_size": comm.size,
+            "resumed_from": self.resumed_from,
             "ranks": ranks,
         }
         if self.is_root:
@@ -509,7 +539,30 @@ class RunOutputs:
         if self.run.spec.config_yaml:
             (self.dir / "config.yaml").write_text(self.run.spec.config_yaml)
         (self.dir / "graph.json").write_text(json.dumps(self.run.spec.graph, indent=1))
+        if self.run.resumed_from:
+            self._trim_metrics(self.run.ctx.epoch)
         self.metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
+
+    def _trim_metrics(self, epochs_done: int) -> None:
+        """On resume, epochs past the checkpoint are trained again: their old records move to
+        metrics.abandoned.jsonl so metrics.jsonl reads as one uninterrupted run."""
+        path = self.dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        keep, drop = [], []
+        for line in path.read_text().splitlines():
+            try:
+                later = int(json.loads(line).get("epoch", 0)) > epochs_done
+            except (ValueError, AttributeError, TypeError):
+                later = False
+            (drop if later else keep).append(line)
+        if not drop:
+            return
+        with open(self.dir / "metrics.abandoned.jsonl", "a") as f:
+            f.write("".join(line + "\n" for line in drop))
+        tmp = self.dir / "metrics.jsonl.tmp"
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
 
     def epoch(self, rec: dict) -> None:
         self.metrics.write(json.dumps(rec) + "\n")
