@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import trace
 from .errors import HpcRlxError
 
 
@@ -137,18 +138,28 @@ class FusedBucket:
         """Sum the whole bucket over all ranks in place. Returns seconds spent."""
         from mpi4py import MPI
         t0 = time.perf_counter()
+        tr = trace.ACTIVE
+        seq = tr.next_seq() if tr is not None else 0
         buf = self.buffer
         n = buf.shape[0]
         chunks = 0
         for lo in range(0, n, self.chunk_elems):
             part = buf[lo: lo + self.chunk_elems]
+            tc = time.perf_counter()
             if self.deterministic:
                 _ordered_sum(comm, part)
             else:
                 comm.Allreduce(MPI.IN_PLACE, part, op=MPI.SUM)
+            if tr is not None:
+                tr.add("chunk", "comm", trace.MAIN, tc, time.perf_counter(),
+                       {"seq": seq, "i": chunks, "bytes": int(part.nbytes)})
             chunks += 1
         self.last_chunks = chunks
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if tr is not None:
+            tr.add("allreduce", "comm", trace.MAIN, t0, t1,
+                   {"seq": seq, "bytes": int(buf.nbytes), "chunks": chunks})
+        return t1 - t0
 
 
 def _ordered_sum(comm, part: np.ndarray) -> None:

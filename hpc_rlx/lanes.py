@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import backend
+from . import backend, trace
 from .errors import DeviceError
 
 
@@ -94,7 +94,10 @@ class Lane:
                                              train=True, seed=seed, grad_scale=float(n))
         if self.kind == "cuda":
             backend.synchronize(self.xp)
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        dt = t1 - t0
+        if trace.ACTIVE is not None:
+            trace.ACTIVE.add("forward_backward", "compute", f"lane {self.name}", t0, t1, {"n": n})
         rate = n / max(dt, 1e-9)
         self.rate = rate if self.rate == 0.0 else 0.7 * self.rate + 0.3 * rate
         self.samples += n

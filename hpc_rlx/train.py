@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from . import comm as mpi
+from . import trace
 from .errors import DataError
 from .spec import TrainSpec
 
@@ -51,6 +52,10 @@ class RankStats:
     last_loss: float | None = None
     lane_samples: dict = field(default_factory=dict)
     lane_busy_s: dict = field(default_factory=dict)
+    threads: int | None = None
+    checkpoint_s: float = 0.0
+    # one record per epoch of this rank's time split (gathered once, at the end of the run)
+    epochs: list = field(default_factory=list)
 
 
 class Context:
@@ -215,6 +220,7 @@ class EpochTotals:
     compute_s: float = 0.0
     comm_s: float = 0.0
     step_wall_s: float = 0.0
+    data_s: float = 0.0          # batch gathering from the in-memory shard
     extra: dict = field(default_factory=dict)
 
 
@@ -237,12 +243,15 @@ class SyncPolicy:
         totals = run.epoch_totals()
         for s in range(first_step, ctx.steps_per_epoch):
             t_step = time.perf_counter()
-            idx = order.step_indices(s)
-            xb, yb = ctx.x[idx], ctx.y[idx]
+            with trace.span("data.batch", "data"):
+                idx = order.step_indices(s)
+                xb, yb = ctx.x[idx], ctx.y[idx]
+            t_data = time.perf_counter()
+            totals.data_s += t_data - t_step
             maybe_fail(ctx.spec, ctx.rank, "step", ctx.step)
             n, loss_sum, correct, compute = lanes.step(xb, yb, run.dropout_seed())
             run.slowdown(compute)
-            compute = time.perf_counter() - t_step
+            compute = time.perf_counter() - t_data
             bucket.zero_tail()
             bucket["samples"] = n
             bucket["loss_sum"] = loss_sum
@@ -258,7 +267,8 @@ class SyncPolicy:
                 ctx.skipped_steps += 1
             elif total_n > 0:
                 bucket.payload /= total_n
-                ctx.apply_gradient(bucket.payload, ctx.lr_at(ctx.step))
+                with trace.span("optimizer", "optim"):
+                    ctx.apply_gradient(bucket.payload, ctx.lr_at(ctx.step))
             ctx.step += 1
             ctx.step_in_epoch = s + 1
             totals.samples += total_n
@@ -268,6 +278,8 @@ class SyncPolicy:
             totals.compute_s += compute
             totals.comm_s += dt_comm
             totals.step_wall_s += time.perf_counter() - t_step
+            if trace.ACTIVE is not None:
+                trace.ACTIVE.add("step", "step", trace.MAIN, t_step, time.perf_counter(), {"step": ctx.step})
             run.after_step(n, loss_sum / max(n, 1), compute, dt_comm)
             if run.should_stop_after_step(flags):
                 break
@@ -302,6 +314,8 @@ class Run:
         self._tty = self.is_root and sys.stdout.isatty()
         slow = spec.debug.get("slowdown") or {}
         self._slow_factor = float({int(k): v for k, v in dict(slow).items()}.get(comm.rank, 1.0))
+        self.tracer = None
+        self._ckpt_pending_s = 0.0
 
     # ---- logging ----------------------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -388,7 +402,20 @@ class Run:
 
     def save_checkpoint(self, reason: str, metric: float | None = None) -> None:
         maybe_fail(self.spec, self.rank, "checkpoint")
-        self.checkpoints.save(self, reason, metric)
+        t0 = time.perf_counter()
+        with trace.span("checkpoint", "io", args={"reason": reason}):
+            self.checkpoints.save(self, reason, metric)
+        self._add_checkpoint_time(time.perf_counter() - t0)
+
+    def _add_checkpoint_time(self, dt: float) -> None:
+        st, ctx = self.stats, self.ctx
+        st.checkpoint_s += dt
+        if st.epochs and st.epochs[-1]["epoch"] == ctx.epoch:
+            # saved after the epoch's record was made (end of epoch): belongs to that epoch
+            st.epochs[-1]["checkpoint_s"] += dt
+            st.epochs[-1]["epoch_s"] += dt
+        else:
+            self._ckpt_pending_s += dt   # inside an epoch: already part of its wall time
 
     # ---- main -------------------------------------------------------------------------
     def execute(self) -> dict:
@@ -403,15 +430,19 @@ class Run:
         maybe_fail(spec, self.rank, "startup")
         self.threads = limit_threads(comm, spec.train.get("threads_per_rank"),
                                      lanes=max(1, int(spec.device.get("cpu_lanes") or 1)))
+        tcfg = spec.extras.get("trace") or {}
+        self.tracer = trace.start(comm, bool(tcfg.get("enabled")), host=mpi.hostname(),
+                                  max_events=tcfg.get("max_events"))
         self.ctx = ctx = Context(spec, comm, log=self.log)
         self.log(spec.extras.get("plan", ""))
-        ctx.load_data()
+        with trace.span("data.load", "data", args={"distribution": spec.data.distribution}):
+            ctx.load_data()
         lanes_spec = mpi_mod.agree(comm, lambda: resolve_lanes(
             spec.device["kind"], int(spec.device["cpu_lanes"]), int(spec.device["gpus_per_rank"]),
             mpi_mod.local_rank(comm)))
         self.lanes = LaneSet(ctx.graph, lanes_spec, spec.train["dtype"], ctx.params,
                              ctx.bucket.payload, ctx.layout)
-        self.stats = RankStats(lanes=self.lanes.names, inventory=inventory())
+        self.stats = RankStats(lanes=self.lanes.names, inventory=inventory(), threads=self.threads)
         self.policy = make_policy(spec)
         self.checkpoints = RuntimeCheckpoints(self)
         self.checkpoints.maybe_resume()
@@ -440,6 +471,8 @@ class Run:
                 if (epoch_due or self.checkpoints.deferred) and self.stop_reason is None:
                     self.save_checkpoint("epoch" if epoch_due else "cadence",
                                          metrics.get(spec.checkpoint["metric"]))
+                if self.tracer is not None:
+                    self.tracer.add(f"epoch {ctx.epoch}", "epoch", trace.MAIN, t_epoch, time.perf_counter())
             if self.stop_reason == "signal":
                 self.log(f"stop requested (signal) at step {ctx.step}: writing a checkpoint")
                 self.save_checkpoint("preempt", metrics.get(spec.checkpoint["metric"]) if metrics else None)
@@ -460,7 +493,10 @@ class Run:
 
     def _end_epoch(self, totals: EpochTotals, wall: float) -> dict:
         ctx, spec = self.ctx, self.spec
-        val = ctx.evaluate(self.lanes)
+        t_eval = time.perf_counter()
+        with trace.span("evaluate", "eval"):
+            val = ctx.evaluate(self.lanes)
+        self._record_rank_epoch(totals, wall, time.perf_counter() - t_eval)
         train_loss = totals.loss_sum / totals.samples if totals.samples else None
         rec = {
             "epoch": ctx.epoch + 1,
@@ -489,9 +525,25 @@ class Run:
                  f"{_fmt(rec['samples_per_s'], 0)} samples/s  comm {_fmt(totals.comm_s, 3)}s")
         return rec
 
+    def _record_rank_epoch(self, totals: EpochTotals, wall: float, eval_s: float) -> None:
+        """This rank's time split of the epoch; gathered with the rank stats at the end."""
+        st = self.stats
+        load_s = self.ctx.data_s if not st.epochs else 0.0   # the shard load precedes epoch 1
+        ckpt, self._ckpt_pending_s = self._ckpt_pending_s, 0.0
+        st.epochs.append({
+            "epoch": self.ctx.epoch + 1, "steps": totals.steps,
+            "compute_s": totals.compute_s, "comm_s": totals.comm_s,
+            "data_s": load_s + totals.data_s, "eval_s": eval_s, "checkpoint_s": ckpt,
+            "epoch_s": load_s + wall + eval_s,
+        })
+
     def _finish(self) -> dict:
         ctx, comm = self.ctx, self.comm
         st = self.stats
+        trace_path = Path(self.spec.run_dir) / "trace.json"
+        doc = trace.finish(comm, self.tracer, trace_path if self.is_root else None)
+        if doc is not None:
+            self.log(f"trace: {trace_path} ({len(doc['traceEvents'])} events; open in https://ui.perfetto.dev)")
         st.lane_samples = {ln.name: ln.samples for ln in self.lanes.lanes}
         st.lane_busy_s = {ln.name: ln.busy_s for ln in self.lanes.lanes}
         st.data_s = ctx.data_s
@@ -508,6 +560,7 @@ class Run:
             "final": final,
             "world_size": comm.size,
             "resumed_from": self.resumed_from,
+            "trace": str(trace_path) if self.tracer is not None else None,
             "ranks": ranks,
         }
         if self.is_root:
@@ -591,7 +644,9 @@ class RunOutputs:
                 from .report import write_plots
                 write_plots(self.dir)
             except ImportError:
-                pass
+                self.run.log("plots skipped: matplotlib is not installed (pip install 'hpc_rlx[report]')")
+            except Exception as e:  # noqa: BLE001 - plots must never fail a finished run
+                self.run.log(f"plots skipped: {type(e).__name__}: {e}")
 
 
 def _json_default(o):
