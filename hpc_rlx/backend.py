@@ -7,6 +7,7 @@ between host and device behind the caller's back: ``to_numpy`` is the one explic
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 
@@ -54,19 +55,38 @@ def gpu_count() -> int:
     return _gpus
 
 
-def get_xp(device: str):
-    """The array module for ``device``: ``"cpu"`` -> numpy, ``"cuda"`` (or ``"gpu"``) -> cupy."""
-    if not isinstance(device, str):
-        raise DeviceError(f"device must be a string such as 'cpu' or 'cuda', got {device!r}")
-    name = device.strip().lower()
+def gpu_unavailable_reason() -> str:
+    """Why ``cupy_available()`` is False ("" when a GPU is usable)."""
+    _probe()
+    return _cupy_problem
+
+
+def get_xp(kind: str, device: int | None = None):
+    """The array module for ``kind``: ``"cpu"`` -> numpy, ``"cuda"`` (or ``"gpu"``) -> cupy.
+
+    ``device`` (cuda only) is checked against the visible GPUs; select it for a block of work
+    with ``use_device``.
+    """
+    if not isinstance(kind, str):
+        raise DeviceError(f"device must be a string such as 'cpu' or 'cuda', got {kind!r}")
+    name = kind.strip().lower()
     if name in ("cpu", "numpy", "host"):
         return np
     if name in ("cuda", "gpu", "cupy"):
         _probe()
         if _cupy is None:
-            raise DeviceError(f"device {device!r} requested but unavailable: {_cupy_problem}")
+            raise DeviceError(f"device {kind!r} requested but unavailable: {_cupy_problem}")
+        if device is not None and not (isinstance(device, int) and 0 <= device < _gpus):
+            raise DeviceError(f"GPU index {device!r} is out of range: this process sees {_gpus} GPU(s)")
         return _cupy
-    raise DeviceError(f"unknown device {device!r}; use 'cpu' or 'cuda'")
+    raise DeviceError(f"unknown device {kind!r}; use 'cpu' or 'cuda'")
+
+
+def use_device(index: int | None):
+    """Context manager making GPU ``index`` current for this thread (no-op for None / CPU)."""
+    if index is None or _cupy is None:
+        return contextlib.nullcontext()
+    return _cupy.cuda.Device(index)
 
 
 def _loaded_cupy():

@@ -151,14 +151,24 @@ class Executor:
 
     # ------------------------------------------------------------------ argument checks
 
-    def _check_arrays(self, arrays, what: str) -> None:
+    def _device(self, a, what: str, device):
+        """The GPU id ``a`` lives on (None on the host); raises if it differs from ``device``."""
+        if self.xp is np:
+            return None
+        dev = a.device.id
+        if device is not None and dev != device:
+            raise DeviceError(f"{what} lives on GPU {dev} but the parameters on GPU {device}; move it explicitly")
+        return dev
+
+    def _check_arrays(self, arrays, what: str, device=None):
+        """Validate a param/grad dict; returns the GPU id the arrays live on (None on the host)."""
         if not isinstance(arrays, dict):
             raise TypeError(f"{what} must be a dict of name -> array")
         for name, shape in self._params:
             v = arrays.get(name)
             if v is None:
                 raise GraphError(f"{what}: parameter '{name}' is missing")
-            if type(v) is not self._array_type:
+            if not isinstance(v, self._array_type):
                 raise DeviceError(
                     f"{what}['{name}'] is a {type(v).__module__}.{type(v).__name__}, but this executor runs on "
                     f"{self.xp.__name__}; move it explicitly"
@@ -167,8 +177,10 @@ class Executor:
                 raise GraphError(
                     f"{what}['{name}'] is {v.dtype} {tuple(v.shape)}, expected {self.dtype} {shape}"
                 )
+            device = self._device(v, f"{what}['{name}']", device)
+        return device
 
-    def _load(self, env, feeds, params) -> None:
+    def _load(self, env, feeds, params, device):
         if not isinstance(feeds, dict):
             raise TypeError("feeds must be a dict of input name -> array")
         unknown = sorted(set(feeds) - {n for n, _, _ in self._inputs})
@@ -179,7 +191,7 @@ class Executor:
             a = feeds.get(name)
             if a is None:
                 raise DataError(f"input '{name}' was not fed")
-            if type(a) is not self._array_type:
+            if not isinstance(a, self._array_type):
                 raise DeviceError(
                     f"input '{name}' is a {type(a).__module__}.{type(a).__name__}, but this executor runs on "
                     f"{self.xp.__name__}; move it explicitly"
@@ -202,10 +214,12 @@ class Executor:
                     f"input '{name}' has shape {tuple(a.shape)}, the graph expects {fmt_shape(shape)}"
                     + (f" with batch {batch}" if batch is not None else "")
                 )
+            device = self._device(a, f"input '{name}'", device)
             env[i] = a
         base = len(self._inputs)
         for j, (name, _) in enumerate(self._params):
             env[base + j] = params[name]
+        return device
 
     # ------------------------------------------------------------------ running
 
@@ -221,13 +235,21 @@ class Executor:
                 env[a] = None
 
     def forward_backward(self, param_views, grad_views, feeds, train=True, seed=None, grad_scale=1.0) -> dict:
-        """Overwrite ``grad_views`` with ``grad_scale * d(mean loss)/d(param)``; return the outputs as floats."""
-        self._check_arrays(param_views, "param_views")
-        self._check_arrays(grad_views, "grad_views")
-        xp = self.xp
+        """Overwrite ``grad_views`` with ``grad_scale * d(mean loss)/d(param)``; return the outputs as floats.
+
+        ``train`` enables dropout, whose masks derive from ``seed`` and the node. Feeds, params and
+        grads must already live on this executor's array module (and the same GPU).
+        """
+        device = self._check_arrays(param_views, "param_views")
+        device = self._check_arrays(grad_views, "grad_views", device)
         env = [None] * self._nslots
+        device = self._load(env, feeds, param_views, device)
+        with backend.use_device(device):
+            return self._run_backward(env, grad_views, train, seed, grad_scale)
+
+    def _run_backward(self, env, grad_views, train, seed, grad_scale) -> dict:
+        xp = self.xp
         saved = [None] * self._nslots
-        self._load(env, feeds, param_views)
         self._forward(self._train_plan, env, saved, _Ctx(bool(train), seed))
         results = [(name, env[s]) for name, s in self._outputs]
 
@@ -252,18 +274,19 @@ class Executor:
                         dest[...] = r
                 else:
                     grad_views[pname][...] += fn(xp, g, args, ans, sv, bs.attrs, None)
+            # This node's output and saved state are read by no VJP still to come: drop them now.
             env[bs.slot] = saved[bs.slot] = None
             del g, args, ans, sv
         return {name: float(v) for name, v in results}
 
     def forward(self, param_views, feeds, train=False, seed=None) -> dict:
         """Forward pass only; ``train`` enables dropout (then ``seed`` is needed)."""
-        self._check_arrays(param_views, "param_views")
+        device = self._check_arrays(param_views, "param_views")
         env = [None] * self._nslots
-        self._load(env, feeds, param_views)
-        plan = self._eval_plan
-        self._forward(plan, env, [None] * self._nslots, _Ctx(bool(train), seed))
-        return {name: float(env[s]) for name, s in self._outputs}
+        device = self._load(env, feeds, param_views, device)
+        with backend.use_device(device):
+            self._forward(self._eval_plan, env, [None] * self._nslots, _Ctx(bool(train), seed))
+            return {name: float(env[s]) for name, s in self._outputs}
 
     def evaluate(self, param_views, feeds) -> dict:
         """Forward only, no dropout: ``{"loss": mean_loss, <metric>: value, ...}``."""

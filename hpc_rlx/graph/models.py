@@ -118,8 +118,6 @@ def cnn(input_shape, num_classes=10, channels=(16, 32), kernel=3, hidden=64, poo
     pool = _choice(pool, "pool", ("max", "avg", "none"))
     activation = _choice(activation, "activation", ACTIVATIONS)
     p = _prob(dropout, "dropout")
-    if k > h + 2 * (k // 2) or k > w + 2 * (k // 2):
-        raise ConfigError(f"kernel={k} does not fit input {c}x{h}x{w}")
     b = GraphBuilder("cnn", meta={"builder": "cnn", "args": {
         "input_shape": [c, h, w], "num_classes": num_classes, "channels": channels, "kernel": k,
         "hidden": hidden, "pool": pool, "activation": activation, "dropout": p}})
