@@ -11,18 +11,27 @@ all ranks reach the same decision without an extra collective:
 - `outer`: outer optimizers applied to the consensus (average, DiLoCo, SlowMo).
 - `window`: trimming a window's step counts to what is left of the epoch.
 - `slowdown`: honest extra wall time per step, to simulate slow hardware on one machine.
+- `config`: the `policy.*` keys, their defaults and checks (`validate_policy_config`).
+- `epochlog`: the per-epoch metrics record of a windowed policy.
+
+`runners` (imported lazily by the training loop, it needs MPI) drives all of this inside
+`train.Run`: `make_runner(spec)` for `policy=cadence` and `policy=async`.
 """
 
 from .bucket import REPORT_FIELDS, SyncLayout, SyncReport
+from .config import POLICY_NAMES, build_controller, validate_policy_config
 from .consensus import finish_consensus, pack_consensus, relative_divergence, work_weight
 from .elche import ElcheScheduler
+from .epochlog import EpochLog
 from .interval import IntervalController
 from .outer import DiLoCo, OuterAverage, OuterOptimizer, SlowMo, make_outer
 from .slowdown import SlowdownInjector, parse_slowdown, slowdown_for_rank
+from .smoothing import RecentMin
 from .window import plan_window
 
 __all__ = [
     "REPORT_FIELDS", "SyncLayout", "SyncReport",
+    "POLICY_NAMES", "build_controller", "validate_policy_config", "EpochLog", "RecentMin",
     "finish_consensus", "pack_consensus", "relative_divergence", "work_weight",
     "ElcheScheduler", "IntervalController",
     "DiLoCo", "OuterAverage", "OuterOptimizer", "SlowMo", "make_outer",

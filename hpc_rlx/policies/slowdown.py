@@ -6,7 +6,10 @@ sleep, so the schedulers see the slowdown exactly like a slow device.
 
 Sleeping (not spinning) leaves the core to the other ranks, as a slow GPU would. `time.sleep`
 overshoots by a little each call; the overshoot is carried as credit into the next step, so
-the long-run factor stays exact even for millisecond steps.
+the long-run factor stays exact even for millisecond steps. The credit is capped at the
+extra time of the steps since the last sleep: a sleep that the OS stretched by far more (a preempted rank) is the rank
+being slow anyway, and a large credit would let it run unslowed for many steps, which the
+schedulers would read as a sudden speed-up.
 """
 
 from __future__ import annotations
@@ -67,25 +70,43 @@ class SlowdownInjector:
         self._sleep = sleep
         self._clock = clock
         self._debt = 0.0
+        self._owed_since_flush = 0.0
         self.injected_s = 0.0
 
     @property
     def active(self) -> bool:
         return self.factor > 1.0
 
-    def after_step(self, compute_s: float) -> float:
-        """Sleep off this step's share of extra time; returns the seconds actually slept."""
-        if not self.active or not compute_s > 0:
-            return 0.0
-        self._debt += (self.factor - 1.0) * compute_s
+    def owe(self, compute_s: float) -> None:
+        """Add a step's extra time to the debt without sleeping yet (see `flush`)."""
+        if self.active and compute_s > 0:
+            extra = (self.factor - 1.0) * compute_s
+            self._debt += extra
+            self._owed_since_flush += extra
+
+    def flush(self) -> float:
+        """Sleep off the debt; returns the seconds actually slept.
+
+        Owing per step and sleeping once per window (before a sync) keeps the steps
+        back to back: on a VM, a core that wakes from a sleep runs the next step measurably
+        slower (cold caches, vCPU wake-up), which would make the rank slower than `factor`.
+        """
+        owed, self._owed_since_flush = self._owed_since_flush, 0.0
         if self._debt <= 0:
             return 0.0
         t0 = self._clock()
         self._sleep(self._debt)
         slept = self._clock() - t0
-        self._debt -= slept
+        self._debt = max(self._debt - slept, -owed)
         self.injected_s += slept
         return slept
+
+    def after_step(self, compute_s: float) -> float:
+        """Sleep off this step's share of extra time; returns the seconds actually slept."""
+        if not self.active or not compute_s > 0:
+            return 0.0
+        self.owe(compute_s)
+        return self.flush()
 
 
 def slowdown_for_rank(spec, rank: int, world_size: int | None = None) -> SlowdownInjector:

@@ -26,3 +26,27 @@ def valid_time(x) -> bool:
 def round_half_up(x: float) -> int:
     """Round to nearest, halves up: unambiguous, unlike Python's round-half-to-even."""
     return int(math.floor(x + 0.5))
+
+
+class RecentMin:
+    """The smallest of the last `n` samples: a cost estimate that ignores one-off spikes.
+
+    Timing noise on a shared node is one-sided (preemption only adds time), so the minimum
+    over a few syncs tracks the real cost, while a real increase shows up after `n` samples.
+    """
+
+    def __init__(self, n: int = 3):
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        self.n = int(n)
+        self.values: list[float] = []
+
+    def add(self, x: float | None) -> float | None:
+        """Take one sample (None and non-finite values are ignored); return the estimate."""
+        if x is not None and math.isfinite(x) and x >= 0:
+            self.values = (self.values + [float(x)])[-self.n:]
+        return self.value
+
+    @property
+    def value(self) -> float | None:
+        return min(self.values) if self.values else None

@@ -1,0 +1,319 @@
+"""`policy=cadence` and `policy=async` in the training loop: local steps, then one fused sync.
+
+A window: every rank runs its share of local optimizer steps on its own shard (no
+communication), then all ranks issue ONE in-place Allreduce(SUM) of
+
+    [ w_i * W_i ... | w_i | steps | samples | compute_ms | sync_ms | divergence | loss_sum
+      | correct | stop | nonfinite | ckpt_due ]      (each report field: one slot per rank)
+
+which yields the work-weighted consensus and every rank's report at once. Every decision
+after it (skip on zero weight, next window's step counts, K, the end of the epoch, stop,
+non-finite, checkpoint) is a function of that reduced buffer, so ranks never disagree and
+never wait on a collective the others will not issue.
+
+- cadence: the ElChe scheduler gives each rank steps in proportion to its measured speed, so
+  a slow rank runs fewer steps and everyone reaches the sync at about the same time.
+- async: every rank runs K steps; K keeps the sync cost near `overhead_target` of compute
+  and the divergence guard cuts it when the ranks' models drift apart.
+
+Epoch accounting: an epoch ends when the cluster has consumed the samples of one sync-policy
+epoch (`sum(plan.row_len)`), counted from the reports; each rank walks its own shard in
+successive local passes (`ctx.order(pass)`), with a cursor per rank that every rank tracks
+from the reported step counts. Fast ranks therefore see their shard more often than slow
+ranks within an epoch: the sample count is exact, per-sample coverage is not.
+
+Limits: the bucket is in the compute dtype, so per-window step and sample counts must stay
+below 2**24 in float32 (far above any real window). The learning rate follows data progress
+(samples consumed / global batch), and `ctx.step` counts syncs, so `train.max_steps` counts
+syncs too.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from .. import comm as mpi
+from ..errors import ConfigError
+from ..train import EpochTotals, maybe_fail
+from .bucket import REPORT_FIELDS, SyncLayout
+from .config import build_controller, validate_policy_config
+from .consensus import relative_divergence, work_weight
+from .epochlog import EpochLog
+from .outer import make_outer
+from .slowdown import SlowdownInjector, parse_slowdown
+from .smoothing import RecentMin
+from .window import plan_window
+
+FIELDS = REPORT_FIELDS + ("loss_sum", "correct", "stop", "nonfinite", "ckpt_due")
+
+
+class WindowedRunner:
+    """The policy interface `train.Run` drives (see `train.SyncPolicy`)."""
+
+    tail_fields: tuple = ()
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.world = int(spec.world_size)
+        try:
+            self.cfg = validate_policy_config(spec.policy)
+            if self.cfg["name"] == "sync":
+                raise ConfigError("policy=sync has no windowed runner (train.SyncPolicy runs it)")
+            self.controller = build_controller(self.cfg, self.world)
+            self.outer = make_outer(self.cfg["outer"], self.cfg["outer_lr"],
+                                    self.cfg["outer_momentum"])
+            self.slowdown_map = parse_slowdown(spec.debug.get("slowdown"), self.world)
+        except ConfigError as e:
+            # Every rank checks the same broadcast spec, so every rank fails here with this
+            # same message: it is already agreed, and needs no collective to say so.
+            raise mpi.CollectiveError(str(e), kind="ConfigError", origin=0) from None
+        self.name = self.cfg["name"]
+        self.gamma = float(self.cfg["gamma"])
+        self.cursors: list[int] | None = None    # per rank: local steps taken since the start
+        self.epoch_consumed = 0                  # samples consumed so far in this epoch
+        self._pending = None                     # loaded state waiting for the arrays to exist
+        self._ready = False
+        self._prev_sync_ms = 0.0
+        self._prev_div = 0.0
+        self._order_cache: tuple[int, object] | None = None
+        self._cold = True                        # the next local step is this process's first
+        self._cost = RecentMin(3)                # sync cost filter, see _observe
+        self._lr = None
+
+    # ---- the controller behind one small interface ---------------------------------------
+    @property
+    def k(self) -> int:
+        return self.controller.anchor if self.name == "cadence" else self.controller.k
+
+    def planned_counts(self) -> list[int]:
+        if self.name == "cadence":
+            return list(self.controller.counts)
+        return [self.controller.k] * self.world
+
+    def _observe(self, report, trimmed: bool) -> None:
+        if self.name == "cadence":
+            # Sync cost: the smallest of the last few, so one preempted sync on a shared node
+            # does not multiply the anchor (growth is multiplicative, decay one step). A window
+            # cut short by the end of the epoch would read as high overhead: no anchor update.
+            cost = self._cost.add(report.comm_ms)
+            self.controller.observe(report.ms_per_step, cost,
+                                    None if trimmed else report.window_ms)
+        else:
+            # async aims the MEAN share at the target, so it takes every cost (smoothed by
+            # the controller's own EMA), spikes included
+            self.controller.observe(report.comm_ms, report.slowest_ms_per_step,
+                                    report.max_divergence)
+
+    # ---- checkpoint state ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        arrays = {}
+        outer = self.outer.state_dict()
+        for key in ("prev", "buf"):
+            if outer.get(key) is not None:
+                arrays[f"outer_{key}"] = np.asarray(outer[key])
+        meta = {
+            "name": self.name,
+            "controller": self.controller.state_dict(),
+            "outer": {k: v for k, v in outer.items() if k not in ("prev", "buf")},
+            "cursors": None if self.cursors is None else list(self.cursors),
+            "positions": None if self.cursors is None else list(self.cursors),
+            "epoch_consumed": int(self.epoch_consumed),
+            "recent_costs": list(self._cost.values),
+            "world_size": self.world,
+        }
+        return {"arrays": arrays, "meta": meta}
+
+    def load_state_dict(self, state: dict) -> None:
+        meta = state.get("meta") or {}
+        if meta.get("name") != self.name:
+            # resuming a run under another policy: keep the model, start this policy fresh
+            return
+        same_world = int(state.get("world_size", meta.get("world_size", self.world))) == self.world
+        self.controller.load_state_dict(meta["controller"])
+        self.epoch_consumed = int(meta.get("epoch_consumed", 0))
+        self._cost.values = [float(v) for v in meta.get("recent_costs", [])][-self._cost.n:]
+        cursors = meta.get("cursors")
+        # a new world size means a new shard plan: every rank starts a fresh local pass
+        self.cursors = [int(c) for c in cursors] if (same_world and cursors) else None
+        self._pending = state
+
+    # ---- setup on first use (needs the context) -----------------------------------------
+    def _setup(self, run) -> None:
+        ctx = run.ctx
+        self.layout = SyncLayout(ctx.layout.size, self.world, FIELDS)
+        self.bucket = mpi.FusedBucket(self.layout.size, (), ctx.dtype,
+                                      cap_mb=float(ctx.spec.comm["bucket_cap_mb"]),
+                                      deterministic=bool(ctx.spec.comm["deterministic"]))
+        self.buf = self.bucket.buffer
+        self.global_params = ctx.params.copy()   # the last agreed model (restore point)
+        self.outer.begin(ctx.params)
+        if self._pending is not None:
+            arrays = self._pending.get("arrays") or {}
+            outer_meta = dict((self._pending.get("meta") or {}).get("outer") or {})
+            if outer_meta.get("name") == self.outer.name and "outer_prev" in arrays:
+                outer_meta.update(prev=arrays["outer_prev"], buf=arrays["outer_buf"])
+                self.outer.load_state_dict(outer_meta)
+            self._pending = None
+        self.batches = [ctx.plan.rank_batch(r) for r in range(self.world)]
+        self.epoch_samples = int(sum(ctx.plan.row_len))
+        if self.cursors is None:
+            self.cursors = [ctx.epoch * ctx.steps_per_epoch] * self.world
+        self.slow = SlowdownInjector(self.slowdown_map.get(ctx.rank, 1.0))
+        # ctx.step counts syncs; the sync-step total would stop the run early
+        max_steps = ctx.spec.train.get("max_steps")
+        ctx.total_steps = int(max_steps) if max_steps else 0
+        self._ready = True
+
+    # ---- data ---------------------------------------------------------------------------
+    def _indices(self, ctx, position: int) -> np.ndarray:
+        local_pass, s = divmod(position, ctx.steps_per_epoch)
+        if self._order_cache is None or self._order_cache[0] != local_pass:
+            self._order_cache = (local_pass, ctx.order(local_pass))
+        return self._order_cache[1].step_indices(s)
+
+    def _lr_step(self, ctx) -> int:
+        """Data progress in global-batch steps: the LR clock shared with policy=sync."""
+        within = self.epoch_consumed * ctx.steps_per_epoch // max(1, self.epoch_samples)
+        return ctx.epoch * ctx.steps_per_epoch + int(within)
+
+    # ---- one epoch ----------------------------------------------------------------------
+    def run_epoch(self, run, epoch: int, first_step: int) -> EpochTotals:
+        if not self._ready:
+            self._setup(run)
+        ctx = run.ctx
+        ctx.step_in_epoch = first_step
+        totals = EpochTotals()
+        log = EpochLog(self.world)
+        t0 = time.perf_counter()
+        while True:
+            planned = self.planned_counts()
+            counts = plan_window(planned, self.batches, self.epoch_samples - self.epoch_consumed)
+            if not any(counts):
+                self.epoch_consumed = 0      # the epoch is over (identically on every rank)
+                break
+            k = self.k
+            if self._window(run, counts, counts != planned, totals, log, k):
+                break
+        totals.step_wall_s = time.perf_counter() - t0
+        extra = {"outer": self.outer.name, "lr": self._lr}
+        metrics = self.controller.metrics()
+        if self.name == "cadence":
+            extra.update(anchor=metrics["anchor"], overhead=_round(metrics["overhead"]),
+                         ms_per_step=metrics["ms_per_step_ema"])
+        else:
+            extra.update(overhead=_round(metrics["overhead"]), k_ceiling=metrics["k_ceiling"],
+                         divergence_trips=metrics["divergence_trips"])
+        totals.extra = log.record(self.k, self.planned_counts(), **extra)
+        return totals
+
+    def _window(self, run, counts, trimmed: bool, totals: EpochTotals, log: EpochLog,
+                k: int) -> bool:
+        """Local steps, then the sync. Returns True when the run must stop."""
+        ctx, lanes, rank = run.ctx, run.lanes, run.rank
+        lr = self._lr = ctx.lr_at(self._lr_step(ctx))
+        seed0 = int(ctx.spec.train["seed"]) * 1_000_003
+        steps = samples = 0
+        loss_sum = correct = compute = 0.0
+        bad = False
+        cold_s = None
+        position = self.cursors[rank]
+        for _ in range(counts[rank]):
+            t = time.perf_counter()
+            maybe_fail(ctx.spec, rank, "step", ctx.step)
+            idx = self._indices(ctx, position + steps)
+            n, ls, corr, _ = lanes.step(ctx.x[idx], ctx.y[idx],
+                                        (seed0 + position + steps) * 4099 + rank)
+            steps += 1
+            samples += n
+            if n:
+                if not math.isfinite(ls):
+                    bad = True
+                else:
+                    loss_sum += ls
+                    correct += corr
+                    grad = ctx.bucket.payload
+                    grad /= n
+                    ctx.apply_gradient(grad, lr)
+                    lanes.refresh_device_params()
+            dt = time.perf_counter() - t
+            # slowdown: (f - 1) x the whole step, slept once before the sync
+            self.slow.owe(dt)
+            compute += dt
+            if self._cold:
+                cold_s, self._cold = dt, False
+            if bad:
+                break   # the window is lost anyway; report what was consumed
+        t = time.perf_counter()
+        self.slow.flush()
+        compute += time.perf_counter() - t
+        # The run's first step pays one-off costs (allocation, page faults): it would read as
+        # a slow rank, so the speed estimate extrapolates from the window's other steps.
+        measured = compute
+        if cold_s is not None and steps > 1:
+            measured = max(0.0, compute - cold_s * self.slow.factor) * steps / (steps - 1)
+
+        t_sync = time.perf_counter()
+        if not bad and not math.isfinite(float(np.sum(ctx.params, dtype=np.float64))):
+            bad = True
+        weight = 0.0 if bad else work_weight(steps, self.gamma)
+        self.layout.pack(self.buf, ctx.params, weight, rank, {
+            "steps": steps, "samples": samples, "compute_ms": measured * 1e3,
+            "sync_ms": self._prev_sync_ms, "divergence": self._prev_div,
+            "loss_sum": 0.0 if bad else loss_sum, "correct": 0.0 if bad else correct,
+            "stop": 1.0 if run.stop_flag.raised else 0.0,
+            "nonfinite": 1.0 if bad else 0.0,
+            "ckpt_due": 1.0 if (run.is_root and run.checkpoints.minutes_due()) else 0.0,
+        })
+        self.bucket.allreduce(ctx.comm)
+        report = self.layout.read(self.buf)
+        flags = {key: bool(np.any(report[key] > 0)) for key in ("stop", "nonfinite", "ckpt_due")}
+        if flags["nonfinite"] and run.on_nonfinite == "stop":
+            run.stop_reason = "nonfinite"
+            return True
+
+        self._prev_div = relative_divergence(ctx.params, self.buf, weight)
+        if self.layout.finish(self.buf, ctx.params):
+            self.outer.step(ctx.params, inner_lr=lr if lr > 0 else ctx.base_lr)
+            self.global_params[...] = ctx.params
+            if self.outer.resets_inner:
+                ctx.optimizer.reset()
+        else:
+            ctx.params[...] = self.global_params     # nobody worked: the model stays as it was
+        if bad:
+            ctx.optimizer.reset()                     # its state may hold the non-finite values
+        lanes.refresh_device_params()
+        sync_s = time.perf_counter() - t_sync
+        self._prev_sync_ms = sync_s * 1e3
+
+        bad_ranks = int(np.count_nonzero(report["nonfinite"] > 0))
+        if bad_ranks:
+            ctx.skipped_steps += 1
+        for r, s in enumerate(report.steps):
+            self.cursors[r] += s
+        consumed = report.total_samples
+        self.epoch_consumed += consumed
+        ctx.step += 1
+        ctx.step_in_epoch += 1
+        log.add(report, k, bad_ranks)
+        self._observe(report, trimmed)
+
+        totals.samples += consumed
+        totals.loss_sum += float(np.sum(report["loss_sum"]))
+        totals.correct += float(np.sum(report["correct"]))
+        totals.steps += 1
+        totals.compute_s += compute
+        totals.comm_s += sync_s
+        run.after_step(samples, loss_sum / max(samples, 1), compute, sync_s)
+        return run.should_stop_after_step(flags)
+
+
+def make_runner(spec) -> WindowedRunner:
+    """The runner for `spec.policy.name` (cadence or async)."""
+    return WindowedRunner(spec)
+
+
+def _round(x, digits: int = 5):
+    return None if x is None else round(float(x), digits)
