@@ -28,6 +28,26 @@ _NO_RESUME = ("none", "null", "", "false", "no", "off")
 _PLAN_KEYS = ("n_samples", "global_batch", "leftover", "steps_per_epoch", "seed", "shuffle")
 
 
+def bcast_arrays(comm, arrays: dict | None, shapes: dict) -> dict:
+    """Rank 0's `arrays` on every rank, one buffer Bcast each (never pickled).
+
+    shapes: name -> (shape, dtype.str), known to all ranks. Shapes are kept exactly, 0-d
+    included (np.ascontiguousarray would make a 0-d array 1-d).
+    """
+    out = {}
+    for name in sorted(shapes):
+        shape, dt = shapes[name]
+        if comm.rank == 0:
+            arr = arrays[name]
+            if not arr.flags.c_contiguous:
+                arr = arr.copy(order="C")
+        else:
+            arr = np.empty(tuple(shape), dtype=np.dtype(dt))
+        comm.Bcast(arr, root=0)
+        out[name] = arr
+    return out
+
+
 class RuntimeCheckpoints:
     def __init__(self, run):
         from .checkpoint import CheckpointManager, checkpoints_dir
@@ -211,17 +231,7 @@ class RuntimeCheckpoints:
         info = mpi.root_computes(comm, _load)
         if info is None:
             return
-        arrays = {}
-        for name in sorted(info["shapes"]):
-            shape, dt = info["shapes"][name]
-            if comm.rank == 0:
-                arr = holder["state"].arrays[name]
-                if not arr.flags.c_contiguous:   # (np.ascontiguousarray would turn 0-d into 1-d)
-                    arr = arr.copy(order="C")
-            else:
-                arr = np.empty(tuple(shape), dtype=np.dtype(dt))
-            comm.Bcast(arr, root=0)
-            arrays[name] = arr
+        arrays = bcast_arrays(comm, holder["state"].arrays if comm.rank == 0 else None, info["shapes"])
         holder.clear()
         # Every rank holds the same data, so these checks fail everywhere or nowhere.
         mpi.agree(comm, lambda: self._apply(info, arrays))

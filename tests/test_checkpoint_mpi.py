@@ -364,3 +364,30 @@ def test_minutes_cadence_and_keep_last_plus_best_in_a_real_run(tmp_path, digits_
     more = saved_checkpoints(proc.stdout)
     assert more and more[-1] == ("final", 3 * spe - 2), more
     assert check(saves + more) == best and ckpt(run, best).exists()
+
+
+# ---------------------------------------------------------------------------- broadcast by buffer
+
+BCAST_SCRIPT = """
+import sys
+import numpy as np
+from mpi4py import MPI
+from hpc_rlx.checkpoints_runtime import bcast_arrays
+
+comm = MPI.COMM_WORLD
+want = {"step": np.array(7, np.int64), "scale": np.array(0.25), "mask": np.array([True, False, True]),
+        "empty": np.zeros((0, 3), np.float32), "strided": np.arange(12.0).reshape(3, 4)[:, ::2],
+        "params": np.linspace(-1, 1, 1001, dtype=np.float32)}
+shapes = {k: (list(v.shape), v.dtype.str) for k, v in want.items()}
+got = bcast_arrays(comm, want if comm.rank == 0 else None, shapes)
+bad = [k for k in want if got[k].shape != want[k].shape or got[k].dtype != want[k].dtype
+       or not np.array_equal(got[k], want[k])]
+print(f"rank {comm.rank}: bad={bad}", flush=True)
+sys.exit(1 if bad else 0)
+"""
+
+
+def test_checkpoint_arrays_reach_every_rank_with_shape_and_dtype_kept():
+    proc = mpirun(3, ["-c", BCAST_SCRIPT], timeout=60)
+    assert proc.returncode == 0, explain(proc)
+    assert proc.stdout.count("bad=[]") == 3, explain(proc)
