@@ -149,9 +149,19 @@ def keep_host_memory() -> bool:
 
 
 def scatter_add(xp, target, indices, values) -> None:
-    """``target[indices[k]] += values[k]`` with repeated indices accumulated (embedding VJP)."""
+    """``target[indices[k]] += values[k]`` with repeated indices accumulated (embedding VJP).
+
+    ``indices`` is 1-D and indexes ``target``'s first axis; ``values`` has one row per index.
+    """
+    if len(indices) == 0:
+        return
     if xp is np:
-        np.add.at(target, indices, values)
+        # Sort once and sum runs of equal ids: several times faster than np.add.at on rows,
+        # and the summation order is fixed, so results are reproducible.
+        order = np.argsort(indices, kind="stable")
+        ids = indices[order]
+        starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
+        target[ids[starts]] += np.add.reduceat(values[order], starts, axis=0)
     else:
         import cupyx  # ships with CuPy; only reached with a CuPy array in hand
 

@@ -324,3 +324,51 @@ def test_layout_views_and_init():
     assert v["fc0.weight"].std() == pytest.approx(np.sqrt(2 / 64), rel=0.15)  # He for relu
     packed = layout.pack({k: x.copy() for k, x in v.items()}, np.empty(layout.size))
     np.testing.assert_array_equal(packed, a)
+
+
+def test_float32_stays_float32_everywhere(monkeypatch):
+    """No op may silently promote to float64 (it would double the memory traffic)."""
+    from hpc_rlx.graph.registry import VJPS, VJPRule
+
+    seen = []
+
+    def record_fwd(opdef):
+        def forward(xp, args, attrs, ctx):
+            out, saved = opdef.forward(xp, args, attrs, ctx)
+            seen.append((f"{opdef.name} forward", out.dtype))
+            return out, saved
+
+        return opdef.__class__(**{**opdef.__dict__, "forward": forward})
+
+    def record_vjp(name, fn):
+        def vjp(*a):
+            r = fn(*a)
+            seen.append((f"{name} vjp", r.dtype))
+            return r
+
+        return None if fn is None else vjp
+
+    for name in list(OPS):
+        monkeypatch.setitem(OPS, name, record_fwd(OPS[name]))
+    for name, rule in list(VJPS.items()):
+        monkeypatch.setitem(VJPS, name, VJPRule(tuple(record_vjp(name, f) for f in rule.fns), rule.needs_args,
+                                                rule.needs_ans))
+    models = [
+        (build_model("mlp", input_shape=(1, 8, 8), num_classes=10, hidden=[8], activation="gelu", dropout=0.2),
+         digits_batch()),
+        (build_model("mlp", input_shape=(1, 8, 8), num_classes=10, hidden=[8], activation="sigmoid"), digits_batch()),
+        (build_model("cnn", input_shape=(1, 8, 8), num_classes=10, channels=[2, 3], hidden=4, pool="avg",
+                     activation="tanh"), digits_batch()),
+        (build_model("cnn", input_shape=(1, 8, 8), num_classes=10, channels=[2], hidden=4, dropout=0.1),
+         digits_batch()),
+        (build_model("transformer_lm", vocab_size=7, seq_len=5, d_model=8, n_heads=2, n_layers=1, d_ff=8,
+                     dropout=0.1, tie_embeddings=True),
+         {"x": R.integers(0, 7, (3, 5)), "y": R.integers(0, 7, (3, 5))}),
+    ]
+    for g, feeds in models:
+        _, _, _, pv, gv = setup(g)
+        Executor(g).forward_backward(pv, gv, feeds, seed=2)
+    promoted = sorted({k for k, dt in seen if dt == np.float64})
+    assert promoted == []
+    assert {k.split()[0] for k, _ in seen} >= {"gelu", "dropout", "conv2d", "avg_pool2d", "max_pool2d",
+                                               "layer_norm", "softmax", "causal_mask", "embedding", "sigmoid"}

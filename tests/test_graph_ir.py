@@ -22,9 +22,9 @@ def small() -> dict:
             {"name": "y", "shape": [None], "dtype": "int64"},
         ],
         "params": [
-            {"name": "w0", "shape": [4, 8], "init": {"scheme": "he_normal"}},
-            {"name": "b0", "shape": [8], "init": {"scheme": "zeros"}},
-            {"name": "w1", "shape": [8, 3], "init": {"scheme": "xavier_uniform", "gain": 1.0}},
+            {"name": "w0", "shape": [4, 8], "dtype": "float", "init": {"scheme": "he_normal"}},
+            {"name": "b0", "shape": [8], "dtype": "float", "init": {"scheme": "zeros"}},
+            {"name": "w1", "shape": [8, 3], "dtype": "float", "init": {"scheme": "xavier_uniform", "gain": 1.0}},
         ],
         "nodes": [
             {"name": "h", "op": "linear", "inputs": ["x", "w0", "b0"], "attrs": {}, "shape": [None, 8], "dtype": "float"},
@@ -207,6 +207,14 @@ def test_wrong_arity_names_node():
     d = small()
     node(d, "a")["inputs"] = ["h", "h"]
     expect(d, "node 'a'", "takes 1 inputs, got 2")
+
+
+def test_parameter_dtype_is_the_compute_dtype():
+    d = small()
+    del d["params"][1]["dtype"]  # optional on input, always written out
+    assert Graph.from_dict(d).to_dict()["params"][1]["dtype"] == "float"
+    d["params"][1]["dtype"] = "int64"
+    expect(d, "parameter 'b0'", "dtype must be 'float'")
 
 
 def test_bad_init_names_parameter():

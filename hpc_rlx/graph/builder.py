@@ -31,7 +31,7 @@ class GraphBuilder:
         return name
 
     def param(self, name: str, shape, init: dict) -> str:
-        self._params.append({"name": name, "shape": list(shape), "init": _plain(init)})
+        self._params.append({"name": name, "shape": list(shape), "dtype": FLOAT, "init": _plain(init)})
         self._types[name] = TensorType(tuple(shape), FLOAT)
         return name
 

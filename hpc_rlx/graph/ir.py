@@ -5,7 +5,8 @@ JSON form (``schema_version`` 1)::
     {"schema_version": 1, "name": "mlp",
      "inputs":  [{"name": "x", "shape": [null, 64], "dtype": "float"},
                  {"name": "y", "shape": [null], "dtype": "int64"}],
-     "params":  [{"name": "fc0.weight", "shape": [64, 10], "init": {"scheme": "he_normal"}}],
+     "params":  [{"name": "fc0.weight", "shape": [64, 10], "dtype": "float",
+                  "init": {"scheme": "he_normal", "fan_in": 64}}],
      "nodes":   [{"name": "logits", "op": "linear", "inputs": ["x", "fc0.weight"], "attrs": {},
                   "shape": [null, 10], "dtype": "float"}, ...],
      "outputs": {"loss": "xent", "correct": "correct"},
@@ -50,6 +51,7 @@ class ParamSpec:
     name: str
     shape: tuple
     init: dict
+    dtype: str = FLOAT  # parameters are always trained in the executor's compute dtype
 
 
 @dataclass(frozen=True, eq=True)
@@ -145,7 +147,7 @@ class Graph:
 
         self.params: list[ParamSpec] = []
         for i, obj in enumerate(d["params"]):
-            _check_keys(obj, ["name", "shape", "init"], [], f"parameter #{i}")
+            _check_keys(obj, ["name", "shape", "init"], ["dtype"], f"parameter #{i}")
             name = _name(obj, f"parameter #{i}")
             claim(name, "parameter")
             where = f"parameter '{name}'"
@@ -155,6 +157,8 @@ class Graph:
                 check_init(init, shape)
             except ValueError as exc:
                 raise _err(where, str(exc)) from None
+            if obj.get("dtype", FLOAT) != FLOAT:
+                raise _err(where, f"dtype must be 'float' (the compute dtype), got {obj['dtype']!r}")
             self.params.append(ParamSpec(name, shape, init))
 
         self.nodes: list[Node] = []
@@ -300,7 +304,10 @@ class Graph:
             "schema_version": SCHEMA_VERSION,
             "name": self.name,
             "inputs": [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype} for s in self.inputs],
-            "params": [{"name": p.name, "shape": list(p.shape), "init": copy.deepcopy(p.init)} for p in self.params],
+            "params": [
+                {"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "init": copy.deepcopy(p.init)}
+                for p in self.params
+            ],
             "nodes": [
                 {
                     "name": n.name,

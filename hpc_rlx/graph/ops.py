@@ -68,8 +68,16 @@ def _check_gelu(a):
 def gelu(xp, args, a, ctx):
     # The tanh form (GPT-2, PyTorch approximate="tanh"); NumPy ships no erf.
     x = args[0]
-    t = xp.tanh(GELU_C * (x + 0.044715 * x * x * x))
-    return 0.5 * x * (1.0 + t), (t if ctx.need_saved else None)
+    t = x * x  # built in place: one temporary instead of one per operator
+    t *= x
+    t *= 0.044715
+    t += x
+    t *= GELU_C
+    xp.tanh(t, out=t)
+    out = t + 1.0
+    out *= x
+    out *= 0.5
+    return out, (t if ctx.need_saved else None)
 
 
 def _check_scale(a):

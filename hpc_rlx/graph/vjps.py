@@ -45,9 +45,20 @@ defvjp("dropout", lambda xp, g, args, ans, mask, a, out: g if mask is None else 
 
 
 def _gelu_x(xp, g, args, ans, t, a, out):
+    # d/dx 0.5 x (1 + t) = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2), in place
     x = args[0]
-    inner = GELU_C * (1.0 + 3.0 * 0.044715 * x * x)
-    return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * inner)
+    inner = x * x
+    inner *= 3.0 * 0.044715 * GELU_C
+    inner += GELU_C
+    d = t * t
+    xp.subtract(1.0, d, out=d)
+    d *= x
+    d *= inner
+    d += t
+    d += 1.0
+    d *= 0.5
+    d *= g
+    return d
 
 
 defvjp("gelu", _gelu_x)
@@ -233,7 +244,9 @@ defvjp("layer_norm", _layer_norm_x, _layer_norm_gamma, _layer_norm_beta, needs_a
 
 def _softmax_x(xp, g, args, ans, s, a, out):
     gx = g * ans
-    gx -= ans * gx.sum(axis=a["axis"], keepdims=True)
+    dot = gx.sum(axis=a["axis"], keepdims=True)
+    gx = g - dot
+    gx *= ans
     return gx
 
 
