@@ -273,8 +273,9 @@ def plot_rank_time(files: RunFiles, path: Path) -> Path | None:
     # Top: per epoch, one stacked bar per rank (the slowest ranks only when there are many).
     shown = ranks
     if len(ranks) > MAX_GROUPED_RANKS:
-        by_wall = sorted(ranks, key=lambda r: -sum(totals[r].values()))
-        shown = sorted(by_wall[:MAX_GROUPED_RANKS])
+        # the slowest computing ranks, and the fastest one for contrast
+        by_compute = sorted(ranks, key=lambda r: -totals[r]["compute_s"])
+        shown = sorted(by_compute[:MAX_GROUPED_RANKS - 1] + by_compute[-1:])
     labels = None
     width = 0.84 / max(1, len(shown))
     for j, r in enumerate(shown):
@@ -292,7 +293,7 @@ def plot_rank_time(files: RunFiles, path: Path) -> Path | None:
     if labels:
         ax_ep.set_xticks(range(len(labels)))
         ax_ep.set_xticklabels(labels, rotation=0 if len(labels) <= 20 else 60, fontsize=8)
-    note = "" if shown == ranks else f" (the {len(shown)} slowest of {len(ranks)} ranks)"
+    note = "" if shown == ranks else f" (the {len(shown) - 1} slowest and the fastest of {len(ranks)})"
     ax_ep.set_title(f"time per epoch, one bar per rank {', '.join(f'r{r}' for r in shown[:8])}"
                     f"{'...' if len(shown) > 8 else ''}{note}")
     ax_ep.set_xlabel("epoch")
