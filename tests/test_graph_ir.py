@@ -277,3 +277,17 @@ def test_lm_metadata():
     assert g.input("x").dtype == "int64" and g.input("x").shape == (None, 7)
     r = build_model("mlp", input_shape=(3,), num_classes=2, hidden=[], loss="mse")
     assert r.num_classes is None and r.metric_names == [] and r.predictions_per_sample == 1
+
+
+def test_readme_documents_every_op_and_its_example_loads():
+    import pathlib
+    import re
+
+    from hpc_rlx.graph import OPS
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "hpc_rlx" / "graph" / "README.md").read_text()
+    table = {m for row in re.findall(r"^\| (.+?) \|", text, re.M) for m in re.findall(r"`(\w+)`", row)}
+    assert set(OPS) <= table, sorted(set(OPS) - table)
+    example = re.search(r"```json\n(.*?)```", text, re.S).group(1)
+    g = Graph.from_json(example)
+    assert g.num_classes == 10 and g.metric_names == ["correct"]

@@ -62,7 +62,7 @@ def check_grads(graph: Graph, params: dict, feeds: dict, *, eps: float = 1e-6, r
             if err > atol + rtol * abs(num):
                 at = tuple(int(j) for j in np.unravel_index(i, views[name].shape))
                 failures.append(f"{name}{list(at)}: numeric {num:.10g} analytic {g[i]:.10g}")
-        report[name] = worst
+        report[name] = float(worst)
 
     # One random direction through every parameter at once catches errors in unsampled coordinates.
     direction = rng.standard_normal(layout.size)
