@@ -15,8 +15,8 @@
 ##SBATCH --partition=compute
 ##SBATCH --account=myproject
 #SBATCH --time=01:00:00
-# 90 s before the time limit every rank gets SIGUSR1: it checkpoints at the next step, the job
-# requeues itself and resumes from that checkpoint (same job id, same run directory).
+# 90 s before the time limit every rank gets SIGUSR1: it checkpoints at the next step and exits,
+# then the job requeues itself and resumes from that checkpoint (same job id, same run directory).
 #SBATCH --signal=USR1@90
 #SBATCH --requeue
 # a requeued job appends to its log instead of overwriting it
@@ -64,9 +64,10 @@ if [[ $module == hpc_rlx ]]; then
     if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
         defaults+=("train.threads_per_rank=$threads")
     fi
-    if [[ -n ${SLURM_JOB_ID:-} && ${HPC_RLX_REQUEUE:-1} != 0 ]]; then
-        defaults+=("checkpoint.requeue=true")
-    fi
+    # The requeue after a preemption checkpoint is done below, once every rank has exited:
+    # requeueing from inside the run kills ranks that are still shutting down MPI, and under
+    # srun their leftovers break MPI_Init of the requeued job (same job and step ids).
+    defaults+=("checkpoint.requeue=false")
 fi
 
 # ---- launcher: srun when its PMI matches this MPI, else mpirun --------------------------------
@@ -139,6 +140,52 @@ if [[ $module == hpc_rlx && -n ${SLURM_JOB_ID:-} ]]; then
     echo "hpc_rlx: run directory: outputs/slurm-$SLURM_JOB_ID (unless hydra.run.dir is given)"
 fi
 
-# exec: the batch shell becomes the launcher, so signals sent to it (scancel -b, --signal=B:...)
-# reach srun/mpirun, which forward them to every rank.
-exec "${launch[@]}" "$python" -m "$module" ${defaults[@]+"${defaults[@]}"} "$@"
+# ---- run, then requeue if the run stopped for a preemption warning ----------------------------
+# The run directory, to read how the run ended: hydra.run.dir if given, else the runtime's default.
+run_dir=""
+for arg in "$@"; do
+    case $arg in
+        hydra.run.dir=*) run_dir=${arg#hydra.run.dir=} ;;
+    esac
+done
+run_dir=${run_dir#\'}
+run_dir=${run_dir%\'}
+if [[ -z $run_dir && -n ${SLURM_JOB_ID:-} ]]; then
+    run_dir=outputs/slurm-$SLURM_JOB_ID${SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}
+fi
+
+# Slurm signals the ranks directly (--signal=USR1@90, scancel --signal). A signal sent to this
+# shell instead (--signal=B:USR1@90, scancel -b) is passed on to srun/mpirun, which forward it.
+# TERM means the job is being cancelled, timed out or requeued by Slurm: keep waiting for the
+# ranks to write their checkpoint, and do not requeue on top of that.
+child=""
+got_term=0
+forward() {
+    if [[ -n $child ]]; then kill -s "$1" "$child" 2>/dev/null || true; fi
+}
+trap 'forward USR1' USR1
+trap 'got_term=1' TERM
+
+"${launch[@]}" "$python" -m "$module" ${defaults[@]+"${defaults[@]}"} "$@" &
+child=$!
+status=0
+while :; do
+    wait "$child" && status=0 || status=$?
+    kill -0 "$child" 2>/dev/null || break
+done
+if (( status > 128 )); then
+    # that wait was cut short by a trapped signal; the launcher's own status is still stored
+    wait "$child" 2>/dev/null && status=0 || { s=$?; (( s == 127 )) || status=$s; }
+fi
+echo "hpc_rlx: $(date '+%F %T') ranks finished with status $status"
+
+stopped_on_signal() {
+    [[ -f $run_dir/summary.json ]] && "$python" -c 'import json, sys
+sys.exit(0 if json.load(open(sys.argv[1])).get("status") == "signal" else 1)' "$run_dir/summary.json"
+}
+if [[ $module == hpc_rlx && -n ${SLURM_JOB_ID:-} && ${HPC_RLX_REQUEUE:-1} != 0 && $status == 0 \
+      && $got_term == 0 ]] && stopped_on_signal; then
+    echo "hpc_rlx: stopped on a preemption signal after a checkpoint: requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID" || echo "hpc_rlx: scontrol requeue failed; resubmit to resume" >&2
+fi
+exit "$status"

@@ -82,6 +82,9 @@ class SlurmCluster:
     # ------------------------------------------------------------------ config
     def slurm_conf_text(self) -> str:
         r = self.root
+        # slurmctld starts clean (-c); fresh job ids keep a new job from meeting a killed job's
+        # leftovers (MPI shared-memory files are named after the job and step ids)
+        first_job_id = 1000 + int(time.time()) % 50_000_000
         return "\n".join([
             f"ClusterName={self.cluster_name}",
             f"SlurmctldHost={self.node}(127.0.0.1)",
@@ -91,7 +94,9 @@ class SlurmCluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire also sets how long a requeued job waits before it may start again
+            # (default 120 s); the preemption tests requeue jobs
+            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
             f"StateSaveLocation={r}/state",
             f"SlurmdSpoolDir={r}/spool",
             f"SlurmctldPidFile={r}/slurmctld.pid",
@@ -109,6 +114,8 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/none",
             "SchedulerType=sched/backfill",
+            # look at pending jobs every few seconds (default 60 s): requeued jobs restart promptly
+            "SchedulerParameters=sched_interval=3,bf_interval=5",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core",
             "ReturnToService=2",
@@ -117,6 +124,7 @@ class SlurmCluster:
             # time for a rank to write its checkpoint between SIGTERM and SIGKILL
             "KillWait=30",
             "InactiveLimit=0",
+            f"FirstJobId={first_job_id}",
             "MessageTimeout=20",
             "SlurmctldTimeout=60",
             "SlurmdTimeout=120",

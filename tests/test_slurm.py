@@ -1,0 +1,340 @@
+"""Slurm: the batch script, preemption and requeue, and Hydra sweeps, on a real local cluster.
+
+The cluster (munged, slurmctld, slurmd on this host) is started once for this module by
+`tests/slurm_cluster.py`. Where it cannot start the Slurm tests are skipped with the reason,
+except on CI (CI=true or HPC_RLX_REQUIRE_SLURM=1), where that is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hydra_plugins.hpc_rlx_slurm import launcher as slurm_launcher
+from hydra_plugins.hpc_rlx_slurm import slurm_jobs
+
+from .conftest import REPO, read_metrics
+from .slurm_cluster import ClusterUnavailable, SlurmCluster, require_slurm
+
+TRAIN_SH = REPO / "slurm" / "train.sh"
+VENV = Path(sys.executable).parent.parent
+SMALL = ["train.batch_size=64", "model.hidden=[32]", "report.plots=false"]
+# 2 ranks of 1 CPU each: fits the 2-core CI machine
+RESOURCES = ["--ntasks-per-node=2", "--cpus-per-task=1", "--time=10"]
+
+
+# ==================================================================================================
+# Helpers
+# ==================================================================================================
+
+@pytest.fixture(scope="module")
+def slurm():
+    cluster = SlurmCluster()
+    try:
+        cluster.start(timeout=90)
+    except ClusterUnavailable as exc:
+        reason = f"the local Slurm cluster cannot start: {exc}"
+        if require_slurm():
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    yield cluster
+    cluster.stop()
+
+
+def job_env(cluster: SlurmCluster | None = None, **extra) -> dict:
+    env = cluster.env() if cluster else {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    if (VENV / "bin" / "python").exists():
+        env["HPC_RLX_VENV"] = str(VENV)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["HYDRA_FULL_ERROR"] = "0"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run(cmd, *, env, cwd, timeout, cluster: SlurmCluster | None = None) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        logs = "\n".join(f"--- {p} ---\n{p.read_text()[-3000:]}" for p in Path(cwd).rglob("*.out"))
+        pytest.fail(f"{' '.join(map(str, cmd))} did not finish in {timeout}s\n--- stdout ---\n{out[-3000:]}\n"
+                    f"--- stderr ---\n{err[-3000:]}\n{logs}\n{cluster.logs() if cluster else ''}")
+
+
+def sbatch(cluster, cwd: Path, args, *, wait: bool, timeout: float = 60, options=(), **env_extra):
+    (cwd / "logs").mkdir(exist_ok=True)
+    cmd = ["sbatch", "--parsable", *RESOURCES, *options, *(["--wait"] if wait else []), TRAIN_SH, *args]
+    proc = run(cmd, env=job_env(cluster, **env_extra), cwd=cwd, timeout=timeout, cluster=cluster)
+    ids = re.findall(r"^(\d+)", proc.stdout, flags=re.M)
+    assert ids, f"sbatch printed no job id: rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return ids[0], proc
+
+
+def job_fields(cluster, job_id: str) -> dict:
+    res = run(["scontrol", "show", "job", "-o", job_id], env=cluster.env(), cwd="/", timeout=30)
+    return slurm_jobs.parse_scontrol(res.stdout)
+
+
+def log_of(cwd: Path, job_id: str) -> str:
+    path = cwd / "logs" / f"hpc_rlx-{job_id}.out"
+    return path.read_text(errors="replace") if path.exists() else f"(no log {path})"
+
+
+def wait_until(predicate, timeout: float, what: str, cluster=None, on_fail=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{on_fail()}\n"
+                f"{cluster.logs() if cluster else ''}")
+
+
+def metric_lines(run_dir: Path) -> int:
+    try:
+        return len(read_metrics(run_dir))
+    except (OSError, ValueError):
+        return 0
+
+
+# ==================================================================================================
+# Pure helpers of the sweep launcher (no Slurm needed)
+# ==================================================================================================
+
+def test_sbatch_command_options_and_script_arguments():
+    cmd = slurm_jobs.sbatch_command(
+        script="/r/slurm/train.sh", script_args=["hydra.run.dir=/s/0", "optim.lr=0.1"],
+        job_name="hpc_rlx-0", output="/s/0/slurm-%j.out", chdir="/r", nodes=2, ntasks_per_node=4,
+        cpus_per_task=8, time="00:30:00", gpus_per_node=4, partition="gpu", account=None,
+        qos="", extra=["--exclusive"])
+    assert cmd[:2] == ["sbatch", "--parsable"]
+    for opt in ("--job-name=hpc_rlx-0", "--output=/s/0/slurm-%j.out", "--chdir=/r", "--nodes=2",
+                "--ntasks-per-node=4", "--cpus-per-task=8", "--time=00:30:00", "--gpus-per-node=4",
+                "--partition=gpu", "--exclusive"):
+        assert opt in cmd
+    assert not any(c.startswith(("--account", "--qos")) for c in cmd), "unset options stay out"
+    # options before the script; the script's own arguments after it, in order
+    i = cmd.index("/r/slurm/train.sh")
+    assert all(c.startswith("--") for c in cmd[1:i])
+    assert cmd[i + 1:] == ["hydra.run.dir=/s/0", "optim.lr=0.1"]
+
+
+def test_hydra_value_quotes_only_when_needed():
+    assert slurm_jobs.hydra_value("/scratch/me/multirun/2024-01-01_10-00-00/3") == \
+        "/scratch/me/multirun/2024-01-01_10-00-00/3"
+    assert slurm_jobs.hydra_value("/data/my runs/0") == "'/data/my runs/0'"
+    assert slurm_jobs.hydra_value("/a/it's") == "'/a/it\\'s'"
+
+
+def test_hydra_overrides_that_describe_the_sweep_are_not_passed_to_points():
+    kept = slurm_launcher.passthrough_hydra_overrides(
+        ["hydra/launcher=slurm", "hydra.launcher.nodes=2", "+hydra.launcher.env.X=1",
+         "hydra.sweep.dir=/s", "hydra/sweeper=basic", "hydra.job.chdir=true", "hydra.verbose=true"])
+    assert kept == ["hydra.job.chdir=true", "hydra.verbose=true"]
+
+
+def test_job_environment_drops_enclosing_job_and_mpi_identity():
+    env = slurm_jobs.job_environment(
+        {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_CONF": "/c", "PMI_RANK": "0",
+         "OMPI_COMM_WORLD_SIZE": "4", "HOME": "/root", "SBATCH_ACCOUNT": "a"}, {"EXTRA": 1})
+    assert env == {"SLURM_CONF": "/c", "HOME": "/root", "SBATCH_ACCOUNT": "a", "EXTRA": "1"}
+
+
+def test_parse_squeue_and_scontrol():
+    assert slurm_jobs.parse_squeue("12|RUNNING|None\n13|PENDING|BeginTime\n") == {
+        "12": ("RUNNING", "None"), "13": ("PENDING", "BeginTime")}
+    f = slurm_jobs.parse_scontrol("JobId=12 JobName=hpc_rlx-0 JobState=FAILED Reason=NonZeroExitCode "
+                                  "ExitCode=1:0 Restarts=0")
+    assert (f["JobState"], f["ExitCode"], f["Reason"]) == ("FAILED", "1:0", "NonZeroExitCode")
+    assert slurm_jobs.JobState("1", "PENDING").done is False
+    assert slurm_jobs.JobState("1", "TIMEOUT").done is True
+
+
+# ==================================================================================================
+# The batch script without Slurm
+# ==================================================================================================
+
+def sbatch_header(path: Path) -> list[str]:
+    return [line.split(None, 1)[1].strip() for line in path.read_text().splitlines()
+            if line.startswith("#SBATCH ")]
+
+
+def test_train_sh_header_has_the_documented_directives():
+    header = sbatch_header(TRAIN_SH)
+    keys = {h.split("=", 1)[0] for h in header}
+    for key in ("--job-name", "--nodes", "--ntasks-per-node", "--cpus-per-task", "--time"):
+        assert key in keys, f"{key} missing from the #SBATCH header: {header}"
+    assert "--signal=USR1@90" in header and "--requeue" in header
+    assert "--output=logs/%x-%j.out" in header
+    assert re.search(r"^##SBATCH --gpus", TRAIN_SH.read_text(), flags=re.M), "commented GPU line"
+    proc = subprocess.run(["bash", "-n", str(TRAIN_SH)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.mpi
+def test_train_sh_outside_slurm_launches_mpirun_with_one_blas_thread(tmp_path):
+    env = job_env(None, HPC_RLX_MODULE="hpc_rlx.doctor", HPC_RLX_NTASKS=2)
+    proc = run(["bash", TRAIN_SH, "--json"], env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    head, _, body = proc.stdout.partition("{")
+    assert "launcher: mpirun -n 2 (not in a Slurm job)" in head
+    report = json.loads("{" + body)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    assert all(r["env"]["OMP_NUM_THREADS"] == "1" and r["blas_threads"] == 1 for r in report["ranks"])
+
+
+# ==================================================================================================
+# On the cluster
+# ==================================================================================================
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("mpi_type", ["auto", "none"])
+def test_train_sh_finds_a_working_launcher(slurm, tmp_path, mpi_type):
+    """auto: whatever this site's srun/MPI pair supports; none: srun cannot start MPI -> mpirun."""
+    extra = {"HPC_RLX_MODULE": "hpc_rlx.doctor"}
+    if mpi_type != "auto":
+        extra["SLURM_MPI_TYPE"] = mpi_type
+    job, proc = sbatch(slurm, tmp_path, [], wait=True, timeout=120, **extra)
+    log = log_of(tmp_path, job)
+    assert proc.returncode == 0, f"{proc.stderr}\n{log}"
+    launch = re.search(r"launcher: (.*)", log).group(1)
+    if mpi_type == "none":
+        assert launch.startswith("mpirun -n 2 (no srun MPI plugin starts this MPI)"), log
+    else:
+        assert launch.startswith(("srun --mpi=", "mpirun -n 2")), log
+    # the ranks form ONE world of 2, with BLAS threads = CPUs per task
+    assert "world size    2" in log and "2 rank(s) on 1 node(s)" in log, log
+    assert f"job {job}," in log
+    row = next(line.split() for line in log.splitlines() if line.strip().startswith(slurm.node + " "))
+    assert row[1:5] == ["0-1", "2", str(len(os.sched_getaffinity(0))), "1"], log
+    assert "oversubscribed" not in log, log
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_sbatch_train_sh_trains_and_writes_everything(slurm, tmp_path):
+    job, proc = sbatch(slurm, tmp_path, ["train.epochs=2", *SMALL], wait=True, timeout=240)
+    log = log_of(tmp_path, job)
+    assert proc.returncode == 0, f"{proc.stderr}\n{log}"
+    assert "2 ranks, 1 BLAS threads per rank" in log and "epoch 2/2" in log, log
+    # the run directory carries the job id, so a requeued job finds its own checkpoints
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == [f"slurm-{job}"]
+    run_dir = tmp_path / "outputs" / f"slurm-{job}"
+    for name in ("metrics.jsonl", "summary.json", "model.h5", "config.yaml"):
+        assert (run_dir / name).is_file(), f"{name} missing in {sorted(p.name for p in run_dir.iterdir())}"
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("ckpt-*.h5")), "no checkpoints"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2
+    assert summary["epochs_completed"] == 2
+    assert [m["epoch"] for m in read_metrics(run_dir) if "epoch" in m][-1] == 2
+    assert "ranks finished with status 0" in log and "requeueing" not in log, log
+    fields = job_fields(slurm, job)
+    assert fields["JobState"] == "COMPLETED" and fields["NumTasks"] == "2"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.parametrize("trigger", ["usr1", "scontrol-requeue"])
+def test_preempted_job_checkpoints_requeues_and_resumes(slurm, tmp_path, trigger):
+    """usr1: the time-limit warning (scancel --signal=USR1); the job requeues itself.
+    scontrol-requeue: Slurm requeues the job (SIGTERM to every rank)."""
+    epochs = 12
+    # ~0.5 s per epoch: long enough to be caught mid-run, short enough to finish soon after
+    args = [f"train.epochs={epochs}", *SMALL, "+debug.slowdown.0=100", "+debug.slowdown.1=100"]
+    job, _ = sbatch(slurm, tmp_path, args, wait=False)
+    run_dir = tmp_path / "outputs" / f"slurm-{job}"
+    show = lambda: log_of(tmp_path, job)  # noqa: E731
+    wait_until(lambda: metric_lines(run_dir) >= 1, 120, "the first epoch", slurm, show)
+
+    cmd = ["scancel", "--signal=USR1", job] if trigger == "usr1" else ["scontrol", "requeue", job]
+    sig = run(cmd, env=slurm.env(), cwd=tmp_path, timeout=30)
+    assert sig.returncode == 0, sig.stderr
+
+    # a requeued job may start again after the cluster's cred_expire (10 s here, 120 s by default)
+    wait_until(lambda: job_fields(slurm, job).get("JobState") in slurm_jobs.TERMINAL, 240,
+               f"job {job} to be requeued and finish", slurm, show)
+
+    log = show()
+    fields = job_fields(slurm, job)
+    assert fields["JobState"] == "COMPLETED", log
+    assert fields["Restarts"] == "1", f"the job was not requeued exactly once\n{log}"
+    assert "stop requested (signal)" in log and "checkpoint (preempt)" in log, log
+    if trigger == "usr1":
+        assert f"requeueing job {job}" in log, log
+    else:
+        assert "requeueing job" not in log, "Slurm requeued it already"
+    assert "restart 1 on" in log, log
+    saved = re.search(r"checkpoint \(preempt\) at step \d+: (\S+\.h5)", log)
+    resumed = re.search(r"resumed from (\S+?\.h5)", log)
+    assert saved and resumed, log
+    assert resumed.group(1) == saved.group(1), "the second run must start from the preemption checkpoint"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["epochs_completed"] == epochs
+    epochs_logged = [m["epoch"] for m in read_metrics(run_dir) if "epoch" in m]
+    assert epochs_logged == list(range(1, epochs + 1)), "every epoch exactly once across the requeue"
+    assert list((tmp_path / "outputs").iterdir()) == [run_dir], "one run directory for both runs"
+
+
+def _sweep(slurm, cwd: Path, overrides, timeout=300):
+    cmd = [sys.executable, "-m", "hpc_rlx", "-m", "hydra/launcher=slurm",
+           "hydra.launcher.ntasks_per_node=2", "hydra.launcher.cpus_per_task=1",
+           "hydra.launcher.time=00:10:00", "hydra.launcher.poll_interval_s=0.5", *overrides]
+    return run(cmd, env=job_env(slurm, OMP_NUM_THREADS=1), cwd=cwd, timeout=timeout, cluster=slurm)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_hydra_sweep_runs_each_point_as_its_own_slurm_mpi_job(slurm, tmp_path):
+    proc = _sweep(slurm, tmp_path, ["optim.lr=0.1,0.05", "train.epochs=1", *SMALL])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    sweeps = list((tmp_path / "multirun").iterdir())
+    assert len(sweeps) == 1, sweeps
+    sweep = sweeps[0]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"], "no stray directories"
+    assert not (tmp_path / "outputs").exists()
+    jobs = set()
+    for point, lr in (("0", "0.1"), ("1", "0.05")):
+        d = sweep / point
+        assert (d / "overrides.txt").read_text().split() == [f"optim.lr={lr}"]
+        summary = json.loads((d / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["world_size"] == 2
+        logs = list(d.glob("slurm-*.out"))
+        assert len(logs) == 1
+        job = logs[0].stem.split("-")[1]
+        jobs.add(job)
+        assert "2 ranks" in logs[0].read_text()
+        fields = job_fields(slurm, job)
+        assert fields["JobState"] == "COMPLETED" and fields["NumTasks"] == "2", fields
+        assert (fields["JobName"], fields["WorkDir"]) == (f"hpc_rlx-{point}", str(tmp_path))
+    assert len(jobs) == 2, "one Slurm job per point"
+    rows = json.loads((sweep / "sweep_summary.json").read_text())
+    assert [(r["point"], r["overrides"], r["status"]) for r in rows] == [
+        ("0", "optim.lr=0.1", "completed"), ("1", "optim.lr=0.05", "completed")]
+    assert all(isinstance(r["val_loss"], float) for r in rows)
+    assert "optim.lr=0.05" in (sweep / "sweep_summary.md").read_text()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_hydra_sweep_reports_a_failed_point_with_its_log(slurm, tmp_path):
+    proc = _sweep(slurm, tmp_path, ["debug.fail_rank=null,1", "debug.fail_point=startup",
+                                    "train.epochs=1", *SMALL])
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    err = proc.stdout + proc.stderr
+    assert "sweep point #1 (debug.fail_rank=1" in err and "ended FAILED" in err, err[-4000:]
+    assert "failed during startup" in err, "the point's log tail is shown"
+    sweep = next((tmp_path / "multirun").iterdir())
+    rows = {r["point"]: r for r in json.loads((sweep / "sweep_summary.json").read_text())}
+    assert rows["0"]["status"] == "completed"
+    assert rows["1"]["status"] == "missing summary.json"
