@@ -239,6 +239,22 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(ref, tmp_path, digits_
     assert metrics_view(read_metrics(run)) == metrics_view(ref.metrics)
 
 
+def test_resume_auto_refuses_to_start_over_when_no_checkpoint_is_readable(ref, tmp_path, digits_h5):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for step in (ref.last - ref.spe, ref.last):    # both cut short, as by a failing disk
+        data = ckpt(ref.run, step).read_bytes()
+        ckpt(run, step).write_bytes(data[: len(data) // 2])
+    before = {n: (run / "checkpoints" / n).read_bytes() for n in ckpt_files(run)}
+    proc = train_job(2, run, base(digits_h5), timeout=60)
+    assert proc.returncode == 2, explain(proc)
+    assert "resume=auto: none of the checkpoints" in proc.stderr and "resume=none" in proc.stderr, \
+        explain(proc)
+    for step in (ref.last - ref.spe, ref.last):
+        assert f"skipping checkpoint {ckpt(run, step)}" in proc.stdout, explain(proc)
+    assert {n: (run / "checkpoints" / n).read_bytes() for n in ckpt_files(run)} == before
+
+
 # ---------------------------------------------------------------------------- failing write
 
 # The limit is set after MPI_Init: MPI's own shared-memory files must not hit it.
@@ -306,6 +322,10 @@ def test_resume_path_refuses_another_graph_and_continues_the_right_one(ref, tmp_
     assert proc.returncode == 0, explain(proc)
     assert f"resumed from {source}" in proc.stdout
     assert_bitwise(model_params(run), ref.params, "parameters after resume=PATH")
+    # a run directory stands for its newest valid checkpoint
+    proc = train_job(2, tmp_path / "from_dir", base(digits_h5) + [f"resume={ref.run}"], timeout=60)
+    assert proc.returncode == 0, explain(proc)
+    assert f"resumed from {ckpt(ref.run, ref.last)}" in proc.stdout, explain(proc)
     # the source run directory is left as it was
     assert ckpt_files(ref.run) == sorted(["best", "latest"] + [ckpt(ref.run, s).name for s in
                                                                 range(ref.spe, ref.last + 1, ref.spe)])
