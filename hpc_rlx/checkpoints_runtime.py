@@ -275,11 +275,16 @@ class RuntimeCheckpoints:
     def maybe_requeue(self) -> None:
         """After a preemption checkpoint: `scontrol requeue $SLURM_JOB_ID` (rank 0 only).
 
-        Called once the run's outputs are written, because Slurm ends the job right away.
-        The requeued job keeps its id, so it finds the same run directory and resumes there.
+        Collective when checkpoint.requeue is set. Called once the run's outputs are written,
+        because Slurm ends the job right away. The requeued job keeps its id, so it finds the
+        same run directory and resumes there. (slurm/train.sh requeues from the batch shell
+        after every rank has exited instead, and turns this off.)
         """
         run = self.run
-        if not (run.is_root and run.spec.checkpoint.get("requeue")):
+        if not run.spec.checkpoint.get("requeue"):
+            return
+        run.comm.Barrier()      # every rank has finished its work before Slurm ends the job
+        if not run.is_root:
             return
         job = os.environ.get("SLURM_JOB_ID")
         if not job:
