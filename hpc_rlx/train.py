@@ -126,6 +126,7 @@ class Context:
             x, y = load_shard(self.comm, d.distribution, d.path, d.x, d.y, self.plan.all_bounds())
             start = self.plan.shard_bounds(self.rank)[0]
             hdf5.check_values(x, y, num_classes, d.check_finite, first_row=start)
+            self._check_tokens(x, start)
             return x, y
         # load_shard itself agrees on read errors; value checks are agreed here.
         self.x, self.y = mpi.agree(self.comm, _train)
@@ -147,6 +148,17 @@ class Context:
         self.x = self._cast_inputs(self.x)
         self.vx = self._cast_inputs(self.vx)
         self.data_s = time.perf_counter() - t0
+
+    def _check_tokens(self, x: np.ndarray, first_row: int) -> None:
+        """Token-id inputs index an embedding: out-of-range ids would be used silently."""
+        vocab = getattr(self.graph, "num_classes", None)
+        if vocab is None or x.dtype.kind not in "iu" or not x.size:
+            return
+        bad = (x < 0) | (x >= vocab)
+        if bad.any():
+            row = int(np.flatnonzero(bad.reshape(len(x), -1).any(axis=1))[0])
+            raise DataError(f"input token id {int(x[row][bad[row]].flat[0])} at row {first_row + row} "
+                            f"is outside the vocabulary [0, {vocab})")
 
     def _cast_inputs(self, x: np.ndarray) -> np.ndarray:
         if x.dtype.kind == "f" and x.dtype != self.dtype:
