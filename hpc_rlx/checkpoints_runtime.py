@@ -91,7 +91,8 @@ class RuntimeCheckpoints:
         if not self.run.ctx.step_in_epoch or t is None:
             return None
         return {"samples": float(t.samples), "loss_sum": float(t.loss_sum),
-                "correct": float(t.correct), "steps": int(t.steps)}
+                "correct": float(t.correct), "steps": int(t.steps), "compute_s": float(t.compute_s),
+                "comm_s": float(t.comm_s), "step_wall_s": float(t.step_wall_s)}
 
     def _state(self):
         from .checkpoint import CheckpointState

@@ -409,6 +409,9 @@ class Run:
         if carried:
             t.samples, t.loss_sum = float(carried["samples"]), float(carried["loss_sum"])
             t.correct, t.steps = float(carried["correct"]), int(carried["steps"])
+            # time too, so samples_per_s of the split epoch stays samples over their step time
+            t.compute_s, t.comm_s = float(carried.get("compute_s", 0.0)), float(carried.get("comm_s", 0.0))
+            t.step_wall_s = float(carried.get("step_wall_s", 0.0))
         self.current_totals = t
         return t
 
