@@ -686,3 +686,149 @@ def test_async_guard_shrinks_k_in_a_diverging_run_only():
     wild_ks, wild = run_async_quadratic(lr=2.5)  # |1 - lr*h| > 1: local steps blow up
     assert wild.trips >= 2
     assert wild_ks[-1] < calm_ks[-1] and min(wild_ks) == 1
+
+
+# ----------------------------------------------------------------------------- policy config
+
+def test_policy_config_defaults_and_normalisation():
+    from hpc_rlx.policies import validate_policy_config
+
+    assert validate_policy_config({"name": "sync"}) == {"name": "sync"}
+    cad = validate_policy_config({"name": "cadence", "anchor": 4.0, "max_batch_diff": 2})
+    assert cad["anchor"] == 4 and isinstance(cad["anchor"], int)
+    assert cad["max_anchor"] == 200 and cad["overhead_target"] == 0.1 and cad["gamma"] == 1.0
+    assert cad["outer"] == "average" and "divergence_threshold" not in cad
+    asy = validate_policy_config({"name": "async", "divergence_threshold": None})
+    assert asy["divergence_threshold"] is None and "max_batch_diff" not in asy
+
+
+@pytest.mark.parametrize("cfg, words", [
+    ({"name": "gossip"}, "policy='gossip' is not one of"),
+    ({"name": "sync", "anchor": 3}, "policy=sync does not take ['anchor']"),
+    ({"name": "cadence", "divergence_threshold": 0.1}, "does not take ['divergence_threshold']"),
+    ({"name": "async", "max_batch_diff": 1}, "does not take ['max_batch_diff']"),
+    ({"name": "cadence", "anchor": 2.5}, "policy.anchor must be an integer, got 2.5"),
+    ({"name": "cadence", "anchor": 0}, "policy.anchor must be an integer >= 1, got 0"),
+    ({"name": "cadence", "anchor": 50, "max_anchor": 20}, "(50) must be <= policy.max_anchor (20)"),
+    ({"name": "cadence", "max_batch_diff": -1}, "policy.max_batch_diff must be an integer >= 0"),
+    ({"name": "async", "overhead_target": 1.5}, "policy.overhead_target must be in (0, 1), got 1.5"),
+    ({"name": "async", "overhead_target": "high"}, "policy.overhead_target must be a number"),
+    ({"name": "async", "divergence_threshold": 0}, "policy.divergence_threshold must be > 0"),
+    ({"name": "cadence", "gamma": -1}, "policy.gamma must be a finite number >= 0, got -1.0"),
+    ({"name": "cadence", "outer": "adam"}, "policy.outer must be one of"),
+    ({"name": "cadence", "outer_lr": 0.5}, "policy.outer=average takes no parameters"),
+    ({"name": "async", "outer": "diloco", "outer_momentum": 1.0}, "policy.outer_momentum must be in [0, 1)"),
+    ({"name": "async", "outer": "slowmo", "outer_lr": True}, "policy.outer_lr must be a number, got True"),
+])
+def test_policy_config_errors_name_key_and_value(cfg, words):
+    from hpc_rlx.policies import validate_policy_config
+
+    with pytest.raises(ConfigError) as e:
+        validate_policy_config(cfg)
+    assert words in str(e.value)
+
+
+def test_build_controller_matches_the_policy():
+    from hpc_rlx.policies import build_controller, validate_policy_config
+
+    cad = build_controller(validate_policy_config({"name": "cadence", "anchor": 3}), 4)
+    assert isinstance(cad, ElcheScheduler) and cad.counts == [3, 3, 3, 3]
+    asy = build_controller(validate_policy_config({"name": "async", "anchor": 500}), 4)
+    assert isinstance(asy, IntervalController) and asy.k == 200   # capped at max_anchor
+
+
+# ----------------------------------------------------------------------------- epoch log, filters
+
+def _report(steps, compute_ms, sync_ms, divergence, weight=1.0, world=2):
+    layout = SyncLayout(3, world)
+    buckets = []
+    for r in range(world):
+        b = np.zeros(layout.size)
+        layout.pack(b, np.ones(3), weight if steps[r] else 0.0, r,
+                    {"steps": steps[r], "samples": 8 * steps[r], "compute_ms": compute_ms[r],
+                     "sync_ms": sync_ms[r], "divergence": divergence[r]})
+        buckets.append(b)
+    return layout.read(allreduce_sum(buckets)[0])
+
+
+def test_epoch_log_record():
+    from hpc_rlx.policies import EpochLog
+
+    log = EpochLog(2)
+    log.add(_report([30, 10], [30.0, 31.0], [0.0, 0.0], [0.0, 0.0]), k=10)   # no cost known yet
+    log.add(_report([27, 9], [28.0, 27.0], [5.0, 3.0], [0.02, 0.04]), k=9)
+    log.add(_report([0, 0], [0.0, 0.0], [4.0, 2.0], [0.01, float("nan")]), k=9, nonfinite_ranks=1)
+    rec = log.record(9, [27, 9], anchor=9)
+    assert rec["syncs"] == 3 and rec["local_steps"] == [57, 19]
+    assert rec["steps_per_sync"] == [19.0, 6.333] and rec["k_trace"] == [10, 9, 9]
+    assert rec["window_steps"] == [27, 9] and rec["K"] == 9 and rec["anchor"] == 9
+    # cost: the smallest rank's sync time (3 ms) over the slowest compute (28 ms); the idle
+    # sync has no window to compare with
+    assert rec["comm_share"] == pytest.approx(3.0 / 28.0, abs=1e-5)
+    assert rec["divergence"] == "inf"            # a NaN divergence reads as infinite
+    assert rec["idle_syncs"] == 1 and rec["nonfinite_windows"] == 1
+    json.dumps(rec)
+    again = EpochLog.from_state(json.loads(json.dumps(log.state_dict())), 2)
+    assert again.record(9, [27, 9]) == log.record(9, [27, 9])
+    other = EpochLog.from_state(log.state_dict(), 3)
+    assert other.local_steps == [0, 0, 0] and other.syncs == 3
+
+
+def test_recent_min_ignores_one_off_spikes():
+    from hpc_rlx.policies import RecentMin
+
+    f = RecentMin(3)
+    assert f.value is None and f.add(None) is None
+    assert f.add(2.0) == 2.0
+    assert f.add(50.0) == 2.0            # a preempted sync
+    assert f.add(float("nan")) == 2.0    # ignored
+    assert f.add(3.0) == 2.0
+    assert f.add(3.1) == 3.0             # 2.0 left the window: the real level shows
+    with pytest.raises(ValueError):
+        RecentMin(0)
+
+
+def test_slowdown_owed_per_step_is_slept_once_per_window():
+    now = [0.0]
+    requests = []
+
+    def sleep(s):
+        requests.append(s)
+        now[0] += s + 2e-4
+
+    inj = SlowdownInjector(3.0, sleep=sleep, clock=lambda: now[0])
+    for _ in range(10):
+        for _ in range(5):
+            inj.owe(1e-3)
+        inj.flush()
+    assert len(requests) == 10                          # one sleep per window
+    assert requests[0] == pytest.approx(10e-3)
+    assert inj.injected_s == pytest.approx(2.0 * 50 * 1e-3, abs=3e-4)   # overshoot repaid
+    # a sleep stretched far beyond the debt is not repaid over many later windows
+    inj2 = SlowdownInjector(2.0, sleep=lambda s: now.__setitem__(0, now[0] + s + 1.0),
+                            clock=lambda: now[0])
+    inj2.owe(1e-3)
+    inj2.flush()
+    inj2.owe(1e-3)
+    assert inj2.flush() == pytest.approx(0.5e-3 + 1.0)  # credit capped: still slowed next window
+    assert SlowdownInjector(1.0).flush() == 0.0
+
+
+def test_stretch_to_epoch_avoids_a_short_last_window():
+    from hpc_rlx.policies import stretch_to_epoch
+
+    assert stretch_to_epoch(22, 89, 200) == 23          # 23, 23, 23, 20: 4 syncs, not 5
+    assert stretch_to_epoch(22, 66, 200) == 22
+    assert stretch_to_epoch(10, 7, 200) == 10           # the epoch's last window: plan_window trims
+    assert stretch_to_epoch(32, 44, 200) == 44          # one window of 44 instead of 32 + 12
+    assert stretch_to_epoch(32, 44, 40) == 40           # never past the cap ...
+    assert stretch_to_epoch(50, 89, 40) == 40           # ... which also bounds K itself
+    for k in range(1, 30):
+        for left in range(0, 200):
+            w = stretch_to_epoch(k, left, 64)
+            assert min(k, 64) <= w <= 64
+            if left > k and 2 * k <= 64:
+                # the windows of at least k: no more syncs than whole k-step windows fit
+                assert -(-left // w) <= max(1, left // k)
+    with pytest.raises(ValueError):
+        stretch_to_epoch(0, 10, 5)

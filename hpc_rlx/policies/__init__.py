@@ -27,7 +27,7 @@ from .interval import IntervalController
 from .outer import DiLoCo, OuterAverage, OuterOptimizer, SlowMo, make_outer
 from .slowdown import SlowdownInjector, parse_slowdown, slowdown_for_rank
 from .smoothing import RecentMin
-from .window import plan_window
+from .window import plan_window, stretch_to_epoch
 
 __all__ = [
     "REPORT_FIELDS", "SyncLayout", "SyncReport",
@@ -36,5 +36,5 @@ __all__ = [
     "ElcheScheduler", "IntervalController",
     "DiLoCo", "OuterAverage", "OuterOptimizer", "SlowMo", "make_outer",
     "SlowdownInjector", "parse_slowdown", "slowdown_for_rank",
-    "plan_window",
+    "plan_window", "stretch_to_epoch",
 ]

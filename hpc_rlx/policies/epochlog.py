@@ -8,7 +8,8 @@ record describes the whole cluster. Keys:
 - steps_per_sync: per rank, mean local steps per sync.
 - window_steps: per rank, the steps planned for the next full window (the settled split).
 - K: cadence: the anchor (steps of the slowest rank per sync); async: the interval.
-- k_trace: the K each window of the epoch ran with.
+- k_trace: the K each window of the epoch ran with (async: stretched so that the epoch
+  splits into equal windows, `window.stretch_to_epoch`).
 - divergence: the largest max-over-ranks `||W_i - W|| / ||W||` reported in the epoch.
 - comm_share: summed sync cost / summed window compute wall. The sync cost is the smallest
   time any rank spent in a sync (the last rank to arrive waits for nobody), the window wall
@@ -55,6 +56,21 @@ class EpochLog:
         if not report.applied:
             self.idle_syncs += 1
         self.nonfinite_windows += int(nonfinite_ranks)
+
+    def state_dict(self) -> dict:
+        """JSON-able, for a checkpoint taken in the middle of an epoch."""
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_state(cls, state: dict, world_size: int) -> "EpochLog":
+        """The log of a checkpoint; per-rank counts restart on another world size."""
+        log = cls(world_size)
+        for key, value in state.items():
+            if hasattr(log, key) and key not in ("world_size", "local_steps"):
+                setattr(log, key, value)
+        if int(state.get("world_size", world_size)) == world_size:
+            log.local_steps = [int(s) for s in state["local_steps"]]
+        return log
 
     @property
     def comm_share(self) -> float | None:

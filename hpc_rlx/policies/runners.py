@@ -23,9 +23,9 @@ from the reported step counts. Fast ranks therefore see their shard more often t
 ranks within an epoch: the sample count is exact, per-sample coverage is not.
 
 Limits: the bucket is in the compute dtype, so per-window step and sample counts must stay
-below 2**24 in float32 (far above any real window). The learning rate follows data progress
-(samples consumed / global batch), and `ctx.step` counts syncs, so `train.max_steps` counts
-syncs too.
+below 2**24 in float32 (far above any real window). `ctx.step` counts syncs, so
+`train.max_steps` counts syncs; the learning rate follows the fraction of the run done (data
+consumed, or syncs out of max_steps), see `_lr_step`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 from .. import comm as mpi
+from .. import trace
 from ..errors import ConfigError
 from ..train import EpochTotals, maybe_fail
 from .bucket import REPORT_FIELDS, SyncLayout
@@ -45,7 +46,7 @@ from .epochlog import EpochLog
 from .outer import make_outer
 from .slowdown import SlowdownInjector, parse_slowdown
 from .smoothing import RecentMin
-from .window import plan_window
+from .window import plan_window, stretch_to_epoch
 
 FIELDS = REPORT_FIELDS + ("loss_sum", "correct", "stop", "nonfinite", "ckpt_due")
 
@@ -82,6 +83,7 @@ class WindowedRunner:
         self._cold = True                        # the next local step is this process's first
         self._cost = RecentMin(3)                # sync cost filter, see _observe
         self._lr = None
+        self._log: EpochLog | None = None           # this epoch's record so far
 
     # ---- the controller behind one small interface ---------------------------------------
     @property
@@ -91,7 +93,10 @@ class WindowedRunner:
     def planned_counts(self) -> list[int]:
         if self.name == "cadence":
             return list(self.controller.counts)
-        return [self.controller.k] * self.world
+        # async: K, stretched so the epoch's windows come out even (see stretch_to_epoch)
+        left = (self.epoch_samples - self.epoch_consumed) // max(1, sum(self.batches))
+        cap = min(self.controller.ceiling, self.controller.max_anchor)
+        return [stretch_to_epoch(self.controller.k, left, cap)] * self.world
 
     def _observe(self, report, trimmed: bool) -> None:
         if self.name == "cadence":
@@ -122,6 +127,7 @@ class WindowedRunner:
             "positions": None if self.cursors is None else list(self.cursors),
             "epoch_consumed": int(self.epoch_consumed),
             "recent_costs": list(self._cost.values),
+            "epoch_log": None if self._log is None else self._log.state_dict(),
             "world_size": self.world,
         }
         return {"arrays": arrays, "meta": meta}
@@ -135,6 +141,8 @@ class WindowedRunner:
         self.controller.load_state_dict(meta["controller"])
         self.epoch_consumed = int(meta.get("epoch_consumed", 0))
         self._cost.values = [float(v) for v in meta.get("recent_costs", [])][-self._cost.n:]
+        log = meta.get("epoch_log")
+        self._log = EpochLog.from_state(log, self.world) if log and self.epoch_consumed else None
         cursors = meta.get("cursors")
         # a new world size means a new shard plan: every rank starts a fresh local pass
         self.cursors = [int(c) for c in cursors] if (same_world and cursors) else None
@@ -162,9 +170,6 @@ class WindowedRunner:
         if self.cursors is None:
             self.cursors = [ctx.epoch * ctx.steps_per_epoch] * self.world
         self.slow = SlowdownInjector(self.slowdown_map.get(ctx.rank, 1.0))
-        # ctx.step counts syncs; the sync-step total would stop the run early
-        max_steps = ctx.spec.train.get("max_steps")
-        ctx.total_steps = int(max_steps) if max_steps else 0
         self._ready = True
 
     # ---- data ---------------------------------------------------------------------------
@@ -175,7 +180,8 @@ class WindowedRunner:
         return self._order_cache[1].step_indices(s)
 
     def _lr_step(self, ctx) -> int:
-        """Data progress in global-batch steps: the LR clock shared with policy=sync."""
+        """Data progress in global batches: the LR clock of policy=sync, whose schedule spans
+        the configured epochs (max_steps, which counts syncs here, only stops early)."""
         within = self.epoch_consumed * ctx.steps_per_epoch // max(1, self.epoch_samples)
         return ctx.epoch * ctx.steps_per_epoch + int(within)
 
@@ -185,16 +191,20 @@ class WindowedRunner:
             self._setup(run)
         ctx = run.ctx
         ctx.step_in_epoch = first_step
-        totals = EpochTotals()
-        log = EpochLog(self.world)
+        totals = run.epoch_totals()     # carries a mid-epoch checkpoint's running totals
+        if self._log is None or first_step == 0:
+            self._log = EpochLog(self.world)
+        log = self._log
         t0 = time.perf_counter()
         while True:
             planned = self.planned_counts()
             counts = plan_window(planned, self.batches, self.epoch_samples - self.epoch_consumed)
             if not any(counts):
-                self.epoch_consumed = 0      # the epoch is over (identically on every rank)
+                # the epoch is over, decided from the bucket: identically on every rank
+                self.epoch_consumed = 0
+                self._log = None
                 break
-            k = self.k
+            k = self.k if self.name == "cadence" else planned[0]
             if self._window(run, counts, counts != planned, totals, log, k):
                 break
         totals.step_wall_s = time.perf_counter() - t0
@@ -220,12 +230,15 @@ class WindowedRunner:
         bad = False
         cold_s = None
         position = self.cursors[rank]
+        t_window = time.perf_counter()
         for _ in range(counts[rank]):
             t = time.perf_counter()
             maybe_fail(ctx.spec, rank, "step", ctx.step)
-            idx = self._indices(ctx, position + steps)
-            n, ls, corr, _ = lanes.step(ctx.x[idx], ctx.y[idx],
-                                        (seed0 + position + steps) * 4099 + rank)
+            with trace.span("data.batch", "data"):
+                idx = self._indices(ctx, position + steps)
+                xb, yb = ctx.x[idx], ctx.y[idx]
+            totals.data_s += time.perf_counter() - t
+            n, ls, corr, _ = lanes.step(xb, yb, (seed0 + position + steps) * 4099 + rank)
             steps += 1
             samples += n
             if n:
@@ -236,7 +249,8 @@ class WindowedRunner:
                     correct += corr
                     grad = ctx.bucket.payload
                     grad /= n
-                    ctx.apply_gradient(grad, lr)
+                    with trace.span("optimizer", "optim"):
+                        ctx.apply_gradient(grad, lr)
                     lanes.refresh_device_params()
             dt = time.perf_counter() - t
             # slowdown: (f - 1) x the whole step, slept once before the sync
@@ -246,9 +260,14 @@ class WindowedRunner:
                 cold_s, self._cold = dt, False
             if bad:
                 break   # the window is lost anyway; report what was consumed
-        t = time.perf_counter()
-        self.slow.flush()
-        compute += time.perf_counter() - t
+        if self.slow.active:
+            t = time.perf_counter()
+            with trace.span("slowdown", "debug"):
+                self.slow.flush()
+            compute += time.perf_counter() - t
+        if trace.ACTIVE is not None:
+            trace.ACTIVE.add("window", "step", trace.MAIN, t_window, time.perf_counter(),
+                             {"steps": steps, "sync": ctx.step})
         # The run's first step pays one-off costs (allocation, page faults): it would read as
         # a slow rank, so the speed estimate extrapolates from the window's other steps.
         measured = compute
@@ -267,7 +286,7 @@ class WindowedRunner:
             "nonfinite": 1.0 if bad else 0.0,
             "ckpt_due": 1.0 if (run.is_root and run.checkpoints.minutes_due()) else 0.0,
         })
-        self.bucket.allreduce(ctx.comm)
+        self.bucket.allreduce(ctx.comm)    # the one collective of the window
         report = self.layout.read(self.buf)
         flags = {key: bool(np.any(report[key] > 0)) for key in ("stop", "nonfinite", "ckpt_due")}
         if flags["nonfinite"] and run.on_nonfinite == "stop":
@@ -285,8 +304,12 @@ class WindowedRunner:
         if bad:
             ctx.optimizer.reset()                     # its state may hold the non-finite values
         lanes.refresh_device_params()
-        sync_s = time.perf_counter() - t_sync
+        t_end = time.perf_counter()
+        sync_s = t_end - t_sync
         self._prev_sync_ms = sync_s * 1e3
+        if trace.ACTIVE is not None:
+            trace.ACTIVE.add("sync", "comm", trace.MAIN, t_sync, t_end,
+                             {"sync": ctx.step + 1, "applied": report.applied})
 
         bad_ranks = int(np.count_nonzero(report["nonfinite"] > 0))
         if bad_ranks:

@@ -1,15 +1,16 @@
 """`debug.slowdown`: make chosen ranks honestly slower, to simulate mixed hardware.
 
 A rank with factor f sleeps `(f - 1) * t` after a step whose compute took `t` seconds, so its
-wall time per step is f times what it would be. The loop must time the step INCLUDING this
-sleep, so the schedulers see the slowdown exactly like a slow device.
+wall time per step is f times what it would be (`after_step`; or `owe` per step and `flush`
+once before a sync). The loop must time the steps INCLUDING this sleep, so the schedulers see
+the slowdown exactly like a slow device.
 
 Sleeping (not spinning) leaves the core to the other ranks, as a slow GPU would. `time.sleep`
 overshoots by a little each call; the overshoot is carried as credit into the next step, so
-the long-run factor stays exact even for millisecond steps. The credit is capped at the
-extra time of the steps since the last sleep: a sleep that the OS stretched by far more (a preempted rank) is the rank
-being slow anyway, and a large credit would let it run unslowed for many steps, which the
-schedulers would read as a sudden speed-up.
+the long-run factor stays exact even for millisecond steps. The credit is capped at half
+the extra time owed since the last sleep: a sleep that the OS stretched by far more (a
+preempted rank) is the rank being slow anyway, and a large credit would let it run unslowed
+for many steps, which the schedulers would read as a sudden speed-up.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import time
 from typing import Callable, Mapping
 
 from ..errors import ConfigError
+
+CREDIT_CAP = 0.5
 
 
 def parse_slowdown(spec, world_size: int | None = None) -> dict[int, float]:
@@ -97,7 +100,7 @@ class SlowdownInjector:
         t0 = self._clock()
         self._sleep(self._debt)
         slept = self._clock() - t0
-        self._debt = max(self._debt - slept, -owed)
+        self._debt = max(self._debt - slept, -CREDIT_CAP * owed)
         self.injected_s += slept
         return slept
 

@@ -45,3 +45,22 @@ def plan_window(counts: Sequence[int], samples_per_step: Sequence[int],
         r = min(fits, key=lambda r: (Fraction(got[r] + 1, counts[r]), r))
         got[r] += 1
         left -= samples_per_step[r]
+
+
+def stretch_to_epoch(k: int, remaining_steps: int, cap: int) -> int:
+    """An interval of at least `k` that splits the rest of the epoch into equal windows.
+
+    With K local steps between syncs and R steps left in the epoch, plain K-step windows end
+    the epoch with a short one whose sync costs as much as a full window's: at 4-5 windows
+    per epoch that alone pushes the communication share 20% over the target. Taking the
+    fewest windows of at least K steps that cover R (`floor(R / K)` of them, the last one
+    absorbing the rest) avoids the short window; `cap` (the max anchor, or the divergence
+    guard's ceiling) bounds the stretch.
+    """
+    if k < 1 or cap < 1:
+        raise ValueError(f"k and cap must be >= 1, got k={k}, cap={cap}")
+    k = min(k, cap)
+    if remaining_steps <= k:
+        return k
+    windows = remaining_steps // k
+    return max(k, min(cap, -(-remaining_steps // windows)))
