@@ -132,15 +132,6 @@ if [[ ${launch[0]} == "$mpirun_bin" ]] && ! command -v "$mpirun_bin" >/dev/null;
     exit 2
 fi
 
-echo "hpc_rlx: $(date '+%F %T') job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-local}) restart" \
-     "${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-$(hostname)}: $ntasks ranks," \
-     "$threads BLAS threads per rank"
-echo "hpc_rlx: python $(command -v "$python"), launcher: ${launch[*]} ($why)"
-if [[ $module == hpc_rlx && -n ${SLURM_JOB_ID:-} ]]; then
-    echo "hpc_rlx: run directory: outputs/slurm-$SLURM_JOB_ID (unless hydra.run.dir is given)"
-fi
-
-# ---- run, then requeue if the run stopped for a preemption warning ----------------------------
 # The run directory, to read how the run ended: hydra.run.dir if given, else the runtime's default.
 run_dir=""
 for arg in "$@"; do
@@ -154,6 +145,15 @@ if [[ -z $run_dir && -n ${SLURM_JOB_ID:-} ]]; then
     run_dir=outputs/slurm-$SLURM_JOB_ID${SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}
 fi
 
+echo "hpc_rlx: $(date '+%F %T') job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-local}) restart" \
+     "${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-$(hostname)}: $ntasks ranks," \
+     "$threads BLAS threads per rank"
+echo "hpc_rlx: python $(command -v "$python"), launcher: ${launch[*]} ($why)"
+if [[ $module == hpc_rlx && -n $run_dir ]]; then
+    echo "hpc_rlx: run directory: $run_dir"
+fi
+
+# ---- run, then requeue if the run stopped for a preemption warning ----------------------------
 # Slurm signals the ranks directly (--signal=USR1@90, scancel --signal). A signal sent to this
 # shell instead (--signal=B:USR1@90, scancel -b) is passed on to srun/mpirun, which forward it.
 # TERM means the job is being cancelled, timed out or requeued by Slurm: keep waiting for the
