@@ -395,7 +395,7 @@ class Run:
             sys.stdout.write(f"\r epoch {ctx.epoch + 1}/{self.spec.train['epochs']} "
                              f"[{bar:<30}] step {ctx.step_in_epoch}/{ctx.steps_per_epoch}")
             sys.stdout.flush()
-        elif now - self._last_log >= float(self.spec.train.get("log_every_s") or 10):
+        elif now - self._last_log >= _log_period(self.spec.train.get("log_every_s")):
             self._last_log = now
             print(f"[hpc_rlx] epoch {ctx.epoch + 1} step {ctx.step_in_epoch}/{ctx.steps_per_epoch} "
                   f"(global step {ctx.step}) loss {self.stats.last_loss}", flush=True)
@@ -587,6 +587,11 @@ class Run:
                 f"no checkpoint was written from that state; lower optim.lr, set optim.clip_grad_norm, "
                 f"or train.on_nonfinite=skip")
         return result
+
+
+def _log_period(value) -> float:
+    """train.log_every_s: null means the default 10 s; 0 logs every step."""
+    return 10.0 if value is None else float(value)
 
 
 def _fmt(v, digits: int = 4) -> str:
