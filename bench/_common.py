@@ -1,0 +1,122 @@
+"""Shared helpers for the benchmark scripts: launching jobs with timeouts, preparing data,
+reading hpc_rlx's metrics, and printing tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+_local_mpirun = Path(PYTHON).with_name("mpirun")
+MPIRUN = str(_local_mpirun) if _local_mpirun.exists() else (shutil.which("mpirun") or "mpirun")
+
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def one_thread_env(extra: dict | None = None) -> dict:
+    """One BLAS/OpenMP thread per process on both sides of every comparison."""
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"})
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra or {})
+    return env
+
+
+def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path | None = None) -> str:
+    """Run a command; on failure or timeout, stop the benchmark with its output."""
+    try:
+        proc = subprocess.run(cmd, cwd=cwd or REPO, env=env or one_thread_env(), capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise SystemExit(f"timed out after {timeout}s: {' '.join(cmd)}\n{(e.stdout or '')[-2000:]}"
+                         f"\n{(e.stderr or '')[-2000:]}")
+    if proc.returncode != 0:
+        raise SystemExit(f"failed (rc={proc.returncode}): {' '.join(cmd)}\n--- stdout ---\n"
+                         f"{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def mpirun(n: int, args: list[str], timeout: float, env: dict | None = None) -> str:
+    return run([MPIRUN, "-n", str(n), PYTHON] + list(args), timeout=timeout, env=env)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def result_line(stdout: str, tag: str = "RESULT") -> dict:
+    for line in stdout.splitlines():
+        if line.startswith(tag + " "):
+            return json.loads(line[len(tag) + 1:])
+    raise SystemExit(f"no {tag} line in output:\n{stdout[-2000:]}")
+
+
+def prepare_synthetic(path: Path, samples: int, features: int, classes: int = 10) -> Path:
+    from hpc_rlx.data.prepare import prepare_synthetic as prep
+    if not path.exists():
+        prep(path, samples=samples, features=features, classes=classes, seed=0)
+    return path
+
+
+def hpc_throughput(run_dir: Path, global_batch: int, skip_epochs: int = 1) -> dict:
+    """Samples/s over the epochs after the warm-up ones, from hpc_rlx's own metric
+    `samples_per_s` (samples / step wall time, where a step is batch gather + forward/backward
+    + allreduce + optimizer, timed on rank 0)."""
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    use = recs[skip_epochs:] or recs
+    wall = samples = comm = compute = 0.0
+    steps = 0
+    for r in use:
+        n = r["steps"] * global_batch
+        wall += n / r["samples_per_s"]
+        samples += n
+        steps += r["steps"]
+        comm += r["comm_s"]
+        compute += r["compute_s"]
+    return {"samples_per_s": samples / wall, "comm_frac": comm / wall, "compute_frac": compute / wall,
+            "epochs": len(use), "steps": steps, "step_ms": 1e3 * wall / steps}
+
+
+def fmt_table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if abs(v) >= 100:
+            return f"{v:,.0f}"
+        if abs(v) >= 10:
+            return f"{v:.1f}"
+        return f"{v:.3f}" if abs(v) < 1 else f"{v:.2f}"
+    return str(v)
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def machine_note() -> str:
+    import platform
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{platform.node()}: {cores} cores, load average {load:.2f}, python {platform.python_version()}"

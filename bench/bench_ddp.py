@@ -1,0 +1,187 @@
+"""End to end: hpc_rlx under mpirun vs PyTorch DDP (gloo), same MLP, same data, same steps.
+
+    .venv/bin/python bench/bench_ddp.py                      # 1/2/4 ranks, a few minutes
+    .venv/bin/python bench/bench_ddp.py --ranks 1,2 --repeats 3 --steps 40
+
+Model 784-1024-1024-10 (ReLU), float32, SGD (lr 0.01, momentum 0.9), batch 128 per rank (so
+hpc_rlx's global train.batch_size is 128 x n), one BLAS thread per rank on both sides
+(hpc_rlx: train.threads_per_rank=1; torch: torch.set_num_threads(1)). Both sides train on the
+same synthetic HDF5 file (python -m hpc_rlx.data prepare synthetic), each rank on its own
+contiguous shard, reshuffled every epoch, for the same number of steps.
+
+Timing, the same on both sides: rank 0's wall time of each step (batch gather from memory,
+forward, backward, gradient allreduce, optimizer step), summed over the epochs after the first
+(warm-up); throughput = global samples / that time. For hpc_rlx this is its own metric
+(`samples_per_s` in metrics.jsonl). DDP runs with its defaults (25 MB buckets, allreduce
+overlapped with backward). The two sides alternate within every repeat, so background load
+hits both alike; the best repeat is reported (as timeit does), the median in brackets.
+
+Scaling efficiency = throughput at n / (n x throughput at 1). More ranks than cores means
+the ranks share cores: efficiency then measures the machine, not the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (PYTHON, REPO, fmt_table, free_port, hpc_throughput, machine_note,  # noqa: E402
+                     median, mpirun, one_thread_env, prepare_synthetic, result_line)
+
+HIDDEN = [1024, 1024]
+FEATURES, CLASSES, PER_RANK_BATCH = 784, 10, 128
+LR, MOMENTUM = 0.01, 0.9
+
+
+# ---- hpc_rlx side ---------------------------------------------------------------------------
+
+def run_hpc(n: int, data: Path, epochs: int, workdir: Path, extra: list[str] = ()) -> dict:
+    run_dir = workdir / f"hpc_n{n}_{time.monotonic_ns()}"
+    args = ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "data=synthetic", f"data.path={data}",
+            "data.val_fraction=0", "model=mlp", f"model.hidden=[{','.join(map(str, HIDDEN))}]",
+            f"train.batch_size={PER_RANK_BATCH * n}", f"train.epochs={epochs}", "train.threads_per_rank=1",
+            "optim=sgd", f"optim.lr={LR}", f"optim.momentum={MOMENTUM}", "optim.schedule=constant",
+            "checkpoint=off", "report.plots=false", "train.log_every_s=1000"] + list(extra)
+    mpirun(n, args, timeout=900, env=one_thread_env())
+    out = hpc_throughput(run_dir, PER_RANK_BATCH * n, skip_epochs=1)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return out
+
+
+# ---- PyTorch DDP side -------------------------------------------------------------------------
+
+def ddp_worker(rank: int, world: int, port: int, data: str, epochs: int) -> None:
+    import h5py
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    with h5py.File(data, "r", locking=False) as f:
+        n_total = f["x"].shape[0]
+        batch_global = PER_RANK_BATCH * world
+        steps = n_total // batch_global
+        per_rank = steps * PER_RANK_BATCH
+        lo = rank * per_rank                       # contiguous shard, like data.distribution=read
+        x = torch.from_numpy(np.ascontiguousarray(f["x"][lo: lo + per_rank]))
+        y = torch.from_numpy(np.ascontiguousarray(f["y"][lo: lo + per_rank]))
+    torch.manual_seed(0)
+    layers, width = [], FEATURES
+    for h in HIDDEN:
+        layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
+        width = h
+    layers.append(torch.nn.Linear(width, CLASSES))
+    model = DDP(torch.nn.Sequential(*layers))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    lossf = torch.nn.CrossEntropyLoss()
+    gen = torch.Generator().manual_seed(1000 + rank)
+    walls = []
+    for _ in range(epochs):
+        perm = torch.randperm(per_rank, generator=gen)
+        wall = 0.0
+        for s in range(steps):
+            t0 = time.perf_counter()
+            idx = perm[s * PER_RANK_BATCH:(s + 1) * PER_RANK_BATCH]
+            xb, yb = x[idx], y[idx]
+            opt.zero_grad(set_to_none=True)
+            loss = lossf(model(xb), yb)
+            loss.backward()
+            opt.step()
+            wall += time.perf_counter() - t0
+        walls.append(wall)
+    dist.barrier()
+    if rank == 0:
+        use = walls[1:] or walls
+        print("RESULT " + json.dumps({"samples_per_s": len(use) * steps * batch_global / sum(use),
+                                      "steps": len(use) * steps, "step_ms": 1e3 * sum(use) / (len(use) * steps),
+                                      "loss": float(loss)}))
+    dist.destroy_process_group()
+
+
+def run_ddp(n: int, data: Path, epochs: int, timeout: float = 900) -> dict:
+    port = free_port()
+    env = one_thread_env()
+    procs = [subprocess.Popen([PYTHON, __file__, "--ddp-worker", str(r), str(n), str(port), str(data), str(epochs)],
+                              env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(n)]
+    outs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise SystemExit(f"DDP with {n} processes timed out after {timeout}s")
+    for p, (out, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise SystemExit(f"DDP worker failed (rc={p.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
+    return result_line(outs[0][0])
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", default="1,2,4")
+    ap.add_argument("--steps", type=int, default=24,
+                    help="steps per epoch at the largest rank count (smaller counts take proportionally more)")
+    ap.add_argument("--epochs", type=int, default=3, help="epochs per run; the first is warm-up, not timed")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--workdir", default=None, help="where the data and runs go (default: a temp dir, removed)")
+    args = ap.parse_args()
+    ranks = [int(r) for r in args.ranks.split(",")]
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="hpc_rlx_bench_ddp_"))
+    work.mkdir(parents=True, exist_ok=True)
+    samples = PER_RANK_BATCH * max(ranks) * args.steps
+    data = prepare_synthetic(work / f"syn_{samples}.h5", samples, FEATURES, CLASSES)
+    print(f"# {machine_note()}")
+    print(f"# MLP {FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES}, batch {PER_RANK_BATCH}/rank, "
+          f"{samples} samples, {args.epochs} epochs (first untimed), {args.repeats} repeat(s)")
+    results: dict[int, dict[str, list]] = {n: {"hpc": [], "ddp": []} for n in ranks}
+    for rep in range(args.repeats):
+        for n in ranks:
+            order = ("hpc", "ddp") if rep % 2 == 0 else ("ddp", "hpc")
+            for side in order:
+                r = run_hpc(n, data, args.epochs, work) if side == "hpc" else run_ddp(n, data, args.epochs)
+                results[n][side].append(r)
+                print(f"  repeat {rep + 1} n={n} {side}: {r['samples_per_s']:,.0f} samples/s "
+                      f"({r['step_ms']:.1f} ms/step)", flush=True)
+
+    best = {n: {s: max(v["samples_per_s"] for v in results[n][s]) for s in ("hpc", "ddp")} for n in ranks}
+    med = {n: {s: median([v["samples_per_s"] for v in results[n][s]]) for s in ("hpc", "ddp")} for n in ranks}
+    base = ranks[0] if ranks[0] == 1 else None
+    rows = []
+    for n in ranks:
+        h, d = best[n]["hpc"], best[n]["ddp"]
+        eff_h = h / (n * best[base]["hpc"]) if base else None
+        eff_d = d / (n * best[base]["ddp"]) if base else None
+        comm = median([v["comm_frac"] for v in results[n]["hpc"]])
+        rows.append([n, h, f"({med[n]['hpc']:,.0f})", d, f"({med[n]['ddp']:,.0f})", f"{h / d:.2f}x",
+                     eff_h, eff_d, f"{100 * comm:.0f}%"])
+    print()
+    print(fmt_table(["ranks", "hpc_rlx samples/s", "(median)", "DDP-gloo samples/s", "(median)",
+                     "hpc_rlx/DDP", "eff hpc_rlx", "eff DDP", "hpc_rlx comm share"], rows))
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--ddp-worker":
+        r, w, port, data, epochs = sys.argv[2:7]
+        ddp_worker(int(r), int(w), int(port), data, int(epochs))
+    else:
+        main()
