@@ -445,7 +445,41 @@ def run_text(files: RunFiles) -> str:
     tpath = files.dir / "trace.json"
     if tpath.is_file():
         lines.append(f"trace: {tpath} (open in https://ui.perfetto.dev or chrome://tracing)")
+        lines.extend(trace_lines(tpath))
     return "\n".join(lines)
+
+
+STEP_SPANS = ("data.batch", "forward_backward", "allreduce", "wait", "optimizer", "step")
+
+
+def trace_per_step(doc: dict) -> dict[int, dict[str, float]]:
+    """Per rank: milliseconds per step spent in each step-level span (from a merged trace)."""
+    tot: dict[int, dict[str, float]] = {}
+    steps: dict[int, int] = {}
+    for e in doc.get("traceEvents", []):
+        if e.get("ph") != "X" or e["name"] not in STEP_SPANS:
+            continue
+        d = tot.setdefault(e["pid"], {})
+        d[e["name"]] = d.get(e["name"], 0.0) + e["dur"] * 1e-3
+        if e["name"] == "step":
+            steps[e["pid"]] = steps.get(e["pid"], 0) + 1
+    return {r: {k: v / steps[r] for k, v in d.items()} for r, d in tot.items() if steps.get(r)}
+
+
+def trace_lines(path: Path, max_ranks: int = 8) -> list[str]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return [f"  (trace unreadable: {e})"]
+    per = trace_per_step(doc)
+    if not per:
+        return []
+    out = ["  ms per step  " + " ".join(f"{k:>16}" for k in STEP_SPANS)]
+    for r in sorted(per)[:max_ranks]:
+        out.append(f"  rank {r:<6} " + " ".join(f"{per[r].get(k, 0.0):>16.3f}" for k in STEP_SPANS))
+    if len(per) > max_ranks:
+        out.append(f"  ... {len(per) - max_ranks} more ranks")
+    return out
 
 
 def sweep_text(sweep_dir: Path, rows: list[dict]) -> str:

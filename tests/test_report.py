@@ -238,3 +238,20 @@ def test_plots_off(tmp_path, digits_h5):
                       "model.hidden=[16]", "checkpoint=off", "report.plots=false"], timeout=120)
     assert proc.returncode == 0, explain(proc)
     assert (run / "summary.json").is_file() and not (run / "plots").exists()
+
+
+def test_trace_breakdown_per_step(tmp_path):
+    def x(pid, name, dur_ms):
+        return {"ph": "X", "pid": pid, "tid": 0, "name": name, "ts": 0, "dur": dur_ms * 1e3}
+    events = []
+    for _ in range(4):
+        events += [x(0, "step", 10), x(0, "forward_backward", 6), x(0, "allreduce", 3), x(0, "wait", 2),
+                   x(1, "step", 10), x(1, "forward_backward", 8), x(1, "allreduce", 1)]
+    events.append(x(0, "checkpoint", 50))           # not a step span
+    per = report.trace_per_step({"traceEvents": events})
+    assert per[0] == pytest.approx({"step": 10, "forward_backward": 6, "allreduce": 3, "wait": 2})
+    assert per[1]["forward_backward"] == pytest.approx(8) and "wait" not in per[1]
+    run = make_run(tmp_path / "r")
+    (run / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    text = report.run_text(report.load_run(run))
+    assert "ms per step" in text and "rank 1" in text.split("ms per step")[1]
