@@ -54,13 +54,17 @@ def _tail(path: Path, lines: int = 15) -> str:
     return f"--- last lines of {path} ---\n" + "\n".join(text[-lines:])
 
 
-def _pid_alive(pid_file: Path) -> int | None:
+def _pid_alive(pid_file: Path, name: str) -> int | None:
+    """The daemon's pid if it still runs (a pid file left by a killed daemon may name a stranger)."""
     try:
         pid = int(pid_file.read_text().split()[0])
         os.kill(pid, 0)
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except (OSError, ValueError, IndexError):
         return None
-    return pid
+    # "pid (comm) state ...": a killed daemon may linger as a zombie when nothing reaps it
+    comm, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:][:1]
+    return pid if comm == name[:15] and state not in ("Z", "X") else None
 
 
 class SlurmCluster:
@@ -201,7 +205,7 @@ class SlurmCluster:
     def _start_munged(self) -> None:
         m = self.root / "munge"
         pid_file = m / "munged.pid"
-        if _pid_alive(pid_file) and self.munge_socket.exists():
+        if _pid_alive(pid_file, "munged") and self.munge_socket.exists():
             return
         key = m / "munge.key"
         if not key.exists():
@@ -222,7 +226,7 @@ class SlurmCluster:
     def _start_slurm(self, timeout: float) -> None:
         env = self.env()
         ctld_pid = self.root / "slurmctld.pid"
-        if not _pid_alive(ctld_pid):
+        if not _pid_alive(ctld_pid, "slurmctld"):
             # -c: start clean, jobs of an earlier test run are of no use
             res = _run([self._binary("slurmctld"), "-c", "-f", str(self.conf)], env=env, timeout=30)
             if res.returncode != 0:
@@ -232,7 +236,7 @@ class SlurmCluster:
             self._started.append("slurmctld")
         self._wait(lambda: "UP" in _run(["scontrol", "ping"], env=env, timeout=15).stdout,
                    timeout, "slurmctld to answer scontrol ping", self.root / "slurmctld.log")
-        if not _pid_alive(self.root / "slurmd.pid"):
+        if not _pid_alive(self.root / "slurmd.pid", "slurmd"):
             res = _run([self._binary("slurmd"), "-f", str(self.conf), "-N", self.node],
                        env=env, timeout=30)
             if res.returncode != 0:
@@ -275,11 +279,11 @@ class SlurmCluster:
             if name not in names:
                 continue
             deadline = time.monotonic() + 15
-            pid = _pid_alive(pid_files[name])
+            pid = _pid_alive(pid_files[name], name)
             while pid and time.monotonic() < deadline:
                 os.kill(pid, signal.SIGTERM)
                 time.sleep(0.5)
-                pid = _pid_alive(pid_files[name])
+                pid = _pid_alive(pid_files[name], name)
         self._started.clear()
 
     def logs(self) -> str:
