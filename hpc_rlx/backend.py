@@ -8,6 +8,7 @@ between host and device behind the caller's back: ``to_numpy`` is the one explic
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 
@@ -117,6 +118,103 @@ def synchronize(xp) -> None:
     """Wait for queued device work (needed before handing a GPU buffer to MPI); no-op on NumPy."""
     if xp is not np:
         xp.cuda.get_current_stream().synchronize()
+
+
+# --------------------------------------------------------------------------------------
+# Explicit transfers. Lanes and the bucket move data only through these, so every copy
+# between host and device (or between GPUs) is visible in one place.
+# --------------------------------------------------------------------------------------
+
+def visible_devices() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES split into entries (None when unset): CuPy's GPU i is entry i."""
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return None
+    return [d.strip() for d in raw.split(",") if d.strip()]
+
+
+def physical_gpu(index: int) -> str:
+    """The node-level name of CuPy's GPU ``index``: its CUDA_VISIBLE_DEVICES entry, if any."""
+    vis = visible_devices()
+    if vis is not None and 0 <= index < len(vis):
+        return vis[index]
+    return str(index)
+
+
+def device_of(arr) -> int | None:
+    """The GPU a CuPy array lives on; None for host arrays."""
+    return int(arr.device.id) if is_device_array(arr) else None
+
+
+def pinned_empty(size: int, dtype) -> np.ndarray:
+    """A 1-D host array in page-locked memory when a GPU is usable, so copies to and from the
+    device are truly asynchronous and run at full PCIe/NVLink speed; plain memory otherwise.
+    Allocate once and reuse: pinning is expensive and the amount of it is limited."""
+    dt = np.dtype(dtype)
+    _probe()
+    if _cupy is None:
+        return np.empty(int(size), dt)
+    mem = _cupy.cuda.alloc_pinned_memory(max(1, int(size) * dt.itemsize))
+    return np.ndarray((int(size),), dtype=dt, buffer=mem)
+
+
+def is_pinned(arr: np.ndarray) -> bool:
+    """True when ``arr``'s memory is page-locked (allocated by ``pinned_empty``)."""
+    if _cupy is None or not isinstance(arr, np.ndarray):
+        return False
+    base = arr
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return isinstance(base, _cupy.cuda.PinnedMemoryPointer)
+
+
+def device_zeros(size: int, dtype, device: int):
+    """A zeroed 1-D array on GPU ``device``."""
+    xp = get_xp("cuda", device=device)
+    with use_device(device):
+        return xp.zeros(int(size), dtype=dtype)
+
+
+def copy_to_device(dst, src: np.ndarray) -> None:
+    """``dst[...] = src`` from host to GPU, queued on dst's device's current stream (truly
+    asynchronous when ``src`` is pinned; the caller must not modify ``src`` until the device
+    has consumed it)."""
+    src = np.ascontiguousarray(src, dtype=dst.dtype)
+    if src.size != dst.size:
+        raise ValueError(f"copy_to_device: {src.size} host elements into {dst.size} device elements")
+    with use_device(device_of(dst)):
+        dst.data.copy_from_host_async(src.ctypes.data, src.nbytes)
+
+
+def copy_to_host(dst: np.ndarray, src, wait: bool = True) -> None:
+    """``dst[...] = src`` from GPU to host on src's device's current stream. With ``wait``
+    (the default) returns once the bytes are in ``dst``; otherwise call ``synchronize_device``."""
+    if dst.dtype != src.dtype or dst.size != src.size or not dst.flags.c_contiguous:
+        raise ValueError(f"copy_to_host: {src.size} x {src.dtype} device elements into "
+                         f"{dst.size} x {dst.dtype} host elements (contiguous: {dst.flags.c_contiguous})")
+    dev = device_of(src)
+    with use_device(dev):
+        src = _cupy.ascontiguousarray(src)
+        src.data.copy_to_host_async(dst.ctypes.data, src.nbytes)
+        if wait:
+            _cupy.cuda.get_current_stream().synchronize()
+
+
+def copy_between_devices(dst, src) -> None:
+    """``dst[...] = src`` between GPUs (peer copy under unified addressing), queued on dst's
+    device's current stream; the caller makes sure src is ready."""
+    if dst.dtype != src.dtype or dst.size != src.size:
+        raise ValueError(f"copy_between_devices: {src.size} x {src.dtype} into {dst.size} x {dst.dtype}")
+    with use_device(device_of(dst)):
+        dst.data.copy_from_device_async(src.data, src.nbytes)
+
+
+def synchronize_device(index: int | None) -> None:
+    """Wait for the work queued on GPU ``index``'s current stream (no-op for None)."""
+    if index is None or _cupy is None:
+        return
+    with _cupy.cuda.Device(index):
+        _cupy.cuda.get_current_stream().synchronize()
 
 
 _host_tuned = None

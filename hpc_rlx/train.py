@@ -20,7 +20,7 @@ import numpy as np
 
 from . import comm as mpi
 from . import trace
-from .errors import DataError
+from .errors import CheckpointError, DataError
 from .spec import TrainSpec
 
 # Tail slots of the fused bucket, in order. Policies may append their own.
@@ -88,7 +88,8 @@ class Context:
         self.steps_per_epoch = self.plan.steps_per_epoch
         self.bucket = mpi.FusedBucket(self.layout.size, TAIL_FIELDS + tuple(spec.extras.get("tail", ())),
                                       self.dtype, cap_mb=float(spec.comm["bucket_cap_mb"]),
-                                      deterministic=bool(spec.comm["deterministic"]))
+                                      deterministic=bool(spec.comm["deterministic"]),
+                                      wire_dtype=spec.comm.get("wire_dtype"))
         opt = dict(spec.optim)
         kwargs = {}
         if opt["name"] == "sgd":
@@ -122,12 +123,14 @@ class Context:
         num_classes = getattr(self.graph, "num_classes", None)
 
         def _train():
-            maybe_fail(self.spec, self.rank, "data")
             x, y = load_shard(self.comm, d.distribution, d.path, d.x, d.y, self.plan.all_bounds())
             start = self.plan.shard_bounds(self.rank)[0]
             hdf5.check_values(x, y, num_classes, d.check_finite, first_row=start)
             self._check_tokens(x, start)
             return x, y
+        # Not inside the agreement: a rank failing before load_shard's collectives would leave
+        # the others in them; an exception here takes the abort path instead.
+        maybe_fail(self.spec, self.rank, "data")
         # load_shard itself agrees on read errors; value checks are agreed here.
         self.x, self.y = mpi.agree(self.comm, _train)
         n_val = d.val_stop - d.val_start
@@ -275,7 +278,8 @@ class SyncPolicy:
             if flags["nonfinite"] and run.on_nonfinite == "stop":
                 run.stop_reason = "nonfinite"
                 break
-            if flags["nonfinite"]:
+            skipped = flags["nonfinite"]
+            if skipped:
                 ctx.skipped_steps += 1
             elif total_n > 0:
                 bucket.payload /= total_n
@@ -283,9 +287,10 @@ class SyncPolicy:
                     ctx.apply_gradient(bucket.payload, ctx.lr_at(ctx.step))
             ctx.step += 1
             ctx.step_in_epoch = s + 1
-            totals.samples += total_n
-            totals.loss_sum += bucket["loss_sum"]
-            totals.correct += bucket["correct"]
+            if not skipped:     # a skipped step's loss may be NaN: keep it out of the epoch's means
+                totals.samples += total_n
+                totals.loss_sum += bucket["loss_sum"]
+                totals.correct += bucket["correct"]
             totals.steps += 1
             totals.compute_s += compute
             totals.comm_s += dt_comm
@@ -336,6 +341,15 @@ class Run:
                 sys.stdout.write("\r\033[K")
             print(f"[hpc_rlx] {msg}", flush=True)
 
+    def _check_params_finite(self) -> None:
+        """Never checkpoint a NaN model (e.g. an overflow that train.on_nonfinite=skip kept
+        skipping past): fail instead, and the last good checkpoint stays the newest."""
+        if not np.isfinite(self.ctx.params).all():
+            bad = int(np.count_nonzero(~np.isfinite(self.ctx.params)))
+            raise CheckpointError(f"{bad} parameter value(s) on rank {self.rank} are NaN/Inf at step "
+                                  f"{self.ctx.step}: not writing a checkpoint; the newest one on disk "
+                                  f"is the last good state (lower optim.lr or set optim.clip_grad_norm)")
+
     def dropout_seed(self) -> int:
         return (int(self.spec.train["seed"]) * 1_000_003 + self.ctx.step) * 4099 + self.rank
 
@@ -347,8 +361,11 @@ class Run:
     # ---- flags in the bucket ------------------------------------------------------------
     def fill_flags(self, loss_sum: float) -> None:
         b = self.ctx.bucket
+        dbg = self.spec.debug
+        if dbg.get("nan_rank") == self.rank and dbg.get("nan_step") == self.ctx.step:
+            b.payload[0] = float("nan")     # debug.nan_*: a non-finite gradient, on purpose
         b["stop"] = 1.0 if self.stop_flag.raised else 0.0
-        bad = not math.isfinite(loss_sum) or not bool(np.isfinite(b.payload).all())
+        bad = not math.isfinite(loss_sum) or not b.payload_finite()   # on the GPU for a device bucket
         b["nonfinite"] = 1.0 if bad else 0.0
         b["ckpt_due"] = 1.0 if (self.is_root and self.checkpoints.minutes_due()) else 0.0
 
@@ -417,6 +434,7 @@ class Run:
 
     def save_checkpoint(self, reason: str, metric: float | None = None) -> None:
         maybe_fail(self.spec, self.rank, "checkpoint")
+        mpi.agree(self.comm, self._check_params_finite)
         t0 = time.perf_counter()
         with trace.span("checkpoint", "io", args={"reason": reason}):
             self.checkpoints.save(self, reason, metric)
@@ -436,7 +454,7 @@ class Run:
     def execute(self) -> dict:
         from . import comm as mpi_mod
         from .checkpoints_runtime import RuntimeCheckpoints
-        from .lanes import LaneSet, inventory, resolve_lanes
+        from .lanes import LaneSet, describe_lanes, inventory, resolve_lanes
         from .threads import limit_threads
 
         spec, comm = self.spec, self.comm
@@ -455,8 +473,12 @@ class Run:
         lanes_spec = mpi_mod.agree(comm, lambda: resolve_lanes(
             spec.device["kind"], int(spec.device["cpu_lanes"]), int(spec.device["gpus_per_rank"]),
             mpi_mod.local_rank(comm)))
-        self.lanes = LaneSet(ctx.graph, lanes_spec, spec.train["dtype"], ctx.params,
-                             ctx.bucket.payload, ctx.layout)
+        # Lanes place the bucket (device twin or host) and pick its Allreduce path.
+        self.lanes = mpi_mod.agree(comm, lambda: LaneSet(
+            ctx.graph, lanes_spec, spec.train["dtype"], ctx.params, ctx.bucket, ctx.layout,
+            cuda_aware=spec.comm.get("cuda_aware", "auto")))
+        lane_note = mpi_mod.by_rank(comm, f"lanes [{describe_lanes(lanes_spec)}], {self.lanes.bucket_path}")
+        self.log(f"lanes and bucket: {lane_note}")
         self.stats = RankStats(lanes=self.lanes.names, inventory=inventory(), threads=self.threads)
         self.policy = make_policy(spec)
         self.checkpoints = RuntimeCheckpoints(self)
@@ -678,4 +700,21 @@ def _json_default(o):
 def train(spec: TrainSpec, comm) -> dict:
     """Train on every rank of `comm`; returns the run result (same on every rank except
     `ranks`, which only rank 0 holds)."""
-    return Run(spec, comm).execute()
+    from .watchdog import StallWatchdog
+
+    run = Run(spec, comm)
+
+    def position() -> int | None:
+        ctx = getattr(run, "ctx", None)
+        return None if ctx is None else ctx.step
+
+    with StallWatchdog.from_spec(spec, comm, position):
+        try:
+            return run.execute()
+        except Exception as exc:
+            if getattr(exc, "step", None) is None and position() is not None:
+                try:
+                    exc.step = position()     # the failure message names the step
+                except AttributeError:
+                    pass
+            raise
