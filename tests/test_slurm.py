@@ -101,6 +101,13 @@ def wait_until(predicate, timeout: float, what: str, cluster=None, on_fail=lambd
                 f"{cluster.logs() if cluster else ''}")
 
 
+def wait_job(cluster, cwd: Path, job_id: str, timeout: float) -> dict:
+    """Poll until the job ends (sbatch --wait checks only every ~10 s); returns its fields."""
+    wait_until(lambda: job_fields(cluster, job_id).get("JobState") in slurm_jobs.TERMINAL, timeout,
+               f"job {job_id} to finish", cluster, lambda: log_of(cwd, job_id))
+    return job_fields(cluster, job_id)
+
+
 def metric_lines(run_dir: Path) -> int:
     try:
         return len(read_metrics(run_dir))
@@ -161,6 +168,79 @@ def test_parse_squeue_and_scontrol():
     assert slurm_jobs.JobState("1", "TIMEOUT").done is True
 
 
+class FakeSlurm:
+    """Stands in for sbatch/squeue: each job runs for `polls` polls, then ends in `final`."""
+
+    def __init__(self, polls=2, final="COMPLETED"):
+        self.polls, self.final = polls, final
+        self.age, self.max_active, self.cancelled = {}, 0, []
+
+    def submit(self, cmd, env=None, timeout=60.0):
+        job = str(100 + len(self.age))
+        self.age[job] = 0
+        return job
+
+    def poll(self, ids, env=None, timeout=60.0):
+        ids = list(ids)
+        self.max_active = max(self.max_active, len(ids))
+        out = {}
+        for job in ids:
+            self.age[job] += 1
+            state = self.final if self.age[job] > self.polls else "RUNNING"
+            out[job] = slurm_jobs.JobState(job, state, "0:0" if state == "COMPLETED" else "1:0")
+        return out
+
+    def cancel(self, ids, env=None):
+        self.cancelled += list(ids)
+
+
+def _points(tmp_path, n):
+    return [slurm_launcher._Point(i, [f"optim.lr=0.{i + 1}"], tmp_path / str(i), f"hpc_rlx-{i}",
+                                  ["sbatch"], None) for i in range(n)]
+
+
+def _fake_launcher(monkeypatch, fake, **params):
+    for name in ("submit", "poll", "cancel"):
+        monkeypatch.setattr(slurm_jobs, name, getattr(fake, name))
+    conf = dict(slurm_launcher.SlurmLauncherConf().__dict__, poll_interval_s=0.01, **params)
+    conf.pop("_target_")
+    return slurm_launcher.SlurmLauncher(**conf)
+
+
+def test_launcher_keeps_at_most_max_running_points_in_flight(tmp_path, monkeypatch):
+    fake = FakeSlurm()
+    launcher = _fake_launcher(monkeypatch, fake, max_running=2)
+    points = _points(tmp_path, 5)
+    launcher._run_all(points, {})
+    assert fake.max_active == 2 and len(fake.age) == 5
+    assert all(p.state.state == "COMPLETED" for p in points)
+    assert (tmp_path / "3" / "overrides.txt").read_text() == "optim.lr=0.4\n"
+
+
+def test_launcher_results_need_a_summary(tmp_path, monkeypatch):
+    launcher = _fake_launcher(monkeypatch, FakeSlurm())
+    points = _points(tmp_path, 2)
+    launcher._run_all(points, {})
+    (tmp_path / "0" / "summary.json").write_text(json.dumps({"final": {"val_loss": 0.25}}))
+    ok, missing = (launcher._job_return(p) for p in points)
+    assert ok.status.name == "COMPLETED" and ok.return_value == 0.25
+    assert missing.status.name == "FAILED"
+    with pytest.raises(slurm_launcher.SweepPointFailed, match="ended COMPLETED.*but wrote no"):
+        _ = missing.return_value
+
+
+def test_launcher_timeout_cancels_what_is_left(tmp_path, monkeypatch):
+    fake = FakeSlurm(polls=10**9)
+    launcher = _fake_launcher(monkeypatch, fake, max_running=1, timeout_min=0.001)
+    points = _points(tmp_path, 3)
+    launcher._run_all(points, {})
+    assert fake.cancelled == ["100"], "the running point is cancelled, the others never submitted"
+    assert [p.state.state for p in points] == ["TIMEOUT"] * 3
+    assert points[2].job_id is None
+    with pytest.raises(slurm_launcher.SweepPointFailed, match="timeout_min"):
+        _ = launcher._job_return(points[0]).return_value
+
+
 # ==================================================================================================
 # The batch script without Slurm
 # ==================================================================================================
@@ -206,9 +286,10 @@ def test_train_sh_finds_a_working_launcher(slurm, tmp_path, mpi_type):
     extra = {"HPC_RLX_MODULE": "hpc_rlx.doctor"}
     if mpi_type != "auto":
         extra["SLURM_MPI_TYPE"] = mpi_type
-    job, proc = sbatch(slurm, tmp_path, [], wait=True, timeout=120, **extra)
+    job, _ = sbatch(slurm, tmp_path, [], wait=False, **extra)
+    fields = wait_job(slurm, tmp_path, job, 120)
     log = log_of(tmp_path, job)
-    assert proc.returncode == 0, f"{proc.stderr}\n{log}"
+    assert fields["JobState"] == "COMPLETED", log
     launch = re.search(r"launcher: (.*)", log).group(1)
     if mpi_type == "none":
         assert launch.startswith("mpirun -n 2 (no srun MPI plugin starts this MPI)"), log

@@ -153,7 +153,10 @@ class SlurmLauncher(Launcher):
         directory = Path(str(sweep_config.hydra.sweep.dir)) / str(sweep_config.hydra.sweep.subdir)
         directory = directory if directory.is_absolute() else cwd / directory
         p = self.params
-        job_name = str(p["job_name"]).format(num=num)
+        try:
+            job_name = str(p["job_name"]).format(num=num)
+        except (KeyError, IndexError, ValueError):
+            job_name = str(p["job_name"])
         args = [f"hydra.run.dir={slurm_jobs.hydra_value(str(directory))}"]
         args += passthrough_hydra_overrides(list(self.config.hydra.overrides.hydra))
         args += list(overrides)
