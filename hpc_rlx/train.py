@@ -477,8 +477,10 @@ class Run:
         self.lanes = mpi_mod.agree(comm, lambda: LaneSet(
             ctx.graph, lanes_spec, spec.train["dtype"], ctx.params, ctx.bucket, ctx.layout,
             cuda_aware=spec.comm.get("cuda_aware", "auto")))
-        lane_note = mpi_mod.by_rank(comm, f"lanes [{describe_lanes(lanes_spec)}], {self.lanes.bucket_path}")
-        self.log(f"lanes and bucket: {lane_note}")
+        lane_note = mpi_mod.by_rank(comm, describe_lanes(lanes_spec))
+        bucket_note = mpi_mod.by_rank(comm, self.lanes.bucket_path)
+        self.log(f"lanes: {lane_note}")
+        self.log(f"{bucket_note}")
         self.stats = RankStats(lanes=self.lanes.names, inventory=inventory(), threads=self.threads)
         self.policy = make_policy(spec)
         self.checkpoints = RuntimeCheckpoints(self)
