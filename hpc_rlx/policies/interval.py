@@ -1,11 +1,18 @@
 """The async averaging interval K: local steps between syncs, tuned from measurements.
 
-Overhead rule. With `c` the (smoothed) slowest ms per local step and `s` the (smoothed)
-Allreduce cost, a window of K steps spends `s / (K c)` of its compute time communicating.
+Overhead rule. With `c` the slowest ms per local step and `s` the sync cost, each the mean of
+the last `HISTORY` syncs, a window of K steps spends `s / (K c)` of its compute time
+communicating.
 The smallest K that keeps this at or below `overhead_target` is `ceil(s / (target * c))`.
 K jumps up to it at once when the overhead is too high; it comes down only when that K is
-more than 10% below the current one, so noise does not make it twitch. Computing K from the
+more than 5% below the current one, so noise does not make it twitch (a wider deadband
+keeps K high after a spike and the share settles below the target). Computing K from the
 cost model, rather than nudging it by one per sync, settles in a couple of syncs.
+
+Why a plain mean: the share that matters is summed cost over summed compute, so K must follow
+the MEAN cost, spikes included, but not chase each one. An adaptive EMA (which passes big
+changes through at once) lifted K at every cost spike and let it down only slowly, which kept
+the measured share well below the target on a busy node.
 
 Divergence guard. At every sync the max over ranks of `||W_i - W|| / ||W||` is compared with
 `divergence_threshold`. Above it, K is halved (min 1) and a ceiling is set there, so the
@@ -22,9 +29,10 @@ from __future__ import annotations
 import math
 
 from ..errors import ConfigError
-from .smoothing import adaptive_ema, valid_time
+from .smoothing import valid_time
 
-SHRINK_DEADBAND = 0.10
+SHRINK_DEADBAND = 0.05
+HISTORY = 8
 CEILING_RECOVERY = 1.25
 
 
@@ -47,17 +55,27 @@ class IntervalController:
                                      else float(divergence_threshold))
         self.k = min(int(k), self.max_anchor)
         self.ceiling = self.max_anchor
-        self.ema_comm_ms: float | None = None
-        self.ema_step_ms: float | None = None
+        self.comm_hist: list[float] = []
+        self.step_hist: list[float] = []
         self.trips = 0
         self.last_divergence: float | None = None
 
     @property
+    def comm_ms(self) -> float | None:
+        """Mean sync cost over the recent syncs (None before one is measured)."""
+        return sum(self.comm_hist) / len(self.comm_hist) if self.comm_hist else None
+
+    @property
+    def step_ms(self) -> float | None:
+        """Mean slowest ms per local step over the recent syncs."""
+        return sum(self.step_hist) / len(self.step_hist) if self.step_hist else None
+
+    @property
     def overhead(self) -> float | None:
         """Predicted comm / compute at the current K (None until both are measured)."""
-        if self.ema_comm_ms is None or self.ema_step_ms is None:
+        if self.comm_ms is None or self.step_ms is None:
             return None
-        return self.ema_comm_ms / (self.k * self.ema_step_ms)
+        return self.comm_ms / (self.k * self.step_ms)
 
     def observe(self, comm_ms: float | None, ms_per_step: float | None,
                 divergence: float | None = None) -> int:
@@ -68,9 +86,9 @@ class IntervalController:
         divergence (None when not measured).
         """
         if comm_ms is not None and math.isfinite(comm_ms) and comm_ms >= 0:
-            self.ema_comm_ms = adaptive_ema(self.ema_comm_ms, float(comm_ms))
+            self.comm_hist = (self.comm_hist + [float(comm_ms)])[-HISTORY:]
         if valid_time(ms_per_step):
-            self.ema_step_ms = adaptive_ema(self.ema_step_ms, float(ms_per_step))
+            self.step_hist = (self.step_hist + [float(ms_per_step)])[-HISTORY:]
         tripped = self._guard(divergence)
         if not tripped:
             self._tune()
@@ -92,9 +110,10 @@ class IntervalController:
         return False
 
     def _tune(self) -> None:
-        if self.ema_comm_ms is None or self.ema_step_ms is None:
+        comm, step = self.comm_ms, self.step_ms
+        if comm is None or step is None:
             return
-        needed = max(1, math.ceil(self.ema_comm_ms / (self.overhead_target * self.ema_step_ms)))
+        needed = max(1, math.ceil(comm / (self.overhead_target * step)))
         if needed > self.k or needed < (1 - SHRINK_DEADBAND) * self.k:
             self.k = needed
 
@@ -110,8 +129,8 @@ class IntervalController:
             "max_anchor": self.max_anchor,
             "overhead_target": self.overhead_target,
             "divergence_threshold": self.divergence_threshold,
-            "ema_comm_ms": self.ema_comm_ms,
-            "ema_step_ms": self.ema_step_ms,
+            "comm_hist": list(self.comm_hist),
+            "step_hist": list(self.step_hist),
             "trips": self.trips,
             "last_divergence": self.last_divergence,
         }
@@ -120,8 +139,8 @@ class IntervalController:
         # the knobs of the resumed config win; the learned values come from the checkpoint
         self.ceiling = min(int(state["ceiling"]), self.max_anchor)
         self.k = max(1, min(int(state["k"]), self.ceiling))
-        self.ema_comm_ms = _opt_float(state.get("ema_comm_ms"))
-        self.ema_step_ms = _opt_float(state.get("ema_step_ms"))
+        self.comm_hist = [float(v) for v in state.get("comm_hist", [])][-HISTORY:]
+        self.step_hist = [float(v) for v in state.get("step_hist", [])][-HISTORY:]
         self.trips = int(state.get("trips", 0))
         self.last_divergence = _opt_float(state.get("last_divergence"))
 

@@ -22,10 +22,16 @@ successive local passes (`ctx.order(pass)`), with a cursor per rank that every r
 from the reported step counts. Fast ranks therefore see their shard more often than slow
 ranks within an epoch: the sample count is exact, per-sample coverage is not.
 
+Clocks: `ctx.step` counts syncs (checkpoint cadence and `train.max_steps` use it) and
+`ctx.step_in_epoch` the syncs of this epoch; the learning rate follows data progress in global
+batches, as with policy=sync, so both walk the same LR curve over an epoch.
+
+Checkpoints are only taken right after a sync, when every rank holds the same parameters;
+the optimizer state saved is rank 0's (each rank's own inner state differs under local
+steps), so a resumed run starts every rank from rank 0's momentum.
+
 Limits: the bucket is in the compute dtype, so per-window step and sample counts must stay
-below 2**24 in float32 (far above any real window). `ctx.step` counts syncs, so
-`train.max_steps` counts syncs; the learning rate follows the fraction of the run done (data
-consumed, or syncs out of max_steps), see `_lr_step`.
+below 2**24 in float32 (far above any real window).
 """
 
 from __future__ import annotations
@@ -84,6 +90,8 @@ class WindowedRunner:
         self._cost = RecentMin(3)                # sync cost filter, see _observe
         self._lr = None
         self._log: EpochLog | None = None           # this epoch's record so far
+        self._adopt_position = False
+        self._synced = False
 
     # ---- the controller behind one small interface ---------------------------------------
     @property
@@ -136,6 +144,8 @@ class WindowedRunner:
         meta = state.get("meta") or {}
         if meta.get("name") != self.name:
             # resuming a run under another policy: keep the model, start this policy fresh
+            # from the position the other one reached (see _setup)
+            self._adopt_position = True
             return
         same_world = int(state.get("world_size", meta.get("world_size", self.world))) == self.world
         self.controller.load_state_dict(meta["controller"])
@@ -167,6 +177,12 @@ class WindowedRunner:
             self._pending = None
         self.batches = [ctx.plan.rank_batch(r) for r in range(self.world)]
         self.epoch_samples = int(sum(ctx.plan.row_len))
+        if self._adopt_position and ctx.step_in_epoch:
+            # a policy=sync checkpoint mid-epoch: every rank stopped at the same step of its
+            # rows, each step having used a global batch (exact with data.leftover=drop)
+            self.epoch_consumed = min(self.epoch_samples,
+                                      ctx.step_in_epoch * int(ctx.plan.global_batch))
+            self.cursors = [ctx.epoch * ctx.steps_per_epoch + ctx.step_in_epoch] * self.world
         if self.cursors is None:
             self.cursors = [ctx.epoch * ctx.steps_per_epoch] * self.world
         self.slow = SlowdownInjector(self.slowdown_map.get(ctx.rank, 1.0))
@@ -195,7 +211,6 @@ class WindowedRunner:
         if self._log is None or first_step == 0:
             self._log = EpochLog(self.world)
         log = self._log
-        t0 = time.perf_counter()
         while True:
             planned = self.planned_counts()
             counts = plan_window(planned, self.batches, self.epoch_samples - self.epoch_consumed)
@@ -207,7 +222,6 @@ class WindowedRunner:
             k = self.k if self.name == "cadence" else planned[0]
             if self._window(run, counts, counts != planned, totals, log, k):
                 break
-        totals.step_wall_s = time.perf_counter() - t0
         extra = {"outer": self.outer.name, "lr": self._lr}
         metrics = self.controller.metrics()
         if self.name == "cadence":
@@ -306,7 +320,10 @@ class WindowedRunner:
         lanes.refresh_device_params()
         t_end = time.perf_counter()
         sync_s = t_end - t_sync
-        self._prev_sync_ms = sync_s * 1e3
+        # this process's first sync pays one-off setup (buffers, connections): not a cost
+        # the controllers should plan with, so it is not reported
+        self._prev_sync_ms = sync_s * 1e3 if self._synced else 0.0
+        self._synced = True
         if trace.ACTIVE is not None:
             trace.ACTIVE.add("sync", "comm", trace.MAIN, t_sync, t_end,
                              {"sync": ctx.step + 1, "applied": report.applied})
@@ -329,6 +346,7 @@ class WindowedRunner:
         totals.steps += 1
         totals.compute_s += compute
         totals.comm_s += sync_s
+        totals.step_wall_s += time.perf_counter() - t_window   # before a checkpoint reads it
         run.after_step(samples, loss_sum / max(samples, 1), compute, sync_s)
         return run.should_stop_after_step(flags)
 
