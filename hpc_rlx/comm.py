@@ -124,7 +124,13 @@ def abort(comm, message: str, code: int = 1) -> None:
     sys.stderr.write(message.rstrip() + "\n")
     sys.stderr.flush()
     sys.stdout.flush()
+    # The launcher forwards output through a pipe; aborting at once sometimes loses the one
+    # line that says what went wrong.
+    time.sleep(0.5)
     comm.Abort(code)
+    # MPICH's MPI_Abort can return before the launcher kills this process: nothing after it
+    # may run (no second report, no Hydra traceback), so leave right here.
+    os._exit(code)
 
 
 # --------------------------------------------------------------------------------------
@@ -227,7 +233,7 @@ class FusedBucket:
         where = "host" if self.device is None else f"GPU {self.device}"
         path = self.choice.describe() if self.choice is not None else "host"
         wire = f", wire {self.wire} (float32 sums; tail uncompressed)" if self.wire else ""
-        return f"bucket on {where}: {path}{wire}"
+        return f"bucket on {where}, path {path}{wire}"
 
     def mark_device_fresh(self) -> None:
         """The lanes left the newest payload in `device_payload`."""

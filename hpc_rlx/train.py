@@ -86,10 +86,11 @@ class Context:
 
         self.plan = plan_shards(spec.data.n_train, spec.train["batch_size"], self.world, spec.data.leftover)
         self.steps_per_epoch = self.plan.steps_per_epoch
-        self.bucket = mpi.FusedBucket(self.layout.size, TAIL_FIELDS + tuple(spec.extras.get("tail", ())),
-                                      self.dtype, cap_mb=float(spec.comm["bucket_cap_mb"]),
-                                      deterministic=bool(spec.comm["deterministic"]),
-                                      wire_dtype=spec.comm.get("wire_dtype"))
+        # agreed: a bad comm.wire_dtype is one clear error on every rank
+        self.bucket = mpi.agree(comm, lambda: mpi.FusedBucket(
+            self.layout.size, TAIL_FIELDS + tuple(spec.extras.get("tail", ())), self.dtype,
+            cap_mb=float(spec.comm["bucket_cap_mb"]), deterministic=bool(spec.comm["deterministic"]),
+            wire_dtype=spec.comm.get("wire_dtype")))
         opt = dict(spec.optim)
         kwargs = {}
         if opt["name"] == "sgd":

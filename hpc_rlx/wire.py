@@ -130,9 +130,10 @@ def segments(n: int, parts: int) -> list[tuple[int, int]]:
 def error_bound(codec: str, abs_sum, result, ranks: int, peak: float = 0.0) -> np.ndarray:
     """An upper bound of |wire sum - exact sum| per element, given sum_i |x_i| (``abs_sum``):
     one rounding of every input and one of the sum (unit roundoff u of the codec), the float32
-    additions at the owner, and for float16 the subnormal spacing below a block whose largest
-    magnitude is at most ``peak`` (2**-25 after scaling it to ~2**14)."""
+    additions at the owner, and the absolute error of subnormals: bfloat16's (2**-134), or for
+    float16 the one below a block whose largest magnitude is at most ``peak`` (2**-25 after
+    scaling it to ~2**14)."""
     u = UNIT_ROUNDOFF[codec]
     acc = ranks * 2.0 ** -24
-    floor = (ranks + 1) * float(peak) * 2.0 ** -37 if codec == "float16" else 0.0
+    floor = (ranks + 1) * (float(peak) * 2.0 ** -37 if codec == "float16" else 2.0 ** -134)
     return (u + acc) * np.asarray(abs_sum, np.float64) + u * np.abs(np.asarray(result, np.float64)) + floor
