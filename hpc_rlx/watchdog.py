@@ -1,0 +1,372 @@
+"""Stall watchdog: say which step and which ranks a blocked collective is waiting for.
+
+A collective that never completes blocks the calling thread inside MPI, so the report has to
+travel outside MPI. Each rank runs one daemon thread:
+
+- every rank's thread sends a tiny UDP datagram to rank 0 every `poll_s` (a quarter of
+  `comm.stall_warning_s`, at most 5 s): "in collective X since N s at step S" or "busy
+  outside any collective, last at step S". The training loop only sets one tuple attribute on
+  entering and leaving a collective, so a step costs no extra message and no extra collective.
+- rank 0's thread keeps the latest state of every rank. When some rank has waited in a
+  collective for `stall_warning_s`, it prints one report: the collective, the step, the ranks
+  that arrived, and for every rank that has not, what it was last doing (or that it has gone
+  silent). After `comm.stall_abort_s` it prints the report again and aborts the MPI job.
+- if rank 0 itself cannot act (stuck holding the interpreter, or its watchdog is unreachable),
+  a waiting rank aborts the job on its own a little later, with what it knows locally.
+
+UDP goes to rank 0's host; ranks on rank 0's node use loopback. Where the cluster network
+drops UDP between nodes, reports lose the remote ranks' detail, and the local abort still
+fires. Collectives outside `hpc_rlx.comm`'s guarded helpers are not watched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Callable
+
+__all__ = ["StallWatchdog", "NullWatchdog", "current", "install", "describe_state", "stall_report"]
+
+_MAX_DATAGRAM = 1024
+
+
+class NullWatchdog:
+    """What the guarded collectives talk to when no watchdog runs: does nothing."""
+
+    def enter(self, label: str) -> None:
+        pass
+
+    def leave(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_NULL = NullWatchdog()
+_current: "StallWatchdog | NullWatchdog" = _NULL
+
+
+def current():
+    """The active watchdog of this process, or a no-op one."""
+    return _current
+
+
+def install(wd) -> None:
+    global _current
+    _current = wd if wd is not None else _NULL
+
+
+# --------------------------------------------------------------------------------------
+# Pure helpers: describing states and building the report (unit-tested without MPI).
+# --------------------------------------------------------------------------------------
+
+def _at(step) -> str:
+    return "during startup" if step is None else f"at step {step}"
+
+
+def describe_state(st: dict, now: float, silent_after: float) -> str:
+    """One rank's last known state, as rank 0 sees it at time `now` (its own clock)."""
+    age = now - st["recv"]
+    if st.get("bye"):
+        return f"has left training ({st.get('bye')})"
+    if age > silent_after:
+        return (f"silent: no heartbeat for {age:.1f} s (stuck in native code holding the "
+                f"interpreter, or the process is gone)")
+    if st.get("label") is not None:
+        return f"waiting in '{st['label']}' {_at(st.get('step'))} for {st['for'] + age:.1f} s"
+    last = st.get("last")
+    where = f"last left '{last[0]}' {_at(last[1])}" if last else "has not reached any collective yet"
+    now_at = "" if st.get("at") is None else f" at step {st['at']}"
+    return f"busy outside any collective{now_at} for {st['for'] + age:.1f} s ({where})"
+
+
+def stall_report(states: dict, size: int, now: float, warn_s: float, silent_after: float,
+                 hosts: dict | None = None) -> tuple[str, tuple] | None:
+    """The stall report, or None if no rank has waited `warn_s` in one collective.
+
+    `states[rank]` is that rank's last heartbeat (see `StallWatchdog._heartbeat`), with the
+    receive time `recv` on rank 0's clock. Returns (text, key) where key identifies the stalled
+    collective, so a caller can report each stall once.
+    """
+    hosts = hosts or {}
+    waiting = []
+    for r, st in states.items():
+        if st.get("label") is not None and not st.get("bye"):
+            waited = st["for"] + (now - st["recv"])
+            if waited >= warn_s:
+                waiting.append((waited, r, st))
+    if not waiting:
+        return None
+    waited, _, top = max(waiting, key=lambda t: (t[0], -t[1]))
+    key = (top["label"], top.get("step"), top.get("seq"))
+    arrived, missing = [], []
+    for r in range(size):
+        st = states.get(r)
+        same = (st is not None and not st.get("bye") and st.get("label") == top["label"]
+                and st.get("step") == top.get("step") and now - st["recv"] <= silent_after)
+        (arrived if same else missing).append(r)
+    lines = [f"hpc_rlx: STALL: collective '{top['label']}' {_at(top.get('step'))} has waited "
+             f"{waited:.1f} s (comm.stall_warning_s={warn_s:g})",
+             f"hpc_rlx:   arrived ({len(arrived)}/{size}): ranks {_ranges(arrived)}",
+             f"hpc_rlx:   not arrived ({len(missing)}/{size}): ranks {_ranges(missing)}"]
+    for r in missing[:32]:
+        st = states.get(r)
+        host = hosts.get(r, "?")
+        what = describe_state(st, now, silent_after) if st else "never reported (no heartbeat at all)"
+        lines.append(f"hpc_rlx:     rank {r} on {host}: {what}")
+    if len(missing) > 32:
+        lines.append(f"hpc_rlx:     ... and {len(missing) - 32} more")
+    return "\n".join(lines), key
+
+
+def _ranges(ranks: list) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    if not ranks:
+        return "none"
+    out, start, prev = [], ranks[0], ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(out)
+
+
+# --------------------------------------------------------------------------------------
+# The watchdog
+# --------------------------------------------------------------------------------------
+
+def _root_address(hosts: list) -> str:
+    """Where the other ranks send heartbeats: loopback on rank 0's node, else its address."""
+    if all(h == hosts[0] for h in hosts):
+        return "127.0.0.1"
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_DGRAM):
+            addr = info[4][0]
+            if not addr.startswith("127."):
+                return addr
+    except OSError:
+        pass
+    return socket.gethostname()
+
+
+class StallWatchdog:
+    """Per-rank watchdog thread with a UDP side channel to rank 0. Collective to create."""
+
+    def __init__(self, comm, warn_s: float, abort_s: float | None = None,
+                 position: Callable[[], int | None] = lambda: None,
+                 out=None, stall: dict | None = None, abort: Callable[[int], None] | None = None):
+        from .comm import hostname
+
+        self.comm = comm
+        self.rank, self.size = comm.rank, comm.size
+        self.warn_s = float(warn_s)
+        self.abort_s = None if abort_s is None else float(abort_s)
+        self.poll_s = min(5.0, max(0.05, self.warn_s / 4))
+        # a rank is "silent" after missing a few heartbeats
+        self.silent_after = max(3 * self.poll_s, 1.0)
+        self.position = position
+        self.out = out or sys.stderr
+        self._abort = abort or self._mpi_abort
+        self._stall = dict(stall or {})
+        # (label, step, since, seq) while inside a collective; None outside
+        self._inside = None
+        self._last = None          # (label, step) of the last collective left
+        self._left_at = time.monotonic()
+        self._seq = 0              # collectives entered: tells apart two visits at one step
+        self._stop = threading.Event()
+        self._aborting = False
+        self.reports: list[str] = []
+
+        host = hostname()
+        hosts = comm.allgather(host)
+        self.hosts = dict(enumerate(hosts))
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        addr = None
+        if self.rank == 0:
+            bind = "127.0.0.1" if all(h == hosts[0] for h in hosts) else "0.0.0.0"
+            self._sock.bind((bind, 0))
+            addr = (_root_address(hosts), self._sock.getsockname()[1])
+        self._root = tuple(comm.bcast(addr, root=0))
+        self._states: dict[int, dict] = {}
+        self._reported: set = set()
+        self._thread = threading.Thread(target=self._loop, name="hpc_rlx-watchdog", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_spec(cls, spec, comm, position):
+        c, d = spec.comm, spec.debug
+        warn = c.get("stall_warning_s")
+        if warn is None or float(warn) <= 0:
+            return NullWatchdog()
+        stall = {}
+        if d.get("stall_rank") is not None and d.get("stall_s"):
+            stall = {"rank": int(d["stall_rank"]), "step": int(d.get("stall_step") or 0),
+                     "seconds": float(d["stall_s"])}
+        return cls(comm, float(warn), c.get("stall_abort_s"), position=position, stall=stall)
+
+    # ---- the hot path: two attribute writes per collective ------------------------------
+    def enter(self, label: str) -> None:
+        step = self.position()
+        if self._stall:
+            self._maybe_stall(step)
+        self._seq += 1
+        self._inside = (label, step, time.monotonic(), self._seq)
+
+    def leave(self) -> None:
+        inside = self._inside
+        self._inside = None
+        if inside is not None:
+            self._last = (inside[0], inside[1])
+        self._left_at = time.monotonic()
+
+    def _maybe_stall(self, step) -> None:
+        """debug.stall_*: this rank arrives late, once, at the first watched collective from
+        `stall_step` on, so tests can watch the watchdog catch it."""
+        s = self._stall
+        if s["rank"] == self.rank and step is not None and step >= s["step"]:
+            self._stall = {}
+            time.sleep(s["seconds"])
+
+    # ---- the side channel -----------------------------------------------------------------
+    def _heartbeat(self) -> dict:
+        now = time.monotonic()
+        inside = self._inside
+        if inside is not None:
+            return {"r": self.rank, "label": inside[0], "step": inside[1], "for": now - inside[2],
+                    "seq": inside[3], "last": self._last}
+        try:
+            at = self.position()
+        except Exception:  # noqa: BLE001 - the loop may be between states
+            at = None
+        return {"r": self.rank, "label": None, "step": None, "at": at, "for": now - self._left_at,
+                "seq": self._seq, "last": self._last}
+
+    def _send(self, msg: dict) -> None:
+        try:
+            self._sock.sendto(json.dumps(msg).encode()[:_MAX_DATAGRAM], self._root)
+        except OSError:
+            pass   # a dropped heartbeat only makes this rank look silent
+
+    def _loop(self) -> None:
+        try:
+            if self.rank == 0:
+                self._root_loop()
+            else:
+                while not self._stop.wait(self.poll_s):
+                    self._send(self._heartbeat())
+                    self._local_check()
+        except Exception as exc:  # noqa: BLE001 - the watchdog must never take training down
+            try:
+                self.out.write(f"hpc_rlx: warning: stall watchdog on rank {self.rank} stopped: {exc}\n")
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _root_loop(self) -> None:
+        self._sock.settimeout(min(self.poll_s, 0.5))     # so close() is never kept waiting
+        next_check = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                data, _ = self._sock.recvfrom(_MAX_DATAGRAM)
+                msg = json.loads(data.decode())
+                msg["recv"] = time.monotonic()
+                self._states[int(msg["r"])] = msg
+            except (socket.timeout, ValueError, KeyError, TypeError):
+                pass
+            except OSError:
+                if self._stop.is_set():
+                    return
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + self.poll_s
+                mine = self._heartbeat()
+                mine["recv"] = now
+                self._states[0] = mine
+                self._check(now)
+
+    def _check(self, now: float) -> None:
+        found = stall_report(self._states, self.size, now, self.warn_s, self.silent_after, self.hosts)
+        if found is None:
+            return
+        text, key = found
+        waited = max(st["for"] + now - st["recv"] for st in self._states.values()
+                     if st.get("label") is not None and not st.get("bye"))
+        if key not in self._reported:
+            self._reported.add(key)
+            self._emit(text + ("" if self.abort_s is None else
+                               f"\nhpc_rlx:   the job aborts if it is still stalled after "
+                               f"comm.stall_abort_s={self.abort_s:g} s"))
+        if self.abort_s is not None and waited >= self.abort_s and not self._aborting:
+            self._do_abort(text + f"\nhpc_rlx: stalled for {waited:.1f} s >= comm.stall_abort_s="
+                                  f"{self.abort_s:g}: aborting all {self.size} ranks")
+
+    def _local_check(self) -> None:
+        """Fallback for when rank 0 cannot act: abort from here, a few heartbeats later."""
+        inside = self._inside
+        if self.abort_s is None or inside is None or self._aborting:
+            return
+        waited = time.monotonic() - inside[2]
+        if waited >= self.abort_s + 4 * self.poll_s + 2.0:
+            self._do_abort(
+                f"hpc_rlx: STALL: rank {self.rank} on {self.hosts.get(self.rank)} has waited "
+                f"{waited:.1f} s in '{inside[0]}' {_at(inside[1])} and rank 0's watchdog has "
+                f"not ended the job (rank 0 may be stuck or unreachable)\n"
+                f"hpc_rlx: comm.stall_abort_s={self.abort_s:g}: aborting all {self.size} ranks")
+
+    def _emit(self, text: str) -> None:
+        self.reports.append(text)
+        self.out.write(text.rstrip() + "\n")
+        self.out.flush()
+
+    def _do_abort(self, text: str) -> None:
+        self._aborting = True
+        self._emit(text)
+        try:
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001
+            pass
+        self._abort(3)
+
+    def _mpi_abort(self, code: int) -> None:
+        # If MPI_Abort itself hangs, leaving by force still makes the launcher end the job.
+        threading.Timer(10.0, lambda: os._exit(code)).start()
+        time.sleep(0.5)        # let the launcher forward the report before the teardown
+        self.comm.Abort(code)
+        os._exit(code)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def close(self, why: str = "finished") -> None:
+        """Stop the thread. Not collective: ranks leave at different times."""
+        if self._stop.is_set():
+            return
+        if self.rank != 0:
+            self._send({"r": self.rank, "bye": why})
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+        self._sock.close()
+        if current() is self:
+            install(None)
+
+    def __enter__(self):
+        install(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close("finished" if exc_type is None else f"raised {exc_type.__name__}")
+        return False
+
+
+def _null_enter(self):
+    install(None)
+    return self
+
+
+NullWatchdog.__enter__ = _null_enter
+NullWatchdog.__exit__ = lambda self, *a: False
