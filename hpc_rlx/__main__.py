@@ -13,6 +13,7 @@ files. The Hydra task is a thin wrapper: the work is `hpc_rlx.train.train(spec, 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 import traceback
@@ -46,24 +47,147 @@ def _rank_overrides(rank: int) -> list[str]:
     return ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled", "hydra.output_subdir=null"]
 
 
+# Innermost function on the failing call stack -> what the job was doing.
+_PHASES = {
+    "load_data": "data loading", "load_shard": "data loading",
+    "maybe_resume": "resume from a checkpoint", "save_checkpoint": "checkpointing",
+    "evaluate": "validation", "run_epoch": "a training step", "_window": "a training step",
+}
+
+
+def _phase(exc: BaseException, where: str) -> str:
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if frame.name in _PHASES:
+            return _PHASES[frame.name]
+    return where
+
+
 def _error_exit(comm, exc: BaseException, where: str) -> None:
-    """User errors (agreed on every rank) print once and exit 2; anything else aborts the job."""
+    """Errors agreed by every rank print once (rank 0) and exit 2; anything else prints one
+    message from the failing rank (rank, host, what it was doing, step, cause) and aborts."""
     from .comm import CollectiveError, abort, hostname
     from .errors import HpcRlxError
 
+    step = getattr(exc, "step", None)
+    at = "" if step is None else f" at step {step}"
     if isinstance(exc, CollectiveError) or (isinstance(exc, HpcRlxError) and getattr(exc, "agreed", False)):
         origin = getattr(exc, "origin", 0)
+        host = getattr(exc, "host", None)
         if comm.rank == 0:
             kind = getattr(exc, "kind", type(exc).__name__)
-            sys.stderr.write(f"hpc_rlx: error ({kind}, reported by rank {origin}): {exc}\n")
+            text = str(exc)
+            who = f"rank {origin}" + (f" on {host}" if host else "")
+            if text.startswith("Traceback"):
+                # an unexpected exception that every rank agreed on: the cause first, then where
+                cause = text.rstrip().splitlines()[-1]
+                sys.stderr.write(f"hpc_rlx: error ({kind}, reported by {who}) during "
+                                 f"{_phase(exc, where)}{at}: {cause}\n{text}\n")
+            else:
+                sys.stderr.write(f"hpc_rlx: error ({kind}, reported by {who}): {text}\n")
             sys.stderr.flush()
         sys.stdout.flush()
         raise SystemExit(2)
-    step = getattr(exc, "step", None)
-    detail = str(exc) if isinstance(exc, HpcRlxError) else "".join(traceback.format_exception(exc)).rstrip()
-    abort(comm, f"hpc_rlx: rank {comm.rank} on {hostname()} failed during {where}"
-                f"{'' if step is None else f' at step {step}'}: {detail}\n"
+    if isinstance(exc, HpcRlxError):
+        cause, detail = f"{type(exc).__name__}: {exc}", ""
+    else:
+        cause = "".join(traceback.format_exception_only(exc)).strip()
+        detail = "\n" + "".join(traceback.format_exception(exc)).rstrip()
+    abort(comm, f"hpc_rlx: rank {comm.rank} on {hostname()} failed during {_phase(exc, where)}"
+                f"{at}: {cause}{detail}\n"
                 f"hpc_rlx: aborting all {comm.size} ranks", code=1)
+
+
+def _config_problem(argv: list[str]) -> str | None:
+    """Rank 0 composes the config once before Hydra starts on every rank, so a bad override
+    or an unusable run directory is one message instead of one per rank. None: all fine, or a
+    case this check leaves to Hydra (flags such as --multirun, --help, --cfg)."""
+    if any(a.startswith("-") for a in argv):
+        return None
+    try:
+        from hydra import compose, initialize_config_dir
+        from hydra.errors import HydraException, MissingConfigException
+        from omegaconf.errors import OmegaConfBaseException
+    except ImportError:
+        return None
+
+    def _compose(overrides):
+        with initialize_config_dir(config_dir=_CONFIG_DIR, version_base="1.3", job_name="hpc_rlx"):
+            return compose("config", overrides=overrides, return_hydra_config=True)
+
+    try:
+        cfg = _compose(argv)
+    except MissingConfigException as e:
+        missing = str(getattr(e, "missing_cfg_file", "") or "")
+        options = list(getattr(e, "options", None) or [])
+        if "/" in missing and options:
+            group, name = missing.rsplit("/", 1)
+            return (f"unknown option {name!r} for config group '{group}' "
+                    f"({group}={name}); available: {', '.join(options)}")
+        return _first_lines(str(e))
+    except HydraException as e:
+        text = str(e)
+        m = re.match(r"Could not override '([^']+)'", text)
+        if m:
+            return _unknown_key(m.group(1), argv, _compose)
+        return _first_lines(text)
+    except OmegaConfBaseException as e:
+        return _first_lines(str(e))
+    except Exception:  # noqa: BLE001 - anything else is Hydra's to report
+        return None
+    # '+key=value' would add a key nothing reads: unknown keys are errors here.
+    plain = [a for a in argv if not a.startswith("+")]
+    for a in argv:
+        if a.startswith("+") and not a.startswith("++") and "=" in a:
+            key = a[1:].split("=", 1)[0]
+            if "/" not in key and not key.startswith("hydra"):
+                return _unknown_key(key, plain, _compose, added=a)
+    try:
+        run_dir = str(cfg.hydra.run.dir)
+    except Exception:  # noqa: BLE001
+        return None
+    try:
+        from .spec import check_run_dir_writable
+        check_run_dir_writable(run_dir)
+    except Exception as e:  # noqa: BLE001
+        return f"{e} (set hydra.run.dir to a writable directory)"
+    return None
+
+
+def _first_lines(text: str, n: int = 6) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()][:n]
+    return "\n".join(lines)
+
+
+def _unknown_key(key: str, argv: list[str], compose, added: str | None = None) -> str:
+    """'unknown config key' with the closest real keys, from a config composed without it."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    override = added or next((a for a in argv if a.split("=", 1)[0].lstrip("+~") == key), key)
+    known: list[str] = []
+    try:
+        rest = [a for a in argv if a.split("=", 1)[0].lstrip("+~") != key]
+        cfg = compose(rest)
+        flat = OmegaConf.to_container(cfg, resolve=False)
+        flat.pop("hydra", None)
+        known = _flatten(flat)
+    except Exception:  # noqa: BLE001 - suggestions are a bonus
+        pass
+    close = difflib.get_close_matches(key, known, n=2, cutoff=0.75)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "."
+    return (f"unknown config key {key!r} (from {override!r}){hint} "
+            f"hpc_rlx rejects keys it does not read: see configs/config.yaml and configs/<group>/")
+
+
+def _flatten(d, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in d.items():
+        path = f"{prefix}{k}"
+        out.append(path)
+        if isinstance(v, dict):
+            out.extend(_flatten(v, path + "."))
+    return out
 
 
 def run_job(cfg, comm) -> float | None:
@@ -105,6 +229,13 @@ def main() -> None:
     rid = _run_id(comm)
     if not OmegaConf.has_resolver("rlx_run_id"):
         OmegaConf.register_new_resolver("rlx_run_id", lambda: rid)
+    problem = _config_problem(sys.argv[1:]) if comm.rank == 0 else None
+    problem = comm.bcast(problem, root=0)
+    if problem:
+        if comm.rank == 0:
+            sys.stderr.write(f"hpc_rlx: error (ConfigError, reported by rank 0): {problem}\n")
+            sys.stderr.flush()
+        raise SystemExit(2)
     sys.argv.extend(_rank_overrides(comm.rank))
 
     import hydra
