@@ -14,7 +14,6 @@ per rank in the run directory (or its nearest existing parent), removed before i
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
@@ -64,37 +63,11 @@ def blas_pools() -> list[dict]:
             for p in threadpool_info()]
 
 
-def _mpi_library_paths() -> list[str]:
-    paths = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split()[-1] if len(line.split()) >= 6 else ""
-                name = os.path.basename(path)
-                if name.startswith(("libmpi.", "libmpi_", "libmpich")) and path not in paths:
-                    paths.append(path)
-    except OSError:
-        pass
-    return paths
-
-
 def cuda_aware_mpi() -> tuple[str, str]:
-    """("yes" | "no" | "unknown", how we know), from MPIX_Query_cuda_support in the loaded MPI."""
-    handles = []
-    for path in _mpi_library_paths():
-        try:
-            handles.append((path, ctypes.CDLL(path)))
-        except OSError:
-            continue
-    handles.append(("process symbols", ctypes.CDLL(None)))
-    for where, lib in handles:
-        fn = getattr(lib, "MPIX_Query_cuda_support", None)
-        if fn is None:
-            continue
-        fn.restype, fn.argtypes = ctypes.c_int, []
-        value = int(fn())
-        return ("yes" if value else "no"), f"MPIX_Query_cuda_support() = {value} in {where}"
-    return "unknown", "the MPI library has no MPIX_Query_cuda_support"
+    """("yes" | "no" | "unknown", how we know), from MPIX_Query_cuda_support in the loaded MPI
+    (the same probe the training run uses to pick its bucket path)."""
+    from hpc_rlx.cuda_mpi import query_cuda_support
+    return query_cuda_support()
 
 
 def visible_gpus() -> tuple[int | None, str]:
@@ -293,6 +266,12 @@ def launcher(env: dict, size: int) -> str:
     return "none (a single process)" if size == 1 else "unknown"
 
 
+def _bucket_path(rec: dict) -> str:
+    """How a run with GPU lanes (comm.cuda_aware=auto) would reduce its bucket on this rank."""
+    from hpc_rlx.cuda_mpi import doctor_summary
+    return doctor_summary(rec.get("gpus"), str(rec.get("cuda_aware", "unknown")), str(rec.get("cuda_aware_how", "")))
+
+
 def format_report(records: list[dict], warnings: list[str], *, shared: dict | None = None) -> str:
     r0 = records[0]
     hosts = by_host(records)
@@ -304,6 +283,7 @@ def format_report(records: list[dict], warnings: list[str], *, shared: dict | No
               f"  launched by   {launcher(r0['env'], r0['size'])}",
               f"  thread level  {r0.get('thread_level', '?')}",
               f"  CUDA-aware    {r0.get('cuda_aware', 'unknown')} ({r0.get('cuda_aware_how', '')})",
+              f"  GPU bucket    {_bucket_path(r0)}",
               ""]
     lines.append("Nodes")
     lines.append(f"  {'host':<16} {'ranks':<10} {'per node':>8} {'cores':>6} {'BLAS thr/rank':>13} "
