@@ -117,6 +117,22 @@ def validate_config(cfg: dict) -> None:
         _require(v is None or v > 0, f"checkpoint.{key} must be null or > 0, got {v!r}")
 
 
+def check_lane_batch(dev: dict, global_batch: int, world_size: int) -> None:
+    """Every lane needs at least one sample per step, or the ranks x lanes asked for are not
+    all used. Checked where the lane count is known before the run (device=cpu / cuda)."""
+    kind = dev.get("kind")
+    key = {"cpu": "cpu_lanes", "cuda": "gpus_per_rank"}.get(kind)
+    lanes = dev.get(key) if key else None
+    if not isinstance(lanes, int) or lanes <= 1:
+        return
+    per_rank = global_batch // world_size
+    if per_rank < lanes:
+        raise ConfigError(
+            f"train.batch_size={global_batch} over {world_size} ranks gives a rank {per_rank} "
+            f"sample(s) per step, fewer than its {lanes} lanes (device.{key}={lanes}); use "
+            f"train.batch_size >= {world_size * lanes} (ranks x lanes) or fewer lanes")
+
+
 def check_run_dir_writable(run_dir: str) -> None:
     path = Path(run_dir)
     try:
@@ -202,6 +218,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
 
     # Fails here, on rank 0, with the same message every rank will print.
     plan = plan_shards(n_train, cfg["train"]["batch_size"], world_size, d["leftover"])
+    check_lane_batch(cfg["device"], cfg["train"]["batch_size"], world_size)
 
     init_from = cfg["model"].get("init_from")
     source = ({"kind": "file", "path": init_from} if init_from
