@@ -49,6 +49,9 @@ def _cadence_vs_sync(tmp: Path, data: Path) -> tuple[list[str], dict]:
     # 3x by the slowdown, plus what a core that sleeps loses to other jobs on a busy machine
     if not 2.0 <= ratio <= 5.0:
         problems.append(f"settled step ratio fast:slow = {ratio:.2f}, expected about 3")
+    speed = statistics.median(r["ms_per_step"][1] / r["ms_per_step"][0] for r in cad[5:])
+    if speed < 2:
+        problems.append(f"measured ms/step slow:fast = {speed:.2f}: the slowdown does not show")
     t_sync = statistics.median(r["epoch_s"] for r in sync[1:])
     t_cad = statistics.median(r["epoch_s"] for r in cad[1:])
     if t_sync / t_cad < 1.5:
@@ -76,13 +79,14 @@ def test_cadence_beats_sync_with_a_three_times_slower_rank(tmp_path, digits_h5):
             assert key in rec, key
         assert rec["policy"] == "cadence" and rec["step"] >= rec["syncs"] >= 1
         assert len(rec["k_trace"]) == rec["syncs"]
-    # the split follows the measured speeds (up to the 10% hysteresis and rounding), and
-    # the slowdown shows in them
-    for rec in cad[5:]:
-        ms, plan = rec["ms_per_step"], rec["window_steps"]
-        speed_ratio, split = ms[1] / ms[0], plan[0] / plan[1]
-        assert abs(split / speed_ratio - 1) <= 0.25, (plan, ms)
-    assert statistics.median(r["ms_per_step"][1] / r["ms_per_step"][0] for r in cad[5:]) > 2
+    # the split follows the measured speeds: the slowest rank runs `anchor` steps, the other
+    # anchor x its speed ratio, up to the 10% hysteresis and the rounding
+    for rec in cad:
+        ms, plan, anchor = rec["ms_per_step"], rec["window_steps"], rec["anchor"]
+        if ms[1] > ms[0]:
+            target = anchor * ms[1] / ms[0]
+            assert plan[1] == anchor, rec
+            assert abs(plan[0] - target) <= target / 9 + 0.5 + 1e-6, (plan, ms, anchor)
     # each epoch consumes exactly one epoch of samples across the cluster: 22 steps of 64
     # (1438 training samples, 30 dropped), in local batches of 32 on either rank
     for rec in cad:

@@ -115,8 +115,8 @@ class WindowedRunner:
             self.controller.observe(report.ms_per_step, cost,
                                     None if trimmed else report.window_ms)
         else:
-            # async aims the MEAN share at the target, so it takes every cost (smoothed by
-            # the controller's own EMA), spikes included
+            # async aims the MEAN share at the target, so it takes every cost, spikes
+            # included (the controller averages the recent ones)
             self.controller.observe(report.comm_ms, report.slowest_ms_per_step,
                                     report.max_divergence)
 
@@ -142,20 +142,22 @@ class WindowedRunner:
 
     def load_state_dict(self, state: dict) -> None:
         meta = state.get("meta") or {}
-        if meta.get("name") != self.name:
-            # resuming a run under another policy: keep the model, start this policy fresh
-            # from the position the other one reached (see _setup)
+        same_world = int(state.get("world_size", meta.get("world_size", self.world))) == self.world
+        if "epoch_consumed" not in meta:
+            # a policy=sync checkpoint: keep the model, start this policy fresh from the
+            # position sync reached (see _setup)
             self._adopt_position = True
             return
-        same_world = int(state.get("world_size", meta.get("world_size", self.world))) == self.world
-        self.controller.load_state_dict(meta["controller"])
-        self.epoch_consumed = int(meta.get("epoch_consumed", 0))
-        self._cost.values = [float(v) for v in meta.get("recent_costs", [])][-self._cost.n:]
-        log = meta.get("epoch_log")
-        self._log = EpochLog.from_state(log, self.world) if log and self.epoch_consumed else None
+        self.epoch_consumed = int(meta["epoch_consumed"])
         cursors = meta.get("cursors")
         # a new world size means a new shard plan: every rank starts a fresh local pass
         self.cursors = [int(c) for c in cursors] if (same_world and cursors) else None
+        if meta.get("name") != self.name:
+            return      # the other windowed policy: same position, this policy's own state
+        self.controller.load_state_dict(meta["controller"])
+        self._cost.values = [float(v) for v in meta.get("recent_costs", [])][-self._cost.n:]
+        log = meta.get("epoch_log")
+        self._log = EpochLog.from_state(log, self.world) if log and self.epoch_consumed else None
         self._pending = state
 
     # ---- setup on first use (needs the context) -----------------------------------------
