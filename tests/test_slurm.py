@@ -304,7 +304,6 @@ def test_train_sh_finds_a_working_launcher(slurm, tmp_path, mpi_type):
 
 
 @pytest.mark.slurm
-@pytest.mark.slow
 def test_sbatch_train_sh_trains_and_writes_everything(slurm, tmp_path):
     job, proc = sbatch(slurm, tmp_path, ["train.epochs=2", *SMALL], wait=True, timeout=240)
     log = log_of(tmp_path, job)
@@ -333,7 +332,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, tmp_path, trigger
     scontrol-requeue: Slurm requeues the job (SIGTERM to every rank)."""
     epochs = 12
     # ~0.5 s per epoch: long enough to be caught mid-run, short enough to finish soon after
-    args = [f"train.epochs={epochs}", *SMALL, "+debug.slowdown.0=100", "+debug.slowdown.1=100"]
+    args = [f"train.epochs={epochs}", *SMALL, "debug.slowdown={0:100,1:100}"]
     job, _ = sbatch(slurm, tmp_path, args, wait=False)
     run_dir = tmp_path / "outputs" / f"slurm-{job}"
     show = lambda: log_of(tmp_path, job)  # noqa: E731
