@@ -101,7 +101,7 @@ def choose_path(setting, bucket_on_device: bool, query=query_cuda_support,
     """The bucket path for this rank. ``query`` is injectable for tests."""
     mode = normalize_setting(setting)
     if not bucket_on_device:
-        return PathChoice(HOST, "no device bucket on this rank")
+        return PathChoice(HOST, "no GPU lane on this rank")
     if wire_dtype:
         # The float32 accumulation of the compressed wire is a host-side reduction.
         return PathChoice(STAGED, f"comm.wire_dtype={wire_dtype} reduces on the host")

@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# hpc_rlx on a machine with an NVIDIA GPU: one script that installs what it needs, checks the
+# GPU path end to end and prints results to paste into bench/RESULTS.md. About 5 minutes on one
+# H200-class GPU once installed; every section has its own time limit (worst case ~11 min).
+#
+#   bash bench/gpu_check.sh                           # installs into .venv-gpu, then checks
+#   SKIP_INSTALL=1 bash bench/gpu_check.sh            # reuse .venv-gpu as it is
+#   PYTHON=/opt/x/bin/python bash bench/gpu_check.sh  # use that interpreter, install nothing
+#
+# Install: a venv (.venv-gpu, or $VENV) that sees the system's packages, so a CUDA PyTorch or
+# CuPy already on the machine is reused; then `pip install -e '.[test,cudaNN]'`, with NN from
+# the CUDA version nvidia-smi reports (12 -> cuda12 / cupy-cuda12x, 13+ -> cuda13). When a CUDA
+# PyTorch is already there, the test extra's pinned CPU-era torch is left out so it is kept.
+# Offline machines: run with PYTHON=... pointing at an interpreter that has the modules the
+# preflight section lists as missing.
+#
+# Sections (each continues after a failure of the previous one):
+#   preflight   GPU, driver, CuPy, PyTorch, MPI and whether it is CUDA-aware; the doctor
+#   gradcheck   the graph engine on CuPy vs NumPy, GPU lane tests, GPU training tests (pytest -m gpu)
+#   train-1     1 rank: device=cpu, device=cuda, device=all (accuracy, lane shares, bucket path)
+#   train-2     2 ranks sharing GPU 0: comm.cuda_aware=auto (direct when the MPI is CUDA-aware),
+#               comm.cuda_aware=false (pinned staging), a bfloat16 wire, device=all
+#   throughput  step time of CPU lane / GPU lane / both, and PyTorch CUDA: MLP and CNN
+# Logs and results.md go to $GPU_CHECK_DIR (default: a new directory under /tmp).
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+WORK=${GPU_CHECK_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/hpc_rlx_gpu_check.XXXXXX")}
+mkdir -p "$WORK"
+RESULTS="$WORK/results.md"
+: >"$RESULTS"
+export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1   # Open MPI refuses root otherwise
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"                # works even if the install failed
+T_START=$SECONDS
+
+NAMES=()
+STATES=()
+TIMES=()
+
+# run_section NAME LIMIT_SECONDS COMMAND...: log to $WORK/NAME.log, show its tail, never abort
+run_section() {
+    local name=$1 limit=$2
+    shift 2
+    local log="$WORK/$name.log" t0=$SECONDS rc=0 state=ok
+    echo
+    echo "=== [$name] (limit ${limit}s) $*"
+    timeout --kill-after=15 "$limit" "$@" >"$log" 2>&1 || rc=$?
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        state="TIMEOUT after ${limit}s"
+    elif [ "$rc" -ne 0 ]; then
+        state="FAILED (exit $rc)"
+    fi
+    tail -n "${TAIL_LINES:-30}" "$log" | sed 's/^/    /'
+    NAMES+=("$name")
+    STATES+=("$state")
+    TIMES+=("$((SECONDS - t0))")
+    echo "=== [$name] $state in $((SECONDS - t0))s (full log: $log)"
+    return 0
+}
+
+skip_section() {
+    NAMES+=("$1")
+    STATES+=("SKIPPED: $2")
+    TIMES+=(0)
+    echo
+    echo "=== [$1] SKIPPED: $2"
+}
+
+cuda_extra() {
+    local major
+    major=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9][0-9]*\)\..*/\1/p' | head -n 1 || true)
+    if [ -n "$major" ] && [ "$major" -ge 13 ]; then echo cuda13; else echo cuda12; fi
+}
+
+# ---- install ------------------------------------------------------------------------------
+if [ -n "${PYTHON:-}" ]; then
+    PY=$PYTHON
+    skip_section install "PYTHON=$PYTHON is used as it is"
+else
+    VENV=${VENV:-$REPO/.venv-gpu}
+    PY=$VENV/bin/python
+    if [ -n "${SKIP_INSTALL:-}" ]; then
+        skip_section install "SKIP_INSTALL is set"
+    else
+        EXTRA=$(cuda_extra)
+        echo "installing hpc_rlx[$EXTRA] into $VENV (nvidia-smi: $(nvidia-smi 2>/dev/null |
+            sed -n 's/.*\(CUDA Version: *[0-9.]*\).*/\1/p' | head -n 1 || echo 'not found'))"
+        [ -x "$PY" ] || python3 -m venv --system-site-packages "$VENV"
+        if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+            run_section install 600 "$PY" -m pip install -q -e ".[$EXTRA]" mpich matplotlib \
+                "pytest>=7.4" "pytest-timeout>=2.2" "hypothesis>=6.80"
+        else
+            run_section install 600 "$PY" -m pip install -q -e ".[test,$EXTRA]"
+        fi
+    fi
+fi
+
+# ---- an mpirun that matches this mpi4py ---------------------------------------------------
+MPIRUN=""
+for cand in "$(dirname "$PY")/mpirun" "$(command -v mpirun || true)" "$(command -v mpiexec || true)"; do
+    [ -n "$cand" ] && [ -x "$cand" ] || continue
+    if timeout 60 "$cand" -n 2 "$PY" -c \
+        "import sys; from mpi4py import MPI; sys.exit(0 if MPI.COMM_WORLD.Get_size() == 2 else 3)" \
+        >/dev/null 2>&1; then
+        MPIRUN=$cand
+        break
+    fi
+done
+if [ -n "$MPIRUN" ]; then
+    echo "mpirun: $MPIRUN"
+    export PATH="$(dirname "$MPIRUN"):$PATH"
+else
+    echo "no mpirun starts 2 ranks that see each other with this mpi4py: the MPI sections will fail"
+    MPIRUN=mpirun
+fi
+
+# ---- the checks ---------------------------------------------------------------------------
+run_section preflight 90 "$PY" bench/gpu/preflight.py --out "$RESULTS"
+run_section doctor 60 "$MPIRUN" -n 2 "$PY" -m hpc_rlx.doctor
+run_section gradcheck 240 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu \
+    tests/test_graph_gpu.py tests/test_backend.py tests/test_gpu_lanes.py
+# tests that skip (no CuPy, one GPU for a 2-GPU test) are not a pass: say so in the summary
+last=$((${#STATES[@]} - 1))
+skipped=$(grep -Eo '[0-9]+ skipped' "$WORK/gradcheck.log" | tail -n 1 || true)
+if [ "${STATES[$last]}" = ok ] && [ -n "$skipped" ]; then
+    STATES[$last]="ok, but $skipped (reasons in the log)"
+fi
+run_section train-1 180 "$PY" bench/gpu/train_check.py --set single --mpirun "$MPIRUN" --timeout 70 --out "$RESULTS"
+run_section train-2 240 "$PY" bench/gpu/train_check.py --set pair --mpirun "$MPIRUN" --timeout 70 --out "$RESULTS"
+run_section throughput 180 "$PY" bench/gpu/throughput.py --out "$RESULTS"
+
+# ---- summary ------------------------------------------------------------------------------
+echo
+echo "=================== summary ($((SECONDS - T_START))s in all; logs in $WORK) ==================="
+failed=0
+{
+    echo
+    echo "#### Sections"
+    echo
+    echo "| section | result | seconds |"
+    echo "|---|---|---|"
+} >>"$RESULTS"
+for i in "${!NAMES[@]}"; do
+    printf '  %-12s %-40s %5ss\n' "${NAMES[$i]}" "${STATES[$i]}" "${TIMES[$i]}"
+    echo "| ${NAMES[$i]} | ${STATES[$i]} | ${TIMES[$i]} |" >>"$RESULTS"
+    case "${STATES[$i]}" in ok* | SKIPPED*) ;; *) failed=1 ;; esac
+done
+echo
+echo "----- paste into bench/RESULTS.md (also in $RESULTS) -----"
+cat "$RESULTS"
+echo "----- end -----"
+exit "$failed"
