@@ -334,6 +334,7 @@ class Run:
         self._slow_factor = float({int(k): v for k, v in dict(slow).items()}.get(comm.rank, 1.0))
         self.tracer = None
         self._ckpt_pending_s = 0.0
+        self._cpu_mark = time.process_time()
 
     # ---- logging ----------------------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -469,6 +470,7 @@ class Run:
                                   max_events=tcfg.get("max_events"))
         self.ctx = ctx = Context(spec, comm, log=self.log)
         self.log(spec.extras.get("plan", ""))
+        self._cpu_mark = time.process_time()
         with trace.span("data.load", "data", args={"distribution": spec.data.distribution}):
             ctx.load_data()
         lanes_spec = mpi_mod.agree(comm, lambda: resolve_lanes(
@@ -570,11 +572,15 @@ class Run:
         st = self.stats
         load_s = self.ctx.data_s if not st.epochs else 0.0   # the shard load precedes epoch 1
         ckpt, self._ckpt_pending_s = self._ckpt_pending_s, 0.0
+        # CPU seconds of all this process's threads since the last record (MPI spin-waits
+        # included): far below wall x threads means the rank did not get its cores
+        cpu_now = time.process_time()
+        cpu, self._cpu_mark = cpu_now - self._cpu_mark, cpu_now
         st.epochs.append({
             "epoch": self.ctx.epoch + 1, "steps": totals.steps,
             "compute_s": totals.compute_s, "comm_s": totals.comm_s,
             "data_s": load_s + totals.data_s, "eval_s": eval_s, "checkpoint_s": ckpt,
-            "epoch_s": load_s + wall + eval_s,
+            "epoch_s": load_s + wall + eval_s, "cpu_s": cpu,
         })
 
     def _finish(self) -> dict:
