@@ -183,6 +183,19 @@ def slowest_rank(files: RunFiles) -> tuple[int, float] | None:
     return worst, (rates[worst] / med if med > 0 else float("inf"))
 
 
+def cpu_use(files: RunFiles) -> dict[int, float]:
+    """Per rank: CPU seconds / wall seconds (1.0 = one busy core), over the epochs after the
+    first when there are several (the first also holds start-up and the data load's I/O)."""
+    out = {}
+    for i, r in enumerate(files.ranks):
+        eps = [e for e in (r.get("epochs") or []) if "cpu_s" in e]
+        eps = eps[1:] or eps
+        wall = sum(float(e.get("epoch_s") or 0.0) for e in eps)
+        if wall > 0:
+            out[int(r.get("rank", i))] = sum(float(e["cpu_s"]) for e in eps) / wall
+    return out
+
+
 def lane_rates(files: RunFiles) -> list[tuple[int, str, float, int]]:
     """(rank, lane, samples/s while busy, samples) for every lane of every rank."""
     out = []
@@ -414,8 +427,9 @@ def run_text(files: RunFiles) -> str:
     totals = rank_totals(files)
     if files.ranks:
         lines.append("per rank (seconds over the run):")
+        cpu = cpu_use(files)
         lines.append(f"  {'rank':>4} {'host':<12} {'lanes':<14} {'thr':>3} {'samples':>9} {'compute':>8} "
-                     f"{'comm':>8} {'data':>8} {'ckpt':>7} {'wall':>8}")
+                     f"{'comm':>8} {'data':>8} {'ckpt':>7} {'wall':>8} {'cpu%':>5}")
         for i, r in enumerate(files.ranks):
             k = int(r.get("rank", i))
             t = totals.get(k, {})
@@ -424,7 +438,8 @@ def run_text(files: RunFiles) -> str:
                 f"{_f(r.get('threads'), 'd') if isinstance(r.get('threads'), int) else '-':>3} "
                 f"{int(r.get('samples') or 0):>9} {_f(r.get('compute_s'), '.3f'):>8} {_f(r.get('comm_s'), '.3f'):>8} "
                 f"{_f(t.get('data_s', r.get('data_s')), '.3f'):>8} {_f(r.get('checkpoint_s'), '.3f'):>7} "
-                f"{_f(r.get('wall_s'), '.2f'):>8}")
+                f"{_f(r.get('wall_s'), '.2f'):>8} "
+                f"{(f'{100 * cpu[k]:.0f}' if k in cpu else '-'):>5}")
         slow = slowest_rank(files)
         if slow:
             rank, ratio = slow
@@ -432,6 +447,12 @@ def run_text(files: RunFiles) -> str:
                        f"rank {rank} is the slowest: {ratio:.2f}x the median compute time per sample; "
                        f"the other ranks wait for it inside the allreduce (their comm time)")
             lines.append(f"balance: {verdict}")
+        starved = sorted(k for k, c in cpu.items() if c < 0.7)
+        if starved:
+            lines.append(f"cpu: rank{'s' if len(starved) > 1 else ''} {_ranges(starved)} used under 70% "
+                         f"of a core while training: "
+                         f"they waited for a core (another job on the node, or ranks x threads > cores; "
+                         f"see train.threads_per_rank and python -m hpc_rlx.doctor)")
         comm_share = [t["comm_s"] / max(1e-12, t["comm_s"] + t["compute_s"]) for t in totals.values()
                       if t["comm_s"] + t["compute_s"] > 0]
         if comm_share:
@@ -480,6 +501,17 @@ def trace_lines(path: Path, max_ranks: int = 8) -> list[str]:
     if len(per) > max_ranks:
         out.append(f"  ... {len(per) - max_ranks} more ranks")
     return out
+
+
+def _ranges(ks: list[int]) -> str:
+    out, i = [], 0
+    while i < len(ks):
+        j = i
+        while j + 1 < len(ks) and ks[j + 1] == ks[j] + 1:
+            j += 1
+        out.append(str(ks[i]) if i == j else f"{ks[i]}-{ks[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 def sweep_text(sweep_dir: Path, rows: list[dict]) -> str:

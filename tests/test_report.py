@@ -18,14 +18,14 @@ from .conftest import REPO, explain, mpirun, read_metrics
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _epoch(e, compute, comm, data=0.0, eval_s=0.01, ckpt=0.0, other=0.02):
+def _epoch(e, compute, comm, data=0.0, eval_s=0.01, ckpt=0.0, other=0.02, cpu_share=1.0):
+    wall = compute + comm + data + eval_s + ckpt + other
     return {"epoch": e, "steps": 10, "compute_s": compute, "comm_s": comm, "data_s": data,
-            "eval_s": eval_s, "checkpoint_s": ckpt,
-            "epoch_s": compute + comm + data + eval_s + ckpt + other}
+            "eval_s": eval_s, "checkpoint_s": ckpt, "epoch_s": wall, "cpu_s": cpu_share * wall}
 
 
 def make_run(path: Path, epochs: int = 5, ranks: int = 3, slow_rank: int = 2,
-             per_rank_epochs: bool = True, with_summary: bool = True) -> Path:
+             per_rank_epochs: bool = True, with_summary: bool = True, starved: tuple = ()) -> Path:
     path.mkdir(parents=True)
     with open(path / "metrics.jsonl", "w") as f:
         for e in range(1, epochs + 1):
@@ -40,7 +40,8 @@ def make_run(path: Path, epochs: int = 5, ranks: int = 3, slow_rank: int = 2,
     for r in range(ranks):
         compute = 1.5 if r == slow_rank else 0.5
         comm = 0.1 if r == slow_rank else 1.1      # the others wait for the slow one
-        eps = [_epoch(e, compute, comm, data=0.3 if e == 1 else 0.001) for e in range(1, epochs + 1)]
+        eps = [_epoch(e, compute, comm, data=0.3 if e == 1 else 0.001, cpu_share=0.4 if r in starved else 0.98)
+               for e in range(1, epochs + 1)]
         rec = {"rank": r, "host": f"node{r // 2}", "lanes": ["cpu0", "cuda0"] if r == 0 else ["cpu0"],
                "inventory": ["cpu"], "samples": 640 * epochs, "threads": 1,
                "compute_s": compute * epochs, "comm_s": comm * epochs, "data_s": 0.3, "checkpoint_s": 0.0,
@@ -255,3 +256,12 @@ def test_trace_breakdown_per_step(tmp_path):
     (run / "trace.json").write_text(json.dumps({"traceEvents": events}))
     text = report.run_text(report.load_run(run))
     assert "ms per step" in text and "rank 1" in text.split("ms per step")[1]
+
+
+def test_cpu_use_flags_ranks_that_waited_for_a_core(tmp_path):
+    files = report.load_run(make_run(tmp_path / "a", ranks=4, starved=(1, 2)))
+    use = report.cpu_use(files)
+    assert use[0] == pytest.approx(0.98) and use[1] == pytest.approx(0.4)
+    text = report.run_text(files)
+    assert "cpu: ranks 1-2 used under 70% of a core" in text
+    assert "cpu:" not in report.run_text(report.load_run(make_run(tmp_path / "b", ranks=4)))
