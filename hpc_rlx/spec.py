@@ -79,7 +79,7 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate_config(cfg: dict) -> None:
+def validate_config(cfg: dict, world_size: int | None = None) -> None:
     """Value checks Hydra's schema cannot express. Every message names the key and value."""
     t, o, c, dev, ck = cfg["train"], cfg["optim"], cfg["comm"], cfg["device"], cfg["checkpoint"]
     _require(isinstance(t["epochs"], int) and t["epochs"] >= 1,
@@ -115,6 +115,9 @@ def validate_config(cfg: dict) -> None:
     for key in ("every_steps", "every_epochs", "every_minutes"):
         v = ck[key]
         _require(v is None or v > 0, f"checkpoint.{key} must be null or > 0, got {v!r}")
+    from .policies import parse_slowdown, validate_policy_config
+    validate_policy_config(cfg["policy"])
+    parse_slowdown(cfg["debug"].get("slowdown"), world_size)
 
 
 def check_lane_batch(dev: dict, global_batch: int, world_size: int) -> None:
@@ -188,7 +191,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     from .data import hdf5
     from .data.plan import plan_shards
 
-    validate_config(cfg)
+    validate_config(cfg, world_size)
     check_run_dir_writable(run_dir)
     d = cfg["data"]
     if d.get("prepare") and not Path(d["path"]).exists():

@@ -330,8 +330,8 @@ class Run:
         self.t_start = time.perf_counter()
         self._last_log = time.perf_counter()
         self._tty = self.is_root and sys.stdout.isatty()
-        slow = spec.debug.get("slowdown") or {}
-        self._slow_factor = float({int(k): v for k, v in dict(slow).items()}.get(comm.rank, 1.0))
+        from .policies import slowdown_for_rank
+        self._slowdown = slowdown_for_rank(spec.debug.get("slowdown"), comm.rank, comm.size)
         self.tracer = None
         self._ckpt_pending_s = 0.0
         self._cpu_mark = time.process_time()
@@ -357,8 +357,7 @@ class Run:
 
     def slowdown(self, compute_s: float) -> None:
         """debug.slowdown: honest extra wall time, so mixed hardware can be simulated."""
-        if self._slow_factor > 1.0:
-            time.sleep((self._slow_factor - 1.0) * compute_s)
+        self._slowdown.after_step(compute_s)
 
     # ---- flags in the bucket ------------------------------------------------------------
     def fill_flags(self, loss_sum: float) -> None:
