@@ -199,6 +199,14 @@ class RuntimeCheckpoints:
             raise CheckpointError(
                 f"checkpoint {where} holds optim={opt} state, this run uses optim={run.spec.optim['name']}; "
                 f"to start a new optimizer from those weights, use model.init_from=<run_dir>/model.h5")
+        policy = (meta.get("policy") or {}).get("name")
+        if (policy not in (None, "sync") and run.policy.name == "sync"
+                and int(meta.get("step_in_epoch", 0)) > 0):
+            # A windowed policy counts syncs, not sample steps: its mid-epoch position has no
+            # meaning for sync.
+            raise CheckpointError(
+                f"checkpoint {where} stopped in the middle of an epoch under policy={policy}; "
+                f"resume it with policy={policy}, or from an end-of-epoch checkpoint")
         saved, now = meta.get("plan"), self._plan()
         if saved:
             changed = {k: (saved.get(k), now[k]) for k in _PLAN_KEYS if saved.get(k) != now[k]}
