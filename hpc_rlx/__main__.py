@@ -233,7 +233,8 @@ def main() -> None:
     problem = comm.bcast(problem, root=0)
     if problem:
         if comm.rank == 0:
-            sys.stderr.write(f"hpc_rlx: error (ConfigError, reported by rank 0): {problem}\n")
+            from .comm import hostname
+            sys.stderr.write(f"hpc_rlx: error (ConfigError, reported by rank 0 on {hostname()}): {problem}\n")
             sys.stderr.flush()
         raise SystemExit(2)
     sys.argv.extend(_rank_overrides(comm.rank))
