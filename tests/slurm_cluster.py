@@ -194,12 +194,15 @@ class SlurmCluster:
         self._check_prerequisites()
         if self.is_up():
             return self
-        for sub in ("state", "spool", "munge"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root / "munge", 0o700)
-        self.conf.write_text(self.slurm_conf_text())
-        self._start_munged()
-        self._start_slurm(timeout)
+        try:
+            for sub in ("state", "spool", "munge"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+            os.chmod(self.root / "munge", 0o700)
+            self.conf.write_text(self.slurm_conf_text())
+            self._start_munged()
+            self._start_slurm(timeout)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise ClusterUnavailable(f"{type(exc).__name__}: {exc}\n{self.logs()}") from exc
         return self
 
     def _start_munged(self) -> None:
