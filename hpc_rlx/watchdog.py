@@ -96,7 +96,8 @@ def stall_report(states: dict, size: int, now: float, warn_s: float, silent_afte
     hosts = hosts or {}
     waiting = []
     for r, st in states.items():
-        if st.get("label") is not None and not st.get("bye"):
+        # a silent rank's last word is stale: it shows up as silent, not as the one waiting
+        if st.get("label") is not None and not st.get("bye") and now - st["recv"] <= silent_after:
             waited = st["for"] + (now - st["recv"])
             if waited >= warn_s:
                 waiting.append((waited, r, st))
@@ -297,7 +298,8 @@ class StallWatchdog:
             return
         text, key = found
         waited = max(st["for"] + now - st["recv"] for st in self._states.values()
-                     if st.get("label") is not None and not st.get("bye"))
+                     if st.get("label") is not None and not st.get("bye")
+                     and now - st["recv"] <= self.silent_after)
         if key not in self._reported:
             self._reported.add(key)
             self._emit(text + ("" if self.abort_s is None else
