@@ -371,6 +371,18 @@ class FusedBucket:
         return len(bounds), int(sent)
 
 
+def _ordered_sum(comm, part: np.ndarray) -> None:
+    """Sum in rank order on rank 0, then broadcast: bitwise reproducible for a world size."""
+    gathered = np.empty((comm.size,) + part.shape, dtype=part.dtype) if comm.rank == 0 else None
+    comm.Gather(np.ascontiguousarray(part), gathered, root=0)
+    if comm.rank == 0:
+        acc = gathered[0].copy()
+        for r in range(1, comm.size):
+            acc += gathered[r]
+        part[...] = acc
+    comm.Bcast(part, root=0)
+
+
 def by_rank(comm, text: str) -> str | None:
     """Rank 0: ``text`` of every rank, grouped ("A on ranks 0-3; B on ranks 4-7"); others: None."""
     texts = comm.gather(text, root=0)

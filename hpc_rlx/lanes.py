@@ -53,11 +53,6 @@ def assign_gpus(visible: int, gpus_per_rank: int, local_rank: int) -> list[int]:
     return [(first + i) % visible for i in range(want)]
 
 
-def gpus_shared(visible: int, gpus_per_rank: int, ranks_on_node: int) -> bool:
-    """True when the ranks of a node need more GPUs than it shows them (so some share one)."""
-    return visible > gpus_per_rank and ranks_on_node * gpus_per_rank > visible
-
-
 def resolve_lanes(kind: str, cpu_lanes: int, gpus_per_rank: int, local_rank: int) -> list[tuple[str, int]]:
     """Turn the device directive into (backend, index) lanes for this rank."""
     if not isinstance(gpus_per_rank, int) or isinstance(gpus_per_rank, bool) or gpus_per_rank < 1:

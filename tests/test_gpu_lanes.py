@@ -13,8 +13,6 @@ Two halves:
 from __future__ import annotations
 
 import json
-import os
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import pytest
 
 from hpc_rlx import backend, comm as mpi_comm, cuda_mpi
 from hpc_rlx.errors import DeviceError
-from hpc_rlx.graph import Executor, Graph, ParamLayout, build_model, init_params
+from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params
 from hpc_rlx.lanes import LaneSet, resolve_lanes
 
 from .conftest import REPO, explain, mpirun, read_metrics
@@ -242,8 +240,10 @@ g, layout, params, x, y = small_model()
 xs, ys = x[comm.rank::comm.size], y[comm.rank::comm.size]
 out = {}
 for name, spec, setting in [("host", [("cpu", 0)], "auto"), ("staged", [("cuda", 0), ("cuda", 1)], "false"),
-                            ("direct", [("cuda", comm.rank % 2)], "true")]:
-    bucket = mpi_comm.FusedBucket(layout.size, ("samples", "loss_sum"), np.float64, cap_mb=0.001)
+                            ("direct", [("cuda", comm.rank % 2)], "true"),
+                            ("ordered", [("cuda", 0), ("cuda", 1)], "true")]:
+    bucket = mpi_comm.FusedBucket(layout.size, ("samples", "loss_sum"), np.float64, cap_mb=0.001,
+                                  deterministic=name == "ordered")
     lanes = LaneSet(g, spec, "float64", params, bucket, layout, cuda_aware=setting,
                     query_cuda_support=lambda: ("no", "test"))
     n, loss_sum, _, _ = lanes.step(xs, ys, seed=0)
@@ -274,9 +274,10 @@ def test_direct_and_staged_paths_give_the_host_result(tmp_path):
     assert res["staged"]["d2h_in_allreduce"] == 1 and res["staged"]["h2d_in_allreduce"] == 0
     assert res["direct"]["h2d_in_allreduce"] == 1 and res["direct"]["d2h_in_allreduce"] == 1
     assert res["host"]["chunks"] > 1                          # the cap splits it into chunks
+    assert res["ordered"]["path"] == "staged"                 # rank-order sums run on the host
     g, layout, params, x, y = small_model()
     want = reference_grad(g, layout, params, x, y)
-    for name in ("host", "staged", "direct"):
+    for name in ("host", "staged", "direct", "ordered"):
         assert res[name]["samples"] == 24
         for r in range(2):
             got = np.load(tmp_path / f"{name}_{r}.npy")
