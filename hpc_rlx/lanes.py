@@ -61,8 +61,10 @@ def resolve_lanes(kind: str, cpu_lanes: int, gpus_per_rank: int, local_rank: int
         return [("cpu", i) for i in range(max(1, cpu_lanes))]
     gpus = backend.gpu_count() if kind in ("cuda", "all", "auto") else 0
     if kind == "cuda" and gpus == 0:
+        vis = backend.visible_devices()
+        note = "" if vis is None else f"; CUDA_VISIBLE_DEVICES={','.join(vis)!r}"
         raise DeviceError("device=cuda but no GPU is usable on this rank "
-                          f"({backend.gpu_unavailable_reason()}); use device=cpu, or device=auto "
+                          f"({backend.gpu_unavailable_reason()}{note}); use device=cpu, or device=auto "
                           "to take GPUs where there are some")
     gpu_lanes = [("cuda", i) for i in assign_gpus(gpus, gpus_per_rank, local_rank)]
     if kind == "cuda":

@@ -60,6 +60,29 @@ def test_resolve_lanes_without_a_gpu(monkeypatch):
             resolve_lanes("cpu", 1, bad, 0)
 
 
+def test_visible_devices_name_the_physical_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5,GPU-1a2b")
+    assert backend.visible_devices() == ["3", "5", "GPU-1a2b"]
+    assert backend.physical_gpu(1) == "5" and backend.physical_gpu(2) == "GPU-1a2b"
+    assert backend.physical_gpu(7) == "7"
+    monkeypatch.setattr(backend, "gpu_count", lambda: 0)
+    with pytest.raises(DeviceError, match="CUDA_VISIBLE_DEVICES='3,5,GPU-1a2b'"):
+        resolve_lanes("cuda", 0, 1, 0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert backend.visible_devices() is None and backend.physical_gpu(2) == "2"
+
+
+@pytest.mark.skipif(backend.cupy_available(), reason="checks the fallbacks of a machine without CuPy")
+def test_host_fallbacks_without_cupy():
+    a = backend.pinned_empty(5, np.float32)
+    assert isinstance(a, np.ndarray) and a.shape == (5,) and a.dtype == np.float32
+    assert not backend.is_pinned(a)
+    assert backend.device_of(a) is None
+    backend.synchronize_device(None)
+    with pytest.raises(DeviceError, match="unavailable"):
+        backend.device_zeros(3, np.float32, 0)
+
+
 # ---- micro-batch splits -------------------------------------------------------------------
 
 @settings(max_examples=200, deadline=None)
