@@ -229,7 +229,7 @@ class FusedBucket:
         self.choice = choice
 
     def describe(self) -> str:
-        """The bucket path in one line (logged once by rank 0, and by the doctor)."""
+        """Where the bucket lives and how it is reduced, in one line (logged at start-up)."""
         where = "host" if self.device is None else f"GPU {self.device}"
         path = self.choice.describe() if self.choice is not None else "host"
         wire = f", wire {self.wire} (float32 sums; tail uncompressed)" if self.wire else ""
