@@ -79,42 +79,77 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v) -> bool:
+    """A finite real number (bools, strings, NaN and Inf are not)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def validate_config(cfg: dict, world_size: int | None = None) -> None:
-    """Value checks Hydra's schema cannot express. Every message names the key and value."""
+    """Value checks Hydra's schema cannot express. Every message names the key and value.
+
+    Type-safe on purpose: any value a command line can produce gives a ConfigError, never a
+    TypeError from comparing it.
+    """
     t, o, c, dev, ck = cfg["train"], cfg["optim"], cfg["comm"], cfg["device"], cfg["checkpoint"]
-    _require(isinstance(t["epochs"], int) and t["epochs"] >= 1,
+    _require(_int(t["epochs"]) and t["epochs"] >= 1,
              f"train.epochs must be a positive integer, got {t['epochs']!r}")
-    _require(isinstance(t["batch_size"], int) and t["batch_size"] >= 1,
+    _require(_int(t["batch_size"]) and t["batch_size"] >= 1,
              f"train.batch_size must be a positive integer, got {t['batch_size']!r}")
     _require(t["dtype"] in DTYPES, f"train.dtype={t['dtype']!r} is not one of {DTYPES}")
     _require(t["on_nonfinite"] in ON_NONFINITE,
              f"train.on_nonfinite={t['on_nonfinite']!r} is not one of {ON_NONFINITE}")
-    _require(t["max_steps"] is None or (isinstance(t["max_steps"], int) and t["max_steps"] >= 1),
+    _require(t["max_steps"] is None or (_int(t["max_steps"]) and t["max_steps"] >= 1),
              f"train.max_steps must be null or a positive integer, got {t['max_steps']!r}")
+    _require(_int(t.get("seed", 0)), f"train.seed must be an integer, got {t.get('seed')!r}")
     lr = o["lr"]
-    _require(isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0,
-             f"optim.lr must be a positive number, got {lr!r}")
-    _require(o.get("lr_scale_ratio", 0.0) >= 0,
-             f"optim.lr_scale_ratio must be >= 0, got {o.get('lr_scale_ratio')!r}")
+    _require(_num(lr) and lr > 0, f"optim.lr must be a positive number, got {lr!r}")
+    ratio = o.get("lr_scale_ratio", 0.0)
+    _require(ratio is None or (_num(ratio) and ratio >= 0),
+             f"optim.lr_scale_ratio must be >= 0, got {ratio!r}")
     if o.get("clip_grad_norm") is not None:
-        _require(o["clip_grad_norm"] > 0, f"optim.clip_grad_norm must be > 0, got {o['clip_grad_norm']!r}")
+        _require(_num(o["clip_grad_norm"]) and o["clip_grad_norm"] > 0,
+                 f"optim.clip_grad_norm must be null or > 0, got {o['clip_grad_norm']!r}")
+    for key in ("momentum", "weight_decay", "eps", "min_lr", "gamma"):
+        if key in o and o[key] is not None:
+            _require(_num(o[key]) and o[key] >= 0, f"optim.{key} must be a number >= 0, got {o[key]!r}")
+    for key in ("warmup_steps", "step_size"):
+        if key in o and o[key] is not None:
+            _require(_int(o[key]) and o[key] >= 0, f"optim.{key} must be an integer >= 0, got {o[key]!r}")
     _require(dev["kind"] in DEVICES, f"device={dev['kind']!r} is not one of {DEVICES}")
-    _require(isinstance(dev["cpu_lanes"], int) and dev["cpu_lanes"] >= 0,
+    _require(_int(dev["cpu_lanes"]) and dev["cpu_lanes"] >= 0,
              f"device.cpu_lanes must be an integer >= 0, got {dev['cpu_lanes']!r}")
     _require(dev["kind"] not in ("cpu",) or dev["cpu_lanes"] >= 1,
              "device=cpu needs device.cpu_lanes >= 1")
-    _require(c["bucket_cap_mb"] > 0, f"comm.bucket_cap_mb must be > 0, got {c['bucket_cap_mb']!r}")
+    _require(_num(c["bucket_cap_mb"]) and c["bucket_cap_mb"] > 0,
+             f"comm.bucket_cap_mb must be > 0, got {c['bucket_cap_mb']!r}")
+    warn, stall_abort = c.get("stall_warning_s"), c.get("stall_abort_s")
+    _require(warn is None or (_num(warn) and warn >= 0),
+             f"comm.stall_warning_s must be null (off) or a number of seconds >= 0, got {warn!r}")
+    _require(stall_abort is None or (_num(stall_abort) and stall_abort > 0),
+             f"comm.stall_abort_s must be null (never) or a number of seconds > 0, got {stall_abort!r}")
+    _require(stall_abort is None or (_num(warn) and warn > 0),
+             f"comm.stall_abort_s={stall_abort!r} needs the watchdog on: comm.stall_warning_s > 0, "
+             f"got {warn!r}")
     _require(cfg["data"]["distribution"] in DISTRIBUTIONS,
              f"data.distribution={cfg['data']['distribution']!r} is not one of {DISTRIBUTIONS}")
     vf = cfg["data"]["val_fraction"]
-    _require(vf is None or 0 <= vf < 1, f"data.val_fraction must be in [0, 1), got {vf!r}")
+    _require(vf is None or (_num(vf) and 0 <= vf < 1), f"data.val_fraction must be in [0, 1), got {vf!r}")
+    for key in ("x", "y"):
+        _require(isinstance(cfg["data"][key], str) and cfg["data"][key] != "",
+                 f"data.{key} must be a dataset name, got {cfg['data'][key]!r}")
     _require(ck["metric"] in CKPT_METRICS,
              f"checkpoint.metric={ck['metric']!r} is not one of {CKPT_METRICS}")
-    _require(isinstance(ck["keep_last"], int) and ck["keep_last"] >= 1,
+    _require(_int(ck["keep_last"]) and ck["keep_last"] >= 1,
              f"checkpoint.keep_last must be >= 1, got {ck['keep_last']!r}")
-    for key in ("every_steps", "every_epochs", "every_minutes"):
+    for key in ("every_steps", "every_epochs"):
         v = ck[key]
-        _require(v is None or v > 0, f"checkpoint.{key} must be null or > 0, got {v!r}")
+        _require(v is None or (_int(v) and v > 0), f"checkpoint.{key} must be null or an integer > 0, got {v!r}")
+    v = ck["every_minutes"]
+    _require(v is None or (_num(v) and v > 0), f"checkpoint.every_minutes must be null or > 0, got {v!r}")
     from .policies import parse_slowdown, validate_policy_config
     validate_policy_config(cfg["policy"])
     parse_slowdown(cfg["debug"].get("slowdown"), world_size)
@@ -158,31 +193,39 @@ def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes
                         "or give the label dataset a num_classes attribute")
     if name == "mlp":
         return build_model("mlp", input_shape=tuple(sample_shape), num_classes=num_classes,
-                           hidden=list(model_cfg["hidden"]), activation=model_cfg["activation"],
-                           dropout=float(model_cfg["dropout"]))
+                           hidden=model_cfg["hidden"], activation=model_cfg["activation"],
+                           dropout=model_cfg["dropout"])
     if name == "cnn":
         if len(sample_shape) != 3:
             raise DataError(f"model=cnn needs (C, H, W) images; the data's samples have shape "
                             f"{tuple(sample_shape)}")
         return build_model("cnn", input_shape=tuple(sample_shape), num_classes=num_classes,
-                           channels=list(model_cfg["channels"]), kernel=int(model_cfg["kernel"]),
-                           hidden=int(model_cfg["hidden"]), pool=model_cfg["pool"])
+                           channels=model_cfg["channels"], kernel=model_cfg["kernel"],
+                           hidden=model_cfg["hidden"], pool=model_cfg["pool"])
     if name == "transformer_lm":
         if len(sample_shape) != 1:
             raise DataError(f"model=transformer_lm needs token sequences (N, T); the data's "
                             f"samples have shape {tuple(sample_shape)}")
         return build_model("transformer_lm", vocab_size=num_classes, seq_len=int(sample_shape[0]),
-                           d_model=int(model_cfg["d_model"]), n_heads=int(model_cfg["n_heads"]),
-                           n_layers=int(model_cfg["n_layers"]), d_ff=int(model_cfg["d_ff"]))
+                           d_model=model_cfg["d_model"], n_heads=model_cfg["n_heads"],
+                           n_layers=model_cfg["n_layers"], d_ff=model_cfg["d_ff"])
     raise ConfigError(f"model={name!r} is not one of mlp, cnn, transformer_lm, graph")
 
 
 def _num_classes(model_cfg: dict, info) -> int | None:
-    if model_cfg.get("num_classes") is not None:
-        return int(model_cfg["num_classes"])
+    # the model builders check the values; these only must not crash on odd ones
+    n = model_cfg.get("num_classes")
+    if n is not None:
+        if not (_int(n) and n >= 1):
+            raise ConfigError(f"model.num_classes must be null or a positive integer, got {n!r}")
+        return n
     for key in ("num_classes", "vocab_size"):
         if key in info.attrs:
-            return int(info.attrs[key])
+            v = info.attrs[key]
+            if not (_int(v) and v >= 1):
+                raise DataError(f"the {key} attribute of {info.path!r} must be a positive integer, "
+                                f"got {v!r}")
+            return v
     return None
 
 
