@@ -31,7 +31,7 @@ from _common import fmt_table, machine_note, mpirun, one_thread_env  # noqa: E40
 FEATURES = 1024
 
 
-def child(path: str, repeats: int) -> None:
+def child(path: str, repeats: int, chunk_mb: float) -> None:
     import numpy as np
     from mpi4py import MPI
 
@@ -53,7 +53,8 @@ def child(path: str, repeats: int) -> None:
         for mode in (("read", "scatter") if rep % 2 == 0 else ("scatter", "read")):
             comm.Barrier()
             t0 = MPI.Wtime()
-            x, y = load_shard(comm, mode, path, "x", "y", bounds)
+            kw = {"chunk_bytes": int(chunk_mb * 1024 * 1024)} if (chunk_mb and mode == "scatter") else {}
+            x, y = load_shard(comm, mode, path, "x", "y", bounds, **kw)
             t[0] = MPI.Wtime() - t0
             assert x.shape[0] == bounds[comm.rank][1] - bounds[comm.rank][0]
             del x, y
@@ -69,6 +70,8 @@ def main() -> None:
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write the file (default: a temp dir)")
+    ap.add_argument("--chunk-mb", type=float, default=0,
+                    help="scatter round size in MiB passed to load_shard (default: its own)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hpc_rlx_bench_data_", dir=args.dir))
     try:
@@ -83,7 +86,8 @@ def main() -> None:
               f"(written in {time.perf_counter() - t0:.1f}s); median of {args.repeats}, slowest rank")
         table = []
         for n in [int(r) for r in args.ranks.split(",")]:
-            out = mpirun(n, [__file__, "--child", str(path), str(args.repeats)], timeout=1800, env=one_thread_env())
+            out = mpirun(n, [__file__, "--child", str(path), str(args.repeats), str(args.chunk_mb)],
+                         timeout=1800, env=one_thread_env())
             res = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
             r, s = res["read"], res["scatter"]
             table.append([n, r, size / 1024 ** 3 / r, s, size / 1024 ** 3 / s, f"{s / r:.2f}"])
@@ -95,6 +99,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], int(sys.argv[3]))
+        child(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
     else:
         main()
