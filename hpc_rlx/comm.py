@@ -393,10 +393,12 @@ def by_rank(comm, text: str) -> str | None:
         groups.setdefault(t, []).append(r)
     if len(groups) == 1:
         return text if comm.size == 1 else f"{text} (all {comm.size} ranks)"
-    return "; ".join(f"{t} on ranks {_span(rs)}" for t, rs in groups.items())
+    return "; ".join(f"{t} on ranks {rank_span(rs)}" for t, rs in groups.items())
 
 
-def _span(ranks: list[int]) -> str:
+def rank_span(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    ranks = sorted(ranks)
     parts, start = [], ranks[0]
     for a, b in zip(ranks, ranks[1:] + [None]):
         if b != a + 1:

@@ -27,6 +27,8 @@ import uuid
 from collections import defaultdict
 from pathlib import Path
 
+from .comm import rank_span
+
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_CPUS_PER_TASK", "SLURM_JOB_NODELIST",
              "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_MPI_TYPE", "SLURM_RESTART_COUNT")
@@ -162,16 +164,6 @@ def collect_local(rank: int, size: int, run_dir: Path) -> dict:
 # Analysis and report (pure: plain dicts in, strings out)
 # ==================================================================================================
 
-def _rank_span(ranks: list[int]) -> str:
-    ranks = sorted(ranks)
-    parts, start = [], ranks[0]
-    for a, b in zip(ranks, ranks[1:] + [None]):
-        if b != a + 1:
-            parts.append(str(start) if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(parts)
-
-
 def by_host(records: list[dict]) -> dict[str, list[dict]]:
     hosts: dict[str, list[dict]] = defaultdict(list)
     for r in records:
@@ -225,7 +217,7 @@ def analyse(records: list[dict], *, shared: dict | None = None, cwd_files: dict 
         for r in records:
             values[str(r.get(key))].append(r["rank"])
         if len(values) > 1:
-            detail = "; ".join(f"{v} on ranks {_rank_span(rs)}" for v, rs in sorted(values.items()))
+            detail = "; ".join(f"{v} on ranks {rank_span(rs)}" for v, rs in sorted(values.items()))
             warnings.append(f"ranks run different {key}: {detail}. Mixed software across nodes can "
                             "hang or crash collectives: use one environment on every node.")
     # GPUs
@@ -239,11 +231,11 @@ def analyse(records: list[dict], *, shared: dict | None = None, cwd_files: dict 
     if bad:
         r = bad[0]
         warnings.append(f"run directory {r['run_dir']['path']} cannot be written on ranks "
-                        f"{_rank_span([b['rank'] for b in bad])} ({r['run_dir']['checked']}: "
+                        f"{rank_span([b['rank'] for b in bad])} ({r['run_dir']['checked']}: "
                         f"{r['run_dir']['why']}): the run will fail when it saves.")
     if shared and shared.get("missing"):
         warnings.append(
-            f"the run directory is not shared: ranks {_rank_span(shared['missing'])} do not see a file "
+            f"the run directory is not shared: ranks {rank_span(shared['missing'])} do not see a file "
             f"rank 0 wrote in {shared['dir']}. Rank 0 writes checkpoints there; a requeued job whose "
             "rank 0 lands on another node would not find them. Use a shared filesystem "
             "(hydra.run.dir=/shared/path/...).")
@@ -293,7 +285,7 @@ def format_report(records: list[dict], warnings: list[str], *, shared: dict | No
         threads = [r["blas_threads"] for r in recs]
         thr = str(threads[0]) if len(set(threads)) == 1 else f"{min(threads)}-{max(threads)}"
         gpus = recs[0].get("gpus")
-        lines.append(f"  {host:<16} {_rank_span([r['rank'] for r in recs]):<10} {len(recs):>8} "
+        lines.append(f"  {host:<16} {rank_span([r['rank'] for r in recs]):<10} {len(recs):>8} "
                      f"{len(union):>6} {thr:>13} {sum(threads):>11} {'?' if gpus is None else gpus:>5}")
     blas = ", ".join(f"{p['api']} {p['version']} ({p['layer']})" for p in r0.get("blas", [])) or "none found"
     env = ", ".join(f"{k}={r0['env'][k]}" for k in THREAD_ENV if k in r0["env"]) or "none set"
