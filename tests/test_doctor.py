@@ -106,7 +106,7 @@ def test_missing_logs_dir_next_to_train_sh():
 
 
 def test_rank_span():
-    assert doctor._rank_span([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+    assert doctor.rank_span([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
 
 
 def test_report_lists_every_host_and_the_warnings():
