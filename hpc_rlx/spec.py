@@ -102,6 +102,9 @@ def validate_config(cfg: dict, world_size: int | None = None) -> None:
     _require(t["dtype"] in DTYPES, f"train.dtype={t['dtype']!r} is not one of {DTYPES}")
     _require(t["on_nonfinite"] in ON_NONFINITE,
              f"train.on_nonfinite={t['on_nonfinite']!r} is not one of {ON_NONFINITE}")
+    mcs = t.get("max_consecutive_skips")
+    _require(mcs is None or (isinstance(mcs, int) and not isinstance(mcs, bool) and mcs >= 0),
+             f"train.max_consecutive_skips must be an integer >= 0, got {mcs!r}")
     _require(t["max_steps"] is None or (_int(t["max_steps"]) and t["max_steps"] >= 1),
              f"train.max_steps must be null or a positive integer, got {t['max_steps']!r}")
     _require(_int(t.get("seed", 0)), f"train.seed must be an integer, got {t.get('seed')!r}")

@@ -187,12 +187,29 @@ class Context:
         self.optimizer.step(self.params, grad, lr)
         return norm
 
+    def note_skip(self) -> None:
+        """Count a step skipped for non-finite values (train.on_nonfinite=skip). A model that
+        only produces skipped steps is broken: stop instead of finishing as if it trained."""
+        self.skipped_steps += 1
+        self._consecutive_skips = getattr(self, "_consecutive_skips", 0) + 1
+        limit = int(self.spec.train.get("max_consecutive_skips") or 0)
+        if limit and self._consecutive_skips >= limit:
+            # Decided from the bucket's flags: every rank raises this in the same step.
+            raise mpi.CollectiveError(
+                kind="NonFiniteError",
+                message=f"{self._consecutive_skips} consecutive steps had NaN/Inf gradients or loss "
+                        f"(train.on_nonfinite=skip, train.max_consecutive_skips={limit}) at step "
+                        f"{self.step}; the model is not training: lower optim.lr or set optim.clip_grad_norm")
+
+    def apply_gradient_ok(self) -> None:
+        self._consecutive_skips = 0
+
     def evaluate(self, lanes) -> dict:
         """Global validation loss/accuracy: every rank scores its slice, one small Allreduce."""
         from mpi4py import MPI
         loss_sum, correct = lanes.evaluate(self.vx, self.vy) if self.vx.shape[0] else (0.0, 0.0)
         buf = np.array([loss_sum, correct, float(self.vx.shape[0])], dtype=np.float64)
-        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        mpi.watched_call("validation Allreduce", self.comm.Allreduce, MPI.IN_PLACE, buf, op=MPI.SUM)
         if buf[2] == 0:
             return {"val_loss": None, "val_accuracy": None}
         return {"val_loss": buf[0] / buf[2], "val_accuracy": buf[1] / (buf[2] * self.per_sample)}
@@ -281,11 +298,12 @@ class SyncPolicy:
                 break
             skipped = flags["nonfinite"]
             if skipped:
-                ctx.skipped_steps += 1
+                ctx.note_skip()
             elif total_n > 0:
                 bucket.payload /= total_n
                 with trace.span("optimizer", "optim"):
                     ctx.apply_gradient(bucket.payload, ctx.lr_at(ctx.step))
+                ctx.apply_gradient_ok()
             ctx.step += 1
             ctx.step_in_epoch = s + 1
             if not skipped:     # a skipped step's loss may be NaN: keep it out of the epoch's means
@@ -675,6 +693,11 @@ class RunOutputs:
         import h5py
         self.metrics.close()
         ctx = self.run.ctx
+        if not np.isfinite(ctx.params).all():
+            # Never hand out a NaN model: the newest checkpoint stays the last good state.
+            self.run.log("warning: parameters are not finite; model.h5 was not written")
+            self._write_summary(result)
+            return
         tmp = self.dir / "model.h5.tmp"
         with h5py.File(tmp, "w") as f:
             views = ctx.layout.views(ctx.params)
@@ -683,6 +706,9 @@ class RunOutputs:
             f.attrs["graph_fingerprint"] = ctx.graph.fingerprint()
             f.attrs["graph"] = json.dumps(self.run.spec.graph)
         os.replace(tmp, self.dir / "model.h5")
+        self._write_summary(result)
+
+    def _write_summary(self, result: dict) -> None:
         summary = dict(result)
         summary["run_dir"] = str(self.dir)
         summary["lanes"] = self.run.lanes.names
