@@ -287,6 +287,8 @@ class FusedBucket:
         from mpi4py import MPI
         n = buf.shape[0]
         chunks = 0
+        # one chunk: the allreduce span is the chunk (one event less per step)
+        tr_chunks = tr if n > self.chunk_elems else None
         for lo in range(0, n, self.chunk_elems):
             part = buf[lo: lo + self.chunk_elems]
             tc = time.perf_counter()
@@ -294,9 +296,9 @@ class FusedBucket:
                 _ordered_sum(comm, part)
             else:
                 comm.Allreduce(MPI.IN_PLACE, part, op=MPI.SUM)
-            if tr is not None:
-                tr.add("chunk", "comm", trace.MAIN, tc, time.perf_counter(),
-                       {"seq": seq, "i": chunks, "bytes": int(part.nbytes)})
+            if tr_chunks is not None:
+                tr_chunks.add("chunk", "comm", trace.MAIN, tc, time.perf_counter(),
+                              {"seq": seq, "i": chunks, "bytes": int(part.nbytes)})
             chunks += 1
         # bytes a reduce-scatter + allgather sends per rank: comparable with the wire path's count
         return chunks, int(2 * (comm.size - 1) * buf.nbytes // max(1, comm.size))

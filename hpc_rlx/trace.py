@@ -15,8 +15,8 @@ tracing starts and once at the end, and corrects each event by the offset interp
 linearly between the two, so a slow drift between nodes is taken out as well.
 
 Waiting: a collective cannot finish anywhere before the last rank has entered it, so the time
-between a rank entering the first chunk of an allreduce and the last rank entering it is that
-rank's wait. Rank 0 derives these `wait` spans from the aligned timestamps after the merge
+between a rank entering the first chunk of an allreduce (the allreduce itself when it is one
+chunk) and the last rank entering it is that rank's wait. Rank 0 derives these `wait` spans from the aligned timestamps after the merge
 (no extra communication while training).
 """
 
@@ -84,6 +84,8 @@ class Tracer:
         self.rank, self.host, self.clock = rank, host, clock
         self.max_events = int(max_events)
         self.events: list[tuple] = []
+        self._append = self.events.append
+        self._room = self.max_events
         self.dropped = 0
         self.seq = 0
         self.t_start = clock()
@@ -97,8 +99,9 @@ class Tracer:
         return _Span(self, name, cat, track, args)
 
     def add(self, name: str, cat: str, track: str, t0: float, t1: float, args: dict | None = None) -> None:
-        if len(self.events) < self.max_events:
-            self.events.append((name, cat, track, t0, t1, args))
+        if self._room:
+            self._room -= 1
+            self._append((name, cat, track, t0, t1, args))
         else:
             self.dropped += 1
 
@@ -259,13 +262,21 @@ def _track_ids(evs: list) -> dict:
 
 def infer_waits(per_rank: dict[int, list]) -> dict[int, list]:
     """`wait` spans from aligned first-chunk spans: rank r waited from entering chunk 0 of
-    collective `seq` until the last rank entered it (capped at r's own chunk end)."""
+    collective `seq` (or the allreduce, when it has a single chunk and so no chunk spans)
+    until the last rank entered it (capped at r's own end of that span)."""
     firsts: dict[int, dict[int, list]] = {}
     for r, evs in per_rank.items():
+        singles = {}
         for ev in evs:
             args = ev[5]
-            if ev[0] == "chunk" and args and args.get("i") == 0 and "seq" in args:
+            if not args or "seq" not in args:
+                continue
+            if ev[0] == "chunk" and args.get("i") == 0:
                 firsts.setdefault(args["seq"], {})[r] = ev
+            elif ev[0] == "allreduce" and args.get("chunks") == 1:
+                singles[args["seq"]] = ev
+        for seq, ev in singles.items():      # a chunk span, where there is one, is the tighter parent
+            firsts.setdefault(seq, {}).setdefault(r, ev)
     out: dict[int, list] = {}
     for seq, by_rank in firsts.items():
         if len(by_rank) != len(per_rank):

@@ -117,6 +117,16 @@ def test_merge_aligns_clocks_and_infers_waits():
     assert doc["otherData"]["waits_inferred"] is True
 
 
+def test_single_chunk_allreduce_is_its_own_chunk_for_waits():
+    def part(rank, enter):
+        return {"rank": rank, "host": "", "dropped": 0, "events": [
+            ("allreduce", "comm", trace.MAIN, enter, 2.0, {"seq": 4, "chunks": 1})]}
+    doc = trace.merge([part(0, 1.0), part(1, 1.25)], {}, None, origin=0.0)
+    waits = [e for e in doc["traceEvents"] if e.get("name") == "wait"]
+    assert len(waits) == 1 and waits[0]["pid"] == 0
+    assert waits[0]["ts"] == pytest.approx(1.0e6) and waits[0]["dur"] == pytest.approx(0.25e6)
+
+
 def test_merge_skips_waits_when_events_were_dropped():
     parts = [_fake_rank(0, 0.0, 10.0, 10.6), _fake_rank(1, 0.0, 10.4, 10.6, dropped=5)]
     doc = trace.merge(parts, {}, None, origin=0.0)
@@ -202,8 +212,9 @@ def test_skewed_clocks_are_aligned_and_waits_attributed(tmp_path):
 @pytest.mark.mpi
 def test_training_run_writes_one_merged_trace(tmp_path, digits_h5):
     run = tmp_path / "run"
+    # a small bucket cap: several chunks per allreduce (1210 parameters + 6 tail slots)
     proc = train_job(2, run, [f"data.path={digits_h5}", "train.epochs=2", "trace.enabled=true",
-                              "checkpoint.every_steps=10", "model.hidden=[16]"])
+                              "checkpoint.every_steps=10", "model.hidden=[16]", "comm.bucket_cap_mb=0.002"])
     assert proc.returncode == 0, explain(proc)
     doc = json.loads((run / "trace.json").read_text())
     summary = json.loads((run / "summary.json").read_text())
@@ -212,8 +223,9 @@ def test_training_run_writes_one_merged_trace(tmp_path, digits_h5):
     names = Counter((e["pid"], e["name"]) for e in xs)
     steps = summary["steps"]
     for pid in (0, 1):
-        for name in ("step", "forward_backward", "allreduce", "chunk", "optimizer", "data.batch"):
+        for name in ("step", "forward_backward", "allreduce", "optimizer", "data.batch"):
             assert names[(pid, name)] == steps, (pid, name, names)
+        assert names[(pid, "chunk")] == 3 * steps           # ceil(1216 floats / 524 per chunk)
         for name in ("data.load", "evaluate", "checkpoint", "epoch 1", "epoch 2"):
             assert names[(pid, name)] >= 1, (pid, name)
     assert sum(n for (_, name), n in names.items() if name == "wait") > 0
