@@ -7,7 +7,9 @@ list in memory. At the end of the run rank 0 gathers the lists once and writes
 loop, timestamps on rank 0's clock.
 
 Cost: disabled, each instrumented site does one module-global `None` check (`ACTIVE`);
-enabled, a span is two clock reads and one list append.
+enabled, a span is two clock reads and a few appends to flat arrays. Events are not kept as
+Python objects (a tuple per event would be tracked by the garbage collector, and collections
+walking a growing event list cost more than the recording itself).
 
 Clock alignment: each rank times with its own monotonic clock. Rank 0 estimates every other
 rank's clock offset by ping-pong (the round with the smallest round trip, NTP style) once when
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from array import array
 from pathlib import Path
 from typing import Callable
 
@@ -77,14 +80,20 @@ class _Span:
 
 
 class Tracer:
-    """Span recorder of one rank. Events: (name, cat, track, t0_s, t1_s, args or None)."""
+    """Span recorder of one rank. `events` lists (name, cat, track, t0_s, t1_s, args or None).
+
+    Storage is columnar: a kind id per event (name, cat, track), two doubles of time, and the
+    args dict or None (dicts of plain numbers and strings are not tracked by the collector)."""
 
     def __init__(self, rank: int = 0, host: str = "", clock: Callable[[], float] = time.perf_counter,
                  max_events: int = DEFAULT_MAX_EVENTS):
         self.rank, self.host, self.clock = rank, host, clock
         self.max_events = int(max_events)
-        self.events: list[tuple] = []
-        self._append = self.events.append
+        self._kind_of: dict[tuple, int] = {}
+        self._kinds: list[tuple] = []
+        self._kind_ids = array("l")
+        self._times = array("d")
+        self._args: list = []
         self._room = self.max_events
         self.dropped = 0
         self.seq = 0
@@ -101,9 +110,23 @@ class Tracer:
     def add(self, name: str, cat: str, track: str, t0: float, t1: float, args: dict | None = None) -> None:
         if self._room:
             self._room -= 1
-            self._append((name, cat, track, t0, t1, args))
+            key = (name, cat, track)
+            k = self._kind_of.get(key)
+            if k is None:
+                k = self._kind_of[key] = len(self._kinds)
+                self._kinds.append(key)
+            self._kind_ids.append(k)
+            self._times.append(t0)
+            self._times.append(t1)
+            self._args.append(args)
         else:
             self.dropped += 1
+
+    @property
+    def events(self) -> list[tuple]:
+        kinds, t = self._kinds, self._times
+        return [kinds[k] + (t[2 * i], t[2 * i + 1], a)
+                for i, (k, a) in enumerate(zip(self._kind_ids, self._args))]
 
     def next_seq(self) -> int:
         """Number of the next collective; identical on every rank because all ranks issue the
