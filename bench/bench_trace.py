@@ -3,10 +3,11 @@
     .venv/bin/python bench/bench_trace.py                    # about two minutes
     .venv/bin/python bench/bench_trace.py --repeats 5 --ranks 2
 
-1. Per event: the time of one recorded span (enabled) and of one instrumented site when
-   tracing is off, in nanoseconds (best of several million-call loops, one process).
-   Multiplied by the events a real step records (read from a trace.json) and divided by that
-   step's time, this gives the overhead with little noise.
+1. Per call: the time of one recorded span (enabled) and of one instrumented site when
+   tracing is off, in nanoseconds; and the instrumentation of one policy=sync step (the same
+   five recording sites as the loop, on empty work), tracing on minus off (best of several
+   loops, one process). Divided by a real step's time this gives the overhead with little
+   noise.
 2. End to end: the same training job with tracing off and on, alternating, for the
    benchmark MLP (784-1024-1024-10, batch 128 per rank) and the small default digits MLP
    (the worst case: steps of about a millisecond). Throughput is hpc_rlx's `samples_per_s`
@@ -73,7 +74,38 @@ def per_event_ns(loops: int = 200_000, rounds: int = 5) -> dict:
 
     res["enabled span"] = best(on_span) - base
     res["enabled add (+2 clock reads, args)"] = best(on_add) - base
+
+    def sync_step_sites():
+        # what a policy=sync step records: batch, lane, allreduce, optimizer, step
+        if trace.ACTIVE is not None:
+            trace.ACTIVE = trace.Tracer(max_events=10 * loops)    # room for every event
+        for s in range(loops):
+            t_step = time.perf_counter()
+            t_data = time.perf_counter()
+            tr = trace.ACTIVE
+            if tr is not None:
+                tr.add("data.batch", "data", trace.MAIN, t_step, t_data)
+            t0 = time.perf_counter()
+            t1 = time.perf_counter()
+            if trace.ACTIVE is not None:
+                trace.ACTIVE.add("forward_backward", "compute", "lane cpu0", t0, t1, {"n": 32})
+            t0 = time.perf_counter()
+            tr2 = trace.ACTIVE
+            seq = tr2.next_seq() if tr2 is not None else 0
+            t1 = time.perf_counter()
+            if tr2 is not None:
+                tr2.add("allreduce", "comm", trace.MAIN, t0, t1,
+                        {"seq": seq, "bytes": 4096, "chunks": 1, "path": "host"})
+            with trace.span("optimizer", "optim"):
+                pass
+            t_end = time.perf_counter()
+            if tr is not None:
+                tr.add("step", "step", trace.MAIN, t_step, t_end, {"step": s})
+
+    trace.ACTIVE = trace.Tracer()
+    on_step = best(sync_step_sites)
     trace.ACTIVE = None
+    res["sync step, tracing on minus off"] = on_step - best(sync_step_sites)
     return res
 
 
@@ -113,7 +145,7 @@ def main() -> None:
     print(f"# {machine_note()}")
     ev = per_event_ns()
     print(fmt_table(["site", "ns per call"], [[k, v] for k, v in ev.items()]))
-    cost_ns = ev["enabled add (+2 clock reads, args)"]
+    step_ns = ev["sync step, tracing on minus off"]
     rows = []
     try:
         for job in args.jobs.split(","):
@@ -133,7 +165,7 @@ def main() -> None:
             b_off = max(v["samples_per_s"] for v in off)
             b_on = max(v["samples_per_s"] for v in on)
             step_ms = min(v["step_ms"] for v in off)
-            est = per_step["per_step"] * cost_ns * 1e-6 / step_ms
+            est = step_ns * 1e-6 / step_ms
             rows.append([job, b_off, b_on, f"{100 * (b_off - b_on) / b_off:+.1f}%", step_ms,
                          f"{per_step['per_step']:.1f}", f"{100 * est:.3f}%"])
         print()
