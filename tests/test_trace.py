@@ -151,6 +151,31 @@ def test_start_disabled_clears_the_tracer_and_finish_without_tracer_is_local():
     assert trace.finish(comm=None, tracer=None, path=None) is None
 
 
+def assert_properly_nested(xs: list[dict], slack_us: float = 1.0) -> None:
+    """Per track, spans either nest or follow each other (what the viewers draw correctly)."""
+    tracks = defaultdict(list)
+    for e in xs:
+        tracks[(e["pid"], e["tid"])].append(e)
+    for key, evs in tracks.items():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack = []
+        for e in evs:
+            while stack and e["ts"] >= stack[-1]["ts"] + stack[-1]["dur"] - slack_us:
+                stack.pop()
+            if stack:
+                parent = stack[-1]
+                assert e["ts"] + e["dur"] <= parent["ts"] + parent["dur"] + slack_us, (key, parent, e)
+            stack.append(e)
+
+
+def test_nesting_check_catches_overlap():
+    ok = [{"pid": 0, "tid": 0, "ts": 0, "dur": 10}, {"pid": 0, "tid": 0, "ts": 2, "dur": 3},
+          {"pid": 0, "tid": 0, "ts": 10, "dur": 5}]
+    assert_properly_nested(ok)
+    with pytest.raises(AssertionError):
+        assert_properly_nested(ok + [{"pid": 0, "tid": 0, "ts": 8, "dur": 5}])
+
+
 # ---- under mpirun ------------------------------------------------------------------------
 
 SKEW_SCRIPT = textwrap.dedent("""
@@ -210,11 +235,13 @@ def test_skewed_clocks_are_aligned_and_waits_attributed(tmp_path):
 
 
 @pytest.mark.mpi
-def test_training_run_writes_one_merged_trace(tmp_path, digits_h5):
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_training_run_writes_one_merged_trace(tmp_path, digits_h5, chunks):
     run = tmp_path / "run"
-    # a small bucket cap: several chunks per allreduce (1210 parameters + 6 tail slots)
+    # 1210 parameters + 6 tail slots: one chunk by default, 3 with a 2 kB cap
+    cap = [] if chunks == 1 else ["comm.bucket_cap_mb=0.002"]
     proc = train_job(2, run, [f"data.path={digits_h5}", "train.epochs=2", "trace.enabled=true",
-                              "checkpoint.every_steps=10", "model.hidden=[16]", "comm.bucket_cap_mb=0.002"])
+                              "checkpoint.every_steps=10", "model.hidden=[16]"] + cap)
     assert proc.returncode == 0, explain(proc)
     doc = json.loads((run / "trace.json").read_text())
     summary = json.loads((run / "summary.json").read_text())
@@ -225,7 +252,8 @@ def test_training_run_writes_one_merged_trace(tmp_path, digits_h5):
     for pid in (0, 1):
         for name in ("step", "forward_backward", "allreduce", "optimizer", "data.batch"):
             assert names[(pid, name)] == steps, (pid, name, names)
-        assert names[(pid, "chunk")] == 3 * steps           # ceil(1216 floats / 524 per chunk)
+        # a single-chunk allreduce is its own chunk; else ceil(1216 floats / 524 per chunk)
+        assert names[(pid, "chunk")] == (0 if chunks == 1 else 3 * steps)
         for name in ("data.load", "evaluate", "checkpoint", "epoch 1", "epoch 2"):
             assert names[(pid, name)] >= 1, (pid, name)
     assert sum(n for (_, name), n in names.items() if name == "wait") > 0
@@ -240,6 +268,7 @@ def test_training_run_writes_one_merged_trace(tmp_path, digits_h5):
             assert parent["tid"] == e["tid"]
             assert parent["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= parent["ts"] + parent["dur"] + 1
     assert doc["otherData"]["waits_inferred"] is True
+    assert_properly_nested(xs)
 
 
 @pytest.mark.mpi
