@@ -494,7 +494,11 @@ def trace_lines(path: Path, max_ranks: int = 8) -> list[str]:
         return [f"  (trace unreadable: {e})"]
     per = trace_per_step(doc)
     if not per:
-        return []
+        # policies without per-step spans (cadence, async): totals per span name instead
+        from .trace import summarize
+        tot = sorted(summarize(doc).items(), key=lambda kv: -kv[1])
+        tot = [(k, v) for k, v in tot if not k.startswith("epoch ")][:8]
+        return ["  seconds, all ranks: " + "  ".join(f"{k} {v:.3f}" for k, v in tot)] if tot else []
     out = ["  ms per step  " + " ".join(f"{k:>16}" for k in STEP_SPANS)]
     for r in sorted(per)[:max_ranks]:
         out.append(f"  rank {r:<6} " + " ".join(f"{per[r].get(k, 0.0):>16.3f}" for k in STEP_SPANS))

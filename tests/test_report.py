@@ -265,3 +265,12 @@ def test_cpu_use_flags_ranks_that_waited_for_a_core(tmp_path):
     text = report.run_text(files)
     assert "cpu: ranks 1-2 used under 70% of a core" in text
     assert "cpu:" not in report.run_text(report.load_run(make_run(tmp_path / "b", ranks=4)))
+
+
+def test_trace_without_step_spans_lists_totals(tmp_path):
+    run = make_run(tmp_path / "r")
+    events = [{"ph": "X", "pid": p, "tid": 0, "name": n, "ts": 0, "dur": d}
+              for p in (0, 1) for n, d in (("forward_backward", 2e6), ("allreduce", 5e5), ("epoch 1", 9e6))]
+    (run / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    tail = report.run_text(report.load_run(run)).splitlines()[-1]
+    assert tail.strip() == "seconds, all ranks: forward_backward 4.000  allreduce 1.000"
