@@ -102,6 +102,9 @@ def validate_config(cfg: dict, world_size: int | None = None) -> None:
     _require(t["dtype"] in DTYPES, f"train.dtype={t['dtype']!r} is not one of {DTYPES}")
     _require(t["on_nonfinite"] in ON_NONFINITE,
              f"train.on_nonfinite={t['on_nonfinite']!r} is not one of {ON_NONFINITE}")
+    tpr = t.get("threads_per_rank")
+    _require(tpr is None or (isinstance(tpr, int) and not isinstance(tpr, bool) and tpr >= 1),
+             f"train.threads_per_rank must be null or an integer >= 1, got {tpr!r}")
     mcs = t.get("max_consecutive_skips")
     _require(mcs is None or (isinstance(mcs, int) and not isinstance(mcs, bool) and mcs >= 0),
              f"train.max_consecutive_skips must be an integer >= 0, got {mcs!r}")

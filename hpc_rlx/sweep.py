@@ -27,7 +27,10 @@ def _is_rank0() -> bool:
 
 def collect(sweep_dir: Path) -> list[dict]:
     rows = []
-    for point in sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: (len(p.name), p.name)):
+    # A sweep point is a directory a run wrote into (plots and other folders are not points).
+    points = (p for p in sweep_dir.iterdir()
+              if p.is_dir() and ((p / "overrides.txt").exists() or (p / "summary.json").exists()))
+    for point in sorted(points, key=lambda p: (len(p.name), p.name)):
         summary = point / "summary.json"
         overrides = point / "overrides.txt"
         row = {"point": point.name,
