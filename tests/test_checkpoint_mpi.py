@@ -350,7 +350,7 @@ def test_minutes_cadence_and_keep_last_plus_best_in_a_real_run(tmp_path, digits_
     # cadence adds saves wherever rank 0's clock says so.
     common = [f"data.path={digits_h5}", "model.hidden=[32]", "train.epochs=3", "checkpoint.keep_last=2",
               "checkpoint.every_epochs=1", "checkpoint.every_steps=10", "checkpoint.every_minutes=0.001",
-              "++debug.slowdown={0: 30.0, 1: 30.0}"]
+              "++debug.slowdown={0: 100.0, 1: 100.0}"]
     proc = train_job(2, run, common + ["train.max_steps=55"], timeout=90)
     assert proc.returncode == 0, explain(proc)
     spe = int(re.search(r"(\d+) steps/epoch", proc.stdout).group(1))
