@@ -8,9 +8,7 @@ count and applies the same optimizer step. Other policies reuse the same pieces.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,24 +18,12 @@ import numpy as np
 
 from . import comm as mpi
 from . import trace
-from .errors import CheckpointError, DataError
+from .context import TAIL_FIELDS, Context  # noqa: F401 - TAIL_FIELDS re-exported
+from .errors import CheckpointError
+from .faults import InjectedFailure, maybe_fail  # noqa: F401 - re-exported for the policy runners
+from .outputs import RunOutputs
 from .spec import TrainSpec
 
-# Tail slots of the fused bucket, in order. Policies may append their own.
-TAIL_FIELDS = ("samples", "loss_sum", "correct", "stop", "nonfinite", "ckpt_due")
-
-
-class InjectedFailure(RuntimeError):
-    """Raised by debug.fail_* to exercise the failure paths in tests."""
-
-
-def maybe_fail(spec: TrainSpec, rank: int, point: str, step: int | None = None) -> None:
-    dbg = spec.debug
-    if dbg.get("fail_point") != point or dbg.get("fail_rank") is None or int(dbg["fail_rank"]) != rank:
-        return
-    if step is not None and step != int(dbg.get("fail_step") or 0):
-        return
-    raise InjectedFailure(f"injected failure (debug.fail_point={point})")
 
 
 @dataclass
@@ -56,164 +42,6 @@ class RankStats:
     checkpoint_s: float = 0.0
     # one record per epoch of this rank's time split (gathered once, at the end of the run)
     epochs: list = field(default_factory=list)
-
-
-class Context:
-    """Everything one rank holds during training. Policies drive it through its methods."""
-
-    def __init__(self, spec: TrainSpec, comm, log=print):
-        from .data.plan import EpochOrder, plan_shards
-        from .graph import Graph, ParamLayout
-        from .optim import make_optimizer, make_schedule, scaled_lr
-
-        self.spec, self.comm, self.log = spec, comm, log
-        self.rank, self.world = comm.rank, comm.size
-        self.dtype = np.dtype(spec.train["dtype"])
-        self.graph = Graph.from_dict(spec.graph)
-        self.layout = ParamLayout(self.graph)
-        self.per_sample = max(1, int(getattr(self.graph, "predictions_per_sample", 1)))
-        self.EpochOrder = EpochOrder
-
-        # Initial weights: rank 0 materialises them, everyone receives them by buffer Bcast.
-        self.params = np.empty(self.layout.size, dtype=self.dtype)
-
-        def _init():
-            if self.rank == 0:
-                from .spec import initial_parameters
-                self.params[...] = initial_parameters(spec, self.graph, self.layout)
-        mpi.root_computes(comm, _init)
-        comm.Bcast(self.params, root=0)
-
-        self.plan = plan_shards(spec.data.n_train, spec.train["batch_size"], self.world, spec.data.leftover)
-        self.steps_per_epoch = self.plan.steps_per_epoch
-        # agreed: a bad comm.wire_dtype is one clear error on every rank
-        self.bucket = mpi.agree(comm, lambda: mpi.FusedBucket(
-            self.layout.size, TAIL_FIELDS + tuple(spec.extras.get("tail", ())), self.dtype,
-            cap_mb=float(spec.comm["bucket_cap_mb"]), deterministic=bool(spec.comm["deterministic"]),
-            wire_dtype=spec.comm.get("wire_dtype")))
-        opt = dict(spec.optim)
-        kwargs = {}
-        if opt["name"] == "sgd":
-            kwargs = dict(momentum=opt["momentum"], nesterov=opt["nesterov"], weight_decay=opt["weight_decay"])
-        elif opt["name"] == "adamw":
-            kwargs = dict(betas=tuple(opt["betas"]), eps=opt["eps"], weight_decay=opt["weight_decay"])
-        self.optimizer = make_optimizer(opt["name"], self.layout.size, np, self.dtype, **kwargs)
-        self.base_lr = scaled_lr(float(opt["lr"]), self.world, float(opt.get("lr_scale_ratio") or 0.0))
-        # The schedule spans the configured epochs; max_steps only stops early, so a run
-        # stopped by max_steps and resumed follows exactly the same LR curve.
-        self.schedule_steps = spec.train["epochs"] * self.steps_per_epoch
-        self.total_steps = int(spec.train["max_steps"]) if spec.train.get("max_steps") else None
-        self.schedule = make_schedule(opt["schedule"], self.base_lr, self.schedule_steps,
-                                      warmup_steps=int(opt.get("warmup_steps") or 0),
-                                      step_size=int(opt.get("step_size") or 1000),
-                                      gamma=float(opt.get("gamma") or 0.1),
-                                      min_lr=float(opt.get("min_lr") or 0.0))
-        self.step = 0            # global optimizer steps taken (all ranks agree)
-        self.epoch = 0
-        self.step_in_epoch = 0
-        self.skipped_steps = 0
-        self.history: list[dict] = []
-
-    # ---- data -------------------------------------------------------------------------
-    def load_data(self) -> None:
-        from .data import hdf5
-        from .data.distribute import load_shard
-
-        d = self.spec.data
-        t0 = time.perf_counter()
-        num_classes = getattr(self.graph, "num_classes", None)
-
-        def _train():
-            x, y = load_shard(self.comm, d.distribution, d.path, d.x, d.y, self.plan.all_bounds())
-            start = self.plan.shard_bounds(self.rank)[0]
-            hdf5.check_values(x, y, num_classes, d.check_finite, first_row=start)
-            self._check_tokens(x, start)
-            return x, y
-        # Not inside the agreement: a rank failing before load_shard's collectives would leave
-        # the others in them; an exception here takes the abort path instead.
-        maybe_fail(self.spec, self.rank, "data")
-        # load_shard itself agrees on read errors; value checks are agreed here.
-        self.x, self.y = mpi.agree(self.comm, _train)
-        n_val = d.val_stop - d.val_start
-        per, more = divmod(n_val, self.world)
-        val_bounds, lo = [], d.val_start
-        for r in range(self.world):
-            hi = lo + per + (1 if r < more else 0)
-            val_bounds.append((lo, hi))
-            lo = hi
-
-        def _val():
-            if n_val == 0:
-                return (np.empty((0,)), np.empty((0,)))
-            x, y = load_shard(self.comm, d.distribution, d.val_path, d.x, d.y, val_bounds)
-            hdf5.check_values(x, y, num_classes, d.check_finite, first_row=val_bounds[self.rank][0])
-            return x, y
-        self.vx, self.vy = mpi.agree(self.comm, _val)
-        self.x = self._cast_inputs(self.x)
-        self.vx = self._cast_inputs(self.vx)
-        self.data_s = time.perf_counter() - t0
-
-    def _check_tokens(self, x: np.ndarray, first_row: int) -> None:
-        """Token-id inputs index an embedding: out-of-range ids would be used silently."""
-        vocab = getattr(self.graph, "num_classes", None)
-        if vocab is None or x.dtype.kind not in "iu" or not x.size:
-            return
-        bad = (x < 0) | (x >= vocab)
-        if bad.any():
-            row = int(np.flatnonzero(bad.reshape(len(x), -1).any(axis=1))[0])
-            raise DataError(f"input token id {int(x[row][bad[row]].flat[0])} at row {first_row + row} "
-                            f"is outside the vocabulary [0, {vocab})")
-
-    def _cast_inputs(self, x: np.ndarray) -> np.ndarray:
-        if x.dtype.kind == "f" and x.dtype != self.dtype:
-            return x.astype(self.dtype)
-        return x
-
-    def order(self, epoch: int):
-        return self.EpochOrder(self.plan, self.rank, epoch, int(self.spec.train["seed"]),
-                               shuffle=self.spec.data.shuffle)
-
-    # ---- numerics ---------------------------------------------------------------------
-    def lr_at(self, step: int) -> float:
-        return float(self.schedule(step))
-
-    def apply_gradient(self, grad: np.ndarray, lr: float) -> float | None:
-        """Clip (optionally) and step the optimizer with a mean gradient. Returns the norm."""
-        norm = None
-        clip = self.spec.optim.get("clip_grad_norm")
-        if clip:
-            from .optim import clip_grad_norm_
-            norm = clip_grad_norm_(grad, float(clip))
-        self.optimizer.step(self.params, grad, lr)
-        return norm
-
-    def note_skip(self) -> None:
-        """Count a step skipped for non-finite values (train.on_nonfinite=skip). A model that
-        only produces skipped steps is broken: stop instead of finishing as if it trained."""
-        self.skipped_steps += 1
-        self._consecutive_skips = getattr(self, "_consecutive_skips", 0) + 1
-        limit = int(self.spec.train.get("max_consecutive_skips") or 0)
-        if limit and self._consecutive_skips >= limit:
-            # Decided from the bucket's flags: every rank raises this in the same step.
-            raise mpi.CollectiveError(
-                kind="NonFiniteError",
-                message=f"{self._consecutive_skips} consecutive steps had NaN/Inf gradients or loss "
-                        f"(train.on_nonfinite=skip, train.max_consecutive_skips={limit}) at step "
-                        f"{self.step}; the model is not training: lower optim.lr or set optim.clip_grad_norm")
-
-    def apply_gradient_ok(self) -> None:
-        self._consecutive_skips = 0
-
-    def evaluate(self, lanes) -> dict:
-        """Global validation loss/accuracy: every rank scores its slice, one small Allreduce."""
-        from mpi4py import MPI
-        loss_sum, correct = lanes.evaluate(self.vx, self.vy) if self.vx.shape[0] else (0.0, 0.0)
-        buf = np.array([loss_sum, correct, float(self.vx.shape[0])], dtype=np.float64)
-        mpi.watched_call("validation Allreduce", self.comm.Allreduce, MPI.IN_PLACE, buf, op=MPI.SUM)
-        if buf[2] == 0:
-            return {"val_loss": None, "val_accuracy": None}
-        return {"val_loss": buf[0] / buf[2], "val_accuracy": buf[1] / (buf[2] * self.per_sample)}
-
 
 
 # --------------------------------------------------------------------------------------
@@ -649,89 +477,6 @@ def _fmt(v, digits: int = 4) -> str:
     if v is None:
         return "-"
     return f"{v:.{digits}f}"
-
-
-class RunOutputs:
-    """Rank 0's files in the run directory."""
-
-    def __init__(self, run: Run):
-        self.run = run
-        self.dir = Path(run.spec.run_dir)
-
-    def start(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if self.run.spec.config_yaml:
-            (self.dir / "config.yaml").write_text(self.run.spec.config_yaml)
-        (self.dir / "graph.json").write_text(json.dumps(self.run.spec.graph, indent=1))
-        if self.run.resumed_from:
-            self._trim_metrics(self.run.ctx.epoch)
-        self.metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
-
-    def _trim_metrics(self, epochs_done: int) -> None:
-        """On resume, epochs past the checkpoint are trained again: their old records move to
-        metrics.abandoned.jsonl so metrics.jsonl reads as one uninterrupted run."""
-        path = self.dir / "metrics.jsonl"
-        if not path.is_file():
-            return
-        keep, drop = [], []
-        for line in path.read_text().splitlines():
-            try:
-                later = int(json.loads(line).get("epoch", 0)) > epochs_done
-            except (ValueError, AttributeError, TypeError):
-                later = False
-            (drop if later else keep).append(line)
-        if not drop:
-            return
-        with open(self.dir / "metrics.abandoned.jsonl", "a") as f:
-            f.write("".join(line + "\n" for line in drop))
-        tmp = self.dir / "metrics.jsonl.tmp"
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, path)
-
-    def epoch(self, rec: dict) -> None:
-        self.metrics.write(json.dumps(rec) + "\n")
-        self.metrics.flush()
-
-    def finish(self, result: dict) -> None:
-        import h5py
-        self.metrics.close()
-        ctx = self.run.ctx
-        if not np.isfinite(ctx.params).all():
-            # Never hand out a NaN model: the newest checkpoint stays the last good state.
-            self.run.log("warning: parameters are not finite; model.h5 was not written")
-            self._write_summary(result)
-            return
-        tmp = self.dir / "model.h5.tmp"
-        with h5py.File(tmp, "w") as f:
-            views = ctx.layout.views(ctx.params)
-            for name, arr in views.items():
-                f.create_dataset(name, data=np.asarray(arr))
-            f.attrs["graph_fingerprint"] = ctx.graph.fingerprint()
-            f.attrs["graph"] = json.dumps(self.run.spec.graph)
-        os.replace(tmp, self.dir / "model.h5")
-        self._write_summary(result)
-
-    def _write_summary(self, result: dict) -> None:
-        summary = dict(result)
-        summary["run_dir"] = str(self.dir)
-        summary["lanes"] = self.run.lanes.names
-        with open(self.dir / "summary.json.tmp", "w") as f:
-            json.dump(summary, f, indent=1, default=_json_default)
-        os.replace(self.dir / "summary.json.tmp", self.dir / "summary.json")
-        if self.run.spec.extras.get("report", {}).get("plots", False):
-            try:
-                from .report import write_plots
-                write_plots(self.dir)
-            except ImportError:
-                self.run.log("plots skipped: matplotlib is not installed (pip install 'hpc_rlx[report]')")
-            except Exception as e:  # noqa: BLE001 - plots must never fail a finished run
-                self.run.log(f"plots skipped: {type(e).__name__}: {e}")
-
-
-def _json_default(o):
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    return str(o)
 
 
 def train(spec: TrainSpec, comm) -> dict:

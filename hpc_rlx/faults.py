@@ -1,0 +1,18 @@
+"""Injected failures (debug.fail_rank / fail_point / fail_step), to exercise the failure paths."""
+
+from __future__ import annotations
+
+from .spec import TrainSpec
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by debug.fail_* to exercise the failure paths in tests."""
+
+
+def maybe_fail(spec: TrainSpec, rank: int, point: str, step: int | None = None) -> None:
+    dbg = spec.debug
+    if dbg.get("fail_point") != point or dbg.get("fail_rank") is None or int(dbg["fail_rank"]) != rank:
+        return
+    if step is not None and step != int(dbg.get("fail_step") or 0):
+        return
+    raise InjectedFailure(f"injected failure (debug.fail_point={point})")

@@ -1,0 +1,92 @@
+"""Rank 0's files in the run directory: config, graph, metrics.jsonl, model.h5, summary.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+
+class RunOutputs:
+    """Rank 0's files in the run directory."""
+
+    def __init__(self, run):        # a train.Run
+        self.run = run
+        self.dir = Path(run.spec.run_dir)
+
+    def start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.run.spec.config_yaml:
+            (self.dir / "config.yaml").write_text(self.run.spec.config_yaml)
+        (self.dir / "graph.json").write_text(json.dumps(self.run.spec.graph, indent=1))
+        if self.run.resumed_from:
+            self._trim_metrics(self.run.ctx.epoch)
+        self.metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
+
+    def _trim_metrics(self, epochs_done: int) -> None:
+        """On resume, epochs past the checkpoint are trained again: their old records move to
+        metrics.abandoned.jsonl so metrics.jsonl reads as one uninterrupted run."""
+        path = self.dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        keep, drop = [], []
+        for line in path.read_text().splitlines():
+            try:
+                later = int(json.loads(line).get("epoch", 0)) > epochs_done
+            except (ValueError, AttributeError, TypeError):
+                later = False
+            (drop if later else keep).append(line)
+        if not drop:
+            return
+        with open(self.dir / "metrics.abandoned.jsonl", "a") as f:
+            f.write("".join(line + "\n" for line in drop))
+        tmp = self.dir / "metrics.jsonl.tmp"
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+
+    def epoch(self, rec: dict) -> None:
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+
+    def finish(self, result: dict) -> None:
+        import h5py
+        self.metrics.close()
+        ctx = self.run.ctx
+        if not np.isfinite(ctx.params).all():
+            # Never hand out a NaN model: the newest checkpoint stays the last good state.
+            self.run.log("warning: parameters are not finite; model.h5 was not written")
+            self._write_summary(result)
+            return
+        tmp = self.dir / "model.h5.tmp"
+        with h5py.File(tmp, "w") as f:
+            views = ctx.layout.views(ctx.params)
+            for name, arr in views.items():
+                f.create_dataset(name, data=np.asarray(arr))
+            f.attrs["graph_fingerprint"] = ctx.graph.fingerprint()
+            f.attrs["graph"] = json.dumps(self.run.spec.graph)
+        os.replace(tmp, self.dir / "model.h5")
+        self._write_summary(result)
+
+    def _write_summary(self, result: dict) -> None:
+        summary = dict(result)
+        summary["run_dir"] = str(self.dir)
+        summary["lanes"] = self.run.lanes.names
+        with open(self.dir / "summary.json.tmp", "w") as f:
+            json.dump(summary, f, indent=1, default=_json_default)
+        os.replace(self.dir / "summary.json.tmp", self.dir / "summary.json")
+        if self.run.spec.extras.get("report", {}).get("plots", False):
+            try:
+                from .report import write_plots
+                write_plots(self.dir)
+            except ImportError:
+                self.run.log("plots skipped: matplotlib is not installed (pip install 'hpc_rlx[report]')")
+            except Exception as e:  # noqa: BLE001 - plots must never fail a finished run
+                self.run.log(f"plots skipped: {type(e).__name__}: {e}")
+
+
+def _json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    return str(o)
