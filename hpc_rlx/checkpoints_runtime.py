@@ -121,6 +121,7 @@ class RuntimeCheckpoints:
             "shard_positions": {"scheme": "rows", "epoch": ctx.epoch, "step_in_epoch": ctx.step_in_epoch,
                                 "per_rank": per_rank},
             "plan": self._plan(),
+            "schedule_steps": ctx.schedule_steps,
             "epoch_totals": self._totals(),
             "history": ctx.history,
             "world_size": run.comm.size,
@@ -207,6 +208,11 @@ class RuntimeCheckpoints:
             raise CheckpointError(
                 f"checkpoint {where} stopped in the middle of an epoch under policy={policy}; "
                 f"resume it with policy={policy}, or from an end-of-epoch checkpoint")
+        if meta.get("schedule_steps") not in (None, ctx.schedule_steps):
+            self._warn(f"the LR schedule now spans {ctx.schedule_steps} steps (train.epochs x steps/epoch), "
+                       f"checkpoint {where} was on one of {meta['schedule_steps']}: the learning-rate curve "
+                       f"changes from here on; to stop early and resume exactly, keep train.epochs and use "
+                       f"train.max_steps")
         saved, now = meta.get("plan"), self._plan()
         if saved:
             changed = {k: (saved.get(k), now[k]) for k in _PLAN_KEYS if saved.get(k) != now[k]}

@@ -10,7 +10,7 @@ import numpy as np
 from . import comm as mpi
 from .errors import DataError
 from .faults import maybe_fail
-from .spec import TrainSpec
+from .spec import TrainSpec, optimizer_kwargs, schedule_kwargs
 
 # Tail slots of the fused bucket, in order. Policies may append their own.
 TAIL_FIELDS = ("samples", "loss_sum", "correct", "stop", "nonfinite", "ckpt_due")
@@ -50,22 +50,14 @@ class Context:
             cap_mb=float(spec.comm["bucket_cap_mb"]), deterministic=bool(spec.comm["deterministic"]),
             wire_dtype=spec.comm.get("wire_dtype")))
         opt = dict(spec.optim)
-        kwargs = {}
-        if opt["name"] == "sgd":
-            kwargs = dict(momentum=opt["momentum"], nesterov=opt["nesterov"], weight_decay=opt["weight_decay"])
-        elif opt["name"] == "adamw":
-            kwargs = dict(betas=tuple(opt["betas"]), eps=opt["eps"], weight_decay=opt["weight_decay"])
-        self.optimizer = make_optimizer(opt["name"], self.layout.size, np, self.dtype, **kwargs)
+        self.optimizer = make_optimizer(opt["name"], self.layout.size, np, self.dtype, **optimizer_kwargs(opt))
         self.base_lr = scaled_lr(float(opt["lr"]), self.world, float(opt.get("lr_scale_ratio") or 0.0))
         # The schedule spans the configured epochs; max_steps only stops early, so a run
         # stopped by max_steps and resumed follows exactly the same LR curve.
         self.schedule_steps = spec.train["epochs"] * self.steps_per_epoch
         self.total_steps = int(spec.train["max_steps"]) if spec.train.get("max_steps") else None
         self.schedule = make_schedule(opt["schedule"], self.base_lr, self.schedule_steps,
-                                      warmup_steps=int(opt.get("warmup_steps") or 0),
-                                      step_size=int(opt.get("step_size") or 1000),
-                                      gamma=float(opt.get("gamma") or 0.1),
-                                      min_lr=float(opt.get("min_lr") or 0.0))
+                                      **schedule_kwargs(opt))
         self.step = 0            # global optimizer steps taken (all ranks agree)
         self.epoch = 0
         self.step_in_epoch = 0

@@ -280,6 +280,10 @@ class LaneSet:
             self.refresh_device_params()
 
     def split(self, n: int) -> list[int]:
+        if self.bucket.deterministic:
+            # Measured rates vary run to run; a fixed split keeps each lane's partial sum, and
+            # so the whole run, bitwise reproducible (comm.deterministic=true).
+            return split_by_throughput(n, [1.0] * len(self.lanes))
         return assign_samples(n, [ln.rate for ln in self.lanes], self.steps)
 
     def step(self, x: np.ndarray, y: np.ndarray, seed: int) -> tuple[int, float, float, float]:

@@ -110,7 +110,8 @@ def validate_config(cfg: dict, world_size: int | None = None) -> None:
              f"train.max_consecutive_skips must be an integer >= 0, got {mcs!r}")
     _require(t["max_steps"] is None or (_int(t["max_steps"]) and t["max_steps"] >= 1),
              f"train.max_steps must be null or a positive integer, got {t['max_steps']!r}")
-    _require(_int(t.get("seed", 0)), f"train.seed must be an integer, got {t.get('seed')!r}")
+    _require(_int(t.get("seed", 0)) and t.get("seed", 0) >= 0,
+             f"train.seed must be an integer >= 0, got {t.get('seed')!r}")
     lr = o["lr"]
     _require(_num(lr) and lr > 0, f"optim.lr must be a positive number, got {lr!r}")
     ratio = o.get("lr_scale_ratio", 0.0)
@@ -177,6 +178,32 @@ def check_lane_batch(dev: dict, global_batch: int, world_size: int) -> None:
             f"train.batch_size >= {world_size * lanes} (ranks x lanes) or fewer lanes")
 
 
+def optimizer_kwargs(opt: dict) -> dict:
+    """The optimizer's own keys from the `optim` group (the rest are schedule/scaling keys)."""
+    if opt["name"] == "sgd":
+        return dict(momentum=opt["momentum"], nesterov=opt["nesterov"], weight_decay=opt["weight_decay"])
+    if opt["name"] == "adamw":
+        return dict(betas=tuple(opt["betas"]), eps=opt["eps"], weight_decay=opt["weight_decay"])
+    return {}
+
+
+def schedule_kwargs(opt: dict) -> dict:
+    return dict(warmup_steps=opt.get("warmup_steps", 0), step_size=opt.get("step_size"),
+                gamma=opt.get("gamma", 0.1), min_lr=opt.get("min_lr", 0.0))
+
+
+def check_optimizer(opt: dict, dtype: str, schedule_steps: int) -> None:
+    """Build the optimizer and schedule once on rank 0, so bad values are one clear startup
+    error instead of a failure on every rank later."""
+    from .optim import make_optimizer, make_schedule
+
+    try:
+        make_optimizer(opt["name"], 1, np, np.dtype(dtype), **optimizer_kwargs(opt))
+        make_schedule(opt["schedule"], float(opt["lr"]), schedule_steps, **schedule_kwargs(opt))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"optim: {e}") from e
+
+
 def check_run_dir_writable(run_dir: str) -> None:
     path = Path(run_dir)
     try:
@@ -193,6 +220,8 @@ def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes
 
     name = model_cfg["name"]
     if name == "graph":
+        if model_cfg.get("path") in (None, "", "???"):
+            raise ConfigError("model=graph needs model.path=<a graph JSON file>")
         return Graph.from_file(model_cfg["path"])
     if name in ("mlp", "cnn") and num_classes is None:
         raise DataError("cannot tell the number of classes: set model.num_classes "
@@ -207,14 +236,16 @@ def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes
                             f"{tuple(sample_shape)}")
         return build_model("cnn", input_shape=tuple(sample_shape), num_classes=num_classes,
                            channels=model_cfg["channels"], kernel=model_cfg["kernel"],
-                           hidden=model_cfg["hidden"], pool=model_cfg["pool"])
+                           hidden=model_cfg["hidden"], pool=model_cfg["pool"],
+                           dropout=model_cfg["dropout"])
     if name == "transformer_lm":
         if len(sample_shape) != 1:
             raise DataError(f"model=transformer_lm needs token sequences (N, T); the data's "
                             f"samples have shape {tuple(sample_shape)}")
         return build_model("transformer_lm", vocab_size=num_classes, seq_len=int(sample_shape[0]),
                            d_model=model_cfg["d_model"], n_heads=model_cfg["n_heads"],
-                           n_layers=model_cfg["n_layers"], d_ff=model_cfg["d_ff"])
+                           n_layers=model_cfg["n_layers"], d_ff=model_cfg["d_ff"],
+                           dropout=model_cfg.get("dropout", 0.0))
     raise ConfigError(f"model={name!r} is not one of mlp, cnn, transformer_lm, graph")
 
 
@@ -262,14 +293,17 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     graph = _build_graph(cfg["model"], info.x_shape, info.x_dtype, _num_classes(cfg["model"], info))
     x_in = next(i for i in graph.inputs if i.name == "x")
     y_in = next(i for i in graph.inputs if i.name == "y")
-    hdf5.check_compatible(
-        info, input_shape=tuple(x_in.shape[1:]),
-        input_dtype_kind="int" if x_in.dtype == "int64" else "float",
-        label_kind="class" if y_in.dtype == "int64" else "float",
-        label_shape=tuple(y_in.shape[1:]))
+    expect = dict(input_shape=tuple(x_in.shape[1:]),
+                  input_dtype_kind="int" if x_in.dtype == "int64" else "float",
+                  label_kind="class" if y_in.dtype == "int64" else "float",
+                  label_shape=tuple(y_in.shape[1:]))
+    hdf5.check_compatible(info, **expect)
+    if d.get("val_path"):
+        hdf5.check_compatible(vinfo, **expect)   # not only at the first validation, an epoch later
 
     # Fails here, on rank 0, with the same message every rank will print.
     plan = plan_shards(n_train, cfg["train"]["batch_size"], world_size, d["leftover"])
+    check_optimizer(cfg["optim"], cfg["train"]["dtype"], cfg["train"]["epochs"] * plan.steps_per_epoch)
     check_lane_batch(cfg["device"], cfg["train"]["batch_size"], world_size)
 
     init_from = cfg["model"].get("init_from")

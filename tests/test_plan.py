@@ -42,6 +42,17 @@ def test_partial_uses_every_sample_once_and_drop_drops_the_remainder():
     assert all(len(s) == 8 for s in steps)
 
 
+def test_drop_leaves_out_a_different_random_set_each_epoch():
+    left_out = []
+    for epoch in range(4):
+        _, steps = global_batches(103, 8, 2, "drop", epoch=epoch)
+        used = {i for s in steps for i in s}
+        assert len(used) == 96
+        left_out.append(frozenset(range(103)) - used)
+    assert len(set(left_out)) == 4, left_out          # not the same samples every epoch
+    assert frozenset().union(*left_out) != left_out[0]
+
+
 def test_shards_are_contiguous_and_cover_the_rows():
     plan = plan_shards(1000, 30, 4, "partial")
     bounds = plan.all_bounds()

@@ -128,3 +128,46 @@ def test_eight_ranks_oversubscribed_complete(tmp_path, digits_h5):
     proc = train_job(8, run, [f"data.path={digits_h5}", "train.epochs=2"], timeout=300)
     assert proc.returncode == 0, explain(proc)
     assert len(read_metrics(run)) == 2
+
+
+def test_a_graph_json_file_trains_like_the_builtin_model(tmp_path, digits_h5):
+    """model=graph: a graph exported by one run (graph.json) trains the same in another."""
+    base = [f"data.path={digits_h5}", "train.epochs=2", "checkpoint=off", "train.dtype=float64"]
+    proc = train_job(2, tmp_path / "builtin", base + ["model.hidden=[32]"])
+    assert proc.returncode == 0, explain(proc)
+    graph_file = tmp_path / "my_graph.json"
+    graph_file.write_text((tmp_path / "builtin" / "graph.json").read_text())
+    proc = train_job(2, tmp_path / "file", base + ["model=graph", f"model.path={graph_file}"])
+    assert proc.returncode == 0, explain(proc)
+    a, b = load_params(tmp_path / "builtin"), load_params(tmp_path / "file")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+
+
+def test_init_from_starts_from_a_previous_model(tmp_path, digits_h5):
+    base = [f"data.path={digits_h5}", "checkpoint=off", "model.hidden=[32]"]
+    proc = train_job(2, tmp_path / "first", base + ["train.epochs=3"])
+    assert proc.returncode == 0, explain(proc)
+    first = read_metrics(tmp_path / "first")
+    proc = train_job(2, tmp_path / "second", base + ["train.epochs=1",
+                                                     f"model.init_from={tmp_path / 'first' / 'model.h5'}"])
+    assert proc.returncode == 0, explain(proc)
+    second = read_metrics(tmp_path / "second")
+    # a fresh model's first epoch is far worse than one that starts from 3 trained epochs
+    fresh = first[0]["train_loss"]
+    assert second[0]["train_loss"] < 0.5 * fresh, (second[0], first[0])
+    proc = train_job(2, tmp_path / "bad", base + ["train.epochs=1", "model.hidden=[16]",
+                                                  f"model.init_from={tmp_path / 'first' / 'model.h5'}"])
+    assert proc.returncode == 2 and "model.init_from" in proc.stderr and "shape" in proc.stderr, explain(proc)
+
+
+def test_deterministic_mode_is_bitwise_with_several_lanes(tmp_path, digits_h5):
+    base = [f"data.path={digits_h5}", "train.epochs=2", "checkpoint=off", "model.hidden=[32]",
+            "comm.deterministic=true", "device.cpu_lanes=2"]
+    for name in ("a", "b"):
+        proc = train_job(2, tmp_path / name, base)
+        assert proc.returncode == 0, explain(proc)
+    a, b = load_params(tmp_path / "a"), load_params(tmp_path / "b")
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k

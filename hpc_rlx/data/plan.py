@@ -4,12 +4,15 @@ The layout makes the *global* batch at every step independent of the world size,
 with global batch B trains on exactly the same samples per step as 2, 4 or 8 ranks:
 
 * The N training samples are cut into B contiguous **rows** (row j holds samples
-  ``[row_start[j], row_start[j] + row_len[j])``). Every row holds ``K = N // B`` samples;
-  with ``leftover="partial"`` the first ``N % B`` rows hold one extra sample.
+  ``[row_start[j], row_start[j] + row_len[j])``). Every row holds ``K = N // B`` samples and
+  the first ``N % B`` rows one more, so every sample belongs to a row.
 * Global step ``s`` of an epoch takes one sample from every row: row j contributes its
   sample at column ``perm_j(s)``, where ``perm_j`` is a per-epoch permutation seeded by
-  ``(seed, epoch, j)`` alone. A row shorter than the step count contributes nothing at the
-  step that maps past its end (a sample-weighted partial batch).
+  ``(seed, epoch, j)`` alone.
+  - ``leftover="drop"``: K steps of exactly B samples; a row with K+1 samples leaves out the
+    one its permutation puts last, so a different random ``N % B`` samples sit out each epoch.
+  - ``leftover="partial"``: K+1 steps; a row shorter than that contributes nothing at the
+    step that maps past its end (a sample-weighted partial batch).
 * Rank r owns a contiguous block of rows, so its shard is one contiguous hyperslab of the
   file. Every rank makes the same number of steps per epoch whatever its row count, so the
   collectives always line up.
@@ -39,7 +42,8 @@ class ShardPlan:
 
     @property
     def dropped(self) -> int:
-        return self.n_samples - sum(self.row_len)
+        """Samples left out of each epoch (which ones changes from epoch to epoch)."""
+        return self.n_samples - self.steps_per_epoch * self.global_batch if self.leftover == "drop" else 0
 
     def shard_bounds(self, rank: int) -> tuple[int, int]:
         """The contiguous sample range [start, stop) that `rank` must hold."""
@@ -56,7 +60,8 @@ class ShardPlan:
         return stop - first
 
     def describe(self) -> str:
-        extra = (f"{self.dropped} leftover samples dropped" if self.leftover == "drop"
+        extra = (f"{self.dropped} leftover samples sit out each epoch (a different random set every "
+                 f"epoch)" if self.leftover == "drop"
                  else f"{self.n_samples % self.global_batch} leftover samples used in partial batches")
         return (f"{self.n_samples} training samples, global batch {self.global_batch}, "
                 f"{self.steps_per_epoch} steps/epoch on {self.world_size} ranks; {extra}")
@@ -78,11 +83,9 @@ def plan_shards(n_samples: int, global_batch: int, world_size: int, leftover: st
         raise ConfigError(
             f"train.batch_size={global_batch} is larger than the training set ({n_samples} samples)")
     base, extra = divmod(n_samples, global_batch)
-    if leftover == "drop":
-        extra = 0
     row_len = [base + (1 if j < extra else 0) for j in range(global_batch)]
     row_start = np.concatenate([[0], np.cumsum(row_len)[:-1]]).astype(int).tolist()
-    steps = base + (1 if extra else 0)
+    steps = base + (1 if extra and leftover == "partial" else 0)
     # Rows split as evenly as possible; ranks may own one row more than others.
     per, more = divmod(global_batch, world_size)
     rank_rows, first = [], 0
@@ -112,7 +115,9 @@ class EpochOrder:
         self.table = np.full((stop - first, steps), -1, dtype=np.int64)
         for j, row in enumerate(range(first, stop)):
             length = plan.row_len[row]
-            perm = _row_permutation(seed, epoch, row, steps, shuffle)
+            # Over max(length, steps) slots: with drop, the row's last slot sits out this
+            # epoch; with partial, a slot past the row's end is a missing sample.
+            perm = _row_permutation(seed, epoch, row, max(length, steps), shuffle)[:steps]
             cols = perm < length
             self.table[j, cols] = plan.row_start[row] - shard_start + perm[cols]
 
