@@ -102,6 +102,8 @@ def validate_config(cfg: dict, world_size: int | None = None) -> None:
     _require(t["dtype"] in DTYPES, f"train.dtype={t['dtype']!r} is not one of {DTYPES}")
     _require(t["on_nonfinite"] in ON_NONFINITE,
              f"train.on_nonfinite={t['on_nonfinite']!r} is not one of {ON_NONFINITE}")
+    _require(t.get("progress", "auto") in ("auto", "bar", "lines"),
+             f"train.progress={t.get('progress')!r} is not one of ('auto', 'bar', 'lines')")
     tpr = t.get("threads_per_rank")
     _require(tpr is None or (isinstance(tpr, int) and not isinstance(tpr, bool) and tpr >= 1),
              f"train.threads_per_rank must be null or an integer >= 1, got {tpr!r}")

@@ -178,7 +178,7 @@ class Run:
         self.current_totals: EpochTotals | None = None
         self.t_start = time.perf_counter()
         self._last_log = time.perf_counter()
-        self._tty = self.is_root and sys.stdout.isatty()
+        self._tty = self.is_root and _progress_bar(spec.train.get("progress", "auto"))
         from .policies import slowdown_for_rank
         self._slowdown = slowdown_for_rank(spec.debug.get("slowdown"), comm.rank, comm.size)
         self.tracer = None
@@ -466,6 +466,16 @@ class Run:
                 f"no checkpoint was written from that state; lower optim.lr, set optim.clip_grad_norm, "
                 f"or train.on_nonfinite=skip")
         return result
+
+
+def _progress_bar(mode: str) -> bool:
+    """train.progress: `bar`, `lines`, or `auto` (a bar when stdout is a terminal). mpirun
+    pipes every rank's output, so under it only `bar` gets the bar in an interactive shell."""
+    if mode == "bar":
+        return True
+    if mode == "lines":
+        return False
+    return sys.stdout.isatty()
 
 
 def _log_period(value) -> float:
