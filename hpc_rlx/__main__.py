@@ -190,19 +190,38 @@ def _flatten(d, prefix: str = "") -> list[str]:
     return out
 
 
+_FAILED_POINTS: list[str] = []     # sweep points that failed with an agreed error
+
+
+def _added_keys(task_overrides) -> list[str]:
+    """`+key=value` overrides: keys the config does not declare, which hpc_rlx never reads."""
+    return [o for o in task_overrides if o.startswith("+") and not o.startswith("++")]
+
+
 def run_job(cfg, comm) -> float | None:
     """Compose the spec on rank 0, ship it, train. Returns the final val_loss (for sweeps)."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
-
-    from . import comm as mpi
-    from .spec import TrainSpec, build_spec
-    from .train import maybe_fail, train
-
-    run_dir = HydraConfig.get().runtime.output_dir
     where = "startup"
+    multirun = False
     try:
+        # Inside the try: a rank that cannot even import or read its Hydra state must take the
+        # job down, not leave the others waiting in the spec broadcast.
+        from hydra.core.hydra_config import HydraConfig
+        from omegaconf import OmegaConf
+
+        from . import comm as mpi
+        from .errors import ConfigError
+        from .spec import TrainSpec, build_spec
+        from .train import maybe_fail, train
+
+        hc = HydraConfig.get()
+        run_dir = hc.runtime.output_dir
+        multirun = str(hc.mode).endswith("MULTIRUN")
+
         def _spec():
+            added = _added_keys(hc.overrides.task)
+            if added:
+                raise ConfigError(f"unknown config key(s) {', '.join(added)}: hpc_rlx rejects keys it "
+                                  f"does not read (see configs/config.yaml and configs/<group>/)")
             container = OmegaConf.to_container(cfg, resolve=True)
             return build_spec(container, run_dir, comm.size,
                               config_yaml=OmegaConf.to_yaml(cfg, resolve=True)).to_dict()
@@ -215,10 +234,33 @@ def run_job(cfg, comm) -> float | None:
     except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
         if isinstance(exc, KeyboardInterrupt):
             raise
+        if multirun and _is_agreed(exc):
+            # One bad sweep point: every rank agrees on it, so record it and go on to the next.
+            _record_failed_point(comm, exc)
+            return None
         _error_exit(comm, exc, where)
         raise
     final = result.get("final") or {}
     return final.get("val_loss")
+
+
+def _is_agreed(exc: BaseException) -> bool:
+    from .comm import CollectiveError
+    return isinstance(exc, CollectiveError)
+
+
+def _record_failed_point(comm, exc: BaseException) -> None:
+    import json
+
+    from hydra.core.hydra_config import HydraConfig
+
+    out = Path(HydraConfig.get().runtime.output_dir)
+    message = f"{getattr(exc, 'kind', type(exc).__name__)}: {exc}"
+    _FAILED_POINTS.append(out.name)
+    if comm.rank == 0:
+        sys.stderr.write(f"hpc_rlx: error in sweep point {out.name}: {message}\n")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps({"status": "failed", "error": message}, indent=1))
 
 
 def main() -> None:
@@ -246,6 +288,11 @@ def main() -> None:
         return run_job(cfg, comm)
 
     _task()
+    if _FAILED_POINTS:
+        if comm.rank == 0:
+            sys.stderr.write(f"hpc_rlx: {len(_FAILED_POINTS)} sweep point(s) failed: "
+                             f"{', '.join(_FAILED_POINTS)} (see sweep_summary.md)\n")
+        raise SystemExit(2)
 
 
 if __name__ == "__main__":

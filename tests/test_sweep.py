@@ -44,3 +44,23 @@ def test_sweep_points_run_in_lockstep_with_one_directory_each(tmp_path, digits_h
     assert all(r["status"] == "completed" and r["val_accuracy"] is not None for r in rows)
     table = (sweep / "sweep_summary.md").read_text()
     assert table.count("\n| ") == 4 and "policy=cadence" in table and "optim.lr=0.05" in table
+
+
+def test_a_failing_sweep_point_is_recorded_and_the_others_still_run(tmp_path, digits_h5):
+    proc = mpirun(2, ["-m", "hpc_rlx", "-m", "optim.lr=-0.1,0.1", f"data.path={digits_h5}",
+                      "train.epochs=1", "report.plots=false", "model.hidden=[16]"], timeout=180, cwd=tmp_path)
+    assert proc.returncode == 2, explain(proc)
+    assert "1 sweep point(s) failed: 0" in proc.stderr, explain(proc)
+    assert proc.stderr.count("optim.lr must be a positive number") == 1, explain(proc)
+    sweep = next((tmp_path / "multirun").iterdir())
+    rows = {r["point"]: r for r in json.loads((sweep / "sweep_summary.json").read_text())}
+    assert rows["0"]["status"] == "failed" and rows["1"]["status"] == "completed"
+
+
+def test_an_added_key_in_a_sweep_is_refused(tmp_path, digits_h5):
+    proc = mpirun(2, ["-m", "hpc_rlx", "-m", "+train.epochz=1,2", f"data.path={digits_h5}",
+                      "train.epochs=1", "report.plots=false"], timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, explain(proc)
+    assert "unknown config key(s) +train.epochz" in proc.stderr, explain(proc)
+    sweep = next((tmp_path / "multirun").iterdir())
+    assert not any((sweep / p / "metrics.jsonl").exists() for p in ("0", "1"))
