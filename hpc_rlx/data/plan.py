@@ -41,6 +41,11 @@ class ShardPlan:
     rank_rows: tuple        # per rank: (first_row, stop_row)
 
     @property
+    def samples_per_epoch(self) -> int:
+        """Samples one epoch trains on, summed over all ranks and steps."""
+        return self.n_samples - self.dropped
+
+    @property
     def dropped(self) -> int:
         """Samples left out of each epoch (which ones changes from epoch to epoch)."""
         return self.n_samples - self.steps_per_epoch * self.global_batch if self.leftover == "drop" else 0

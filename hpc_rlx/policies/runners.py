@@ -17,7 +17,7 @@ never wait on a collective the others will not issue.
   and the divergence guard cuts it when the ranks' models drift apart.
 
 Epoch accounting: an epoch ends when the cluster has consumed the samples of one sync-policy
-epoch (`sum(plan.row_len)`), counted from the reports; each rank walks its own shard in
+epoch (`plan.samples_per_epoch`), counted from the reports; each rank walks its own shard in
 successive local passes (`ctx.order(pass)`), with a cursor per rank that every rank tracks
 from the reported step counts. Fast ranks therefore see their shard more often than slow
 ranks within an epoch: the sample count is exact, per-sample coverage is not.
@@ -178,7 +178,7 @@ class WindowedRunner:
                 self.outer.load_state_dict(outer_meta)
             self._pending = None
         self.batches = [ctx.plan.rank_batch(r) for r in range(self.world)]
-        self.epoch_samples = int(sum(ctx.plan.row_len))
+        self.epoch_samples = int(ctx.plan.samples_per_epoch)
         if self._adopt_position and ctx.step_in_epoch:
             # a policy=sync checkpoint mid-epoch: every rank stopped at the same step of its
             # rows, each step having used a global batch (exact with data.leftover=drop)
