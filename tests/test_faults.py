@@ -219,13 +219,14 @@ def test_nonfinite_stop_keeps_the_last_good_checkpoint(tmp_path, small_h5):
         assert all(np.isfinite(f[k][...]).all() for k in f.keys())
 
 
-def test_skip_fails_when_the_model_only_produces_non_finite_steps(tmp_path, small_h5):
+@pytest.mark.parametrize("policy", ["sync", "cadence"])
+def test_skip_fails_when_the_model_only_produces_non_finite_steps(tmp_path, small_h5, policy):
     # An absurd learning rate overflows the weights: every later step is non-finite, which
     # `skip` must not turn into a run that "finishes" without training.
     run = tmp_path / "run"
     proc = train_job(2, run, BASE + [f"data.path={small_h5}", "train.epochs=3", "train.on_nonfinite=skip",
                                      "optim.lr=1e30", "optim.momentum=0", "train.max_consecutive_skips=5",
-                                     "checkpoint=off"], timeout=60)
+                                     "checkpoint=off", f"policy={policy}"], timeout=60)
     assert proc.returncode == 2, explain(proc)
     lines = failure_lines(proc.stderr)
     assert len(lines) == 1 and "5 consecutive steps had NaN/Inf" in lines[0], explain(proc)

@@ -307,6 +307,7 @@ class WindowedRunner:
         flags = {key: bool(np.any(report[key] > 0)) for key in ("stop", "nonfinite", "ckpt_due")}
         if flags["nonfinite"] and run.on_nonfinite == "stop":
             run.stop_reason = "nonfinite"
+            ctx.params[...] = self.global_params      # the last agreed model, not this rank's window
             return True
 
         self._prev_div = relative_divergence(ctx.params, self.buf, weight)
@@ -332,7 +333,9 @@ class WindowedRunner:
 
         bad_ranks = int(np.count_nonzero(report["nonfinite"] > 0))
         if bad_ranks:
-            ctx.skipped_steps += 1
+            ctx.note_skip()          # counts, and stops after train.max_consecutive_skips in a row
+        elif report.applied:
+            ctx.apply_gradient_ok()
         for r, s in enumerate(report.steps):
             self.cursors[r] += s
         consumed = report.total_samples
@@ -342,7 +345,9 @@ class WindowedRunner:
         log.add(report, k, bad_ranks)
         self._observe(report, trimmed)
 
-        totals.samples += consumed
+        # A bad window's loss is left out, so its samples are too: the epoch's mean stays honest.
+        bad_mask = report["nonfinite"] > 0
+        totals.samples += consumed - float(np.sum(np.asarray(report["samples"])[bad_mask]))
         totals.loss_sum += float(np.sum(report["loss_sum"]))
         totals.correct += float(np.sum(report["correct"]))
         totals.steps += 1
