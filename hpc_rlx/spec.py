@@ -206,6 +206,26 @@ def check_optimizer(opt: dict, dtype: str, schedule_steps: int) -> None:
         raise ConfigError(f"optim: {e}") from e
 
 
+def check_model_fits(graph, cfg: dict, world_size: int) -> None:
+    """Refuse, once and clearly, a model whose parameter-sized buffers cannot fit in this node's
+    memory (instead of every rank dying in its own allocation)."""
+    from .graph import ParamLayout
+
+    n = ParamLayout(graph).size
+    itemsize = np.dtype(cfg["train"]["dtype"]).itemsize
+    # params, gradient bucket, init buffer (float64), optimizer state, one per extra CPU lane
+    copies = 4 + (2 if cfg["optim"]["name"] == "adamw" else 1) + max(0, cfg["device"]["cpu_lanes"] - 1)
+    need = n * itemsize * copies + n * 8
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > avail:
+        raise ConfigError(f"the model has {n:,} parameters: about {need / 2**30:.1f} GiB of parameter-sized "
+                          f"buffers per rank, more than the {avail / 2**30:.1f} GiB of memory available "
+                          f"on this node; use a smaller model")
+
+
 def check_run_dir_writable(run_dir: str) -> None:
     path = Path(run_dir)
     try:
@@ -303,6 +323,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     if d.get("val_path"):
         hdf5.check_compatible(vinfo, **expect)   # not only at the first validation, an epoch later
 
+    check_model_fits(graph, cfg, world_size)
     # Fails here, on rank 0, with the same message every rank will print.
     plan = plan_shards(n_train, cfg["train"]["batch_size"], world_size, d["leftover"])
     check_optimizer(cfg["optim"], cfg["train"]["dtype"], cfg["train"]["epochs"] * plan.steps_per_epoch)

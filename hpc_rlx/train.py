@@ -405,6 +405,10 @@ class Run:
             "skipped_steps": ctx.skipped_steps,
             "policy": self.policy.name,
         }
+        if self.policy.name == "sync":
+            # The same record keys as the windowed policies: every step is a sync.
+            rec.update(syncs=totals.steps, K=1,
+                       comm_share=(totals.comm_s / totals.compute_s) if totals.compute_s else None)
         rec.update(totals.extra)
         ctx.history.append({k: rec[k] for k in ("epoch", "step", "val_loss", "val_accuracy", "train_loss")})
         if self.outputs:

@@ -179,6 +179,8 @@ CASES = [
          r"warmup_steps \(100000\) is more than total_steps", kind="ConfigError"),
     Case("negative_seed", ("train.seed=-1",), r"train\.seed must be an integer >= 0, got -1", kind="ConfigError"),
     Case("graph_without_path", ("model=graph",), r"model=graph needs model\.path", kind="ConfigError"),
+    Case("model_too_large_for_memory", ("model.hidden=[1000000000]",),
+         r"the model has [\d,]+ parameters: about [\d.]+ GiB .* more than the", kind="ConfigError"),
     Case("unknown_device_option", ("device=tpu",), r"unknown option 'tpu' for config group 'device'",
          kind="ConfigError"),
     Case("unknown_device_kind", ("device.kind=tpu",), r"device='tpu' is not one of", kind="ConfigError"),
