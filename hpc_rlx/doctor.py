@@ -185,9 +185,11 @@ def analyse(records: list[dict], *, shared: dict | None = None, cwd_files: dict 
             warnings.append(
                 f"{host}: {n} ranks share {cores} usable cores: every rank waits for a core at every "
                 f"step (oversubscribed {n / cores:.1f}x). Start at most {cores} ranks on this node.")
-        elif total > cores:
+        elif total > cores and any(k in recs[0]["env"] for k in THREAD_ENV):
+            # Without an explicit thread setting hpc_rlx applies train.threads_per_rank's default
+            # (cores per node / ranks per node), which never oversubscribes: nothing to warn about.
             env = recs[0]["env"]
-            asked = ", ".join(f"{k}={env[k]}" for k in THREAD_ENV if k in env) or "no thread limit set"
+            asked = ", ".join(f"{k}={env[k]}" for k in THREAD_ENV if k in env)
             per = max(1, cores // n)
             warnings.append(
                 f"{host}: {n} ranks x {max(threads)} BLAS threads = {total} threads on {cores} cores "
