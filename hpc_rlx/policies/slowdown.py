@@ -74,6 +74,7 @@ class SlowdownInjector:
         self._clock = clock
         self._debt = 0.0
         self._owed_since_flush = 0.0
+        self._recent: list[float] = []
         self.injected_s = 0.0
 
     @property
@@ -81,9 +82,14 @@ class SlowdownInjector:
         return self.factor > 1.0
 
     def owe(self, compute_s: float) -> None:
-        """Add a step's extra time to the debt without sleeping yet (see `flush`)."""
+        """Add a step's extra time to the debt without sleeping yet (see `flush`).
+
+        The extra time is (factor - 1) x the step's *unslowed* cost, estimated as the fastest of
+        the recent steps: a step right after a sleep runs slower on a VM (cold caches, vCPU
+        wake-up), and multiplying that inflation by the factor would overshoot it."""
         if self.active and compute_s > 0:
-            extra = (self.factor - 1.0) * compute_s
+            self._recent = (self._recent + [compute_s])[-32:]
+            extra = (self.factor - 1.0) * min(self._recent)
             self._debt += extra
             self._owed_since_flush += extra
 
