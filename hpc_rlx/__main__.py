@@ -19,7 +19,8 @@ import time
 import traceback
 from pathlib import Path
 
-_CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+# Inside the package, so a plain (non-editable) install finds them; ./configs links here.
+_CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")
 
 
 def _run_id(comm) -> str:
