@@ -110,15 +110,6 @@ def root_computes(comm, fn: Callable[[], Any], root: int = 0) -> Any:
     return payload[1]
 
 
-def bcast_array(comm, array: np.ndarray | None, root: int = 0) -> np.ndarray:
-    """Broadcast a numpy array by buffer; non-root ranks pass None and receive a new array."""
-    meta = comm.bcast(None if comm.rank != root else (array.shape, array.dtype.str), root=root)
-    if comm.rank != root:
-        array = np.empty(meta[0], dtype=np.dtype(meta[1]))
-    comm.Bcast(array, root=root)
-    return array
-
-
 def abort(comm, message: str, code: int = 1) -> None:
     """Print one message and take the whole MPI job down (no rank may be left waiting)."""
     sys.stderr.write(message.rstrip() + "\n")

@@ -62,6 +62,7 @@ class Context:
         self.epoch = 0
         self.step_in_epoch = 0
         self.skipped_steps = 0
+        self._consecutive_skips = 0   # skipped steps in a row (train.max_consecutive_skips)
         self.history: list[dict] = []
 
     # ---- data -------------------------------------------------------------------------
@@ -141,7 +142,7 @@ class Context:
         """Count a step skipped for non-finite values (train.on_nonfinite=skip). A model that
         only produces skipped steps is broken: stop instead of finishing as if it trained."""
         self.skipped_steps += 1
-        self._consecutive_skips = getattr(self, "_consecutive_skips", 0) + 1
+        self._consecutive_skips += 1
         limit = int(self.spec.train.get("max_consecutive_skips") or 0)
         if limit and self._consecutive_skips >= limit:
             # Decided from the bucket's flags: every rank raises this in the same step.

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -149,7 +149,6 @@ class Lane:
     calls: int = 0              # steps with samples (the first, with one-off costs, is not rated)
     host_params: object = None  # for device lanes: the host flat params to mirror
     device_params: object = None
-    extra: dict = field(default_factory=dict)
 
     def compute(self, x, y, seed: int) -> tuple[int, float, float, float]:
         """Sample-weighted gradient of this slice into grad_flat. Returns (n, loss_sum, correct, seconds)."""

@@ -160,6 +160,12 @@ class Executor:
             raise DeviceError(f"{what} lives on GPU {dev} but the parameters on GPU {device}; move it explicitly")
         return dev
 
+    def _require_module(self, a, what: str) -> None:
+        """No silent host/device mixing: an array of the other array module is refused."""
+        if not isinstance(a, self._array_type):
+            raise DeviceError(f"{what} is a {type(a).__module__}.{type(a).__name__}, but this executor runs "
+                              f"on {self.xp.__name__}; move it explicitly")
+
     def _check_arrays(self, arrays, what: str, device=None):
         """Validate a param/grad dict; returns the GPU id the arrays live on (None on the host)."""
         if not isinstance(arrays, dict):
@@ -168,11 +174,7 @@ class Executor:
             v = arrays.get(name)
             if v is None:
                 raise GraphError(f"{what}: parameter '{name}' is missing")
-            if not isinstance(v, self._array_type):
-                raise DeviceError(
-                    f"{what}['{name}'] is a {type(v).__module__}.{type(v).__name__}, but this executor runs on "
-                    f"{self.xp.__name__}; move it explicitly"
-                )
+            self._require_module(v, f"{what}['{name}']")
             if v.dtype != self.dtype or v.shape != shape:
                 raise GraphError(
                     f"{what}['{name}'] is {v.dtype} {tuple(v.shape)}, expected {self.dtype} {shape}"
@@ -191,11 +193,7 @@ class Executor:
             a = feeds.get(name)
             if a is None:
                 raise DataError(f"input '{name}' was not fed")
-            if not isinstance(a, self._array_type):
-                raise DeviceError(
-                    f"input '{name}' is a {type(a).__module__}.{type(a).__name__}, but this executor runs on "
-                    f"{self.xp.__name__}; move it explicitly"
-                )
+            self._require_module(a, f"input '{name}'")
             if dtype == FLOAT:
                 if a.dtype != self.dtype:
                     raise DataError(f"input '{name}' has dtype {a.dtype}, the executor computes in {self.dtype}")
