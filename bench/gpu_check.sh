@@ -6,13 +6,17 @@
 #   bash bench/gpu_check.sh                           # installs into .venv-gpu, then checks
 #   SKIP_INSTALL=1 bash bench/gpu_check.sh            # reuse .venv-gpu as it is
 #   PYTHON=/opt/x/bin/python bash bench/gpu_check.sh  # use that interpreter, install nothing
+#   WHEELHOUSE=.whl bash bench/gpu_check.sh           # no package index: install from wheels
+#                                                     # made by bench/gpu/fetch_wheels.sh
+#   INSTALL_ONLY=1 ...                                # stop after the install and the preflight
 #
-# Install: a venv (.venv-gpu, or $VENV) that sees the system's packages, so a CUDA PyTorch or
-# CuPy already on the machine is reused; then `pip install -e '.[test,cudaNN]'`, with NN from
-# the CUDA version nvidia-smi reports (12 -> cuda12 / cupy-cuda12x, 13+ -> cuda13). When a CUDA
-# PyTorch is already there, the test extra's pinned CPU-era torch is left out so it is kept.
-# Offline machines: run with PYTHON=... pointing at an interpreter that has the modules the
-# preflight section lists as missing.
+# Install: a venv (.venv-gpu, or $VENV) made from $BASE_PYTHON (default python3) that sees that
+# interpreter's packages, also when it is itself a venv, so the CUDA PyTorch and CuPy already
+# on the machine are reused. Online: `pip install -e '.[test,cudaNN]'`, with NN from the CUDA
+# version nvidia-smi reports (12 -> cuda12 / cupy-cuda12x, 13+ -> cuda13); when a CUDA PyTorch
+# is already there, the test extra's pinned CPU-era torch is left out so it is kept. Offline
+# (WHEELHOUSE): hydra-core, omegaconf, antlr4, mpich and mpi4py from the wheelhouse, everything
+# else from the machine, and hpc_rlx from this checkout (PYTHONPATH), with no build step.
 #
 # Sections (each continues after a failure of the previous one):
 #   preflight   GPU, driver, CuPy, PyTorch, MPI and whether it is CUDA-aware; the doctor
@@ -75,6 +79,23 @@ cuda_extra() {
 }
 
 # ---- install ------------------------------------------------------------------------------
+# make_venv VENV: a venv that sees $BASE_PYTHON's packages. `venv --system-site-packages` only
+# exposes the base installation's, so when $BASE_PYTHON is itself a venv (CUDA images often
+# ship PyTorch and CuPy in one) its site-packages are added with a .pth file.
+make_venv() {
+    local venv=$1 base=${BASE_PYTHON:-python3} parent site
+    if [ ! -x "$venv/bin/python" ]; then
+        "$base" -m venv --system-site-packages "$venv" 2>/dev/null ||
+            "$base" -m venv --system-site-packages --without-pip "$venv"
+    fi
+    parent=$("$base" -c "import site, sys; print(chr(10).join(site.getsitepackages()) if sys.prefix != sys.base_prefix else '')")
+    if [ -n "$parent" ]; then
+        site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        printf '%s\n' "$parent" >"$site/_gpu_check_parent_env.pth"
+        echo "the venv also sees $base's packages: $(echo "$parent" | tr '\n' ' ')"
+    fi
+}
+
 if [ -n "${PYTHON:-}" ]; then
     PY=$PYTHON
     skip_section install "PYTHON=$PYTHON is used as it is"
@@ -83,11 +104,18 @@ else
     PY=$VENV/bin/python
     if [ -n "${SKIP_INSTALL:-}" ]; then
         skip_section install "SKIP_INSTALL is set"
+    elif [ -n "${WHEELHOUSE:-}" ]; then
+        echo "installing from the wheelhouse $WHEELHOUSE into $VENV (no package index)"
+        make_venv "$VENV"
+        # --ignore-installed: this MPI and its matching mpi4py land in the venv, whose lib/ is
+        # where mpi4py looks for libmpi; --no-deps: the rest comes from the machine
+        run_section install 300 "$PY" -m pip install -q --no-index --find-links "$WHEELHOUSE" \
+            --no-deps --ignore-installed hydra-core omegaconf antlr4-python3-runtime mpich mpi4py
     else
         EXTRA=$(cuda_extra)
         echo "installing hpc_rlx[$EXTRA] into $VENV (nvidia-smi: $(nvidia-smi 2>/dev/null |
             sed -n 's/.*\(CUDA Version: *[0-9.]*\).*/\1/p' | head -n 1 || echo 'not found'))"
-        [ -x "$PY" ] || python3 -m venv --system-site-packages "$VENV"
+        make_venv "$VENV"
         if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
             run_section install 600 "$PY" -m pip install -q -e ".[$EXTRA]" mpich matplotlib \
                 "pytest>=7.4" "pytest-timeout>=2.2" "hypothesis>=6.80"
@@ -118,6 +146,10 @@ fi
 
 # ---- the checks ---------------------------------------------------------------------------
 run_section preflight 90 "$PY" bench/gpu/preflight.py --out "$RESULTS"
+if [ -n "${INSTALL_ONLY:-}" ]; then
+    echo "INSTALL_ONLY is set: stopping after the preflight (logs in $WORK)"
+    exit 0
+fi
 run_section doctor 60 "$MPIRUN" -n 2 "$PY" -m hpc_rlx.doctor
 run_section gradcheck 240 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu \
     tests/test_graph_gpu.py tests/test_backend.py tests/test_gpu_lanes.py

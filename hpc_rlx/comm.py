@@ -128,6 +128,23 @@ def abort(comm, message: str, code: int = 1) -> None:
 # The fused bucket
 # --------------------------------------------------------------------------------------
 
+_FINITE_BLOCK = 1 << 16
+
+
+def _all_finite(x: np.ndarray) -> bool:
+    """``np.isfinite(x).all()`` in cache-sized blocks into one small mask: no temporary as
+    large as the gradient each step, and it stops at the first bad block."""
+    flat = x.reshape(-1)
+    mask = np.empty(min(flat.size, _FINITE_BLOCK), dtype=bool)
+    for lo in range(0, flat.size, _FINITE_BLOCK):
+        part = flat[lo: lo + _FINITE_BLOCK]
+        view = mask[: part.size]
+        np.isfinite(part, out=view)
+        if not view.all():
+            return False
+    return True
+
+
 class FusedBucket:
     """One contiguous array: [gradients or weighted params ... | tail fields].
 
@@ -246,7 +263,7 @@ class FusedBucket:
             xp = backend.array_module(self.device_payload)
             with backend.use_device(self.device):
                 return bool(xp.isfinite(self.device_payload).all())
-        return bool(np.isfinite(self._payload).all())
+        return _all_finite(self._payload)
 
     # ---- the collective -------------------------------------------------------------------
     @watched("fused-bucket Allreduce")

@@ -140,6 +140,20 @@ def test_cpu_lanes_sum_to_the_one_lane_gradient():
 
 # ---- CUDA-aware decision ------------------------------------------------------------------
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [0, 65535, 65536, 200_000 - 1])
+def test_payload_finite_finds_one_bad_value_anywhere(dtype, bad, where):
+    # the check runs block by block: a bad value on either side of a block edge, or in the last
+    # (short) block, must still be found
+    bucket = FusedBucket(200_000, ("samples",), dtype)
+    bucket.payload[...] = np.linspace(-1e3, 1e3, 200_000)
+    if bad is not None:
+        bucket.payload[where] = bad
+    assert bucket.payload_finite() is (bad is None)
+    assert FusedBucket(0, ("samples",), dtype).payload_finite()
+
+
 def test_cuda_aware_settings():
     assert cuda_mpi.normalize_setting(None) == "auto"
     assert cuda_mpi.normalize_setting(True) == "true" and cuda_mpi.normalize_setting(False) == "false"

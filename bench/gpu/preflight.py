@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 NEEDED = ["numpy", "h5py", "mpi4py", "hydra", "omegaconf", "threadpoolctl", "sklearn", "cupy", "pytest",
+          "pytest_timeout",
           "hypothesis"]
 OPTIONAL = ["torch", "matplotlib"]
 

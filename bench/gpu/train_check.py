@@ -25,20 +25,39 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 ACCURACY_BAR = 0.95
 
+# (name, ranks, overrides, expectations). Expectations keep a silent fallback from passing
+# as a GPU result: `gpu`/`cpu` lane present (from the `lanes:` log line), and the bucket path
+# the run must report ("staged"; None: either path, whichever the MPI supports).
 SETS = {
     "single": [
-        ("cpu", 1, ["device=cpu"]),
-        ("cuda", 1, ["device=cuda"]),
-        ("all (GPU + CPU lane)", 1, ["device=all"]),
+        ("cpu", 1, ["device=cpu"], {"gpu": False, "cpu": True}),
+        ("cuda", 1, ["device=cuda"], {"gpu": True, "cpu": False}),
+        ("all (GPU + CPU lane)", 1, ["device=all"], {"gpu": True, "cpu": True}),
     ],
     "pair": [
-        ("2 ranks, cuda_aware=auto", 2, ["device=cuda", "comm.cuda_aware=auto"]),
-        ("2 ranks, cuda_aware=false (staged)", 2, ["device=cuda", "comm.cuda_aware=false"]),
+        ("2 ranks, cuda_aware=auto", 2, ["device=cuda", "comm.cuda_aware=auto"],
+         {"gpu": True, "cpu": False}),
+        ("2 ranks, cuda_aware=false (staged)", 2, ["device=cuda", "comm.cuda_aware=false"],
+         {"gpu": True, "cpu": False, "path": "staged"}),
         ("2 ranks, staged, wire bfloat16", 2, ["device=cuda", "comm.cuda_aware=false",
-                                               "comm.wire_dtype=bfloat16"]),
-        ("2 ranks, all (GPU + CPU lane)", 2, ["device=all"]),
+                                               "comm.wire_dtype=bfloat16"],
+         {"gpu": True, "cpu": False, "path": "staged"}),
+        ("2 ranks, all (GPU + CPU lane)", 2, ["device=all"], {"gpu": True, "cpu": True}),
     ],
 }
+
+
+def unmet(row: dict, expect: dict) -> list[str]:
+    """What a finished run shows that its expectations rule out (empty: as expected)."""
+    lanes, bucket = row.get("lanes", "?"), row.get("bucket", "?")
+    problems = []
+    for kind in ("gpu", "cpu"):
+        present = ("cuda" if kind == "gpu" else "cpu") in lanes
+        if present != expect[kind]:
+            problems.append(f"{'a' if expect[kind] else 'no'} {kind.upper()} lane expected, lanes: {lanes}")
+    if expect.get("path") and f"path {expect['path']}" not in bucket:
+        problems.append(f"bucket path {expect['path']!r} expected: {bucket}")
+    return problems
 
 
 def default_mpirun() -> str:
@@ -102,7 +121,8 @@ def table(rows: list[dict]) -> str:
             continue
         share = ", ".join(f"{k} {v:.0%}" for k, v in r["lane_share"].items())
         sps = f"{r['samples_per_s']:,.0f}" if r["samples_per_s"] else "-"
-        lines.append(f"| {r['name']} | {r['ranks']} | {r['val_accuracy']:.4f} | {sps} | "
+        name = r["name"] + "".join(f" **NOT AS EXPECTED: {p}**" for p in r.get("unmet", []))
+        lines.append(f"| {name} | {r['ranks']} | {r['val_accuracy']:.4f} | {sps} | "
                      f"{r['comm_s_per_epoch']:.3f} | {share} | {r['bucket']} |")
     return "\n".join(lines)
 
@@ -122,8 +142,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="hpc_rlx_gpu_train_"))
     data = ensure_prepared(str(work / "digits.h5"), "digits")
     rows = []
-    for name, n, overrides in SETS[args.set]:
+    for name, n, overrides, expect in SETS[args.set]:
         row = run_one(args.mpirun, n, overrides, data, args.epochs, args.timeout, work, name)
+        row["unmet"] = unmet(row, expect) if row["rc"] == 0 else []
         rows.append(row)
         print(f"{name}: rc={row['rc']} val_acc={row.get('val_accuracy')} lanes={row['lanes']} "
               f"{row['bucket']} ({row['wall_s']:.0f}s)", flush=True)
@@ -133,9 +154,10 @@ def main() -> int:
         with open(args.out, "a") as f:
             f.write(text + "\n")
     shutil.rmtree(work, ignore_errors=True)
-    bad = [r for r in rows if r["rc"] != 0 or (r.get("val_accuracy") or 0.0) < ACCURACY_BAR]
+    bad = [r for r in rows if r["rc"] != 0 or (r.get("val_accuracy") or 0.0) < ACCURACY_BAR or r["unmet"]]
     for r in bad:
-        print(f"NOT OK: {r['name']} (rc={r['rc']}, val_accuracy={r.get('val_accuracy')})")
+        print(f"NOT OK: {r['name']} (rc={r['rc']}, val_accuracy={r.get('val_accuracy')}"
+              + "".join(f"; {p}" for p in r["unmet"]) + ")")
     return 1 if bad else 0
 
 
