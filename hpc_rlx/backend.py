@@ -84,10 +84,30 @@ def get_xp(kind: str, device: int | None = None):
 
 
 def use_device(index: int | None):
-    """Context manager making GPU ``index`` current for this thread (no-op for None / CPU)."""
+    """Context manager making GPU ``index`` current for this thread (no-op for None / CPU).
+
+    On exit it switches back to the thread's previous device: only use it in a thread that
+    already selected its own GPU (``select_device``), see there why."""
     if index is None or _cupy is None:
         return contextlib.nullcontext()
     return _cupy.cuda.Device(index)
+
+
+def select_device(index: int | None) -> None:
+    """Make GPU ``index`` this thread's current device and leave it so (no-op for None).
+
+    A thread that works for one GPU (a rank's main thread, a lane's worker) selects it before
+    any other CUDA call. Otherwise its current device is GPU 0, where the first allocation
+    (pinned memory too) creates a CUDA context, and so does leaving any ``use_device`` block,
+    since switching back to a device creates its context from CUDA 12 on. A rank that drives
+    GPU 1 would then also hold a context on GPU 0: memory taken from the rank that owns GPU 0,
+    and a failed start where GPUs run in exclusive-process mode. CUDA-aware MPI also wants the
+    buffer's GPU current when it is called.
+    """
+    if index is None:
+        return
+    get_xp("cuda", device=index)      # a clear error for a GPU this process does not see
+    _cupy.cuda.Device(index).use()
 
 
 def _loaded_cupy():

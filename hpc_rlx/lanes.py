@@ -154,16 +154,19 @@ class Lane:
         """Sample-weighted gradient of this slice into grad_flat. Returns (n, loss_sum, correct, seconds)."""
         n = int(x.shape[0])
         t0 = time.perf_counter()
-        with backend.use_device(self.device):
-            if n == 0:
-                self.grad_flat[...] = 0
-                return 0, 0.0, 0.0, 0.0
-            xp = self.xp
-            feeds = {"x": xp.asarray(x), "y": xp.asarray(y)}
-            out = self.executor.forward_backward(self.param_views, self.grad_views, feeds,
-                                                 train=True, seed=seed, grad_scale=float(n))
-            if self.kind == "cuda":
-                backend.synchronize(self.xp)
+        # The worker thread stays on this lane's GPU (no with-block: see backend.select_device).
+        backend.select_device(self.device)
+        if n == 0:
+            self.grad_flat[...] = 0
+            # done before returning, like a busy lane's gradient: the main thread reads or
+            # overwrites it next, maybe on another stream (per-thread default streams)
+            backend.synchronize_device(self.device)
+            return 0, 0.0, 0.0, 0.0
+        xp = self.xp
+        feeds = {"x": xp.asarray(x), "y": xp.asarray(y)}
+        out = self.executor.forward_backward(self.param_views, self.grad_views, feeds,
+                                             train=True, seed=seed, grad_scale=float(n))
+        backend.synchronize_device(self.device)
         t1 = time.perf_counter()
         dt = t1 - t0
         if trace.ACTIVE is not None:
@@ -183,6 +186,9 @@ class LaneSet:
     ``bucket`` is the ``comm.FusedBucket`` the gradients go to (or, for host-only callers, a
     plain payload array). ``cuda_aware`` is ``comm.cuda_aware`` (auto | true | false); with GPU
     lanes only, it decides whether the Allreduce runs on the device bucket.
+
+    With GPU lanes, the thread that builds the LaneSet (and later calls ``step``, the bucket's
+    Allreduce ...) gets the first GPU lane's device as its current device, for good.
     """
 
     def __init__(self, graph, lanes_spec: list[tuple[str, int]], dtype: str, params_flat: np.ndarray,
@@ -196,6 +202,9 @@ class LaneSet:
         self.bucket = None if isinstance(bucket, np.ndarray) else bucket
         kinds = [k for k, _ in lanes_spec]
         gpu_idx = [i for k, i in lanes_spec if k == "cuda"]
+        # The calling thread (the rank's main thread: refreshes, combine, the Allreduce) works
+        # for the lead GPU from here on, before the first pinned allocation below.
+        backend.select_device(gpu_idx[0] if gpu_idx else None)
         self.device_bucket = bool(gpu_idx) and all(k == "cuda" for k in kinds) and self.bucket is not None
         if self.bucket is not None:
             kw = {} if query_cuda_support is None else {"query": query_cuda_support}

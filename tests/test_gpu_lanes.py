@@ -12,7 +12,9 @@ Two halves:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -35,13 +37,22 @@ GPU_REASON = f"needs CuPy and a CUDA device: {backend.gpu_unavailable_reason()}"
 # ==========================================================================================
 
 class FakeGPUs:
-    """`n` pretend GPUs for the device code paths (see the module docstring)."""
+    """`n` pretend GPUs for the device code paths (see the module docstring).
+
+    It also models what CUDA does per thread: each thread has a current device (0 until it
+    sets one); setting a device creates that device's context (CUDA 12's cudaSetDevice), and
+    so does any allocation, pinned host memory included, on the current device. `contexts`
+    collects the devices this process would hold a context on. `syncs` lists
+    (thread id, device) for every stream synchronisation."""
 
     def __init__(self, n: int):
         self.n = n
         self.owner: dict[int, int] = {}
         self.keep: list[np.ndarray] = []     # keeps ids unique while the test runs
         self.counts: Counter = Counter()
+        self.contexts: set[int] = set()
+        self.syncs: list[tuple[int, int]] = []
+        self._tls = threading.local()
         self._real_get_xp = backend.get_xp
 
     def device_of(self, a):
@@ -49,6 +60,28 @@ class FakeGPUs:
         while isinstance(base, np.ndarray) and isinstance(base.base, np.ndarray):
             base = base.base
         return self.owner.get(id(base))
+
+    # -- the current device of the calling thread --
+    def current(self) -> int:
+        return getattr(self._tls, "device", 0)
+
+    def _set_current(self, device: int) -> None:
+        self._tls.device = device
+        self.contexts.add(device)
+
+    @contextlib.contextmanager
+    def _on(self, device):
+        """cupy.cuda.Device(device) as a with-block: switch if needed, switch back on exit."""
+        if device is None:
+            yield
+            return
+        prev = self.current()
+        if prev != device:
+            self._set_current(device)
+        try:
+            yield
+        finally:
+            self._set_current(prev)
 
     # -- the replaced helpers --
     def gpu_count(self) -> int:
@@ -61,15 +94,25 @@ class FakeGPUs:
             return np
         return self._real_get_xp(kind, device)
 
+    def use_device(self, index):
+        return self._on(index)
+
+    def select_device(self, index):
+        if index is not None:
+            assert 0 <= index < self.n, index
+            self._set_current(index)
+
     def device_zeros(self, size, dtype, device):
         assert 0 <= device < self.n, device
-        a = np.zeros(int(size), dtype)
+        with self._on(device):
+            a = np.zeros(int(size), dtype)
         self.owner[id(a)] = device
         self.keep.append(a)
         self.counts["alloc"] += 1
         return a
 
     def pinned_empty(self, size, dtype):
+        self.contexts.add(self.current())     # cudaHostAlloc runs in the current device's context
         a = np.empty(int(size), dtype)
         self.keep.append(a)
         self.counts["pinned"] += 1
@@ -78,27 +121,34 @@ class FakeGPUs:
     def copy_to_device(self, dst, src):
         assert self.device_of(dst) is not None, "copy_to_device into host memory"
         assert self.device_of(src) is None, "copy_to_device from device memory"
-        dst[...] = src
+        with self._on(self.device_of(dst)):
+            dst[...] = src
         self.counts["h2d"] += 1
 
     def copy_to_host(self, dst, src, wait=True):
         assert self.device_of(src) is not None, "copy_to_host from host memory"
         assert self.device_of(dst) is None, "copy_to_host into device memory"
-        dst[...] = src
+        with self._on(self.device_of(src)):
+            dst[...] = src
         self.counts["d2h"] += 1
         self.counts["d2h_bytes"] += src.nbytes
 
     def copy_between_devices(self, dst, src):
         assert self.device_of(dst) is not None and self.device_of(src) is not None
-        dst[...] = src
+        with self._on(self.device_of(dst)):
+            dst[...] = src
         self.counts["d2d"] += 1
 
     def synchronize_device(self, index):
+        if index is None:
+            return
+        with self._on(index):
+            self.syncs.append((threading.get_ident(), index))
         self.counts["sync"] += 1
 
     def install(self, setter=setattr) -> "FakeGPUs":
-        for name in ("gpu_count", "get_xp", "device_zeros", "pinned_empty", "copy_to_device",
-                     "copy_to_host", "copy_between_devices", "synchronize_device"):
+        for name in ("gpu_count", "get_xp", "use_device", "select_device", "device_zeros", "pinned_empty",
+                     "copy_to_device", "copy_to_host", "copy_between_devices", "synchronize_device"):
             setter(backend, name, getattr(self, name))
         return self
 
@@ -201,6 +251,53 @@ def test_idle_lanes_contribute_nothing(fake2):
     lanes.step(x, y, seed=0)
     assert lanes.last_counts[1] == 0
     np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("spec", [[("cuda", 1)], [("cuda", 1), ("cpu", 0)]], ids=["cuda1", "cuda1+cpu"])
+def test_a_rank_on_gpu_1_never_makes_a_context_on_gpu_0(fake2, spec):
+    """Ranks share a node's GPUs by local rank: the one on GPU 1 must leave GPU 0 alone (no
+    context there from its main thread or its lane threads), or every rank lands on GPU 0."""
+    g, layout, params, x, y = small_model()
+    lanes, bucket = make_lanes(spec, g, layout, params)
+    for _ in range(2):
+        lanes.step(x, y, seed=0)
+        assert bucket.payload_finite()
+        _ = bucket.payload
+        params *= 0.9
+        lanes.refresh_device_params()
+    lanes.evaluate(x, y)
+    lanes.close()
+    assert fake2.contexts == {1}
+
+
+def test_an_idle_gpu_lane_finishes_its_work_before_returning(fake2):
+    """An idle lane zeroes its gradient on its GPU; like a busy lane, it waits for that in its
+    own thread, since the main thread reads or overwrites that gradient next."""
+    g, layout, params, x, y = small_model()
+    lanes, bucket = make_lanes([("cuda", 0), ("cuda", 1), ("cpu", 0)], g, layout, params)
+    synced = {}                           # lane name -> devices it synchronised in its thread
+
+    def watch(ln):
+        compute = ln.compute
+
+        def wrapped(*args):
+            tid, start = threading.get_ident(), len(fake2.syncs)
+            out = compute(*args)
+            synced[ln.name] = {d for t, d in fake2.syncs[start:] if t == tid}
+            return out
+        ln.compute = wrapped
+
+    for ln in lanes.lanes:
+        watch(ln)
+    for ln, r in zip(lanes.lanes, (1e-3, 1e6, 1e6)):
+        ln.rate = r                       # the lead GPU is far too slow to get a sample
+    lanes.steps = 1                       # not a probe step
+    lanes.lanes[0].grad_flat[...] = 7.0   # a stale gradient the idle lane must clear
+    lanes.step(x, y, seed=0)
+    assert lanes.last_counts[0] == 0
+    assert synced == {"cuda0": {0}, "cuda1": {1}, "cpu0": set()}
+    np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-12, atol=1e-12)
+    lanes.close()
 
 
 def test_cuda_aware_choice_sets_the_direct_path(fake2):
@@ -392,6 +489,20 @@ def test_real_two_gpus_combine_on_the_lead():
     lanes.step(x, y, seed=0)
     assert backend.device_of(bucket.device_payload) == 0
     np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend.gpu_count() < 2, reason="needs 2 GPUs: " + (backend.gpu_unavailable_reason() or
+                                                                        f"{backend.gpu_count()} visible"))
+def test_real_rank_on_gpu_1_keeps_gpu_1_current():
+    cp = backend.get_xp("cuda")
+    g, layout, params, x, y = small_model()
+    lanes, bucket = make_lanes([("cuda", 1), ("cpu", 0)], g, layout, params)
+    assert cp.cuda.runtime.getDevice() == 1      # the main thread works for the rank's GPU
+    lanes.step(x, y, seed=0)
+    assert cp.cuda.runtime.getDevice() == 1
+    np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-9, atol=1e-10)
+    lanes.close()
 
 
 @pytest.mark.gpu
