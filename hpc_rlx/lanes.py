@@ -288,7 +288,7 @@ class LaneSet:
             self.refresh_device_params()
 
     def split(self, n: int) -> list[int]:
-        if self.bucket.deterministic:
+        if self.bucket is not None and self.bucket.deterministic:
             # Measured rates vary run to run; a fixed split keeps each lane's partial sum, and
             # so the whole run, bitwise reproducible (comm.deterministic=true).
             return split_by_throughput(n, [1.0] * len(self.lanes))

@@ -237,6 +237,17 @@ def test_mixed_lanes_keep_the_bucket_on_the_host(fake2):
     np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-12, atol=1e-12)
 
 
+def test_a_plain_payload_array_takes_the_gpu_sum(fake2):
+    """Host-only callers may pass a plain payload array instead of a FusedBucket."""
+    g, layout, params, x, y = small_model()
+    payload = np.zeros(layout.size)
+    lanes = LaneSet(g, [("cuda", 0), ("cuda", 1), ("cpu", 0)], "float64", params, payload, layout)
+    lanes.step(x, y, seed=0)
+    assert lanes.bucket_path == "host payload"
+    np.testing.assert_allclose(payload, reference_grad(g, layout, params, x, y), rtol=1e-12, atol=1e-12)
+    lanes.close()
+
+
 def test_idle_lanes_contribute_nothing(fake2):
     g, layout, params, x, y = small_model()
     lanes, bucket = make_lanes([("cuda", 0), ("cuda", 1), ("cpu", 0)], g, layout, params)
