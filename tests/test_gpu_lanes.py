@@ -508,12 +508,15 @@ def test_real_two_gpus_combine_on_the_lead():
 def test_real_rank_on_gpu_1_keeps_gpu_1_current():
     cp = backend.get_xp("cuda")
     g, layout, params, x, y = small_model()
-    lanes, bucket = make_lanes([("cuda", 1), ("cpu", 0)], g, layout, params)
-    assert cp.cuda.runtime.getDevice() == 1      # the main thread works for the rank's GPU
-    lanes.step(x, y, seed=0)
-    assert cp.cuda.runtime.getDevice() == 1
-    np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-9, atol=1e-10)
-    lanes.close()
+    try:
+        lanes, bucket = make_lanes([("cuda", 1), ("cpu", 0)], g, layout, params)
+        assert cp.cuda.runtime.getDevice() == 1      # the main thread works for the rank's GPU
+        lanes.step(x, y, seed=0)
+        assert cp.cuda.runtime.getDevice() == 1
+        np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-9, atol=1e-10)
+        lanes.close()
+    finally:
+        backend.select_device(0)                     # later tests in this process expect GPU 0
 
 
 @pytest.mark.gpu
