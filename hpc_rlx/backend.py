@@ -110,6 +110,28 @@ def select_device(index: int | None) -> None:
     _cupy.cuda.Device(index).use()
 
 
+def smoke_test(index: int = 0) -> str:
+    """Run on GPU ``index`` what a GPU lane needs: a JIT-compiled elementwise kernel and a
+    reduction (NVRTC), a GEMM (cuBLAS) and a pinned round trip. "" when all of it works, else
+    why not in one line. CuPy counts GPUs even when those CUDA libraries are missing (a node
+    with only the driver and no CUDA Toolkit), so a GPU count alone does not say a lane can run.
+    Makes ``index`` this thread's current device (see ``select_device``)."""
+    try:
+        select_device(index)
+        cp = _cupy
+        a = cp.arange(256, dtype=cp.float32)
+        m = cp.ones((64, 64), cp.float32)
+        if float((a * 2).sum()) != 65280.0 or float((m @ m)[0, 0]) != 64.0:
+            return "wrong results from a kernel or a GEMM"
+        host = pinned_empty(256, np.float32)
+        copy_to_host(host, a)
+        if not (is_pinned(host) and host[255] == 255.0):
+            return "the pinned device-to-host copy failed"
+        return ""
+    except Exception as exc:  # noqa: BLE001 - a diagnosis, not a crash
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+
+
 def _loaded_cupy():
     # An array can only be a CuPy array if CuPy was imported by someone already.
     return _cupy if _cupy is not None else sys.modules.get("cupy")

@@ -27,7 +27,7 @@ import uuid
 from collections import defaultdict
 from pathlib import Path
 
-from .comm import rank_span
+from .comm import local_rank, rank_span
 
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_CPUS_PER_TASK", "SLURM_JOB_NODELIST",
@@ -95,6 +95,17 @@ def visible_gpus() -> tuple[int | None, str]:
     if cvd:
         return None, f"CUDA_VISIBLE_DEVICES={cvd}, no nvidia-smi ({cupy_note})"
     return 0, f"no nvidia-smi ({cupy_note})"
+
+
+def gpu_check(local_rank: int) -> dict | None:
+    """Run a kernel, a GEMM and a pinned copy on the GPU this rank would train on
+    (``device.gpus_per_rank=1``); None when CuPy sees no GPU."""
+    from hpc_rlx import backend
+    from hpc_rlx.lanes import assign_gpus
+    if not backend.cupy_available():
+        return None
+    index = assign_gpus(backend.gpu_count(), 1, local_rank)[0]
+    return {"index": index, "physical": backend.physical_gpu(index), "problem": backend.smoke_test(index)}
 
 
 def nearest_existing(path: Path) -> Path:
@@ -223,6 +234,14 @@ def analyse(records: list[dict], *, shared: dict | None = None, cwd_files: dict 
             warnings.append(f"ranks run different {key}: {detail}. Mixed software across nodes can "
                             "hang or crash collectives: use one environment on every node.")
     # GPUs
+    failed = [r for r in records if isinstance(r.get("gpu_check"), dict) and r["gpu_check"]["problem"]]
+    if failed:
+        r = failed[0]
+        warnings.append(
+            f"GPU {r['gpu_check']['physical']} on {r['host']} cannot run a GPU lane (ranks "
+            f"{rank_span([f['rank'] for f in failed])}): {r['gpu_check']['problem']}. CuPy sees the "
+            "GPU but not its CUDA libraries: load the CUDA module, or pip install "
+            "'cupy-cuda12x[ctk]' (cupy-cuda13x[ctk] for CUDA 13).")
     for r in records:
         if r.get("gpus") and r.get("cuda_aware") == "no":
             warnings.append(f"{r['host']} has {r['gpus']} GPU(s) but this MPI is not CUDA-aware: "
@@ -266,6 +285,16 @@ def _bucket_path(rec: dict) -> str:
     return doctor_summary(rec.get("gpus"), str(rec.get("cuda_aware", "unknown")), str(rec.get("cuda_aware_how", "")))
 
 
+def _gpu_check_note(records: list[dict]) -> str:
+    checked = [r for r in records if isinstance(r.get("gpu_check"), dict)]
+    if not checked:
+        return ""
+    bad = [r for r in checked if r["gpu_check"]["problem"]]
+    if not bad:
+        return f"; kernel, GEMM and pinned copy ok on the GPU of each of {len(checked)} rank(s)"
+    return f"; {len(bad)} of {len(checked)} rank(s) cannot run on their GPU (see the warnings)"
+
+
 def format_report(records: list[dict], warnings: list[str], *, shared: dict | None = None) -> str:
     r0 = records[0]
     hosts = by_host(records)
@@ -293,7 +322,7 @@ def format_report(records: list[dict], warnings: list[str], *, shared: dict | No
     env = ", ".join(f"{k}={r0['env'][k]}" for k in THREAD_ENV if k in r0["env"]) or "none set"
     lines += [f"  cores = usable by the ranks (CPU affinity); this node has {r0['cpu_count']} CPUs",
               f"  BLAS          {blas}; thread variables: {env}",
-              f"  GPUs          {r0.get('gpus_how', '')}", ""]
+              f"  GPUs          {r0.get('gpus_how', '')}{_gpu_check_note(records)}", ""]
     lines += ["Software",
               f"  Python {r0.get('python', '?')} ({r0.get('executable', '?')})",
               f"  NumPy {r0.get('numpy', '?')}, h5py {r0.get('h5py', '?')}, HDF5 {r0.get('hdf5', '?')} "
@@ -383,6 +412,8 @@ def main(argv=None) -> int:
         return 1
     rec = collect_local(comm.rank, comm.size, run_dir)
     rec.update(_safe(lambda: mpi_facts(comm), {}))
+    local = _safe(lambda: local_rank(comm), 0)
+    rec["gpu_check"] = _safe(lambda: gpu_check(local if isinstance(local, int) else 0), None)
     records = comm.gather(rec, root=0)
     shared = _check_shared(comm, nearest_existing(run_dir)) if comm.size > 1 else None
     if comm.rank != 0:

@@ -99,6 +99,33 @@ def test_gpus_without_cuda_aware_mpi():
     assert doctor.analyse(recs) == []
 
 
+def test_a_gpu_that_cannot_run_kernels_is_named_with_its_ranks():
+    ok = {"index": 0, "physical": "0", "problem": ""}
+    broken = {"index": 1, "physical": "3", "problem": "CompileException: cannot load nvrtc"}
+    cores = (0, 1, 2, 3)
+    recs = [rec(0, 3, cores=cores, gpus=2, cuda_aware="yes", gpu_check=ok),
+            rec(1, 3, cores=cores, gpus=2, cuda_aware="yes", gpu_check=broken),
+            rec(2, 3, cores=cores, gpus=2, cuda_aware="yes", gpu_check=dict(broken))]
+    warnings = doctor.analyse(recs)
+    assert len(warnings) == 1, warnings
+    assert "GPU 3 on n1 cannot run a GPU lane (ranks 1-2)" in warnings[0]
+    assert "cannot load nvrtc" in warnings[0] and "[ctk]" in warnings[0]
+    assert "1 of 3 rank(s)" not in doctor.format_report(recs, warnings)
+    assert "2 of 3 rank(s) cannot run on their GPU" in doctor.format_report(recs, warnings)
+    for r in recs:
+        r["gpu_check"] = dict(ok)
+    assert doctor.analyse(recs) == []
+    assert "ok on the GPU of each of 3 rank(s)" in doctor.format_report(recs, [])
+
+
+def test_gpu_check_without_cupy_is_skipped_and_the_smoke_test_says_why():
+    from hpc_rlx import backend
+    if backend.cupy_available():
+        pytest.skip("CuPy sees a GPU here: the GPU tests cover the smoke test")
+    assert doctor.gpu_check(0) is None
+    assert "CuPy" in backend.smoke_test(0)
+
+
 def test_missing_logs_dir_next_to_train_sh():
     recs = cluster({"n1": 1})
     assert any("mkdir -p logs" in x for x in doctor.analyse(recs, cwd_files={"train_sh": True, "logs": False}))

@@ -73,3 +73,10 @@ def test_host_feed_to_cupy_executor_raises():
     assert np.isfinite(out["loss"])
     with pytest.raises(DeviceError, match="numpy"):
         Executor(g, np).evaluate(layout.views(dev), {"x": x, "y": y})
+
+
+def test_smoke_test_runs_kernels_gemm_and_pinned_copy_on_every_gpu():
+    # what the doctor runs on each rank's GPU: on a healthy GPU it reports no problem
+    for index in range(backend.gpu_count()):
+        assert backend.smoke_test(index) == "", index
+    backend.select_device(0)

@@ -49,27 +49,6 @@ def nvidia_smi() -> str:
         return f"nvidia-smi failed: {exc}"
 
 
-def gpu_smoke(backend) -> str:
-    """Run on GPU 0 what a GPU lane needs (JIT-compiled elementwise and reduction kernels, a
-    cuBLAS GEMM, a pinned round trip): "" when it works, else why not. CuPy counts GPUs without
-    its CUDA libraries (NVRTC, cuBLAS), which a driver-only machine may lack."""
-    import numpy as np
-    try:
-        cp = backend.get_xp("cuda")
-        backend.select_device(0)
-        a = cp.arange(256, dtype=cp.float32)
-        m = cp.ones((64, 64), cp.float32)
-        if float((a * 2).sum()) != 65280.0 or float((m @ m)[0, 0]) != 64.0:
-            return "wrong results from a kernel or a GEMM"
-        host = backend.pinned_empty(256, np.float32)
-        backend.copy_to_host(host, a)
-        if not (backend.is_pinned(host) and host[255] == 255.0):
-            return "pinned round trip failed"
-        return ""
-    except Exception as exc:  # noqa: BLE001 - reported as a problem, not a crash
-        return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -91,7 +70,7 @@ def main() -> int:
     else:
         gpu = f"none usable: {backend.gpu_unavailable_reason()}"
     facts["CuPy GPUs"] = gpu
-    smoke = gpu_smoke(backend) if backend.cupy_available() else "not run"
+    smoke = backend.smoke_test(0) if backend.cupy_available() else "not run"
     facts["CuPy kernels"] = smoke or "ok (elementwise, reduction, GEMM, pinned copy)"
     try:
         import torch
