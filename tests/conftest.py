@@ -54,6 +54,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def write_small_classification(path: Path, rows: int, seed: int) -> Path:
+    """A tiny HDF5 training file: `rows` float32 samples of 6 features, 3 classes."""
+    import h5py
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    with h5py.File(path, "w") as f:
+        f["x"] = rng.standard_normal((rows, 6)).astype(np.float32)
+        f["y"] = rng.integers(0, 3, rows).astype(np.int64)
+        f.attrs["num_classes"] = 3
+    return path
+
+
 @pytest.fixture(scope="session")
 def digits_h5(tmp_path_factory) -> Path:
     """The real default dataset, prepared once per test session."""

@@ -16,7 +16,8 @@ import h5py
 import numpy as np
 import pytest
 
-from .conftest import MPIRUN, PYTHON, REPO, explain, mpi_env, read_metrics, train_job
+from .conftest import (MPIRUN, PYTHON, REPO, explain, mpi_env, read_metrics, train_job,
+                       write_small_classification)
 
 pytestmark = pytest.mark.mpi
 
@@ -27,13 +28,7 @@ BASE = ["data=file", "data.val_fraction=0.2", "train.batch_size=8", "model.hidde
 
 @pytest.fixture(scope="module")
 def small_h5(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("faults") / "small.h5"
-    rng = np.random.default_rng(1)
-    with h5py.File(path, "w") as f:
-        f["x"] = rng.standard_normal((120, 6)).astype(np.float32)
-        f["y"] = rng.integers(0, 3, 120).astype(np.int64)
-        f.attrs["num_classes"] = 3
-    return path
+    return write_small_classification(tmp_path_factory.mktemp("faults") / "small.h5", rows=120, seed=1)
 
 
 def failure_lines(stderr: str) -> list[str]:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import copy
 import json
 
-import h5py
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -150,7 +148,7 @@ def base_config(tmp_path_factory):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from .conftest import REPO
+    from .conftest import REPO, write_small_classification
 
     if not OmegaConf.has_resolver("rlx_run_id"):
         OmegaConf.register_new_resolver("rlx_run_id", lambda: "fuzz")
@@ -158,12 +156,7 @@ def base_config(tmp_path_factory):
         cfg = compose("config", overrides=["data=file", "data.path=PLACEHOLDER", "model.hidden=[4]",
                                            "train.batch_size=8"])
     container = OmegaConf.to_container(cfg, resolve=True)
-    path = tmp_path_factory.mktemp("fuzz") / "small.h5"
-    rng = np.random.default_rng(0)
-    with h5py.File(path, "w") as f:
-        f["x"] = rng.standard_normal((40, 6)).astype(np.float32)
-        f["y"] = rng.integers(0, 3, 40).astype(np.int64)
-        f.attrs["num_classes"] = 3
+    path = write_small_classification(tmp_path_factory.mktemp("fuzz") / "small.h5", rows=40, seed=0)
     container["data"]["path"] = str(path)
     return container
 
