@@ -5,12 +5,16 @@
 #   sbatch slurm/train.sh                             # the default job
 #   sbatch slurm/train.sh model=cnn policy=cadence train.epochs=20     # Hydra overrides pass through
 #   sbatch --nodes=4 --time=12:00:00 slurm/train.sh optim.lr=0.05      # sbatch options beat the header
+#   sbatch --ntasks-per-node=8 --cpus-per-task=4 slurm/train.sh         # more ranks and cores per rank
 #
 # Edit the header for your site in this one place. Lines starting "##SBATCH" are switched off.
+# The defaults (1 node, 2 ranks of 1 CPU) fit the smallest node, so the job never pends on a
+# request no node can meet (squeue shows Reason=PartitionConfig for that); ask for more with
+# sbatch options as above, or here.
 #SBATCH --job-name=hpc_rlx
 #SBATCH --nodes=1
-#SBATCH --ntasks-per-node=4
-#SBATCH --cpus-per-task=4
+#SBATCH --ntasks-per-node=2
+#SBATCH --cpus-per-task=1
 ##SBATCH --gpus-per-node=4
 ##SBATCH --partition=compute
 ##SBATCH --account=myproject

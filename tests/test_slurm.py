@@ -325,6 +325,30 @@ def test_sbatch_train_sh_trains_and_writes_everything(slurm, tmp_path):
 
 
 @pytest.mark.slurm
+def test_sbatch_train_sh_as_shipped_runs_on_a_two_cpu_node(slurm, tmp_path):
+    """No resource options at all: the header's defaults must fit a 1-node, 2-CPU cluster
+    (a request no node can meet pends forever with Reason=PartitionConfig)."""
+    (tmp_path / "logs").mkdir()
+    proc = run(["sbatch", "--parsable", TRAIN_SH, "train.epochs=1", *SMALL], env=job_env(slurm),
+               cwd=tmp_path, timeout=60, cluster=slurm)
+    assert proc.returncode == 0, f"sbatch refused the script as shipped: {proc.stdout}{proc.stderr}"
+    job = re.findall(r"^(\d+)", proc.stdout, flags=re.M)[0]
+
+    def ended() -> bool:
+        fields = job_fields(slurm, job)
+        if fields.get("JobState") == "PENDING" and fields.get("Reason") == "PartitionConfig":
+            run(["scancel", job], env=slurm.env(), cwd=tmp_path, timeout=30)
+            pytest.fail(f"the job as shipped can never start on this {slurm.cpus}-CPU node "
+                        f"(Reason=PartitionConfig): {fields}")
+        return fields.get("JobState") in slurm_jobs.TERMINAL
+    wait_until(ended, 180, f"job {job} to finish", slurm, lambda: log_of(tmp_path, job))
+    fields, log = job_fields(slurm, job), log_of(tmp_path, job)
+    assert fields["JobState"] == "COMPLETED", log
+    assert int(fields["NumTasks"]) >= 1 and int(fields["NumCPUs"]) <= slurm.cpus, fields
+    assert (tmp_path / "outputs" / f"slurm-{job}" / "summary.json").is_file(), log
+
+
+@pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.parametrize("trigger", ["usr1", "scontrol-requeue"])
 def test_preempted_job_checkpoints_requeues_and_resumes(slurm, tmp_path, trigger):
