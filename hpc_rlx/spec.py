@@ -246,8 +246,8 @@ def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes
             raise ConfigError("model=graph needs model.path=<a graph JSON file>")
         return Graph.from_file(model_cfg["path"])
     if name in ("mlp", "cnn") and num_classes is None:
-        raise DataError("cannot tell the number of classes: set model.num_classes "
-                        "or give the label dataset a num_classes attribute")
+        raise DataError("cannot tell the number of classes: set model.num_classes, or give the "
+                        "file or its label dataset a num_classes attribute")
     if name == "mlp":
         return build_model("mlp", input_shape=tuple(sample_shape), num_classes=num_classes,
                            hidden=model_cfg["hidden"], activation=model_cfg["activation"],
@@ -271,21 +271,15 @@ def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes
     raise ConfigError(f"model={name!r} is not one of mlp, cnn, transformer_lm, graph")
 
 
-def _num_classes(model_cfg: dict, info) -> int | None:
-    # the model builders check the values; these only must not crash on odd ones
-    n = model_cfg.get("num_classes")
-    if n is not None:
-        if not (_int(n) and n >= 1):
-            raise ConfigError(f"model.num_classes must be null or a positive integer, got {n!r}")
-        return n
-    for key in ("num_classes", "vocab_size"):
-        if key in info.attrs:
-            v = info.attrs[key]
-            if not (_int(v) and v >= 1):
-                raise DataError(f"the {key} attribute of {info.path!r} must be a positive integer, "
-                                f"got {v!r}")
-            return v
-    return None
+def _num_classes(model_cfg: dict, info, n_train: int) -> int | None:
+    from .data.resolve import num_classes
+
+    n, source = num_classes(model_cfg, info, n_train)
+    if n is not None and source.startswith("the training labels"):
+        # rank 0 only (build_spec); every rank gets the number inside the spec
+        print(f"[hpc_rlx] model.num_classes={n} from {source} of {info.path} "
+              f"(set model.num_classes to choose it)", flush=True)
+    return n
 
 
 def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") -> TrainSpec:
@@ -296,9 +290,8 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     validate_config(cfg, world_size)
     check_run_dir_writable(run_dir)
     d = cfg["data"]
-    if d.get("prepare") and not Path(d["path"]).exists():
-        from .data.prepare import ensure_prepared
-        ensure_prepared(d["path"], d["prepare"])
+    from .data.resolve import prepare_missing_data
+    prepare_missing_data(d)
     info = hdf5.describe(d["path"], d["x"], d["y"])
 
     if d.get("val_path"):
@@ -312,7 +305,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
             raise DataError(f"data.val_fraction={d['val_fraction']} leaves no training samples "
                             f"in {d['path']} ({info.n} samples)")
 
-    graph = _build_graph(cfg["model"], info.x_shape, info.x_dtype, _num_classes(cfg["model"], info))
+    graph = _build_graph(cfg["model"], info.x_shape, info.x_dtype, _num_classes(cfg["model"], info, n_train))
     x_in = next(i for i in graph.inputs if i.name == "x")
     y_in = next(i for i in graph.inputs if i.name == "y")
     expect = dict(input_shape=tuple(x_in.shape[1:]),

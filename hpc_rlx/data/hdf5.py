@@ -16,7 +16,8 @@ import numpy as np
 
 from hpc_rlx.errors import DataError
 
-__all__ = ["DatasetInfo", "describe", "check_compatible", "read_rows", "check_values", "open_readonly"]
+__all__ = ["DatasetInfo", "describe", "check_compatible", "read_rows", "check_values", "open_readonly",
+           "guess_dataset_names"]
 
 # check_values scans inputs in blocks of about this many elements, so a multi-GB shard never
 # needs a same-sized boolean temporary
@@ -34,6 +35,7 @@ class DatasetInfo:
     attrs: dict[str, Any] = field(default_factory=dict)
     x_name: str = "x"
     y_name: str = "y"
+    y_attrs: dict[str, Any] = field(default_factory=dict)  # the label dataset's own attributes
 
 
 def _plain(v):
@@ -84,6 +86,55 @@ def open_readonly(path) -> h5py.File:
         return h5py.File(path, "r")
 
 
+# Dataset names people use for inputs and labels (compared lower-case, without a _train/_val
+# style suffix); a guess only, offered in the message when data.x / data.y are not in the file.
+_INPUT_NAMES = {"x", "data", "input", "inputs", "features", "feature", "images", "image", "samples", "tokens"}
+_LABEL_NAMES = {"y", "label", "labels", "target", "targets", "class", "classes", "labels_idx", "t"}
+
+
+def _stem(name: str) -> str:
+    base = name.rsplit("/", 1)[-1].lower()
+    for suffix in ("_train", "_training", "_val", "_valid", "_test", "_all"):
+        if base.endswith(suffix):
+            return base[: -len(suffix)]
+    return base
+
+
+def guess_dataset_names(shapes: dict[str, tuple]) -> tuple[str, str] | None:
+    """(input name, label name) among datasets {name: shape}, or None if it is not clear.
+
+    By name first (data/label, features/targets, X_train/y_train, ...); else, of exactly two
+    row-aligned datasets, the one with one value per row is the label."""
+    rows = {n: s for n, s in shapes.items() if len(s) >= 1}
+    xs = [n for n in rows if _stem(n) in _INPUT_NAMES]
+    ys = [n for n in rows if _stem(n) in _LABEL_NAMES]
+    if len(xs) == 1 and len(ys) == 1 and rows[xs[0]][0] == rows[ys[0]][0]:
+        return xs[0], ys[0]
+    if len(rows) == 2:
+        (a, sa), (b, sb) = rows.items()
+        if sa[0] == sb[0] and (len(sa) == 1) != (len(sb) == 1):
+            return (b, a) if len(sa) == 1 else (a, b)
+    return None
+
+
+def _check_names(f: h5py.File, path: str, x_name: str, y_name: str) -> None:
+    """Both names at once: a file with other dataset names is one message naming the
+    overrides that fit it, not one round trip per name."""
+    missing = [(role, n) for role, n in (("input", x_name), ("label", y_name)) if f.get(n) is None]
+    if not missing:
+        return
+    have = _list_datasets(f)
+    what = " and ".join(f"no {role} dataset {n!r}" for role, n in missing)
+    text = f"HDF5 file {path!r} has {what}; datasets in the file: {have if have else 'none'}"
+    shapes = {n: tuple(f[n].shape or ()) for n in have}
+    guess = guess_dataset_names(shapes)
+    if guess:
+        text += f"; use data.x={guess[0]} data.y={guess[1]}"
+    elif have:
+        text += "; name them with data.x=<inputs> data.y=<labels>"
+    raise DataError(text)
+
+
 def _get_dataset(f: h5py.File, path: str, name: str, role: str) -> h5py.Dataset:
     obj = f.get(name)
     if obj is None:
@@ -105,6 +156,7 @@ def _get_dataset(f: h5py.File, path: str, name: str, role: str) -> h5py.Dataset:
 
 
 def _describe_open(f: h5py.File, path: str, x_name: str, y_name: str) -> DatasetInfo:
+    _check_names(f, path, x_name, y_name)
     x = _get_dataset(f, path, x_name, "input")
     y = _get_dataset(f, path, y_name, "label")
     for name, d in ((x_name, x), (y_name, y)):
@@ -126,6 +178,7 @@ def _describe_open(f: h5py.File, path: str, x_name: str, y_name: str) -> Dataset
         attrs=attrs,
         x_name=x_name,
         y_name=y_name,
+        y_attrs={k: _plain(v) for k, v in y.attrs.items()},
     )
 
 
