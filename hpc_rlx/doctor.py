@@ -4,6 +4,7 @@
     mpirun -n 4 python -m hpc_rlx.doctor            # exactly as you would launch training
     srun -n 8 python -m hpc_rlx.doctor              # inside salloc / a batch job
     python -m hpc_rlx.doctor --run-dir /scratch/me/outputs --json --strict
+    mpirun -n 4 python -m hpc_rlx.doctor train.threads_per_rank=2   # with training's overrides
 
 Every rank collects its own facts (host, cores it may use, BLAS threads, GPUs, run directory);
 rank 0 gathers them and prints one report with plain-word warnings. Exit status: 0, or 1 with
@@ -27,9 +28,9 @@ import uuid
 from collections import defaultdict
 from pathlib import Path
 
-from .comm import local_rank, rank_span
-
-THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+from .comm import node_layout, rank_span
+from .doctor_config import split_run_dir, training_settings
+from .doctor_threads import THREAD_ENV, host_train_threads, settings_note, thread_warnings
 SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_CPUS_PER_TASK", "SLURM_JOB_NODELIST",
              "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_MPI_TYPE", "SLURM_RESTART_COUNT")
 LAUNCH_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
@@ -182,8 +183,10 @@ def by_host(records: list[dict]) -> dict[str, list[dict]]:
     return dict(hosts)
 
 
-def analyse(records: list[dict], *, shared: dict | None = None, cwd_files: dict | None = None) -> list[str]:
-    """Plain-word warnings about what would make a run slow, fail or hang."""
+def analyse(records: list[dict], *, shared: dict | None = None, cwd_files: dict | None = None,
+            settings: dict | None = None) -> list[str]:
+    """Plain-word warnings about what would make a run slow, fail or hang. `settings`: the
+    training config's thread-related values (`threads_per_rank`, `cpu_lanes`)."""
     warnings = []
     size = records[0]["size"] if records else 1
     for host, recs in sorted(by_host(records).items()):
@@ -191,22 +194,13 @@ def analyse(records: list[dict], *, shared: dict | None = None, cwd_files: dict 
         union = set().union(*(set(r["cores"]) for r in recs))
         cores = len(union)
         threads = [r["blas_threads"] for r in recs]
-        total = sum(threads)
         if n > cores:
             warnings.append(
                 f"{host}: {n} ranks share {cores} usable cores: every rank waits for a core at every "
                 f"step (oversubscribed {n / cores:.1f}x). Start at most {cores} ranks on this node.")
-        elif total > cores and any(k in recs[0]["env"] for k in THREAD_ENV):
-            # Without an explicit thread setting hpc_rlx applies train.threads_per_rank's default
-            # (cores per node / ranks per node), which never oversubscribes: nothing to warn about.
-            env = recs[0]["env"]
-            asked = ", ".join(f"{k}={env[k]}" for k in THREAD_ENV if k in env)
-            per = max(1, cores // n)
-            warnings.append(
-                f"{host}: {n} ranks x {max(threads)} BLAS threads = {total} threads on {cores} cores "
-                f"(oversubscribed {total / cores:.1f}x; {asked}): ranks steal cores from each other "
-                f"and steps slow down. Set OMP_NUM_THREADS={per} (slurm/train.sh sets it to "
-                f"--cpus-per-task) or train.threads_per_rank={per}.")
+        else:
+            # Without an explicit setting training takes cores / ranks per node, which fits.
+            warnings += thread_warnings(host, recs, cores, settings)
         if n > 1 and all(len(r["cores"]) == 1 for r in recs) and cores < n:
             warnings.append(f"{host}: ranks are pinned to the same core(s) {sorted(union)}: "
                             "check the launcher's binding options (--cpu-bind / -bind-to).")
@@ -295,7 +289,8 @@ def _gpu_check_note(records: list[dict]) -> str:
     return f"; {len(bad)} of {len(checked)} rank(s) cannot run on their GPU (see the warnings)"
 
 
-def format_report(records: list[dict], warnings: list[str], *, shared: dict | None = None) -> str:
+def format_report(records: list[dict], warnings: list[str], *, shared: dict | None = None,
+                  settings: dict | None = None) -> str:
     r0 = records[0]
     hosts = by_host(records)
     lines = [f"hpc_rlx doctor: {r0['size']} rank(s) on {len(hosts)} node(s)", ""]
@@ -309,19 +304,21 @@ def format_report(records: list[dict], warnings: list[str], *, shared: dict | No
               f"  GPU bucket    {_bucket_path(r0)}",
               ""]
     lines.append("Nodes")
-    lines.append(f"  {'host':<16} {'ranks':<10} {'per node':>8} {'cores':>6} {'BLAS thr/rank':>13} "
+    lines.append(f"  {'host':<16} {'ranks':<10} {'per node':>8} {'cores':>6} {'train thr/rank':>14} "
                  f"{'ranks x thr':>11} {'GPUs':>5}")
     for host, recs in sorted(hosts.items()):
         union = set().union(*(set(r["cores"]) for r in recs))
-        threads = [r["blas_threads"] for r in recs]
+        threads = host_train_threads(recs, settings)
         thr = str(threads[0]) if len(set(threads)) == 1 else f"{min(threads)}-{max(threads)}"
         gpus = recs[0].get("gpus")
         lines.append(f"  {host:<16} {rank_span([r['rank'] for r in recs]):<10} {len(recs):>8} "
-                     f"{len(union):>6} {thr:>13} {sum(threads):>11} {'?' if gpus is None else gpus:>5}")
+                     f"{len(union):>6} {thr:>14} {sum(threads):>11} {'?' if gpus is None else gpus:>5}")
     blas = ", ".join(f"{p['api']} {p['version']} ({p['layer']})" for p in r0.get("blas", [])) or "none found"
     env = ", ".join(f"{k}={r0['env'][k]}" for k in THREAD_ENV if k in r0["env"]) or "none set"
     lines += [f"  cores = usable by the ranks (CPU affinity); this node has {r0['cpu_count']} CPUs",
-              f"  BLAS          {blas}; thread variables: {env}",
+              f"  train thr     the BLAS threads each rank trains with ({settings_note(settings)})",
+              f"  BLAS          {blas}; {r0['blas_threads']} thread(s) in this process before training's "
+              f"limit; thread variables: {env}",
               f"  GPUs          {r0.get('gpus_how', '')}{_gpu_check_note(records)}", ""]
     lines += ["Software",
               f"  Python {r0.get('python', '?')} ({r0.get('executable', '?')})",
@@ -393,8 +390,12 @@ def _check_shared(comm, base: Path) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m hpc_rlx.doctor",
                                  description="Preflight check of the MPI/BLAS/GPU/storage environment.")
-    ap.add_argument("--run-dir", default="outputs",
-                    help="where runs will write (default: outputs, as python -m hpc_rlx does)")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="training config overrides, as given to python -m hpc_rlx "
+                         "(e.g. train.threads_per_rank=4 device.cpu_lanes=2)")
+    ap.add_argument("--run-dir", default=None,
+                    help="where runs will write (default: hydra.run.dir= if given, else outputs, "
+                         "as python -m hpc_rlx does)")
     ap.add_argument("--json", action="store_true", help="print the facts and warnings as JSON")
     ap.add_argument("--strict", action="store_true", help="exit with status 1 when there are warnings")
     return ap.parse_args(argv)
@@ -402,7 +403,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    run_dir = Path(args.run_dir)
+    overrides, override_dir = split_run_dir(args.overrides)
+    run_dir = Path(args.run_dir or override_dir or "outputs")
     try:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
@@ -410,20 +412,36 @@ def main(argv=None) -> int:
         print(f"hpc_rlx doctor: mpi4py cannot start MPI: {type(exc).__name__}: {exc}\n"
               "Install mpi4py against your MPI (or pip install hpc_rlx[mpich]).", file=sys.stderr)
         return 1
+    settings = None
+    if comm.rank == 0:
+        try:
+            settings = training_settings(overrides)
+        except Exception as exc:  # noqa: BLE001 - a bad override is one message, then exit 2
+            settings = {"error": str(exc)}
+    settings = comm.bcast(settings, root=0)
+    if "error" in settings:
+        if comm.rank == 0:
+            print(f"hpc_rlx doctor: error (ConfigError): {settings['error']}", file=sys.stderr)
+        return 2
     rec = collect_local(comm.rank, comm.size, run_dir)
     rec.update(_safe(lambda: mpi_facts(comm), {}))
-    local = _safe(lambda: local_rank(comm), 0)
-    rec["gpu_check"] = _safe(lambda: gpu_check(local if isinstance(local, int) else 0), None)
+    layout = _safe(lambda: node_layout(comm), (0, 1))
+    local, rec["ranks_on_node"] = layout if isinstance(layout, tuple) else (0, None)
+    rec["gpu_check"] = _safe(lambda: gpu_check(local), None)
     records = comm.gather(rec, root=0)
     shared = _check_shared(comm, nearest_existing(run_dir)) if comm.size > 1 else None
     if comm.rank != 0:
         return 0
     cwd_files = {"train_sh": Path("slurm/train.sh").is_file(), "logs": Path("logs").is_dir()}
-    warnings = analyse(records, shared=shared, cwd_files=cwd_files)
+    warnings = analyse(records, shared=shared, cwd_files=cwd_files, settings=settings)
     if args.json:
-        print(json.dumps({"ranks": records, "shared": shared, "warnings": warnings}, indent=1))
+        for host, recs in by_host(records).items():
+            for r, t in zip(recs, host_train_threads(recs, settings)):
+                r["train_threads"] = t
+        print(json.dumps({"ranks": records, "shared": shared, "warnings": warnings,
+                          "settings": settings}, indent=1))
     else:
-        print(format_report(records, warnings, shared=shared), end="")
+        print(format_report(records, warnings, shared=shared, settings=settings), end="")
     sys.stdout.flush()
     return 1 if (args.strict and warnings) else 0
 

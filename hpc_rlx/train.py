@@ -305,14 +305,14 @@ class Run:
         from . import comm as mpi_mod
         from .checkpoints_runtime import RuntimeCheckpoints
         from .lanes import LaneSet, describe_lanes, inventory, resolve_lanes
-        from .threads import limit_threads
+        from .threads import limit_threads, thread_lanes
 
         spec, comm = self.spec, self.comm
         # Early, so a signal during startup becomes a stop at the first step, not a dead rank.
         self.stop_flag.install()
         maybe_fail(spec, self.rank, "startup")
         self.threads = limit_threads(comm, spec.train.get("threads_per_rank"),
-                                     lanes=max(1, int(spec.device.get("cpu_lanes") or 1)))
+                                     lanes=thread_lanes(spec.device.get("cpu_lanes")))
         tcfg = spec.extras.get("trace") or {}
         self.tracer = trace.start(comm, bool(tcfg.get("enabled")), host=mpi.hostname(),
                                   max_events=tcfg.get("max_events"))

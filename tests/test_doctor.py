@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 
 import h5py
 import pytest
 
 from hpc_rlx import doctor
 
-from .conftest import REPO, explain, mpirun
+from .conftest import MPIRUN, PYTHON, REPO, explain, mpirun
 
 
 def rec(rank, size, host="n1", cores=(0, 1), threads=1, env=None, **extra):
@@ -52,8 +53,45 @@ def test_more_ranks_than_cores_is_reported_with_the_numbers():
 def test_ranks_times_blas_threads_above_cores_is_oversubscription():
     w = doctor.analyse(cluster({"n1": 2}, threads=2, env={"OMP_NUM_THREADS": "4"}))
     assert len(w) == 1
-    assert "2 ranks x 2 BLAS threads = 4 threads on 2 cores" in w[0]
-    assert "OMP_NUM_THREADS=4" in w[0] and "OMP_NUM_THREADS=1" in w[0]
+    assert "n1: OMP_NUM_THREADS=4 gives 2 ranks x 4 threads = 8 threads on 2 cores" in w[0]
+    assert "OMP_NUM_THREADS=1" in w[0]
+
+
+def test_report_shows_the_threads_training_will_use_not_the_doctors_own():
+    # 2 ranks on 2 cores, no thread setting: OpenBLAS starts 2 threads in each doctor process,
+    # but training gives each rank cores / ranks per node = 1.
+    recs = cluster({"n1": 2}, threads=2)
+    assert doctor.analyse(recs) == []
+    rows = [line.split() for line in doctor.format_report(recs, []).splitlines()]
+    assert ["n1", "0-1", "2", "2", "1", "2", "0"] in rows
+    text = doctor.format_report(recs, [], settings={"threads_per_rank": None, "cpu_lanes": 2})
+    assert "cores / ranks per node / 2 CPU lanes" in text
+
+
+def test_the_shared_training_rule_gives_the_doctors_numbers():
+    from hpc_rlx.threads import training_threads
+    recs = [rec(r, 3, cores=range(8)) for r in range(3)]
+    assert doctor.host_train_threads(recs, None) == [training_threads(None, 8, 3)] * 3 == [2, 2, 2]
+    assert doctor.host_train_threads(recs, {"threads_per_rank": 5, "cpu_lanes": 1}) == [5, 5, 5]
+
+
+def test_explicit_threads_per_rank_above_cores_warns():
+    recs = cluster({"n1": 2, "n2": 2})
+    w = doctor.analyse(recs, settings={"threads_per_rank": 4, "cpu_lanes": 1})
+    assert len(w) == 2, w
+    assert w[0].startswith("n1: train.threads_per_rank=4 gives 2 ranks x 4 threads = 8 threads on 2 cores")
+    assert "train.threads_per_rank=1" in w[0]
+    rows = [line.split() for line in doctor.format_report(recs, w, settings={"threads_per_rank": 4}).splitlines()]
+    assert ["n1", "0-1", "2", "2", "4", "8", "0"] in rows
+    assert doctor.analyse(recs, settings={"threads_per_rank": 1, "cpu_lanes": 1}) == []
+
+
+@pytest.mark.parametrize("var", ["OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"])
+def test_a_thread_variable_above_cores_warns_even_when_blas_reports_fewer(var):
+    # the variable is what the ranks' other pools follow, whatever this BLAS reports
+    w = doctor.analyse(cluster({"n1": 2}, threads=1, env={var: "2"}))
+    assert len(w) == 1 and f"{var}=2 gives 2 ranks x 2 threads = 4 threads on 2 cores" in w[0]
+    assert doctor.analyse(cluster({"n1": 2}, threads=1, env={var: "1"})) == []
 
 
 def test_blas_threads_above_slurm_cpus_per_task():
@@ -142,7 +180,7 @@ def test_report_lists_every_host_and_the_warnings():
     assert "3 rank(s) on 2 node(s)" in text
     lines = [line.split() for line in text.splitlines()]
     assert ["a1", "0-1", "2", "2", "1", "2", "0"] in lines
-    assert ["b2", "2", "1", "2", "1", "1", "0"] in lines
+    assert ["b2", "2", "1", "2", "2", "2", "0"] in lines     # a lone rank trains on both cores
     assert "! something odd" in text and "shared by all ranks: yes" in text
 
 
@@ -197,6 +235,46 @@ def test_doctor_warns_about_blas_oversubscription(tmp_path):
     assert all(r["env"]["OMP_NUM_THREADS"] == str(threads) for r in ranks)
     assert any("oversubscribed" in w and f"OMP_NUM_THREADS={threads}" in w for w in report["warnings"]), \
         report["warnings"]
+
+
+def _without_thread_vars() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in doctor.THREAD_ENV}
+    env["PYTHONPATH"] = _env()["PYTHONPATH"]
+    return env
+
+
+def _doctor(n: int, args: list[str], cwd, env: dict) -> subprocess.CompletedProcess:
+    cmd = [MPIRUN, "-n", str(n), PYTHON, "-m", "hpc_rlx.doctor"] + args
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.mpi
+def test_doctor_table_shows_training_threads_without_any_setting(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    proc = _doctor(2, [], tmp_path, _without_thread_vars())
+    assert proc.returncode == 0, explain(proc)
+    host = socket.gethostname().split(".")[0]
+    row = next(line.split() for line in proc.stdout.splitlines() if line.strip().startswith(host + " "))
+    per = max(1, cores // 2)
+    assert row[4:6] == [str(per), str(2 * per)], proc.stdout
+    assert "train.threads_per_rank unset: cores / ranks per node" in proc.stdout
+
+
+@pytest.mark.mpi
+def test_doctor_takes_training_overrides_and_warns_about_threads_per_rank(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    proc = _doctor(2, [f"train.threads_per_rank={cores}", "--json"], tmp_path, _without_thread_vars())
+    assert proc.returncode == 0, explain(proc)
+    report = json.loads(proc.stdout)
+    assert report["settings"]["threads_per_rank"] == cores
+    assert [r["train_threads"] for r in report["ranks"]] == [cores, cores]
+    assert any(f"train.threads_per_rank={cores} gives 2 ranks x {cores} threads" in w
+               for w in report["warnings"]), report["warnings"]
+    # a bad override: the training run's own message, once, and exit 2
+    bad = _doctor(2, ["train.thread_per_rank=2"], tmp_path, _without_thread_vars())
+    assert bad.returncode == 2, explain(bad)
+    assert bad.stderr.count("unknown config key 'train.thread_per_rank'") == 1, explain(bad)
+    assert "did you mean 'train.threads_per_rank'" in bad.stderr and "Traceback" not in bad.stderr
 
 
 @pytest.mark.mpi
