@@ -161,9 +161,9 @@ def _first_lines(text: str, n: int = 6) -> str:
 
 def _unknown_key(key: str, argv: list[str], compose, added: str | None = None) -> str:
     """'unknown config key' with the closest real keys, from a config composed without it."""
-    import difflib
-
     from omegaconf import OmegaConf
+
+    from .config_hints import group_option_keys, suggest_keys
 
     override = added or next((a for a in argv if a.split("=", 1)[0].lstrip("+~") == key), key)
     known: list[str] = []
@@ -175,8 +175,11 @@ def _unknown_key(key: str, argv: list[str], compose, added: str | None = None) -
         known = _flatten(flat)
     except Exception:  # noqa: BLE001 - suggestions are a bonus
         pass
-    close = difflib.get_close_matches(key, known, n=2, cutoff=0.75)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "."
+    try:
+        close = suggest_keys(key, known, group_option_keys(_CONFIG_DIR))
+    except Exception:  # noqa: BLE001
+        close = []
+    hint = f"; did you mean {' or '.join(close)}?" if close else "."
     return (f"unknown config key {key!r} (from {override!r}){hint} "
             f"hpc_rlx rejects keys it does not read: see configs/config.yaml and configs/<group>/")
 
