@@ -83,6 +83,7 @@ class EpochTotals:
     step_wall_s: float = 0.0
     data_s: float = 0.0          # batch gathering from the in-memory shard
     extra: dict = field(default_factory=dict)
+    complete: bool = False       # a windowed policy consumed the whole epoch (even if stopping)
 
 
 class SyncPolicy:
@@ -97,6 +98,10 @@ class SyncPolicy:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    def epoch_fraction(self, ctx) -> float:
+        """How much of the current epoch is trained (progress display, partial epochs)."""
+        return ctx.step_in_epoch / max(1, ctx.steps_per_epoch)
 
     def run_epoch(self, run: "Run", epoch: int, first_step: int) -> EpochTotals:
         ctx, lanes, bucket = run.ctx, run.lanes, run.ctx.bucket
@@ -349,10 +354,15 @@ class Run:
             t_epoch = time.perf_counter()
             first = ctx.step_in_epoch
             totals = self.policy.run_epoch(self, ctx.epoch, first)
-            epoch_done = self.stop_reason is None or ctx.step_in_epoch >= ctx.steps_per_epoch
+            epoch_done = (self.stop_reason is None or ctx.step_in_epoch >= ctx.steps_per_epoch
+                          or totals.complete)
             if self.stop_reason == "nonfinite":
                 break
             metrics = None
+            if not epoch_done and self.stop_reason == "max_steps" and totals.steps:
+                # train.max_steps ended the run mid-epoch: validate and record what was trained
+                # (marked partial); the epoch stays open, so a resume finishes it
+                metrics = self._end_epoch(totals, time.perf_counter() - t_epoch, partial=True)
             if epoch_done:
                 metrics = self._end_epoch(totals, time.perf_counter() - t_epoch)
                 ctx.epoch += 1
@@ -381,7 +391,7 @@ class Run:
             return None
         return hist[-1].get(self.spec.checkpoint["metric"])
 
-    def _end_epoch(self, totals: EpochTotals, wall: float) -> dict:
+    def _end_epoch(self, totals: EpochTotals, wall: float, partial: bool = False) -> dict:
         ctx, spec = self.ctx, self.spec
         t_eval = time.perf_counter()
         with trace.span("evaluate", "eval"):
@@ -410,11 +420,15 @@ class Run:
             rec.update(syncs=totals.steps, K=1,
                        comm_share=(totals.comm_s / totals.compute_s) if totals.compute_s else None)
         rec.update(totals.extra)
-        ctx.history.append({k: rec[k] for k in ("epoch", "step", "val_loss", "val_accuracy", "train_loss")})
+        if partial:
+            rec.update(partial=True, epoch_fraction=round(self.policy.epoch_fraction(ctx), 6))
+        ctx.history.append({k: rec[k] for k in ("epoch", "step", "val_loss", "val_accuracy", "train_loss")
+                            + (("partial",) if partial else ()) if k in rec})
         if self.outputs:
             self.outputs.epoch(rec)
         va = rec["val_accuracy"]
-        self.log(f"epoch {rec['epoch']}/{spec.train['epochs']}  train_loss {_fmt(train_loss)}  "
+        part = f" (partial: {totals.steps} steps)" if partial else ""
+        self.log(f"epoch {rec['epoch']}/{spec.train['epochs']}{part}  train_loss {_fmt(train_loss)}  "
                  f"val_loss {_fmt(rec['val_loss'])}  val_acc {_fmt(va)}  "
                  f"{_fmt(rec['samples_per_s'], 0)} samples/s  comm {_fmt(totals.comm_s, 3)}s")
         return rec

@@ -203,6 +203,12 @@ class WindowedRunner:
         within = self.epoch_consumed * ctx.steps_per_epoch // max(1, self.epoch_samples)
         return ctx.epoch * ctx.steps_per_epoch + int(within)
 
+    def epoch_fraction(self, ctx) -> float:
+        """How much of the current epoch is trained: samples consumed over the epoch's."""
+        if not self._ready:
+            return ctx.step_in_epoch / max(1, ctx.steps_per_epoch)
+        return self.epoch_consumed / max(1, self.epoch_samples)
+
     # ---- one epoch ----------------------------------------------------------------------
     def run_epoch(self, run, epoch: int, first_step: int) -> EpochTotals:
         if not self._ready:
@@ -223,6 +229,12 @@ class WindowedRunner:
                 break
             k = self.k if self.name == "cadence" else planned[0]
             if self._window(run, counts, counts != planned, totals, log, k):
+                if not any(plan_window(self.planned_counts(), self.batches,
+                                       self.epoch_samples - self.epoch_consumed)):
+                    # the run stops exactly where the epoch ends: the epoch is complete
+                    self.epoch_consumed = 0
+                    self._log = None
+                    totals.complete = True
                 break
         extra = {"outer": self.outer.name, "lr": self._lr}
         metrics = self.controller.metrics()
