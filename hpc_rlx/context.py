@@ -30,6 +30,8 @@ class Context:
         self.graph = Graph.from_dict(spec.graph)
         self.layout = ParamLayout(self.graph)
         self.per_sample = max(1, int(getattr(self.graph, "predictions_per_sample", 1)))
+        # a regression loss (mse) has no `correct` output: there is no accuracy to report
+        self.has_accuracy = "correct" in self.graph.outputs
         self.EpochOrder = EpochOrder
 
         # Initial weights: rank 0 materialises them, everyone receives them by buffer Bcast.
@@ -163,4 +165,6 @@ class Context:
         mpi.watched_call("validation Allreduce", self.comm.Allreduce, MPI.IN_PLACE, buf, op=MPI.SUM)
         if buf[2] == 0:
             return {"val_loss": None, "val_accuracy": None}
+        if not self.has_accuracy:
+            return {"val_loss": buf[0] / buf[2], "val_accuracy": None}
         return {"val_loss": buf[0] / buf[2], "val_accuracy": buf[1] / (buf[2] * self.per_sample)}

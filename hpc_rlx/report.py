@@ -237,14 +237,23 @@ def _series(metrics: list[dict], key: str) -> tuple[list, list]:
     return xs, ys
 
 
+CURVE_PANELS = (("loss", ("train_loss", "val_loss")), ("accuracy", ("train_accuracy", "val_accuracy")))
+
+
+def curve_panels(metrics: list[dict]) -> dict[str, tuple]:
+    """The metric panels a run has values for: a regression run has no accuracy panel."""
+    return {title: keys for title, keys in CURVE_PANELS
+            if any(_series(metrics, k)[0] for k in keys)}
+
+
 def plot_curves(files: RunFiles, path: Path) -> Path | None:
     m = files.metrics
     if not m:
         return None
-    fig = _figure(13, 4)
-    axes = fig.subplots(1, 3)
-    for ax, (title, keys) in zip(axes[:2], (("loss", ("train_loss", "val_loss")),
-                                            ("accuracy", ("train_accuracy", "val_accuracy")))):
+    panels = curve_panels(m)
+    fig = _figure(13 * (len(panels) + 1) / 3, 4)
+    axes = fig.subplots(1, len(panels) + 1, squeeze=False)[0]
+    for ax, (title, keys) in zip(axes[:-1], panels.items()):
         for key, style in zip(keys, ("-o", "-s")):
             xs, ys = _series(m, key)
             if xs:
@@ -255,7 +264,7 @@ def plot_curves(files: RunFiles, path: Path) -> Path | None:
         if ax.lines:
             ax.legend()
     xs, ys = _series(m, "samples_per_s")
-    ax = axes[2]
+    ax = axes[-1]
     if xs:
         ax.plot(xs, ys, "-o", ms=3, color="#444444", label="samples/s")
     ax.set_title("throughput (all ranks, step time)")
@@ -417,8 +426,10 @@ def run_text(files: RunFiles) -> str:
                  f"{s.get('steps', m[-1].get('step') if m else '?')} steps, "
                  f"{s.get('world_size', '?')} ranks, policy {m[-1].get('policy', '?') if m else '?'}")
     final = s.get("final") or (m[-1] if m else {})
-    lines.append(f"final: train_loss {_f(final.get('train_loss'))}  val_loss {_f(final.get('val_loss'))}  "
-                 f"val_accuracy {_f(final.get('val_accuracy'))}")
+    # a regression run has no accuracy: no "val_accuracy -" either
+    acc = f"  val_accuracy {_f(final.get('val_accuracy'))}" if "val_accuracy" in final else ""
+    lines.append(f"final: train_loss {_f(final.get('train_loss'))}  val_loss {_f(final.get('val_loss'))}"
+                 f"{acc}")
     rates = [r["samples_per_s"] for r in m if isinstance(r.get("samples_per_s"), (int, float))]
     if rates:
         later = rates[1:] or rates   # the first epoch pays warm-up

@@ -306,6 +306,9 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
                             f"in {d['path']} ({info.n} samples)")
 
     graph = _build_graph(cfg["model"], info.x_shape, info.x_dtype, _num_classes(cfg["model"], info, n_train))
+    if cfg["checkpoint"]["metric"] == "val_accuracy" and "correct" not in graph.outputs:
+        raise ConfigError("checkpoint.metric=val_accuracy, but this model reports no accuracy "
+                          "(its loss is a regression loss); use checkpoint.metric=val_loss")
     x_in = next(i for i in graph.inputs if i.name == "x")
     y_in = next(i for i in graph.inputs if i.name == "y")
     expect = dict(input_shape=tuple(x_in.shape[1:]),

@@ -420,16 +420,19 @@ class Run:
             rec.update(syncs=totals.steps, K=1,
                        comm_share=(totals.comm_s / totals.compute_s) if totals.compute_s else None)
         rec.update(totals.extra)
+        if not ctx.has_accuracy:      # regression: no accuracy at all rather than a 0.0
+            rec.pop("train_accuracy", None)
+            rec.pop("val_accuracy", None)
         if partial:
             rec.update(partial=True, epoch_fraction=round(self.policy.epoch_fraction(ctx), 6))
         ctx.history.append({k: rec[k] for k in ("epoch", "step", "val_loss", "val_accuracy", "train_loss")
                             + (("partial",) if partial else ()) if k in rec})
         if self.outputs:
             self.outputs.epoch(rec)
-        va = rec["val_accuracy"]
+        acc = f"  val_acc {_fmt(rec['val_accuracy'])}" if "val_accuracy" in rec else ""
         part = f" (partial: {totals.steps} steps)" if partial else ""
         self.log(f"epoch {rec['epoch']}/{spec.train['epochs']}{part}  train_loss {_fmt(train_loss)}  "
-                 f"val_loss {_fmt(rec['val_loss'])}  val_acc {_fmt(va)}  "
+                 f"val_loss {_fmt(rec['val_loss'])}{acc}  "
                  f"{_fmt(rec['samples_per_s'], 0)} samples/s  comm {_fmt(totals.comm_s, 3)}s")
         return rec
 
