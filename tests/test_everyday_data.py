@@ -1,0 +1,250 @@
+"""First-use data and config mistakes: a mistyped data.path, keys in the wrong section, datasets
+with other names, no num_classes anywhere, and regression runs (no accuracy to report).
+
+Real `mpirun` jobs on real HDF5 files."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+
+from .conftest import PYTHON, REPO, explain, mpi_env, mpirun, read_metrics, train_job
+
+pytestmark = pytest.mark.mpi
+
+SMALL = ["train.epochs=1", "train.batch_size=8", "model.hidden=[8]", "checkpoint=off"]
+
+
+def _error_lines(proc) -> list[str]:
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith("hpc_rlx: error")]
+
+
+def _write(path, x, y, attrs=None, x_name="x", y_name="y", y_attrs=None):
+    with h5py.File(path, "w") as f:
+        f[x_name] = x
+        f[y_name] = y
+        for k, v in (attrs or {}).items():
+            f.attrs[k] = v
+        for k, v in (y_attrs or {}).items():
+            f[y_name].attrs[k] = v
+    return path
+
+
+def _classification(rows=96, features=6, classes=5, seed=0):
+    rng = np.random.default_rng(seed)
+    y = (np.arange(rows) % classes).astype(np.int64)
+    x = rng.standard_normal((rows, features)).astype(np.float32) + y[:, None]
+    return x, y
+
+
+# ---- item 1: a mistyped data.path with the default data group ----------------------------
+
+def test_missing_data_path_with_the_default_group_is_an_error(tmp_path):
+    """`data.path=<missing>` without data=file used to write digits there and train on them."""
+    missing = tmp_path / "some" / "missing" / "file.h5"
+    run = tmp_path / "run"
+    proc = train_job(2, run, [f"data.path={missing}"] + SMALL, timeout=90)
+    assert proc.returncode == 2, explain(proc)
+    errors = _error_lines(proc)
+    assert len(errors) == 1, explain(proc)
+    assert str(missing) in errors[0] and "does not exist" in errors[0], explain(proc)
+    assert "data=file" in errors[0], explain(proc)
+    assert not missing.exists() and not missing.parent.exists(), "a dataset was written at the mistyped path"
+    assert not (run / "metrics.jsonl").exists()
+    assert "Traceback" not in proc.stderr
+
+
+def test_default_path_is_still_prepared_on_first_use(tmp_path):
+    """The group's own path (data/digits.h5, relative to where the job starts) is prepared."""
+    proc = mpirun(2, ["-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}", "report.plots=false",
+                      "train.max_steps=2"] + SMALL, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    with h5py.File(tmp_path / "data" / "digits.h5", "r") as f:
+        assert f["x"].shape == (1797, 1, 8, 8)
+
+
+def test_prepare_decision_is_by_the_groups_own_path(tmp_path, monkeypatch):
+    from hpc_rlx.data.resolve import prepare_missing_data
+    from hpc_rlx.errors import DataError
+
+    monkeypatch.chdir(tmp_path)
+    d = {"name": "synthetic", "path": "data/synthetic.h5", "prepare": "synthetic"}
+    prepare_missing_data(d)
+    assert (tmp_path / "data" / "synthetic.h5").is_file()
+    # the same default, spelled as an absolute path, is the same file
+    d2 = dict(d, path=str(tmp_path / "data" / "digits.h5"), name="digits", prepare="digits")
+    prepare_missing_data(d2)
+    assert (tmp_path / "data" / "digits.h5").is_file()
+    for name in ("digits", "synthetic", "text"):
+        with pytest.raises(DataError, match=r"'other/x\.h5' does not exist.*data=file data\.path=other/x\.h5"):
+            prepare_missing_data({"name": name, "path": "other/x.h5", "prepare": name})
+    assert not (tmp_path / "other").exists()
+
+
+# ---- item 11: keys in the wrong section, datasets with other names -----------------------
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("train.lr=0.01", "optim.lr"),
+    ("optim.epochs=3", "train.epochs"),
+    ("train.val_fraction=0.1", "data.val_fraction"),
+    ("lr=0.01", "optim.lr"),
+])
+def test_key_in_the_wrong_section_suggests_where_it_lives(tmp_path, override, suggestion):
+    proc = mpirun(1, ["-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}", override], timeout=60)
+    assert proc.returncode == 2, explain(proc)
+    errors = _error_lines(proc)
+    assert len(errors) == 1, explain(proc)
+    assert f"did you mean '{suggestion}'?" in errors[0], explain(proc)
+
+
+def test_key_of_another_group_option_names_the_option(tmp_path):
+    """optim.betas exists only with optim=adamw: say so instead of guessing a near name."""
+    proc = mpirun(1, ["-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}", "train.betas=[0.9,0.99]"],
+                  timeout=60)
+    assert proc.returncode == 2, explain(proc)
+    assert "'optim.betas' (with optim=adamw)" in proc.stderr, explain(proc)
+
+
+def test_other_dataset_names_get_one_message_with_both_overrides(tmp_path):
+    x, y = _classification()
+    path = _write(tmp_path / "mine.h5", x, y, attrs={"num_classes": 5}, x_name="data", y_name="label")
+    proc = train_job(2, tmp_path / "run", ["data=file", f"data.path={path}"] + SMALL, timeout=90)
+    assert proc.returncode == 2, explain(proc)
+    errors = _error_lines(proc)
+    assert len(errors) == 1, explain(proc)
+    assert "data.x=data data.y=label" in errors[0], explain(proc)
+    # and following the advice trains
+    proc = train_job(2, tmp_path / "run2", ["data=file", f"data.path={path}", "data.x=data",
+                                            "data.y=label"] + SMALL, timeout=90)
+    assert proc.returncode == 0, explain(proc)
+
+
+def test_dataset_name_guess():
+    from hpc_rlx.data.hdf5 import guess_dataset_names
+
+    assert guess_dataset_names({"data": (100, 6), "label": (100,)}) == ("data", "label")
+    assert guess_dataset_names({"targets": (10,), "features": (10, 3)}) == ("features", "targets")
+    assert guess_dataset_names({"X_train": (10, 3), "y_train": (10,)}) == ("X_train", "y_train")
+    # one per-sample array and one scalar-per-row array: the row vector is the label
+    assert guess_dataset_names({"a": (10, 3), "b": (10,)}) == ("a", "b")
+    # nothing to go on
+    assert guess_dataset_names({"a": (10, 3), "b": (10, 3), "c": (10,)}) is None
+    assert guess_dataset_names({"a": (10, 3)}) is None
+
+
+# ---- item 12: the number of classes from the labels --------------------------------------
+
+def test_num_classes_from_the_training_labels(tmp_path):
+    x, y = _classification(classes=5)
+    path = _write(tmp_path / "noattr.h5", x, y)
+    run = tmp_path / "run"
+    proc = train_job(2, run, ["data=file", f"data.path={path}"] + SMALL, timeout=90)
+    assert proc.returncode == 0, explain(proc)
+    assert re.search(r"num_classes=5 from the training labels", proc.stdout), explain(proc)
+    graph = json.loads((run / "graph.json").read_text())
+    head = next(p for p in graph["params"] if p["name"] == "head.bias")
+    assert head["shape"] == [5]
+
+
+def test_num_classes_attribute_of_the_label_dataset(tmp_path):
+    from hpc_rlx.spec import build_spec
+
+    x, y = _classification(classes=5)
+    cfg = _cfg(_write(tmp_path / "yattr.h5", x, y, y_attrs={"num_classes": 7}))
+    spec = build_spec(cfg, str(tmp_path / "run"), 1)
+    head = next(p for p in spec.graph["params"] if p["name"] == "head.bias")
+    assert head["shape"] == [7]
+
+
+def test_num_classes_attributes_that_disagree_are_an_error(tmp_path):
+    from hpc_rlx.errors import DataError
+    from hpc_rlx.spec import build_spec
+
+    x, y = _classification(classes=5)
+    cfg = _cfg(_write(tmp_path / "both.h5", x, y, attrs={"num_classes": 5}, y_attrs={"num_classes": 6}))
+    with pytest.raises(DataError, match=r"num_classes=5 .* num_classes=6"):
+        build_spec(cfg, str(tmp_path / "run"), 1)
+
+
+def test_num_classes_inference_refuses_bad_labels(tmp_path):
+    from hpc_rlx.errors import DataError
+    from hpc_rlx.spec import build_spec
+
+    x, y = _classification(classes=5)
+    y = y.copy()
+    y[3] = -1
+    with pytest.raises(DataError, match=r"label -1 at row 3 .*negative"):
+        build_spec(_cfg(_write(tmp_path / "neg.h5", x, y)), str(tmp_path / "run"), 1)
+    with pytest.raises(DataError, match=r"float32, but the loss needs integer class indices"):
+        build_spec(_cfg(_write(tmp_path / "flt.h5", x, y.astype(np.float32))), str(tmp_path / "run"), 1)
+
+
+def _cfg(path) -> dict:
+    """The composed default config with data=file on `path` (as rank 0 sees it)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from hpc_rlx.__main__ import _CONFIG_DIR
+
+    if not OmegaConf.has_resolver("rlx_run_id"):
+        OmegaConf.register_new_resolver("rlx_run_id", lambda: "test")
+    with initialize_config_dir(config_dir=_CONFIG_DIR, version_base="1.3", job_name="t"):
+        cfg = compose("config", overrides=["data=file", f"data.path={path}", "model.hidden=[8]",
+                                           "train.batch_size=8"])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+# ---- item 14: regression runs report no accuracy -----------------------------------------
+
+def test_regression_run_reports_no_accuracy(tmp_path):
+    from hpc_rlx.graph import build_model
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((96, 6)).astype(np.float32)
+    y = np.stack([x[:, 0] - x[:, 1], 0.5 * x[:, 2]], axis=1).astype(np.float32)
+    data = _write(tmp_path / "reg.h5", x, y)
+    graph = tmp_path / "reg.json"
+    build_model("mlp", input_shape=(6,), num_classes=2, hidden=[8], loss="mse").to_file(graph)
+    run = tmp_path / "run"
+    proc = mpirun(2, ["-m", "hpc_rlx", f"hydra.run.dir={run}", "data=file", f"data.path={data}",
+                      "model=graph", f"model.path={graph}", "train.epochs=2", "train.batch_size=8",
+                      "checkpoint=off", "train.progress=lines"], timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    recs = read_metrics(run)
+    assert len(recs) == 2
+    for rec in recs:
+        assert "val_accuracy" not in rec and "train_accuracy" not in rec, rec
+        assert isinstance(rec["val_loss"], float)
+    final = json.loads((run / "summary.json").read_text())["final"]
+    assert "val_accuracy" not in final and isinstance(final["val_loss"], float), final
+    assert "val_loss" in proc.stdout and "val_acc" not in proc.stdout, explain(proc)
+    # the report: no accuracy line in the text, no accuracy panel in the plots
+    rep = subprocess.run([PYTHON, "-m", "hpc_rlx.report", str(run)], cwd=REPO, env=mpi_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    assert "val_loss" in rep.stdout and "accuracy" not in rep.stdout, rep.stdout
+    from hpc_rlx.report import curve_panels, load_run
+    panels = curve_panels(load_run(run).metrics)
+    assert "loss" in panels and "accuracy" not in panels, panels
+
+
+def test_regression_cannot_checkpoint_by_accuracy(tmp_path):
+    from hpc_rlx.graph import build_model
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((96, 6)).astype(np.float32)
+    data = _write(tmp_path / "reg.h5", x, x[:, :2].copy())
+    graph = tmp_path / "reg.json"
+    build_model("mlp", input_shape=(6,), num_classes=2, hidden=[8], loss="mse").to_file(graph)
+    proc = train_job(2, tmp_path / "run", ["data=file", f"data.path={data}", "model=graph",
+                                           f"model.path={graph}", "train.epochs=1",
+                                           "train.batch_size=8", "checkpoint.metric=val_accuracy"],
+                     timeout=90)
+    assert proc.returncode == 2, explain(proc)
+    errors = _error_lines(proc)
+    assert len(errors) == 1 and "checkpoint.metric=val_accuracy" in errors[0], explain(proc)
