@@ -12,6 +12,7 @@ one error, so no rank is ever left waiting in a collective the others skipped.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import subprocess
@@ -52,32 +53,64 @@ class RuntimeCheckpoints:
     def __init__(self, run):
         from .checkpoint import CheckpointManager, checkpoints_dir
 
+        from .checkpoint.cadence import BestWatch, Cadence
+
         self.run = run
         cfg = run.spec.checkpoint
-        self.every_steps = cfg.get("every_steps")
-        self.every_epochs = cfg.get("every_epochs")
-        self.every_minutes = cfg.get("every_minutes")
+        self.cadence = Cadence.from_config(cfg)
         self.directory = checkpoints_dir(run.spec.run_dir)
         self.manager = CheckpointManager(self.directory, keep_last=int(cfg["keep_last"]),
                                          metric=cfg["metric"]) if run.is_root else None
-        self._last_save = time.monotonic()
         self.saved_step: int | None = None
         self._saved_at: tuple | None = None     # (step, epoch, step_in_epoch) of the last save
         # A cadence save that falls on the last step of an epoch waits for that epoch's
         # validation, so the file holds a finished epoch and its metric (see Run).
         self.deferred = False
-        self.enabled = bool(self.every_steps or self.every_epochs or self.every_minutes)
+        self.enabled = self.cadence.enabled
+        # Rank 0: the best epoch end not yet on disk, (step, metric, state copy); written just
+        # before the next save, so the best survives without a file per epoch.
+        self.best = BestWatch(cfg["metric"])
+        self._unsaved_best: tuple | None = None
 
     # ---- cadence (all ranks evaluate these on the same agreed numbers) -------------------
     def steps_due(self, step: int) -> bool:
-        return bool(self.every_steps) and step % int(self.every_steps) == 0
+        return self.cadence.steps_due(step)
 
     def epoch_due(self, epoch: int) -> bool:
-        return bool(self.every_epochs) and epoch % int(self.every_epochs) == 0
+        return self.cadence.epoch_due(epoch)
 
     def minutes_due(self) -> bool:
         """Only rank 0's answer counts: it travels in the bucket's `ckpt_due` slot."""
-        return bool(self.every_minutes) and time.monotonic() - self._last_save >= 60 * float(self.every_minutes)
+        return self.cadence.minutes_due()
+
+    def training_starts(self) -> None:
+        """The minutes cadence counts training time, not data loading or resume."""
+        self.cadence.restart()
+        self.run.log(f"checkpoints: {self.cadence.describe()}, keeping the best by "
+                     f"{self.run.spec.checkpoint['metric']}")
+
+    def epoch_ended(self, metric: float | None) -> None:
+        """Rank 0, at an epoch boundary after validation: remember the state if it is the best
+        so far. A save at this same step writes it anyway, with its metric."""
+        step = self.run.ctx.step
+        if not (self.enabled and self.run.is_root) or not self.best.offer(step, metric):
+            return
+        if self.saved_step == step:
+            self._unsaved_best = None       # this epoch's own save holds it
+            return
+        state = self._state()
+        # a copy: training goes on changing the parameters, optimizer state and history
+        state.arrays = {k: np.array(v, copy=True) for k, v in state.arrays.items()}
+        state.meta = copy.deepcopy(state.meta)
+        self._unsaved_best = (step, metric, state)
+
+    def _write_unsaved_best(self, step: int) -> None:
+        """Rank 0, inside a save at `step`: first write the best epoch end since the last save."""
+        best, self._unsaved_best = self._unsaved_best, None
+        if best is None or best[0] >= step or (self.saved_step is not None and best[0] <= self.saved_step):
+            return
+        path = self.manager.save(best[2], step=best[0], metric_value=best[1])
+        self.run.log(f"checkpoint (best) at step {best[0]}: {path}")
 
     # ---- what goes into a checkpoint ----------------------------------------------------
     def _plan(self) -> dict:
@@ -141,12 +174,13 @@ class RuntimeCheckpoints:
         t0 = time.perf_counter()
 
         def _write():
+            self._write_unsaved_best(ctx.step)
             return str(self.manager.save(self._state(), step=ctx.step, metric_value=metric))
         # A failed write (disk full ...) raises the same CheckpointError on every rank; the
         # previous checkpoint and the `latest` pointer are then untouched.
         path = mpi.root_computes(run.comm, _write)
         self.saved_step, self._saved_at = ctx.step, at
-        self._last_save = time.monotonic()
+        self.cadence.restart()
         run.log(f"checkpoint ({reason}) at step {ctx.step}: {path} "
                 f"[{time.perf_counter() - t0:.2f}s]")
 
@@ -240,6 +274,7 @@ class RuntimeCheckpoints:
             # Best tracking from the recorded history, later checkpoints moved aside: only
             # now that the checkpoint has been accepted.
             self.manager.restore_history(state, warn=self._warn)
+            self.best.seed(self.manager.best_step, self.manager.best_value)
             holder["state"] = state
             shapes = {k: (list(v.shape), v.dtype.str) for k, v in state.arrays.items()}
             return {"path": str(state.path), "meta": state.meta, "shapes": shapes}

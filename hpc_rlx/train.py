@@ -348,6 +348,7 @@ class Run:
             self.outputs.start()
         self.log(f"{comm.size} ranks, lanes on rank 0: {self.lanes.names}, "
                  f"{ctx.layout.size} parameters, {ctx.steps_per_epoch} steps/epoch")
+        self.checkpoints.training_starts()
 
         epochs = int(spec.train["epochs"])
         while ctx.epoch < epochs and self.stop_reason is None:
@@ -371,6 +372,8 @@ class Run:
                 if (epoch_due or self.checkpoints.deferred) and self.stop_reason is None:
                     self.save_checkpoint("epoch" if epoch_due else "cadence",
                                          metrics.get(spec.checkpoint["metric"]))
+                if self.stop_reason is None:    # else the final or preemption save follows here
+                    self.checkpoints.epoch_ended(metrics.get(spec.checkpoint["metric"]))
                 if self.tracer is not None:
                     self.tracer.add(f"epoch {ctx.epoch}", "epoch", trace.MAIN, t_epoch, time.perf_counter())
             if self.stop_reason == "signal":

@@ -36,7 +36,8 @@ EPOCHS = 4
 
 def base(digits_h5: Path) -> list[str]:
     return [f"data.path={digits_h5}", "model.hidden=[32]", "train.dtype=float64",
-            "comm.deterministic=true", f"train.epochs={EPOCHS}", "checkpoint.keep_last=10"]
+            "comm.deterministic=true", f"train.epochs={EPOCHS}", "checkpoint.keep_last=10",
+            "checkpoint.every_epochs=1"]
 
 
 def ckpt(run: Path, step: int) -> Path:

@@ -54,7 +54,8 @@ def test_exception_at_each_point_is_one_message_and_the_job_ends(tmp_path, small
     run = tmp_path / "run"
     t0 = time.monotonic()
     proc = train_job(2, run, BASE + [f"data.path={small_h5}", "train.epochs=2", f"debug.fail_rank={rank}",
-                                     f"debug.fail_point={point}", "debug.fail_step=3"], timeout=60)
+                                     f"debug.fail_point={point}", "debug.fail_step=3",
+                                     "checkpoint.every_epochs=1"], timeout=60)
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0, explain(proc)
     lines = failure_lines(proc.stderr)
@@ -201,7 +202,8 @@ def test_nonfinite_stop_keeps_the_last_good_checkpoint(tmp_path, small_h5):
 
     run = tmp_path / "run"
     proc = train_job(2, run, BASE + [f"data.path={small_h5}", "train.epochs=3", "train.on_nonfinite=stop",
-                                     "debug.nan_rank=0", "debug.nan_step=15"], timeout=60)
+                                     "debug.nan_rank=0", "debug.nan_step=15", "checkpoint.every_epochs=1"],
+                     timeout=60)
     assert proc.returncode == 2, explain(proc)
     lines = failure_lines(proc.stderr)
     assert len(lines) == 1 and "NonFiniteError" in lines[0], explain(proc)

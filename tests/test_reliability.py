@@ -206,7 +206,7 @@ CASES = [
     Case("checkpoint_corrupt", ("resume={ckpt}",), r"flip\.h5 failed its checksum .*the file is corrupt",
          kind="CheckpointError", seed_run=True, corrupt="flip"),
     # ---- disk: a checkpoint is ~9 KiB, everything written before the first one is smaller
-    Case("disk_full_checkpoint", ("train.epochs=2",),
+    Case("disk_full_checkpoint", ("train.epochs=2", "checkpoint.every_epochs=1"),
          r"could not write checkpoint .*ckpt-00000024\.h5: .*File too large \(disk full or over "
          r"quota\?\); the previous checkpoint ckpt-00000012\.h5",
          kind="CheckpointError", seed_run=True, file_limit_kb=8,

@@ -1,0 +1,74 @@
+"""When a run writes a checkpoint: pure decisions on steps, epochs and a clock (no MPI, no files).
+
+The default (``checkpoint=default``) is a time cadence plus the end of the run and preemption:
+a short run writes its final checkpoint (and at most one more for the best epoch, see
+`BestWatch`), a long one also saves at least every ``every_minutes`` of training, so a
+checkpoint never costs most of a short run and a crash never costs more than those minutes.
+Step and epoch cadences are there for whoever asks for them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from hpc_rlx.checkpoint.retention import BestTracker, metric_mode
+
+
+class Cadence:
+    """The step, epoch and minutes cadences of `checkpoint.every_*`; None or 0 turns one off.
+
+    clock: seconds, monotonic (tests pass their own). The minutes cadence is measured from the
+    start of training or the last save, whichever is later.
+    """
+
+    def __init__(self, every_steps=None, every_epochs=None, every_minutes=None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.every_steps = int(every_steps) if every_steps else None
+        self.every_epochs = int(every_epochs) if every_epochs else None
+        self.every_minutes = float(every_minutes) if every_minutes else None
+        self.clock = clock
+        self._last = clock()
+
+    @classmethod
+    def from_config(cls, cfg: dict, clock: Callable[[], float] = time.monotonic) -> "Cadence":
+        return cls(cfg.get("every_steps"), cfg.get("every_epochs"), cfg.get("every_minutes"), clock)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.every_steps or self.every_epochs or self.every_minutes)
+
+    def steps_due(self, step: int) -> bool:
+        return self.every_steps is not None and step % self.every_steps == 0
+
+    def epoch_due(self, epoch: int) -> bool:
+        return self.every_epochs is not None and epoch % self.every_epochs == 0
+
+    def minutes_due(self) -> bool:
+        return self.every_minutes is not None and self.clock() - self._last >= 60.0 * self.every_minutes
+
+    def restart(self) -> None:
+        """Training starts (after startup and resume) or a checkpoint was just written."""
+        self._last = self.clock()
+
+    def describe(self) -> str:
+        parts = [f"every {n:g} {what}" for n, what in ((self.every_steps, "steps"),
+                 (self.every_epochs, "epochs"), (self.every_minutes, "min")) if n]
+        return ", ".join(parts + ["at the end and on preemption"]) if parts else "off"
+
+
+class BestWatch:
+    """Which epoch ends are the best so far by `checkpoint.metric`, among those seen since start
+    or resume. The run keeps that epoch's state in memory and writes it only with the next save,
+    so the best survives without a file per epoch (see RuntimeCheckpoints)."""
+
+    def __init__(self, metric: str):
+        self.tracker = BestTracker(metric_mode(metric))
+
+    def seed(self, step: int | None, value: float | None) -> None:
+        """Continue from the best a resumed run's checkpoints already hold."""
+        self.tracker.step, self.tracker.value = step, value
+
+    def offer(self, step: int, value) -> bool:
+        """True if epoch-end `step` with metric `value` is strictly better than any before."""
+        return self.tracker.offer(step, value)
