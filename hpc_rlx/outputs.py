@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import watchdog
+
 
 class RunOutputs:
     """Rank 0's files in the run directory."""
@@ -73,6 +75,9 @@ class RunOutputs:
         summary = dict(result)
         summary["run_dir"] = str(self.dir)
         summary["lanes"] = self.run.lanes.names
+        watched = watchdog.current().stats()
+        if watched is not None:
+            summary["watchdog"] = watched
         with open(self.dir / "summary.json.tmp", "w") as f:
             json.dump(summary, f, indent=1, default=_json_default)
         os.replace(self.dir / "summary.json.tmp", self.dir / "summary.json")

@@ -17,11 +17,14 @@ travel outside MPI. Each rank runs one daemon thread:
 UDP goes to rank 0's host; ranks on rank 0's node use loopback. Where the cluster network
 drops UDP between nodes, reports lose the remote ranks' detail, and the local abort still
 fires. Collectives outside `hpc_rlx.comm`'s guarded helpers are not watched.
+
+Anyone who can reach rank 0's port can send to it, so every datagram is sealed with a per-job
+key and checked before rank 0 acts on it (`hpc_rlx.heartbeat`); rejected datagrams are only
+counted, and nothing that arrives can stop the thread or reach the training loop.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -29,9 +32,15 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["StallWatchdog", "NullWatchdog", "current", "install", "describe_state", "stall_report"]
+from .heartbeat import DROP_REASONS, MAX_DATAGRAM, HeartbeatGate, HeartbeatSealer, JobSecret
+from .stall_report import at_step, describe_state, stall_report
 
-_MAX_DATAGRAM = 1024
+__all__ = ["StallWatchdog", "NullWatchdog", "current", "install", "describe_state", "stall_report"]  # the last two re-exported from stall_report
+
+_REPORT_EVERY_S = 10.0         # at most one stall report per this many seconds
+_RECV_BUFFER = 256 * 1024      # the kernel's queue for rank 0's socket: a flood overflows it, not us
+_WINDOW_S = 0.1                # rank 0 handles at most a budget of datagrams per window
+
 
 
 class NullWatchdog:
@@ -46,6 +55,9 @@ class NullWatchdog:
     def close(self) -> None:
         pass
 
+    def stats(self) -> None:
+        return None
+
 
 _NULL = NullWatchdog()
 _current: "StallWatchdog | NullWatchdog" = _NULL
@@ -59,85 +71,6 @@ def current():
 def install(wd) -> None:
     global _current
     _current = wd if wd is not None else _NULL
-
-
-# --------------------------------------------------------------------------------------
-# Pure helpers: describing states and building the report (unit-tested without MPI).
-# --------------------------------------------------------------------------------------
-
-def _at(step) -> str:
-    return "during startup" if step is None else f"at step {step}"
-
-
-def describe_state(st: dict, now: float, silent_after: float) -> str:
-    """One rank's last known state, as rank 0 sees it at time `now` (its own clock)."""
-    age = now - st["recv"]
-    if st.get("bye"):
-        return f"has left training ({st.get('bye')})"
-    if age > silent_after:
-        return (f"silent: no heartbeat for {age:.1f} s (stuck in native code holding the "
-                f"interpreter, or the process is gone)")
-    if st.get("label") is not None:
-        return f"waiting in '{st['label']}' {_at(st.get('step'))} for {st['for'] + age:.1f} s"
-    last = st.get("last")
-    where = f"last left '{last[0]}' {_at(last[1])}" if last else "has not reached any collective yet"
-    now_at = "" if st.get("at") is None else f" at step {st['at']}"
-    return f"busy outside any collective{now_at} for {st['for'] + age:.1f} s ({where})"
-
-
-def stall_report(states: dict, size: int, now: float, warn_s: float, silent_after: float,
-                 hosts: dict | None = None) -> tuple[str, tuple] | None:
-    """The stall report, or None if no rank has waited `warn_s` in one collective.
-
-    `states[rank]` is that rank's last heartbeat (see `StallWatchdog._heartbeat`), with the
-    receive time `recv` on rank 0's clock. Returns (text, key) where key identifies the stalled
-    collective, so a caller can report each stall once.
-    """
-    hosts = hosts or {}
-    waiting = []
-    for r, st in states.items():
-        # a silent rank's last word is stale: it shows up as silent, not as the one waiting
-        if st.get("label") is not None and not st.get("bye") and now - st["recv"] <= silent_after:
-            waited = st["for"] + (now - st["recv"])
-            if waited >= warn_s:
-                waiting.append((waited, r, st))
-    if not waiting:
-        return None
-    waited, _, top = max(waiting, key=lambda t: (t[0], -t[1]))
-    key = (top["label"], top.get("step"), top.get("seq"))
-    arrived, missing = [], []
-    for r in range(size):
-        st = states.get(r)
-        same = (st is not None and not st.get("bye") and st.get("label") == top["label"]
-                and st.get("step") == top.get("step") and now - st["recv"] <= silent_after)
-        (arrived if same else missing).append(r)
-    lines = [f"hpc_rlx: STALL: collective '{top['label']}' {_at(top.get('step'))} has waited "
-             f"{waited:.1f} s (comm.stall_warning_s={warn_s:g})",
-             f"hpc_rlx:   arrived ({len(arrived)}/{size}): ranks {_ranges(arrived)}",
-             f"hpc_rlx:   not arrived ({len(missing)}/{size}): ranks {_ranges(missing)}"]
-    for r in missing[:32]:
-        st = states.get(r)
-        host = hosts.get(r, "?")
-        what = describe_state(st, now, silent_after) if st else "never reported (no heartbeat at all)"
-        lines.append(f"hpc_rlx:     rank {r} on {host}: {what}")
-    if len(missing) > 32:
-        lines.append(f"hpc_rlx:     ... and {len(missing) - 32} more")
-    return "\n".join(lines), key
-
-
-def _ranges(ranks: list) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
-    if not ranks:
-        return "none"
-    out, start, prev = [], ranks[0], ranks[0]
-    for r in ranks[1:] + [None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ",".join(out)
 
 
 # --------------------------------------------------------------------------------------
@@ -156,6 +89,30 @@ def _root_address(hosts: list) -> str:
     except OSError:
         pass
     return socket.gethostname()
+
+
+def _bind_narrowly(sock: socket.socket, addr: str) -> tuple[str, int]:
+    """Bind rank 0's socket to the one address the other ranks send to (loopback on one host),
+    never to every interface. Returns (address, port) for the other ranks."""
+    try:
+        sock.bind((addr, 0))
+    except OSError:
+        # the address rank 0's hostname resolves to is not on this machine: the MAC still
+        # protects the channel, but say so rather than fail the job
+        sys.stderr.write(f"hpc_rlx: warning: stall watchdog could not bind {addr}; listening on "
+                         f"all interfaces (heartbeats stay authenticated)\n")
+        sock.bind(("0.0.0.0", 0))
+    return addr, sock.getsockname()[1]
+
+
+def _connect(sock: socket.socket, root: tuple) -> str | None:
+    """Fix the socket's peer to rank 0 (the kernel then drops anything else sent to it) and
+    return the source address rank 0 will see, so rank 0 can refuse other senders."""
+    try:
+        sock.connect(root)
+        return sock.getsockname()[0]
+    except OSError:
+        return None
 
 
 class StallWatchdog:
@@ -190,14 +147,28 @@ class StallWatchdog:
         hosts = comm.allgather(host)
         self.hosts = dict(enumerate(hosts))
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        addr = None
+        offer = None
         if self.rank == 0:
-            bind = "127.0.0.1" if all(h == hosts[0] for h in hosts) else "0.0.0.0"
-            self._sock.bind((bind, 0))
-            addr = (_root_address(hosts), self._sock.getsockname()[1])
-        self._root = tuple(comm.bcast(addr, root=0))
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RECV_BUFFER)
+            addr = _bind_narrowly(self._sock, _root_address(hosts))
+            # the key and nonce travel over MPI only: whoever can reach the port cannot learn them
+            offer = (addr, JobSecret.draw().as_tuple())
+        addr, (key, nonce) = comm.bcast(offer, root=0)
+        self._root = tuple(addr)
+        secret = JobSecret(key, nonce)
+        source = None
+        if self.rank != 0:
+            self._sealer = HeartbeatSealer(secret, self.rank)
+            source = _connect(self._sock, self._root)
+        sources = comm.gather(source, root=0)
+        if self.rank == 0:
+            self._gate = HeartbeatGate(secret, self.size, dict(enumerate(sources or [])))
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self._states: dict[int, dict] = {}
         self._reported: set = set()
+        self._last_report = -float("inf")
+        # a flood must not starve training of the interpreter: bounded datagrams per window
+        self._budget = max(200, int(20 * self.size * _WINDOW_S / self.poll_s))
         self._thread = threading.Thread(target=self._loop, name="hpc_rlx-watchdog", daemon=True)
         self._thread.start()
 
@@ -252,9 +223,9 @@ class StallWatchdog:
 
     def _send(self, msg: dict) -> None:
         try:
-            self._sock.sendto(json.dumps(msg).encode()[:_MAX_DATAGRAM], self._root)
-        except OSError:
-            pass   # a dropped heartbeat only makes this rank look silent
+            self._sock.sendto(self._sealer.seal(msg), self._root)
+        except Exception:  # noqa: BLE001 - a dropped heartbeat only makes this rank look silent
+            pass
 
     def _loop(self) -> None:
         try:
@@ -273,24 +244,47 @@ class StallWatchdog:
     def _root_loop(self) -> None:
         self._sock.settimeout(min(self.poll_s, 0.5))     # so close() is never kept waiting
         next_check = time.monotonic()
+        window_end, handled = time.monotonic() + _WINDOW_S, 0
         while not self._stop.is_set():
-            try:
-                data, _ = self._sock.recvfrom(_MAX_DATAGRAM)
-                msg = json.loads(data.decode())
-                msg["recv"] = time.monotonic()
-                self._states[int(msg["r"])] = msg
-            except (socket.timeout, ValueError, KeyError, TypeError):
-                pass
-            except OSError:
-                if self._stop.is_set():
-                    return
+            self._receive_one()
             now = time.monotonic()
+            handled += 1
+            if now >= window_end:
+                window_end, handled = now + _WINDOW_S, 0
+            elif handled >= self._budget:
+                # over budget (a flood): let the kernel queue overflow instead of this thread
+                self._stop.wait(window_end - now)
+                now = time.monotonic()
+                window_end, handled = now + _WINDOW_S, 0
             if now >= next_check:
                 next_check = now + self.poll_s
-                mine = self._heartbeat()
-                mine["recv"] = now
-                self._states[0] = mine
-                self._check(now)
+                try:
+                    mine = self._heartbeat()
+                    mine["recv"] = now
+                    self._states[0] = mine
+                    self._check(now)
+                except Exception:  # noqa: BLE001 - a bad state must not end stall detection
+                    pass
+
+    def _receive_one(self) -> None:
+        """Take one datagram off the socket; act on it only if the gate admits it."""
+        try:
+            data, sender = self._sock.recvfrom(MAX_DATAGRAM + 1)
+        except (socket.timeout, BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            if not self._stop.is_set():
+                time.sleep(0.01)
+            return
+        try:
+            msg, reason = self._gate.admit(data, sender[0] if sender else None)
+        except Exception:  # noqa: BLE001 - nothing that arrives may stop the watchdog
+            msg, reason = None, "malformed"
+        if msg is None:
+            self.dropped[reason] = self.dropped.get(reason, 0) + 1
+            return
+        msg["recv"] = time.monotonic()
+        self._states[msg["r"]] = msg
 
     def _check(self, now: float) -> None:
         found = stall_report(self._states, self.size, now, self.warn_s, self.silent_after, self.hosts)
@@ -300,8 +294,9 @@ class StallWatchdog:
         waited = max(st["for"] + now - st["recv"] for st in self._states.values()
                      if st.get("label") is not None and not st.get("bye")
                      and now - st["recv"] <= self.silent_after)
-        if key not in self._reported:
+        if key not in self._reported and now - self._last_report >= _REPORT_EVERY_S:
             self._reported.add(key)
+            self._last_report = now
             self._emit(text + ("" if self.abort_s is None else
                                f"\nhpc_rlx:   the job aborts if it is still stalled after "
                                f"comm.stall_abort_s={self.abort_s:g} s"))
@@ -318,7 +313,7 @@ class StallWatchdog:
         if waited >= self.abort_s + 4 * self.poll_s + 2.0:
             self._do_abort(
                 f"hpc_rlx: STALL: rank {self.rank} on {self.hosts.get(self.rank)} has waited "
-                f"{waited:.1f} s in '{inside[0]}' {_at(inside[1])} and rank 0's watchdog has "
+                f"{waited:.1f} s in '{inside[0]}' {at_step(inside[1])} and rank 0's watchdog has "
                 f"not ended the job (rank 0 may be stuck or unreachable)\n"
                 f"hpc_rlx: comm.stall_abort_s={self.abort_s:g}: aborting all {self.size} ranks")
 
@@ -344,6 +339,13 @@ class StallWatchdog:
         os._exit(code)
 
     # ---- lifecycle --------------------------------------------------------------------------
+    def stats(self) -> dict | None:
+        """Rank 0: what the side channel refused, by reason (for summary.json)."""
+        if self.rank != 0:
+            return None
+        return {"dropped": {k: v for k, v in self.dropped.items() if v},
+                "stall_reports": len(self.reports)}
+
     def close(self, why: str = "finished") -> None:
         """Stop the thread. Not collective: ranks leave at different times."""
         if self._stop.is_set():
@@ -353,6 +355,16 @@ class StallWatchdog:
         self._stop.set()
         self._thread.join(timeout=1.0)
         self._sock.close()
+        if self.rank == 0 and any(self.dropped.values()):
+            # once per run, never per datagram: a flood cannot fill the log
+            counts = ", ".join(f"{k} {v}" for k, v in self.dropped.items() if v)
+            try:
+                self.out.write(f"hpc_rlx: warning: the stall watchdog dropped "
+                               f"{sum(self.dropped.values())} datagram(s) that were not this "
+                               f"job's heartbeats ({counts})\n")
+                self.out.flush()
+            except Exception:  # noqa: BLE001
+                pass
         if current() is self:
             install(None)
 

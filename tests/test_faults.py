@@ -251,14 +251,20 @@ class FakeComm:
     """Just enough of a communicator to build a watchdog as `rank` of `size` in one process."""
 
     def __init__(self, rank: int, size: int, root_addr=None):
+        from hpc_rlx.heartbeat import JobSecret
+
         self.rank, self.size, self.root_addr = rank, size, root_addr
+        self.secret = JobSecret.draw()        # what rank 0 would have sent over MPI
         self.calls: list[str] = []
 
     def allgather(self, x):
         return [x] * self.size       # every rank on this host: the side channel stays on loopback
 
     def bcast(self, x, root=0):
-        return x if self.rank == root else self.root_addr
+        return x if self.rank == root else (self.root_addr, self.secret.as_tuple())
+
+    def gather(self, x, root=0):
+        return [x] * self.size if self.rank == root else None
 
     def Allreduce(self, *args, **kwargs):
         self.calls.append("Allreduce")
@@ -295,7 +301,10 @@ def test_watchdog_reports_over_udp_then_aborts(monkeypatch):
     out, aborted = io.StringIO(), threading.Event()
     wd = StallWatchdog(FakeComm(0, 2), warn_s=0.3, abort_s=1.0, position=lambda: 4, out=out,
                        abort=lambda code: aborted.set())
+    from hpc_rlx.heartbeat import HeartbeatSealer
+
     peer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rank1 = HeartbeatSealer(wd._gate.secret, 1)     # a genuine rank 1, holding the job's key
     try:
         with wd:
             wd.enter("fused-bucket Allreduce")        # rank 0 waits; rank 1 is still computing
@@ -303,7 +312,7 @@ def test_watchdog_reports_over_udp_then_aborts(monkeypatch):
             while not aborted.is_set() and time.monotonic() - t0 < 10:
                 beat = {"r": 1, "label": None, "step": None, "at": 4, "for": time.monotonic() - t0,
                         "seq": 2, "last": ["fused-bucket Allreduce", 3]}
-                peer.sendto(json.dumps(beat).encode(), wd._root)
+                peer.sendto(rank1.seal(beat), wd._root)
                 time.sleep(0.05)
             wd.leave()
     finally:

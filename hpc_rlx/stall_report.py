@@ -1,0 +1,81 @@
+"""The stall watchdog's report: what each rank was doing, and who a stalled collective waits
+for. Pure code (no sockets, no MPI), unit-tested on made-up states."""
+
+from __future__ import annotations
+
+__all__ = ["at_step", "describe_state", "stall_report"]
+
+
+def at_step(step) -> str:
+    return "during startup" if step is None else f"at step {step}"
+
+
+def describe_state(st: dict, now: float, silent_after: float) -> str:
+    """One rank's last known state, as rank 0 sees it at time `now` (its own clock)."""
+    age = now - st["recv"]
+    if st.get("bye"):
+        return f"has left training ({st.get('bye')})"
+    if age > silent_after:
+        return (f"silent: no heartbeat for {age:.1f} s (stuck in native code holding the "
+                f"interpreter, or the process is gone)")
+    if st.get("label") is not None:
+        return f"waiting in '{st['label']}' {at_step(st.get('step'))} for {st['for'] + age:.1f} s"
+    last = st.get("last")
+    where = f"last left '{last[0]}' {at_step(last[1])}" if last else "has not reached any collective yet"
+    now_at = "" if st.get("at") is None else f" at step {st['at']}"
+    return f"busy outside any collective{now_at} for {st['for'] + age:.1f} s ({where})"
+
+
+def stall_report(states: dict, size: int, now: float, warn_s: float, silent_after: float,
+                 hosts: dict | None = None) -> tuple[str, tuple] | None:
+    """The stall report, or None if no rank has waited `warn_s` in one collective.
+
+    `states[rank]` is that rank's last heartbeat (see `StallWatchdog._heartbeat`), with the
+    receive time `recv` on rank 0's clock. Returns (text, key) where key identifies the stalled
+    collective, so a caller can report each stall once.
+    """
+    hosts = hosts or {}
+    waiting = []
+    for r, st in states.items():
+        # a silent rank's last word is stale: it shows up as silent, not as the one waiting
+        if st.get("label") is not None and not st.get("bye") and now - st["recv"] <= silent_after:
+            waited = st["for"] + (now - st["recv"])
+            if waited >= warn_s:
+                waiting.append((waited, r, st))
+    if not waiting:
+        return None
+    waited, _, top = max(waiting, key=lambda t: (t[0], -t[1]))
+    key = (top["label"], top.get("step"), top.get("seq"))
+    arrived, missing = [], []
+    for r in range(size):
+        st = states.get(r)
+        same = (st is not None and not st.get("bye") and st.get("label") == top["label"]
+                and st.get("step") == top.get("step") and now - st["recv"] <= silent_after)
+        (arrived if same else missing).append(r)
+    lines = [f"hpc_rlx: STALL: collective '{top['label']}' {at_step(top.get('step'))} has waited "
+             f"{waited:.1f} s (comm.stall_warning_s={warn_s:g})",
+             f"hpc_rlx:   arrived ({len(arrived)}/{size}): ranks {_ranges(arrived)}",
+             f"hpc_rlx:   not arrived ({len(missing)}/{size}): ranks {_ranges(missing)}"]
+    for r in missing[:32]:
+        st = states.get(r)
+        host = hosts.get(r, "?")
+        what = describe_state(st, now, silent_after) if st else "never reported (no heartbeat at all)"
+        lines.append(f"hpc_rlx:     rank {r} on {host}: {what}")
+    if len(missing) > 32:
+        lines.append(f"hpc_rlx:     ... and {len(missing) - 32} more")
+    return "\n".join(lines), key
+
+
+def _ranges(ranks: list) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    if not ranks:
+        return "none"
+    out, start, prev = [], ranks[0], ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(out)

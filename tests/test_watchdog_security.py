@@ -1,0 +1,283 @@
+"""The stall watchdog's side channel takes no orders from strangers: heartbeats are sealed with a
+per-job key, rank 0 drops forged, replayed, foreign and malformed datagrams (counted, never
+printed per datagram), and nothing that arrives can stop the watchdog or disturb training."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpc_rlx.heartbeat import (MAX_DATAGRAM, HeartbeatGate, HeartbeatSealer, JobSecret,
+                               validate_heartbeat)
+
+from .conftest import MPIRUN, PYTHON, REPO, explain, mpi_env, write_small_classification
+
+BEAT = {"r": 1, "label": "fused-bucket Allreduce", "step": 7, "for": 0.5, "seq": 12,
+        "last": ["fused-bucket Allreduce", 6]}
+
+
+def gate_and_sealer(size=2, sources=None):
+    secret = JobSecret.draw()
+    return HeartbeatGate(secret, size, sources), HeartbeatSealer(secret, 1), secret
+
+
+# --------------------------------------------------------------------------------------
+# The gate, pure
+# --------------------------------------------------------------------------------------
+
+def test_a_sealed_heartbeat_is_admitted_with_its_fields():
+    gate, sealer, _ = gate_and_sealer()
+    msg, reason = gate.admit(sealer.seal(BEAT), "127.0.0.1")
+    assert reason is None and msg == BEAT
+    busy = {"r": 1, "label": None, "step": None, "at": 9, "for": 2.0, "seq": 3, "last": None}
+    assert gate.admit(sealer.seal(busy), "127.0.0.1") == (busy, None)
+    assert gate.admit(sealer.seal({"r": 1, "bye": "finished"}), None) == ({"r": 1, "bye": "finished"}, None)
+
+
+def test_a_datagram_without_the_jobs_key_is_dropped_as_bad_mac():
+    gate, sealer, secret = gate_and_sealer()
+    data = bytearray(sealer.seal(BEAT))
+    for i in (0 + 14, len(data) // 2, len(data) - 1):      # payload, middle, MAC
+        bad = bytearray(data)
+        bad[i] ^= 0x01
+        assert gate.admit(bytes(bad), None) == (None, "bad_mac"), i
+    stranger = HeartbeatSealer(JobSecret.draw(), 1)            # another key
+    assert gate.admit(stranger.seal(BEAT), None) == (None, "bad_mac")
+    other_job = HeartbeatSealer(JobSecret(secret.key, os.urandom(16)), 1)   # same key, other nonce
+    assert gate.admit(other_job.seal(BEAT), None) == (None, "bad_mac")
+    assert gate.admit(bytes(data), None)[1] is None             # the untouched original passes
+
+
+def test_a_replayed_or_older_datagram_is_dropped_as_replay():
+    gate, sealer, _ = gate_and_sealer()
+    first, second = sealer.seal(BEAT), sealer.seal(BEAT)
+    assert gate.admit(second, None)[1] is None
+    assert gate.admit(second, None) == (None, "replay")
+    assert gate.admit(first, None) == (None, "replay")          # older counter
+    assert gate.admit(sealer.seal(BEAT), None)[1] is None       # the next one is fine
+
+
+def test_a_datagram_from_another_address_than_its_ranks_is_dropped_before_the_mac():
+    gate, sealer, _ = gate_and_sealer(sources={1: "10.0.0.2"})
+    data = sealer.seal(BEAT)
+    assert gate.admit(data, "10.0.0.9") == (None, "foreign_sender")
+    assert gate.admit(data, "10.0.0.2")[1] is None
+
+
+@pytest.mark.parametrize("payload", [
+    {"r": 1, "label": "x", "step": 1, "for": "long", "seq": 1, "last": None},
+    {"r": 1, "label": "x", "step": 1, "for": 1e300, "seq": 1, "last": None},
+    {"r": 1, "label": "x", "step": 1, "for": float("nan"), "seq": 1, "last": None},
+    {"r": 1, "label": "x", "step": -1, "for": 1.0, "seq": 1, "last": None},
+    {"r": 1, "label": "x" * 500, "step": 1, "for": 1.0, "seq": 1, "last": None},
+    {"r": 1, "label": "a\nhpc_rlx: STALL", "step": 1, "for": 1.0, "seq": 1, "last": None},
+    {"r": 1, "label": 3, "step": 1, "for": 1.0, "seq": 1, "last": None},
+    {"r": 1, "label": "x", "step": 1, "for": 1.0, "seq": True, "last": None},
+    {"r": 1, "label": "x", "step": 1, "for": 1.0, "seq": 1, "last": ["x"]},
+    {"r": 0, "label": "x", "step": 1, "for": 1.0, "seq": 1, "last": None},   # not the header's rank
+    {"r": 1, "bye": ["not", "a", "string"]},
+    [1, 2, 3],
+])
+def test_fields_of_the_wrong_type_or_range_are_dropped_as_malformed(payload):
+    gate, sealer, _ = gate_and_sealer()
+    assert validate_heartbeat(payload, 1) is None
+    assert gate.admit(sealer.seal(payload), None) == (None, "malformed")
+
+
+def test_short_oversized_and_out_of_range_datagrams_are_dropped():
+    gate, sealer, _ = gate_and_sealer(size=2)
+    assert gate.admit(b"", None) == (None, "malformed")
+    assert gate.admit(b'{"r": 1, "for": 1e6}', None) == (None, "malformed")
+    assert gate.admit(b"\x00" * (MAX_DATAGRAM + 1), None) == (None, "oversized")
+    rank5 = HeartbeatSealer(gate.secret, 5)                    # a rank the job does not have
+    assert gate.admit(rank5.seal(dict(BEAT, r=5)), None) == (None, "malformed")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=MAX_DATAGRAM + 50))
+def test_no_bytes_at_all_make_the_gate_raise_or_admit(data):
+    gate, _, _ = gate_and_sealer()
+    msg, reason = gate.admit(data, "127.0.0.1")
+    assert msg is None and reason in ("malformed", "oversized", "bad_mac")
+
+
+# --------------------------------------------------------------------------------------
+# The watchdog thread, in-process
+# --------------------------------------------------------------------------------------
+
+class RootComm:
+    """Rank 0 of a job of `size` ranks on this host, without MPI: what the watchdog's startup
+    collectives would return."""
+
+    def __init__(self, size: int):
+        self.rank, self.size = 0, size
+
+    def allgather(self, x):
+        return [x] * self.size
+
+    def bcast(self, x, root=0):
+        return x
+
+    def gather(self, x, root=0):
+        return ["127.0.0.1"] * self.size
+
+
+def test_the_watchdog_survives_a_flood_and_still_hears_its_ranks():
+    from hpc_rlx.watchdog import StallWatchdog
+
+    out, aborted = io.StringIO(), threading.Event()
+    wd = StallWatchdog(RootComm(2), warn_s=0.3, abort_s=1.0, position=lambda: 4, out=out,
+                       abort=lambda code: aborted.set())
+    rank1 = HeartbeatSealer(wd._gate.secret, 1)
+    rng = random.Random(1)
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    stranger.bind(("127.0.0.2", 0))
+    forged = {"r": 1, "label": "fused-bucket Allreduce", "step": 1, "for": 1e6, "seq": 1, "last": None}
+    try:
+        with wd:
+            captured = rank1.seal({"r": 1, "label": None, "step": None, "at": 3, "for": 0.1,
+                                   "seq": 1, "last": None})
+            sender.sendto(captured, wd._root)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 2.0:
+                sender.sendto(json.dumps(forged).encode(), wd._root)
+                sender.sendto(HeartbeatSealer(JobSecret.draw(), 1).seal(forged), wd._root)
+                sender.sendto(captured, wd._root)
+                stranger.sendto(rank1.seal(forged), wd._root)
+                sender.sendto(rng.randbytes(rng.randrange(0, 300)), wd._root)
+                sender.sendto(rng.randbytes(3000), wd._root)
+                time.sleep(0.001)
+            assert wd._thread.is_alive()
+            # like a real rank, keep beating: right after a flood the kernel queue may be full
+            beat = {"r": 1, "label": None, "step": None, "at": 4, "for": 0.2, "seq": 2, "last": None}
+            t1 = time.monotonic()
+            while wd._states.get(1, {}).get("at") != 4 and time.monotonic() - t1 < 5:
+                sender.sendto(rank1.seal(beat), wd._root)
+                time.sleep(0.05)
+            assert wd._states[1].get("at") == 4, "a genuine heartbeat after the flood was not heard"
+            stats = wd.stats()
+    finally:
+        sender.close()
+        stranger.close()
+    assert not aborted.is_set(), out.getvalue()
+    assert "STALL" not in out.getvalue(), out.getvalue()
+    dropped = stats["dropped"]
+    for reason in ("bad_mac", "replay", "malformed", "foreign_sender", "oversized"):
+        assert dropped.get(reason, 0) > 0, dropped
+    # counted, then mentioned once at the end
+    assert out.getvalue().count("dropped") == 1 and "not this job's heartbeats" in out.getvalue()
+
+
+def test_stall_reports_are_at_most_one_every_ten_seconds():
+    from hpc_rlx.watchdog import StallWatchdog
+
+    out = io.StringIO()
+    wd = StallWatchdog(RootComm(2), warn_s=0.2, abort_s=None, position=lambda: 4, out=out)
+    with wd:
+        for label in ("first collective", "second collective", "third collective"):
+            wd.enter(label)
+            time.sleep(0.8)                # each one a new stall of its own
+            wd.leave()
+    assert out.getvalue().count("STALL:") == 1, out.getvalue()
+
+
+def test_rank_0_listens_on_loopback_only_on_one_host():
+    from hpc_rlx.watchdog import StallWatchdog
+
+    wd = StallWatchdog(RootComm(2), warn_s=60, position=lambda: 0, out=io.StringIO())
+    with wd:
+        assert wd._sock.getsockname()[0] == "127.0.0.1"
+
+
+# --------------------------------------------------------------------------------------
+# Real mpirun jobs under a flood
+# --------------------------------------------------------------------------------------
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="capturing heartbeats off loopback needs root")
+BASE = ["data=file", "data.val_fraction=0.2", "train.batch_size=8", "model.hidden=[16]",
+        "comm.stall_warning_s=1", "comm.deterministic=true", "report.plots=false"]
+
+
+@pytest.fixture(scope="module")
+def flood_h5(tmp_path_factory) -> Path:
+    return write_small_classification(tmp_path_factory.mktemp("flood") / "small.h5", rows=2400, seed=3)
+
+
+def run_flooded(run_dir: Path, overrides: list[str], flood: bool, timeout: float = 120):
+    """A 2-rank job in a session of its own, flooded by a stranger while it runs."""
+    from .udp_flood import Flood
+
+    cmd = [MPIRUN, "-n", "2", PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run_dir}"] + overrides
+    proc = subprocess.Popen(cmd, cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    sent = None
+    try:
+        if flood:
+            with Flood(proc.pid, ranks=2, seconds=6.0) as f:
+                out, err = proc.communicate(timeout=timeout)
+            sent = f.sent
+        else:
+            out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        pytest.fail(f"job did not finish in {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), sent
+
+
+def params(run_dir: Path) -> dict:
+    with h5py.File(run_dir / "model.h5", "r") as f:
+        return {k: f[k][...] for k in f.keys()}
+
+
+@needs_root
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_flooded_job_finishes_bitwise_equal_and_counts_what_it_dropped(tmp_path, flood_h5):
+    overrides = BASE + [f"data.path={flood_h5}", "train.epochs=5"]
+    calm, _ = run_flooded(tmp_path / "calm", overrides, flood=False)
+    assert calm.returncode == 0, explain(calm)
+    flooded, sent = run_flooded(tmp_path / "flooded", overrides, flood=True)
+    assert flooded.returncode == 0, explain(flooded)
+    assert sent and sent["replay"] > 0 and sent["foreign"] > 0, f"the flood did not get going: {sent}"
+    a, b = params(tmp_path / "calm"), params(tmp_path / "flooded")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    dropped = json.loads((tmp_path / "flooded" / "summary.json").read_text())["watchdog"]["dropped"]
+    for reason in ("bad_mac", "replay", "malformed", "foreign_sender", "oversized"):
+        assert dropped.get(reason, 0) > 0, (dropped, sent)
+    text = flooded.stdout + flooded.stderr
+    assert "STALL" not in text and "FORGED" not in text, explain(flooded)
+    assert len(re.findall(r"stall watchdog dropped \d+ datagram", text)) == 1, explain(flooded)
+
+
+@needs_root
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_genuine_stall_still_aborts_while_the_flood_goes_on(tmp_path, flood_h5):
+    overrides = BASE + [f"data.path={flood_h5}", "train.epochs=2", "comm.stall_abort_s=5",
+                        "debug.stall_rank=1", "debug.stall_step=300", "debug.stall_s=120"]
+    t0 = time.monotonic()
+    proc, sent = run_flooded(tmp_path / "stalled", overrides, flood=True, timeout=90)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0, explain(proc)
+    assert elapsed < 45, f"the stalled job took {elapsed:.1f}s to end"
+    err = proc.stderr
+    assert "at step 300" in err and "not arrived (1/2): ranks 1" in err, explain(proc)
+    assert re.search(r"stalled for \d+\.\d s >= comm\.stall_abort_s=5: aborting all 2 ranks", err), explain(proc)
+    assert sent and sum(sent.values()) > 0, "the flood did not get going"
+    assert "FORGED" not in err and err.count("STALL:") <= 2, explain(proc)

@@ -1,0 +1,162 @@
+"""A hostile neighbour for the stall watchdog's tests: find every UDP port a job's processes hold,
+capture its genuine heartbeats off the loopback interface, and send forged, replayed, foreign
+and malformed datagrams to those ports for a bounded time. Needs root (a packet socket)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+
+FORGED_LABEL = "FORGED-by-a-stranger"
+
+
+def _descendants(root: int) -> set[int]:
+    """`root` and every process below it (launchers may put each rank in a session of its own,
+    as MPICH's proxy does, so sessions and process groups do not find them all)."""
+    parent = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = {root}, [root]
+    while frontier:
+        p = frontier.pop()
+        for child, ppid in parent.items():
+            if ppid == p and child not in found:
+                found.add(child)
+                frontier.append(child)
+    return found
+
+
+def _socket_inodes(pids: set[int]) -> set[int]:
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(int(link[8:-1]))
+        except OSError:
+            continue
+    return inodes
+
+
+def udp_ports(root: int) -> set[int]:
+    """Local ports of the IPv4 UDP sockets held by process `root` and its descendants."""
+    inodes = _socket_inodes(_descendants(root))
+    ports = set()
+    with open("/proc/net/udp") as f:
+        next(f)
+        for line in f:
+            cols = line.split()
+            if int(cols[9]) in inodes:
+                ports.add(int(cols[1].split(":")[1], 16))
+    return ports
+
+
+class Flood:
+    """Floods every UDP port of the job under launcher process `root` on 127.0.0.1 from a
+    thread, for at most `seconds` once the ports are found; `sent` counts what it sent."""
+
+    def __init__(self, root: int, ranks: int, seconds: float = 4.0, find_timeout: float = 60.0):
+        self.root, self.ranks, self.seconds, self.find_timeout = root, ranks, seconds, find_timeout
+        self.sent: Counter = Counter()
+        self.ports: set[int] = set()
+        self.captured: list[bytes] = []
+        self._stop = threading.Event()
+        self._sniffer = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(0x0800))
+        self._sniffer.bind(("lo", 0))
+        self._sniffer.settimeout(0.05)
+        self._plain = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._plain.bind(("127.0.0.1", 0))
+        self._foreign = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._foreign.bind(("127.0.0.2", 0))        # another address: not a rank's
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._sniffer.close()
+        return False
+
+    def _find_ports(self) -> None:
+        t0 = time.monotonic()
+        while not self._stop.is_set() and time.monotonic() - t0 < self.find_timeout:
+            self.ports = udp_ports(self.root)
+            if self.ports:
+                return
+            time.sleep(0.05)
+
+    def _capture(self) -> None:
+        """Genuine datagrams to the job's ports, as they pass over loopback (ours left out)."""
+        ours = {self._plain.getsockname()[1], self._foreign.getsockname()[1]}
+        while not self._stop.is_set():
+            try:
+                packet = self._sniffer.recv(65535)
+            except (socket.timeout, OSError):
+                continue
+            ihl = (packet[0] & 0x0F) * 4
+            if packet[9] != 17 or len(packet) < ihl + 8:     # UDP only
+                continue
+            sport, dport = struct.unpack_from(">HH", packet, ihl)
+            payload = packet[ihl + 8:]
+            if (dport in self.ports and sport not in ours and payload
+                    and payload not in self.captured[-16:]):
+                self.captured.append(payload)
+
+    def _datagrams(self, rng: random.Random):
+        for r in range(self.ranks):
+            forged = {"r": r, "label": FORGED_LABEL, "step": 1, "for": 1e6, "seq": 1, "last": None}
+            yield "forged_plain_json", json.dumps(forged).encode()
+            body = json.dumps(forged).encode()
+            header = b"\xb7\x01" + struct.pack(">IQ", r, rng.randrange(1, 2 ** 62))
+            yield "forged_sealed", header + body + rng.randbytes(32)
+        for d in self.captured[-8:]:
+            yield "replay", d
+        yield "malformed", b""
+        yield "malformed", rng.randbytes(rng.randrange(1, 200))
+        yield "malformed", b"\xb7\x01" + struct.pack(">IQ", 2 ** 31, 1) + b"{}" + bytes(32)
+        yield "oversized", rng.randbytes(4000)
+
+    def _run(self) -> None:
+        self._find_ports()
+        if not self.ports:
+            return
+        capture = threading.Thread(target=self._capture, daemon=True)
+        capture.start()
+        rng = random.Random(0)
+        end = time.monotonic() + self.seconds
+        try:
+            while time.monotonic() < end and not self._stop.is_set():
+                for port in sorted(self.ports):
+                    for kind, data in self._datagrams(rng):
+                        try:
+                            self._plain.sendto(data, ("127.0.0.1", port))
+                            self.sent[kind] += 1
+                        except OSError:
+                            pass
+                    for data in self.captured[-4:]:
+                        try:
+                            self._foreign.sendto(data, ("127.0.0.1", port))
+                            self.sent["foreign"] += 1
+                        except OSError:
+                            pass
+                time.sleep(0.002)
+        finally:
+            self._stop.set()
+            capture.join(timeout=5)
+            self._plain.close()
+            self._foreign.close()
