@@ -5,6 +5,8 @@ Examples::
     python -m hpc_rlx.data prepare digits --out data/digits.h5
     python -m hpc_rlx.data prepare synthetic --out data/syn.h5 --samples 1000000 --features 64
     python -m hpc_rlx.data prepare text --out data/text.h5 --seq-len 128
+    python -m hpc_rlx.data convert my.csv --label target --out data/my.h5
+    python -m hpc_rlx.data convert my.npz --label y --out data/my.h5     # the other array is x
     python -m hpc_rlx.data info data/digits.h5
 """
 
@@ -17,7 +19,8 @@ from hpc_rlx.errors import HpcRlxError
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hpc_rlx.data", description="Prepare or inspect HDF5 datasets.")
+    p = argparse.ArgumentParser(prog="python -m hpc_rlx.data",
+                                description="Prepare, convert or inspect HDF5 datasets.")
     sub = p.add_subparsers(dest="command", required=True)
 
     pr = sub.add_parser("prepare", help="write a dataset (atomically replacing --out)")
@@ -31,6 +34,25 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--classes", type=int, help="number of classes (synthetic)")
     pr.add_argument("--separation", type=float, help="mean distance between class centers in noise std (synthetic)")
     pr.add_argument("--seq-len", dest="seq_len", type=int, help="tokens per row (text)")
+
+    cv = sub.add_parser("convert", help="turn a CSV or .npz file into hpc_rlx's HDF5 layout",
+                        description="Write a CSV (header row of column names, or none) or a NumPy "
+                                    ".npz archive as the x/y HDF5 file hpc_rlx trains on (chunked, "
+                                    "compressed). Labels that are whole numbers become int64 class "
+                                    "indices; others are float regression targets.")
+    cv.add_argument("input", help="FILE.csv, .tsv, .txt or .npz")
+    cv.add_argument("--label", required=True,
+                    help="CSV: the label column (header name, or 0-based number); .npz: the array of labels")
+    cv.add_argument("--out", required=True, help="output HDF5 path")
+    cv.add_argument("--x", help=".npz: the array of inputs (default: the one array besides --label)")
+    cv.add_argument("--force", action="store_true", help="replace --out if it exists")
+    cv.add_argument("--dtype", default="float32", choices=["float32", "float64"],
+                    help="dtype of float inputs (default float32)")
+    cv.add_argument("--regression", action="store_true",
+                    help="keep labels as float targets even when they are whole numbers")
+    cv.add_argument("--num-classes", dest="num_classes", type=int,
+                    help="number of classes (default: largest label + 1)")
+    cv.add_argument("--delimiter", help="CSV field delimiter (default: guessed from the first line)")
 
     info = sub.add_parser("info", help="print shapes, dtypes and attributes of a dataset")
     info.add_argument("path")
@@ -57,6 +79,13 @@ def main(argv=None) -> int:
                 f"wrote {path}: {info.n} rows, x {info.x_shape} {info.x_dtype}, "
                 f"y {info.y_shape} {info.y_dtype}, num_classes={info.attrs.get('num_classes')}"
             )
+        elif args.command == "convert":
+            from hpc_rlx.data.convert import convert
+
+            done = convert(args.input, args.out, args.label, x=args.x, force=args.force,
+                           dtype=args.dtype, regression=args.regression,
+                           delimiter=args.delimiter, num_classes=args.num_classes)
+            print(done.describe())
         else:
             from hpc_rlx.data.hdf5 import describe
 

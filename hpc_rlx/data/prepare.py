@@ -39,6 +39,7 @@ __all__ = [
     "prepare_synthetic",
     "prepare_text",
     "ensure_prepared",
+    "atomic_h5",
 ]
 
 X_NAME = "x"
@@ -49,7 +50,7 @@ _BLOCK_BYTES = 8 << 20
 
 
 @contextlib.contextmanager
-def _atomic_h5(out):
+def atomic_h5(out):
     """Yield an h5py.File on a temporary sibling of ``out``; rename it to ``out`` on success."""
     out = os.path.abspath(os.fspath(out))
     parent = os.path.dirname(out)
@@ -117,7 +118,7 @@ def prepare_digits(out, seed: int = 0) -> str:
     x = (np.asarray(d.data, dtype=np.float64) / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
     y = np.asarray(d.target, dtype=np.int64)
     order = _balanced_order(y, np.random.default_rng(seed))
-    with _atomic_h5(out) as f:
+    with atomic_h5(out) as f:
         f.create_dataset(X_NAME, data=x[order])
         f.create_dataset(Y_NAME, data=y[order])
         _common_attrs(
@@ -154,7 +155,7 @@ def prepare_synthetic(
     scale = separation / math.sqrt(2.0 * features)
     centers = (np.random.default_rng([seed, 0]).standard_normal((classes, features)) * scale).astype(np.float32)
     block = max(1, _BLOCK_BYTES // (4 * features))
-    with _atomic_h5(out) as f:
+    with atomic_h5(out) as f:
         dx = f.create_dataset(X_NAME, shape=(samples, features), dtype=np.float32)
         dy = f.create_dataset(Y_NAME, shape=(samples,), dtype=np.int64)
         for b, start in enumerate(range(0, samples, block)):
@@ -199,7 +200,7 @@ def prepare_text(out, seq_len: int = 64) -> str:
         raise ConfigError(f"dataset option seq_len={seq_len} is longer than the corpus ({len(ids)} characters)")
     x = ids[: n * seq_len].reshape(n, seq_len)
     y = ids[1 : n * seq_len + 1].reshape(n, seq_len)
-    with _atomic_h5(out) as f:
+    with atomic_h5(out) as f:
         f.create_dataset(X_NAME, data=x)
         f.create_dataset(Y_NAME, data=y)
         _common_attrs(
