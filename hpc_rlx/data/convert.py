@@ -290,30 +290,39 @@ def _convert_csv(src, out, label, delimiter, dtype, regression, num_classes) -> 
                      columns=[names[i] for i in x_cols])
 
 
-def _write_block(dx, labels, block, n, yi, x_cols, names, width, src, dtype) -> int:
-    if not block:
-        return n
-    values = np.empty((len(block), width), dtype=np.float64)
-    for r, (line, fields) in enumerate(block):
+def _parse_block(block, yi, names, width, src) -> np.ndarray:
+    """The block's fields as float64 (rows, width); the first bad field named by line/column."""
+    for line, fields in block:
         if len(fields) != width:
             raise DataError(f"line {line} of {src!r} has {len(fields)} fields, but the first "
                             f"row has {width}")
+    try:    # numpy parses a whole block at C speed; only a bad block is walked field by field
+        return np.array([fields for _, fields in block], dtype=np.float64)
+    except ValueError:
+        pass
+    for line, fields in block:
         for c, text in enumerate(fields):
-            v = _number(text)
-            if v is None:
-                what = "label column" if c == yi else "column"
-                if text == "":
-                    raise DataError(f"line {line} of {src!r}: {what} {names[c]!r} is empty "
-                                    "(a missing value); fill or drop such rows first")
-                hint = ("labels must be numbers: encode the classes as 0 .. K-1" if c == yi else
-                        "every input column must be numeric: drop it or encode it as numbers")
-                raise DataError(f"{what} {names[c]!r} of {src!r} is not numeric (line {line}: "
-                                f"{text!r}); {hint}")
-            values[r, c] = v
+            if _number(text) is not None:
+                continue
+            what = "label column" if c == yi else "column"
+            if text == "":
+                raise DataError(f"line {line} of {src!r}: {what} {names[c]!r} is empty "
+                                "(a missing value); fill or drop such rows first")
+            hint = ("labels must be numbers: encode the classes as 0 .. K-1" if c == yi else
+                    "every input column must be numeric: drop it or encode it as numbers")
+            raise DataError(f"{what} {names[c]!r} of {src!r} is not numeric (line {line}: "
+                            f"{text!r}); {hint}")
+    # every field is a Python float numpy did not take (e.g. '1_000')
+    return np.array([[float(t) for t in fields] for _, fields in block], dtype=np.float64)
+
+
+def _write_block(dx, labels, block, n, yi, x_cols, names, width, src, dtype) -> int:
+    if not block:
+        return n
+    values = _parse_block(block, yi, names, width, src)
     # NaN/Inf inputs ('nan' in the file) are kept: data.check_finite=true refuses them at load
-    xb = values[:, x_cols]
     if dx.shape[0] < n + len(block):
         dx.resize(n + len(block), axis=0)
-    dx[n:n + len(block)] = xb.astype(dtype)
+    dx[n:n + len(block)] = values[:, x_cols].astype(dtype)
     labels.append(values[:, yi])
     return n + len(block)
