@@ -104,6 +104,11 @@ def validate_config(cfg: dict, world_size: int | None = None) -> None:
              f"train.on_nonfinite={t['on_nonfinite']!r} is not one of {ON_NONFINITE}")
     _require(t.get("progress", "auto") in ("auto", "bar", "lines"),
              f"train.progress={t.get('progress')!r} is not one of ('auto', 'bar', 'lines')")
+    les = t.get("log_every_s")
+    _require(les is None or (_num(les) and les >= 0),
+             f"train.log_every_s must be null or a number >= 0, got {les!r}")
+    from .tensorboard_log import enabled as tensorboard_enabled
+    tensorboard_enabled(cfg.get("report", {}).get("tensorboard", "auto"))   # a bad value or a missing library
     tpr = t.get("threads_per_rank")
     _require(tpr is None or (isinstance(tpr, int) and not isinstance(tpr, bool) and tpr >= 1),
              f"train.threads_per_rank must be null or an integer >= 1, got {tpr!r}")

@@ -22,6 +22,7 @@ from .context import TAIL_FIELDS, Context  # noqa: F401 - TAIL_FIELDS re-exporte
 from .errors import CheckpointError
 from .faults import InjectedFailure, maybe_fail  # noqa: F401 - re-exported for the policy runners
 from .outputs import RunOutputs
+from .progress import Snapshot, end_line, make_progress, run_fraction
 from .spec import TrainSpec
 
 
@@ -103,6 +104,10 @@ class SyncPolicy:
         """How much of the current epoch is trained (progress display, partial epochs)."""
         return ctx.step_in_epoch / max(1, ctx.steps_per_epoch)
 
+    def current_lr(self, ctx) -> float:
+        """The learning rate of the step just taken."""
+        return ctx.lr_at(max(ctx.step - 1, 0))
+
     def run_epoch(self, run: "Run", epoch: int, first_step: int) -> EpochTotals:
         ctx, lanes, bucket = run.ctx, run.lanes, run.ctx.bucket
         order = ctx.order(epoch)
@@ -182,8 +187,11 @@ class Run:
         self.carried_totals: dict | None = None     # a mid-epoch checkpoint's running totals
         self.current_totals: EpochTotals | None = None
         self.t_start = time.perf_counter()
-        self._last_log = time.perf_counter()
-        self._tty = self.is_root and _progress_bar(spec.train.get("progress", "auto"))
+        # rank 0's progress display and per-step records (steps.jsonl, TensorBoard)
+        self.progress = (make_progress(spec.train.get("progress", "auto"), spec.train.get("log_every_s"))
+                         if self.is_root else None)
+        self.step_log = None
+        self._epoch_clock = self._run_clock = None     # (time, fraction) where they started
         from .policies import slowdown_for_rank
         self._slowdown = slowdown_for_rank(spec.debug.get("slowdown"), comm.rank, comm.size)
         self.tracer = None
@@ -192,9 +200,9 @@ class Run:
 
     # ---- logging ----------------------------------------------------------------------
     def log(self, msg: str) -> None:
-        if self.is_root:
-            if self._tty:
-                sys.stdout.write("\r\033[K")
+        if self.progress is not None:
+            self.progress.print(f"[hpc_rlx] {msg}")     # above the bar, if there is one
+        elif self.is_root:
             print(f"[hpc_rlx] {msg}", flush=True)
 
     def _check_params_finite(self) -> None:
@@ -257,20 +265,44 @@ class Run:
         return False
 
     def _progress(self) -> None:
-        if not self.is_root:
+        """Rank 0 after a step: the step log and the progress display, from global totals."""
+        if self.progress is None:
             return
-        ctx = self.ctx
-        now = time.perf_counter()
-        if self._tty:
-            done = ctx.step_in_epoch / max(1, ctx.steps_per_epoch)
-            bar = "#" * int(30 * done)
-            sys.stdout.write(f"\r epoch {ctx.epoch + 1}/{self.spec.train['epochs']} "
-                             f"[{bar:<30}] step {ctx.step_in_epoch}/{ctx.steps_per_epoch}")
-            sys.stdout.flush()
-        elif now - self._last_log >= _log_period(self.spec.train.get("log_every_s")):
-            self._last_log = now
-            print(f"[hpc_rlx] epoch {ctx.epoch + 1} step {ctx.step_in_epoch}/{ctx.steps_per_epoch} "
-                  f"(global step {ctx.step}) loss {self.stats.last_loss}", flush=True)
+        ctx, totals, now = self.ctx, self.current_totals, time.perf_counter()
+        frac = min(1.0, self.policy.epoch_fraction(ctx))
+        if self.step_log is not None:
+            self.step_log.step(ctx.step, now, totals.samples, totals.loss_sum, ctx.epoch + frac,
+                               self.policy.current_lr(ctx))
+        epochs = int(self.spec.train["epochs"])
+        label = (f"step {ctx.step_in_epoch}/{ctx.steps_per_epoch}" if isinstance(self.policy, SyncPolicy)
+                 else f"sync {ctx.step_in_epoch}")
+        self.progress.update(Snapshot(
+            epoch=ctx.epoch, epochs=epochs, epoch_fraction=frac,
+            run_fraction=run_fraction(ctx.epoch, frac, epochs, ctx.step, ctx.total_steps),
+            step=ctx.step, step_label=label, epoch_samples=totals.samples,
+            samples_per_epoch=int(ctx.plan.samples_per_epoch),
+            loss=totals.loss_sum / totals.samples if totals.samples else None, now=now,
+            epoch_t0=self._epoch_clock[0], epoch_f0=self._epoch_clock[1],
+            run_t0=self._run_clock[0], run_f0=self._run_clock[1]))
+
+    def _open_step_log(self) -> None:
+        """Rank 0: steps.jsonl, and the TensorBoard event files when report.tensorboard is on."""
+        from . import tensorboard_log
+        from .step_log import StepLog
+        spec, ctx = self.spec, self.ctx
+        board = None
+        if tensorboard_log.enabled(spec.extras.get("report", {}).get("tensorboard", "false")):
+            board = tensorboard_log.TensorBoardLog(spec.run_dir, tensorboard_log.flat_hparams(
+                _config_dict(spec), spec.world_size))
+        self.step_log = StepLog(spec.run_dir, ctx.steps_per_epoch, self.t_start, board,
+                                resumed_step=ctx.step if self.resumed_from else None)
+
+    def close_displays(self) -> None:
+        """End the progress bar and the step log (also when the run fails)."""
+        if self.progress is not None:
+            self.progress.close()
+        if self.step_log is not None:
+            self.step_log.close()
 
     # ---- checkpoints --------------------------------------------------------------------
     def epoch_totals(self) -> EpochTotals:
@@ -285,6 +317,15 @@ class Run:
             t.compute_s, t.comm_s = float(carried.get("compute_s", 0.0)), float(carried.get("comm_s", 0.0))
             t.step_wall_s = float(carried.get("step_wall_s", 0.0))
         self.current_totals = t
+        if self.is_root:
+            ctx, now = self.ctx, time.perf_counter()
+            frac = self.policy.epoch_fraction(ctx)
+            self._epoch_clock = (now, frac)
+            if self._run_clock is None:
+                epochs = int(self.spec.train["epochs"])
+                self._run_clock = (now, run_fraction(ctx.epoch, frac, epochs, ctx.step, ctx.total_steps))
+            if self.step_log is not None:
+                self.step_log.epoch_start(ctx.step, now, t.samples, t.loss_sum)
         return t
 
     def save_checkpoint(self, reason: str, metric: float | None = None) -> None:
@@ -346,6 +387,7 @@ class Run:
         self.outputs = RunOutputs(self) if self.is_root else None
         if self.outputs:
             self.outputs.start()
+            self._open_step_log()
         self.log(f"{comm.size} ranks, lanes on rank 0: {self.lanes.names}, "
                  f"{ctx.layout.size} parameters, {ctx.steps_per_epoch} steps/epoch")
         self.checkpoints.training_starts()
@@ -432,6 +474,10 @@ class Run:
                             + (("partial",) if partial else ()) if k in rec})
         if self.outputs:
             self.outputs.epoch(rec)
+        if self.step_log is not None:
+            self.step_log.epoch(rec)
+        if self.progress is not None:
+            self.progress.end_epoch()
         acc = f"  val_acc {_fmt(rec['val_accuracy'])}" if "val_accuracy" in rec else ""
         part = f" (partial: {totals.steps} steps)" if partial else ""
         self.log(f"epoch {rec['epoch']}/{spec.train['epochs']}{part}  train_loss {_fmt(train_loss)}  "
@@ -482,7 +528,10 @@ class Run:
             "ranks": ranks,
         }
         if self.is_root:
+            self.close_displays()
             self.outputs.finish(result)
+            if self.stop_reason not in ("nonfinite", "interrupted"):   # those end with their own line
+                self.log(end_line(result["status"], mine["wall_s"], final, self.spec.run_dir))
         if self.stop_reason == "nonfinite":
             # Decided from the bucket, so every rank raises this same error in the same step.
             raise mpi.CollectiveError(kind="NonFiniteError", message=
@@ -492,19 +541,17 @@ class Run:
         return result
 
 
-def _progress_bar(mode: str) -> bool:
-    """train.progress: `bar`, `lines`, or `auto` (a bar when stdout is a terminal). mpirun
-    pipes every rank's output, so under it only `bar` gets the bar in an interactive shell."""
-    if mode == "bar":
-        return True
-    if mode == "lines":
-        return False
-    return sys.stdout.isatty()
-
-
-def _log_period(value) -> float:
-    """train.log_every_s: null means the default 10 s; 0 logs every step."""
-    return 10.0 if value is None else float(value)
+def _config_dict(spec: TrainSpec) -> dict:
+    """The resolved config as a dict (the hyper-parameters TensorBoard shows)."""
+    import yaml
+    try:
+        cfg = yaml.safe_load(spec.config_yaml or "") or {}
+    except yaml.YAMLError:
+        cfg = {}
+    if not isinstance(cfg, dict) or not cfg:
+        cfg = {"train": spec.train, "optim": spec.optim, "policy": spec.policy, "device": spec.device,
+               "comm": spec.comm}
+    return cfg
 
 
 def _fmt(v, digits: int = 4) -> str:
@@ -528,6 +575,7 @@ def train(spec: TrainSpec, comm) -> dict:
         try:
             return run.execute()
         except Exception as exc:
+            run.close_displays()       # no half-drawn bar above the error message
             if getattr(exc, "step", None) is None and position() is not None:
                 try:
                     exc.step = position()     # the failure message names the step

@@ -15,6 +15,7 @@ a small pickled ``bcast``/``allgather`` of the status, and then every rank raise
 from __future__ import annotations
 
 import math
+import socket
 from typing import Sequence
 
 import numpy as np
@@ -38,14 +39,26 @@ def _message(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _raise_if_failed(statuses: Sequence[str | None], what: str) -> None:
-    """Same DataError on every rank, from the same gathered statuses."""
+def _raise_if_failed(statuses: Sequence[str | None], what: str, hosts: Sequence[str] | None = None,
+                     hint: str = "") -> None:
+    """Same DataError on every rank, from the same gathered statuses (and, when gathered, the
+    hosts the ranks run on, so the message says where the failure happened)."""
     failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if not failed:
         return
     r, msg = failed[0]
+    on = f" on {hosts[r]}" if hosts else ""
     more = f" and {len(failed) - 1} other rank(s)" if len(failed) > 1 else ""
-    raise DataError(f"{what} failed on rank {r}{more}: {msg}")
+    raise DataError(f"{what} failed on rank {r}{on}{more}: {msg}{hint}")
+
+
+def _host() -> str:
+    return socket.gethostname().split(".")[0]
+
+
+_NOT_SHARED_HINT = ("; with data.distribution=read every rank opens the file at this path, so it must "
+                    "be on a filesystem every node sees: without one, use data.distribution=scatter "
+                    "(rank 0 reads the file and sends each rank its rows)")
 
 
 def _check_bounds(bounds, size: int) -> list[tuple[int, int]]:
@@ -105,8 +118,13 @@ def _load_read(comm, path, x_name, y_name, bounds):
         _check_numeric(path, y_name, info.y_dtype)
         x, y = read_rows(path, x_name, y_name, *bounds[comm.Get_rank()])
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
-        status = _message(e)
-    _raise_if_failed(comm.allgather(status), f"reading {path!r}")
+        status = (_message(e), isinstance(e, FileNotFoundError) or "does not exist" in str(e))
+    gathered = comm.allgather((status, _host()))
+    statuses = [st[0] if st else None for st, _ in gathered]
+    missing = [st is not None and st[1] for st, _ in gathered]
+    # the file missing on some ranks only: the classic sign of a node-local path
+    hint = _NOT_SHARED_HINT if any(missing) and not all(missing) else ""
+    _raise_if_failed(statuses, f"reading {path!r}", [h for _, h in gathered], hint)
     return x, y
 
 

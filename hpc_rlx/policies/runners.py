@@ -209,6 +209,10 @@ class WindowedRunner:
             return ctx.step_in_epoch / max(1, ctx.steps_per_epoch)
         return self.epoch_consumed / max(1, self.epoch_samples)
 
+    def current_lr(self, ctx) -> float | None:
+        """The learning rate of the last window (it follows data progress, see _lr_step)."""
+        return self._lr
+
     # ---- one epoch ----------------------------------------------------------------------
     def run_epoch(self, run, epoch: int, first_step: int) -> EpochTotals:
         if not self._ready:

@@ -1,0 +1,167 @@
+"""Across emulated hosts (tests/netns_cluster.py): real nodes with their own network, hostname,
+IPC and scratch directory, launched by MPICH's hydra over an ssh wrapper.
+
+Skipped with the reason where namespaces cannot be made (not root); with HPC_RLX_REQUIRE_NETNS=1
+(CI) they must run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from .conftest import PYTHON, REPO, write_small_classification
+from .netns_cluster import SCRATCH, EmulatedCluster, can_emulate
+
+pytestmark = [pytest.mark.mpi, pytest.mark.multihost]
+
+MPIEXEC = str(Path(PYTHON).with_name("mpiexec"))
+# 160 training rows, global batch 16: 10 steps per epoch on any world size
+BASE = ["data=file", "data.val_fraction=0.2", "train.batch_size=16", "model.hidden=[16]",
+        "report.plots=false", "train.progress=lines"]
+EQUIV = ["train.dtype=float64", "train.epochs=2", "optim.lr=0.05", "checkpoint=off"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = can_emulate()
+    if why:
+        if os.environ.get("HPC_RLX_REQUIRE_NETNS") == "1":
+            pytest.fail(f"HPC_RLX_REQUIRE_NETNS=1 but the emulated cluster cannot start: {why}")
+        pytest.skip(why)
+    with EmulatedCluster(3, tmp_path_factory.mktemp("cluster")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def shared_h5(tmp_path_factory) -> Path:
+    return write_small_classification(tmp_path_factory.mktemp("mh") / "small.h5", rows=200, seed=5)
+
+
+def env() -> dict:
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    e.pop("SLURM_JOB_ID", None)
+    return e
+
+
+def job(cluster: EmulatedCluster, hosts: dict, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """`mpiexec` started on node1 across `hosts` ({'node1': ranks, ...}), with a timeout."""
+    cmd = cluster.mpich_cmd(MPIEXEC, hosts, [PYTHON] + args)
+    try:
+        return cluster.on("node1", cmd, timeout=timeout, env=env(), cwd=REPO)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s\n{e.stdout}\n{e.stderr}")
+
+
+def train(cluster, hosts, run_dir, overrides, timeout=120):
+    return job(cluster, hosts, ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}"] + BASE + overrides, timeout)
+
+
+def explain(p: subprocess.CompletedProcess) -> str:
+    return f"rc={p.returncode}\n--- stdout ---\n{p.stdout[-3000:]}\n--- stderr ---\n{p.stderr[-3000:]}"
+
+
+def params(run_dir: Path) -> dict:
+    with h5py.File(Path(run_dir) / "model.h5", "r") as f:
+        return {k: f[k][...] for k in f.keys()}
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.max(np.abs(a[k] - b[k])) / max(np.max(np.abs(a[k])), 1e-300)) for k in a)
+
+
+# --------------------------------------------------------------------------------------
+# Training across nodes
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_training_across_two_and_three_nodes_equals_one_node(cluster, shared_h5, tmp_path):
+    base = EQUIV + [f"data.path={shared_h5}"]
+    ref = tmp_path / "one-node"
+    p = train(cluster, {"node1": 1}, ref, base)
+    assert p.returncode == 0, explain(p)
+    for hosts in ({"node1": 1, "node2": 1}, {"node1": 2, "node2": 2}, {"node1": 1, "node2": 1, "node3": 1}):
+        name = "_".join(f"{h}x{n}" for h, n in hosts.items())
+        p = train(cluster, hosts, tmp_path / name, base)
+        assert p.returncode == 0, f"{name}: " + explain(p)
+        diff = max_rel_diff(params(ref), params(tmp_path / name))
+        assert diff <= 1e-10, f"{name}: max relative parameter difference {diff:.3e}"
+
+
+def test_doctor_reports_the_nodes_the_mpi_and_the_launcher(cluster, tmp_path):
+    p = job(cluster, {"node1": 2, "node2": 2}, ["-m", "hpc_rlx.doctor", f"hydra.run.dir={tmp_path}/run"])
+    assert p.returncode == 0, explain(p)
+    out = p.stdout
+    assert "4 rank(s) on 2 node(s)" in out, explain(p)
+    assert re.search(r"node1\s+0-1\s+2\b", out) and re.search(r"node2\s+2-3\s+2\b", out), explain(p)
+    assert "MPICH" in out and "launched by" in out, explain(p)
+    assert "\x00" not in out and "\x1b" not in out, repr(out[-500:])
+
+
+# --------------------------------------------------------------------------------------
+# No shared filesystem
+# --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def data_on_node1_only(cluster):
+    """The data file in node1's private scratch: at SCRATCH/small.h5 on node1 only."""
+    path = write_small_classification(cluster.scratch("node1") / "small.h5", rows=200, seed=5)
+    yield f"{SCRATCH}/small.h5"
+    path.unlink(missing_ok=True)
+
+
+def test_without_a_shared_filesystem_scatter_trains_and_read_names_the_rank_and_host(
+        cluster, data_on_node1_only, shared_h5, tmp_path):
+    hosts = {"node1": 1, "node2": 1}
+    base = EQUIV + [f"data.path={data_on_node1_only}"]
+    p = train(cluster, hosts, tmp_path / "scatter", base + ["data.distribution=scatter"])
+    assert p.returncode == 0, explain(p)
+    ref = tmp_path / "shared"
+    assert train(cluster, hosts, ref, EQUIV + [f"data.path={shared_h5}"]).returncode == 0
+    assert max_rel_diff(params(ref), params(tmp_path / "scatter")) <= 1e-10
+
+    t0 = time.monotonic()
+    p = train(cluster, hosts, tmp_path / "read", base + ["data.distribution=read"], timeout=60)
+    assert p.returncode == 2, explain(p)
+    assert time.monotonic() - t0 < 50
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("hpc_rlx: error")]
+    assert len(errors) == 1, explain(p)
+    assert "failed on rank 1 on node2" in errors[0], errors[0]
+    assert "data.distribution=scatter" in errors[0], errors[0]
+
+
+def test_a_run_directory_only_node1_sees_warns_and_checkpoints_still_resume(
+        cluster, data_on_node1_only, tmp_path):
+    hosts = {"node1": 1, "node2": 1}
+    run = f"{SCRATCH}/run-private"
+    p = job(cluster, hosts, ["-m", "hpc_rlx.doctor", f"hydra.run.dir={run}"])
+    assert p.returncode == 0, explain(p)
+    assert "the run directory is not shared" in p.stdout, explain(p)
+
+    base = [f"data.path={data_on_node1_only}", "data.distribution=scatter", "train.epochs=2",
+            "train.dtype=float64", "checkpoint.every_steps=5"]
+    p = train(cluster, hosts, run, base + ["train.max_steps=5"])
+    assert p.returncode == 0, explain(p)
+    node1_run = cluster.scratch("node1") / "run-private"
+    assert any((node1_run / "checkpoints").glob("ckpt-*.h5")), explain(p)
+    node2_run = cluster.scratch("node2") / "run-private"
+    assert not node2_run.exists() or not any(node2_run.rglob("*")), "a rank on node2 wrote files"
+    p = train(cluster, hosts, run, base)
+    assert p.returncode == 0, explain(p)
+    assert "resumed from" in p.stdout, explain(p)
+    assert json.loads((node1_run / "summary.json").read_text())["steps"] == 20
+
+    ref = tmp_path / "uninterrupted"
+    p = train(cluster, hosts, ref, base)
+    assert p.returncode == 0, explain(p)
+    with h5py.File(node1_run / "model.h5", "r") as f:
+        resumed = {k: f[k][...] for k in f.keys()}
+    assert max_rel_diff(params(ref), resumed) <= 1e-10
