@@ -12,7 +12,6 @@ files. The Hydra task is a thin wrapper: the work is `hpc_rlx.train.train(spec, 
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
@@ -24,15 +23,13 @@ _CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")
 
 
 def _run_id(comm) -> str:
-    """One run id for all ranks: the Slurm job id when there is one, else rank 0's clock."""
+    """One run id for all ranks: under Slurm the job's directory or a fresh one of the job
+    (hpc_rlx.rundirs: only the same training continues a directory), else rank 0's clock."""
     rid = None
     if comm.rank == 0:
-        job = os.environ.get("SLURM_JOB_ID")
-        if job:
-            rid = f"slurm-{job}"
-            if os.environ.get("SLURM_ARRAY_TASK_ID"):
-                rid += f"_{os.environ['SLURM_ARRAY_TASK_ID']}"
-        else:
+        from .rundirs import slurm_run_id
+        rid = slurm_run_id(sys.argv[1:])
+        if rid is None:
             base = time.strftime("%Y-%m-%d_%H-%M-%S")
             rid, k = base, 1
             # Two jobs started in the same second must not share (and resume from) one dir.

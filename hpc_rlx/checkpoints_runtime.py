@@ -71,6 +71,7 @@ class RuntimeCheckpoints:
         # before the next save, so the best survives without a file per epoch.
         self.best = BestWatch(cfg["metric"])
         self._unsaved_best: tuple | None = None
+        self.resumed_config_yaml: str | None = None   # what the resumed checkpoint trained with
 
     # ---- cadence (all ranks evaluate these on the same agreed numbers) -------------------
     def steps_due(self, step: int) -> bool:
@@ -160,6 +161,8 @@ class RuntimeCheckpoints:
             "world_size": run.comm.size,
             "graph_fingerprint": ctx.graph.fingerprint(),
             "config_yaml": run.spec.config_yaml,
+            # which training this is (hpc_rlx.fingerprint): decides which runs continue it
+            "config_fingerprint": run.spec.extras.get("config_fingerprint"),
             "dtype": run.spec.train["dtype"],
         }
         return CheckpointState(arrays=arrays, meta=meta)
@@ -287,6 +290,7 @@ class RuntimeCheckpoints:
         mpi.agree(comm, lambda: self._apply(info, arrays))
         run.resumed_from = info["path"]
         meta = info["meta"]
+        self.resumed_config_yaml = meta.get("config_yaml")
         where = (f"in epoch {ctx.epoch + 1} at step {ctx.step_in_epoch}/{ctx.steps_per_epoch}"
                  if ctx.step_in_epoch else f"after epoch {ctx.epoch}")
         ranks = (f"written on {meta['world_size']} ranks, shards re-planned for {comm.size}"

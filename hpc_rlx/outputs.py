@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import watchdog
+from . import segments, watchdog
 
 
 class RunOutputs:
@@ -20,12 +20,22 @@ class RunOutputs:
 
     def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        if self.run.spec.config_yaml:
-            (self.dir / "config.yaml").write_text(self.run.spec.config_yaml)
+        segment = self._start_segment() if self.run.spec.config_yaml else None
         (self.dir / "graph.json").write_text(json.dumps(self.run.spec.graph, indent=1))
         if self.run.resumed_from:
             self._trim_metrics(self.run.ctx.epoch)
         self.metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        if segment is not None:
+            self.metrics.write(segments.dumps(segment) + "\n")
+            self.run.log(segments.describe(segment))
+
+    def _start_segment(self) -> dict | None:
+        """config.yaml for the first run here; a later run keeps it and adds its own (segments)."""
+        run = self.run
+        return segments.start_segment(
+            self.dir, run.spec.config_yaml, resumed_from=run.resumed_from,
+            resumed_config_yaml=run.checkpoints.resumed_config_yaml, start_step=run.ctx.step,
+            start_epoch=run.ctx.epoch, world_size=run.comm.size)
 
     def _trim_metrics(self, epochs_done: int) -> None:
         """On resume, epochs past the checkpoint are trained again: their old records move to

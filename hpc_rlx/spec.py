@@ -291,8 +291,11 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     """Rank 0: validate the config, inspect the data, build the graph and the shard plan."""
     from .data import hdf5
     from .data.plan import plan_shards
+    from .rundirs import fingerprint_of
 
     validate_config(cfg, world_size)
+    # of the config as composed (before anything below fills in defaults): what rundirs sees
+    fingerprint = fingerprint_of(cfg)
     check_run_dir_writable(run_dir)
     d = cfg["data"]
     from .data.resolve import prepare_missing_data
@@ -345,7 +348,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         run_dir=str(run_dir), resume=str(cfg["resume"]), world_size=world_size,
         config_yaml=config_yaml,
         extras={"report": dict(cfg.get("report", {})), "trace": dict(cfg.get("trace", {})),
-                "plan": plan.describe()})
+                "plan": plan.describe(), "config_fingerprint": fingerprint})
 
 
 def initial_parameters(spec: TrainSpec, graph, layout) -> np.ndarray:

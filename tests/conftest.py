@@ -51,7 +51,14 @@ def explain(proc: subprocess.CompletedProcess) -> str:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    """The epoch records of metrics.jsonl (event records, e.g. segment starts, left out)."""
+    return read_metric_events(run_dir, events=False)
+
+
+def read_metric_events(run_dir: Path, events: bool = True) -> list[dict]:
+    """Every record of metrics.jsonl (events=True), or only those that are not events."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return rows if events else [r for r in rows if "event" not in r]
 
 
 def write_small_classification(path: Path, rows: int, seed: int) -> Path:

@@ -391,6 +391,35 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, tmp_path, trigger
     assert list((tmp_path / "outputs").iterdir()) == [run_dir], "one run directory for both runs"
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_runs_of_one_batch_script_share_a_directory_only_for_the_same_training(slurm, tmp_path):
+    """Three slurm/train.sh runs in one job: another learning rate gets slurm-<job>.1, the first
+    config run longer continues slurm-<job>; train.sh reads each run's own directory."""
+    (tmp_path / "logs").mkdir()
+    common = " ".join([*SMALL, "train.epochs={}"])
+    script = tmp_path / "three_runs.sh"
+    script.write_text("#!/bin/bash\nset -e\n" + "".join(
+        f"bash {TRAIN_SH} {common.format(epochs)} optim.lr={lr}\n"
+        for lr, epochs in (("0.1", 1), ("0.05", 1), ("0.1", 2))))
+    proc = run(["sbatch", "--parsable", *RESOURCES, "--job-name=hpc_rlx", "--output=logs/%x-%j.out",
+                script], env=job_env(slurm), cwd=tmp_path, timeout=60, cluster=slurm)
+    job = re.findall(r"^(\d+)", proc.stdout, flags=re.M)[0]
+    fields = wait_job(slurm, tmp_path, job, 400)
+    log = log_of(tmp_path, job)
+    assert fields["JobState"] == "COMPLETED", log
+    first, second = tmp_path / "outputs" / f"slurm-{job}", tmp_path / "outputs" / f"slurm-{job}.1"
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == [first.name, second.name], log
+    assert re.findall(r"^hpc_rlx: run directory: (\S+)", log, flags=re.M) == [
+        f"outputs/{first.name}", f"outputs/{second.name}", f"outputs/{first.name}"], log
+    assert [m["epoch"] for m in read_metrics(first)] == [1, 2], log
+    assert [m["epoch"] for m in read_metrics(second)] == [1], log
+    assert log.count("[hpc_rlx] resumed from") == 1 and f"resumed from {first}" in log, log
+    assert "optim:\n  name: sgd\n  lr: 0.1" in (first / "config.yaml").read_text()
+    assert (first / "config.segment-2.yaml").is_file() and not (second / "config.segment-2.yaml").exists()
+    assert log.count("ranks finished with status 0") == 3 and "requeueing" not in log, log
+
+
 def _sweep(slurm, cwd: Path, overrides, timeout=300):
     cmd = [sys.executable, "-m", "hpc_rlx", "-m", "hydra/launcher=slurm",
            "hydra.launcher.ntasks_per_node=2", "hydra.launcher.cpus_per_task=1",

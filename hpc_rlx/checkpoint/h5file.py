@@ -378,6 +378,23 @@ def read_checkpoint(path) -> CheckpointState:
     return CheckpointState(arrays=arrays, meta=meta, path=Path(path), info=_info(manifest))
 
 
+def read_meta(path) -> dict:
+    """A checkpoint's meta without reading or verifying its arrays: cheap, for telling which
+    run a checkpoint belongs to, never for resuming (that is `read_checkpoint`)."""
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            if f.attrs.get("format") != FORMAT:
+                raise CheckpointError(f"{path} is not an hpc_rlx checkpoint")
+            meta = json.loads(_read_text(f, "meta"))
+    except CheckpointError:
+        raise
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {path} has no meta record")
+    return meta
+
+
 def verify_checkpoint(path) -> dict:
     """Check a checkpoint end to end without keeping its arrays; returns its manifest info."""
     return _info(_read(path, keep_arrays=False)[0])

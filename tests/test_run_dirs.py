@@ -1,0 +1,94 @@
+"""Runs inside one Slurm job (several mpirun runs in one allocation or batch script): only the
+same training continues a directory; every segment keeps its config and is marked in
+metrics.jsonl. Real mpirun jobs; the job is named by SLURM_JOB_ID in the ranks' environment
+(the real cluster runs the same rule through slurm/train.sh in test_slurm.py)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import MPIRUN, PYTHON, explain, mpi_env, read_metric_events, read_metrics
+
+pytestmark = pytest.mark.mpi
+
+JOB = "4242"
+SMALL = ["model.hidden=[16]", "report.plots=false", "train.batch_size=64"]
+
+
+def job_run(n: int, cwd: Path, overrides: list[str], timeout: float = 180, **slurm) -> subprocess.CompletedProcess:
+    """`mpirun -n N python -m hpc_rlx` in `cwd`, every rank seeing SLURM_JOB_ID (and `slurm`)."""
+    env_args = [f"SLURM_JOB_ID={JOB}"] + [f"SLURM_{k.upper()}={v}" for k, v in slurm.items()]
+    cmd = [MPIRUN, "-n", str(n), "env", *env_args, PYTHON, "-m", "hpc_rlx", *SMALL, *overrides]
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s: {e}")
+
+
+def config(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.mark.slow
+def test_runs_of_one_slurm_job_continue_only_the_same_training(tmp_path, digits_h5):
+    data = f"data.path={digits_h5}"
+    outputs = tmp_path / "outputs"
+    first, second = outputs / f"slurm-{JOB}", outputs / f"slurm-{JOB}.1"
+
+    a = job_run(2, tmp_path, [data, "optim.lr=0.1", "train.epochs=2"])
+    assert a.returncode == 0, explain(a)
+    assert sorted(p.name for p in outputs.iterdir()) == [first.name]
+
+    # another learning rate in the same job: a fresh directory, nothing resumed
+    b = job_run(2, tmp_path, [data, "optim.lr=0.05", "train.epochs=2"])
+    assert b.returncode == 0, explain(b)
+    assert "resumed from" not in b.stdout, explain(b)
+    assert sorted(p.name for p in outputs.iterdir()) == [first.name, second.name]
+    assert config(first / "config.yaml")["optim"]["lr"] == 0.1, "the first run's record is intact"
+    assert config(second / "config.yaml")["optim"]["lr"] == 0.05
+    assert [m["epoch"] for m in read_metrics(second)] == [1, 2]
+
+    # the first config again, longer and on another number of ranks: it continues the first run
+    c = job_run(1, tmp_path, [data, "optim.lr=0.1", "train.epochs=3"])
+    assert c.returncode == 0, explain(c)
+    assert f"resumed from {first}/checkpoints/ckpt-" in c.stdout, explain(c)
+    assert sorted(p.name for p in outputs.iterdir()) == [first.name, second.name]
+    assert [m["epoch"] for m in read_metrics(first)] == [1, 2, 3]
+    assert config(first / "config.yaml")["train"]["epochs"] == 2, "config.yaml is never overwritten"
+    assert config(first / "config.segment-2.yaml")["train"]["epochs"] == 3
+    events = [r for r in read_metric_events(first) if r.get("event") == "segment"]
+    assert len(events) == 1, read_metric_events(first)
+    seg = events[0]
+    assert seg["segment"] == 2 and seg["config"] == "config.segment-2.yaml"
+    assert seg["start_epoch"] == 2 and seg["start_step"] == read_metrics(first)[1]["step"]
+    assert seg["world_size"] == 1 and seg["resumed_from"]
+    assert seg["changed"] == {"train.epochs": [2, 3]}
+    # the segment marker sits between the epochs of the two segments
+    order = [r.get("epoch", "segment") for r in read_metric_events(first)]
+    assert order == [1, 2, "segment", 3], order
+    assert "segment 2 of this run directory" in c.stdout and "train.epochs 2 -> 3" in c.stdout
+
+    # the directory asked for by name continues whatever config comes with it, and says so
+    d = job_run(2, tmp_path, [data, "optim.lr=0.2", "train.epochs=3", f"hydra.run.dir={second}"])
+    assert d.returncode == 0, explain(d)
+    assert "resumed from" in d.stdout, explain(d)
+    (seg,) = [r for r in read_metric_events(second) if r.get("event") == "segment"]
+    assert seg["changed"] == {"optim.lr": [0.05, 0.2], "train.epochs": [2, 3]}
+    assert config(second / "config.yaml")["optim"]["lr"] == 0.05
+    assert config(second / "config.segment-2.yaml")["optim"]["lr"] == 0.2
+
+
+def test_resume_none_in_a_job_gets_a_fresh_directory(tmp_path, digits_h5):
+    data = f"data.path={digits_h5}"
+    a = job_run(2, tmp_path, [data, "train.epochs=1"])
+    assert a.returncode == 0, explain(a)
+    b = job_run(2, tmp_path, [data, "train.epochs=1", "resume=none"])
+    assert b.returncode == 0, explain(b)
+    names = sorted(p.name for p in (tmp_path / "outputs").iterdir())
+    assert names == [f"slurm-{JOB}", f"slurm-{JOB}.1"], names
+    for name in names:
+        assert [m["epoch"] for m in read_metrics(tmp_path / "outputs" / name)] == [1]
