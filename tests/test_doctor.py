@@ -12,7 +12,12 @@ import pytest
 
 from hpc_rlx import doctor
 
-from .conftest import MPIRUN, PYTHON, REPO, explain, mpirun
+from .conftest import MPI_IMPL, REPO, explain, launch_cmd, mpirun
+
+# how the report names each MPI's library and launcher
+EXPECTED_LIBRARY = {"mpich": "library       MPICH Version: ", "openmpi": "library       Open MPI v5."}
+EXPECTED_LAUNCHER = {"mpich": "launched by   MPICH mpirun / mpiexec (hydra)",
+                     "openmpi": "launched by   Open MPI mpirun (prterun)"}
 
 
 def rec(rank, size, host="n1", cores=(0, 1), threads=1, env=None, **extra):
@@ -188,7 +193,18 @@ def test_launcher_names():
     assert doctor.launcher({"SLURM_STEP_ID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_JOB_ID": "9",
                             "SLURM_MPI_TYPE": "pmi2"}, 4).startswith("srun (job 9, step 3, --mpi=pmi2")
     assert doctor.launcher({"PMI_SIZE": "4"}, 4) == "mpirun / mpiexec"
+    assert doctor.launcher({"PMI_SIZE": "4", "HYDI_CONTROL_FD": "7"}, 4) == "MPICH mpirun / mpiexec (hydra)"
+    assert doctor.launcher({"OMPI_COMM_WORLD_SIZE": "4", "PMIX_RANK": "0"}, 4) == "Open MPI mpirun (prterun)"
     assert doctor.launcher({}, 1) == "none (a single process)"
+
+
+def test_library_version_is_one_line_without_nul_bytes():
+    # Open MPI 5's string as mpi4py returns it: the C string's terminating NUL included
+    ompi = ("Open MPI v5.0.11, package: Open MPI distribution, ident: 5.0.11, repo rev: v5.0.11rc1, "
+            "Sep 16, 2026\0")
+    assert doctor.library_line(ompi) == ompi[:-1]
+    assert doctor.library_line("MPICH Version:      5.0.2\nMPICH Release date: Fri\n") == "MPICH Version: 5.0.2"
+    assert doctor.library_line("\0\n") == "unknown"
 
 
 # ---------------------------------------------------------------------------------- real runs
@@ -200,6 +216,7 @@ def _env(**extra):
 
 
 @pytest.mark.mpi
+@pytest.mark.openmpi
 def test_doctor_under_mpirun_reports_world_hosts_and_versions(tmp_path):
     proc = mpirun(2, ["-m", "hpc_rlx.doctor", "--run-dir", str(tmp_path / "runs")], cwd=tmp_path,
                   env=_env(OMP_NUM_THREADS="1"), timeout=120)
@@ -207,8 +224,9 @@ def test_doctor_under_mpirun_reports_world_hosts_and_versions(tmp_path):
     out = proc.stdout
     assert out.count("hpc_rlx doctor:") == 1, "only rank 0 prints"
     assert "2 rank(s) on 1 node(s)" in out
-    assert "world size    2" in out and "launched by   mpirun" in out
-    assert "MPICH" in out
+    assert "world size    2" in out
+    assert EXPECTED_LAUNCHER[MPI_IMPL] in out and EXPECTED_LIBRARY[MPI_IMPL] in out, out
+    assert "\0" not in out and not any(line != line.rstrip() for line in out.splitlines() if "library" in line)
     assert f"HDF5 {h5py.version.hdf5_version}" in out and f"h5py {h5py.__version__}" in out
     host = socket.gethostname().split(".")[0]
     row = next(line.split() for line in out.splitlines() if line.strip().startswith(host + " "))
@@ -223,6 +241,7 @@ def test_doctor_under_mpirun_reports_world_hosts_and_versions(tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.openmpi
 def test_doctor_warns_about_blas_oversubscription(tmp_path):
     cores = len(os.sched_getaffinity(0))
     threads = 2 * cores
@@ -244,11 +263,12 @@ def _without_thread_vars() -> dict:
 
 
 def _doctor(n: int, args: list[str], cwd, env: dict) -> subprocess.CompletedProcess:
-    cmd = [MPIRUN, "-n", str(n), PYTHON, "-m", "hpc_rlx.doctor"] + args
+    cmd = launch_cmd(n, ["-m", "hpc_rlx.doctor"] + args)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.mpi
+@pytest.mark.openmpi
 def test_doctor_table_shows_training_threads_without_any_setting(tmp_path):
     cores = len(os.sched_getaffinity(0))
     proc = _doctor(2, [], tmp_path, _without_thread_vars())
@@ -261,6 +281,7 @@ def test_doctor_table_shows_training_threads_without_any_setting(tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.openmpi
 def test_doctor_takes_training_overrides_and_warns_about_threads_per_rank(tmp_path):
     cores = len(os.sched_getaffinity(0))
     proc = _doctor(2, [f"train.threads_per_rank={cores}", "--json"], tmp_path, _without_thread_vars())
@@ -278,6 +299,7 @@ def test_doctor_takes_training_overrides_and_warns_about_threads_per_rank(tmp_pa
 
 
 @pytest.mark.mpi
+@pytest.mark.openmpi
 def test_doctor_strict_fails_on_an_unwritable_run_dir(tmp_path):
     # /proc refuses new files even to root
     proc = mpirun(1, ["-m", "hpc_rlx.doctor", "--strict", "--run-dir", "/proc/hpc_rlx_outputs"],
