@@ -93,6 +93,13 @@ def label_classes(path: str, y_name: str, n_rows: int, extra_names=()) -> tuple[
     (and `extra_names`, e.g. token-id inputs that index the same vocabulary), block by block."""
     from .hdf5 import open_readonly
 
+    try:
+        return _label_classes(path, y_name, n_rows, extra_names, open_readonly)
+    except OSError as e:
+        raise DataError(f"reading the labels of {path!r} to count the classes failed: {e}") from None
+
+
+def _label_classes(path, y_name, n_rows, extra_names, open_readonly) -> tuple[int, int]:
     top = -1
     with open_readonly(path) as f:
         extra = [n for n in extra_names if f[n].dtype.kind in "iu"]
