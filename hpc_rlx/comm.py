@@ -417,15 +417,36 @@ def rank_span(ranks: list[int]) -> str:
     return ",".join(parts)
 
 
-LOCAL_RANK_ENV = ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK")
+# (local rank, ranks on the node) as each launcher sets them: Open MPI, MPICH's hydra, other
+# PMI launchers, then Slurm last, since mpirun inside one srun task inherits a stale
+# SLURM_LOCALID=0 on every rank while the inner launcher's own variables are right.
+LOCAL_RANK_ENV = (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+                  ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+                  ("PMI_LOCAL_RANK", "PMI_LOCAL_SIZE"),
+                  ("SLURM_LOCALID", None))
+
+
+def layout_from_env(env) -> tuple[int, int] | None:
+    """(local rank, ranks on the node) from the launcher's variables, or None without any. A
+    missing or bad node size becomes local rank + 1 (at least this many)."""
+    for rank_var, size_var in LOCAL_RANK_ENV:
+        try:
+            local = int(env[rank_var])
+        except (KeyError, ValueError):
+            continue
+        try:
+            size = int(env[size_var]) if size_var else 0
+        except (KeyError, ValueError):
+            size = 0
+        return local, max(size, local + 1)
+    return None
 
 
 def node_layout(comm) -> tuple[int, int]:
     """(this rank's index among the ranks on its node, ranks on the node).
 
     From an MPI shared-memory split, which counts the processes that really share the node;
-    launcher variables (SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID) only when
-    the split fails, since a nested launch (mpirun inside one srun task) inherits stale ones.
+    the launcher's variables (`LOCAL_RANK_ENV`) only when the split fails.
     Collective: every rank of `comm` must call it.
     """
     try:
@@ -436,13 +457,7 @@ def node_layout(comm) -> tuple[int, int]:
         finally:
             node.Free()
     except Exception:  # noqa: BLE001 - fall back to what the launcher says
-        for var in LOCAL_RANK_ENV:
-            try:
-                local = int(os.environ[var])
-            except (KeyError, ValueError):
-                continue
-            return local, local + 1      # the node's size is unknown: at least this many
-        return 0, 1
+        return layout_from_env(os.environ) or (0, 1)
 
 
 def local_rank(comm) -> int:
