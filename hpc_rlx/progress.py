@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from dataclasses import dataclass
 
 BAR_REDRAWS_PER_S = 4
@@ -220,7 +219,3 @@ def make_progress(mode: str, log_every_s, out=None) -> Progress:
         except ImportError:
             style = "lines"       # a minimal install: plain lines still say everything
     return (BarProgress if style == "bar" else LineProgress)(out, period)
-
-
-def now() -> float:
-    return time.perf_counter()
