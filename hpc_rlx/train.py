@@ -9,7 +9,6 @@ count and applies the same optimizer step. Other policies reuse the same pieces.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
