@@ -38,7 +38,9 @@ def collect(sweep_dir: Path) -> list[dict]:
         if summary.exists():
             s = json.loads(summary.read_text())
             final = s.get("final") or {}
-            row.update({k: final.get(k) for k in ("val_loss", "val_accuracy", "train_loss")})
+            # a regression point has no val_accuracy key at all: keep it absent
+            row.update({k: final.get(k) for k in ("val_loss", "val_accuracy", "train_loss")
+                        if k in final or k != "val_accuracy"})
             row["epochs_completed"] = s.get("epochs_completed")
             row["status"] = s.get("status")
         else:
@@ -48,12 +50,13 @@ def collect(sweep_dir: Path) -> list[dict]:
 
 
 def render(rows: list[dict]) -> str:
-    head = "| point | overrides | " + " | ".join(COLUMNS) + " |"
-    sep = "|" + "---|" * (len(COLUMNS) + 2)
+    columns = [c for c in COLUMNS if c != "val_accuracy" or any(c in r for r in rows)]
+    head = "| point | overrides | " + " | ".join(columns) + " |"
+    sep = "|" + "---|" * (len(columns) + 2)
     lines = [head, sep]
     for r in rows:
         cells = []
-        for c in COLUMNS:
+        for c in columns:
             v = r.get(c)
             cells.append(f"{v:.4f}" if isinstance(v, float) else ("-" if v is None else str(v)))
         lines.append(f"| {r['point']} | {r['overrides']} | " + " | ".join(cells) + " |")

@@ -248,3 +248,20 @@ def test_regression_cannot_checkpoint_by_accuracy(tmp_path):
     assert proc.returncode == 2, explain(proc)
     errors = _error_lines(proc)
     assert len(errors) == 1 and "checkpoint.metric=val_accuracy" in errors[0], explain(proc)
+
+
+def test_sweep_summary_of_regression_points_has_no_accuracy_column(tmp_path):
+    from hpc_rlx.sweep import collect, render
+
+    for i, final in enumerate(({"val_loss": 0.5, "train_loss": 0.4}, {"val_loss": 0.25, "train_loss": 0.2})):
+        point = tmp_path / str(i)
+        point.mkdir()
+        (point / "overrides.txt").write_text(f"optim.lr=0.{i + 1}\n")
+        (point / "summary.json").write_text(json.dumps({"final": final, "status": "completed",
+                                                        "epochs_completed": 2}))
+    rows = collect(tmp_path)
+    assert all("val_accuracy" not in r for r in rows)
+    table = render(rows)
+    assert "val_accuracy" not in table and "0.2500" in table
+    # a classification sweep keeps the column
+    assert "val_accuracy" in render([dict(rows[0], val_accuracy=0.9)])
