@@ -35,7 +35,23 @@ def _run_id(comm) -> str:
             # Two jobs started in the same second must not share (and resume from) one dir.
             while Path("outputs", rid).exists() or Path("multirun", rid).exists():
                 rid, k = f"{base}-{k}", k + 1
-    return comm.bcast(rid, root=0)
+    global _FRESH_ROOT
+    fresh = None
+    if comm.rank == 0:
+        from .rundirs import new_run_root
+        fresh = new_run_root(sys.argv[1:], rid)   # before anything creates it
+    rid, _FRESH_ROOT = comm.bcast((rid, fresh), root=0)
+    return rid
+
+
+# The directory this run creates for its run directory; removed again if the run fails before
+# training (only a run that trained keeps a directory).
+_FRESH_ROOT: Path | None = None
+
+
+def _remove_unused_run_dir() -> None:
+    from .rundirs import remove_unused_run_dir
+    remove_unused_run_dir(_FRESH_ROOT)
 
 
 def _rank_overrides(rank: int) -> list[str]:
@@ -72,6 +88,7 @@ def _error_exit(comm, exc: BaseException, where: str) -> None:
         origin = getattr(exc, "origin", 0)
         host = getattr(exc, "host", None)
         if comm.rank == 0:
+            _remove_unused_run_dir()
             kind = getattr(exc, "kind", type(exc).__name__)
             text = str(exc)
             who = f"rank {origin}" + (f" on {host}" if host else "")
@@ -90,6 +107,7 @@ def _error_exit(comm, exc: BaseException, where: str) -> None:
     else:
         cause = "".join(traceback.format_exception_only(exc)).strip()
         detail = "\n" + "".join(traceback.format_exception(exc)).rstrip()
+    _remove_unused_run_dir()     # the failing rank: the others are about to be killed
     abort(comm, f"hpc_rlx: rank {comm.rank} on {hostname()} failed during {_phase(exc, where)}"
                 f"{at}: {cause}{detail}\n"
                 f"hpc_rlx: aborting all {comm.size} ranks", code=1)
@@ -217,6 +235,9 @@ def run_job(cfg, comm) -> float | None:
         hc = HydraConfig.get()
         run_dir = hc.runtime.output_dir
         multirun = str(hc.mode).endswith("MULTIRUN")
+        if comm.rank == 0:
+            from . import debuglog
+            debuglog.configure(hc.verbose)
 
         def _spec():
             added = _added_keys(hc.overrides.task)
@@ -227,6 +248,8 @@ def run_job(cfg, comm) -> float | None:
             return build_spec(container, run_dir, comm.size,
                               config_yaml=OmegaConf.to_yaml(cfg, resolve=True)).to_dict()
         spec = TrainSpec.from_dict(mpi.root_computes(comm, _spec))
+        if comm.rank == 0:
+            debuglog.startup(spec)
         mpi.agree(comm, lambda: maybe_fail(spec, comm.rank, "startup"))
         where = "training"
         result = train(spec, comm)
@@ -276,6 +299,7 @@ def main() -> None:
     problem = comm.bcast(problem, root=0)
     if problem:
         if comm.rank == 0:
+            _remove_unused_run_dir()
             from .comm import hostname
             sys.stderr.write(f"hpc_rlx: error (ConfigError, reported by rank 0 on {hostname()}): {problem}\n")
             sys.stderr.flush()

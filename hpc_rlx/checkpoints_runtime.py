@@ -13,6 +13,7 @@ one error, so no rank is ever left waiting in a collective the others skipped.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import shutil
 import subprocess
@@ -23,6 +24,8 @@ import numpy as np
 
 from . import comm as mpi
 from .errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 _NO_RESUME = ("none", "null", "", "false", "no", "off")
 # What fixes which rows a step uses: if any of it differs, a mid-epoch position means nothing.
@@ -96,14 +99,16 @@ class RuntimeCheckpoints:
         step = self.run.ctx.step
         if not (self.enabled and self.run.is_root) or not self.best.offer(step, metric):
             return
-        if self.saved_step == step:
-            self._unsaved_best = None       # this epoch's own save holds it
+        if self.saved_step == step or self.run.ctx.epoch >= int(self.run.spec.train["epochs"]):
+            self._unsaved_best = None       # this epoch's own save, or the final one, holds it
             return
         state = self._state()
         # a copy: training goes on changing the parameters, optimizer state and history
         state.arrays = {k: np.array(v, copy=True) for k, v in state.arrays.items()}
         state.meta = copy.deepcopy(state.meta)
         self._unsaved_best = (step, metric, state)
+        log.debug("best %s so far at step %d (%s): kept in memory until the next save",
+                  self.run.spec.checkpoint["metric"], step, metric)
 
     def _write_unsaved_best(self, step: int) -> None:
         """Rank 0, inside a save at `step`: first write the best epoch end since the last save."""
@@ -201,6 +206,8 @@ class RuntimeCheckpoints:
         if choice == "auto":
             state = self.manager.load_latest(warn=self._warn)
             present = self.manager.steps()
+            log.debug("resume=auto: checkpoint steps in %s: %s; resuming %s", self.directory,
+                      present, None if state is None else state.path)
             if state is None and present:
                 # Never start over silently next to checkpoints that exist: a storage hiccup
                 # would otherwise cost the whole run.

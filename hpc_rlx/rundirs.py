@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")
 RUNS_ROOT = "outputs"        # hydra.run.dir's default is outputs/${rlx_run_id:}
+LAST_CHOICE: str | None = None   # why slurm_run_id chose what it did (for hpc_rlx's debug log)
 
 
 def slurm_base(env=os.environ) -> str | None:
@@ -116,17 +117,61 @@ def slurm_run_id(argv: list[str], env=os.environ, root: str = RUNS_ROOT) -> str 
         return base
     resume_auto = str(cfg.get("resume", "auto")).strip() == "auto"
     name, why = choose_job_dir(base, existing, mine, requeued(env), resume_auto)
-    log.debug("run-dir choice: %s (%s); this config %s, the job's directories %s",
-              name, why, mine, existing)
+    global LAST_CHOICE
+    LAST_CHOICE = (f"{name}: {why} (this config {mine}; the job's directories "
+                   f"{ {k: str(v) for k, v in existing.items()} })")
+    log.debug("run-dir choice: %s", LAST_CHOICE)
     return name
+
+
+def explicit_run_dir(argv: list[str]) -> str | None:
+    for a in argv:
+        key, _, value = a.partition("=")
+        if key.lstrip("+") == "hydra.run.dir" and value:
+            return value.strip("'\"")
+    return None
+
+
+def new_run_root(argv: list[str], rid: str) -> Path | None:
+    """Before anything is written: the outermost directory this run will create for its run
+    directory (e.g. outputs/ on a fresh checkout), or None if it exists or this is a sweep."""
+    if any(a.startswith("-") for a in argv):
+        return None
+    path = Path(explicit_run_dir(argv) or f"{RUNS_ROOT}/{rid}").expanduser().absolute()
+    if path.exists():
+        return None
+    while not path.parent.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+# What startup writes before training: Hydra's job log (<job name>.log) and the write probe.
+_STARTUP_FILES = (".log",)
+
+
+def remove_unused_run_dir(root: Path | None) -> bool:
+    """A run that failed before training leaves no directory behind: remove `root` (from
+    `new_run_root`) if it holds nothing but startup's log files. Never raises."""
+    if root is None or not root.is_dir():
+        return False
+    import shutil
+    try:
+        for path in root.rglob("*"):
+            if path.is_file() and not path.name.endswith(_STARTUP_FILES) and \
+                    not path.name.startswith(".write-test-"):
+                return False
+        shutil.rmtree(root)
+        return True
+    except OSError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    for a in argv:
-        if a.split("=", 1)[0] == "hydra.run.dir":
-            print(a.split("=", 1)[1].strip("'\""))
-            return 0
+    explicit = explicit_run_dir(argv)
+    if explicit:
+        print(explicit)
+        return 0
     rid = slurm_run_id(argv)
     if rid is None:
         print("hpc_rlx.rundirs: not in a Slurm job (no SLURM_JOB_ID); runs outside Slurm get a "

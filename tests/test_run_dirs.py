@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import MPIRUN, PYTHON, explain, mpi_env, read_metric_events, read_metrics
+from .conftest import MPIRUN, PYTHON, explain, mpi_env, mpirun, read_metric_events, read_metrics
 
 pytestmark = pytest.mark.mpi
 
@@ -92,3 +92,51 @@ def test_resume_none_in_a_job_gets_a_fresh_directory(tmp_path, digits_h5):
     assert names == [f"slurm-{JOB}", f"slurm-{JOB}.1"], names
     for name in names:
         assert [m["epoch"] for m in read_metrics(tmp_path / "outputs" / name)] == [1]
+
+
+# ---------------------------------------------------------------------------- failed runs, debug log
+
+def test_a_run_that_fails_before_training_leaves_no_directory(tmp_path, digits_h5):
+    missing = ["data=file", f"data.path={tmp_path / 'missing.h5'}"]
+    proc = mpirun(2, ["-m", "hpc_rlx", *SMALL, *missing], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, explain(proc)
+    assert not (tmp_path / "outputs").exists(), sorted(str(p) for p in (tmp_path / "outputs").rglob("*"))
+
+    # an unexpected failure on rank 1 while loading data (the job is aborted), into a named dir
+    named = tmp_path / "runs" / "named"
+    proc = mpirun(2, ["-m", "hpc_rlx", *SMALL, f"data.path={digits_h5}", f"hydra.run.dir={named}",
+                      "debug.fail_rank=1", "debug.fail_point=data"], cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0 and "injected failure" in proc.stderr, explain(proc)
+    assert not (tmp_path / "runs").exists(), sorted(str(p) for p in (tmp_path / "runs").rglob("*"))
+
+    # a directory that was there before is the user's: it stays, with what was in it
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    proc = mpirun(2, ["-m", "hpc_rlx", *SMALL, *missing, f"hydra.run.dir={kept}"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, explain(proc)
+    assert (kept / "notes.txt").read_text() == "mine"
+
+    # a run that trained keeps its directory even when it fails later
+    late = tmp_path / "late"
+    proc = mpirun(2, ["-m", "hpc_rlx", *SMALL, f"data.path={digits_h5}", f"hydra.run.dir={late}",
+                      "train.epochs=2", "debug.fail_rank=1", "debug.fail_point=step", "debug.fail_step=30"],
+                  cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0, explain(proc)
+    assert (late / "config.yaml").is_file() and (late / "metrics.jsonl").is_file()
+
+
+def test_hydra_verbose_turns_on_hpc_rlx_debug_log(tmp_path, digits_h5):
+    proc = mpirun(2, ["-m", "hpc_rlx", "model.hidden=[16]", "train.epochs=2", f"data.path={digits_h5}",
+                      f"hydra.run.dir={tmp_path / 'run'}", "report.plots=true", "hydra.verbose=true"],
+                  cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    debug = [line for line in proc.stdout.splitlines() if "][DEBUG] - " in line]
+    ours = [line for line in debug if "][hpc_rlx" in line]
+    assert any("][hpc_rlx][DEBUG] - spec: run_dir=" in line and "config_fingerprint=cfg-" in line
+               for line in ours), debug[:20]
+    assert any("][hpc_rlx.checkpoints_runtime][DEBUG] - resume=auto" in line for line in ours), ours
+    assert any("best val_loss so far at step" in line for line in ours), ours
+    # libraries that flood DEBUG stay quiet unless named
+    assert not [line for line in debug if "][matplotlib" in line or "][h5py" in line], debug[:20]
+    assert (tmp_path / "run" / "plots").is_dir(), "matplotlib did run"
