@@ -45,7 +45,8 @@ def _classification(rows=96, features=6, classes=5, seed=0):
 # ---- item 1: a mistyped data.path with the default data group ----------------------------
 
 def test_missing_data_path_with_the_default_group_is_an_error(tmp_path):
-    """`data.path=<missing>` without data=file used to write digits there and train on them."""
+    """`data.path=<missing>` without data=file used to write digits there and train on them;
+    the group's own path (data/digits.h5, relative to where the job starts) is still prepared."""
     missing = tmp_path / "some" / "missing" / "file.h5"
     run = tmp_path / "run"
     proc = train_job(2, run, [f"data.path={missing}"] + SMALL, timeout=90)
@@ -58,10 +59,7 @@ def test_missing_data_path_with_the_default_group_is_an_error(tmp_path):
     assert not (run / "metrics.jsonl").exists()
     assert "Traceback" not in proc.stderr
 
-
-def test_default_path_is_still_prepared_on_first_use(tmp_path):
-    """The group's own path (data/digits.h5, relative to where the job starts) is prepared."""
-    proc = mpirun(2, ["-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}", "report.plots=false",
+    proc = mpirun(2, ["-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run2'}", "report.plots=false",
                       "train.max_steps=2"] + SMALL, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, explain(proc)
     with h5py.File(tmp_path / "data" / "digits.h5", "r") as f:
@@ -88,18 +86,15 @@ def test_prepare_decision_is_by_the_groups_own_path(tmp_path, monkeypatch):
 
 # ---- item 11: keys in the wrong section, datasets with other names -----------------------
 
-@pytest.mark.parametrize("override, suggestion", [
-    ("train.lr=0.01", "optim.lr"),
-    ("optim.epochs=3", "train.epochs"),
-    ("train.val_fraction=0.1", "data.val_fraction"),
-    ("lr=0.01", "optim.lr"),
-])
-def test_key_in_the_wrong_section_suggests_where_it_lives(tmp_path, override, suggestion):
-    proc = mpirun(1, ["-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}", override], timeout=60)
-    assert proc.returncode == 2, explain(proc)
-    errors = _error_lines(proc)
-    assert len(errors) == 1, explain(proc)
-    assert f"did you mean '{suggestion}'?" in errors[0], explain(proc)
+def test_key_in_the_wrong_section_suggests_where_it_lives(tmp_path):
+    for override, suggestion in (("train.lr=0.01", "optim.lr"), ("lr=0.01", "optim.lr"),
+                                 ("optim.epochs=3", "train.epochs"),
+                                 ("train.val_fraction=0.1", "data.val_fraction")):
+        proc = mpirun(1, ["-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}", override], timeout=60)
+        assert proc.returncode == 2, explain(proc)
+        errors = _error_lines(proc)
+        assert len(errors) == 1, explain(proc)
+        assert f"did you mean '{suggestion}'?" in errors[0], explain(proc)
 
 
 def test_key_of_another_group_option_names_the_option(tmp_path):
@@ -228,7 +223,8 @@ def test_regression_run_reports_no_accuracy(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stderr
     assert "val_loss" in rep.stdout and "accuracy" not in rep.stdout, rep.stdout
-    from hpc_rlx.report import curve_panels, load_run
+    from hpc_rlx.report_data import load_run
+    from hpc_rlx.report_plots import curve_panels
     panels = curve_panels(load_run(run).metrics)
     assert "loss" in panels and "accuracy" not in panels, panels
 
