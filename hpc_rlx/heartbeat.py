@@ -79,9 +79,13 @@ class HeartbeatGate:
     """Rank 0's receiving side. `expected_sources[rank]` is the address that rank's datagrams
     come from (None: not known, not checked). Keeps the last counter seen per rank."""
 
-    def __init__(self, secret: JobSecret, size: int, expected_sources: dict | None = None):
+    def __init__(self, secret: JobSecret, size: int, expected_sources: dict | None = None,
+                 own_rank: int | None = None, answers: bool = False):
         self.secret, self.size = secret, int(size)
         self.sources = {r: a for r, a in (expected_sources or {}).items() if a}
+        # this gate's own rank never sends to itself: its datagrams coming back are reflections
+        self.own_rank = own_rank
+        self.answers = answers          # True: rank 0's answers are wanted, else heartbeats
         self._last_counter: dict[int, int] = {}
 
     def admit(self, data: bytes, sender: str | None) -> tuple[dict | None, str | None]:
@@ -93,6 +97,8 @@ class HeartbeatGate:
         magic, rank, counter = _HEADER.unpack_from(data)
         if magic != MAGIC or rank >= self.size:
             return None, "malformed"
+        if rank == self.own_rank:
+            return None, "replay"
         expected = self.sources.get(rank)
         if expected is not None and sender != expected:
             return None, "foreign_sender"
@@ -106,7 +112,7 @@ class HeartbeatGate:
         except (UnicodeDecodeError, ValueError):
             return None, "malformed"
         msg = validate_heartbeat(msg, rank)
-        if msg is None:
+        if msg is None or ("ack" in msg) != self.answers:
             return None, "malformed"
         self._last_counter[rank] = counter
         return msg, None
@@ -135,6 +141,8 @@ def validate_heartbeat(msg, rank: int) -> dict | None:
         return None
     if "bye" in msg:
         return {"r": rank, "bye": msg["bye"]} if _is_label(msg["bye"]) else None
+    if "ack" in msg:      # rank 0's answer to a heartbeat: "I hear you"
+        return {"r": rank, "ack": msg["ack"]} if _is_int(msg["ack"], 0, _MAX_STEP) else None
     label, last = msg.get("label"), msg.get("last")
     ok = ((label is None or _is_label(label)) and _is_step(msg.get("step")) and _is_step(msg.get("at"))
           and _is_seconds(msg.get("for")) and _is_int(msg.get("seq"), 0, _MAX_STEP)

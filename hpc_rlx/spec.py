@@ -143,9 +143,9 @@ def validate_config(cfg: dict, world_size: int | None = None) -> None:
     warn, stall_abort = c.get("stall_warning_s"), c.get("stall_abort_s")
     _require(warn is None or (_num(warn) and warn >= 0),
              f"comm.stall_warning_s must be null (off) or a number of seconds >= 0, got {warn!r}")
-    _require(stall_abort is None or (_num(stall_abort) and stall_abort > 0),
-             f"comm.stall_abort_s must be null (never) or a number of seconds > 0, got {stall_abort!r}")
-    _require(stall_abort is None or (_num(warn) and warn > 0),
+    _require(stall_abort is None or stall_abort == "auto" or (_num(stall_abort) and stall_abort > 0),
+             f"comm.stall_abort_s must be auto, null (never) or a number of seconds > 0, got {stall_abort!r}")
+    _require(stall_abort in (None, "auto") or (_num(warn) and warn > 0),
              f"comm.stall_abort_s={stall_abort!r} needs the watchdog on: comm.stall_warning_s > 0, "
              f"got {warn!r}")
     _require(cfg["data"]["distribution"] in DISTRIBUTIONS,

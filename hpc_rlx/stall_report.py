@@ -3,7 +3,7 @@ for. Pure code (no sockets, no MPI), unit-tested on made-up states."""
 
 from __future__ import annotations
 
-__all__ = ["at_step", "describe_state", "stall_report"]
+__all__ = ["alive_and_busy", "at_step", "describe_state", "ranges", "stall_report", "unreachable_hosts"]
 
 
 def at_step(step) -> str:
@@ -27,12 +27,13 @@ def describe_state(st: dict, now: float, silent_after: float) -> str:
 
 
 def stall_report(states: dict, size: int, now: float, warn_s: float, silent_after: float,
-                 hosts: dict | None = None) -> tuple[str, tuple] | None:
+                 hosts: dict | None = None, root: tuple | None = None) -> tuple[str, tuple] | None:
     """The stall report, or None if no rank has waited `warn_s` in one collective.
 
     `states[rank]` is that rank's last heartbeat (see `StallWatchdog._heartbeat`), with the
     receive time `recv` on rank 0's clock. Returns (text, key) where key identifies the stalled
-    collective, so a caller can report each stall once.
+    collective, so a caller can report each stall once. `root` is rank 0's (address, port), named
+    for ranks whose heartbeats never arrived.
     """
     hosts = hosts or {}
     waiting = []
@@ -54,19 +55,54 @@ def stall_report(states: dict, size: int, now: float, warn_s: float, silent_afte
         (arrived if same else missing).append(r)
     lines = [f"hpc_rlx: STALL: collective '{top['label']}' {at_step(top.get('step'))} has waited "
              f"{waited:.1f} s (comm.stall_warning_s={warn_s:g})",
-             f"hpc_rlx:   arrived ({len(arrived)}/{size}): ranks {_ranges(arrived)}",
-             f"hpc_rlx:   not arrived ({len(missing)}/{size}): ranks {_ranges(missing)}"]
+             f"hpc_rlx:   arrived ({len(arrived)}/{size}): ranks {ranges(arrived)}",
+             f"hpc_rlx:   not arrived ({len(missing)}/{size}): ranks {ranges(missing)}"]
+    cut = unreachable_hosts(states, size, now, silent_after, hosts)
+    at = f" at {root[0]}:{root[1]}" if root else ""
     for r in missing[:32]:
         st = states.get(r)
         host = hosts.get(r, "?")
-        what = describe_state(st, now, silent_after) if st else "never reported (no heartbeat at all)"
+        if st and host in cut and not st.get("bye"):
+            # the whole node is quiet: say that, not the one-process guess of describe_state
+            what = (f"silent: no heartbeat for {now - st['recv']:.1f} s; unreachable: no rank on "
+                    f"{host} is heard (network cut or node down)")
+        elif st:
+            what = describe_state(st, now, silent_after)
+        else:
+            what = (f"never reported: no heartbeat of it has reached rank 0's watchdog{at} (UDP "
+                    f"blocked, or that address is not reachable from {host})")
+            if host in cut:
+                what += f"; unreachable: no rank on {host} is heard"
         lines.append(f"hpc_rlx:     rank {r} on {host}: {what}")
     if len(missing) > 32:
         lines.append(f"hpc_rlx:     ... and {len(missing) - 32} more")
     return "\n".join(lines), key
 
 
-def _ranges(ranks: list) -> str:
+def _heard(st: dict | None, now: float, silent_after: float) -> bool:
+    return st is not None and not st.get("bye") and now - st["recv"] <= silent_after
+
+
+def unreachable_hosts(states: dict, size: int, now: float, silent_after: float, hosts: dict) -> set:
+    """Hosts none of whose ranks is heard (silent or never reported, none of them gone with a
+    goodbye): a node cut off or down, rather than one crashed process among live ones."""
+    by_host: dict = {}
+    for r in range(size):
+        if r in hosts:
+            by_host.setdefault(hosts[r], []).append(r)
+    return {h for h, rs in by_host.items()
+            if not any(_heard(states.get(r), now, silent_after) for r in rs)
+            and not any((states.get(r) or {}).get("bye") for r in rs)}
+
+
+def alive_and_busy(states: dict, now: float, silent_after: float) -> list[int]:
+    """Ranks whose fresh heartbeat says they are working outside any collective (computing,
+    checkpointing, validating, loading data): a job with any of them is slow, not stuck."""
+    return sorted(r for r, st in states.items()
+                  if _heard(st, now, silent_after) and st.get("label") is None)
+
+
+def ranges(ranks: list) -> str:
     """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
     if not ranks:
         return "none"

@@ -33,13 +33,15 @@ import time
 from typing import Callable
 
 from .heartbeat import DROP_REASONS, MAX_DATAGRAM, HeartbeatGate, HeartbeatSealer, JobSecret
-from .stall_report import at_step, describe_state, stall_report
+from .stall_report import alive_and_busy, at_step, describe_state, ranges, stall_report
 
 __all__ = ["StallWatchdog", "NullWatchdog", "current", "install", "describe_state", "stall_report"]  # the last two re-exported from stall_report
 
 _REPORT_EVERY_S = 10.0         # at most one stall report per this many seconds
 _RECV_BUFFER = 256 * 1024      # the kernel's queue for rank 0's socket: a flood overflows it, not us
 _WINDOW_S = 0.1                # rank 0 handles at most a budget of datagrams per window
+# comm.stall_abort_s=auto: PyTorch's collective timeout, and only for a job that is stuck
+DEFAULT_ABORT_S = 600.0
 
 
 
@@ -118,7 +120,7 @@ def _connect(sock: socket.socket, root: tuple) -> str | None:
 class StallWatchdog:
     """Per-rank watchdog thread with a UDP side channel to rank 0. Collective to create."""
 
-    def __init__(self, comm, warn_s: float, abort_s: float | None = None,
+    def __init__(self, comm, warn_s: float, abort_s: float | str | None = None,
                  position: Callable[[], int | None] = lambda: None,
                  out=None, stall: dict | None = None, abort: Callable[[int], None] | None = None):
         from .comm import hostname
@@ -126,10 +128,19 @@ class StallWatchdog:
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
         self.warn_s = float(warn_s)
-        self.abort_s = None if abort_s is None else float(abort_s)
+        # `auto`: abort only a job that is stuck (no rank alive and busy outside a collective);
+        # a number: abort whenever a collective has waited that long, whatever the others do
+        self.abort_only_when_stuck = abort_s == "auto"
+        self.abort_s = (DEFAULT_ABORT_S if abort_s == "auto" else
+                        None if abort_s is None else float(abort_s))
         self.poll_s = min(5.0, max(0.05, self.warn_s / 4))
         # a rank is "silent" after missing a few heartbeats
         self.silent_after = max(3 * self.poll_s, 1.0)
+        # no answer from rank 0 (or no heartbeat at rank 0) this long after the start: unreachable
+        self.reach_after = max(10.0, 4 * self.poll_s)
+        self._started = time.monotonic()
+        self._last_ack = None      # non-root: when rank 0 last answered a heartbeat
+        self._reach_warned = False
         self.position = position
         self.out = out or sys.stderr
         self._abort = abort or self._mpi_abort
@@ -157,12 +168,15 @@ class StallWatchdog:
         self._root = tuple(addr)
         secret = JobSecret(key, nonce)
         source = None
+        self._sealer = HeartbeatSealer(secret, self.rank)
         if self.rank != 0:
-            self._sealer = HeartbeatSealer(secret, self.rank)
             source = _connect(self._sock, self._root)
+            # rank 0's answers: only from rank 0's address (the connected socket sees no other)
+            self._gate = HeartbeatGate(secret, 1, {0: self._root[0]}, answers=True)
+            self._sock.setblocking(False)
         sources = comm.gather(source, root=0)
         if self.rank == 0:
-            self._gate = HeartbeatGate(secret, self.size, dict(enumerate(sources or [])))
+            self._gate = HeartbeatGate(secret, self.size, dict(enumerate(sources or [])), own_rank=0)
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self._states: dict[int, dict] = {}
         self._reported: set = set()
@@ -232,8 +246,10 @@ class StallWatchdog:
             if self.rank == 0:
                 self._root_loop()
             else:
+                self._send(self._heartbeat())           # at once: rank 0 learns early who it hears
                 while not self._stop.wait(self.poll_s):
                     self._send(self._heartbeat())
+                    self._hear_rank_0()
                     self._local_check()
         except Exception as exc:  # noqa: BLE001 - the watchdog must never take training down
             try:
@@ -278,16 +294,49 @@ class StallWatchdog:
             return
         try:
             msg, reason = self._gate.admit(data, sender[0] if sender else None)
+            if msg is None:
+                self.dropped[reason] = self.dropped.get(reason, 0) + 1
+                return
+            msg["recv"] = time.monotonic()
+            self._states[msg["r"]] = msg
+            if "bye" not in msg:
+                # "I hear you": lets the rank tell a one-way channel from a quiet one
+                self._sock.sendto(self._sealer.seal({"r": 0, "ack": msg["seq"]}), sender)
         except Exception:  # noqa: BLE001 - nothing that arrives may stop the watchdog
-            msg, reason = None, "malformed"
-        if msg is None:
-            self.dropped[reason] = self.dropped.get(reason, 0) + 1
-            return
-        msg["recv"] = time.monotonic()
-        self._states[msg["r"]] = msg
+            self.dropped["malformed"] += 1
+
+    def _hear_rank_0(self) -> None:
+        """Non-root: take rank 0's answers off the socket; warn once if none ever comes."""
+        for _ in range(64):
+            try:
+                data, sender = self._sock.recvfrom(MAX_DATAGRAM + 1)
+            except (BlockingIOError, InterruptedError, OSError):
+                break
+            try:
+                msg, _ = self._gate.admit(data, sender[0] if sender else None)
+            except Exception:  # noqa: BLE001
+                msg = None
+            if msg is not None and "ack" in msg:
+                self._last_ack = time.monotonic()
+        now = time.monotonic()
+        if self._last_ack is None and not self._reach_warned and now - self._started > self.reach_after:
+            self._reach_warned = True
+            self._emit(f"hpc_rlx: warning: rank {self.rank} on {self.hosts.get(self.rank)}: rank 0's "
+                       f"stall watchdog at {self._root[0]}:{self._root[1]} has not answered in "
+                       f"{now - self._started:.0f} s: its heartbeats cannot reach rank 0 (UDP blocked "
+                       f"between the nodes, or rank 0's hostname resolves to an address this node "
+                       f"cannot reach); stall reports will lack this rank's state")
+
+    def _rank_0_unheard(self) -> bool:
+        now = time.monotonic()
+        last = self._last_ack if self._last_ack is not None else self._started
+        return now - last > self.silent_after
 
     def _check(self, now: float) -> None:
-        found = stall_report(self._states, self.size, now, self.warn_s, self.silent_after, self.hosts)
+        if not self._reach_warned and now - self._started > self.reach_after:
+            self._warn_unheard(now)
+        found = stall_report(self._states, self.size, now, self.warn_s, self.silent_after, self.hosts,
+                             self._root)
         if found is None:
             return
         text, key = found
@@ -300,15 +349,34 @@ class StallWatchdog:
             self._emit(text + ("" if self.abort_s is None else
                                f"\nhpc_rlx:   the job aborts if it is still stalled after "
                                f"comm.stall_abort_s={self.abort_s:g} s"))
-        if self.abort_s is not None and waited >= self.abort_s and not self._aborting:
-            self._do_abort(text + f"\nhpc_rlx: stalled for {waited:.1f} s >= comm.stall_abort_s="
-                                  f"{self.abort_s:g}: aborting all {self.size} ranks")
+        if self.abort_s is None or waited < self.abort_s or self._aborting:
+            return
+        busy = alive_and_busy(self._states, now, self.silent_after)
+        if self.abort_only_when_stuck and busy:
+            return      # the default never ends a job whose ranks are alive and working
+        setting = f"auto ({self.abort_s:g} s)" if self.abort_only_when_stuck else f"{self.abort_s:g}"
+        self._do_abort(text + f"\nhpc_rlx: stalled for {waited:.1f} s >= comm.stall_abort_s="
+                              f"{setting}: aborting all {self.size} ranks")
+
+    def _warn_unheard(self, now: float) -> None:
+        """Rank 0, once: ranks none of whose heartbeats have arrived since the start."""
+        self._reach_warned = True
+        unheard = [r for r in range(1, self.size) if r not in self._states]
+        if unheard:
+            hosts = sorted({self.hosts.get(r, "?") for r in unheard})
+            self._emit(f"hpc_rlx: warning: no heartbeat from rank(s) {ranges(unheard)} on "
+                       f"{', '.join(hosts)} has reached rank 0's stall watchdog at "
+                       f"{self._root[0]}:{self._root[1]} in {now - self._started:.0f} s (UDP blocked "
+                       f"between the nodes, or {self._root[0]} is not reachable from there); stall "
+                       f"reports will lack their state")
 
     def _local_check(self) -> None:
         """Fallback for when rank 0 cannot act: abort from here, a few heartbeats later."""
         inside = self._inside
         if self.abort_s is None or inside is None or self._aborting:
             return
+        if self.abort_only_when_stuck and not self._rank_0_unheard():
+            return      # rank 0 answers, so it sees the whole job and decides
         waited = time.monotonic() - inside[2]
         if waited >= self.abort_s + 4 * self.poll_s + 2.0:
             self._do_abort(

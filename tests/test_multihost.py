@@ -165,3 +165,99 @@ def test_a_run_directory_only_node1_sees_warns_and_checkpoints_still_resume(
     with h5py.File(node1_run / "model.h5", "r") as f:
         resumed = {k: f[k][...] for k in f.keys()}
     assert max_rel_diff(params(ref), resumed) <= 1e-10
+
+
+# --------------------------------------------------------------------------------------
+# Faults across nodes: nothing hangs
+# --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def long_h5(tmp_path_factory) -> Path:
+    return write_small_classification(tmp_path_factory.mktemp("mhlong") / "long.h5", rows=4000, seed=2)
+
+
+def start_training(cluster, hosts, run_dir, overrides) -> subprocess.Popen:
+    cmd = cluster.mpich_cmd(MPIEXEC, hosts, [PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run_dir}"]
+                            + BASE + overrides)
+    return cluster.popen_on("node1", cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_first_epoch(proc, run_dir: Path, timeout: float = 90) -> None:
+    metrics = Path(run_dir) / "metrics.jsonl"
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().strip():
+            return
+        time.sleep(0.2)
+    finish(proc, 5)
+    pytest.fail(f"the job did not finish an epoch in {timeout}s (rc {proc.returncode})")
+
+
+def finish(proc, timeout: float):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        pytest.fail(f"the job did not end within {timeout}s\n{out[-2000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+def test_a_network_cut_to_node2_ends_the_job_calling_its_ranks_unreachable(cluster, long_h5, tmp_path):
+    run = tmp_path / "cut"
+    proc = start_training(cluster, {"node1": 1, "node2": 1}, run,
+                          [f"data.path={long_h5}", "train.epochs=200", "comm.stall_warning_s=2",
+                           "comm.stall_abort_s=20"])
+    try:
+        wait_for_first_epoch(proc, run)
+        cluster.link("node2", up=False)
+        t0 = time.monotonic()
+        p = finish(proc, 60)
+        elapsed = time.monotonic() - t0
+    finally:
+        cluster.link("node2", up=True)
+    assert p.returncode != 0, explain(p)
+    assert elapsed < 60, f"{elapsed:.0f} s after the cut"
+    assert re.search(r"rank 1 on node2: silent: no heartbeat for \d+\.\d s; unreachable: no rank on "
+                     r"node2 is heard \(network cut or node down\)", p.stderr), explain(p)
+    assert "aborting all 2 ranks" in p.stderr, explain(p)
+
+
+def _pids_on(cluster, node: str, name: str = "python") -> list[int]:
+    """Processes called `name` inside `node`'s network namespace."""
+    want = os.readlink(f"/proc/{cluster.holder_pid(node)}/ns/net")
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if (os.readlink(f"/proc/{d}/ns/net") == want
+                        and Path(f"/proc/{d}/comm").read_text().strip().startswith(name)):
+                    pids.append(int(d))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.slow
+def test_all_ranks_of_node2_killed_ends_the_job_and_node1_alone_continues(cluster, long_h5, tmp_path):
+    run = tmp_path / "killed"
+    base = [f"data.path={long_h5}", "train.epochs=3", "checkpoint.every_steps=100",
+            "comm.stall_warning_s=2"]
+    proc = start_training(cluster, {"node1": 1, "node2": 2}, run, base)
+    wait_for_first_epoch(proc, run)
+    victims = _pids_on(cluster, "node2")
+    assert len(victims) == 2, victims
+    for pid in victims:
+        os.kill(pid, 9)
+    t0 = time.monotonic()
+    p = finish(proc, 60)
+    assert p.returncode != 0 and time.monotonic() - t0 < 60, explain(p)
+    saved = sorted(int(f.stem.split("-")[1]) for f in (run / "checkpoints").glob("ckpt-*.h5"))
+    assert saved, explain(p)
+
+    p = train(cluster, {"node1": 2}, run, base, timeout=180)
+    assert p.returncode == 0, explain(p)
+    assert re.search(rf"resumed from .*ckpt-0*{saved[-1]}\.h5", p.stdout), explain(p)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3 * 200   # 3200 rows, global batch 16

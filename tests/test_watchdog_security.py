@@ -281,3 +281,139 @@ def test_a_genuine_stall_still_aborts_while_the_flood_goes_on(tmp_path, flood_h5
     assert re.search(r"stalled for \d+\.\d s >= comm\.stall_abort_s=5: aborting all 2 ranks", err), explain(proc)
     assert sent and sum(sent.values()) > 0, "the flood did not get going"
     assert "FORGED" not in err and err.count("STALL:") <= 2, explain(proc)
+
+
+# --------------------------------------------------------------------------------------
+# The default abort (comm.stall_abort_s=auto), reachability, unreachable nodes
+# --------------------------------------------------------------------------------------
+
+def test_rank_0s_own_answers_sent_back_to_it_are_dropped():
+    secret = JobSecret.draw()
+    root_gate = HeartbeatGate(secret, 2, own_rank=0)
+    rank0 = HeartbeatSealer(secret, 0)
+    answer = rank0.seal({"r": 0, "ack": 5})
+    assert root_gate.admit(answer, None) == (None, "replay")
+    rank_gate = HeartbeatGate(secret, 1, {0: "10.0.0.1"}, answers=True)
+    assert rank_gate.admit(answer, "10.0.0.1") == ({"r": 0, "ack": 5}, None)
+    # and a rank's gate takes answers only: a heartbeat is not one
+    assert rank_gate.admit(rank0.seal(dict(BEAT, r=0)), "10.0.0.1") == (None, "malformed")
+
+
+def test_a_host_none_of_whose_ranks_is_heard_is_unreachable():
+    from hpc_rlx.stall_report import alive_and_busy, stall_report, unreachable_hosts
+
+    now = 100.0
+    hosts = {0: "node1", 1: "node1", 2: "node2", 3: "node2", 4: "node3"}
+    states = {
+        0: {"label": "fused-bucket Allreduce", "step": 7, "for": 30.0, "recv": 99.9},
+        1: {"label": None, "step": None, "at": 7, "for": 30.0, "recv": 99.9, "last": None},
+        2: {"label": "fused-bucket Allreduce", "step": 7, "for": 1.0, "recv": 70.0},   # silent
+        4: {"label": None, "step": None, "at": 7, "for": 1.0, "recv": 60.0, "last": None},
+    }
+    assert unreachable_hosts(states, 5, now, 3.0, hosts) == {"node2", "node3"}
+    assert alive_and_busy(states, now, 3.0) == [1]
+    text, _ = stall_report(states, 5, now, 10.0, 3.0, hosts, ("10.9.0.1", 4000))
+    assert "rank 2 on node2: silent: no heartbeat for 30.0 s" in text
+    assert "rank 3 on node2: never reported: no heartbeat of it has reached rank 0's watchdog at 10.9.0.1:4000" in text
+    assert text.count("unreachable: no rank on node2 is heard") == 2
+    assert "unreachable: no rank on node3 is heard" in text
+    assert "rank 1 on node1: busy outside any collective" in text and "node1 is heard" not in text
+
+
+def _root_beating(wd, sealer, label, seconds, sender):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        beat = {"r": 1, "label": label, "step": None if label is None else 4, "at": 4,
+                "for": time.monotonic() - t0, "seq": 9, "last": None}
+        if label is not None:
+            beat.pop("at")
+        sender.sendto(sealer.seal(beat), wd._root)
+        time.sleep(0.05)
+
+
+def test_the_default_abort_never_ends_a_job_whose_ranks_are_busy_but_ends_a_silent_one(monkeypatch):
+    from hpc_rlx import watchdog
+    from hpc_rlx.watchdog import StallWatchdog
+
+    monkeypatch.setattr(watchdog, "DEFAULT_ABORT_S", 1.0)     # the rule, on a short clock
+    out, aborted = io.StringIO(), threading.Event()
+    wd = StallWatchdog(RootComm(2), warn_s=0.3, abort_s="auto", position=lambda: 4, out=out,
+                       abort=lambda code: aborted.set())
+    rank1 = HeartbeatSealer(wd._gate.secret, 1)
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        with wd:
+            wd.enter("fused-bucket Allreduce")
+            _root_beating(wd, rank1, None, 3.0, sender)       # rank 1 busy (say, checkpointing)
+            assert not aborted.is_set(), out.getvalue()
+            assert "STALL" in out.getvalue()                  # reported, not aborted
+            # rank 1 goes silent (its node cut off): now the job is stuck
+            assert aborted.wait(10), out.getvalue()
+            wd.leave()
+    finally:
+        sender.close()
+    assert re.search(r"stalled for \d+\.\d s >= comm\.stall_abort_s=auto \(1 s\): aborting all 2 ranks",
+                     out.getvalue()), out.getvalue()
+    assert "rank 1 on" in out.getvalue() and "silent: no heartbeat" in out.getvalue()
+
+
+def test_the_default_abort_ends_a_job_whose_ranks_all_wait_in_one_collective(monkeypatch):
+    from hpc_rlx import watchdog
+    from hpc_rlx.watchdog import StallWatchdog
+
+    monkeypatch.setattr(watchdog, "DEFAULT_ABORT_S", 1.0)
+    out, aborted = io.StringIO(), threading.Event()
+    wd = StallWatchdog(RootComm(2), warn_s=0.3, abort_s="auto", position=lambda: 4, out=out,
+                       abort=lambda code: aborted.set())
+    rank1 = HeartbeatSealer(wd._gate.secret, 1)
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        with wd:
+            wd.enter("fused-bucket Allreduce")
+            t0 = time.monotonic()
+            while not aborted.is_set() and time.monotonic() - t0 < 10:
+                _root_beating(wd, rank1, "fused-bucket Allreduce", 0.2, sender)   # both inside
+            wd.leave()
+    finally:
+        sender.close()
+    assert aborted.is_set(), out.getvalue()
+    assert "arrived (2/2)" in out.getvalue()
+
+
+def test_a_rank_warns_once_when_rank_0_never_answers_its_heartbeats(monkeypatch):
+    from hpc_rlx.watchdog import StallWatchdog
+
+    class RankComm(RootComm):
+        def __init__(self, root_addr):
+            super().__init__(2)
+            self.rank, self.root_addr, self.secret = 1, root_addr, JobSecret.draw()
+
+        def bcast(self, x, root=0):
+            return self.root_addr, self.secret.as_tuple()
+
+        def gather(self, x, root=0):
+            return None
+
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)   # a rank 0 that cannot answer
+    sink.bind(("127.0.0.1", 0))
+    out = io.StringIO()
+    wd = StallWatchdog(RankComm(sink.getsockname()), warn_s=0.2, abort_s=None, position=lambda: 1, out=out)
+    wd.reach_after = 0.5
+    try:
+        with wd:
+            time.sleep(1.5)
+    finally:
+        sink.close()
+    assert out.getvalue().count("has not answered") == 1, out.getvalue()
+    assert "its heartbeats cannot reach rank 0" in out.getvalue()
+
+
+def test_rank_0_names_ranks_whose_heartbeats_never_arrive():
+    from hpc_rlx.watchdog import StallWatchdog
+
+    out = io.StringIO()
+    wd = StallWatchdog(RootComm(3), warn_s=0.2, abort_s=None, position=lambda: 1, out=out)
+    wd.reach_after = 0.5
+    with wd:
+        time.sleep(1.5)
+    assert "no heartbeat from rank(s) 1-2" in out.getvalue() and "has reached rank 0's stall watchdog" in out.getvalue()
