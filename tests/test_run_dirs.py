@@ -5,6 +5,7 @@ metrics.jsonl. Real mpirun jobs; the job is named by SLURM_JOB_ID in the ranks' 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -140,3 +141,42 @@ def test_hydra_verbose_turns_on_hpc_rlx_debug_log(tmp_path, digits_h5):
     # libraries that flood DEBUG stay quiet unless named
     assert not [line for line in debug if "][matplotlib" in line or "][h5py" in line], debug[:20]
     assert (tmp_path / "run" / "plots").is_dir(), "matplotlib did run"
+
+
+def _strip_fingerprints(run_dir: Path) -> None:
+    """Rewrite the run's checkpoints as hpc_rlx wrote them before fingerprints were recorded
+    (same format, no `config_fingerprint` in the meta)."""
+    from hpc_rlx.checkpoint import CheckpointManager, read_checkpoint
+
+    directory = run_dir / "checkpoints"
+    for path in sorted(directory.glob("ckpt-*.h5")):
+        state = read_checkpoint(path)
+        state.meta.pop("config_fingerprint", None)
+        CheckpointManager(directory, keep_last=10).save(state, step=state.step)
+        assert "config_fingerprint" not in read_checkpoint(path).meta
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_before_fingerprints_resumes_when_requeued_or_named(tmp_path, digits_h5):
+    data = f"data.path={digits_h5}"
+    first = tmp_path / "outputs" / f"slurm-{JOB}"
+    a = job_run(2, tmp_path, [data, "train.epochs=1"])
+    assert a.returncode == 0, explain(a)
+    _strip_fingerprints(first)
+
+    # nothing proves it is the same training: a run that is not a requeue starts fresh
+    b = job_run(2, tmp_path, [data, "train.epochs=2"])
+    assert b.returncode == 0 and "resumed from" not in b.stdout, explain(b)
+    assert (tmp_path / "outputs" / f"slurm-{JOB}.1").is_dir()
+    # a requeued job continues its newest directory when that cannot be told apart: make the
+    # old directory the newest again
+    shutil.rmtree(tmp_path / "outputs" / f"slurm-{JOB}.1")
+    c = job_run(2, tmp_path, [data, "train.epochs=2"], restart_count=1)
+    assert c.returncode == 0, explain(c)
+    assert f"resumed from {first}/checkpoints/ckpt-" in c.stdout, explain(c)
+    assert [m["epoch"] for m in read_metrics(first)] == [1, 2]
+    # ... and a directory named explicitly resumes whatever wrote it
+    _strip_fingerprints(first)
+    d = job_run(2, tmp_path, [data, "train.epochs=3", f"hydra.run.dir={first}"])
+    assert d.returncode == 0 and f"resumed from {first}/checkpoints/ckpt-" in d.stdout, explain(d)
+    assert [m["epoch"] for m in read_metrics(first)] == [1, 2, 3]
