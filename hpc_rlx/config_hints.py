@@ -58,11 +58,11 @@ def suggest_keys(key: str, known: list[str], other_options: dict[str, list[str]]
         return [repr(k) for k in same_leaf[:n]]
     # 2. the same leaf in another option of a group (not selected now)
     other = other_options or {}
-    elsewhere = [f"{k!r} (with {opts[0]})" for k, opts in sorted(other.items())
+    elsewhere = [f"{k!r} (with {' or '.join(opts)})" for k, opts in sorted(other.items())
                  if _leaf(k) == leaf and k not in known_set]
     if elsewhere:
         return elsewhere[:n]
-    # 3. near spellings of the whole key, then of the leaf alone
+    # 3. near spellings of the whole key, then of the leaf alone (selected options)
     close = difflib.get_close_matches(key, known, n=n, cutoff=0.75)
     if close:
         return [repr(k) for k in close]
@@ -70,4 +70,9 @@ def suggest_keys(key: str, known: list[str], other_options: dict[str, list[str]]
     for k in known:
         leaves.setdefault(_leaf(k), k)
     near = difflib.get_close_matches(leaf, list(leaves), n=n, cutoff=0.8)
-    return [repr(leaves[m]) for m in near]
+    if near:
+        return [repr(leaves[m]) for m in near]
+    # 4. near spellings among the keys of the options not selected
+    unselected = [k for k in other if k not in known_set]
+    return [f"{k!r} (with {' or '.join(other[k])})"
+            for k in difflib.get_close_matches(key, unselected, n=n, cutoff=0.75)]

@@ -261,3 +261,16 @@ def test_sweep_summary_of_regression_points_has_no_accuracy_column(tmp_path):
     assert "val_accuracy" not in table and "0.2500" in table
     # a classification sweep keeps the column
     assert "val_accuracy" in render([dict(rows[0], val_accuracy=0.9)])
+
+
+def test_key_suggestions_search_the_whole_tree_then_other_options():
+    from hpc_rlx.__main__ import _CONFIG_DIR
+    from hpc_rlx.config_hints import group_option_keys, suggest_keys
+
+    other = group_option_keys(_CONFIG_DIR)
+    known = ["train", "train.epochs", "optim", "optim.lr", "optim.momentum", "model", "model.hidden"]
+    assert suggest_keys("train.lr", known, other) == ["'optim.lr'"]
+    assert suggest_keys("train.betas", known, other) == ["'optim.betas' (with optim=adamw)"]
+    assert suggest_keys("train.epochz", known, other) == ["'train.epochs'"]
+    assert suggest_keys("model.d_modl", known, other) == ["'model.d_model' (with model=transformer_lm)"]
+    assert suggest_keys("zzz.qqq", known, other) == []
