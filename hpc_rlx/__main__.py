@@ -264,6 +264,9 @@ def run_job(cfg, comm) -> float | None:
             return None
         _error_exit(comm, exc, where)
         raise
+    if result.get("status") == "interrupted":
+        from .signals import INTERRUPT_EXIT
+        raise SystemExit(INTERRUPT_EXIT)     # Ctrl-C: the checkpoint is written; a sweep stops too
     final = result.get("final") or {}
     return final.get("val_loss")
 
@@ -288,10 +291,14 @@ def _record_failed_point(comm, exc: BaseException) -> None:
 
 
 def main() -> None:
+    from .signals import SIGNALS
+    SIGNALS.install()   # first: a Ctrl-C while MPI and Hydra start exits quietly (see signals.py)
+
     from mpi4py import MPI
     from omegaconf import OmegaConf
 
     comm = MPI.COMM_WORLD
+    SIGNALS.install(comm.rank)
     rid = _run_id(comm)
     if not OmegaConf.has_resolver("rlx_run_id"):
         OmegaConf.register_new_resolver("rlx_run_id", lambda: rid)

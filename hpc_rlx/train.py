@@ -22,6 +22,7 @@ from .errors import CheckpointError
 from .faults import InjectedFailure, maybe_fail  # noqa: F401 - re-exported for the policy runners
 from .outputs import RunOutputs
 from .progress import Snapshot, end_line, make_progress, run_fraction
+from .signals import SIGNALS
 from .spec import TrainSpec
 
 
@@ -42,30 +43,6 @@ class RankStats:
     checkpoint_s: float = 0.0
     # one record per epoch of this rank's time split (gathered once, at the end of the run)
     epochs: list = field(default_factory=list)
-
-
-# --------------------------------------------------------------------------------------
-# Preemption: a signal only sets a flag; the flag travels in the next step's bucket.
-# --------------------------------------------------------------------------------------
-
-class StopFlag:
-    def __init__(self):
-        self.signal = None
-
-    def install(self) -> None:
-        import signal
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            try:
-                signal.signal(sig, self._handler)
-            except (ValueError, OSError):   # not the main thread / not available
-                pass
-
-    def _handler(self, signum, frame) -> None:
-        self.signal = signum
-
-    @property
-    def raised(self) -> bool:
-        return self.signal is not None
 
 
 # --------------------------------------------------------------------------------------
@@ -180,7 +157,7 @@ class Run:
         self.rank = comm.rank
         self.is_root = comm.rank == 0
         self.on_nonfinite = spec.train["on_nonfinite"]
-        self.stop_flag = StopFlag()
+        self.stop_flag = SIGNALS     # a signal only sets a flag, carried in the next step's bucket
         self.stop_reason: str | None = None
         self.resumed_from: str | None = None
         self.carried_totals: dict | None = None     # a mid-epoch checkpoint's running totals
@@ -354,7 +331,7 @@ class Run:
 
         spec, comm = self.spec, self.comm
         # Early, so a signal during startup becomes a stop at the first step, not a dead rank.
-        self.stop_flag.install()
+        self.stop_flag.install(self.rank)
         maybe_fail(spec, self.rank, "startup")
         self.threads = limit_threads(comm, spec.train.get("threads_per_rank"),
                                      lanes=thread_lanes(spec.device.get("cpu_lanes")))
@@ -390,6 +367,7 @@ class Run:
         self.log(f"{comm.size} ranks, lanes on rank 0: {self.lanes.names}, "
                  f"{ctx.layout.size} parameters, {ctx.steps_per_epoch} steps/epoch")
         self.checkpoints.training_starts()
+        self.stop_flag.training_started()     # Ctrl-C now stops at the next step, with a checkpoint
 
         epochs = int(spec.train["epochs"])
         while ctx.epoch < epochs and self.stop_reason is None:
@@ -420,10 +398,16 @@ class Run:
             if self.stop_reason == "signal":
                 self.log(f"stop requested (signal) at step {ctx.step}: writing a checkpoint")
                 self.save_checkpoint("preempt", metrics.get(spec.checkpoint["metric"]) if metrics else None)
+        if self.stop_reason == "signal" and comm.allreduce(int(self.stop_flag.interrupted)):
+            self.stop_reason = "interrupted"   # Ctrl-C reached some rank: exit 130, no requeue
         if self.stop_reason in (None, "max_steps") and self.checkpoints.enabled:
             # The end of a run is always resumable (e.g. with more epochs).
             self.save_checkpoint("final", self._last_metric())
         result = self._finish()
+        if self.stop_reason == "interrupted" and self.is_root:
+            self.log(f"interrupted at step {ctx.step}; checkpoint "
+                     f"{self.checkpoints.manager.path_for(self.checkpoints.saved_step)}; "
+                     f"continue with hydra.run.dir={spec.run_dir}")
         if self.stop_reason == "signal":
             self.checkpoints.maybe_requeue()   # last: Slurm ends the job right away
         return result

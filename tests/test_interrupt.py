@@ -1,0 +1,253 @@
+"""Ctrl-C: a real `mpirun -n 2` in its own process group, interrupted the way a terminal does it
+(SIGINT to the whole foreground process group), and the rank-side rules of hpc_rlx/signals.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_rlx.signals import INTERRUPT_EXIT, Signals
+
+from .conftest import MPIRUN, PYTHON, REPO, explain, mpi_env, train_job
+
+LONG_RUN = ["report.plots=false", "train.epochs=5000"]
+# Steps of a second or more (sleeps, no CPU): a first Ctrl-C is still being served a second later.
+SLOW_STEPS = ["debug.slowdown={0: 10000, 1: 10000}"]
+INTERRUPTED = re.compile(r"interrupted at step (\d+); checkpoint (\S+); continue with hydra\.run\.dir=(\S+)")
+
+
+class LiveJob:
+    """`mpirun -n N python -m hpc_rlx ...` in a new session, its output read as it comes."""
+
+    def __init__(self, n: int, run_dir: Path, overrides: list[str]):
+        cmd = [MPIRUN, "-n", str(n), PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run_dir}"] + overrides
+        self.run_dir = run_dir
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(s, b), daemon=True)
+                         for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self._readers:
+            t.start()
+
+    @staticmethod
+    def _read(stream, buf) -> None:
+        for line in stream:
+            buf.append(line)
+
+    @property
+    def stdout(self) -> str:
+        return "".join(self.out)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in list(self.out)):
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.kill()
+        pytest.fail(f"no {text!r} in the output within {timeout}s\n{self.explain()}")
+
+    def ctrl_c(self) -> None:
+        """What a terminal does on Ctrl-C: SIGINT to every process of the foreground group."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+
+    def rank_pids(self) -> list[int]:
+        """The ranks (MPICH starts them in sessions of their own), found by the run directory."""
+        marker = f"hydra.run.dir={self.run_dir}"
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"hpc_rlx" in args and marker.encode() in args and not any(b"mpirun" in a or b"mpiexec" in a for a in args):
+                pids.append(int(entry))
+        return pids
+
+    def wait(self, timeout: float) -> int:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the job did not end within {timeout}s\n{self.explain()}")
+        for t in self._readers:
+            t.join(timeout=10)
+        return rc
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in self.rank_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def explain(self) -> str:
+        return (f"rc={self.proc.returncode}\n--- stdout ---\n{self.stdout[-4000:]}\n"
+                f"--- stderr ---\n{self.stderr[-4000:]}")
+
+
+def _caught(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def assert_no_traceback(job: LiveJob) -> None:
+    both = job.stdout + job.stderr
+    assert "Traceback" not in both and "KeyboardInterrupt" not in both, job.explain()
+
+
+# ---------------------------------------------------------------------------- the rules
+
+def test_the_first_sigint_stops_a_duplicate_is_ignored_a_later_one_exits():
+    now = [100.0]
+    s = Signals(clock=lambda: now[0])
+    s.training_started()
+    assert s.on_signal(signal.SIGINT) == "stop" and s.raised and s.interrupted
+    now[0] += 0.3      # the same Ctrl-C delivered twice (terminal and launcher)
+    assert s.on_signal(signal.SIGINT) == "ignore"
+    now[0] += 0.8
+    assert s.on_signal(signal.SIGINT) == "exit"
+    assert s.exit_code == INTERRUPT_EXIT == 130
+
+
+def test_sigint_before_training_exits_and_sigterm_only_stops():
+    s = Signals()
+    assert s.on_signal(signal.SIGINT) == "exit"
+    assert "before training started" in s.exit_message()
+    t = Signals()
+    assert t.on_signal(signal.SIGTERM) == "stop" and t.raised and not t.interrupted
+    assert t.exit_code == 0                      # preemption exits 0 after its checkpoint
+    assert t.on_signal(signal.SIGUSR1) == "stop" and t.received == signal.SIGTERM
+
+
+# ---------------------------------------------------------------------------- real jobs
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_ctrl_c_under_mpirun_checkpoints_exits_130_and_resumes(tmp_path, digits_h5):
+    run_dir = tmp_path / "run"
+    job = LiveJob(2, run_dir, LONG_RUN + [f"data.path={digits_h5}"])
+    job.wait_for("[hpc_rlx] epoch 1", timeout=180)       # mid-training: the first progress line
+    job.ctrl_c()
+    rc = job.wait(timeout=120)
+    # MPICH's mpiexec forwards the SIGINT to the ranks and passes their exit status through
+    assert rc == INTERRUPT_EXIT, job.explain()
+    lines = [m for m in (INTERRUPTED.search(line) for line in job.out) if m]
+    assert len(lines) == 1, job.explain()
+    step, ckpt, where = int(lines[0].group(1)), Path(lines[0].group(2)), lines[0].group(3)
+    assert where == str(run_dir) and ckpt.is_file() and ckpt.parent == run_dir / "checkpoints", job.explain()
+    assert_no_traceback(job)
+    # the printed command continues the run from that checkpoint
+    more = train_job(2, run_dir, [f"data.path={digits_h5}", "train.epochs=5000", f"train.max_steps={step + 2}"])
+    assert more.returncode == 0, explain(more)
+    assert f"resumed from {ckpt}" in more.stdout, explain(more)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_second_ctrl_c_under_mpirun_ends_the_job_at_once(tmp_path, digits_h5):
+    job = LiveJob(2, tmp_path / "run", LONG_RUN + SLOW_STEPS + [f"data.path={digits_h5}"])
+    job.wait_for("[hpc_rlx] epoch 1", timeout=180)
+    job.ctrl_c()
+    time.sleep(1.2)
+    assert job.proc.poll() is None, "the first Ctrl-C was served within 1.2 s: steps too fast\n" + job.explain()
+    job.ctrl_c()
+    t0 = time.monotonic()
+    rc = job.wait(timeout=60)
+    assert time.monotonic() - t0 < 10, job.explain()
+    assert rc != 0, job.explain()          # MPICH's mpiexec aborts the job itself (its banner is allowed)
+    assert_no_traceback(job)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_second_sigint_to_the_ranks_themselves_exits_at_once(tmp_path, digits_h5):
+    """Where the terminal's SIGINT reaches the ranks directly (a lone `python -m hpc_rlx`, a
+    launcher that keeps its ranks in the foreground group), the ranks apply the rules themselves."""
+    job = LiveJob(2, tmp_path / "run", LONG_RUN + SLOW_STEPS + [f"data.path={digits_h5}"])
+    job.wait_for("[hpc_rlx] epoch 1", timeout=180)
+    pids = job.rank_pids()
+    assert len(pids) == 2, pids
+
+    def sigint_ranks():
+        for pid in pids:
+            os.kill(pid, signal.SIGINT)
+    sigint_ranks()
+    time.sleep(0.2)
+    sigint_ranks()             # the same Ctrl-C twice: ignored
+    time.sleep(1.0)
+    assert job.proc.poll() is None, "a duplicate SIGINT ended the run\n" + job.explain()
+    sigint_ranks()             # more than a second later: exit now
+    t0 = time.monotonic()
+    rc = job.wait(timeout=60)
+    assert time.monotonic() - t0 < 10, job.explain()
+    assert rc != 0, job.explain()
+    assert job.stderr.count("hpc_rlx: interrupted again: exiting now, without a checkpoint") == 1, job.explain()
+    assert_no_traceback(job)
+
+
+@pytest.mark.mpi
+def test_ctrl_c_during_startup_exits_quietly(tmp_path, digits_h5):
+    run_dir = tmp_path / "run"
+    job = LiveJob(2, run_dir, LONG_RUN + [f"data.path={digits_h5}"])
+    # hpc_rlx's handlers are in place (SIGUSR1 caught) on both ranks: still composing / loading
+    usr1 = 1 << (signal.SIGUSR1 - 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pids = job.rank_pids()
+        try:
+            if len(pids) == 2 and all(_caught(p) & usr1 for p in pids):
+                break
+        except OSError:
+            pass
+        time.sleep(0.01)
+    else:
+        job.kill()
+        pytest.fail("the ranks never installed their signal handlers\n" + job.explain())
+    job.ctrl_c()
+    rc = job.wait(timeout=60)
+    assert "[hpc_rlx] epoch" not in job.stdout, "training had started: " + job.explain()
+    assert rc == INTERRUPT_EXIT, job.explain()
+    assert "hpc_rlx: interrupted before training started" in job.stderr, job.explain()
+    assert_no_traceback(job)
+    assert not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_sigterm_to_one_rank_still_checkpoints_and_exits_0(tmp_path, digits_h5):
+    """Preemption keeps its meaning: a checkpoint at the next step and exit status 0."""
+    run_dir = tmp_path / "run"
+    job = LiveJob(2, run_dir, LONG_RUN + [f"data.path={digits_h5}"])
+    job.wait_for("[hpc_rlx] epoch 1", timeout=180)
+    pids = job.rank_pids()
+    assert len(pids) == 2, pids
+    os.kill(pids[-1], signal.SIGTERM)
+    rc = job.wait(timeout=120)
+    assert rc == 0, job.explain()
+    assert re.search(r"checkpoint \(preempt\) at step \d+", job.stdout), job.explain()
+    assert not INTERRUPTED.search(job.stdout), job.explain()
+    assert_no_traceback(job)
