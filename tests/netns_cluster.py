@@ -171,12 +171,17 @@ exec nsenter -t "$pid" -n -u -i -m -- taskset -c "$core" sh -c "$*"
     def on(self, name: str, cmd: list[str], timeout: float = 60, env: dict | None = None,
            **kw) -> subprocess.CompletedProcess:
         """Run `cmd` on node `name` (inside its namespaces), with a timeout."""
-        full = ["nsenter", "-t", str(self.holder_pid(name)), "-n", "-u", "-i", "-m", "--"] + list(cmd)
-        return subprocess.run(full, capture_output=True, text=True, timeout=timeout, env=env, **kw)
+        return subprocess.run(self._enter(name, cmd, kw), capture_output=True, text=True,
+                              timeout=timeout, env=env, **kw)
 
     def popen_on(self, name: str, cmd: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
-        full = ["nsenter", "-t", str(self.holder_pid(name)), "-n", "-u", "-i", "-m", "--"] + list(cmd)
-        return subprocess.Popen(full, env=env, **kw)
+        return subprocess.Popen(self._enter(name, cmd, kw), env=env, **kw)
+
+    def _enter(self, name: str, cmd: list[str], kw: dict) -> list[str]:
+        # entering a mount namespace moves to its root: carry the working directory over
+        cwd = kw.pop("cwd", None) or os.getcwd()
+        return (["nsenter", "-t", str(self.holder_pid(name)), "-n", "-u", "-i", "-m", f"--wd={cwd}", "--"]
+                + list(cmd))
 
     def link(self, name: str, up: bool) -> None:
         """Cut (or restore) node `name`'s network: its interface goes down."""

@@ -261,3 +261,45 @@ def test_all_ranks_of_node2_killed_ends_the_job_and_node1_alone_continues(cluste
     assert p.returncode == 0, explain(p)
     assert re.search(rf"resumed from .*ckpt-0*{saved[-1]}\.h5", p.stdout), explain(p)
     assert json.loads((run / "summary.json").read_text())["steps"] == 3 * 200   # 3200 rows, global batch 16
+
+
+# --------------------------------------------------------------------------------------
+# The watchdog's side channel across hosts
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_flood_from_another_host_changes_nothing_and_rank_0_listens_on_one_address(
+        cluster, long_h5, tmp_path):
+    from .udp_flood import udp_sockets
+
+    hosts = {"node1": 1, "node2": 1}
+    base = [f"data.path={long_h5}", "train.epochs=2", "comm.stall_warning_s=1",
+            "comm.deterministic=true", "checkpoint=off"]
+    calm = train(cluster, hosts, tmp_path / "calm", base)
+    assert calm.returncode == 0, explain(calm)
+
+    run = tmp_path / "flooded"
+    proc = start_training(cluster, hosts, run, base)
+    sockets: set = set()
+    t0 = time.monotonic()
+    while proc.poll() is None and time.monotonic() - t0 < 60:
+        # rank 0's socket: the one bound in node1 to node1's address, not 0.0.0.0
+        sockets = {(a, p) for a, p in udp_sockets(proc.pid) if a == cluster.addr["node1"]}
+        if sockets:
+            break
+        time.sleep(0.1)
+    assert sockets, f"no UDP socket bound to node1's address: {udp_sockets(proc.pid)}"
+    assert not any(a == "0.0.0.0" for a, _ in udp_sockets(proc.pid))
+    ports = ",".join(str(p) for _, p in sockets)
+    flood = cluster.on("node3", [PYTHON, "-m", "tests.udp_flood", cluster.addr["node1"], ports, "2", "5"],
+                       timeout=60, cwd=REPO)
+    assert flood.returncode == 0, flood.stderr
+    sent = json.loads(flood.stdout)
+    p = finish(proc, 120)
+    assert p.returncode == 0, explain(p)
+    assert sum(sent.values()) > 100, sent
+    assert max_rel_diff(params(tmp_path / "calm"), params(run)) == 0.0
+    dropped = json.loads((run / "summary.json").read_text())["watchdog"]["dropped"]
+    for reason in ("foreign_sender", "malformed", "oversized"):
+        assert dropped.get(reason, 0) > 0, (dropped, sent)
+    assert "STALL" not in p.stderr and "FORGED" not in p.stdout + p.stderr, explain(p)

@@ -50,17 +50,46 @@ def _socket_inodes(pids: set[int]) -> set[int]:
     return inodes
 
 
+def udp_sockets(root: int) -> set[tuple[str, int]]:
+    """(local address, port) of the IPv4 UDP sockets held by process `root` and its descendants,
+    each read in its own network namespace (/proc/PID/net/udp)."""
+    found = set()
+    for pid in _descendants(root):
+        inodes = _socket_inodes({pid})
+        if not inodes:
+            continue
+        try:
+            with open(f"/proc/{pid}/net/udp") as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    if int(cols[9]) in inodes:
+                        hexaddr, hexport = cols[1].split(":")
+                        addr = socket.inet_ntoa(struct.pack("<I", int(hexaddr, 16)))
+                        found.add((addr, int(hexport, 16)))
+        except OSError:
+            continue
+    return found
+
+
 def udp_ports(root: int) -> set[int]:
     """Local ports of the IPv4 UDP sockets held by process `root` and its descendants."""
-    inodes = _socket_inodes(_descendants(root))
-    ports = set()
-    with open("/proc/net/udp") as f:
-        next(f)
-        for line in f:
-            cols = line.split()
-            if int(cols[9]) in inodes:
-                ports.add(int(cols[1].split(":")[1], 16))
-    return ports
+    return {port for _, port in udp_sockets(root)}
+
+
+def forged_datagrams(ranks: int, rng: random.Random):
+    """(kind, bytes) a stranger without the job's key can make: forged heartbeats for every
+    rank, malformed and oversized datagrams."""
+    for r in range(ranks):
+        forged = {"r": r, "label": FORGED_LABEL, "step": 1, "for": 1e6, "seq": 1, "last": None}
+        yield "forged_plain_json", json.dumps(forged).encode()
+        body = json.dumps(forged).encode()
+        header = b"\xb7\x01" + struct.pack(">IQ", r, rng.randrange(1, 2 ** 62))
+        yield "forged_sealed", header + body + rng.randbytes(32)
+    yield "malformed", b""
+    yield "malformed", rng.randbytes(rng.randrange(1, 200))
+    yield "malformed", b"\xb7\x01" + struct.pack(">IQ", 2 ** 31, 1) + b"{}" + bytes(32)
+    yield "oversized", rng.randbytes(4000)
 
 
 class Flood:
@@ -118,18 +147,9 @@ class Flood:
                 self.captured.append(payload)
 
     def _datagrams(self, rng: random.Random):
-        for r in range(self.ranks):
-            forged = {"r": r, "label": FORGED_LABEL, "step": 1, "for": 1e6, "seq": 1, "last": None}
-            yield "forged_plain_json", json.dumps(forged).encode()
-            body = json.dumps(forged).encode()
-            header = b"\xb7\x01" + struct.pack(">IQ", r, rng.randrange(1, 2 ** 62))
-            yield "forged_sealed", header + body + rng.randbytes(32)
+        yield from forged_datagrams(self.ranks, rng)
         for d in self.captured[-8:]:
             yield "replay", d
-        yield "malformed", b""
-        yield "malformed", rng.randbytes(rng.randrange(1, 200))
-        yield "malformed", b"\xb7\x01" + struct.pack(">IQ", 2 ** 31, 1) + b"{}" + bytes(32)
-        yield "oversized", rng.randbytes(4000)
 
     def _run(self) -> None:
         self._find_ports()
@@ -160,3 +180,28 @@ class Flood:
             capture.join(timeout=5)
             self._plain.close()
             self._foreign.close()
+
+
+def main() -> None:
+    """From another host: `python -m tests.udp_flood ADDR PORT[,PORT...] RANKS SECONDS` sends
+    what a stranger can make to those ports, then prints what it sent (JSON)."""
+    import sys
+
+    addr, ports, ranks, seconds = sys.argv[1], [int(p) for p in sys.argv[2].split(",")], int(sys.argv[3]), float(sys.argv[4])
+    rng, sent = random.Random(0), Counter()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for port in ports:
+            for kind, data in forged_datagrams(ranks, rng):
+                try:
+                    sock.sendto(data, (addr, port))
+                    sent[kind] += 1
+                except OSError:
+                    pass
+        time.sleep(0.002)
+    print(json.dumps(sent))
+
+
+if __name__ == "__main__":
+    main()
