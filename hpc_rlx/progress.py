@@ -15,6 +15,8 @@ The numbers come from `Snapshot`s the training loop fills in; `estimate` is the 
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import sys
 from dataclasses import dataclass
 
@@ -174,7 +176,7 @@ class BarProgress(Progress):
         tqdm.monitor_interval = 0          # no monitor thread next to MPI
         self._bar = tqdm(total=s.samples_per_epoch, initial=int(s.epoch_samples), file=self.out,
                          desc=f"epoch {s.epoch + 1}/{s.epochs}", unit=" samples", unit_scale=True,
-                         leave=False, dynamic_ncols=True, mininterval=1.0 / BAR_REDRAWS_PER_S,
+                         leave=False, mininterval=1.0 / BAR_REDRAWS_PER_S, **_width(self.out),
                          smoothing=0.1,
                          bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed}<{remaining} "
                                     "{rate_fmt}{postfix}")
@@ -206,6 +208,19 @@ class BarProgress(Progress):
 
     def close(self) -> None:
         self.end_epoch()
+
+
+def _width(out) -> dict:
+    """tqdm's width: follow the terminal when `out` is one that reports a size; otherwise (a
+    rank's pipe under mpirun, a terminal of size 0, where tqdm would draw nothing) $COLUMNS or
+    100 columns."""
+    try:
+        if os.get_terminal_size(out.fileno()).columns > 0:
+            return {"dynamic_ncols": True}
+    except (AttributeError, OSError, ValueError):
+        pass
+    size = shutil.get_terminal_size((100, 24))
+    return {"ncols": size.columns, "nrows": max(size.lines, 2)}
 
 
 def make_progress(mode: str, log_every_s, out=None) -> Progress:

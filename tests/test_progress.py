@@ -8,6 +8,7 @@ import pty
 import re
 import select
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -162,6 +163,18 @@ def test_mpirun_at_a_terminal_shows_a_bar_redrawn_a_few_times_a_second(tmp_path)
     assert len(draws) <= progress.BAR_REDRAWS_PER_S * span + 4, (len(draws), span)
     # the bar is erased before each log line: every epoch summary starts its own line
     assert re.search(r"\r {10,}\r\[hpc_rlx\] epoch 1/2 +train_loss", text), text[-2000:]
+
+
+def test_python_at_a_terminal_of_unknown_size_shows_the_bar(tmp_path):
+    """No launcher, a pseudo-terminal that reports 0x0 (as many do): tqdm alone would draw nothing."""
+    data = _synthetic(tmp_path, 8000)
+    cmd = [sys.executable, "-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}", "data=file",
+           f"data.path={data}", "train.epochs=1", "train.max_steps=60", *LONG[1:]]
+    rc, out, _ = _read_pty(cmd, mpi_env(), timeout=180)
+    text = out.decode(errors="replace")
+    assert rc == 0, text[-3000:]
+    assert re.search(r"\repoch 1/1 +\d+%\|[^|]+\| ", text), text[-3000:]
+    assert "stopped at train.max_steps in " in text.rstrip().splitlines()[-1]
 
 
 @pytest.mark.mpi
