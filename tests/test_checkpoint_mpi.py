@@ -27,7 +27,7 @@ import pytest
 
 from hpc_rlx.checkpoint import read_checkpoint, verify_checkpoint
 
-from .conftest import MPIRUN, PYTHON, REPO, explain, mpi_env, mpirun, read_metrics, train_job
+from .conftest import REPO, explain, launch_cmd, mpi_env, mpirun, rank_pids, read_metrics, train_job
 
 pytestmark = pytest.mark.mpi
 
@@ -87,6 +87,7 @@ def metrics_view(records: list[dict]) -> list[tuple]:
 
 # ---------------------------------------------------------------------------- exact resume
 
+@pytest.mark.openmpi
 def test_exact_resume_mid_epoch_then_at_epoch_end(ref, tmp_path, digits_h5):
     run, spe = tmp_path / "run", ref.spe
     mid, end = spe + spe // 3, 2 * spe
@@ -118,28 +119,7 @@ def test_exact_resume_mid_epoch_then_at_epoch_end(ref, tmp_path, digits_h5):
 
 # ---------------------------------------------------------------------------- SIGTERM
 
-def rank_pids(run: Path) -> dict[int, int]:
-    """PIDs of the Python ranks of the job writing to `run`, by MPI rank (from /proc)."""
-    needle = f"hydra.run.dir={run}".encode()
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-            if needle not in args or "python" not in os.path.basename(args[0].decode()):
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        for var in env:
-            if var.startswith(b"PMI_RANK="):
-                found[int(var[len(b"PMI_RANK="):])] = int(entry)
-    return found
-
-
+@pytest.mark.openmpi
 def test_sigterm_to_one_rank_checkpoints_next_step_and_resumes_exactly(ref, tmp_path, digits_h5):
     run, spe = tmp_path / "run", ref.spe
     bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol.calls"
@@ -149,9 +129,9 @@ def test_sigterm_to_one_rank_checkpoints_next_step_and_resumes_exactly(ref, tmp_
     fake.chmod(0o755)
     env = mpi_env({"PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"})
     # SLURM_JOB_ID only for the ranks: mpirun itself must not think it runs under Slurm.
-    cmd = [MPIRUN, "-genv", "SLURM_JOB_ID", "4242", "-n", "2", PYTHON, "-m", "hpc_rlx",
-           f"hydra.run.dir={run}", "report.plots=false", "checkpoint.requeue=true",
-           "++debug.slowdown={0: 100.0, 1: 100.0}", "train.log_every_s=0.001"] + base(digits_h5)
+    cmd = launch_cmd(2, ["-m", "hpc_rlx", f"hydra.run.dir={run}", "report.plots=false", "checkpoint.requeue=true",
+                         "++debug.slowdown={0: 100.0, 1: 100.0}", "train.log_every_s=0.001"] + base(digits_h5),
+                     rank_env={"SLURM_JOB_ID": "4242"})
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     lines: queue.Queue = queue.Queue()
@@ -176,7 +156,7 @@ def test_sigterm_to_one_rank_checkpoints_next_step_and_resumes_exactly(ref, tmp_
             out.append(line)
             m = progress.search(line)
             if sent_at is None and m and 3 <= int(m.group(1)) <= spe // 2:
-                pids = rank_pids(run)
+                pids = rank_pids(proc.pid)
                 assert set(pids) == {0, 1}, f"rank pids found: {pids}"
                 os.kill(pids[1], signal.SIGTERM)       # one rank, not mpirun
                 sent_at = int(m.group(2))
@@ -290,6 +270,7 @@ def test_failing_write_keeps_previous_checkpoint_and_fails_cleanly(ref, tmp_path
 
 # ---------------------------------------------------------------------------- fewer ranks
 
+@pytest.mark.openmpi
 def test_resume_on_2_ranks_from_a_mid_epoch_checkpoint_written_on_4(ref, tmp_path, digits_h5):
     run, spe = tmp_path / "run", ref.spe
     mid = spe + spe // 3

@@ -241,7 +241,6 @@ def test_doctor_under_mpirun_reports_world_hosts_and_versions(tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.openmpi
 def test_doctor_warns_about_blas_oversubscription(tmp_path):
     cores = len(os.sched_getaffinity(0))
     threads = 2 * cores
@@ -299,7 +298,6 @@ def test_doctor_takes_training_overrides_and_warns_about_threads_per_rank(tmp_pa
 
 
 @pytest.mark.mpi
-@pytest.mark.openmpi
 def test_doctor_strict_fails_on_an_unwritable_run_dir(tmp_path):
     # /proc refuses new files even to root
     proc = mpirun(1, ["-m", "hpc_rlx.doctor", "--strict", "--run-dir", "/proc/hpc_rlx_outputs"],

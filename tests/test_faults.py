@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import pytest
 
-from .conftest import (MPIRUN, PYTHON, REPO, explain, mpi_env, read_metrics, train_job,
+from .conftest import (REPO, explain, launch_cmd, mpi_env, rank_pids, read_metrics, train_job,
                        write_small_classification)
 
 pytestmark = pytest.mark.mpi
@@ -46,9 +46,9 @@ def checkpoint_steps(run: Path) -> list[int]:
 @pytest.mark.parametrize("rank,point,phase,step", [
     (1, "startup", "during startup", None),
     (1, "data", "during data loading", 0),
-    (1, "step", "during a training step", 3),
+    pytest.param(1, "step", "during a training step", 3, marks=pytest.mark.openmpi),
     (0, "step", "during a training step", 3),
-    (1, "checkpoint", "during checkpointing", 12),
+    pytest.param(1, "checkpoint", "during checkpointing", 12, marks=pytest.mark.openmpi),
 ])
 def test_exception_at_each_point_is_one_message_and_the_job_ends(tmp_path, small_h5, rank, point, phase, step):
     run = tmp_path / "run"
@@ -77,37 +77,16 @@ def test_exception_at_each_point_is_one_message_and_the_job_ends(tmp_path, small
 # A rank killed with SIGKILL mid-training
 # --------------------------------------------------------------------------------------
 
-def _rank_pids(root_pid: int) -> dict[int, int]:
-    """{MPI rank: pid} of the python processes under mpirun (from PMI_RANK in /proc)."""
-    found, todo = {}, [root_pid]
-    while todo:
-        pid = todo.pop()
-        for children in Path(f"/proc/{pid}/task").glob("*/children"):
-            try:
-                todo += [int(c) for c in children.read_text().split()]
-            except OSError:
-                pass
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"hpc_rlx" in cmd and b"mpirun" not in cmd:
-            for item in env:
-                if item.startswith(b"PMI_RANK="):
-                    found[int(item.split(b"=")[1])] = pid
-    return found
-
-
-@pytest.mark.parametrize("victim", [0, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("victim", [pytest.param(0, marks=pytest.mark.openmpi),
+                                    pytest.param(1, marks=pytest.mark.slow)])
 def test_sigkill_of_one_rank_ends_the_job_and_resume_continues(tmp_path, small_h5, victim):
     from hpc_rlx.checkpoint import read_checkpoint
 
     run = tmp_path / "run"
     overrides = BASE + [f"data.path={small_h5}", "train.epochs=30", "checkpoint.every_steps=5",
                         "checkpoint.keep_last=3"]
-    cmd = [MPIRUN, "-n", "2", PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run}", "report.plots=false",
-           *overrides, "debug.slowdown={0: 300, 1: 300}"]
+    cmd = launch_cmd(2, ["-m", "hpc_rlx", f"hydra.run.dir={run}", "report.plots=false",
+                         *overrides, "debug.slowdown={0: 300, 1: 300}"])
     proc = subprocess.Popen(cmd, cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
@@ -116,7 +95,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_resume_continues(tmp_path, small_h
             assert proc.poll() is None, proc.communicate()[0]
             assert time.monotonic() < deadline, "no checkpoint within 60 s"
             time.sleep(0.1)
-        pids = _rank_pids(proc.pid)
+        pids = rank_pids(proc.pid)
         assert set(pids) == {0, 1}, pids
         t_kill = time.monotonic()
         os.kill(pids[victim], signal.SIGKILL)
@@ -150,6 +129,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_resume_continues(tmp_path, small_h
 # The stall watchdog
 # --------------------------------------------------------------------------------------
 
+@pytest.mark.openmpi
 def test_stall_warning_names_the_step_and_the_missing_rank(tmp_path, small_h5):
     run = tmp_path / "run"
     proc = train_job(2, run, BASE + [f"data.path={small_h5}", "train.epochs=1", "comm.stall_warning_s=1",
@@ -164,6 +144,7 @@ def test_stall_warning_names_the_step_and_the_missing_rank(tmp_path, small_h5):
     assert len(read_metrics(run)) == 1
 
 
+@pytest.mark.openmpi
 def test_stall_abort_ends_the_job_with_the_report(tmp_path, small_h5):
     run = tmp_path / "run"
     t0 = time.monotonic()

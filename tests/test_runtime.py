@@ -75,6 +75,7 @@ def test_float64_sync_is_equivalent_across_ranks_and_lanes(tmp_path, digits_h5):
         assert diff <= 1e-10, f"{name}: max relative parameter difference {diff:.3e}"
 
 
+@pytest.mark.openmpi
 def test_uneven_rows_per_rank_match_one_rank(tmp_path, digits_h5):
     base = EQUIV + [f"data.path={digits_h5}", "train.batch_size=10", "train.epochs=1"]
     proc = train_job(1, tmp_path / "a", base)
@@ -84,6 +85,7 @@ def test_uneven_rows_per_rank_match_one_rank(tmp_path, digits_h5):
     assert max_rel_diff(load_params(tmp_path / "a"), load_params(tmp_path / "b")) <= 1e-10
 
 
+@pytest.mark.openmpi
 def test_read_and_scatter_give_identical_training(tmp_path, digits_h5):
     base = [f"data.path={digits_h5}", "train.epochs=2", "checkpoint=off"]
     proc = train_job(2, tmp_path / "read", base + ["data.distribution=read"])
@@ -96,8 +98,8 @@ def test_read_and_scatter_give_identical_training(tmp_path, digits_h5):
 
 
 @pytest.mark.parametrize("n,overrides,fragment", [
-    (2, ["train.batch_size=5000"], "larger than the training set"),
-    (4, ["train.batch_size=3"], "smaller than the number of ranks"),
+    pytest.param(2, ["train.batch_size=5000"], "larger than the training set", marks=pytest.mark.openmpi),
+    pytest.param(4, ["train.batch_size=3"], "smaller than the number of ranks", marks=pytest.mark.openmpi),
     (2, ["train.batch_size=0"], "train.batch_size must be a positive integer"),
     (2, ["optim.lr=-0.1"], "optim.lr must be a positive number"),
 ])
