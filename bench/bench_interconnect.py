@@ -1,0 +1,185 @@
+"""Across 2 emulated nodes (network namespaces, tests/netns_cluster.py; needs root): how the link
+speed moves training throughput, for hpc_rlx's sync, cadence and async policies and PyTorch DDP
+(gloo) on the same model, data and link.
+
+    .venv/bin/python bench/bench_interconnect.py                       # unlimited, 10gbit, 1gbit
+    .venv/bin/python bench/bench_interconnect.py --links 1gbit --repeats 2
+
+One rank per node, node k pinned to core k (so the two ranks do not share a core), one BLAS
+thread per rank on both sides. MLP 784-1024-1024-10 (1.86 M parameters: a 7.4 MB float32
+gradient per step), batch 128 per rank, SGD. The link is `tc tbf` on each node's interface.
+
+Figures: samples/s over the epochs after the first (rank 0's step wall time, as in
+bench_ddp.py), and the comm share, the part of the wall time spent communicating: for hpc_rlx
+its `comm_s` over the step wall time (every policy); for DDP, 1 - (time of a step under
+`no_sync()`) / (time of a synchronised step), both measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (PYTHON, REPO, fmt_table, hpc_throughput, machine_note, one_thread_env,  # noqa: E402
+                     prepare_synthetic, result_line)
+
+from tests.netns_cluster import EmulatedCluster, can_emulate  # noqa: E402
+
+HIDDEN = [1024, 1024]
+FEATURES, CLASSES, PER_RANK_BATCH = 784, 10, 128
+LR, MOMENTUM = 0.01, 0.9
+MPIEXEC = str(Path(PYTHON).with_name("mpiexec"))
+
+
+def run_hpc(cluster, policy: str, data: Path, epochs: int, work: Path) -> dict:
+    run_dir = work / f"hpc_{policy}_{time.monotonic_ns()}"
+    args = [PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "data=synthetic", f"data.path={data}",
+            "data.val_fraction=0", "model=mlp", f"model.hidden=[{','.join(map(str, HIDDEN))}]",
+            f"train.batch_size={PER_RANK_BATCH * 2}", f"train.epochs={epochs}", "train.threads_per_rank=1",
+            "optim=sgd", f"optim.lr={LR}", f"optim.momentum={MOMENTUM}", "optim.schedule=constant",
+            f"policy={policy}", "checkpoint=off", "report.plots=false", "report.tensorboard=false",
+            "train.log_every_s=1000", "train.progress=lines"]
+    cmd = cluster.mpich_cmd(MPIEXEC, {"node1": 1, "node2": 1}, args)
+    p = cluster.on("node1", cmd, timeout=1200, env=one_thread_env(), cwd=REPO)
+    if p.returncode != 0:
+        raise SystemExit(f"hpc_rlx policy={policy} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    out = hpc_throughput(run_dir, PER_RANK_BATCH * 2, skip_epochs=1)
+    out["comm_share"] = out["comm_frac"]          # time in collectives / step wall time
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return out
+
+
+def ddp_worker(rank: int, world: int, addr: str, port: int, data: str, epochs: int) -> None:
+    import h5py
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    with h5py.File(data, "r", locking=False) as f:
+        steps = f["x"].shape[0] // (PER_RANK_BATCH * world)
+        per_rank = steps * PER_RANK_BATCH
+        lo = rank * per_rank
+        x = torch.from_numpy(np.ascontiguousarray(f["x"][lo: lo + per_rank]))
+        y = torch.from_numpy(np.ascontiguousarray(f["y"][lo: lo + per_rank]))
+    torch.manual_seed(0)
+    layers, width = [], FEATURES
+    for h in HIDDEN:
+        layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
+        width = h
+    layers.append(torch.nn.Linear(width, CLASSES))
+    model = DDP(torch.nn.Sequential(*layers))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    lossf = torch.nn.CrossEntropyLoss()
+    gen = torch.Generator().manual_seed(1000 + rank)
+
+    def step(idx, sync: bool) -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        if sync:
+            lossf(model(x[idx]), y[idx]).backward()
+        else:
+            with model.no_sync():
+                lossf(model(x[idx]), y[idx]).backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    synced, local = 0.0, 0.0
+    for ep in range(epochs):
+        perm = torch.randperm(per_rank, generator=gen)
+        wall = sum(step(perm[s * PER_RANK_BATCH:(s + 1) * PER_RANK_BATCH], True) for s in range(steps))
+        if ep > 0:
+            synced += wall
+    # the same steps without the allreduce: what the step costs when nothing crosses the link
+    perm = torch.randperm(per_rank, generator=gen)
+    local = sum(step(perm[s * PER_RANK_BATCH:(s + 1) * PER_RANK_BATCH], False) for s in range(steps))
+    dist.barrier()
+    if rank == 0:
+        timed = (epochs - 1) * steps
+        print("RESULT " + json.dumps({"samples_per_s": timed * PER_RANK_BATCH * world / synced,
+                                      "step_ms": 1e3 * synced / timed,
+                                      "comm_share": max(0.0, 1 - (local / steps) / (synced / timed))}))
+    dist.destroy_process_group()
+
+
+def run_ddp(cluster, data: Path, epochs: int, port: int) -> dict:
+    import subprocess
+
+    addr = cluster.addr["node1"]
+    procs = [cluster.popen_on(node, [PYTHON, __file__, "--ddp-worker", str(r), "2", addr, str(port), str(data),
+                                     str(epochs)], env=one_thread_env(), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r, node in enumerate(("node1", "node2"))]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=1200))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise SystemExit("DDP timed out")
+    for p, (out, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise SystemExit(f"DDP worker failed (rc={p.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
+    return result_line(outs[0][0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--links", default="unlimited,10gbit,1gbit")
+    ap.add_argument("--steps", type=int, default=40, help="steps per epoch")
+    ap.add_argument("--epochs", type=int, default=3, help="epochs per run; the first is warm-up, not timed")
+    ap.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args()
+    why = can_emulate()
+    if why:
+        raise SystemExit(f"cannot emulate nodes here: {why}")
+    work = Path(tempfile.mkdtemp(prefix="hpc_rlx_bench_link_"))
+    data = prepare_synthetic(work / "syn.h5", PER_RANK_BATCH * 2 * args.steps, FEATURES, CLASSES)
+    print(f"# {machine_note()}")
+    print(f"# 2 emulated nodes x 1 rank, MLP {FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES}, batch "
+          f"{PER_RANK_BATCH}/rank, {args.steps} steps/epoch, {args.epochs} epochs (first untimed), "
+          f"best of {args.repeats}")
+    sides = ("sync", "cadence", "async", "ddp")
+    rows = []
+    with EmulatedCluster(2, work / "cluster") as cluster:
+        for link in args.links.split(","):
+            cluster.limit_bandwidth(None if link == "unlimited" else link)
+            best: dict = {}
+            for rep in range(args.repeats):
+                for side in (sides if rep % 2 == 0 else tuple(reversed(sides))):
+                    r = (run_ddp(cluster, data, args.epochs, 29500 + rep) if side == "ddp"
+                         else run_hpc(cluster, side, data, args.epochs, work))
+                    print(f"  {link} {side}: {r['samples_per_s']:,.0f} samples/s, comm share "
+                          f"{100 * r['comm_share']:.0f}%", flush=True)
+                    if side not in best or r["samples_per_s"] > best[side]["samples_per_s"]:
+                        best[side] = r
+            ddp = best["ddp"]["samples_per_s"]
+            for side in sides:
+                r = best[side]
+                rows.append([link, side, r["samples_per_s"], f"{100 * r['comm_share']:.0f}%",
+                             f"{r['samples_per_s'] / ddp:.2f}x"])
+        cluster.limit_bandwidth(None)
+    print()
+    print(fmt_table(["link", "method", "samples/s", "comm share", "vs DDP"], rows))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--ddp-worker":
+        r, w, addr, port, data, epochs = sys.argv[2:8]
+        ddp_worker(int(r), int(w), addr, int(port), data, int(epochs))
+    else:
+        main()
