@@ -206,9 +206,14 @@ exec nsenter -t "$pid" -n -u -i -m -- taskset -c "$core" sh -c "$*"
                 "-wdir", os.getcwd(), "-n", str(n)] + list(args)
 
     def openmpi_cmd(self, mpirun: str, hosts: dict[str, int], args: list[str]) -> list[str]:
+        """Open MPI 5's `mpirun` across the nodes, run on the first node of `hosts`."""
         spec = ",".join(f"{h}:{p}" for h, p in hosts.items())
         n = sum(hosts.values())
-        return [mpirun, "--allow-run-as-root", "--host", spec, "-n", str(n), "--bind-to", "none",
+        # mpirun forks the ranks of its own node itself (no ssh): pin it as the wrapper pins
+        # the other nodes' daemons
+        core = self.names.index(next(iter(hosts))) % self.cores
+        return ["taskset", "-c", str(core),
+                mpirun, "--allow-run-as-root", "--host", spec, "-n", str(n), "--bind-to", "none",
                 "--mca", "plm_ssh_agent", str(self.wrapper), "--mca", "mpi_yield_when_idle", "1",
                 "--mca", "btl_tcp_if_include", f"{self.subnet}.0/24",
                 "--mca", "oob_tcp_if_include", f"{self.subnet}.0/24"] + list(args)
