@@ -4,7 +4,6 @@ failures raise the same DataError on every rank instead of hanging."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -14,9 +13,10 @@ import pytest
 from hpc_rlx.data.distribute import load_shard, round_rows
 from hpc_rlx.errors import ConfigError, DataError
 
+from .conftest import launch_cmd
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "mpi_scripts" / "data_load_shard.py"
-MPIRUN = Path(sys.executable).parent / "mpirun"
 N = 50
 
 
@@ -80,8 +80,6 @@ def _cases(files, nranks):
 
 
 def _run_job(tmp: Path, nranks: int):
-    if not MPIRUN.exists():
-        pytest.skip(f"no mpirun next to {sys.executable}")
     files = _files(tmp)
     ok, bad = _cases(files, nranks)
     job = tmp / "job.json"
@@ -90,7 +88,7 @@ def _run_job(tmp: Path, nranks: int):
     out.mkdir()
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
-        [str(MPIRUN), "-n", str(nranks), sys.executable, str(SCRIPT), str(job), str(out)],
+        launch_cmd(nranks, [str(SCRIPT), str(job), str(out)]),
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
