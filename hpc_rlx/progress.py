@@ -127,6 +127,11 @@ class Progress:
         self.out.write(line + "\n")
         self.out.flush()
 
+    def due(self, now: float) -> bool:
+        """Whether an update now would show anything: the loop builds a Snapshot only then,
+        so a step costs one comparison when nothing is drawn."""
+        raise NotImplementedError
+
     def update(self, s: Snapshot) -> None:
         raise NotImplementedError
 
@@ -145,11 +150,14 @@ class LineProgress(Progress):
         self._last: float | None = None
         self._last_samples = 0.0
 
+    def due(self, now: float) -> bool:
+        return self._last is None or now - self._last >= self.log_every_s
+
     def update(self, s: Snapshot) -> None:
         total = s.epoch * s.samples_per_epoch + s.epoch_samples      # samples over the run
         if self._last is None:      # the run's first line: the rate since the epoch started
             since, samples = s.now - s.epoch_t0, s.epoch_samples - s.epoch_f0 * s.samples_per_epoch
-        elif s.now - self._last < self.log_every_s:
+        elif not self.due(s.now):
             return
         else:
             since, samples = s.now - self._last, total - self._last_samples
@@ -169,7 +177,7 @@ class BarProgress(Progress):
     def __init__(self, out=None, log_every_s: float = 10.0):
         super().__init__(out, log_every_s)
         self._bar = None
-        self._last_postfix = 0.0
+        self._last_draw = 0.0
 
     def _open(self, s: Snapshot) -> None:
         from tqdm import tqdm
@@ -181,17 +189,19 @@ class BarProgress(Progress):
                          bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed}<{remaining} "
                                     "{rate_fmt}{postfix}")
 
+    def due(self, now: float) -> bool:
+        return self._bar is None or now - self._last_draw >= 1.0 / BAR_REDRAWS_PER_S
+
     def update(self, s: Snapshot) -> None:
         if self._bar is None:
             self._open(s)
         bar = self._bar
-        if s.now - self._last_postfix >= 1.0 / BAR_REDRAWS_PER_S:
-            self._last_postfix = s.now
-            bar.set_postfix_str(f"{s.step_label}, loss {sig(s.loss)}, run ETA "
-                                f"{duration(s.run_eta)}", refresh=False)
+        self._last_draw = s.now
+        bar.set_postfix_str(f"{s.step_label}, loss {sig(s.loss)}, run ETA {duration(s.run_eta)}",
+                            refresh=False)
         delta = int(s.epoch_samples) - bar.n
         if delta > 0:
-            bar.update(delta)      # tqdm redraws only every mininterval
+            bar.update(delta)      # tqdm redraws (its mininterval is the same period)
 
     def print(self, line: str) -> None:
         if self._bar is None:

@@ -37,13 +37,19 @@ class StepSampler:
         """The start of an epoch (or of a run segment): the epoch's running totals so far."""
         self._mark = (int(step), float(now), float(samples), float(loss_sum))
 
+    def due(self, step: int, now: float) -> bool:
+        if self._mark is None:
+            return True
+        step0, t0 = self._mark[0], self._mark[1]
+        return step - step0 >= self.stride and now - t0 >= self.min_interval_s
+
     def add(self, step: int, now: float, samples: float, loss_sum: float) -> dict | None:
         """After a step, with the epoch's running totals: a record, or None (not this step)."""
         if self._mark is None:
             self.start(step - 1, now, 0.0, 0.0)
-        step0, t0, s0, l0 = self._mark
-        if step - step0 < self.stride or now - t0 < self.min_interval_s:
+        if not self.due(step, now):
             return None
+        step0, t0, s0, l0 = self._mark
         self._mark = (int(step), float(now), float(samples), float(loss_sum))
         n = samples - s0
         return {"step": int(step),
@@ -69,6 +75,11 @@ class StepLog:
     def epoch_start(self, step: int, now: float, samples: float, loss_sum: float) -> None:
         self.sampler.start(step, now, samples, loss_sum)
         self.board_sampler.start(step, now, samples, loss_sum)
+
+    def due(self, step: int, now: float) -> bool:
+        """Whether `step` would write anything (the loop skips its work otherwise)."""
+        return self.sampler.due(step, now) or (self.tensorboard is not None
+                                                and self.board_sampler.due(step, now))
 
     def step(self, step: int, now: float, samples: float, loss_sum: float, epoch_position: float,
              lr: float | None) -> None:

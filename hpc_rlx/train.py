@@ -245,10 +245,15 @@ class Run:
         if self.progress is None:
             return
         ctx, totals, now = self.ctx, self.current_totals, time.perf_counter()
+        show, log = self.progress.due(now), self.step_log
+        if not show and (log is None or not log.due(ctx.step, now)):
+            return          # most steps: nothing to write or draw
         frac = min(1.0, self.policy.epoch_fraction(ctx))
-        if self.step_log is not None:
-            self.step_log.step(ctx.step, now, totals.samples, totals.loss_sum, ctx.epoch + frac,
-                               self.policy.current_lr(ctx))
+        if log is not None:
+            log.step(ctx.step, now, totals.samples, totals.loss_sum, ctx.epoch + frac,
+                     self.policy.current_lr(ctx))
+        if not show:
+            return
         epochs = int(self.spec.train["epochs"])
         label = (f"step {ctx.step_in_epoch}/{ctx.steps_per_epoch}" if isinstance(self.policy, SyncPolicy)
                  else f"sync {ctx.step_in_epoch}")
