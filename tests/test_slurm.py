@@ -309,6 +309,9 @@ def test_sbatch_train_sh_trains_and_writes_everything(slurm, tmp_path):
     log = log_of(tmp_path, job)
     assert proc.returncode == 0, f"{proc.stderr}\n{log}"
     assert "2 ranks, 1 BLAS threads per rank" in log and "epoch 2/2" in log, log
+    # a batch log gets plain progress lines: no carriage returns, no escape codes
+    assert "\r" not in log and "\x1b" not in log, repr(log[-2000:])
+    assert re.search(r"^\[hpc_rlx\] completed in .*; run directory ", log, flags=re.M), log
     # the run directory carries the job id, so a requeued job finds its own checkpoints
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == [f"slurm-{job}"]
     run_dir = tmp_path / "outputs" / f"slurm-{job}"
