@@ -119,6 +119,13 @@ def test_csv_errors_are_clear(tmp_path, text, label, message):
     assert not list(tmp_path.glob(".*.tmp")), "a temporary file was left behind"
 
 
+def test_csv_that_is_not_text(tmp_path):
+    (tmp_path / "bin.csv").write_bytes(b"a,b,y\n1,2,0\n\xff\xfe\x00,3,1\n")
+    with pytest.raises(DataError, match=r"is not UTF-8 text"):
+        cv.convert(tmp_path / "bin.csv", tmp_path / "bin.h5", "y")
+    assert not (tmp_path / "bin.h5").exists()
+
+
 def test_existing_output_is_kept_unless_forced(tmp_path):
     x, y = _table(rows=9)
     src = _write_table(tmp_path / "t.csv", x, y)

@@ -243,6 +243,16 @@ def resolve_label_column(label: str, header: list[str] | None, width: int, src: 
 
 
 def _convert_csv(src, out, label, delimiter, dtype, regression, num_classes) -> Converted:
+    try:
+        return _read_csv(src, out, label, delimiter, dtype, regression, num_classes)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{src!r} is not UTF-8 text (byte {e.start}: {e.reason}); save the CSV "
+                        "as UTF-8") from None
+    except csv.Error as e:
+        raise DataError(f"{src!r} is not a readable CSV file: {e}") from None
+
+
+def _read_csv(src, out, label, delimiter, dtype, regression, num_classes) -> Converted:
     with open(src, newline="", encoding="utf-8-sig") as fh:
         first = fh.readline()
         fh.seek(0)
