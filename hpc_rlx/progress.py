@@ -166,7 +166,8 @@ class LineProgress(Progress):
 
 
 def format_line(s: Snapshot, samples_per_s: float | None) -> str:
-    return (f"[hpc_rlx] epoch {s.epoch + 1}/{s.epochs} {100 * s.epoch_fraction:3.0f}% ({s.step_label})  "
+    return (f"[hpc_rlx] epoch {s.epoch + 1}/{s.epochs} {100 * s.epoch_fraction:3.0f}% "
+            f"({s.step_label}, global step {s.step})  "
             f"loss {sig(s.loss)}  {rate(samples_per_s)}  "
             f"ETA epoch {duration(s.epoch_eta)}, run {duration(s.run_eta)}")
 

@@ -142,7 +142,7 @@ def test_sigterm_to_one_rank_checkpoints_next_step_and_resumes_exactly(ref, tmp_
             lines.put(line)
         lines.put(None)
     threading.Thread(target=pump, daemon=True).start()
-    progress = re.compile(r"epoch 2 step (\d+)/\d+ \(global step (\d+)\)")
+    progress = re.compile(r"epoch 2/\d+ +\d+% \(step (\d+)/\d+, global step (\d+)\)")
     sent_at = None
     try:
         deadline = time.monotonic() + 90

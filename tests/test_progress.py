@@ -194,7 +194,7 @@ def test_mpirun_into_a_file_has_plain_lines_from_the_first_epoch(tmp_path):
     first_progress = next(i for i, ln in enumerate(lines) if re.match(r"\[hpc_rlx\] epoch 1/2 +\d+% \(step", ln))
     first_summary = next(i for i, ln in enumerate(lines) if re.match(r"\[hpc_rlx\] epoch 1/2 +train_loss", ln))
     assert first_progress < first_summary, text     # lines start within the first epoch
-    m = re.match(r"\[hpc_rlx\] epoch 1/2 +\d+% \(step \d+/500\)  loss ([0-9.]+)  [0-9.]+k? samples/s  "
+    m = re.match(r"\[hpc_rlx\] epoch 1/2 +\d+% \(step \d+/500, global step \d+\)  loss ([0-9.]+)  [0-9.]+k? samples/s  "
                  r"ETA epoch [0-9.]+s, run [0-9.]+s$", lines[first_progress])
     assert m, lines[first_progress]
     assert len(m.group(1).replace(".", "").lstrip("0")) <= 4, m.group(1)
