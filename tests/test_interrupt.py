@@ -15,7 +15,7 @@ import pytest
 
 from hpc_rlx.signals import INTERRUPT_EXIT, Signals
 
-from .conftest import MPIRUN, PYTHON, REPO, explain, mpi_env, train_job
+from .conftest import MPI_IMPL, REPO, explain, launch_cmd, mpi_env, rank_pids, train_job
 
 LONG_RUN = ["report.plots=false", "train.epochs=5000"]
 # Steps of a second or more (sleeps, no CPU): a first Ctrl-C is still being served a second later.
@@ -27,7 +27,7 @@ class LiveJob:
     """`mpirun -n N python -m hpc_rlx ...` in a new session, its output read as it comes."""
 
     def __init__(self, n: int, run_dir: Path, overrides: list[str]):
-        cmd = [MPIRUN, "-n", str(n), PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run_dir}"] + overrides
+        cmd = launch_cmd(n, ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}"] + overrides)
         self.run_dir = run_dir
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -67,19 +67,8 @@ class LiveJob:
         os.killpg(self.proc.pid, signal.SIGINT)
 
     def rank_pids(self) -> list[int]:
-        """The ranks (MPICH starts them in sessions of their own), found by the run directory."""
-        marker = f"hydra.run.dir={self.run_dir}"
-        pids = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"hpc_rlx" in args and marker.encode() in args and not any(b"mpirun" in a or b"mpiexec" in a for a in args):
-                pids.append(int(entry))
-        return pids
+        """The ranks below the launcher (MPICH starts them in sessions of their own)."""
+        return list(rank_pids(self.proc.pid).values())
 
     def wait(self, timeout: float) -> int:
         try:
@@ -92,11 +81,12 @@ class LiveJob:
         return rc
 
     def kill(self) -> None:
+        ranks = self.rank_pids()
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        for pid in self.rank_pids():
+        for pid in ranks:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -146,6 +136,7 @@ def test_sigint_before_training_exits_and_sigterm_only_stops():
 # ---------------------------------------------------------------------------- real jobs
 
 @pytest.mark.mpi
+@pytest.mark.openmpi
 @pytest.mark.slow
 def test_ctrl_c_under_mpirun_checkpoints_exits_130_and_resumes(tmp_path, digits_h5):
     run_dir = tmp_path / "run"
@@ -153,6 +144,12 @@ def test_ctrl_c_under_mpirun_checkpoints_exits_130_and_resumes(tmp_path, digits_
     job.wait_for("[hpc_rlx] epoch 1", timeout=180)       # mid-training: the first progress line
     job.ctrl_c()
     rc = job.wait(timeout=120)
+    if MPI_IMPL == "openmpi":
+        # prterun turns Ctrl-C into SIGTERM for the ranks and SIGKILL 0.2-0.5 s later
+        # (RELIABILITY.md): no checkpoint is promised, only a quiet, failed exit
+        assert rc != 0, job.explain()
+        assert_no_traceback(job)
+        return
     # MPICH's mpiexec forwards the SIGINT to the ranks and passes their exit status through
     assert rc == INTERRUPT_EXIT, job.explain()
     lines = [m for m in (INTERRUPTED.search(line) for line in job.out) if m]
@@ -210,6 +207,7 @@ def test_second_sigint_to_the_ranks_themselves_exits_at_once(tmp_path, digits_h5
 
 
 @pytest.mark.mpi
+@pytest.mark.openmpi
 def test_ctrl_c_during_startup_exits_quietly(tmp_path, digits_h5):
     run_dir = tmp_path / "run"
     job = LiveJob(2, run_dir, LONG_RUN + [f"data.path={digits_h5}"])
@@ -230,6 +228,10 @@ def test_ctrl_c_during_startup_exits_quietly(tmp_path, digits_h5):
     job.ctrl_c()
     rc = job.wait(timeout=60)
     assert "[hpc_rlx] epoch" not in job.stdout, "training had started: " + job.explain()
+    if MPI_IMPL == "openmpi":      # the ranks get prterun's SIGTERM, then SIGKILL
+        assert rc != 0, job.explain()
+        assert_no_traceback(job)
+        return
     assert rc == INTERRUPT_EXIT, job.explain()
     assert "hpc_rlx: interrupted before training started" in job.stderr, job.explain()
     assert_no_traceback(job)
