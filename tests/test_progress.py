@@ -200,7 +200,7 @@ def test_mpirun_into_a_file_has_plain_lines_from_the_first_epoch(tmp_path):
                  r"ETA epoch [0-9.hms]+, run [0-9.hms]+$", lines[first_progress])
     assert m, lines[first_progress]
     assert len(m.group(1).replace(".", "").lstrip("0")) <= 4, m.group(1)
-    assert re.match(rf"\[hpc_rlx\] completed in [0-9.ms]+; epoch 2, step 1000: train_loss [0-9.]+  "
+    assert re.match(rf"\[hpc_rlx\] completed in [0-9.hms]+; epoch 2, step 1000: train_loss [0-9.]+  "
                     rf"val_loss [0-9.]+  val_accuracy [0-9.]+; run directory {re.escape(str(run_dir))}$",
                     lines[-1]), lines[-1]
 
