@@ -76,7 +76,25 @@ fi
 
 # ---- launcher: srun when its PMI matches this MPI, else mpirun --------------------------------
 # A mismatched srun does not fail: every rank silently starts as rank 0 of a world of 1. So each
-# candidate plugin is tried on two tasks, and kept only if MPI sees a world of 2.
+# candidate plugin is tried on two tasks, and kept only if MPI sees a world of 2. The plugins
+# this MPI speaks are tried first: Open MPI starts under --mpi=pmix, MPICH and its derivatives
+# (Intel MPI, MVAPICH) under --mpi=pmi2 (the MPICH wheel has no PMIx client).
+mpi_library_of_python() {
+    # MPI_Get_library_version up to its first line end or comma ("Open MPI v5.0.11", "MPICH
+    # Version: 4.2.0"); it may be called before MPI_Init
+    "$python" -c 'import mpi4py, re; mpi4py.rc.initialize = False; from mpi4py import MPI
+print(" ".join(re.split(r"[\n,]", MPI.Get_library_version().replace("\0", ""))[0].split()))' \
+        2>/dev/null || true
+}
+
+preferred_plugins() {
+    case $1 in
+        *"Open MPI"*) echo '^pmix' ;;
+        *MPICH*|*"Intel(R) MPI"*|*MVAPICH*) echo '^pmi2$' ;;
+        *) echo '^$' ;;
+    esac
+}
+
 probe_srun() {
     timeout 120 srun --mpi="$1" --ntasks=2 --kill-on-bad-exit=1 --quiet "$python" -c \
         'import sys; from mpi4py import MPI; sys.exit(0 if MPI.COMM_WORLD.Get_size() == 2 else 3)' \
@@ -88,9 +106,14 @@ srun_plugins() {
         echo "$SLURM_MPI_TYPE"
         return
     fi
-    # "srun --mpi=list" prints one plugin per indented line; pmix first, then pmi2
-    srun --mpi=list 2>&1 | awk '/^[[:space:]]+[A-Za-z]/ {print $1}' \
-        | grep -Ev '^(none|cray_shasta)$' | sort -r || true
+    # "srun --mpi=list" prints one plugin per indented line; this MPI's own first (pmix before
+    # pmix_v4), then the others (pmix before pmi2)
+    local offered preferred
+    offered=$(srun --mpi=list 2>&1 | awk '/^[[:space:]]+[A-Za-z]/ {print $1}' \
+        | grep -Ev '^(none|cray_shasta)$' || true)
+    preferred=$(preferred_plugins "$mpi_library")
+    grep -E "$preferred" <<<"$offered" | sort || true
+    grep -Ev "$preferred" <<<"$offered" | sort -r || true
 }
 
 ntasks=${SLURM_NTASKS:-${HPC_RLX_NTASKS:-1}}
@@ -119,13 +142,17 @@ elif (( ntasks == 1 )); then
     launch=(srun --mpi=none ${cpt[@]+"${cpt[@]}"})
     why="one task"
 else
+    mpi_library=$(mpi_library_of_python)
     why="no srun MPI plugin starts this MPI"
+    failed=()
     for plugin in $(srun_plugins); do
         if probe_srun "$plugin"; then
             launch=(srun --mpi="$plugin" --kill-on-bad-exit=1 ${cpt[@]+"${cpt[@]}"})
-            why="srun --mpi=$plugin works with this MPI"
+            why="srun --mpi=$plugin works with this MPI${mpi_library:+: $mpi_library}"
+            why+="${failed[*]:+; tried first: ${failed[*]}}"
             break
         fi
+        failed+=("$plugin")
     done
     if (( ${#launch[@]} == 0 )); then
         launch=("$mpirun_bin" -n "$ntasks")

@@ -67,6 +67,124 @@ def _pid_alive(pid_file: Path, name: str) -> int | None:
     return pid if comm == name[:15] and state not in ("Z", "X") else None
 
 
+# ---- pieces shared with the multi-node cluster (tests/slurm_multinode.py) ----------------------
+
+def binary(name: str) -> str:
+    """A Slurm/munge program: on PATH, else in /usr/sbin (daemons are not on a user's PATH)."""
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+def check_prerequisites() -> None:
+    """Raise ClusterUnavailable unless this host can run the Slurm and munge daemons."""
+    if os.name != "posix" or not hasattr(os, "geteuid"):
+        raise ClusterUnavailable("Slurm daemons need a POSIX host")
+    if os.geteuid() != 0:
+        raise ClusterUnavailable(
+            f"the test cluster runs slurmd as root (uid 0); this process is uid {os.geteuid()}")
+    missing = [b for b in DAEMONS + CLIENTS if shutil.which(b) is None
+               and not Path("/usr/sbin", b).exists()]
+    if missing:
+        raise ClusterUnavailable(
+            "Slurm/munge not installed (missing " + ", ".join(missing) +
+            "); install with: apt-get install -y slurm-wlm munge")
+
+
+def wait_ready(ready, timeout: float, what: str, log: Path) -> None:
+    """Poll `ready()` until true; raise ClusterUnavailable with the log's tail on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if ready():
+                return
+        except (subprocess.TimeoutExpired, OSError):
+            pass
+        time.sleep(0.5)
+    raise ClusterUnavailable(f"timed out after {timeout:.0f} s waiting for {what}\n{_tail(log)}")
+
+
+def start_munged(munge_dir: Path, socket_path: Path) -> bool:
+    """Start munged with a private key and socket under `munge_dir`, unless it already runs.
+    Returns whether this call started it."""
+    munge_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(munge_dir, 0o700)
+    pid_file = munge_dir / "munged.pid"
+    if _pid_alive(pid_file, "munged") and socket_path.exists():
+        return False
+    key = munge_dir / "munge.key"
+    if not key.exists():
+        # a private key: only this cluster's daemons and clients need to agree on it
+        key.write_bytes(secrets.token_bytes(1024))
+    os.chmod(key, 0o600)
+    cmd = [binary("munged"), f"--socket={socket_path}", f"--key-file={key}",
+           f"--pid-file={pid_file}", f"--log-file={munge_dir / 'munged.log'}",
+           f"--seed-file={munge_dir / 'munged.seed'}", "--force"]
+    res = _run(cmd, timeout=30)
+    if res.returncode != 0:
+        raise ClusterUnavailable(f"munged failed to start (exit {res.returncode}): "
+                                 f"{res.stderr.strip()}\n{_tail(munge_dir / 'munged.log')}")
+    wait_ready(socket_path.exists, 15, "munged socket", munge_dir / "munged.log")
+    return True
+
+
+def stop_daemon(pid_file: Path, name: str, timeout: float = 15) -> None:
+    """SIGTERM the daemon named in `pid_file` until it is gone (or `timeout` passes)."""
+    deadline = time.monotonic() + timeout
+    pid = _pid_alive(pid_file, name)
+    while pid and time.monotonic() < deadline:
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        pid = _pid_alive(pid_file, name)
+
+
+def common_conf_lines(*, cluster_name: str, ctld_port: int, slurmd_port: int,
+                      munge_socket: Path, state_dir: Path) -> list[str]:
+    """The slurm.conf settings of every test cluster: root daemons, a private munge socket,
+    no cgroups, prompt scheduling and requeues, jobs visible after they end."""
+    # slurmctld starts clean (-c); fresh job ids keep a new job from meeting a killed job's
+    # leftovers (MPI shared-memory files are named after the job and step ids)
+    first_job_id = 1000 + int(time.time()) % 50_000_000
+    return [
+        f"ClusterName={cluster_name}",
+        f"SlurmctldPort={ctld_port}",
+        f"SlurmdPort={slurmd_port}",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        # cred_expire also sets how long a requeued job waits before it may start again
+        # (default 120 s); the preemption tests requeue jobs
+        f"AuthInfo=socket={munge_socket},cred_expire=10",
+        f"StateSaveLocation={state_dir}",
+        "SlurmctldDebug=info",
+        "SlurmdDebug=info",
+        # no cgroups and no CPU binding inside the sandbox
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "MpiDefault=none",
+        "SwitchType=switch/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "JobCompType=jobcomp/none",
+        "SchedulerType=sched/backfill",
+        # look at pending jobs every few seconds (default 60 s): requeued jobs restart promptly
+        "SchedulerParameters=sched_interval=3,bf_interval=5",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core",
+        "ReturnToService=2",
+        # finished jobs stay visible to scontrol long enough for the tests to read exit codes
+        "MinJobAge=600",
+        # time for a rank to write its checkpoint between SIGTERM and SIGKILL
+        "KillWait=30",
+        "InactiveLimit=0",
+        f"FirstJobId={first_job_id}",
+        "MessageTimeout=20",
+        "SlurmctldTimeout=60",
+        "SlurmdTimeout=120",
+        "SlurmdParameters=config_overrides",
+        "PropagateResourceLimits=NONE",
+    ]
+
+
 class SlurmCluster:
     """One node named after ``hostname -s`` with the CPUs ``nproc`` reports."""
 
@@ -86,54 +204,15 @@ class SlurmCluster:
     # ------------------------------------------------------------------ config
     def slurm_conf_text(self) -> str:
         r = self.root
-        # slurmctld starts clean (-c); fresh job ids keep a new job from meeting a killed job's
-        # leftovers (MPI shared-memory files are named after the job and step ids)
-        first_job_id = 1000 + int(time.time()) % 50_000_000
-        return "\n".join([
-            f"ClusterName={self.cluster_name}",
+        return "\n".join(common_conf_lines(
+            cluster_name=self.cluster_name, ctld_port=self.ctld_port, slurmd_port=self.slurmd_port,
+            munge_socket=self.munge_socket, state_dir=r / "state") + [
             f"SlurmctldHost={self.node}(127.0.0.1)",
-            f"SlurmctldPort={self.ctld_port}",
-            f"SlurmdPort={self.slurmd_port}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            # cred_expire also sets how long a requeued job waits before it may start again
-            # (default 120 s); the preemption tests requeue jobs
-            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
-            f"StateSaveLocation={r}/state",
             f"SlurmdSpoolDir={r}/spool",
             f"SlurmctldPidFile={r}/slurmctld.pid",
             f"SlurmdPidFile={r}/slurmd.pid",
             f"SlurmctldLogFile={r}/slurmctld.log",
             f"SlurmdLogFile={r}/slurmd.log",
-            "SlurmctldDebug=info",
-            "SlurmdDebug=info",
-            # no cgroups and no CPU binding inside the sandbox
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "MpiDefault=none",
-            "SwitchType=switch/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
-            "JobCompType=jobcomp/none",
-            "SchedulerType=sched/backfill",
-            # look at pending jobs every few seconds (default 60 s): requeued jobs restart promptly
-            "SchedulerParameters=sched_interval=3,bf_interval=5",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "ReturnToService=2",
-            # finished jobs stay visible to scontrol long enough for the tests to read exit codes
-            "MinJobAge=600",
-            # time for a rank to write its checkpoint between SIGTERM and SIGKILL
-            "KillWait=30",
-            "InactiveLimit=0",
-            f"FirstJobId={first_job_id}",
-            "MessageTimeout=20",
-            "SlurmctldTimeout=60",
-            "SlurmdTimeout=120",
-            "SlurmdParameters=config_overrides",
-            "PropagateResourceLimits=NONE",
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN",
             f"PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime=INFINITE "
             "State=UP OverSubscribe=FORCE",
@@ -152,23 +231,10 @@ class SlurmCluster:
 
     # ------------------------------------------------------------------ state
     def _check_prerequisites(self) -> None:
-        if os.name != "posix" or not hasattr(os, "geteuid"):
-            raise ClusterUnavailable("Slurm daemons need a POSIX host")
-        if os.geteuid() != 0:
-            raise ClusterUnavailable(
-                f"the test cluster runs slurmd as root (uid 0); this process is uid {os.geteuid()}")
-        missing = [b for b in DAEMONS + CLIENTS if shutil.which(b) is None
-                   and not Path("/usr/sbin", b).exists()]
-        if missing:
-            raise ClusterUnavailable(
-                "Slurm/munge not installed (missing " + ", ".join(missing) +
-                "); install with: apt-get install -y slurm-wlm munge")
+        check_prerequisites()
 
     def _binary(self, name: str) -> str:
-        found = shutil.which(name)
-        if found:
-            return found
-        return str(Path("/usr/sbin", name))
+        return binary(name)
 
     def is_up(self) -> bool:
         """True when slurmctld answers and the node accepts jobs."""
@@ -195,9 +261,8 @@ class SlurmCluster:
         if self.is_up():
             return self
         try:
-            for sub in ("state", "spool", "munge"):
+            for sub in ("state", "spool"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
-            os.chmod(self.root / "munge", 0o700)
             self.conf.write_text(self.slurm_conf_text())
             self._start_munged()
             self._start_slurm(timeout)
@@ -206,25 +271,8 @@ class SlurmCluster:
         return self
 
     def _start_munged(self) -> None:
-        m = self.root / "munge"
-        pid_file = m / "munged.pid"
-        if _pid_alive(pid_file, "munged") and self.munge_socket.exists():
-            return
-        key = m / "munge.key"
-        if not key.exists():
-            # a private key: only this host's daemons and clients need to agree on it
-            key.write_bytes(secrets.token_bytes(1024))
-        os.chmod(key, 0o600)
-        cmd = [self._binary("munged"), f"--socket={self.munge_socket}", f"--key-file={key}",
-               f"--pid-file={pid_file}", f"--log-file={m / 'munged.log'}",
-               f"--seed-file={m / 'munged.seed'}", "--force"]
-        res = _run(cmd, timeout=30)
-        if res.returncode != 0:
-            raise ClusterUnavailable(f"munged failed to start (exit {res.returncode}): "
-                                     f"{res.stderr.strip()}\n{_tail(m / 'munged.log')}")
-        self._started.append("munged")
-        self._wait(lambda: self.munge_socket.exists(), 15, "munged socket",
-                   m / "munged.log")
+        if start_munged(self.root / "munge", self.munge_socket):
+            self._started.append("munged")
 
     def _start_slurm(self, timeout: float) -> None:
         env = self.env()
@@ -258,15 +306,7 @@ class SlurmCluster:
                    self.root / "slurmd.log")
 
     def _wait(self, ready, timeout: float, what: str, log: Path) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if ready():
-                    return
-            except (subprocess.TimeoutExpired, OSError):
-                pass
-            time.sleep(0.5)
-        raise ClusterUnavailable(f"timed out after {timeout:.0f} s waiting for {what}\n{_tail(log)}")
+        wait_ready(ready, timeout, what, log)
 
     def stop(self, *, all_daemons: bool = False) -> None:
         """Stop the daemons this object started (or every one of this state dir)."""
@@ -279,14 +319,8 @@ class SlurmCluster:
         pid_files = {"slurmctld": self.root / "slurmctld.pid", "slurmd": self.root / "slurmd.pid",
                      "munged": self.root / "munge" / "munged.pid"}
         for name in ("slurmd", "slurmctld", "munged"):
-            if name not in names:
-                continue
-            deadline = time.monotonic() + 15
-            pid = _pid_alive(pid_files[name], name)
-            while pid and time.monotonic() < deadline:
-                os.kill(pid, signal.SIGTERM)
-                time.sleep(0.5)
-                pid = _pid_alive(pid_files[name], name)
+            if name in names:
+                stop_daemon(pid_files[name], name)
         self._started.clear()
 
     def logs(self) -> str:
