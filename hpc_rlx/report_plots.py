@@ -241,8 +241,9 @@ def lanes_figure(files: RunFiles):
                        rotation=0 if len(rows) <= 8 else 60, fontsize=8)
     ax.set_xlabel("rank:lane (bar label: share of all samples)")
     ax.set_ylabel("samples/s while computing")
-    ax.set_title("lane throughput: samples over the lane's busy time (no communication or waiting)")
-    ax.legend(handles=handles, fontsize=8, loc="lower right")
+    ax.set_title("lane throughput while computing (busy time only: no communication or waiting)",
+                 fontsize=10)
+    ax.legend(handles=handles, fontsize=8, loc="best", framealpha=0.9)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return fig
