@@ -55,7 +55,6 @@ def bcast_arrays(comm, arrays: dict | None, shapes: dict) -> dict:
 class RuntimeCheckpoints:
     def __init__(self, run):
         from .checkpoint import CheckpointManager, checkpoints_dir
-
         from .checkpoint.cadence import BestWatch, Cadence
 
         self.run = run
