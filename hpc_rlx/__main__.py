@@ -291,7 +291,7 @@ def _record_failed_point(comm, exc: BaseException) -> None:
 
 
 def main() -> None:
-    from .signals import SIGNALS
+    from .signals import INTERRUPT_EXIT, SIGNALS
     SIGNALS.install()   # first: a Ctrl-C while MPI and Hydra start exits quietly (see signals.py)
 
     from mpi4py import MPI
@@ -319,7 +319,11 @@ def main() -> None:
     def _task(cfg):
         return run_job(cfg, comm)
 
-    _task()
+    try:
+        _task()
+    except KeyboardInterrupt:   # raised only where python_interrupts() asked for it, after clean-up
+        sys.stderr.write("hpc_rlx: interrupted\n")
+        raise SystemExit(INTERRUPT_EXIT) from None
     if _FAILED_POINTS:
         if comm.rank == 0:
             sys.stderr.write(f"hpc_rlx: {len(_FAILED_POINTS)} sweep point(s) failed: "

@@ -121,3 +121,12 @@ class Signals:
 
 # One per process: signal handlers are process-wide.
 SIGNALS = Signals()
+
+
+def python_interrupts() -> None:
+    """Ctrl-C raises KeyboardInterrupt again, for a process that is no training rank and must
+    clean up on it (the Slurm sweep launcher cancels the jobs it submitted)."""
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:      # not the main thread: its handler is not ours to change
+        pass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -477,3 +478,44 @@ def test_hydra_sweep_reports_a_failed_point_with_its_log(slurm, tmp_path):
     rows = {r["point"]: r for r in json.loads((sweep / "sweep_summary.json").read_text())}
     assert rows["0"]["status"] == "completed"
     assert rows["1"]["status"] == "missing summary.json"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_ctrl_c_on_a_slurm_sweep_cancels_its_jobs_quietly(slurm, tmp_path):
+    """The sweep launcher is no training rank: Ctrl-C cancels the jobs it submitted, then exit 130."""
+    cmd = [sys.executable, "-m", "hpc_rlx", "-m", "hydra/launcher=slurm",
+           "hydra.launcher.ntasks_per_node=2", "hydra.launcher.cpus_per_task=1",
+           "hydra.launcher.time=00:10:00", "hydra.launcher.poll_interval_s=0.5",
+           "optim.lr=0.1,0.05", "train.epochs=100000", *SMALL]
+    proc = subprocess.Popen([str(c) for c in cmd], env=job_env(slurm, OMP_NUM_THREADS=1), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    out, jobs = [], []
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            out.append(line)
+            jobs += re.findall(r"-> Slurm job (\d+)", line)
+            if jobs or time.monotonic() > deadline:
+                break
+        assert jobs, "".join(out)
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGINT)        # a terminal's Ctrl-C
+        rest, _ = proc.communicate(timeout=60)
+        out.append(rest)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    text = "".join(out)
+    assert proc.returncode == 130, text[-3000:]
+    assert "cancelling Slurm jobs" in text and "hpc_rlx: interrupted" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = {job_fields(slurm, j).get("JobState") for j in jobs}
+        if states <= {"CANCELLED"}:
+            break
+        time.sleep(1)
+    assert states == {"CANCELLED"}, states

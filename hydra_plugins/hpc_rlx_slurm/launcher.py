@@ -26,6 +26,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from hpc_rlx.signals import python_interrupts
 from hydra_plugins.hpc_rlx_slurm import slurm_jobs
 
 log = logging.getLogger(__name__)
@@ -201,6 +202,7 @@ class SlurmLauncher(Launcher):
             deadline = time.monotonic() + 60.0 * float(p["timeout_min"])
         waiting = list(points)
         active: Dict[str, _Point] = {}
+        python_interrupts()    # Ctrl-C must reach the `except` below, which cancels the jobs
         try:
             while waiting or active:
                 while waiting and len(active) < max_running:
