@@ -88,7 +88,8 @@ class MultiNodeSlurm:
             f"SlurmdLogFile={r}/slurmd-%n.log",
             f"TmpFS={NODE_TMP}",
             # one core per node: each node's slurmd (and so its tasks) is pinned to one core
-            *(f"NodeName={n} NodeAddr={self.nodes.addr[n]} CPUs=1 State=UNKNOWN" for n in names),
+            *(f"NodeName={n} NodeAddr={self.nodes.addr[n]} CPUs=1 Sockets=1 CoresPerSocket=1 "
+              "ThreadsPerCore=1 State=UNKNOWN" for n in names),
             f"PartitionName={self.partition} Nodes={','.join(names)} Default=YES "
             "MaxTime=INFINITE State=UP OverSubscribe=FORCE",
             "",

@@ -23,9 +23,8 @@ from .conftest import REPO, read_metrics, write_small_classification
 from .mpi_launch import VENV_OF, mpi_of_bin_dir
 from .netns_cluster import EmulatedCluster, can_emulate
 from .slurm_cluster import ClusterUnavailable, check_prerequisites, require_slurm
-from .slurm_multinode import MultiNodeSlurm
+from .slurm_multinode import MultiNodeSlurm, cgroup_mounts, remount_script
 
-pytestmark = [pytest.mark.slurm, pytest.mark.multihost, pytest.mark.mpi]
 
 TRAIN_SH = REPO / "slurm" / "train.sh"
 # the PMI each MPI speaks, and how its library names itself; slurm/train.sh must find it by itself
@@ -152,9 +151,36 @@ def assert_srun_with(log: str, mpi: str) -> None:
 
 
 # --------------------------------------------------------------------------------------
+# The cgroup remount inside a node (pure: a /proc/self/mounts text in, shell commands out)
+# --------------------------------------------------------------------------------------
+
+def test_cgroup_mounts_are_remounted_root_first_with_their_own_options():
+    mounts = "\n".join([
+        "cgroup /sys/fs/cgroup/cpu cgroup rw,nosuid,relatime,cpu 0 0",
+        "proc /proc proc rw,relatime 0 0",
+        "tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0",
+        "cgroup /sys/fs/cgroup/systemd cgroup rw,relatime,name=systemd 0 0",
+        "cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0",
+        "sysfs /sys/fs/cgroupx sysfs rw 0 0",
+    ])
+    found = cgroup_mounts(mounts)
+    assert found == [("tmpfs", "/sys/fs/cgroup", "rw,relatime,mode=755"),
+                     ("cgroup", "/sys/fs/cgroup/cpu", "rw,nosuid,relatime,cpu"),
+                     ("cgroup", "/sys/fs/cgroup/systemd", "rw,relatime,name=systemd"),
+                     ("cgroup2", "/sys/fs/cgroup/unified", "rw,relatime")]
+    script = remount_script(found).split(" && ")
+    assert script[:2] == ["mkdir -p /sys/fs/cgroup", "mount -t tmpfs -o rw,relatime,mode=755 tmpfs /sys/fs/cgroup"]
+    assert "mount -t cgroup -o rw,relatime,name=systemd cgroup /sys/fs/cgroup/systemd" in script
+    assert remount_script([]) == "true", "a host without cgroup mounts: nothing to do"
+
+
+# --------------------------------------------------------------------------------------
 # Training across the 2 nodes
 # --------------------------------------------------------------------------------------
 
+@pytest.mark.slurm
+@pytest.mark.multihost
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_sbatch_on_two_nodes_trains_with_srun_and_the_pmi_of_its_mpi(slurm2, mpi, small_h5, tmp_path):
     name, venv = mpi
@@ -180,6 +206,9 @@ def test_sbatch_on_two_nodes_trains_with_srun_and_the_pmi_of_its_mpi(slurm2, mpi
 # Preemption on 2 nodes: SIGUSR1 -> checkpoint -> requeue -> resume
 # --------------------------------------------------------------------------------------
 
+@pytest.mark.slurm
+@pytest.mark.multihost
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_two_node_job_preempted_by_sigusr1_checkpoints_requeues_and_resumes(
         slurm2, mpi, small_h5, tmp_path):
