@@ -152,7 +152,36 @@ exec nsenter -t "$pid" -n -u -i -m -- taskset -c "$core" sh -c "$*"
 """)
         self.wrapper.chmod(0o755)
 
+    def processes_on(self, name: str) -> list[int]:
+        """Every process inside node `name`'s network namespace (the holder included)."""
+        try:
+            want = os.readlink(f"/proc/{self.holder_pid(name)}/ns/net")
+        except OSError:
+            return []
+        pids = []
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    if os.readlink(f"/proc/{d}/ns/net") == want:
+                        pids.append(int(d))
+                except OSError:
+                    continue
+        return pids
+
+    def kill_everything(self, except_holders: bool = True) -> None:
+        """SIGKILL whatever runs on the nodes: launchers' daemons (Open MPI's prted starts a
+        session of its own) would otherwise outlive a test and hold its pipes open."""
+        holders = {h.pid for h in self.holders.values()}
+        for name in list(self.holders):
+            for pid in self.processes_on(name):
+                if pid != os.getpid() and (pid not in holders or not except_holders):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+
     def close(self) -> None:
+        self.kill_everything()
         for holder in self.holders.values():
             try:
                 os.killpg(holder.pid, signal.SIGKILL)
@@ -216,7 +245,11 @@ exec nsenter -t "$pid" -n -u -i -m -- taskset -c "$core" sh -c "$*"
                 mpirun, "--allow-run-as-root", "--host", spec, "-n", str(n), "--bind-to", "none",
                 "--mca", "plm_ssh_agent", str(self.wrapper), "--mca", "mpi_yield_when_idle", "1",
                 "--mca", "btl_tcp_if_include", f"{self.subnet}.0/24",
-                "--mca", "oob_tcp_if_include", f"{self.subnet}.0/24"] + list(args)
+                "--mca", "oob_tcp_if_include", f"{self.subnet}.0/24",
+                # PRRTE notices a daemon behind a cut link only by TCP keepalive (default: after
+                # 300 s + 9 x 20 s); without this, mpirun outlives an aborted job by minutes
+                "--prtemca", "oob_tcp_keepalive_time", "5", "--prtemca", "oob_tcp_keepalive_intvl", "2",
+                "--prtemca", "oob_tcp_keepalive_probes", "3"] + list(args)
 
 
 def wait_for(predicate, timeout: float, every: float = 0.1) -> bool:

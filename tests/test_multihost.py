@@ -1,5 +1,6 @@
 """Across emulated hosts (tests/netns_cluster.py): real nodes with their own network, hostname,
-IPC and scratch directory, launched by MPICH's hydra over an ssh wrapper.
+IPC and scratch directory, launched over an ssh wrapper by MPICH's hydra or, with
+HPC_RLX_MPI=openmpi, by Open MPI's mpirun.
 
 Skipped with the reason where namespaces cannot be made (not root); with HPC_RLX_REQUIRE_NETNS=1
 (CI) they must run."""
@@ -17,12 +18,20 @@ import h5py
 import numpy as np
 import pytest
 
-from .conftest import PYTHON, REPO, write_small_classification
+from .conftest import REPO, write_small_classification
+from .mpi_launch import MPI_IMPL, MPIRUN, PYTHON
 from .netns_cluster import SCRATCH, EmulatedCluster, can_emulate
 
-pytestmark = [pytest.mark.mpi, pytest.mark.multihost]
+pytestmark = [pytest.mark.mpi, pytest.mark.multihost, pytest.mark.openmpi]
 
-MPIEXEC = str(Path(PYTHON).with_name("mpiexec"))
+MPI_NAME = {"mpich": "MPICH", "openmpi": "Open MPI"}[MPI_IMPL]
+
+
+def launcher(cluster: EmulatedCluster, hosts: dict, args: list[str]) -> list[str]:
+    """The selected MPI's launcher across `hosts`, started on node1."""
+    if MPI_IMPL == "openmpi":
+        return cluster.openmpi_cmd(MPIRUN, hosts, args)
+    return cluster.mpich_cmd(str(Path(PYTHON).with_name("mpiexec")), hosts, args)
 # 160 training rows, global batch 16: 10 steps per epoch on any world size
 BASE = ["data=file", "data.val_fraction=0.2", "train.batch_size=16", "model.hidden=[16]",
         "report.plots=false", "train.progress=lines"]
@@ -52,8 +61,8 @@ def env() -> dict:
 
 
 def job(cluster: EmulatedCluster, hosts: dict, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    """`mpiexec` started on node1 across `hosts` ({'node1': ranks, ...}), with a timeout."""
-    cmd = cluster.mpich_cmd(MPIEXEC, hosts, [PYTHON] + args)
+    """The launcher started on node1 across `hosts` ({'node1': ranks, ...}), with a timeout."""
+    cmd = launcher(cluster, hosts, [PYTHON] + args)
     try:
         return cluster.on("node1", cmd, timeout=timeout, env=env(), cwd=REPO)
     except subprocess.TimeoutExpired as e:
@@ -102,7 +111,7 @@ def test_doctor_reports_the_nodes_the_mpi_and_the_launcher(cluster, tmp_path):
     out = p.stdout
     assert "4 rank(s) on 2 node(s)" in out, explain(p)
     assert re.search(r"node1\s+0-1\s+2\b", out) and re.search(r"node2\s+2-3\s+2\b", out), explain(p)
-    assert "MPICH" in out and "launched by" in out, explain(p)
+    assert MPI_NAME in out and "launched by" in out, explain(p)
     assert "\x00" not in out and "\x1b" not in out, repr(out[-500:])
 
 
@@ -177,8 +186,7 @@ def long_h5(tmp_path_factory) -> Path:
 
 
 def start_training(cluster, hosts, run_dir, overrides) -> subprocess.Popen:
-    cmd = cluster.mpich_cmd(MPIEXEC, hosts, [PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run_dir}"]
-                            + BASE + overrides)
+    cmd = launcher(cluster, hosts, [PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run_dir}"] + BASE + overrides)
     return cluster.popen_on("node1", cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -190,16 +198,18 @@ def wait_for_first_epoch(proc, run_dir: Path, timeout: float = 90) -> None:
         if metrics.exists() and metrics.read_text().strip():
             return
         time.sleep(0.2)
-    finish(proc, 5)
+    finish(proc, 5, None)
     pytest.fail(f"the job did not finish an epoch in {timeout}s (rc {proc.returncode})")
 
 
-def finish(proc, timeout: float):
+def finish(proc, timeout: float, cluster: EmulatedCluster | None = None):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
-        out, err = proc.communicate()
+        if cluster is not None:
+            cluster.kill_everything()      # daemons in sessions of their own hold the pipes
+        out, err = proc.communicate(timeout=30)
         pytest.fail(f"the job did not end within {timeout}s\n{out[-2000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -214,29 +224,30 @@ def test_a_network_cut_to_node2_ends_the_job_calling_its_ranks_unreachable(clust
         wait_for_first_epoch(proc, run)
         cluster.link("node2", up=False)
         t0 = time.monotonic()
-        p = finish(proc, 60)
+        p = finish(proc, 60, cluster)
         elapsed = time.monotonic() - t0
     finally:
         cluster.link("node2", up=True)
-    assert p.returncode != 0, explain(p)
     assert elapsed < 60, f"{elapsed:.0f} s after the cut"
     assert re.search(r"rank 1 on node2: silent: no heartbeat for \d+\.\d s; unreachable: no rank on "
                      r"node2 is heard \(network cut or node down\)", p.stderr), explain(p)
+    if MPI_IMPL == "openmpi" and "lost communication with a remote daemon" in p.stderr:
+        # PRRTE's keepalive found the daemon gone first and ended the job itself; its mpirun
+        # then exits 0 (Open MPI's choice, documented in the README)
+        return
+    assert p.returncode != 0, explain(p)
     assert "aborting all 2 ranks" in p.stderr, explain(p)
 
 
 def _pids_on(cluster, node: str, name: str = "python") -> list[int]:
-    """Processes called `name` inside `node`'s network namespace."""
-    want = os.readlink(f"/proc/{cluster.holder_pid(node)}/ns/net")
+    """Processes called `name` on `node`."""
     pids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                if (os.readlink(f"/proc/{d}/ns/net") == want
-                        and Path(f"/proc/{d}/comm").read_text().strip().startswith(name)):
-                    pids.append(int(d))
-            except OSError:
-                continue
+    for pid in cluster.processes_on(node):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip().startswith(name):
+                pids.append(pid)
+        except OSError:
+            continue
     return pids
 
 
@@ -252,7 +263,7 @@ def test_all_ranks_of_node2_killed_ends_the_job_and_node1_alone_continues(cluste
     for pid in victims:
         os.kill(pid, 9)
     t0 = time.monotonic()
-    p = finish(proc, 60)
+    p = finish(proc, 60, cluster)
     assert p.returncode != 0 and time.monotonic() - t0 < 60, explain(p)
     saved = sorted(int(f.stem.split("-")[1]) for f in (run / "checkpoints").glob("ckpt-*.h5"))
     assert saved, explain(p)
@@ -295,7 +306,7 @@ def test_a_flood_from_another_host_changes_nothing_and_rank_0_listens_on_one_add
                        timeout=60, cwd=REPO)
     assert flood.returncode == 0, flood.stderr
     sent = json.loads(flood.stdout)
-    p = finish(proc, 120)
+    p = finish(proc, 120, cluster)
     assert p.returncode == 0, explain(p)
     assert sum(sent.values()) > 100, sent
     assert max_rel_diff(params(tmp_path / "calm"), params(run)) == 0.0
