@@ -46,8 +46,11 @@ import json, os
 from mpi4py import MPI
 from hpc_rlx.comm import layout_from_env, node_layout
 comm = MPI.COMM_WORLD
-print(json.dumps({"rank": comm.rank, "split": node_layout(comm), "env": layout_from_env(os.environ),
-                  "probe": os.environ.get("HPC_RLX_PROBE")}), flush=True)
+row = {"rank": comm.rank, "split": node_layout(comm), "env": layout_from_env(os.environ),
+       "probe": os.environ.get("HPC_RLX_PROBE")}
+rows = comm.gather(row, root=0)        # one line from rank 0: the launchers interleave output
+if comm.rank == 0:
+    print("RESULT " + json.dumps(rows), flush=True)
 """
 
 
@@ -57,8 +60,7 @@ def test_each_launcher_gives_the_ranks_their_local_rank_and_the_ranks_only_varia
     proc = subprocess.run(launch_cmd(3, ["-c", PROBE], rank_env={"HPC_RLX_PROBE": "ranks only"}),
                           cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, explain(proc)
-    rows = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
-                  key=lambda r: r["rank"])
+    rows = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
     assert [r["rank"] for r in rows] == [0, 1, 2], explain(proc)
     for r in rows:
         assert r["split"] == [r["rank"], 3], (MPI_IMPL, r)
