@@ -46,7 +46,7 @@ def _run(cmd, *, env=None, timeout=20.0, check=False):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=check)
 
 
-def _tail(path: Path, lines: int = 15) -> str:
+def log_tail(path: Path, lines: int = 15) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
     except OSError:
@@ -54,7 +54,7 @@ def _tail(path: Path, lines: int = 15) -> str:
     return f"--- last lines of {path} ---\n" + "\n".join(text[-lines:])
 
 
-def _pid_alive(pid_file: Path, name: str) -> int | None:
+def pid_alive(pid_file: Path, name: str) -> int | None:
     """The daemon's pid if it still runs (a pid file left by a killed daemon may name a stranger)."""
     try:
         pid = int(pid_file.read_text().split()[0])
@@ -99,7 +99,7 @@ def wait_ready(ready, timeout: float, what: str, log: Path) -> None:
         except (subprocess.TimeoutExpired, OSError):
             pass
         time.sleep(0.5)
-    raise ClusterUnavailable(f"timed out after {timeout:.0f} s waiting for {what}\n{_tail(log)}")
+    raise ClusterUnavailable(f"timed out after {timeout:.0f} s waiting for {what}\n{log_tail(log)}")
 
 
 def start_munged(munge_dir: Path, socket_path: Path) -> bool:
@@ -108,7 +108,7 @@ def start_munged(munge_dir: Path, socket_path: Path) -> bool:
     munge_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(munge_dir, 0o700)
     pid_file = munge_dir / "munged.pid"
-    if _pid_alive(pid_file, "munged") and socket_path.exists():
+    if pid_alive(pid_file, "munged") and socket_path.exists():
         return False
     key = munge_dir / "munge.key"
     if not key.exists():
@@ -121,7 +121,7 @@ def start_munged(munge_dir: Path, socket_path: Path) -> bool:
     res = _run(cmd, timeout=30)
     if res.returncode != 0:
         raise ClusterUnavailable(f"munged failed to start (exit {res.returncode}): "
-                                 f"{res.stderr.strip()}\n{_tail(munge_dir / 'munged.log')}")
+                                 f"{res.stderr.strip()}\n{log_tail(munge_dir / 'munged.log')}")
     wait_ready(socket_path.exists, 15, "munged socket", munge_dir / "munged.log")
     return True
 
@@ -129,11 +129,11 @@ def start_munged(munge_dir: Path, socket_path: Path) -> bool:
 def stop_daemon(pid_file: Path, name: str, timeout: float = 15) -> None:
     """SIGTERM the daemon named in `pid_file` until it is gone (or `timeout` passes)."""
     deadline = time.monotonic() + timeout
-    pid = _pid_alive(pid_file, name)
+    pid = pid_alive(pid_file, name)
     while pid and time.monotonic() < deadline:
         os.kill(pid, signal.SIGTERM)
         time.sleep(0.5)
-        pid = _pid_alive(pid_file, name)
+        pid = pid_alive(pid_file, name)
 
 
 def common_conf_lines(*, cluster_name: str, ctld_port: int, slurmd_port: int,
@@ -277,22 +277,22 @@ class SlurmCluster:
     def _start_slurm(self, timeout: float) -> None:
         env = self.env()
         ctld_pid = self.root / "slurmctld.pid"
-        if not _pid_alive(ctld_pid, "slurmctld"):
+        if not pid_alive(ctld_pid, "slurmctld"):
             # -c: start clean, jobs of an earlier test run are of no use
             res = _run([self._binary("slurmctld"), "-c", "-f", str(self.conf)], env=env, timeout=30)
             if res.returncode != 0:
                 raise ClusterUnavailable(f"slurmctld failed to start (exit {res.returncode}): "
                                          f"{res.stderr.strip()}\n"
-                                         f"{_tail(self.root / 'slurmctld.log')}")
+                                         f"{log_tail(self.root / 'slurmctld.log')}")
             self._started.append("slurmctld")
         self._wait(lambda: "UP" in _run(["scontrol", "ping"], env=env, timeout=15).stdout,
                    timeout, "slurmctld to answer scontrol ping", self.root / "slurmctld.log")
-        if not _pid_alive(self.root / "slurmd.pid", "slurmd"):
+        if not pid_alive(self.root / "slurmd.pid", "slurmd"):
             res = _run([self._binary("slurmd"), "-f", str(self.conf), "-N", self.node],
                        env=env, timeout=30)
             if res.returncode != 0:
                 raise ClusterUnavailable(f"slurmd failed to start (exit {res.returncode}): "
-                                         f"{res.stderr.strip()}\n{_tail(self.root / 'slurmd.log')}")
+                                         f"{res.stderr.strip()}\n{log_tail(self.root / 'slurmd.log')}")
             self._started.append("slurmd")
 
         def node_ready() -> bool:
@@ -324,7 +324,7 @@ class SlurmCluster:
         self._started.clear()
 
     def logs(self) -> str:
-        return "\n".join(_tail(self.root / f, 30) for f in ("slurmctld.log", "slurmd.log"))
+        return "\n".join(log_tail(self.root / f, 30) for f in ("slurmctld.log", "slurmd.log"))
 
 
 def require_slurm() -> bool:

@@ -21,8 +21,8 @@ import subprocess
 from pathlib import Path
 
 from .netns_cluster import SCRATCH, EmulatedCluster
-from .slurm_cluster import (ClusterUnavailable, _pid_alive, _tail, binary, check_prerequisites,
-                            common_conf_lines, start_munged, stop_daemon, wait_ready)
+from .slurm_cluster import (ClusterUnavailable, binary, check_prerequisites, common_conf_lines,
+                            log_tail, pid_alive, start_munged, stop_daemon, wait_ready)
 
 CTLD_PORT = 26817
 SLURMD_PORT = 26818
@@ -165,9 +165,9 @@ class MultiNodeSlurm:
         res = self.nodes.on(node, cmd, env=self.env(), timeout=30)
         if res.returncode != 0:
             raise ClusterUnavailable(f"{name} on {node} failed to start (exit {res.returncode}): "
-                                     f"{res.stderr.strip()}\n{_tail(log)}")
+                                     f"{res.stderr.strip()}\n{log_tail(log)}")
         self._started.append((name, pid_file))
-        wait_ready(lambda: _pid_alive(pid_file, name), 15, f"{name} on {node} to write its pid",
+        wait_ready(lambda: pid_alive(pid_file, name), 15, f"{name} on {node} to write its pid",
                    log)
 
     def node_states(self) -> dict[str, str]:
@@ -196,4 +196,4 @@ class MultiNodeSlurm:
 
     def logs(self) -> str:
         files = [self.root / "slurmctld.log"] + [self.slurmd_log(n) for n in self.nodes.names]
-        return "\n".join(_tail(f, 30) for f in files)
+        return "\n".join(log_tail(f, 30) for f in files)
