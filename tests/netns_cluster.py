@@ -50,13 +50,20 @@ class EmulatedCluster:
     """`nodes` hosts named node1..nodeN. Use as a context manager; everything it made is torn
     down on exit (namespaces, holder processes, the bridge)."""
 
-    def __init__(self, nodes: int, workdir: Path, net: int = 77):
+    _made_here = 0
+
+    def __init__(self, nodes: int, workdir: Path, net: int = 77, private_self_address: dict | None = None):
+        """`private_self_address={'node1': '10.99.0.1'}`: node1 resolves its own name to that
+        address (on its loopback, so no other node can reach it), as a misconfigured
+        /etc/hosts would; the other nodes still resolve node1 to its real address."""
         self.n = nodes
         self.dir = Path(workdir)
-        self.tag = f"rlx{os.getpid() % 10000}"
+        EmulatedCluster._made_here += 1      # two clusters of one process get distinct names
+        self.tag = f"rlx{os.getpid() % 10000}{chr(96 + EmulatedCluster._made_here % 26)}"
         self.subnet = f"10.{net}.{os.getpid() % 200 + 20}"
         self.names = [f"node{k}" for k in range(1, nodes + 1)]
         self.addr = {name: f"{self.subnet}.{k}" for k, name in enumerate(self.names, 1)}
+        self.private_self_address = dict(private_self_address or {})
         self.holders: dict[str, subprocess.Popen] = {}
         self.cores = os.cpu_count() or 1
         self.wrapper = self.dir / "ssh-into-node"
@@ -111,9 +118,16 @@ class EmulatedCluster:
             _sh(*inn, "ip", "addr", "add", f"{self.addr[name]}/24", "dev", veth)
             _sh(*inn, "ip", "link", "set", veth, "up")
             _sh(*inn, "ip", "link", "set", "lo", "up")
+            node_hosts = hosts
+            if name in self.private_self_address:
+                own = self.private_self_address[name]
+                _sh(*inn, "ip", "addr", "add", f"{own}/32", "dev", "lo")
+                node_hosts = self.dir / f"hosts-{name}"
+                node_hosts.write_text("127.0.0.1 localhost\n" + "".join(
+                    f"{own if n == name else a} {n}\n" for n, a in self.addr.items()))
             scratch = self.scratch(name)
             scratch.mkdir(parents=True, exist_ok=True)
-            setup = (f"hostname {name} && mount --bind {hosts} /etc/hosts && "
+            setup = (f"hostname {name} && mount --bind {node_hosts} /etc/hosts && "
                      f"mount -t tmpfs -o size=1g tmpfs /dev/shm && "
                      f"mount --bind {scratch} {SCRATCH} && echo ready && exec sleep infinity")
             holder = subprocess.Popen(

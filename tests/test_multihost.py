@@ -314,3 +314,21 @@ def test_a_flood_from_another_host_changes_nothing_and_rank_0_listens_on_one_add
     for reason in ("foreign_sender", "malformed", "oversized"):
         assert dropped.get(reason, 0) > 0, (dropped, sent)
     assert "STALL" not in p.stderr and "FORGED" not in p.stdout + p.stderr, explain(p)
+
+
+@pytest.mark.slow
+def test_heartbeats_that_cannot_reach_rank_0_are_reported_as_such(cluster, long_h5, tmp_path):
+    """node1 resolves its own name to an address only it has (a classic /etc/hosts slip), so
+    rank 0's watchdog listens where node2 cannot send; MPI itself is unaffected. Both sides say
+    so once, and the job trains to the end."""
+    with EmulatedCluster(2, tmp_path / "cluster", net=78,
+                         private_self_address={"node1": "10.99.0.1"}) as slipped:
+        p = train(slipped, {"node1": 1, "node2": 1}, tmp_path / "oneway",
+                  [f"data.path={long_h5}", "train.epochs=12", "comm.stall_warning_s=1", "checkpoint=off"],
+                  timeout=240)
+    assert p.returncode == 0, explain(p)
+    text = p.stdout + p.stderr
+    assert text.count("has not answered") == 1, explain(p)
+    assert "rank 1 on node2: rank 0's stall watchdog at 10.99.0.1:" in text, explain(p)
+    assert re.search(r"no heartbeat from rank\(s\) 1 on node2 has reached rank 0's stall watchdog at "
+                     r"10\.99\.0\.1:", text), explain(p)
