@@ -167,6 +167,7 @@ class Run:
         self.progress = (make_progress(spec.train.get("progress", "auto"), spec.train.get("log_every_s"))
                          if self.is_root else None)
         self.step_log = None
+        self.partial_metrics: dict | None = None     # the validation of a run ending mid-epoch
         self._epoch_clock = self._run_clock = None     # (time, fraction) where they started
         from .policies import slowdown_for_rank
         self._slowdown = slowdown_for_rank(spec.debug.get("slowdown"), comm.rank, comm.size)
@@ -458,8 +459,13 @@ class Run:
             rec.pop("val_accuracy", None)
         if partial:
             rec.update(partial=True, epoch_fraction=round(self.policy.epoch_fraction(ctx), 6))
-        ctx.history.append({k: rec[k] for k in ("epoch", "step", "val_loss", "val_accuracy", "train_loss")
-                            + (("partial",) if partial else ()) if k in rec})
+        entry = {k: rec[k] for k in ("epoch", "step", "val_loss", "val_accuracy", "train_loss") if k in rec}
+        if partial:
+            # summary.json's final metrics, but not the history: a resume trains the epoch to its
+            # end, and the best checkpoint is ranked by whole epochs only
+            self.partial_metrics = dict(entry, partial=True)
+        else:
+            ctx.history.append(entry)
         if self.outputs:
             self.outputs.epoch(rec)
         if self.step_log is not None:
@@ -503,7 +509,7 @@ class Run:
                     wall_s=time.perf_counter() - self.t_start)
         ranks = comm.gather(mine, root=0)
         self.lanes.close()
-        final = ctx.history[-1] if ctx.history else {}
+        final = self.partial_metrics or (ctx.history[-1] if ctx.history else {})
         result = {
             "status": self.stop_reason or "completed",
             "epochs_completed": ctx.epoch,
