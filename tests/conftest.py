@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 # HPC_RLX_MPI=mpich|openmpi picks the MPI; launch_cmd writes its launcher flags
-from .mpi_launch import MPI_IMPL, MPIRUN, PYTHON, launch_cmd, rank_pids  # noqa: F401 - re-exported
+from .mpi_launch import MPI_IMPL, MPIRUN, PYTHON, launch_cmd, launch_prefix, rank_pids  # noqa: F401 - re-exported
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -79,9 +79,14 @@ def launcher_flags(mpi: str, rank_env: Mapping[str, object] | None = None, *,
     return flags
 
 
+def launch_prefix(n: int, rank_env: Mapping[str, object] | None = None) -> list[str]:
+    """`mpirun [flags] -n N` for the selected MPI: the program and its arguments follow."""
+    return [MPIRUN] + launcher_flags(MPI_IMPL, rank_env) + ["-n", str(n)]
+
+
 def launch_cmd(n: int, args: list[str], rank_env: Mapping[str, object] | None = None) -> list[str]:
     """`mpirun [flags] -n N python ARGS` for the selected MPI."""
-    return [MPIRUN] + launcher_flags(MPI_IMPL, rank_env) + ["-n", str(n), PYTHON] + list(args)
+    return launch_prefix(n, rank_env) + [PYTHON] + list(args)
 
 
 def rank_of(environ: bytes) -> int | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import MPIRUN, PYTHON, REPO, mpi_env
+from .conftest import PYTHON, REPO, launch_prefix, mpi_env
 
 README = REPO / "README.md"
 HPC_RLX = Path(PYTHON).with_name("hpc-rlx")
@@ -64,7 +64,7 @@ def test_hpc_rlx_runs_a_tiny_job_under_mpirun(tmp_path, digits_h5):
     assert HPC_RLX.is_file(), f"{HPC_RLX} missing: pip install -e . declares it"
     line = next(ln for ln in running_section().splitlines() if re.match(r"mpirun -n \d+ hpc-rlx ", ln))
     args = line.split("#")[0].split()[4:]          # the README's overrides, as pasted
-    cmd = [MPIRUN, "-n", "2", "hpc-rlx"] + args + [f"hydra.run.dir={tmp_path / 'run'}",
+    cmd = launch_prefix(2) + ["hpc-rlx"] + args + [f"hydra.run.dir={tmp_path / 'run'}",
                                                     "report.plots=false", f"data.path={digits_h5}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=venv_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

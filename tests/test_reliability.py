@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 import pytest
 
-from .conftest import MPIRUN, PYTHON, REPO, explain, mpi_env, train_job
+from .conftest import REPO, explain, launch_cmd, mpi_env, train_job
 
 pytestmark = pytest.mark.mpi
 
@@ -238,8 +238,8 @@ def _run(case: Case, run: Path, overrides: list[str]):
     if case.file_limit_kb is None:
         return train_job(2, run, overrides, timeout=TIMEOUT)
     import subprocess
-    cmd = [MPIRUN, "-n", "2", PYTHON, "-c", _LIMITED, str(case.file_limit_kb),
-           f"hydra.run.dir={run}", "report.plots=false", *overrides]
+    cmd = launch_cmd(2, ["-c", _LIMITED, str(case.file_limit_kb), f"hydra.run.dir={run}", "report.plots=false",
+                         *overrides])
     try:
         return subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=TIMEOUT)
     except subprocess.TimeoutExpired:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import MPIRUN, PYTHON, explain, mpi_env, mpirun, read_metric_events, read_metrics
+from .conftest import explain, launch_cmd, mpi_env, mpirun, read_metric_events, read_metrics
 
 pytestmark = pytest.mark.mpi
 
@@ -22,8 +22,8 @@ SMALL = ["model.hidden=[16]", "report.plots=false", "train.batch_size=64"]
 
 def job_run(n: int, cwd: Path, overrides: list[str], timeout: float = 180, **slurm) -> subprocess.CompletedProcess:
     """`mpirun -n N python -m hpc_rlx` in `cwd`, every rank seeing SLURM_JOB_ID (and `slurm`)."""
-    env_args = [f"SLURM_JOB_ID={JOB}"] + [f"SLURM_{k.upper()}={v}" for k, v in slurm.items()]
-    cmd = [MPIRUN, "-n", str(n), "env", *env_args, PYTHON, "-m", "hpc_rlx", *SMALL, *overrides]
+    rank_env = {"SLURM_JOB_ID": JOB, **{f"SLURM_{k.upper()}": v for k, v in slurm.items()}}
+    cmd = launch_cmd(n, ["-m", "hpc_rlx", *SMALL, *overrides], rank_env=rank_env)
     try:
         return subprocess.run(cmd, cwd=cwd, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:

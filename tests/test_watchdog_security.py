@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hpc_rlx.heartbeat import (MAX_DATAGRAM, HeartbeatGate, HeartbeatSealer, JobSecret,
                                validate_heartbeat)
 
-from .conftest import MPIRUN, PYTHON, REPO, explain, mpi_env, write_small_classification
+from .conftest import REPO, explain, launch_cmd, mpi_env, write_small_classification
 
 BEAT = {"r": 1, "label": "fused-bucket Allreduce", "step": 7, "for": 0.5, "seq": 12,
         "last": ["fused-bucket Allreduce", 6]}
@@ -222,7 +222,7 @@ def run_flooded(run_dir: Path, overrides: list[str], flood: bool, timeout: float
     """A 2-rank job in a session of its own, flooded by a stranger while it runs."""
     from .udp_flood import Flood
 
-    cmd = [MPIRUN, "-n", "2", PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run_dir}"] + overrides
+    cmd = launch_cmd(2, ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}"] + overrides)
     proc = subprocess.Popen(cmd, cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     sent = None
@@ -331,33 +331,10 @@ def _root_beating(wd, sealer, label, seconds, sender):
         time.sleep(0.05)
 
 
-def test_the_default_abort_never_ends_a_job_whose_ranks_are_busy_but_ends_a_silent_one(monkeypatch):
-    from hpc_rlx import watchdog
-    from hpc_rlx.watchdog import StallWatchdog
-
-    monkeypatch.setattr(watchdog, "DEFAULT_ABORT_S", 1.0)     # the rule, on a short clock
-    out, aborted = io.StringIO(), threading.Event()
-    wd = StallWatchdog(RootComm(2), warn_s=0.3, abort_s="auto", position=lambda: 4, out=out,
-                       abort=lambda code: aborted.set())
-    rank1 = HeartbeatSealer(wd._gate.secret, 1)
-    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        with wd:
-            wd.enter("fused-bucket Allreduce")
-            _root_beating(wd, rank1, None, 3.0, sender)       # rank 1 busy (say, checkpointing)
-            assert not aborted.is_set(), out.getvalue()
-            assert "STALL" in out.getvalue()                  # reported, not aborted
-            # rank 1 goes silent (its node cut off): now the job is stuck
-            assert aborted.wait(10), out.getvalue()
-            wd.leave()
-    finally:
-        sender.close()
-    assert re.search(r"stalled for \d+\.\d s >= comm\.stall_abort_s=auto \(1 s\): aborting all 2 ranks",
-                     out.getvalue()), out.getvalue()
-    assert "rank 1 on" in out.getvalue() and "silent: no heartbeat" in out.getvalue()
-
-
-def test_the_default_abort_ends_a_job_whose_ranks_all_wait_in_one_collective(monkeypatch):
+@pytest.fixture
+def default_abort_root(monkeypatch):
+    """Rank 0 of 2 with comm.stall_abort_s=auto on a 1 s clock (the rule, not the 600 s), a
+    genuine rank 1's sealer and a socket to send as it."""
     from hpc_rlx import watchdog
     from hpc_rlx.watchdog import StallWatchdog
 
@@ -365,17 +342,37 @@ def test_the_default_abort_ends_a_job_whose_ranks_all_wait_in_one_collective(mon
     out, aborted = io.StringIO(), threading.Event()
     wd = StallWatchdog(RootComm(2), warn_s=0.3, abort_s="auto", position=lambda: 4, out=out,
                        abort=lambda code: aborted.set())
-    rank1 = HeartbeatSealer(wd._gate.secret, 1)
     sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        with wd:
-            wd.enter("fused-bucket Allreduce")
-            t0 = time.monotonic()
-            while not aborted.is_set() and time.monotonic() - t0 < 10:
-                _root_beating(wd, rank1, "fused-bucket Allreduce", 0.2, sender)   # both inside
-            wd.leave()
+        yield wd, HeartbeatSealer(wd._gate.secret, 1), sender, out, aborted
     finally:
         sender.close()
+        wd.close()
+
+
+def test_the_default_abort_never_ends_a_job_whose_ranks_are_busy_but_ends_a_silent_one(default_abort_root):
+    wd, rank1, sender, out, aborted = default_abort_root
+    with wd:
+        wd.enter("fused-bucket Allreduce")
+        _root_beating(wd, rank1, None, 3.0, sender)       # rank 1 busy (say, checkpointing)
+        assert not aborted.is_set(), out.getvalue()
+        assert "STALL" in out.getvalue()                  # reported, not aborted
+        # rank 1 goes silent (its node cut off): now the job is stuck
+        assert aborted.wait(10), out.getvalue()
+        wd.leave()
+    assert re.search(r"stalled for \d+\.\d s >= comm\.stall_abort_s=auto \(1 s\): aborting all 2 ranks",
+                     out.getvalue()), out.getvalue()
+    assert "rank 1 on" in out.getvalue() and "silent: no heartbeat" in out.getvalue()
+
+
+def test_the_default_abort_ends_a_job_whose_ranks_all_wait_in_one_collective(default_abort_root):
+    wd, rank1, sender, out, aborted = default_abort_root
+    with wd:
+        wd.enter("fused-bucket Allreduce")
+        t0 = time.monotonic()
+        while not aborted.is_set() and time.monotonic() - t0 < 10:
+            _root_beating(wd, rank1, "fused-bucket Allreduce", 0.2, sender)   # both inside
+        wd.leave()
     assert aborted.is_set(), out.getvalue()
     assert "arrived (2/2)" in out.getvalue()
 
