@@ -97,6 +97,12 @@ class Signals:
         self.installed = True
         return self
 
+    def stop_served(self) -> None:
+        """A run has stopped and saved for a SIGTERM/SIGUSR1: the next run in this process (a
+        sweep's next point) starts without the flag, as each run did when it had its own."""
+        if not self.interrupted:
+            self.received = None
+
     def training_started(self) -> None:
         """From here on a first SIGINT stops at the next step with a checkpoint."""
         self.training = True

@@ -415,6 +415,7 @@ class Run:
                      f"{self.checkpoints.manager.path_for(self.checkpoints.saved_step)}; "
                      f"continue with hydra.run.dir={spec.run_dir}")
         if self.stop_reason == "signal":
+            self.stop_flag.stop_served()
             self.checkpoints.maybe_requeue()   # last: Slurm ends the job right away
         return result
 

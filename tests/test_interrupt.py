@@ -131,6 +131,10 @@ def test_sigint_before_training_exits_and_sigterm_only_stops():
     assert t.on_signal(signal.SIGTERM) == "stop" and t.raised and not t.interrupted
     assert t.exit_code == 0                      # preemption exits 0 after its checkpoint
     assert t.on_signal(signal.SIGUSR1) == "stop" and t.received == signal.SIGTERM
+    t.stop_served()                              # a sweep's next point starts without the flag
+    assert not t.raised
+    s.stop_served()                              # an interrupt is never forgotten: exit 130
+    assert s.raised and s.exit_code == INTERRUPT_EXIT
 
 
 # ---------------------------------------------------------------------------- real jobs
