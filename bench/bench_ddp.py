@@ -76,23 +76,19 @@ def percentile(sorted_xs: list[float], q: float) -> float:
 
 # ---- PyTorch DDP side -------------------------------------------------------------------------
 
-def ddp_worker(rank: int, world: int, port: int, data: str, epochs: int) -> None:
+def torch_mlp_and_shard(rank: int, world: int, data: str):
+    """The benchmark's MLP in PyTorch (seeded) and this rank's contiguous shard of `data`, like
+    data.distribution=read: (module, x, y, steps per epoch, rows per rank)."""
     import h5py
     import numpy as np
     import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     with h5py.File(data, "r", locking=False) as f:
-        n_total = f["x"].shape[0]
-        batch_global = PER_RANK_BATCH * world
-        steps = n_total // batch_global
+        steps = f["x"].shape[0] // (PER_RANK_BATCH * world)
         per_rank = steps * PER_RANK_BATCH
-        lo = rank * per_rank                       # contiguous shard, like data.distribution=read
+        lo = rank * per_rank
         x = torch.from_numpy(np.ascontiguousarray(f["x"][lo: lo + per_rank]))
         y = torch.from_numpy(np.ascontiguousarray(f["y"][lo: lo + per_rank]))
     torch.manual_seed(0)
@@ -101,7 +97,19 @@ def ddp_worker(rank: int, world: int, port: int, data: str, epochs: int) -> None
         layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
         width = h
     layers.append(torch.nn.Linear(width, CLASSES))
-    model = DDP(torch.nn.Sequential(*layers))
+    return torch.nn.Sequential(*layers), x, y, steps, per_rank
+
+
+def ddp_worker(rank: int, world: int, port: int, data: str, epochs: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    module, x, y, steps, per_rank = torch_mlp_and_shard(rank, world, data)
+    batch_global = PER_RANK_BATCH * world
+    model = DDP(module)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     lossf = torch.nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(1000 + rank)

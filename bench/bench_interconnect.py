@@ -9,9 +9,10 @@ One rank per node, node k pinned to core k (so the two ranks do not share a core
 thread per rank on both sides. MLP 784-1024-1024-10 (1.86 M parameters: a 7.4 MB float32
 gradient per step), batch 128 per rank, SGD. The link is `tc tbf` on each node's interface.
 
-Figures: samples/s over the epochs after the first (rank 0's step wall time, as in
-bench_ddp.py), and the comm share, the part of the wall time spent communicating: for hpc_rlx
-its `comm_s` over the step wall time (every policy); for DDP, 1 - (time of a step under
+Figures: samples/s over the epochs after the first (hpc_rlx: its `samples_per_s` weighted by
+`epoch_s`, the epoch's training wall; DDP: rank 0's summed step wall time), and the comm share,
+the part of the wall time spent communicating: for hpc_rlx `comm_s / epoch_s` (every policy);
+for DDP, 1 - (time of a step under
 `no_sync()`) / (time of a synchronised step), both measured in the same run.
 """
 
@@ -28,14 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, REPO, fmt_table, hpc_throughput, machine_note, one_thread_env,  # noqa: E402
+from _common import (PYTHON, REPO, fmt_table, machine_note, one_thread_env,  # noqa: E402
                      prepare_synthetic, result_line)
+from bench_ddp import CLASSES, FEATURES, HIDDEN, LR, MOMENTUM, PER_RANK_BATCH, torch_mlp_and_shard  # noqa: E402
 
 from tests.netns_cluster import EmulatedCluster, can_emulate  # noqa: E402
 
-HIDDEN = [1024, 1024]
-FEATURES, CLASSES, PER_RANK_BATCH = 784, 10, 128
-LR, MOMENTUM = 0.01, 0.9
 MPIEXEC = str(Path(PYTHON).with_name("mpiexec"))
 
 
@@ -51,36 +50,26 @@ def run_hpc(cluster, policy: str, data: Path, epochs: int, work: Path) -> dict:
     p = cluster.on("node1", cmd, timeout=1200, env=one_thread_env(), cwd=REPO)
     if p.returncode != 0:
         raise SystemExit(f"hpc_rlx policy={policy} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
-    out = hpc_throughput(run_dir, PER_RANK_BATCH * 2, skip_epochs=1)
-    out["comm_share"] = out["comm_frac"]          # time in collectives / step wall time
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if x.strip() and "event" not in json.loads(x)][1:]
+    # epoch_s is the epoch's training wall (every policy); "steps" would count syncs under
+    # cadence/async, so the samples come from samples_per_s x epoch_s
+    wall = sum(r["epoch_s"] for r in recs)
+    out = {"samples_per_s": sum(r["samples_per_s"] * r["epoch_s"] for r in recs) / wall,
+           "comm_share": sum(r["comm_s"] for r in recs) / wall}
     shutil.rmtree(run_dir, ignore_errors=True)
     return out
 
 
 def ddp_worker(rank: int, world: int, addr: str, port: int, data: str, epochs: int) -> None:
-    import h5py
-    import numpy as np
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    with h5py.File(data, "r", locking=False) as f:
-        steps = f["x"].shape[0] // (PER_RANK_BATCH * world)
-        per_rank = steps * PER_RANK_BATCH
-        lo = rank * per_rank
-        x = torch.from_numpy(np.ascontiguousarray(f["x"][lo: lo + per_rank]))
-        y = torch.from_numpy(np.ascontiguousarray(f["y"][lo: lo + per_rank]))
-    torch.manual_seed(0)
-    layers, width = [], FEATURES
-    for h in HIDDEN:
-        layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
-        width = h
-    layers.append(torch.nn.Linear(width, CLASSES))
-    model = DDP(torch.nn.Sequential(*layers))
+    module, x, y, steps, per_rank = torch_mlp_and_shard(rank, world, data)
+    model = DDP(module)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     lossf = torch.nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(1000 + rank)
