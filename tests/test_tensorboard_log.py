@@ -10,7 +10,7 @@ from hpc_rlx import tensorboard_log
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.step_log import TENSORBOARD_INTERVAL_S, read_steps
 
-from .conftest import explain, read_metrics, train_job
+from .conftest import explain, mpirun, read_metrics, train_job
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
                                         reason="the tensorboard package reads the event files")
@@ -108,3 +108,17 @@ def test_settings_and_hparams_are_flat():
                                        "hydra": {"x": 1}}, 4)
     assert hp == {"world_size": 4, "optim.lr": 0.1, "optim.betas": json.dumps([0.9, 0.99]),
                   "model.hidden": "null"}
+
+
+@pytest.mark.mpi
+def test_each_sweep_point_has_its_own_events_with_its_hparams(tmp_path, digits_h5):
+    sweep = tmp_path / "sweep"
+    proc = mpirun(2, ["-m", "hpc_rlx", "-m", "optim.lr=0.1,0.05", "train.epochs=1", "report.plots=false",
+                      f"data.path={digits_h5}", f"hydra.sweep.dir={sweep}"], timeout=240)
+    assert proc.returncode == 0, explain(proc)
+    lrs = {}
+    for point in ("0", "1"):
+        files, acc = _load(sweep / point)
+        assert len(files) == 1 and acc.Scalars("val/loss"), files
+        lrs[point] = _hparams(acc)["optim.lr"]
+    assert lrs == pytest.approx({"0": 0.1, "1": 0.05})
