@@ -76,11 +76,12 @@ def test_tensorboard_off_writes_no_events(tmp_path, digits_h5):
 
 @pytest.mark.mpi
 def test_tensorboard_true_without_the_library_is_one_clear_error(tmp_path, digits_h5):
-    # a tensorboardX that cannot be imported, ahead of the installed one on the path
-    shadow = tmp_path / "shadow" / "tensorboardX"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('No module named tensorboardX')\n")
-    env = {"PYTHONPATH": str(tmp_path / "shadow")}
+    # every rank's interpreter starts as if tensorboardX were not installed: neither found
+    # nor importable (a None entry in sys.modules, set by a sitecustomize ahead on the path)
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "sitecustomize.py").write_text("import sys\nsys.modules['tensorboardX'] = None\n")
+    env = {"PYTHONPATH": str(shadow)}
     proc = train_job(2, tmp_path / "run", [f"data.path={digits_h5}", "report.tensorboard=true"], env=env)
     assert proc.returncode == 2, explain(proc)
     assert proc.stderr.count("report.tensorboard=true, but tensorboardX is not installed") == 1, explain(proc)
