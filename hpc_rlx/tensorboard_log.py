@@ -16,7 +16,9 @@ is not), `false`.
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
 from pathlib import Path
 
 from .errors import ConfigError
@@ -36,12 +38,30 @@ def normalize_setting(value) -> str:
     raise ConfigError(f"report.tensorboard={value!r} is not one of auto, true, false")
 
 
+@functools.lru_cache(maxsize=1)
 def available() -> bool:
     try:
-        import tensorboardX  # noqa: F401
+        _import_writer()
     except ImportError:
         return False
     return True
+
+
+def _import_writer():
+    """tensorboardX's writer and hparams, without torch. tensorboardX imports torch when it
+    can (only to accept torch tensors, which hpc_rlx never passes); in a venv that has torch
+    that costs ~5 s of rank 0's startup. A `None` entry in sys.modules makes that optional
+    import fail fast, as if torch were absent, for the duration of the import only."""
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None       # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+        from tensorboardX.summary import hparams
+    finally:
+        if blocked:
+            del sys.modules["torch"]
+    return SummaryWriter, hparams
 
 
 def enabled(value) -> bool:
@@ -79,8 +99,7 @@ class TensorBoardLog:
     """Rank 0's event file writer for one run segment."""
 
     def __init__(self, run_dir, hparams: dict):
-        from tensorboardX import SummaryWriter
-        from tensorboardX.summary import hparams as hparams_summary
+        SummaryWriter, hparams_summary = _import_writer()
         self.dir = Path(run_dir) / "tensorboard"
         self.writer = SummaryWriter(logdir=str(self.dir), flush_secs=10)
         exp, ssi, self._sei = hparams_summary(hparams, {k: 0.0 for k in HPARAM_METRICS})

@@ -123,3 +123,16 @@ def test_each_sweep_point_has_its_own_events_with_its_hparams(tmp_path, digits_h
         assert len(files) == 1 and acc.Scalars("val/loss"), files
         lrs[point] = _hparams(acc)["optim.lr"]
     assert lrs == pytest.approx({"0": 0.1, "1": 0.05})
+
+
+def test_the_writer_does_not_import_torch(tmp_path):
+    """tensorboardX would import torch where it is installed (seconds of rank 0's startup)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from hpc_rlx.tensorboard_log import TensorBoardLog, available; "
+            f"assert available(); b = TensorBoardLog({str(tmp_path)!r}, {{'optim.lr': 0.1}}); "
+            "b.step({'step': 1, 'loss': 1.0}); b.close(); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
