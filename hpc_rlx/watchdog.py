@@ -137,7 +137,7 @@ class StallWatchdog:
         # a rank is "silent" after missing a few heartbeats
         self.silent_after = max(3 * self.poll_s, 1.0)
         # no answer from rank 0 (or no heartbeat at rank 0) this long after the start: unreachable
-        self.reach_after = max(10.0, 4 * self.poll_s)
+        self.reach_after = max(5.0, 8 * self.poll_s)
         self._started = time.monotonic()
         self._last_ack = None      # non-root: when rank 0 last answered a heartbeat
         self._reach_warned = False
@@ -327,6 +327,17 @@ class StallWatchdog:
                        f"between the nodes, or rank 0's hostname resolves to an address this node "
                        f"cannot reach); stall reports will lack this rank's state")
 
+    def _say_if_never_heard(self) -> None:
+        """At the end of a run shorter than `reach_after`: still say it once, if a few
+        heartbeats went unanswered (rank) or never arrived (rank 0)."""
+        if self._reach_warned or time.monotonic() - self._started < 3 * self.poll_s:
+            return
+        if self.rank != 0 and self._last_ack is None and self._sealer.counter >= 3:
+            self.reach_after = 0.0
+            self._hear_rank_0()
+        elif self.rank == 0:
+            self._warn_unheard(time.monotonic())
+
     def _rank_0_unheard(self) -> bool:
         now = time.monotonic()
         last = self._last_ack if self._last_ack is not None else self._started
@@ -422,6 +433,10 @@ class StallWatchdog:
             self._send({"r": self.rank, "bye": why})
         self._stop.set()
         self._thread.join(timeout=1.0)
+        try:
+            self._say_if_never_heard()
+        except Exception:  # noqa: BLE001 - closing must not fail a finished run
+            pass
         self._sock.close()
         if self.rank == 0 and any(self.dropped.values()):
             # once per run, never per datagram: a flood cannot fill the log

@@ -244,9 +244,11 @@ exec nsenter -t "$pid" -n -u -i -m -- taskset -c "$core" sh -c "$*"
         """`mpiexec` across the nodes: {'node1': 2, 'node2': 2} ranks per node."""
         spec = ",".join(f"{h}:{p}" for h, p in hosts.items())
         n = sum(hosts.values())
-        # without -wdir, hydra's ssh-launched ranks start in / (as ssh would in $HOME)
-        return [mpiexec, "-launcher", "ssh", "-launcher-exec", str(self.wrapper), "-hosts", spec,
-                "-wdir", os.getcwd(), "-n", str(n)] + list(args)
+        # hydra starts the first host's ranks itself (no ssh): pin it as the wrapper pins the
+        # other nodes; without -wdir, ssh-launched ranks start in / (as ssh would in $HOME)
+        core = self.names.index(next(iter(hosts))) % self.cores
+        return ["taskset", "-c", str(core), mpiexec, "-launcher", "ssh", "-launcher-exec",
+                str(self.wrapper), "-hosts", spec, "-wdir", os.getcwd(), "-n", str(n)] + list(args)
 
     def openmpi_cmd(self, mpirun: str, hosts: dict[str, int], args: list[str]) -> list[str]:
         """Open MPI 5's `mpirun` across the nodes, run on the first node of `hosts`."""

@@ -3,6 +3,7 @@ failures raise the same DataError on every rank instead of hanging."""
 
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from hpc_rlx.errors import ConfigError, DataError
 from .conftest import launch_cmd
 
 REPO = Path(__file__).resolve().parents[1]
+HOST = socket.gethostname().split(".")[0]   # a read failure names the failing rank's host
 SCRIPT = REPO / "tests" / "mpi_scripts" / "data_load_shard.py"
 N = 50
 
@@ -150,7 +152,7 @@ def test_read_and_scatter_agree(job):
 @pytest.mark.parametrize(
     "name,needles",
     [
-        ("missing_read", ["reading", "nope.h5", "does not exist", "rank 0 and"]),
+        ("missing_read", ["reading", "nope.h5", "does not exist", f"rank 0 on {HOST} and"]),
         ("missing_scatter", ["scattering", "nope.h5", "does not exist", "rank 0"]),
         ("noy_scatter", ["no label dataset 'labels'", "['x', 'y']"]),
         ("beyond_read", ["row range [40, 55)", "50 rows"]),
