@@ -279,12 +279,12 @@ def test_all_ranks_of_node2_killed_ends_the_job_and_node1_alone_continues(cluste
 # --------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_a_flood_from_another_host_changes_nothing_and_rank_0_listens_on_one_address(
+def test_a_flood_from_other_hosts_changes_nothing_and_rank_0_listens_on_one_address(
         cluster, long_h5, tmp_path):
     from .udp_flood import udp_sockets
 
     hosts = {"node1": 1, "node2": 1}
-    base = [f"data.path={long_h5}", "train.epochs=2", "comm.stall_warning_s=1",
+    base = [f"data.path={long_h5}", "train.epochs=10", "comm.stall_warning_s=1",
             "comm.deterministic=true", "checkpoint=off"]
     calm = train(cluster, hosts, tmp_path / "calm", base)
     assert calm.returncode == 0, explain(calm)
@@ -302,16 +302,28 @@ def test_a_flood_from_another_host_changes_nothing_and_rank_0_listens_on_one_add
     assert sockets, f"no UDP socket bound to node1's address: {udp_sockets(proc.pid)}"
     assert not any(a == "0.0.0.0" for a, _ in udp_sockets(proc.pid))
     ports = ",".join(str(p) for _, p in sockets)
-    flood = cluster.on("node3", [PYTHON, "-m", "tests.udp_flood", cluster.addr["node1"], ports, "2", "5"],
-                       timeout=60, cwd=REPO)
-    assert flood.returncode == 0, flood.stderr
-    sent = json.loads(flood.stdout)
+    # genuine heartbeats captured on node1, then replayed from node3 (a stranger's address)
+    # and from node2 (the very address rank 1 sends from), beside forged and malformed ones
+    captured = tmp_path / "captured.hex"
+    cap = cluster.on("node1", [PYTHON, "-m", "tests.udp_flood", "capture", ports.split(",")[0], "1",
+                               str(captured)], timeout=60, cwd=REPO)
+    assert cap.returncode == 0 and captured.read_text().strip(), cap.stderr
+    floods = [cluster.popen_on(node, [PYTHON, "-m", "tests.udp_flood", "flood", cluster.addr["node1"], ports,
+                                      "2", "5", str(captured)], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+              for node in ("node3", "node2")]
+    sent = {}
+    for f in floods:
+        out, err = f.communicate(timeout=60)
+        assert f.returncode == 0, err
+        for k, v in json.loads(out).items():
+            sent[k] = sent.get(k, 0) + v
     p = finish(proc, 120, cluster)
     assert p.returncode == 0, explain(p)
-    assert sum(sent.values()) > 100, sent
+    assert sum(sent.values()) > 100 and sent.get("replay", 0) > 0, sent
     assert max_rel_diff(params(tmp_path / "calm"), params(run)) == 0.0
     dropped = json.loads((run / "summary.json").read_text())["watchdog"]["dropped"]
-    for reason in ("foreign_sender", "malformed", "oversized"):
+    for reason in ("foreign_sender", "malformed", "oversized", "replay", "bad_mac"):
         assert dropped.get(reason, 0) > 0, (dropped, sent)
     assert "STALL" not in p.stderr and "FORGED" not in p.stdout + p.stderr, explain(p)
 

@@ -182,18 +182,54 @@ class Flood:
             self._foreign.close()
 
 
+def capture(port: int, seconds: float) -> list[bytes]:
+    """Datagrams to `port` seen on any interface of this network namespace for `seconds`."""
+    sniffer = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(0x0800))
+    sniffer.settimeout(0.05)
+    got: list[bytes] = []
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            try:
+                packet = sniffer.recv(65535)
+            except socket.timeout:
+                continue
+            ihl = (packet[0] & 0x0F) * 4
+            if packet[9] == 17 and len(packet) >= ihl + 8:
+                if struct.unpack_from(">H", packet, ihl + 2)[0] == port and packet[ihl + 8:] not in got:
+                    got.append(packet[ihl + 8:])
+    finally:
+        sniffer.close()
+    return got
+
+
 def main() -> None:
-    """From another host: `python -m tests.udp_flood ADDR PORT[,PORT...] RANKS SECONDS` sends
-    what a stranger can make to those ports, then prints what it sent (JSON)."""
+    """Run inside a host of the emulated cluster:
+
+    python -m tests.udp_flood capture PORT SECONDS OUT    # genuine datagrams to PORT -> OUT (hex lines)
+    python -m tests.udp_flood flood ADDR PORT[,PORT] RANKS SECONDS [REPLAY_FILE]
+
+    `flood` sends what a stranger can make (and the datagrams of REPLAY_FILE, again and again)
+    to those ports, then prints what it sent (JSON)."""
     import sys
 
-    addr, ports, ranks, seconds = sys.argv[1], [int(p) for p in sys.argv[2].split(",")], int(sys.argv[3]), float(sys.argv[4])
+    if sys.argv[1] == "capture":
+        port, seconds, out = int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+        with open(out, "w") as f:
+            f.writelines(d.hex() + "\n" for d in capture(port, seconds))
+        return
+    addr, ports, ranks, seconds = sys.argv[2], [int(p) for p in sys.argv[3].split(",")], int(sys.argv[4]), float(sys.argv[5])
+    replays = []
+    if len(sys.argv) > 6:
+        with open(sys.argv[6]) as f:
+            replays = [bytes.fromhex(line.strip()) for line in f if line.strip()]
     rng, sent = random.Random(0), Counter()
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         for port in ports:
-            for kind, data in forged_datagrams(ranks, rng):
+            batch = list(forged_datagrams(ranks, rng)) + [("replay", d) for d in replays[-8:]]
+            for kind, data in batch:
                 try:
                     sock.sendto(data, (addr, port))
                     sent[kind] += 1
