@@ -33,7 +33,9 @@ from .doctor_config import split_run_dir, training_settings
 from .doctor_threads import THREAD_ENV, host_train_threads, settings_note, thread_warnings
 SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_CPUS_PER_TASK", "SLURM_JOB_NODELIST",
              "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_MPI_TYPE", "SLURM_RESTART_COUNT")
-LAUNCH_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "HYDI_CONTROL_FD")
+# PRTE_LAUNCHED: Open MPI 5's runtime (PRRTE); OMPI_MCA_orte_launch: Open MPI 4's (ORTE)
+LAUNCH_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "HYDI_CONTROL_FD",
+              "PRTE_LAUNCHED", "OMPI_MCA_orte_launch")
 # Facts that must agree on every rank: a mix means nodes run different software.
 SOFTWARE_KEYS = ("python", "numpy", "h5py", "hdf5", "mpi4py", "mpi_library", "hpc_rlx")
 
@@ -274,7 +276,9 @@ def launcher(env: dict, size: int) -> str:
         return f"srun (job {env.get('SLURM_JOB_ID')}, step {env['SLURM_STEP_ID']}, " \
                f"--mpi={env.get('SLURM_MPI_TYPE', 'site default')})"
     if "OMPI_COMM_WORLD_SIZE" in env:
-        return "Open MPI mpirun (prterun)"
+        if "PRTE_LAUNCHED" in env:
+            return "Open MPI mpirun (prterun)"
+        return "Open MPI mpirun (orterun)" if "OMPI_MCA_orte_launch" in env else "Open MPI mpirun"
     if "HYDI_CONTROL_FD" in env:
         return "MPICH mpirun / mpiexec (hydra)"
     if "PMI_SIZE" in env or "PMIX_RANK" in env or "PMI_RANK" in env:

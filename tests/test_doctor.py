@@ -194,8 +194,19 @@ def test_launcher_names():
                             "SLURM_MPI_TYPE": "pmi2"}, 4).startswith("srun (job 9, step 3, --mpi=pmi2")
     assert doctor.launcher({"PMI_SIZE": "4"}, 4) == "mpirun / mpiexec"
     assert doctor.launcher({"PMI_SIZE": "4", "HYDI_CONTROL_FD": "7"}, 4) == "MPICH mpirun / mpiexec (hydra)"
-    assert doctor.launcher({"OMPI_COMM_WORLD_SIZE": "4", "PMIX_RANK": "0"}, 4) == "Open MPI mpirun (prterun)"
+    assert doctor.launcher({"OMPI_COMM_WORLD_SIZE": "4", "PMIX_RANK": "0", "PRTE_LAUNCHED": "1"}, 4) \
+        == "Open MPI mpirun (prterun)"
+    assert doctor.launcher({"OMPI_COMM_WORLD_SIZE": "4", "PMIX_RANK": "0"}, 4) == "Open MPI mpirun"
     assert doctor.launcher({}, 1) == "none (a single process)"
+
+
+def test_open_mpi_4_mpirun_is_named_orterun_not_prterun():
+    # the variables Debian's Open MPI 4.1.4 mpirun gives its ranks (measured): PMIx is there
+    # too, but the runtime is ORTE; PRTE (PRTE_LAUNCHED) came with Open MPI 5
+    env = {"OMPI_COMM_WORLD_SIZE": "2", "PMIX_RANK": "0", "OMPI_MCA_orte_launch": "1"}
+    assert doctor.launcher(env, 2) == "Open MPI mpirun (orterun)"
+    assert set(env) <= set(doctor.LAUNCH_ENV), "rank 0 must record the variables the rule reads"
+    assert "PRTE_LAUNCHED" in doctor.LAUNCH_ENV
 
 
 def test_library_version_is_one_line_without_nul_bytes():
