@@ -32,6 +32,9 @@ class StepSampler:
         self.stride = max(1, math.ceil(int(steps_per_epoch) / max_per_epoch))
         self.min_interval_s = float(min_interval_s)
         self._mark: tuple | None = None       # (step, time, samples, loss_sum) of the last record
+        # the time of the last record, kept across epochs: with epochs shorter than the
+        # interval, a rule reset at every epoch start would record nothing at all
+        self._last_record_t = -math.inf
 
     def start(self, step: int, now: float, samples: float, loss_sum: float) -> None:
         """The start of an epoch (or of a run segment): the epoch's running totals so far."""
@@ -40,8 +43,7 @@ class StepSampler:
     def due(self, step: int, now: float) -> bool:
         if self._mark is None:
             return True
-        step0, t0 = self._mark[0], self._mark[1]
-        return step - step0 >= self.stride and now - t0 >= self.min_interval_s
+        return step - self._mark[0] >= self.stride and now - self._last_record_t >= self.min_interval_s
 
     def add(self, step: int, now: float, samples: float, loss_sum: float) -> dict | None:
         """After a step, with the epoch's running totals: a record, or None (not this step)."""
@@ -51,6 +53,7 @@ class StepSampler:
             return None
         step0, t0, s0, l0 = self._mark
         self._mark = (int(step), float(now), float(samples), float(loss_sum))
+        self._last_record_t = float(now)
         n = samples - s0
         return {"step": int(step),
                 "loss": (loss_sum - l0) / n if n > 0 else None,
