@@ -284,8 +284,10 @@ def test_a_flood_from_other_hosts_changes_nothing_and_rank_0_listens_on_one_addr
     from .udp_flood import udp_sockets
 
     hosts = {"node1": 1, "node2": 1}
-    base = [f"data.path={long_h5}", "train.epochs=10", "comm.stall_warning_s=1",
-            "comm.deterministic=true", "checkpoint=off"]
+    # both ranks 10x slower than they can be (sleeps only: the numbers are unchanged), so the
+    # job outlasts the capture and the flood even on a fast, quiet machine
+    base = [f"data.path={long_h5}", "train.epochs=20", "comm.stall_warning_s=1",
+            "comm.deterministic=true", "checkpoint=off", "debug.slowdown={0:10.0,1:10.0}"]
     calm = train(cluster, hosts, tmp_path / "calm", base)
     assert calm.returncode == 0, explain(calm)
 
@@ -309,16 +311,19 @@ def test_a_flood_from_other_hosts_changes_nothing_and_rank_0_listens_on_one_addr
                                str(captured)], timeout=60, cwd=REPO)
     assert cap.returncode == 0 and captured.read_text().strip(), cap.stderr
     floods = [cluster.popen_on(node, [PYTHON, "-m", "tests.udp_flood", "flood", cluster.addr["node1"], ports,
-                                      "2", "5", str(captured)], cwd=REPO, stdout=subprocess.PIPE,
+                                      "2", "90", str(captured)], cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
               for node in ("node3", "node2")]
+    time.sleep(1.0)
+    assert proc.poll() is None, "the job ended before the flood began: make it longer"
+    p = finish(proc, 120, cluster)
     sent = {}
-    for f in floods:
-        out, err = f.communicate(timeout=60)
+    for f in floods:                       # flooding until the job ended
+        f.terminate()
+        out, err = f.communicate(timeout=30)
         assert f.returncode == 0, err
         for k, v in json.loads(out).items():
             sent[k] = sent.get(k, 0) + v
-    p = finish(proc, 120, cluster)
     assert p.returncode == 0, explain(p)
     assert sum(sent.values()) > 100 and sent.get("replay", 0) > 0, sent
     assert max_rel_diff(params(tmp_path / "calm"), params(run)) == 0.0

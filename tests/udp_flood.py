@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import struct
 import threading
@@ -210,7 +211,7 @@ def main() -> None:
     python -m tests.udp_flood flood ADDR PORT[,PORT] RANKS SECONDS [REPLAY_FILE]
 
     `flood` sends what a stranger can make (and the datagrams of REPLAY_FILE, again and again)
-    to those ports, then prints what it sent (JSON)."""
+    to those ports for SECONDS or until SIGTERM, then prints what it sent (JSON)."""
     import sys
 
     if sys.argv[1] == "capture":
@@ -226,7 +227,9 @@ def main() -> None:
     rng, sent = random.Random(0), Counter()
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))     # the test is done: report
+    while time.monotonic() < end and not stop:
         for port in ports:
             batch = list(forged_datagrams(ranks, rng)) + [("replay", d) for d in replays[-8:]]
             for kind, data in batch:
