@@ -33,6 +33,7 @@ import time
 from typing import Callable
 
 from .heartbeat import DROP_REASONS, MAX_DATAGRAM, HeartbeatGate, HeartbeatSealer, JobSecret
+from .side_channel import bind_narrowly, connect_to_root, own_addresses, root_address
 from .stall_report import alive_and_busy, at_step, describe_state, ranges, stall_report
 
 __all__ = ["StallWatchdog", "NullWatchdog", "current", "install", "describe_state", "stall_report"]  # the last two re-exported from stall_report
@@ -79,44 +80,6 @@ def install(wd) -> None:
 # The watchdog
 # --------------------------------------------------------------------------------------
 
-def _root_address(hosts: list) -> str:
-    """Where the other ranks send heartbeats: loopback on rank 0's node, else its address."""
-    if all(h == hosts[0] for h in hosts):
-        return "127.0.0.1"
-    try:
-        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_DGRAM):
-            addr = info[4][0]
-            if not addr.startswith("127."):
-                return addr
-    except OSError:
-        pass
-    return socket.gethostname()
-
-
-def _bind_narrowly(sock: socket.socket, addr: str) -> tuple[str, int]:
-    """Bind rank 0's socket to the one address the other ranks send to (loopback on one host),
-    never to every interface. Returns (address, port) for the other ranks."""
-    try:
-        sock.bind((addr, 0))
-    except OSError:
-        # the address rank 0's hostname resolves to is not on this machine: the MAC still
-        # protects the channel, but say so rather than fail the job
-        sys.stderr.write(f"hpc_rlx: warning: stall watchdog could not bind {addr}; listening on "
-                         f"all interfaces (heartbeats stay authenticated)\n")
-        sock.bind(("0.0.0.0", 0))
-    return addr, sock.getsockname()[1]
-
-
-def _connect(sock: socket.socket, root: tuple) -> str | None:
-    """Fix the socket's peer to rank 0 (the kernel then drops anything else sent to it) and
-    return the source address rank 0 will see, so rank 0 can refuse other senders."""
-    try:
-        sock.connect(root)
-        return sock.getsockname()[0]
-    except OSError:
-        return None
-
-
 class StallWatchdog:
     """Per-rank watchdog thread with a UDP side channel to rank 0. Collective to create."""
 
@@ -155,13 +118,13 @@ class StallWatchdog:
         self.reports: list[str] = []
 
         host = hostname()
-        hosts = comm.allgather(host)
+        hosts, addresses = zip(*comm.allgather((host, own_addresses())))
         self.hosts = dict(enumerate(hosts))
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         offer = None
         if self.rank == 0:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RECV_BUFFER)
-            addr = _bind_narrowly(self._sock, _root_address(hosts))
+            addr = bind_narrowly(self._sock, root_address(list(hosts), list(addresses)))
             # the key and nonce travel over MPI only: whoever can reach the port cannot learn them
             offer = (addr, JobSecret.draw().as_tuple())
         addr, (key, nonce) = comm.bcast(offer, root=0)
@@ -170,7 +133,7 @@ class StallWatchdog:
         source = None
         self._sealer = HeartbeatSealer(secret, self.rank)
         if self.rank != 0:
-            source = _connect(self._sock, self._root)
+            source = connect_to_root(self._sock, self._root)
             # rank 0's answers: only from rank 0's address (the connected socket sees no other)
             self._gate = HeartbeatGate(secret, 1, {0: self._root[0]}, answers=True)
             self._sock.setblocking(False)

@@ -414,3 +414,13 @@ def test_rank_0_names_ranks_whose_heartbeats_never_arrive():
     with wd:
         time.sleep(1.5)
     assert "no heartbeat from rank(s) 1-2" in out.getvalue() and "has reached rank 0's stall watchdog" in out.getvalue()
+
+
+def test_rank_0_listens_where_the_other_nodes_can_reach_it():
+    from hpc_rlx.side_channel import root_address
+
+    route = {"10.0.0.2": "10.0.0.1", "192.168.1.7": None}.get
+    assert root_address(["a", "a"], [["10.0.0.1"], ["10.0.0.1"]], route) == "127.0.0.1"   # one host
+    assert root_address(["a", "b"], [["10.0.0.5"], ["10.0.0.2"]], route) == "10.0.0.5"    # its name
+    # a name that resolves to loopback only (127.0.1.1): the address that reaches another node
+    assert root_address(["a", "b", "c"], [[], ["192.168.1.7"], ["10.0.0.2"]], route) == "10.0.0.1"
