@@ -349,3 +349,16 @@ def test_heartbeats_that_cannot_reach_rank_0_are_reported_as_such(cluster, long_
     assert "rank 1 on node2: rank 0's stall watchdog at 10.99.0.1:" in text, explain(p)
     assert re.search(r"no heartbeat from rank\(s\) 1 on node2 has reached rank 0's stall watchdog at "
                      r"10\.99\.0\.1:", text), explain(p)
+
+
+@pytest.mark.slow
+def test_a_rank_0_whose_name_resolves_to_loopback_is_still_reached(long_h5, tmp_path):
+    """Debian's `127.0.1.1 node1` line on node1: rank 0 listens where node2 reaches it."""
+    with EmulatedCluster(2, tmp_path / "cluster", net=79,
+                         private_self_address={"node1": "127.0.1.1"}) as debianish:
+        p = train(debianish, {"node1": 1, "node2": 1}, tmp_path / "run",
+                  [f"data.path={long_h5}", "train.epochs=3", "comm.stall_warning_s=1", "checkpoint=off",
+                   "debug.slowdown={0:5.0,1:5.0}"], timeout=240)
+    assert p.returncode == 0, explain(p)
+    text = p.stdout + p.stderr
+    assert "has not answered" not in text and "no heartbeat from rank" not in text, explain(p)
