@@ -178,7 +178,7 @@ def _unknown_key(key: str, argv: list[str], compose, added: str | None = None) -
     """'unknown config key' with the closest real keys, from a config composed without it."""
     from omegaconf import OmegaConf
 
-    from .config_hints import group_option_keys, suggest_keys
+    from .config_hints import flatten_keys, group_option_keys, suggest_keys
 
     override = added or next((a for a in argv if a.split("=", 1)[0].lstrip("+~") == key), key)
     known: list[str] = []
@@ -187,7 +187,7 @@ def _unknown_key(key: str, argv: list[str], compose, added: str | None = None) -
         cfg = compose(rest)
         flat = OmegaConf.to_container(cfg, resolve=False)
         flat.pop("hydra", None)
-        known = _flatten(flat)
+        known = flatten_keys(flat)
     except Exception:  # noqa: BLE001 - suggestions are a bonus
         pass
     try:
@@ -197,16 +197,6 @@ def _unknown_key(key: str, argv: list[str], compose, added: str | None = None) -
     hint = f"; did you mean {' or '.join(close)}?" if close else "."
     return (f"unknown config key {key!r} (from {override!r}){hint} "
             f"hpc_rlx rejects keys it does not read: see configs/config.yaml and configs/<group>/")
-
-
-def _flatten(d, prefix: str = "") -> list[str]:
-    out = []
-    for k, v in d.items():
-        path = f"{prefix}{k}"
-        out.append(path)
-        if isinstance(v, dict):
-            out.extend(_flatten(v, path + "."))
-    return out
 
 
 _FAILED_POINTS: list[str] = []     # sweep points that failed with an agreed error
