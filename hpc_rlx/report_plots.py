@@ -46,9 +46,15 @@ def _save(fig, path: Path) -> Path | None:
     return path
 
 
-def _integer_epochs(ax) -> None:
+def _integer_epochs(ax, last_epoch: float | None = None) -> None:
+    """Integer epoch ticks; the axis reaches `last_epoch`, so per-step curves that end just
+    before an epoch boundary (1.98) still show that epoch's tick."""
     from matplotlib.ticker import MaxNLocator
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    if last_epoch:
+        lo, hi = ax.get_xlim()
+        if hi < last_epoch:
+            ax.set_xlim(lo, last_epoch + 0.02 * max(last_epoch - lo, 1.0))
     ax.set_xlabel("epoch")
 
 
@@ -95,6 +101,7 @@ def curves_figure(files: RunFiles):
     if not m and not files.steps:
         return None
     per_step = uses_steps(files)
+    last_epoch = max(_series(m, "epoch")[0], default=None)
     panels = curve_panels(m) or {"loss": ("train_loss", "val_loss")}
     fig = _figure(13 * (len(panels) + 1) / 3, 4)
     axes = fig.subplots(1, len(panels) + 1, squeeze=False)[0]
@@ -110,7 +117,7 @@ def curves_figure(files: RunFiles):
                 ax.plot(xs, ys, style, ms=4, label=key.replace("_", " ") + " (per epoch)")
         ax.set_title(title)
         ax.set_ylabel(title)
-        _integer_epochs(ax)
+        _integer_epochs(ax, last_epoch)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     ax = axes[-1]
@@ -120,7 +127,7 @@ def curves_figure(files: RunFiles):
                       label="samples/s (all ranks, step wall time)")
     ax.set_title("throughput and learning rate")
     ax.set_ylabel("samples/s")
-    _integer_epochs(ax)
+    _integer_epochs(ax, last_epoch)
     ax.grid(alpha=0.3)
     lx, ly = _series(source, "lr", x)
     if lx:

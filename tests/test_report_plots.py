@@ -62,6 +62,22 @@ def test_a_short_run_draws_its_training_curves_from_the_step_log(tmp_path, digit
     assert {"samples/s (all ranks, step wall time)", "learning rate"} <= set(_labels(throughput))
 
 
+def test_per_step_curves_that_stop_short_of_the_last_epoch_still_show_its_tick(tmp_path):
+    """steps.jsonl is sampled at a bounded rate, so its last record can sit at epoch 1.9 of a
+    2-epoch run; every epoch axis must still reach and label epoch 2."""
+    run = make_run(tmp_path / "run", epochs=2)
+    with open(run / "steps.jsonl", "w") as f:
+        for i in range(1, 20):
+            f.write(json.dumps({"epoch": i / 10, "step": i, "loss": 2.0 / i, "lr": 0.1,
+                                "samples_per_s": 1000.0}) + "\n")
+    files = load_run(run)
+    assert report_plots.uses_steps(files)
+    fig = report_plots.curves_figure(files)
+    for ax in fig.axes:
+        if ax.get_xlabel():
+            assert set(_integer_ticks(ax)) >= {1.0, 2.0}, ax.get_title()
+
+
 def test_a_long_run_draws_per_epoch_curves_with_integer_ticks(tmp_path):
     files = load_run(make_run(tmp_path / "run", epochs=7))
     assert not report_plots.uses_steps(files)
