@@ -341,7 +341,10 @@ def test_heartbeats_that_cannot_reach_rank_0_are_reported_as_such(cluster, long_
     with EmulatedCluster(2, tmp_path / "cluster", net=78,
                          private_self_address={"node1": "10.99.0.1"}) as slipped:
         p = train(slipped, {"node1": 1, "node2": 1}, tmp_path / "oneway",
-                  [f"data.path={long_h5}", "train.epochs=12", "comm.stall_warning_s=1", "checkpoint=off"],
+                  # ranks slowed (sleeps only): the job outlasts the 5 s after which both sides
+                  # speak, however fast the machine (12 epochs of this model take 0.6 s unslowed)
+                  [f"data.path={long_h5}", "train.epochs=12", "comm.stall_warning_s=1", "checkpoint=off",
+                   "debug.slowdown={0:20.0,1:20.0}"],
                   timeout=240)
     assert p.returncode == 0, explain(p)
     text = p.stdout + p.stderr

@@ -144,10 +144,11 @@ def _read_pty(cmd: list[str], env: dict, timeout: float) -> tuple[int, bytes, li
 def test_mpirun_at_a_terminal_shows_a_bar_redrawn_a_few_times_a_second(tmp_path):
     data = _synthetic(tmp_path, 40000)       # 500 steps per epoch
     run_dir = tmp_path / "run"
-    # both ranks 4x slower than they can be: epochs of seconds even on a fast, quiet machine,
+    # both ranks 20x slower than they can be (steps of this small model are ~0.2 ms of compute):
+    # epochs of seconds even on a fast, quiet machine,
     # long enough for the bar to redraw
     cmd = launch_cmd(2, ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "data=file", f"data.path={data}", *LONG,
-                         "debug.slowdown={0:4.0,1:4.0}"])
+                         "debug.slowdown={0:20.0,1:20.0}"])
     rc, out, times = _read_pty(cmd, mpi_env(), timeout=180)
     text = out.decode(errors="replace")
     assert rc == 0, text[-3000:]
