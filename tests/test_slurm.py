@@ -330,10 +330,16 @@ def test_sbatch_train_sh_trains_and_writes_everything(slurm, tmp_path):
 
 @pytest.mark.slurm
 def test_sbatch_train_sh_as_shipped_runs_on_a_two_cpu_node(slurm, tmp_path):
-    """No resource options at all: the header's defaults must fit a 1-node, 2-CPU cluster
-    (a request no node can meet pends forever with Reason=PartitionConfig)."""
+    """The README's sbatch line as pasted, no resource options at all: the header's defaults
+    must fit a 1-node, 2-CPU cluster (a request no node can meet pends forever with
+    Reason=PartitionConfig)."""
+    readme = (REPO / "README.md").read_text()
+    running = readme[readme.index("\n## Running\n"):readme.index("\n## ", readme.index("\n## Running\n") + 1)]
+    line = next(ln for ln in running.splitlines() if ln.startswith("sbatch slurm/train.sh "))
+    args = line.split("#")[0].split()[2:]          # the README's overrides, as pasted
+    assert args and not any(a.startswith("-") for a in args), line
     (tmp_path / "logs").mkdir()
-    proc = run(["sbatch", "--parsable", TRAIN_SH, "train.epochs=1", *SMALL], env=job_env(slurm),
+    proc = run(["sbatch", "--parsable", TRAIN_SH, *args], env=job_env(slurm),
                cwd=tmp_path, timeout=60, cluster=slurm)
     assert proc.returncode == 0, f"sbatch refused the script as shipped: {proc.stdout}{proc.stderr}"
     job = re.findall(r"^(\d+)", proc.stdout, flags=re.M)[0]
@@ -345,11 +351,13 @@ def test_sbatch_train_sh_as_shipped_runs_on_a_two_cpu_node(slurm, tmp_path):
             pytest.fail(f"the job as shipped can never start on this {slurm.cpus}-CPU node "
                         f"(Reason=PartitionConfig): {fields}")
         return fields.get("JobState") in slurm_jobs.TERMINAL
-    wait_until(ended, 180, f"job {job} to finish", slurm, lambda: log_of(tmp_path, job))
+    wait_until(ended, 240, f"job {job} to finish", slurm, lambda: log_of(tmp_path, job))
     fields, log = job_fields(slurm, job), log_of(tmp_path, job)
     assert fields["JobState"] == "COMPLETED", log
     assert int(fields["NumTasks"]) >= 1 and int(fields["NumCPUs"]) <= slurm.cpus, fields
-    assert (tmp_path / "outputs" / f"slurm-{job}" / "summary.json").is_file(), log
+    summary = json.loads((tmp_path / "outputs" / f"slurm-{job}" / "summary.json").read_text())
+    assert summary["status"] == "completed", log
+    assert "\r" not in log and "\x1b" not in log, repr(log[-2000:])
 
 
 @pytest.mark.slurm
