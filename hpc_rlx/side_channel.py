@@ -48,18 +48,23 @@ def root_address(hosts: list, addresses: list, route=source_toward) -> str:
     return socket.gethostname()
 
 
-def bind_narrowly(sock: socket.socket, addr: str) -> tuple[str, int]:
-    """Bind rank 0's socket to the one address the other ranks send to (loopback on one host),
-    never to every interface. Returns (address, port) for the other ranks."""
-    try:
-        sock.bind((addr, 0))
-    except OSError:
-        # the address rank 0's hostname resolves to is not on this machine: the MAC still
-        # protects the channel, but say so rather than fail the job
-        sys.stderr.write(f"hpc_rlx: warning: stall watchdog could not bind {addr}; listening on "
-                         f"all interfaces (heartbeats stay authenticated)\n")
-        sock.bind(("0.0.0.0", 0))
-    return addr, sock.getsockname()[1]
+def bind_narrowly(sock: socket.socket, addrs) -> tuple[str, int]:
+    """Bind rank 0's socket to the first of `addrs` (where the other ranks send: loopback on one
+    host) that is this machine's, never to every interface while one of them is. Returns
+    (address, port) for the other ranks."""
+    addrs = [addrs] if isinstance(addrs, str) else list(dict.fromkeys(addrs))
+    for addr in addrs:
+        try:
+            sock.bind((addr, 0))
+            return addr, sock.getsockname()[1]
+        except OSError:
+            continue
+    # none of them is on this machine (its name resolves elsewhere and no other node is
+    # routable): the MAC still protects the channel, but say so rather than fail the job
+    sys.stderr.write(f"hpc_rlx: warning: stall watchdog could not bind {', '.join(addrs)}; "
+                     f"listening on all interfaces (heartbeats stay authenticated)\n")
+    sock.bind(("0.0.0.0", 0))
+    return addrs[0], sock.getsockname()[1]
 
 
 def connect_to_root(sock: socket.socket, root: tuple) -> str | None:

@@ -124,7 +124,10 @@ class StallWatchdog:
         offer = None
         if self.rank == 0:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RECV_BUFFER)
-            addr = bind_narrowly(self._sock, root_address(list(hosts), list(addresses)))
+            # the address rank 0's name resolves to; if that is not this machine's (a stale
+            # hosts entry), the one it reaches another node from
+            addr = bind_narrowly(self._sock, [root_address(list(hosts), list(addresses)),
+                                              root_address(list(hosts), [[]] + list(addresses[1:]))])
             # the key and nonce travel over MPI only: whoever can reach the port cannot learn them
             offer = (addr, JobSecret.draw().as_tuple())
         addr, (key, nonce) = comm.bcast(offer, root=0)
