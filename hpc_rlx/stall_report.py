@@ -69,7 +69,9 @@ def stall_report(states: dict, size: int, now: float, warn_s: float, silent_afte
         elif st:
             what = describe_state(st, now, silent_after)
         else:
-            what = (f"never reported: no heartbeat of it has reached rank 0's watchdog{at} (UDP "
+            # every rank started its watchdog before rank 0's listened (a collective start),
+            # so a rank never heard is one whose heartbeats cannot get here, not one that is late
+            what = (f"heartbeats cannot reach rank 0: none has arrived at its watchdog{at} (UDP "
                     f"blocked, or that address is not reachable from {host})")
             if host in cut:
                 what += f"; unreachable: no rank on {host} is heard"
@@ -84,7 +86,7 @@ def _heard(st: dict | None, now: float, silent_after: float) -> bool:
 
 
 def unreachable_hosts(states: dict, size: int, now: float, silent_after: float, hosts: dict) -> set:
-    """Hosts none of whose ranks is heard (silent or never reported, none of them gone with a
+    """Hosts none of whose ranks is heard (silent or never heard, none of them gone with a
     goodbye): a node cut off or down, rather than one crashed process among live ones."""
     by_host: dict = {}
     for r in range(size):

@@ -270,7 +270,7 @@ def test_stall_report_names_the_collective_the_step_and_each_missing_rank():
     assert "arrived (2/5): ranks 0,2" in text and "not arrived (3/5): ranks 1,3-4" in text
     assert "rank 1 on b: busy outside any collective at step 7 for 5.0 s (last left 'fused-bucket Allreduce' at step 6)" in text
     assert "rank 3 on c: silent: no heartbeat for 20.0 s" in text
-    assert "rank 4 on ?: never reported" in text
+    assert "rank 4 on ?: heartbeats cannot reach rank 0: none has arrived" in text
 
 
 def test_watchdog_reports_over_udp_then_aborts(monkeypatch):

@@ -105,13 +105,21 @@ def test_training_across_two_and_three_nodes_equals_one_node(cluster, shared_h5,
         assert diff <= 1e-10, f"{name}: max relative parameter difference {diff:.3e}"
 
 
-def test_doctor_reports_the_nodes_the_mpi_and_the_launcher(cluster, tmp_path):
-    p = job(cluster, {"node1": 2, "node2": 2}, ["-m", "hpc_rlx.doctor", f"hydra.run.dir={tmp_path}/run"])
+LAUNCHED_BY = {"mpich": "MPICH mpirun / mpiexec (hydra)", "openmpi": "Open MPI mpirun (prterun)"}[MPI_IMPL]
+
+
+@pytest.mark.parametrize("hosts, rows", [
+    ({"node1": 2, "node2": 2}, [r"node1\s+0-1\s+2\b", r"node2\s+2-3\s+2\b"]),
+    ({"node1": 1, "node2": 1, "node3": 1}, [r"node1\s+0\s+1\b", r"node2\s+1\s+1\b", r"node3\s+2\s+1\b"]),
+], ids=["2x2", "3x1"])
+def test_doctor_reports_the_nodes_the_mpi_and_the_launcher(cluster, tmp_path, hosts, rows):
+    p = job(cluster, hosts, ["-m", "hpc_rlx.doctor", f"hydra.run.dir={tmp_path}/run"])
     assert p.returncode == 0, explain(p)
     out = p.stdout
-    assert "4 rank(s) on 2 node(s)" in out, explain(p)
-    assert re.search(r"node1\s+0-1\s+2\b", out) and re.search(r"node2\s+2-3\s+2\b", out), explain(p)
-    assert MPI_NAME in out and "launched by" in out, explain(p)
+    assert f"{sum(hosts.values())} rank(s) on {len(hosts)} node(s)" in out, explain(p)
+    assert all(re.search(row, out) for row in rows), explain(p)
+    assert re.search(rf"library\s+{MPI_NAME}", out), explain(p)
+    assert re.search(rf"launched by\s+{re.escape(LAUNCHED_BY)}", out), explain(p)
     assert "\x00" not in out and "\x1b" not in out, repr(out[-500:])
 
 
@@ -254,9 +262,12 @@ def _pids_on(cluster, node: str, name: str = "python") -> list[int]:
 @pytest.mark.slow
 def test_all_ranks_of_node2_killed_ends_the_job_and_node1_alone_continues(cluster, long_h5, tmp_path):
     run = tmp_path / "killed"
-    base = [f"data.path={long_h5}", "train.epochs=3", "checkpoint.every_steps=100",
+    base = [f"data.path={long_h5}", "train.epochs=8", "checkpoint.every_steps=100",
             "comm.stall_warning_s=2"]
-    proc = start_training(cluster, {"node1": 1, "node2": 2}, run, base)
+    # the killed run 30x slower (sleeps only): epochs of 0.05 s on a fast machine would end it
+    # before the kill lands; it is killed after its first epoch, so only that one costs time
+    proc = start_training(cluster, {"node1": 1, "node2": 2}, run,
+                          base + ["debug.slowdown={0:30.0,1:30.0,2:30.0}"])
     wait_for_first_epoch(proc, run)
     victims = _pids_on(cluster, "node2")
     assert len(victims) == 2, victims
@@ -271,7 +282,7 @@ def test_all_ranks_of_node2_killed_ends_the_job_and_node1_alone_continues(cluste
     p = train(cluster, {"node1": 2}, run, base, timeout=180)
     assert p.returncode == 0, explain(p)
     assert re.search(rf"resumed from .*ckpt-0*{saved[-1]}\.h5", p.stdout), explain(p)
-    assert json.loads((run / "summary.json").read_text())["steps"] == 3 * 200   # 3200 rows, global batch 16
+    assert json.loads((run / "summary.json").read_text())["steps"] == 8 * 200   # 3200 rows, global batch 16
 
 
 # --------------------------------------------------------------------------------------
@@ -284,15 +295,15 @@ def test_a_flood_from_other_hosts_changes_nothing_and_rank_0_listens_on_one_addr
     from .udp_flood import udp_sockets
 
     hosts = {"node1": 1, "node2": 1}
-    # both ranks 10x slower than they can be (sleeps only: the numbers are unchanged), so the
-    # job outlasts the capture and the flood even on a fast, quiet machine
     base = [f"data.path={long_h5}", "train.epochs=20", "comm.stall_warning_s=1",
-            "comm.deterministic=true", "checkpoint=off", "debug.slowdown={0:10.0,1:10.0}"]
+            "comm.deterministic=true", "checkpoint=off"]
     calm = train(cluster, hosts, tmp_path / "calm", base)
     assert calm.returncode == 0, explain(calm)
 
     run = tmp_path / "flooded"
-    proc = start_training(cluster, hosts, run, base)
+    # the flooded job's ranks 20x slower than they can be (sleeps only: the numbers are those
+    # of the unslowed calm run), so it outlasts the capture and the flood on a fast machine
+    proc = start_training(cluster, hosts, run, base + ["debug.slowdown={0:20.0,1:20.0}"])
     sockets: set = set()
     t0 = time.monotonic()
     while proc.poll() is None and time.monotonic() - t0 < 60:
@@ -334,6 +345,40 @@ def test_a_flood_from_other_hosts_changes_nothing_and_rank_0_listens_on_one_addr
 
 
 @pytest.mark.slow
+def test_a_genuine_stall_across_hosts_still_aborts_while_another_host_floods(cluster, long_h5, tmp_path):
+    from .udp_flood import udp_sockets
+
+    run = tmp_path / "stalled"
+    proc = start_training(cluster, {"node1": 1, "node2": 1}, run,
+                          [f"data.path={long_h5}", "train.epochs=3", "comm.stall_warning_s=1",
+                           "comm.stall_abort_s=5", "checkpoint=off", "debug.stall_rank=1",
+                           "debug.stall_step=100", "debug.stall_s=120"])
+    ports: set = set()
+    t0 = time.monotonic()
+    while proc.poll() is None and not ports and time.monotonic() - t0 < 60:
+        ports = {p for a, p in udp_sockets(proc.pid) if a == cluster.addr["node1"]}
+        time.sleep(0.1)
+    assert ports, f"no UDP socket bound to node1's address: {udp_sockets(proc.pid)}"
+    # forged, malformed and oversized datagrams from node3 for at most 60 s, or until the job ends
+    flood = cluster.popen_on("node3", [PYTHON, "-m", "tests.udp_flood", "flood", cluster.addr["node1"],
+                                       ",".join(map(str, ports)), "2", "60"],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    p = finish(proc, 90, cluster)
+    elapsed = time.monotonic() - t0
+    flooding = flood.poll() is None
+    flood.terminate()
+    out, err = flood.communicate(timeout=30)
+    assert flood.returncode == 0, err
+    assert flooding, "the flood had ended before the job did"
+    assert sum(json.loads(out).values()) > 0, out
+    assert p.returncode != 0 and elapsed < 60, explain(p)
+    assert "at step 100" in p.stderr and "not arrived (1/2): ranks 1" in p.stderr, explain(p)
+    assert re.search(r"stalled for \d+\.\d s >= comm\.stall_abort_s=5: aborting all 2 ranks", p.stderr), explain(p)
+    assert "FORGED" not in p.stdout + p.stderr, explain(p)
+
+
+@pytest.mark.slow
 def test_heartbeats_that_cannot_reach_rank_0_are_reported_as_such(cluster, long_h5, tmp_path):
     """node1 resolves its own name to an address only it has (a classic /etc/hosts slip), so
     rank 0's watchdog listens where node2 cannot send; MPI itself is unaffected. Both sides say
@@ -341,13 +386,18 @@ def test_heartbeats_that_cannot_reach_rank_0_are_reported_as_such(cluster, long_
     with EmulatedCluster(2, tmp_path / "cluster", net=78,
                          private_self_address={"node1": "10.99.0.1"}) as slipped:
         p = train(slipped, {"node1": 1, "node2": 1}, tmp_path / "oneway",
-                  # ranks slowed (sleeps only): the job outlasts the 5 s after which both sides
-                  # speak, however fast the machine (12 epochs of this model take 0.6 s unslowed)
-                  [f"data.path={long_h5}", "train.epochs=12", "comm.stall_warning_s=1", "checkpoint=off",
-                   "debug.slowdown={0:20.0,1:20.0}"],
+                  # rank 1 arrives 7 s late at step 50 (a sleep): the job outlasts the 5 s after
+                  # which both sides speak however fast the machine (3 epochs take 0.15 s
+                  # there), and rank 0's stall report has to say why it cannot hear rank 1
+                  [f"data.path={long_h5}", "train.epochs=3", "comm.stall_warning_s=1", "checkpoint=off",
+                   "debug.stall_rank=1", "debug.stall_step=50", "debug.stall_s=7"],
                   timeout=240)
     assert p.returncode == 0, explain(p)
     text = p.stdout + p.stderr
+    assert "at step 50" in text and "not arrived (1/2): ranks 1" in text, explain(p)
+    assert re.search(r"rank 1 on node2: heartbeats cannot reach rank 0: none has arrived at its "
+                     r"watchdog at 10\.99\.0\.1:\d+", text), explain(p)
+    assert "never reported" not in text, explain(p)
     assert text.count("has not answered") == 1, explain(p)
     assert "rank 1 on node2: rank 0's stall watchdog at 10.99.0.1:" in text, explain(p)
     assert re.search(r"no heartbeat from rank\(s\) 1 on node2 has reached rank 0's stall watchdog at "
@@ -359,9 +409,14 @@ def test_a_rank_0_whose_name_resolves_to_loopback_is_still_reached(long_h5, tmp_
     """Debian's `127.0.1.1 node1` line on node1: rank 0 listens where node2 reaches it."""
     with EmulatedCluster(2, tmp_path / "cluster", net=79,
                          private_self_address={"node1": "127.0.1.1"}) as debianish:
+        # rank 1 arrives 7 s late at step 50 (a sleep): the job outlasts the 5 s after which
+        # either side would warn, however fast the machine, and rank 0's stall report shows
+        # what rank 1's heartbeats told it
         p = train(debianish, {"node1": 1, "node2": 1}, tmp_path / "run",
                   [f"data.path={long_h5}", "train.epochs=3", "comm.stall_warning_s=1", "checkpoint=off",
-                   "debug.slowdown={0:5.0,1:5.0}"], timeout=240)
+                   "debug.stall_rank=1", "debug.stall_step=50", "debug.stall_s=7"], timeout=240)
     assert p.returncode == 0, explain(p)
     text = p.stdout + p.stderr
+    assert "not arrived (1/2): ranks 1" in text, explain(p)
+    assert "rank 1 on node2: busy outside any collective at step 50" in text, explain(p)
     assert "has not answered" not in text and "no heartbeat from rank" not in text, explain(p)

@@ -218,18 +218,22 @@ def flood_h5(tmp_path_factory) -> Path:
     return write_small_classification(tmp_path_factory.mktemp("flood") / "small.h5", rows=2400, seed=3)
 
 
-def run_flooded(run_dir: Path, overrides: list[str], flood: bool, timeout: float = 120):
-    """A 2-rank job in a session of its own, flooded by a stranger while it runs."""
+def run_flooded(run_dir: Path, overrides: list[str], flood: bool, timeout: float = 120,
+                seconds: float = 6.0):
+    """A 2-rank job in a session of its own, flooded by a stranger for at most `seconds` while it
+    runs. Returns (the finished job, what the flood sent, whether it was still sending when the
+    job ended)."""
     from .udp_flood import Flood
 
     cmd = launch_cmd(2, ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}"] + overrides)
     proc = subprocess.Popen(cmd, cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    sent = None
+    sent, flooding = None, False
     try:
         if flood:
-            with Flood(proc.pid, ranks=2, seconds=6.0) as f:
+            with Flood(proc.pid, ranks=2, seconds=seconds) as f:
                 out, err = proc.communicate(timeout=timeout)
+                flooding = f.flooding
             sent = f.sent
         else:
             out, err = proc.communicate(timeout=timeout)
@@ -237,7 +241,7 @@ def run_flooded(run_dir: Path, overrides: list[str], flood: bool, timeout: float
         os.killpg(proc.pid, 9)
         out, err = proc.communicate()
         pytest.fail(f"job did not finish in {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), sent
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), sent, flooding
 
 
 def params(run_dir: Path) -> dict:
@@ -250,9 +254,12 @@ def params(run_dir: Path) -> dict:
 @pytest.mark.slow
 def test_a_flooded_job_finishes_bitwise_equal_and_counts_what_it_dropped(tmp_path, flood_h5):
     overrides = BASE + [f"data.path={flood_h5}", "train.epochs=5"]
-    calm, _ = run_flooded(tmp_path / "calm", overrides, flood=False)
+    calm, _, _ = run_flooded(tmp_path / "calm", overrides, flood=False)
     assert calm.returncode == 0, explain(calm)
-    flooded, sent = run_flooded(tmp_path / "flooded", overrides, flood=True)
+    # the flooded job's ranks 30x slower (sleeps only: the numbers are the calm run's), so its
+    # 1200 steps (0.1 ms each unslowed) outlast the flood's start on a fast machine
+    flooded, sent, _ = run_flooded(tmp_path / "flooded", overrides + ["debug.slowdown={0:30.0,1:30.0}"],
+                                   flood=True)
     assert flooded.returncode == 0, explain(flooded)
     assert sent and sent["replay"] > 0 and sent["foreign"] > 0, f"the flood did not get going: {sent}"
     a, b = params(tmp_path / "calm"), params(tmp_path / "flooded")
@@ -272,7 +279,10 @@ def test_a_genuine_stall_still_aborts_while_the_flood_goes_on(tmp_path, flood_h5
     overrides = BASE + [f"data.path={flood_h5}", "train.epochs=2", "comm.stall_abort_s=5",
                         "debug.stall_rank=1", "debug.stall_step=300", "debug.stall_s=120"]
     t0 = time.monotonic()
-    proc, sent = run_flooded(tmp_path / "stalled", overrides, flood=True, timeout=90)
+    # the flood lasts up to 20 s, past the ~6 s to the abort: it goes on while the stall is
+    # reported and the job aborted
+    proc, sent, flooding = run_flooded(tmp_path / "stalled", overrides, flood=True, timeout=90,
+                                       seconds=20.0)
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0, explain(proc)
     assert elapsed < 45, f"the stalled job took {elapsed:.1f}s to end"
@@ -280,6 +290,7 @@ def test_a_genuine_stall_still_aborts_while_the_flood_goes_on(tmp_path, flood_h5
     assert "at step 300" in err and "not arrived (1/2): ranks 1" in err, explain(proc)
     assert re.search(r"stalled for \d+\.\d s >= comm\.stall_abort_s=5: aborting all 2 ranks", err), explain(proc)
     assert sent and sum(sent.values()) > 0, "the flood did not get going"
+    assert flooding, f"the flood had ended before the job did ({elapsed:.1f} s): make it longer"
     assert "FORGED" not in err and err.count("STALL:") <= 2, explain(proc)
 
 
@@ -314,7 +325,8 @@ def test_a_host_none_of_whose_ranks_is_heard_is_unreachable():
     assert alive_and_busy(states, now, 3.0) == [1]
     text, _ = stall_report(states, 5, now, 10.0, 3.0, hosts, ("10.9.0.1", 4000))
     assert "rank 2 on node2: silent: no heartbeat for 30.0 s" in text
-    assert "rank 3 on node2: never reported: no heartbeat of it has reached rank 0's watchdog at 10.9.0.1:4000" in text
+    assert ("rank 3 on node2: heartbeats cannot reach rank 0: none has arrived at its watchdog at "
+            "10.9.0.1:4000") in text and "never reported" not in text
     assert text.count("unreachable: no rank on node2 is heard") == 2
     assert "unreachable: no rank on node3 is heard" in text
     assert "rank 1 on node1: busy outside any collective" in text and "node1 is heard" not in text
@@ -424,3 +436,16 @@ def test_rank_0_listens_where_the_other_nodes_can_reach_it():
     assert root_address(["a", "b"], [["10.0.0.5"], ["10.0.0.2"]], route) == "10.0.0.5"    # its name
     # a name that resolves to loopback only (127.0.1.1): the address that reaches another node
     assert root_address(["a", "b", "c"], [[], ["192.168.1.7"], ["10.0.0.2"]], route) == "10.0.0.1"
+
+
+def test_rank_0_binds_the_first_address_this_machine_has_not_every_interface():
+    from hpc_rlx.side_channel import bind_narrowly
+
+    # 192.0.2.1 (TEST-NET-1) is no address of this machine, as a stale hosts entry would give
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        addr, port = bind_narrowly(sock, ["192.0.2.1", "127.0.0.1"])
+        assert (addr, port) == ("127.0.0.1", sock.getsockname()[1])
+        assert sock.getsockname()[0] == "127.0.0.1"
+    finally:
+        sock.close()

@@ -51,9 +51,10 @@ def _socket_inodes(pids: set[int]) -> set[int]:
     return inodes
 
 
-def udp_sockets(root: int) -> set[tuple[str, int]]:
+def udp_sockets(root: int, listening: bool = False) -> set[tuple[str, int]]:
     """(local address, port) of the IPv4 UDP sockets held by process `root` and its descendants,
-    each read in its own network namespace (/proc/PID/net/udp)."""
+    each read in its own network namespace (/proc/PID/net/udp). `listening`: only the sockets
+    that take datagrams from anyone (bound, not connected to one peer)."""
     found = set()
     for pid in _descendants(root):
         inodes = _socket_inodes({pid})
@@ -64,7 +65,7 @@ def udp_sockets(root: int) -> set[tuple[str, int]]:
                 next(f)
                 for line in f:
                     cols = line.split()
-                    if int(cols[9]) in inodes:
+                    if int(cols[9]) in inodes and not (listening and cols[2] != "00000000:0000"):
                         hexaddr, hexport = cols[1].split(":")
                         addr = socket.inet_ntoa(struct.pack("<I", int(hexaddr, 16)))
                         found.add((addr, int(hexport, 16)))
@@ -116,6 +117,11 @@ class Flood:
         self._thread.start()
         return self
 
+    @property
+    def flooding(self) -> bool:
+        """Still sending: found the ports and neither stopped nor past its time."""
+        return bool(self.ports) and self._thread.is_alive() and not self._stop.is_set()
+
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join(timeout=10)
@@ -123,10 +129,13 @@ class Flood:
         return False
 
     def _find_ports(self) -> None:
+        """Wait for a port that listens (rank 0's): the ranks' sockets, connected to rank 0,
+        may show up in the same scan and take nothing from us."""
         t0 = time.monotonic()
         while not self._stop.is_set() and time.monotonic() - t0 < self.find_timeout:
-            self.ports = udp_ports(self.root)
-            if self.ports:
+            listening = {port for _, port in udp_sockets(self.root, listening=True)}
+            if listening:
+                self.ports = listening | udp_ports(self.root)
                 return
             time.sleep(0.05)
 
