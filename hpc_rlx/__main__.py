@@ -54,6 +54,30 @@ def _remove_unused_run_dir() -> None:
     remove_unused_run_dir(_FRESH_ROOT)
 
 
+# How long the ranks wait for each other before rank 0 removes an unused run directory. They
+# all reach that point at once unless one is dead or the machine is very busy.
+RUN_DIR_AGREE_S = 60.0
+
+
+def _all_ranks_done_with_run_dir(comm, timeout_s: float = RUN_DIR_AGREE_S) -> bool:
+    """Every rank calls this before rank 0 removes the run directory: Hydra creates it on every
+    rank as that rank's job starts, and a rank still on its way there (an error from rank 0's
+    broadcast reaches it late) would create it again after the removal. A non-blocking
+    barrier, waited for at most `timeout_s`, so a dead rank cannot hang the exit."""
+    if _FRESH_ROOT is None or comm.size == 1:
+        return True
+    try:
+        req = comm.Ibarrier()
+        deadline = time.monotonic() + timeout_s
+        while not req.Test():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
+    except Exception:  # noqa: BLE001 - the directory is a nicety; the error report is not
+        return False
+
+
 def _rank_overrides(rank: int) -> list[str]:
     # Non-root ranks compose the same config but write nothing: no logs, no .hydra dir.
     if rank == 0:
@@ -87,6 +111,7 @@ def _error_exit(comm, exc: BaseException, where: str) -> None:
     if isinstance(exc, CollectiveError) or (isinstance(exc, HpcRlxError) and getattr(exc, "agreed", False)):
         origin = getattr(exc, "origin", 0)
         host = getattr(exc, "host", None)
+        _all_ranks_done_with_run_dir(comm)
         if comm.rank == 0:
             _remove_unused_run_dir()
             kind = getattr(exc, "kind", type(exc).__name__)

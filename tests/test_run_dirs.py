@@ -127,6 +127,38 @@ def test_a_run_that_fails_before_training_leaves_no_directory(tmp_path, digits_h
     assert (late / "config.yaml").is_file() and (late / "metrics.jsonl").is_file()
 
 
+# Rank 1 imports hydra (and so reaches the point where Hydra creates the run directory on it)
+# seconds after the others: how a busy machine schedules it.
+LATE_RANK_1 = """\
+import os, sys, time
+
+class _LateHydra:
+    def find_spec(self, name, path=None, target=None):
+        rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+        if name == "hydra" and rank == "1":
+            sys.meta_path.remove(self)
+            time.sleep(3)
+        return None
+
+sys.meta_path.insert(0, _LateHydra())
+"""
+
+
+def test_a_run_that_fails_before_training_leaves_no_directory_when_a_rank_is_late(tmp_path):
+    """Rank 0 finds the data missing and broadcasts the error while rank 1 has not yet started
+    its Hydra job (which creates the run directory on every rank): the directory is removed
+    only once rank 1 is past that point."""
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "sitecustomize.py").write_text(LATE_RANK_1)
+    missing = ["data=file", f"data.path={tmp_path / 'missing.h5'}"]
+    proc = mpirun(2, ["-m", "hpc_rlx", *SMALL, *missing], cwd=tmp_path, timeout=120,
+                  env={"PYTHONPATH": str(late)})
+    assert proc.returncode == 2, explain(proc)
+    assert "dataset file" in proc.stderr and "does not exist" in proc.stderr, explain(proc)
+    assert not (tmp_path / "outputs").exists(), sorted(str(p) for p in (tmp_path / "outputs").rglob("*"))
+
+
 def test_hydra_verbose_turns_on_hpc_rlx_debug_log(tmp_path, digits_h5):
     proc = mpirun(2, ["-m", "hpc_rlx", "model.hidden=[16]", "train.epochs=2", f"data.path={digits_h5}",
                       f"hydra.run.dir={tmp_path / 'run'}", "report.plots=true", "hydra.verbose=true"],
