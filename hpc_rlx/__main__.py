@@ -103,7 +103,8 @@ def _phase(exc: BaseException, where: str) -> str:
 def _error_exit(comm, exc: BaseException, where: str) -> None:
     """Errors agreed by every rank print once (rank 0) and exit 2; anything else prints one
     message from the failing rank (rank, host, what it was doing, step, cause) and aborts."""
-    from .comm import CollectiveError, abort, hostname
+    from .comm import CollectiveError, abort
+    from .topology import hostname
     from .errors import HpcRlxError
 
     step = getattr(exc, "step", None)
@@ -245,7 +246,8 @@ def run_job(cfg, comm) -> float | None:
         from . import comm as mpi
         from .errors import ConfigError
         from .spec import TrainSpec, build_spec
-        from .train import maybe_fail, train
+        from .faults import maybe_fail
+        from .train import train
 
         hc = HydraConfig.get()
         run_dir = hc.runtime.output_dir
@@ -322,7 +324,7 @@ def main() -> None:
     if problem:
         if comm.rank == 0:
             _remove_unused_run_dir()
-            from .comm import hostname
+            from .topology import hostname
             sys.stderr.write(f"hpc_rlx: error (ConfigError, reported by rank 0 on {hostname()}): {problem}\n")
             sys.stderr.flush()
         raise SystemExit(2)

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import comm as mpi
 from .errors import CheckpointError
+from .policies.registry import POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +245,9 @@ class RuntimeCheckpoints:
                 f"checkpoint {where} holds optim={opt} state, this run uses optim={run.spec.optim['name']}; "
                 f"to start a new optimizer from those weights, use model.init_from=<run_dir>/model.h5")
         policy = (meta.get("policy") or {}).get("name")
-        if (policy not in (None, "sync") and run.policy.name == "sync"
-                and int(meta.get("step_in_epoch", 0)) > 0):
+        saved_policy = POLICIES.get(policy)
+        if (saved_policy is not None and not saved_policy.steps_are_batches
+                and run.policy.steps_are_batches and int(meta.get("step_in_epoch", 0)) > 0):
             # A windowed policy counts syncs, not sample steps: its mid-epoch position has no
             # meaning for sync.
             raise CheckpointError(

@@ -28,7 +28,7 @@ import uuid
 from collections import defaultdict
 from pathlib import Path
 
-from .comm import node_layout, rank_span
+from .topology import node_layout, rank_span
 from .doctor_config import split_run_dir, training_settings
 from .doctor_threads import THREAD_ENV, host_train_threads, settings_note, thread_warnings
 SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_CPUS_PER_TASK", "SLURM_JOB_NODELIST",

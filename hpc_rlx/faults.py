@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from .spec import TrainSpec
-
 
 class InjectedFailure(RuntimeError):
     """Raised by debug.fail_* to exercise the failure paths in tests."""
 
 
-def maybe_fail(spec: TrainSpec, rank: int, point: str, step: int | None = None) -> None:
+def maybe_fail(spec, rank: int, point: str, step: int | None = None) -> None:
+    """Raise InjectedFailure if `spec.debug` (a TrainSpec's) asks for one here."""
     dbg = spec.debug
     if dbg.get("fail_point") != point or dbg.get("fail_rank") is None or int(dbg["fail_rank"]) != rank:
         return

@@ -37,7 +37,7 @@ def limit_threads(comm, threads_per_rank: int | None, lanes: int = 1):
     """
     from threadpoolctl import threadpool_limits
 
-    from .comm import ranks_per_node
+    from .topology import ranks_per_node
 
     # ranks_per_node is collective: called on every rank or on none (the setting is the same everywhere)
     on_node = ranks_per_node(comm) if threads_per_rank is None else 1

@@ -1,9 +1,8 @@
 """The training loop: `train(spec, comm) -> result`. Importable and testable without Hydra.
 
-Per step (policy `sync`): every lane writes its sample-weighted gradient into the fused
-bucket, the loop writes the sample count, loss sum, correct count and control flags into the
-bucket's tail, one Allreduce sums all of it, and every rank divides by the global sample
-count and applies the same optimizer step. Other policies reuse the same pieces.
+`Run` sets up a rank (data, lanes, checkpoints, outputs), then hands each epoch to the
+policy (`policies/`: how steps become synchronised parameters), validates, records and
+checkpoints. Policies see the run only through `policies.base.TrainingLoop`.
 """
 
 from __future__ import annotations
@@ -19,11 +18,14 @@ from . import comm as mpi
 from . import trace
 from .context import TAIL_FIELDS, Context  # noqa: F401 - TAIL_FIELDS re-exported
 from .errors import CheckpointError
-from .faults import InjectedFailure, maybe_fail  # noqa: F401 - re-exported for the policy runners
+from .faults import maybe_fail
 from .outputs import RunOutputs
+from .policies.base import EpochTotals
+from .policies.registry import make_policy
 from .progress import Snapshot, end_line, make_progress, run_fraction
 from .signals import SIGNALS
 from .spec import TrainSpec
+from .topology import hostname, local_rank
 
 
 
@@ -43,108 +45,6 @@ class RankStats:
     checkpoint_s: float = 0.0
     # one record per epoch of this rank's time split (gathered once, at the end of the run)
     epochs: list = field(default_factory=list)
-
-
-# --------------------------------------------------------------------------------------
-# Policy `sync`: one gradient Allreduce per step.
-# --------------------------------------------------------------------------------------
-
-@dataclass
-class EpochTotals:
-    samples: float = 0.0
-    loss_sum: float = 0.0
-    correct: float = 0.0
-    steps: int = 0
-    compute_s: float = 0.0
-    comm_s: float = 0.0
-    step_wall_s: float = 0.0
-    data_s: float = 0.0          # batch gathering from the in-memory shard
-    extra: dict = field(default_factory=dict)
-    complete: bool = False       # a windowed policy consumed the whole epoch (even if stopping)
-
-
-class SyncPolicy:
-    name = "sync"
-    tail_fields: tuple = ()
-
-    def __init__(self, spec: TrainSpec):
-        self.spec = spec
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def epoch_fraction(self, ctx) -> float:
-        """How much of the current epoch is trained (progress display, partial epochs)."""
-        return ctx.step_in_epoch / max(1, ctx.steps_per_epoch)
-
-    def current_lr(self, ctx) -> float:
-        """The learning rate of the step just taken."""
-        return ctx.lr_at(max(ctx.step - 1, 0))
-
-    def run_epoch(self, run: "Run", epoch: int, first_step: int) -> EpochTotals:
-        ctx, lanes, bucket = run.ctx, run.lanes, run.ctx.bucket
-        order = ctx.order(epoch)
-        totals = run.epoch_totals()
-        for s in range(first_step, ctx.steps_per_epoch):
-            t_step = time.perf_counter()
-            idx = order.step_indices(s)
-            xb, yb = ctx.x[idx], ctx.y[idx]
-            t_data = time.perf_counter()
-            totals.data_s += t_data - t_step
-            tr = trace.ACTIVE       # spans reuse the loop's own clock reads
-            if tr is not None:
-                tr.add("data.batch", "data", trace.MAIN, t_step, t_data)
-            maybe_fail(ctx.spec, ctx.rank, "step", ctx.step)
-            n, loss_sum, correct, compute = lanes.step(xb, yb, run.dropout_seed())
-            run.slowdown(compute)
-            compute = time.perf_counter() - t_data
-            bucket.zero_tail()
-            bucket["samples"] = n
-            bucket["loss_sum"] = loss_sum
-            bucket["correct"] = correct
-            run.fill_flags(loss_sum)
-            dt_comm = bucket.allreduce(ctx.comm)
-            total_n = bucket["samples"]
-            flags = run.read_flags()
-            if flags["nonfinite"] and run.on_nonfinite == "stop":
-                run.stop_reason = "nonfinite"
-                break
-            skipped = flags["nonfinite"]
-            if skipped:
-                ctx.note_skip()
-            elif total_n > 0:
-                bucket.payload /= total_n
-                with trace.span("optimizer", "optim"):
-                    ctx.apply_gradient(bucket.payload, ctx.lr_at(ctx.step))
-                ctx.apply_gradient_ok()
-            ctx.step += 1
-            ctx.step_in_epoch = s + 1
-            if not skipped:     # a skipped step's loss may be NaN: keep it out of the epoch's means
-                totals.samples += total_n
-                totals.loss_sum += bucket["loss_sum"]
-                totals.correct += bucket["correct"]
-            totals.steps += 1
-            totals.compute_s += compute
-            totals.comm_s += dt_comm
-            t_end = time.perf_counter()
-            totals.step_wall_s += t_end - t_step
-            if tr is not None:
-                tr.add("step", "step", trace.MAIN, t_step, t_end, {"step": ctx.step})
-            run.after_step(n, loss_sum / max(n, 1), compute, dt_comm)
-            if run.should_stop_after_step(flags):
-                break
-        return totals
-
-
-def make_policy(spec: TrainSpec):
-    name = spec.policy["name"]
-    if name == "sync":
-        return SyncPolicy(spec)
-    from .policies.runners import make_runner   # cadence / async live with their math
-    return make_runner(spec)
 
 
 # --------------------------------------------------------------------------------------
@@ -204,10 +104,18 @@ class Run:
         dbg = self.spec.debug
         if dbg.get("nan_rank") == self.rank and dbg.get("nan_step") == self.ctx.step:
             b.payload[0] = float("nan")     # debug.nan_*: a non-finite gradient, on purpose
-        b["stop"] = 1.0 if self.stop_flag.raised else 0.0
+        for key, value in self.control_flags().items():
+            b[key] = value
         bad = not math.isfinite(loss_sum) or not b.payload_finite()   # on the GPU for a device bucket
         b["nonfinite"] = 1.0 if bad else 0.0
-        b["ckpt_due"] = 1.0 if (self.is_root and self.checkpoints.minutes_due()) else 0.0
+
+    def control_flags(self) -> dict:
+        """This rank's control flags for the next sync."""
+        return {"stop": 1.0 if self.stop_flag.raised else 0.0,
+                "ckpt_due": 1.0 if (self.is_root and self.checkpoints.minutes_due()) else 0.0}
+
+    def stop(self, reason: str) -> None:
+        self.stop_reason = reason
 
     def read_flags(self) -> dict:
         b = self.ctx.bucket
@@ -230,7 +138,7 @@ class Run:
             self.stop_reason = "signal"
             return True
         if flags["ckpt_due"] or self.checkpoints.steps_due(ctx.step):
-            if isinstance(self.policy, SyncPolicy) and ctx.step_in_epoch >= ctx.steps_per_epoch:
+            if self.policy.steps_are_batches and ctx.step_in_epoch >= ctx.steps_per_epoch:
                 # The epoch's last step: save once its validation is done (see execute), so a
                 # resume does not redo the epoch's end.
                 self.checkpoints.deferred = True
@@ -256,8 +164,7 @@ class Run:
         if not show:
             return
         epochs = int(self.spec.train["epochs"])
-        label = (f"step {ctx.step_in_epoch}/{ctx.steps_per_epoch}" if isinstance(self.policy, SyncPolicy)
-                 else f"sync {ctx.step_in_epoch}")
+        label = self.policy.step_label(ctx)
         self.progress.update(Snapshot(
             epoch=ctx.epoch, epochs=epochs, epoch_fraction=frac,
             run_fraction=run_fraction(ctx.epoch, frac, epochs, ctx.step, ctx.total_steps),
@@ -342,7 +249,7 @@ class Run:
         self.threads = limit_threads(comm, spec.train.get("threads_per_rank"),
                                      lanes=thread_lanes(spec.device.get("cpu_lanes")))
         tcfg = spec.extras.get("trace") or {}
-        self.tracer = trace.start(comm, bool(tcfg.get("enabled")), host=mpi.hostname(),
+        self.tracer = trace.start(comm, bool(tcfg.get("enabled")), host=hostname(),
                                   max_events=tcfg.get("max_events"))
         self.ctx = ctx = Context(spec, comm, log=self.log)
         self.log(spec.extras.get("plan", ""))
@@ -351,7 +258,7 @@ class Run:
             ctx.load_data()
         lanes_spec = mpi_mod.agree(comm, lambda: resolve_lanes(
             spec.device["kind"], int(spec.device["cpu_lanes"]), int(spec.device["gpus_per_rank"]),
-            mpi_mod.local_rank(comm)))
+            local_rank(comm)))
         # Lanes place the bucket (device twin or host) and pick its Allreduce path.
         self.lanes = mpi_mod.agree(comm, lambda: LaneSet(
             ctx.graph, lanes_spec, spec.train["dtype"], ctx.params, ctx.bucket, ctx.layout,
@@ -450,11 +357,7 @@ class Run:
             "skipped_steps": ctx.skipped_steps,
             "policy": self.policy.name,
         }
-        if self.policy.name == "sync":
-            # The same record keys as the windowed policies: every step is a sync.
-            rec.update(syncs=totals.steps, K=1,
-                       comm_share=(totals.comm_s / totals.compute_s) if totals.compute_s else None)
-        rec.update(totals.extra)
+        rec.update(self.policy.epoch_record(totals))
         if not ctx.has_accuracy:      # regression: no accuracy at all rather than a 0.0
             rec.pop("train_accuracy", None)
             rec.pop("val_accuracy", None)
@@ -506,7 +409,7 @@ class Run:
         st.lane_samples = {ln.name: ln.samples for ln in self.lanes.lanes}
         st.lane_busy_s = {ln.name: ln.busy_s for ln in self.lanes.lanes}
         st.data_s = ctx.data_s
-        mine = dict(st.__dict__, rank=self.rank, host=mpi.hostname(),
+        mine = dict(st.__dict__, rank=self.rank, host=hostname(),
                     wall_s=time.perf_counter() - self.t_start)
         ranks = comm.gather(mine, root=0)
         self.lanes.close()

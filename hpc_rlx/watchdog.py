@@ -86,7 +86,7 @@ class StallWatchdog:
     def __init__(self, comm, warn_s: float, abort_s: float | str | None = None,
                  position: Callable[[], int | None] = lambda: None,
                  out=None, stall: dict | None = None, abort: Callable[[int], None] | None = None):
-        from .comm import hostname
+        from .topology import hostname
 
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size

@@ -192,7 +192,8 @@ def test_query_and_doctor_line_on_this_machine():
 LOCAL = r'''
 import json
 from mpi4py import MPI
-from hpc_rlx.comm import by_rank, node_layout
+from hpc_rlx.comm import by_rank
+from hpc_rlx.topology import node_layout
 comm = MPI.COMM_WORLD
 layout = node_layout(comm)
 note = by_rank(comm, "same")

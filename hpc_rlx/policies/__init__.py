@@ -1,8 +1,12 @@
-"""Averaging policies: the pure math behind `policy=cadence` and `policy=async`.
+"""Policies: how an epoch's steps become synchronised parameters.
 
-Nothing here touches MPI, files or clocks beyond `time.sleep` in the slowdown injector. Every
-decision is a deterministic function of numbers that come out of the one fused Allreduce, so
-all ranks reach the same decision without an extra collective:
+The policies themselves, one module each, behind the interface of `base.Policy` and listed
+in `registry.POLICIES`: `sync` (one gradient Allreduce per step), and the windowed policies
+(`windowed`: local steps, then one fused sync) `cadence` and `asynchronous` (`policy=async`).
+
+Their pure math, which touches no MPI, files or clocks beyond `time.sleep` in the slowdown
+injector. Every decision is a deterministic function of numbers that come out of the one
+fused Allreduce, so all ranks reach the same decision without an extra collective:
 
 - `consensus`: the work-weighted parameter average packed into / finished from the bucket.
 - `bucket`: the bucket layout, `[w*W ... | w | per-rank report slots]`, and its readout.
@@ -11,11 +15,9 @@ all ranks reach the same decision without an extra collective:
 - `outer`: outer optimizers applied to the consensus (average, DiLoCo, SlowMo).
 - `window`: trimming a window's step counts to what is left of the epoch.
 - `slowdown`: honest extra wall time per step, to simulate slow hardware on one machine.
-- `config`: the `policy.*` keys, their defaults and checks (`validate_policy_config`).
+- `config`: `validate_policy_config`, checking `policy.*` against the selected policy's
+  own declaration of its keys and defaults.
 - `epochlog`: the per-epoch metrics record of a windowed policy.
-
-`runners` (imported lazily by the training loop, it needs MPI) drives all of this inside
-`train.Run`: `make_runner(spec)` for `policy=cadence` and `policy=async`.
 """
 
 from .bucket import REPORT_FIELDS, SyncLayout, SyncReport

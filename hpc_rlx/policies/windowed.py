@@ -1,4 +1,7 @@
-"""`policy=cadence` and `policy=async` in the training loop: local steps, then one fused sync.
+"""The windowed policies (`cadence`, `async`): local steps, then one fused sync.
+
+This module holds what they share; `cadence.py` and `asynchronous.py` what differs (the
+step-count controller, its config keys and what the epoch record shows).
 
 A window: every rank runs its share of local optimizer steps on its own shard (no
 communication), then all ranks issue ONE in-place Allreduce(SUM) of
@@ -44,32 +47,64 @@ import numpy as np
 from .. import comm as mpi
 from .. import trace
 from ..errors import ConfigError
-from ..train import EpochTotals, maybe_fail
+from ..faults import maybe_fail
+from .base import EpochTotals, Policy, TrainingLoop
 from .bucket import REPORT_FIELDS, SyncLayout
-from .config import build_controller, validate_policy_config
 from .consensus import relative_divergence, work_weight
 from .epochlog import EpochLog
 from .outer import make_outer
 from .slowdown import SlowdownInjector, parse_slowdown
 from .smoothing import RecentMin
-from .window import plan_window, stretch_to_epoch
+from .window import plan_window
 
 FIELDS = REPORT_FIELDS + ("loss_sum", "correct", "stop", "nonfinite", "ckpt_due")
 
 
-class WindowedRunner:
-    """The policy interface `train.Run` drives (see `train.SyncPolicy`)."""
+SHARED_DEFAULTS = {
+    "anchor": 10,
+    "max_anchor": 200,
+    "overhead_target": 0.10,
+    "gamma": 1.0,
+    "outer": "average",
+    "outer_lr": None,
+    "outer_momentum": None,
+}
 
-    tail_fields: tuple = ()
+
+class WindowedPolicy(Policy):
+    """Local steps, then one fused sync. Subclasses provide the step-count controller:
+    `build_controller`, `k`, `planned_counts`, `window_k`, `_observe`, `_controller_record`."""
+
+    defaults = SHARED_DEFAULTS
+
+    @classmethod
+    def check_config(cls, cfg: dict) -> dict:
+        out = {"name": cls.name}
+        out["anchor"] = integer_key("anchor", cfg["anchor"])
+        out["max_anchor"] = integer_key("max_anchor", cfg["max_anchor"])
+        out["overhead_target"] = number_key("overhead_target", cfg["overhead_target"])
+        out["gamma"] = number_key("gamma", cfg["gamma"])
+        out["outer"] = cfg["outer"]
+        out["outer_lr"] = number_key("outer_lr", cfg["outer_lr"], allow_none=True)
+        out["outer_momentum"] = number_key("outer_momentum", cfg["outer_momentum"], allow_none=True)
+        out.update(cls.check_own_keys(cfg))
+        # The objects that enforce the ranges; built once here only for their checks.
+        work_weight(1, out["gamma"])
+        make_outer(out["outer"], out["outer_lr"], out["outer_momentum"])
+        cls.build_controller(out, world_size=1)
+        return out
+
+    @classmethod
+    def check_own_keys(cls, cfg: dict) -> dict:
+        """The subclass's own keys, checked."""
+        return {}
 
     def __init__(self, spec):
-        self.spec = spec
+        super().__init__(spec)
         self.world = int(spec.world_size)
         try:
-            self.cfg = validate_policy_config(spec.policy)
-            if self.cfg["name"] == "sync":
-                raise ConfigError("policy=sync has no windowed runner (train.SyncPolicy runs it)")
-            self.controller = build_controller(self.cfg, self.world)
+            self.cfg = self.complete_config(spec.policy)
+            self.controller = self.build_controller(self.cfg, self.world)
             self.outer = make_outer(self.cfg["outer"], self.cfg["outer_lr"],
                                     self.cfg["outer_momentum"])
             self.slowdown_map = parse_slowdown(spec.debug.get("slowdown"), self.world)
@@ -77,7 +112,6 @@ class WindowedRunner:
             # Every rank checks the same broadcast spec, so every rank fails here with this
             # same message: it is already agreed, and needs no collective to say so.
             raise mpi.CollectiveError(str(e), kind="ConfigError", origin=0) from None
-        self.name = self.cfg["name"]
         self.gamma = float(self.cfg["gamma"])
         self.cursors: list[int] | None = None    # per rank: local steps taken since the start
         self.epoch_consumed = 0                  # samples consumed so far in this epoch
@@ -93,32 +127,27 @@ class WindowedRunner:
         self._adopt_position = False
         self._synced = False
 
-    # ---- the controller behind one small interface ---------------------------------------
+    # ---- the controller behind one small interface (the subclasses) ------------------------
     @property
     def k(self) -> int:
-        return self.controller.anchor if self.name == "cadence" else self.controller.k
+        """The K the epoch record shows."""
+        raise NotImplementedError
 
     def planned_counts(self) -> list[int]:
-        if self.name == "cadence":
-            return list(self.controller.counts)
-        # async: K, stretched so the epoch's windows come out even (see stretch_to_epoch)
-        left = (self.epoch_samples - self.epoch_consumed) // max(1, sum(self.batches))
-        cap = min(self.controller.ceiling, self.controller.max_anchor)
-        return [stretch_to_epoch(self.controller.k, left, cap)] * self.world
+        """Local steps per rank for the next full window."""
+        raise NotImplementedError
+
+    def window_k(self, planned: list[int]) -> int:
+        """The K a window planned as `planned` ran with (the epoch log's k_trace)."""
+        return self.k
 
     def _observe(self, report, trimmed: bool) -> None:
-        if self.name == "cadence":
-            # Sync cost: the smallest of the last few, so one preempted sync on a shared node
-            # does not multiply the anchor (growth is multiplicative, decay one step). A window
-            # cut short by the end of the epoch would read as high overhead: no anchor update.
-            cost = self._cost.add(report.comm_ms)
-            self.controller.observe(report.ms_per_step, cost,
-                                    None if trimmed else report.window_ms)
-        else:
-            # async aims the MEAN share at the target, so it takes every cost, spikes
-            # included (the controller averages the recent ones)
-            self.controller.observe(report.comm_ms, report.slowest_ms_per_step,
-                                    report.max_divergence)
+        """Feed the controller what the sync reported (`trimmed`: cut short by the epoch's end)."""
+        raise NotImplementedError
+
+    def _controller_record(self, metrics: dict) -> dict:
+        """The controller's keys in the epoch record."""
+        return {}
 
     # ---- checkpoint state ---------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -213,8 +242,11 @@ class WindowedRunner:
         """The learning rate of the last window (it follows data progress, see _lr_step)."""
         return self._lr
 
+    def epoch_record(self, totals: EpochTotals) -> dict:
+        return dict(totals.extra)
+
     # ---- one epoch ----------------------------------------------------------------------
-    def run_epoch(self, run, epoch: int, first_step: int) -> EpochTotals:
+    def run_epoch(self, run: TrainingLoop, epoch: int, first_step: int) -> EpochTotals:
         if not self._ready:
             self._setup(run)
         ctx = run.ctx
@@ -231,7 +263,7 @@ class WindowedRunner:
                 self.epoch_consumed = 0
                 self._log = None
                 break
-            k = self.k if self.name == "cadence" else planned[0]
+            k = self.window_k(planned)
             if self._window(run, counts, counts != planned, totals, log, k):
                 if not any(plan_window(self.planned_counts(), self.batches,
                                        self.epoch_samples - self.epoch_consumed)):
@@ -241,17 +273,11 @@ class WindowedRunner:
                     totals.complete = True
                 break
         extra = {"outer": self.outer.name, "lr": self._lr}
-        metrics = self.controller.metrics()
-        if self.name == "cadence":
-            extra.update(anchor=metrics["anchor"], overhead=_round(metrics["overhead"]),
-                         ms_per_step=metrics["ms_per_step_ema"])
-        else:
-            extra.update(overhead=_round(metrics["overhead"]), k_ceiling=metrics["k_ceiling"],
-                         divergence_trips=metrics["divergence_trips"])
+        extra.update(self._controller_record(self.controller.metrics()))
         totals.extra = log.record(self.k, self.planned_counts(), **extra)
         return totals
 
-    def _window(self, run, counts, trimmed: bool, totals: EpochTotals, log: EpochLog,
+    def _window(self, run: TrainingLoop, counts, trimmed: bool, totals: EpochTotals, log: EpochLog,
                 k: int) -> bool:
         """Local steps, then the sync. Returns True when the run must stop."""
         ctx, lanes, rank = run.ctx, run.lanes, run.rank
@@ -314,15 +340,14 @@ class WindowedRunner:
             "steps": steps, "samples": samples, "compute_ms": measured * 1e3,
             "sync_ms": self._prev_sync_ms, "divergence": self._prev_div,
             "loss_sum": 0.0 if bad else loss_sum, "correct": 0.0 if bad else correct,
-            "stop": 1.0 if run.stop_flag.raised else 0.0,
             "nonfinite": 1.0 if bad else 0.0,
-            "ckpt_due": 1.0 if (run.is_root and run.checkpoints.minutes_due()) else 0.0,
+            **run.control_flags(),
         })
         self.bucket.allreduce(ctx.comm)    # the one collective of the window
         report = self.layout.read(self.buf)
         flags = {key: bool(np.any(report[key] > 0)) for key in ("stop", "nonfinite", "ckpt_due")}
         if flags["nonfinite"] and run.on_nonfinite == "stop":
-            run.stop_reason = "nonfinite"
+            run.stop("nonfinite")
             ctx.params[...] = self.global_params      # the last agreed model, not this rank's window
             return True
 
@@ -374,10 +399,24 @@ class WindowedRunner:
         return run.should_stop_after_step(flags)
 
 
-def make_runner(spec) -> WindowedRunner:
-    """The runner for `spec.policy.name` (cadence or async)."""
-    return WindowedRunner(spec)
-
-
-def _round(x, digits: int = 5):
+def round_or_none(x, digits: int = 5):
     return None if x is None else round(float(x), digits)
+
+
+def number_key(name: str, value, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"policy.{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def integer_key(name: str, value, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    # Hydra hands `anchor: 10.0` through as a float; accept integral floats, refuse 2.5
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"policy.{name} must be an integer, got {value!r}")
+    return value

@@ -1,0 +1,50 @@
+"""`policy=async`: every rank runs K local steps between syncs.
+
+The interval controller (`interval.py`) keeps the sync's mean cost near `overhead_target`
+of the compute, and its divergence guard cuts K when the ranks' models drift apart. (The
+module is not named `async`, a Python keyword.)
+"""
+
+from __future__ import annotations
+
+from .interval import IntervalController
+from .window import stretch_to_epoch
+from .windowed import SHARED_DEFAULTS, WindowedPolicy, number_key, round_or_none
+
+
+class AsyncPolicy(WindowedPolicy):
+    name = "async"
+    defaults = dict(SHARED_DEFAULTS, divergence_threshold=0.05)
+
+    @classmethod
+    def check_own_keys(cls, cfg: dict) -> dict:
+        return {"divergence_threshold": number_key("divergence_threshold", cfg["divergence_threshold"],
+                                                   allow_none=True)}
+
+    @classmethod
+    def build_controller(cls, cfg, world_size: int) -> IntervalController:
+        return IntervalController(k=cfg["anchor"], max_anchor=cfg["max_anchor"],
+                                  overhead_target=cfg["overhead_target"],
+                                  divergence_threshold=cfg["divergence_threshold"])
+
+    @property
+    def k(self) -> int:
+        return self.controller.k
+
+    def planned_counts(self) -> list[int]:
+        # K, stretched so the epoch's windows come out even (see stretch_to_epoch)
+        left = (self.epoch_samples - self.epoch_consumed) // max(1, sum(self.batches))
+        cap = min(self.controller.ceiling, self.controller.max_anchor)
+        return [stretch_to_epoch(self.controller.k, left, cap)] * self.world
+
+    def window_k(self, planned: list[int]) -> int:
+        return planned[0]
+
+    def _observe(self, report, trimmed: bool) -> None:
+        # async aims the MEAN share at the target, so it takes every cost, spikes included
+        # (the controller averages the recent ones)
+        self.controller.observe(report.comm_ms, report.slowest_ms_per_step, report.max_divergence)
+
+    def _controller_record(self, metrics: dict) -> dict:
+        return {"overhead": round_or_none(metrics["overhead"]), "k_ceiling": metrics["k_ceiling"],
+                "divergence_trips": metrics["divergence_trips"]}

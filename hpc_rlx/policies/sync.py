@@ -1,0 +1,83 @@
+"""`policy=sync`: one fused gradient Allreduce per step.
+
+Per step every lane writes its sample-weighted gradient into the fused bucket, the policy
+writes the sample count, loss sum, correct count and control flags into the bucket's tail,
+one Allreduce sums all of it, and every rank divides by the global sample count and applies
+the same optimizer step.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .. import trace
+from ..faults import maybe_fail
+from .base import EpochTotals, Policy, TrainingLoop
+
+
+class SyncPolicy(Policy):
+    name = "sync"
+    defaults = {}
+    steps_are_batches = True
+
+    def step_label(self, ctx) -> str:
+        return f"step {ctx.step_in_epoch}/{ctx.steps_per_epoch}"
+
+    def epoch_record(self, totals: EpochTotals) -> dict:
+        # The same record keys as the windowed policies: every step is a sync.
+        return dict(totals.extra, syncs=totals.steps, K=1,
+                    comm_share=(totals.comm_s / totals.compute_s) if totals.compute_s else None)
+
+    def run_epoch(self, loop: TrainingLoop, epoch: int, first_step: int) -> EpochTotals:
+        ctx, lanes, bucket = loop.ctx, loop.lanes, loop.ctx.bucket
+        order = ctx.order(epoch)
+        totals = loop.epoch_totals()
+        for s in range(first_step, ctx.steps_per_epoch):
+            t_step = time.perf_counter()
+            idx = order.step_indices(s)
+            xb, yb = ctx.x[idx], ctx.y[idx]
+            t_data = time.perf_counter()
+            totals.data_s += t_data - t_step
+            tr = trace.ACTIVE       # spans reuse the loop's own clock reads
+            if tr is not None:
+                tr.add("data.batch", "data", trace.MAIN, t_step, t_data)
+            maybe_fail(ctx.spec, ctx.rank, "step", ctx.step)
+            n, loss_sum, correct, compute = lanes.step(xb, yb, loop.dropout_seed())
+            loop.slowdown(compute)
+            compute = time.perf_counter() - t_data
+            bucket.zero_tail()
+            bucket["samples"] = n
+            bucket["loss_sum"] = loss_sum
+            bucket["correct"] = correct
+            loop.fill_flags(loss_sum)
+            dt_comm = bucket.allreduce(ctx.comm)
+            total_n = bucket["samples"]
+            flags = loop.read_flags()
+            if flags["nonfinite"] and loop.on_nonfinite == "stop":
+                loop.stop("nonfinite")
+                break
+            skipped = flags["nonfinite"]
+            if skipped:
+                ctx.note_skip()
+            elif total_n > 0:
+                bucket.payload /= total_n
+                with trace.span("optimizer", "optim"):
+                    ctx.apply_gradient(bucket.payload, ctx.lr_at(ctx.step))
+                ctx.apply_gradient_ok()
+            ctx.step += 1
+            ctx.step_in_epoch = s + 1
+            if not skipped:     # a skipped step's loss may be NaN: keep it out of the epoch's means
+                totals.samples += total_n
+                totals.loss_sum += bucket["loss_sum"]
+                totals.correct += bucket["correct"]
+            totals.steps += 1
+            totals.compute_s += compute
+            totals.comm_s += dt_comm
+            t_end = time.perf_counter()
+            totals.step_wall_s += t_end - t_step
+            if tr is not None:
+                tr.add("step", "step", trace.MAIN, t_step, t_end, {"step": ctx.step})
+            loop.after_step(n, loss_sum / max(n, 1), compute, dt_comm)
+            if loop.should_stop_after_step(flags):
+                break
+        return totals
