@@ -18,7 +18,7 @@ import numpy as np
 from . import trace
 from . import watchdog as _watchdog
 from .errors import HpcRlxError
-from .topology import rank_span
+from .topology import hostname, rank_span
 
 
 def world():
