@@ -86,26 +86,12 @@ def _rank_overrides(rank: int) -> list[str]:
 
 
 # Innermost function on the failing call stack -> what the job was doing.
-_PHASES = {
-    "load_data": "data loading", "load_shard": "data loading",
-    "maybe_resume": "resume from a checkpoint", "save_checkpoint": "checkpointing",
-    "evaluate": "validation", "run_epoch": "a training step", "_window": "a training step",
-}
-
-
-def _phase(exc: BaseException, where: str) -> str:
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if frame.name in _PHASES:
-            return _PHASES[frame.name]
-    return where
-
-
 def _error_exit(comm, exc: BaseException, where: str) -> None:
     """Errors agreed by every rank print once (rank 0) and exit 2; anything else prints one
     message from the failing rank (rank, host, what it was doing, step, cause) and aborts."""
     from .comm import CollectiveError, abort
     from .topology import hostname
-    from .errors import HpcRlxError
+    from .errors import HpcRlxError, phase_of
 
     step = getattr(exc, "step", None)
     at = "" if step is None else f" at step {step}"
@@ -122,7 +108,7 @@ def _error_exit(comm, exc: BaseException, where: str) -> None:
                 # an unexpected exception that every rank agreed on: the cause first, then where
                 cause = text.rstrip().splitlines()[-1]
                 sys.stderr.write(f"hpc_rlx: error ({kind}, reported by {who}) during "
-                                 f"{_phase(exc, where)}{at}: {cause}\n{text}\n")
+                                 f"{phase_of(exc, where)}{at}: {cause}\n{text}\n")
             else:
                 sys.stderr.write(f"hpc_rlx: error ({kind}, reported by {who}): {text}\n")
             sys.stderr.flush()
@@ -134,7 +120,7 @@ def _error_exit(comm, exc: BaseException, where: str) -> None:
         cause = "".join(traceback.format_exception_only(exc)).strip()
         detail = "\n" + "".join(traceback.format_exception(exc)).rstrip()
     _remove_unused_run_dir()     # the failing rank: the others are about to be killed
-    abort(comm, f"hpc_rlx: rank {comm.rank} on {hostname()} failed during {_phase(exc, where)}"
+    abort(comm, f"hpc_rlx: rank {comm.rank} on {hostname()} failed during {phase_of(exc, where)}"
                 f"{at}: {cause}{detail}\n"
                 f"hpc_rlx: aborting all {comm.size} ranks", code=1)
 

@@ -2,7 +2,15 @@
 
 Everything the user can fix (config, data, graph file, checkpoint, disk) raises a subclass of
 HpcRlxError; anything else is a bug and is reported with its traceback.
+
+`phase(name)` marks what a rank is doing ("data loading", "checkpointing", ...): an exception
+leaving the block carries the innermost phase it passed through, which the failure message
+names. The code that enters a phase says so; renaming a function changes nothing users see.
 """
+
+from __future__ import annotations
+
+from contextlib import contextmanager
 
 
 class HpcRlxError(Exception):
@@ -27,3 +35,21 @@ class CheckpointError(HpcRlxError):
 
 class DeviceError(HpcRlxError):
     """A requested device/backend is not available on this rank."""
+
+
+@contextmanager
+def phase(name: str):
+    """Tag an exception raised inside the block with `name`, unless an inner phase did."""
+    try:
+        yield
+    except BaseException as exc:
+        if getattr(exc, "phase", None) is None:
+            try:
+                exc.phase = name
+            except AttributeError:
+                pass        # an exception type that takes no attributes: the caller's default
+        raise
+
+
+def phase_of(exc: BaseException, default: str) -> str:
+    return getattr(exc, "phase", None) or default

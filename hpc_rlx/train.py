@@ -17,7 +17,7 @@ import numpy as np
 from . import comm as mpi
 from . import trace
 from .context import TAIL_FIELDS, Context  # noqa: F401 - TAIL_FIELDS re-exported
-from .errors import CheckpointError
+from .errors import CheckpointError, phase
 from .faults import maybe_fail
 from .outputs import RunOutputs
 from .policies.base import EpochTotals
@@ -218,11 +218,12 @@ class Run:
         return t
 
     def save_checkpoint(self, reason: str, metric: float | None = None) -> None:
-        maybe_fail(self.spec, self.rank, "checkpoint")
-        mpi.agree(self.comm, self._check_params_finite)
-        t0 = time.perf_counter()
-        with trace.span("checkpoint", "io", args={"reason": reason}):
-            self.checkpoints.save(self, reason, metric)
+        with phase("checkpointing"):
+            maybe_fail(self.spec, self.rank, "checkpoint")
+            mpi.agree(self.comm, self._check_params_finite)
+            t0 = time.perf_counter()
+            with trace.span("checkpoint", "io", args={"reason": reason}):
+                self.checkpoints.save(self, reason, metric)
         self._add_checkpoint_time(time.perf_counter() - t0)
 
     def _add_checkpoint_time(self, dt: float) -> None:
@@ -254,7 +255,8 @@ class Run:
         self.ctx = ctx = Context(spec, comm, log=self.log)
         self.log(spec.extras.get("plan", ""))
         self._cpu_mark = time.process_time()
-        with trace.span("data.load", "data", args={"distribution": spec.data.distribution}):
+        with phase("data loading"), trace.span("data.load", "data",
+                                               args={"distribution": spec.data.distribution}):
             ctx.load_data()
         lanes_spec = mpi_mod.agree(comm, lambda: resolve_lanes(
             spec.device["kind"], int(spec.device["cpu_lanes"]), int(spec.device["gpus_per_rank"]),
@@ -270,7 +272,8 @@ class Run:
         self.stats = RankStats(lanes=self.lanes.names, inventory=inventory(), threads=self.threads)
         self.policy = make_policy(spec)
         self.checkpoints = RuntimeCheckpoints(self)
-        self.checkpoints.maybe_resume()
+        with phase("resume from a checkpoint"):
+            self.checkpoints.maybe_resume()
         if ctx.total_steps and ctx.step >= ctx.total_steps:
             self.stop_reason = "max_steps"     # resumed at or past train.max_steps: no step to take
         self.outputs = RunOutputs(self) if self.is_root else None
@@ -286,7 +289,8 @@ class Run:
         while ctx.epoch < epochs and self.stop_reason is None:
             t_epoch = time.perf_counter()
             first = ctx.step_in_epoch
-            totals = self.policy.run_epoch(self, ctx.epoch, first)
+            with phase("a training step"):
+                totals = self.policy.run_epoch(self, ctx.epoch, first)
             epoch_done = (self.stop_reason is None or ctx.step_in_epoch >= ctx.steps_per_epoch
                           or totals.complete)
             if self.stop_reason == "nonfinite":
@@ -336,7 +340,7 @@ class Run:
     def _end_epoch(self, totals: EpochTotals, wall: float, partial: bool = False) -> dict:
         ctx, spec = self.ctx, self.spec
         t_eval = time.perf_counter()
-        with trace.span("evaluate", "eval"):
+        with phase("validation"), trace.span("evaluate", "eval"):
             val = ctx.evaluate(self.lanes)
         self._record_rank_epoch(totals, wall, time.perf_counter() - t_eval)
         train_loss = totals.loss_sum / totals.samples if totals.samples else None

@@ -220,3 +220,26 @@ def test_a_new_policy_is_one_file_and_one_registry_line(tmp_path):
     assert epochs[-1]["train_loss"] < epochs[0]["train_loss"], epochs
     # the copy trained, not the package this test imported
     assert not (PKG / "policies" / "toy.py").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Error phases come from markers, not from function names
+# ---------------------------------------------------------------------------------------------
+
+def test_the_innermost_phase_names_the_failure():
+    from hpc_rlx.errors import DataError, phase, phase_of
+
+    def any_name_at_all():
+        with phase("a training step"):
+            with phase("checkpointing"):
+                raise DataError("disk full")
+
+    with pytest.raises(DataError) as info:
+        any_name_at_all()
+    assert phase_of(info.value, "startup") == "checkpointing"
+    assert phase_of(ValueError("outside any phase"), "startup") == "startup"
+
+
+def test_no_phase_is_looked_up_by_function_name():
+    main = (PKG / "__main__.py").read_text()
+    assert "extract_tb" not in main and "_PHASES" not in main
