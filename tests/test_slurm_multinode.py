@@ -216,8 +216,12 @@ def test_two_node_job_preempted_by_sigusr1_checkpoints_requeues_and_resumes(
         slurm2, mpi, small_h5, tmp_path):
     name, venv = mpi
     epochs = 12
-    # 8 steps of >= 60 ms each: ~0.5 s per epoch, caught mid-run, done soon after the requeue
-    args = [f"train.epochs={epochs}", f"data.path={small_h5}", *SMALL, "debug.slowdown={0:60,1:60}"]
+    # 8 steps per epoch, a few ms each on a fast machine: rank 1 sleeps 8 s at step 10 (in
+    # epoch 2, and again at the first step of the requeued run), so the signal sent once the
+    # first epoch is in lands mid-run however fast the machine; no stall report under the
+    # default stall_warning_s (60 s)
+    args = [f"train.epochs={epochs}", f"data.path={small_h5}", *SMALL, "debug.stall_rank=1",
+            "debug.stall_step=10", "debug.stall_s=8"]
     job = submit(slurm2, tmp_path, venv, args)
     run_dir = tmp_path / "outputs" / f"slurm-{job}"
     show = lambda: log_of(tmp_path, job)  # noqa: E731
