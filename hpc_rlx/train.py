@@ -16,13 +16,14 @@ import numpy as np
 
 from . import comm as mpi
 from . import trace
-from .context import TAIL_FIELDS, Context  # noqa: F401 - TAIL_FIELDS re-exported
+from .context import Context
 from .errors import CheckpointError, phase
 from .faults import maybe_fail
 from .outputs import RunOutputs
 from .policies.base import EpochTotals
 from .policies.registry import make_policy
-from .progress import Snapshot, end_line, make_progress, run_fraction
+from .progress import end_line
+from .run_display import RunDisplay
 from .signals import SIGNALS
 from .spec import TrainSpec
 from .topology import hostname, local_rank
@@ -64,11 +65,8 @@ class Run:
         self.current_totals: EpochTotals | None = None
         self.t_start = time.perf_counter()
         # rank 0's progress display and per-step records (steps.jsonl, TensorBoard)
-        self.progress = (make_progress(spec.train.get("progress", "auto"), spec.train.get("log_every_s"))
-                         if self.is_root else None)
-        self.step_log = None
+        self.display = RunDisplay(spec, self.is_root, self.t_start)
         self.partial_metrics: dict | None = None     # the validation of a run ending mid-epoch
-        self._epoch_clock = self._run_clock = None     # (time, fraction) where they started
         from .policies import slowdown_for_rank
         self._slowdown = slowdown_for_rank(spec.debug.get("slowdown"), comm.rank, comm.size)
         self.tracer = None
@@ -77,10 +75,7 @@ class Run:
 
     # ---- logging ----------------------------------------------------------------------
     def log(self, msg: str) -> None:
-        if self.progress is not None:
-            self.progress.print(f"[hpc_rlx] {msg}")     # above the bar, if there is one
-        elif self.is_root:
-            print(f"[hpc_rlx] {msg}", flush=True)
+        self.display.log(msg)
 
     def _check_params_finite(self) -> None:
         """Never checkpoint a NaN model (e.g. an overflow that train.on_nonfinite=skip kept
@@ -130,7 +125,7 @@ class Run:
             if st.first_loss is None:
                 st.first_loss = loss
             st.last_loss = loss
-        self._progress()
+        self.display.after_step(self.ctx, self.policy, self.current_totals)
 
     def should_stop_after_step(self, flags: dict) -> bool:
         ctx = self.ctx
@@ -149,49 +144,8 @@ class Run:
             return True
         return False
 
-    def _progress(self) -> None:
-        """Rank 0 after a step: the step log and the progress display, from global totals."""
-        if self.progress is None:
-            return
-        ctx, totals, now = self.ctx, self.current_totals, time.perf_counter()
-        show, log = self.progress.due(now), self.step_log
-        if not show and (log is None or not log.due(ctx.step, now)):
-            return          # most steps: nothing to write or draw
-        frac = min(1.0, self.policy.epoch_fraction(ctx))
-        if log is not None:
-            log.step(ctx.step, now, totals.samples, totals.loss_sum, ctx.epoch + frac,
-                     self.policy.current_lr(ctx))
-        if not show:
-            return
-        epochs = int(self.spec.train["epochs"])
-        label = self.policy.step_label(ctx)
-        self.progress.update(Snapshot(
-            epoch=ctx.epoch, epochs=epochs, epoch_fraction=frac,
-            run_fraction=run_fraction(ctx.epoch, frac, epochs, ctx.step, ctx.total_steps),
-            step=ctx.step, step_label=label, epoch_samples=totals.samples,
-            samples_per_epoch=int(ctx.plan.samples_per_epoch),
-            loss=totals.loss_sum / totals.samples if totals.samples else None, now=now,
-            epoch_t0=self._epoch_clock[0], epoch_f0=self._epoch_clock[1],
-            run_t0=self._run_clock[0], run_f0=self._run_clock[1]))
-
-    def _open_step_log(self) -> None:
-        """Rank 0: steps.jsonl, and the TensorBoard event files when report.tensorboard is on."""
-        from . import tensorboard_log
-        from .step_log import StepLog
-        spec, ctx = self.spec, self.ctx
-        board = None
-        if tensorboard_log.enabled(spec.extras.get("report", {}).get("tensorboard", "false")):
-            board = tensorboard_log.TensorBoardLog(spec.run_dir, tensorboard_log.flat_hparams(
-                _config_dict(spec), spec.world_size))
-        self.step_log = StepLog(spec.run_dir, ctx.steps_per_epoch, self.t_start, board,
-                                resumed_step=ctx.step if self.resumed_from else None)
-
     def close_displays(self) -> None:
-        """End the progress bar and the step log (also when the run fails)."""
-        if self.progress is not None:
-            self.progress.close()
-        if self.step_log is not None:
-            self.step_log.close()
+        self.display.close()
 
     # ---- checkpoints --------------------------------------------------------------------
     def epoch_totals(self) -> EpochTotals:
@@ -206,15 +160,7 @@ class Run:
             t.compute_s, t.comm_s = float(carried.get("compute_s", 0.0)), float(carried.get("comm_s", 0.0))
             t.step_wall_s = float(carried.get("step_wall_s", 0.0))
         self.current_totals = t
-        if self.is_root:
-            ctx, now = self.ctx, time.perf_counter()
-            frac = self.policy.epoch_fraction(ctx)
-            self._epoch_clock = (now, frac)
-            if self._run_clock is None:
-                epochs = int(self.spec.train["epochs"])
-                self._run_clock = (now, run_fraction(ctx.epoch, frac, epochs, ctx.step, ctx.total_steps))
-            if self.step_log is not None:
-                self.step_log.epoch_start(ctx.step, now, t.samples, t.loss_sum)
+        self.display.epoch_start(self.ctx, self.policy, t)
         return t
 
     def save_checkpoint(self, reason: str, metric: float | None = None) -> None:
@@ -279,7 +225,7 @@ class Run:
         self.outputs = RunOutputs(self) if self.is_root else None
         if self.outputs:
             self.outputs.start()
-            self._open_step_log()
+            self.display.open_step_log(ctx.steps_per_epoch, ctx.step if self.resumed_from else None)
         self.log(f"{comm.size} ranks, lanes on rank 0: {self.lanes.names}, "
                  f"{ctx.layout.size} parameters, {ctx.steps_per_epoch} steps/epoch")
         self.checkpoints.training_starts()
@@ -338,7 +284,7 @@ class Run:
         return hist[-1].get(self.spec.checkpoint["metric"])
 
     def _end_epoch(self, totals: EpochTotals, wall: float, partial: bool = False) -> dict:
-        ctx, spec = self.ctx, self.spec
+        ctx = self.ctx
         t_eval = time.perf_counter()
         with phase("validation"), trace.span("evaluate", "eval"):
             val = ctx.evaluate(self.lanes)
@@ -376,15 +322,7 @@ class Run:
             ctx.history.append(entry)
         if self.outputs:
             self.outputs.epoch(rec)
-        if self.step_log is not None:
-            self.step_log.epoch(rec)
-        if self.progress is not None:
-            self.progress.end_epoch()
-        acc = f"  val_acc {_fmt(rec['val_accuracy'])}" if "val_accuracy" in rec else ""
-        part = f" (partial: {totals.steps} steps)" if partial else ""
-        self.log(f"epoch {rec['epoch']}/{spec.train['epochs']}{part}  train_loss {_fmt(train_loss)}  "
-                 f"val_loss {_fmt(rec['val_loss'])}{acc}  "
-                 f"{_fmt(rec['samples_per_s'], 0)} samples/s  comm {_fmt(totals.comm_s, 3)}s")
+        self.display.epoch_end(rec, totals.comm_s, totals.steps, partial)
         return rec
 
     def _record_rank_epoch(self, totals: EpochTotals, wall: float, eval_s: float) -> None:
@@ -441,25 +379,6 @@ class Run:
                 f"no checkpoint was written from that state; lower optim.lr, set optim.clip_grad_norm, "
                 f"or train.on_nonfinite=skip")
         return result
-
-
-def _config_dict(spec: TrainSpec) -> dict:
-    """The resolved config as a dict (the hyper-parameters TensorBoard shows)."""
-    import yaml
-    try:
-        cfg = yaml.safe_load(spec.config_yaml or "") or {}
-    except yaml.YAMLError:
-        cfg = {}
-    if not isinstance(cfg, dict) or not cfg:
-        cfg = {"train": spec.train, "optim": spec.optim, "policy": spec.policy, "device": spec.device,
-               "comm": spec.comm}
-    return cfg
-
-
-def _fmt(v, digits: int = 4) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.{digits}f}"
 
 
 def train(spec: TrainSpec, comm) -> dict:
