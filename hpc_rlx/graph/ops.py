@@ -1,4 +1,6 @@
-"""Every op's type rule and forward, written once against the array module ``xp``.
+"""The ops' type rules and forwards, written once against the array module ``xp``: elementwise,
+broadcasting, matrix products, shapes and the transformer pieces here; convolution and pooling
+in ``ops_spatial``, losses and metrics in ``ops_loss``.
 
 ``forward(xp, args, attrs, ctx) -> (out, saved)``: ``saved`` carries what the VJP needs beyond
 the arguments and the output (masks, softmax probabilities, im2col columns, shapes) and is only
@@ -12,18 +14,15 @@ from __future__ import annotations
 import math
 
 from hpc_rlx import backend
-from hpc_rlx.graph import conv
 from hpc_rlx.graph.registry import REQUIRED, defop
 from hpc_rlx.graph.shapes import (
     FLOAT,
-    INT,
     ShapeError,
     TensorType,
     axis_index,
     broadcast,
     fmt_shape,
     known_prod,
-    pair,
     require_float,
     require_int,
     require_ndim,
@@ -215,82 +214,6 @@ def linear(xp, args, a, ctx):
     if len(args) == 3:
         out += args[2]
     return (out if x.ndim == 2 else out.reshape(x.shape[:-1] + (w.shape[1],))), None
-
-
-# ---------------------------------------------------------------- convolution and pooling
-
-
-def _conv_check(a):
-    s, p = pair(a["stride"], "stride"), pair(a["padding"], "padding")
-    if min(s) < 1 or min(p) < 0:
-        raise ShapeError(f"stride must be >= 1 and padding >= 0, got stride={a['stride']} padding={a['padding']}")
-    return {"stride": s, "padding": p}
-
-
-def _conv_type(types, a):
-    x, w = types[0], types[1]
-    require_float(x, "input")
-    require_float(w, "weight")
-    require_ndim(x, 4, "input (B, C, H, W)")
-    require_ndim(w, 4, "weight (O, C, kh, kw)")
-    if None in x.shape[1:] or None in w.shape:
-        raise ShapeError("only the batch dim may be unknown")
-    if x.shape[1] != w.shape[1]:
-        raise ShapeError(f"input has {x.shape[1]} channels but weight {fmt_shape(w.shape)} expects {w.shape[1]}")
-    if len(types) == 3:
-        require_float(types[2], "bias")
-        if types[2].shape != (w.shape[0],):
-            raise ShapeError(f"bias shape {fmt_shape(types[2].shape)} must be ({w.shape[0]},)")
-    ho = conv.out_size(x.shape[2], w.shape[2], a["stride"][0], a["padding"][0])
-    wo = conv.out_size(x.shape[3], w.shape[3], a["stride"][1], a["padding"][1])
-    if ho < 1 or wo < 1:
-        raise ShapeError(f"kernel {w.shape[2:]} does not fit input {fmt_shape(x.shape)} with the given padding")
-    return TensorType((x.shape[0], w.shape[0], ho, wo), FLOAT)
-
-
-@defop("conv2d", _conv_type, (2, 3), attrs={"stride": 1, "padding": 0}, check=_conv_check,
-       arg_names=("x", "weight", "bias"))
-def conv2d(xp, args, a, ctx):
-    b = args[2] if len(args) == 3 else None
-    out, cols = conv.conv2d_forward(xp, args[0], args[1], b, a["stride"], a["padding"])
-    return out, ((cols, args[0].shape) if ctx.need_saved else None)
-
-
-def _pool_check(a):
-    k = pair(a["kernel"], "kernel")
-    s = k if a["stride"] is None else pair(a["stride"], "stride")
-    p = pair(a["padding"], "padding")
-    if min(k) < 1 or min(s) < 1 or min(p) < 0 or p[0] * 2 > k[0] or p[1] * 2 > k[1]:
-        raise ShapeError(f"need kernel >= 1, stride >= 1, 0 <= padding <= kernel/2; got kernel={k} stride={s} padding={p}")
-    return {"kernel": k, "stride": s, "padding": p}
-
-
-def _pool_type(types, a):
-    x = types[0]
-    require_float(x, "input")
-    require_ndim(x, 4, "input (B, C, H, W)")
-    if None in x.shape[1:]:
-        raise ShapeError("only the batch dim may be unknown")
-    (kh, kw), (sh, sw), (ph, pw) = a["kernel"], a["stride"], a["padding"]
-    ho, wo = conv.out_size(x.shape[2], kh, sh, ph), conv.out_size(x.shape[3], kw, sw, pw)
-    if ho < 1 or wo < 1:
-        raise ShapeError(f"pool window {a['kernel']} does not fit input {fmt_shape(x.shape)}")
-    return TensorType((x.shape[0], x.shape[1], ho, wo), FLOAT)
-
-
-_POOL_ATTRS = {"kernel": REQUIRED, "stride": None, "padding": 0}
-
-
-@defop("max_pool2d", _pool_type, (1, 1), attrs=_POOL_ATTRS, check=_pool_check)
-def max_pool2d(xp, args, a, ctx):
-    out, index = conv.max_pool_forward(xp, args[0], a["kernel"], a["stride"], a["padding"], ctx.need_saved)
-    return out, ((index, args[0].shape) if ctx.need_saved else None)
-
-
-@defop("avg_pool2d", _pool_type, (1, 1), attrs=_POOL_ATTRS, check=_pool_check)
-def avg_pool2d(xp, args, a, ctx):
-    out = conv.avg_pool_forward(xp, args[0], a["kernel"], a["stride"], a["padding"])
-    return out, (args[0].shape if ctx.need_saved else None)
 
 
 # ---------------------------------------------------------------- shape ops
@@ -498,67 +421,3 @@ def causal_mask(xp, args, a, ctx):
     x = args[0]
     mask = causal_mask_array(xp, x.shape[-1])
     return xp.where(mask, a["fill"], x).astype(x.dtype, copy=False), (mask if ctx.need_saved else None)
-
-
-# ---------------------------------------------------------------- losses and metrics
-
-
-def _labels_type(types, what):
-    logits, labels = types
-    require_float(logits, "logits")
-    require_int(labels, "labels")
-    if logits.ndim < 2 or labels.shape != logits.shape[:-1]:
-        raise ShapeError(f"labels {fmt_shape(labels.shape)} must match logits {fmt_shape(logits.shape)} minus the class dim")
-    if logits.shape[-1] is None:
-        raise ShapeError("the class dim of logits must be known")
-
-
-def _ce_type(types, a):
-    _labels_type(types, "softmax_cross_entropy")
-    return TensorType((), FLOAT)
-
-
-@defop("softmax_cross_entropy", _ce_type, (2, 2), arg_names=("logits", "labels"))
-def softmax_cross_entropy(xp, args, a, ctx):
-    """Mean over every labelled position of -log softmax(logits)[label], via log-sum-exp."""
-    logits, labels = args
-    c = logits.shape[-1]
-    z = logits.reshape(-1, c)
-    lab = labels.reshape(-1)
-    n = z.shape[0]
-    z = z - z.max(axis=1, keepdims=True)
-    picked = z[xp.arange(n), lab]
-    e = xp.exp(z, out=z)
-    s = e.sum(axis=1)
-    loss = xp.asarray((xp.log(s) - picked).sum() * (1.0 / n))
-    saved = None
-    if ctx.need_saved:
-        e /= s[:, None]  # the softmax probabilities, reused in place by the VJP
-        saved = (e, lab, logits.shape)
-    return loss, saved
-
-
-def _mse_type(types, a):
-    p, t = types
-    require_float(p, "prediction")
-    require_float(t, "target")
-    if p.shape != t.shape:
-        raise ShapeError(f"prediction {fmt_shape(p.shape)} and target {fmt_shape(t.shape)} differ")
-    return TensorType((), FLOAT)
-
-
-@defop("mse", _mse_type, (2, 2), arg_names=("prediction", "target"))
-def mse(xp, args, a, ctx):
-    d = args[0] - args[1]
-    return xp.asarray((d * d).sum() * (1.0 / d.size)), (d if ctx.need_saved else None)
-
-
-def _correct_type(types, a):
-    _labels_type(types, "correct_count")
-    return TensorType((), INT)
-
-
-@defop("correct_count", _correct_type, (2, 2), arg_names=("logits", "labels"))
-def correct_count(xp, args, a, ctx):
-    logits, labels = args
-    return xp.asarray((xp.argmax(logits, axis=-1) == labels).sum()), None
