@@ -243,3 +243,17 @@ def test_the_innermost_phase_names_the_failure():
 def test_no_phase_is_looked_up_by_function_name():
     main = (PKG / "__main__.py").read_text()
     assert "extract_tb" not in main and "_PHASES" not in main
+
+
+# ---------------------------------------------------------------------------------------------
+# Module size
+# ---------------------------------------------------------------------------------------------
+
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_is_over_the_size_limit():
+    """A module past this has two concerns in it: split it along them."""
+    too_long = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py")
+                if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not too_long, too_long

@@ -10,7 +10,7 @@ import subprocess
 import h5py
 import pytest
 
-from hpc_rlx import doctor
+from hpc_rlx import doctor, doctor_probe
 
 from .conftest import MPI_IMPL, REPO, explain, launch_cmd, mpirun
 
@@ -165,7 +165,7 @@ def test_gpu_check_without_cupy_is_skipped_and_the_smoke_test_says_why():
     from hpc_rlx import backend
     if backend.cupy_available():
         pytest.skip("CuPy sees a GPU here: the GPU tests cover the smoke test")
-    assert doctor.gpu_check(0) is None
+    assert doctor_probe.gpu_check(0) is None
     assert "CuPy" in backend.smoke_test(0)
 
 
@@ -205,17 +205,17 @@ def test_open_mpi_4_mpirun_is_named_orterun_not_prterun():
     # too, but the runtime is ORTE; PRTE (PRTE_LAUNCHED) came with Open MPI 5
     env = {"OMPI_COMM_WORLD_SIZE": "2", "PMIX_RANK": "0", "OMPI_MCA_orte_launch": "1"}
     assert doctor.launcher(env, 2) == "Open MPI mpirun (orterun)"
-    assert set(env) <= set(doctor.LAUNCH_ENV), "rank 0 must record the variables the rule reads"
-    assert "PRTE_LAUNCHED" in doctor.LAUNCH_ENV
+    assert set(env) <= set(doctor_probe.LAUNCH_ENV), "rank 0 must record the variables the rule reads"
+    assert "PRTE_LAUNCHED" in doctor_probe.LAUNCH_ENV
 
 
 def test_library_version_is_one_line_without_nul_bytes():
     # Open MPI 5's string as mpi4py returns it: the C string's terminating NUL included
     ompi = ("Open MPI v5.0.11, package: Open MPI distribution, ident: 5.0.11, repo rev: v5.0.11rc1, "
             "Sep 16, 2026\0")
-    assert doctor.library_line(ompi) == ompi[:-1]
-    assert doctor.library_line("MPICH Version:      5.0.2\nMPICH Release date: Fri\n") == "MPICH Version: 5.0.2"
-    assert doctor.library_line("\0\n") == "unknown"
+    assert doctor_probe.library_line(ompi) == ompi[:-1]
+    assert doctor_probe.library_line("MPICH Version:      5.0.2\nMPICH Release date: Fri\n") == "MPICH Version: 5.0.2"
+    assert doctor_probe.library_line("\0\n") == "unknown"
 
 
 # ---------------------------------------------------------------------------------- real runs
