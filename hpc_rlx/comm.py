@@ -7,8 +7,6 @@ strings); uppercase buffer collectives for arrays, so arrays are never pickled.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -18,6 +16,7 @@ import numpy as np
 from . import trace
 from . import watchdog as _watchdog
 from .errors import HpcRlxError
+from .job_abort import abort_job
 from .topology import hostname, rank_span
 
 
@@ -108,16 +107,7 @@ def root_computes(comm, fn: Callable[[], Any], root: int = 0) -> Any:
 
 def abort(comm, message: str, code: int = 1) -> None:
     """Print one message and take the whole MPI job down (no rank may be left waiting)."""
-    sys.stderr.write(message.rstrip() + "\n")
-    sys.stderr.flush()
-    sys.stdout.flush()
-    # The launcher forwards output through a pipe; aborting at once sometimes loses the one
-    # line that says what went wrong.
-    time.sleep(0.5)
-    comm.Abort(code)
-    # MPICH's MPI_Abort can return before the launcher kills this process: nothing after it
-    # may run (no second report, no Hydra traceback), so leave right here.
-    os._exit(code)
+    abort_job(comm, code, message)
 
 
 # --------------------------------------------------------------------------------------

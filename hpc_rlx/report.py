@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from .errors import HpcRlxError
+from .topology import rank_span
 from .report_data import (MAX_EPOCH_GROUPS, MAX_GROUPED_RANKS, PARTS, RunFiles,  # noqa: F401 - re-exported
                           bin_epochs, cpu_use, epoch_parts, is_sweep_dir, lane_rates, load_run,
                           rank_epochs, rank_totals, read_metrics, slowest_rank, sweep_rows,
@@ -77,7 +78,7 @@ def run_text(files: RunFiles) -> str:
             lines.append(f"balance: {verdict}")
         starved = sorted(k for k, c in cpu.items() if c < 0.7)
         if starved:
-            lines.append(f"cpu: rank{'s' if len(starved) > 1 else ''} {_ranges(starved)} used under 70% "
+            lines.append(f"cpu: rank{'s' if len(starved) > 1 else ''} {rank_span(starved)} used under 70% "
                          f"of a core while training: "
                          f"they waited for a core (another job on the node, or ranks x threads > cores; "
                          f"see train.threads_per_rank and python -m hpc_rlx.doctor)")
@@ -134,16 +135,6 @@ def trace_lines(path: Path, max_ranks: int = 8) -> list[str]:
         out.append(f"  ... {len(per) - max_ranks} more ranks")
     return out
 
-
-def _ranges(ks: list[int]) -> str:
-    out, i = [], 0
-    while i < len(ks):
-        j = i
-        while j + 1 < len(ks) and ks[j + 1] == ks[j] + 1:
-            j += 1
-        out.append(str(ks[i]) if i == j else f"{ks[i]}-{ks[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def sweep_text(sweep_dir: Path, rows: list[dict]) -> str:

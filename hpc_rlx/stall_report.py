@@ -3,7 +3,9 @@ for. Pure code (no sockets, no MPI), unit-tested on made-up states."""
 
 from __future__ import annotations
 
-__all__ = ["alive_and_busy", "at_step", "describe_state", "ranges", "stall_report", "unreachable_hosts"]
+from .topology import rank_span
+
+__all__ = ["alive_and_busy", "at_step", "describe_state", "stall_report", "unreachable_hosts"]
 
 
 def at_step(step) -> str:
@@ -55,8 +57,8 @@ def stall_report(states: dict, size: int, now: float, warn_s: float, silent_afte
         (arrived if same else missing).append(r)
     lines = [f"hpc_rlx: STALL: collective '{top['label']}' {at_step(top.get('step'))} has waited "
              f"{waited:.1f} s (comm.stall_warning_s={warn_s:g})",
-             f"hpc_rlx:   arrived ({len(arrived)}/{size}): ranks {ranges(arrived)}",
-             f"hpc_rlx:   not arrived ({len(missing)}/{size}): ranks {ranges(missing)}"]
+             f"hpc_rlx:   arrived ({len(arrived)}/{size}): ranks {rank_span(arrived)}",
+             f"hpc_rlx:   not arrived ({len(missing)}/{size}): ranks {rank_span(missing)}"]
     cut = unreachable_hosts(states, size, now, silent_after, hosts)
     at = f" at {root[0]}:{root[1]}" if root else ""
     for r in missing[:32]:
@@ -102,18 +104,3 @@ def alive_and_busy(states: dict, now: float, silent_after: float) -> list[int]:
     checkpointing, validating, loading data): a job with any of them is slow, not stuck."""
     return sorted(r for r, st in states.items()
                   if _heard(st, now, silent_after) and st.get("label") is None)
-
-
-def ranges(ranks: list) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
-    if not ranks:
-        return "none"
-    out, start, prev = [], ranks[0], ranks[0]
-    for r in ranks[1:] + [None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ",".join(out)

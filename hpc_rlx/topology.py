@@ -14,9 +14,12 @@ def hostname() -> str:
     return socket.gethostname().split(".")[0]
 
 
-def rank_span(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5"."""
+def rank_span(ranks) -> str:
+    """[5, 0, 1, 2, 7, 8] -> "0-2,5,7-8"; no ranks -> "none". The one rank-range format of
+    every message and report."""
     ranks = sorted(ranks)
+    if not ranks:
+        return "none"
     parts, start = [], ranks[0]
     for a, b in zip(ranks, ranks[1:] + [None]):
         if b != a + 1:

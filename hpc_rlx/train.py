@@ -20,7 +20,7 @@ from .context import Context
 from .errors import CheckpointError, phase
 from .faults import maybe_fail
 from .outputs import RunOutputs
-from .policies.base import EpochTotals
+from .policies.base import EpochTotals, dropout_seed
 from .policies.registry import make_policy
 from .progress import end_line
 from .run_display import RunDisplay
@@ -87,7 +87,7 @@ class Run:
                                   f"is the last good state (lower optim.lr or set optim.clip_grad_norm)")
 
     def dropout_seed(self) -> int:
-        return (int(self.spec.train["seed"]) * 1_000_003 + self.ctx.step) * 4099 + self.rank
+        return dropout_seed(self.spec.train["seed"], self.ctx.step, self.rank)
 
     def slowdown(self, compute_s: float) -> None:
         """debug.slowdown: honest extra wall time, so mixed hardware can be simulated."""

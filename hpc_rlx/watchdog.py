@@ -25,7 +25,6 @@ counted, and nothing that arrives can stop the thread or reach the training loop
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import threading
@@ -33,8 +32,10 @@ import time
 from typing import Callable
 
 from .heartbeat import DROP_REASONS, MAX_DATAGRAM, HeartbeatGate, HeartbeatSealer, JobSecret
+from .job_abort import abort_job
 from .side_channel import bind_narrowly, connect_to_root, own_addresses, root_address
-from .stall_report import alive_and_busy, at_step, describe_state, ranges, stall_report
+from .stall_report import alive_and_busy, at_step, describe_state, stall_report
+from .topology import rank_span
 
 __all__ = ["StallWatchdog", "NullWatchdog", "current", "install", "describe_state", "stall_report"]  # the last two re-exported from stall_report
 
@@ -341,7 +342,7 @@ class StallWatchdog:
         unheard = [r for r in range(1, self.size) if r not in self._states]
         if unheard:
             hosts = sorted({self.hosts.get(r, "?") for r in unheard})
-            self._emit(f"hpc_rlx: warning: no heartbeat from rank(s) {ranges(unheard)} on "
+            self._emit(f"hpc_rlx: warning: no heartbeat from rank(s) {rank_span(unheard)} on "
                        f"{', '.join(hosts)} has reached rank 0's stall watchdog at "
                        f"{self._root[0]}:{self._root[1]} in {now - self._started:.0f} s (UDP blocked "
                        f"between the nodes, or {self._root[0]} is not reachable from there); stall "
@@ -377,11 +378,7 @@ class StallWatchdog:
         self._abort(3)
 
     def _mpi_abort(self, code: int) -> None:
-        # If MPI_Abort itself hangs, leaving by force still makes the launcher end the job.
-        threading.Timer(10.0, lambda: os._exit(code)).start()
-        time.sleep(0.5)        # let the launcher forward the report before the teardown
-        self.comm.Abort(code)
-        os._exit(code)
+        abort_job(self.comm, code)      # the report went out through _emit
 
     # ---- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict | None:

@@ -138,6 +138,11 @@ class Policy:
         raise NotImplementedError
 
 
+def dropout_seed(seed: int, local_step: int, rank: int) -> int:
+    """The seed of a step's dropout masks: distinct per run seed, step and rank."""
+    return (int(seed) * 1_000_003 + local_step) * 4099 + rank
+
+
 def checked_name(policy: Mapping[str, Any], names) -> str:
     if not isinstance(policy, Mapping):
         raise ConfigError(f"policy must be a mapping with a 'name', got {policy!r}")

@@ -48,7 +48,7 @@ from .. import comm as mpi
 from .. import trace
 from ..errors import ConfigError
 from ..faults import maybe_fail
-from .base import EpochTotals, Policy, TrainingLoop
+from .base import EpochTotals, Policy, TrainingLoop, dropout_seed
 from .bucket import REPORT_FIELDS, SyncLayout
 from .consensus import relative_divergence, work_weight
 from .epochlog import EpochLog
@@ -282,7 +282,7 @@ class WindowedPolicy(Policy):
         """Local steps, then the sync. Returns True when the run must stop."""
         ctx, lanes, rank = run.ctx, run.lanes, run.rank
         lr = self._lr = ctx.lr_at(self._lr_step(ctx))
-        seed0 = int(ctx.spec.train["seed"]) * 1_000_003
+        seed = ctx.spec.train["seed"]
         steps = samples = 0
         loss_sum = correct = compute = 0.0
         bad = False
@@ -296,7 +296,7 @@ class WindowedPolicy(Policy):
                 idx = self._indices(ctx, position + steps)
                 xb, yb = ctx.x[idx], ctx.y[idx]
             totals.data_s += time.perf_counter() - t
-            n, ls, corr, _ = lanes.step(xb, yb, (seed0 + position + steps) * 4099 + rank)
+            n, ls, corr, _ = lanes.step(xb, yb, dropout_seed(seed, position + steps, rank))
             steps += 1
             samples += n
             if n:
