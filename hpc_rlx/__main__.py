@@ -301,7 +301,7 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     comm = MPI.COMM_WORLD
-    SIGNALS.install(comm.rank)
+    SIGNALS.install(comm.rank, comm)    # a Ctrl-C that came while MPI started exits here
     rid = _run_id(comm)
     if not OmegaConf.has_resolver("rlx_run_id"):
         OmegaConf.register_new_resolver("rlx_run_id", lambda: rid)

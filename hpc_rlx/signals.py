@@ -11,8 +11,16 @@
     launcher both deliver it), so it is ignored.
 
 The handlers never raise (an exception from a handler would surface as a traceback wherever
-the main thread happened to be); the immediate exits use `os._exit`, so no cleanup code can
-block in a collective that the other ranks have left.
+the main thread happened to be); the immediate exits never run cleanup code, so none can block
+in a collective that the other ranks have left.
+
+An immediate exit must not leave another rank waiting for this one. A rank blocked inside MPI
+(its own MPI_Init, a collective) cannot run its Python handler, whatever signal it gets, and
+a launcher only ends the job for a rank that exits after MPI started on it (MPICH's hydra
+leaves the others waiting in MPI_Init forever). So a SIGINT that arrives while MPI is still
+starting is answered once it has started (`install(rank, comm)`), and the exit itself is
+MPI_Abort, which ends the job under any launcher. Rank 0 prints the one line; the other ranks
+leave it `ABORT_GRACE_S` to do so first (a launcher that forwards Ctrl-C signals every rank).
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import time
 
 INTERRUPT_EXIT = 130
 REPEAT_AFTER_S = 1.0
+ABORT_GRACE_S = 1.0     # a rank other than 0 waits this long for rank 0 to print and abort
+ABORT_HUNG_S = 10.0     # MPI_Abort that has not ended this process by then: leave by force
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 # Launcher variables that give a rank's number before MPI starts (only rank 0 prints).
 RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -47,6 +57,8 @@ class Signals:
         self.interrupted_at: float | None = None
         self.training = False
         self.rank: int | None = None
+        self.comm = None                        # set once MPI has started on this rank
+        self.exit_pending = False               # an exit asked for while MPI was starting
         self.installed = False
 
     # ---- decisions (pure) ----------------------------------------------------------------
@@ -83,10 +95,16 @@ class Signals:
         return "hpc_rlx: interrupted again: exiting now, without a checkpoint"
 
     # ---- process-wide state ----------------------------------------------------------------
-    def install(self, rank: int | None = None) -> "Signals":
-        """Idempotent; `rank` (once MPI knows it) decides who prints."""
+    def install(self, rank: int | None = None, comm=None) -> "Signals":
+        """Idempotent; `rank` (once MPI knows it) decides who prints. `comm` (MPI_COMM_WORLD,
+        once MPI has started here) is what an immediate exit aborts; an exit asked for before
+        then happens now."""
         if rank is not None:
             self.rank = rank
+        if comm is not None:
+            self.comm = comm
+            if self.exit_pending:
+                self._exit_now()
         if self.installed:
             return self
         for name in ("SIGINT",) + STOP_SIGNALS:
@@ -112,6 +130,11 @@ class Signals:
             self._exit_now()
 
     def _exit_now(self) -> None:
+        if self.comm is None:
+            # MPI is still starting on this rank: leaving now would strand the others in
+            # MPI_Init. install(rank, comm) exits as soon as it has started.
+            self.exit_pending = True
+            return
         rank = self.rank if self.rank is not None else _rank_from_env()
         try:
             sys.stdout.flush()
@@ -122,7 +145,27 @@ class Signals:
                 os.write(2, (self.exit_message() + "\n").encode())
             except OSError:
                 pass
-        os._exit(INTERRUPT_EXIT)
+        else:
+            time.sleep(ABORT_GRACE_S)
+        _abort(self.comm)
+
+
+def _abort(comm) -> None:
+    """End the whole job with exit status 130 (MPI_Abort), without MPICH's one-line abort
+    banner: the interrupt's own line has been printed."""
+    import threading
+    threading.Timer(ABORT_HUNG_S, lambda: os._exit(INTERRUPT_EXIT)).start()
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+    except OSError:
+        pass
+    try:
+        comm.Abort(INTERRUPT_EXIT)
+    except Exception:  # noqa: BLE001 - leave all the same
+        pass
+    # MPICH's MPI_Abort can return before the launcher kills this process: nothing may run after it.
+    os._exit(INTERRUPT_EXIT)
 
 
 # One per process: signal handlers are process-wide.

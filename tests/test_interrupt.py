@@ -26,10 +26,10 @@ INTERRUPTED = re.compile(r"interrupted at step (\d+); checkpoint (\S+); continue
 class LiveJob:
     """`mpirun -n N python -m hpc_rlx ...` in a new session, its output read as it comes."""
 
-    def __init__(self, n: int, run_dir: Path, overrides: list[str]):
+    def __init__(self, n: int, run_dir: Path, overrides: list[str], env: dict | None = None):
         cmd = launch_cmd(n, ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}"] + overrides)
         self.run_dir = run_dir
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=mpi_env(env), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.out: list[str] = []
         self.err: list[str] = []
@@ -240,6 +240,58 @@ def test_ctrl_c_during_startup_exits_quietly(tmp_path, digits_h5):
     assert "hpc_rlx: interrupted before training started" in job.stderr, job.explain()
     assert_no_traceback(job)
     assert not (run_dir / "checkpoints").exists()
+
+
+# Rank 0 holds just before MPI starts on it (the import of mpi4py.MPI) until it has been
+# interrupted, or 30 s: a Ctrl-C that reaches it while the other rank is already in MPI_Init.
+HOLD_RANK_0_BEFORE_MPI = """\
+import os, sys, time
+
+class _HoldBeforeMpi:
+    def find_spec(self, name, path=None, target=None):
+        rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+        if name == "mpi4py.MPI" and rank == "0":
+            sys.meta_path.remove(self)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                signals = sys.modules.get("hpc_rlx.signals")
+                if signals is not None and signals.SIGNALS.interrupted:
+                    break
+                time.sleep(0.01)
+        return None
+
+sys.meta_path.insert(0, _HoldBeforeMpi())
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi
+def test_ctrl_c_to_one_rank_while_mpi_starts_ends_the_job(tmp_path, digits_h5):
+    """A SIGINT that only rank 0 gets, before MPI has started on it, while rank 1 waits for it
+    in MPI_Init (which no Python handler can leave): the whole job still ends, exit 130."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(HOLD_RANK_0_BEFORE_MPI)
+    job = LiveJob(2, tmp_path / "run", LONG_RUN + [f"data.path={digits_h5}"], env={"PYTHONPATH": str(hold)})
+    usr1 = 1 << (signal.SIGUSR1 - 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ranks = rank_pids(job.proc.pid)
+        try:
+            if sorted(ranks) == [0, 1] and all(_caught(p) & usr1 for p in ranks.values()):
+                break
+        except OSError:
+            pass
+        time.sleep(0.01)
+    else:
+        job.kill()
+        pytest.fail("the ranks never installed their signal handlers\n" + job.explain())
+    os.kill(ranks[0], signal.SIGINT)
+    rc = job.wait(timeout=60)
+    assert rc == INTERRUPT_EXIT, job.explain()
+    assert job.stderr.count("hpc_rlx: interrupted before training started") == 1, job.explain()
+    assert "[hpc_rlx] epoch" not in job.stdout, job.explain()
+    assert_no_traceback(job)
 
 
 @pytest.mark.mpi
