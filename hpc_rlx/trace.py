@@ -14,7 +14,11 @@ walking a growing event list cost more than the recording itself).
 Clock alignment: each rank times with its own monotonic clock. Rank 0 estimates every other
 rank's clock offset by ping-pong (the round with the smallest round trip, NTP style) once when
 tracing starts and once at the end, and corrects each event by the offset interpolated
-linearly between the two, so a slow drift between nodes is taken out as well.
+linearly between the two, so a slow drift between nodes is taken out as well. Every timestamp
+(a span's start and its end alike) goes through the same increasing map to rank 0's clock, so
+spans a rank recorded one after the other still follow each other, and nested spans still nest,
+whatever drift the two measurements suggest (under load their noise can read as a drift of
+1e-4, tens of microseconds over a long span).
 
 Waiting: a collective cannot finish anywhere before the last rank has entered it, so the time
 between a rank entering the first chunk of an allreduce (the allreduce itself when it is one
@@ -177,6 +181,11 @@ def measure_offsets(comm, clock: Callable[[], float], rounds: int = _PING_ROUNDS
     return out
 
 
+# Bound on the drift rate taken from the two offset measurements. Real clocks drift by parts
+# per million; the bound only keeps the remote-to-root map increasing (it would fold back at 1).
+_MAX_DRIFT = 0.5
+
+
 def offset_at(t_remote: float, start: tuple[float, float], end: tuple[float, float] | None) -> float:
     """Offset of a remote clock at remote time t, interpolated between two measurements
     (offset, root_time). Outside the interval it extrapolates the same line."""
@@ -184,9 +193,17 @@ def offset_at(t_remote: float, start: tuple[float, float], end: tuple[float, flo
     if end is None or end[1] == a0:
         return o0
     o1, a1 = end
+    drift = min(max((o1 - o0) / (a1 - a0), -_MAX_DRIFT), _MAX_DRIFT)
     # root time of the event is about t_remote - o0; drift is tiny, one step suffices
     t_root = t_remote - o0
-    return o0 + (o1 - o0) * (t_root - a0) / (a1 - a0)
+    return o0 + drift * (t_root - a0)
+
+
+def to_root_time(t_remote: float, start: tuple[float, float], end: tuple[float, float] | None) -> float:
+    """Remote clock reading -> rank 0's clock. Linear with slope 1 - drift > 0, so it keeps the
+    order of any two readings: apply it to every timestamp, never one span's offset to another
+    timestamp (with drift that moves spans against each other)."""
+    return t_remote - offset_at(t_remote, start, end)
 
 
 # --------------------------------------------------------------------------------------
@@ -236,8 +253,8 @@ def merge(per_rank: list[dict], sync_start: dict, sync_end: dict | None, origin:
         offsets[r] = {"start_s": start_[0], "end_s": end_[0] if end_ else None}
         evs = []
         for name, cat, track, t0, t1, args in part["events"]:
-            off = offset_at(t0, start_, end_)
-            evs.append([name, cat, track, t0 - off - origin, t1 - off - origin, args])
+            evs.append([name, cat, track, to_root_time(t0, start_, end_) - origin,
+                        to_root_time(t1, start_, end_) - origin, args])
         aligned.append((part, evs))
     complete = all(p["dropped"] == 0 for p, _ in aligned)
     waits = infer_waits({p["rank"]: evs for p, evs in aligned}) if complete else {}
@@ -256,8 +273,11 @@ def merge(per_rank: list[dict], sync_start: dict, sync_end: dict | None, origin:
             trace_events.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": tid,
                                  "args": {"sort_index": tid}})
         for name, cat, track, t0, t1, args in evs + waits.get(r, []):
+            # start and end are rounded each on its own (rounding keeps their order), so a span
+            # ending where the next begins gets the same microsecond value for both
+            ts = round(t0 * 1e6, 3)
             ev = {"ph": "X", "name": name, "cat": cat or "run", "pid": r, "tid": tracks[track],
-                  "ts": round(t0 * 1e6, 3), "dur": round(max(t1 - t0, 0.0) * 1e6, 3)}
+                  "ts": ts, "dur": round(max(round(t1 * 1e6, 3) - ts, 0.0), 3)}
             if args:
                 ev["args"] = args
             trace_events.append(ev)

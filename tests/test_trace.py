@@ -176,6 +176,45 @@ def test_nesting_check_catches_overlap():
         assert_properly_nested(ok + [{"pid": 0, "tid": 0, "ts": 8, "dur": 5}])
 
 
+@pytest.mark.parametrize("drift", [2e-4, -2e-4, 3.0, -3.0])
+def test_drift_correction_keeps_a_ranks_spans_in_sequence_and_nested(drift):
+    # Rank 1's clock is 5 s ahead; the two offset measurements, 1 s of rank-0 time apart,
+    # disagree by `drift` per second (noise under load reads as 1e-4; 3.0 is absurd).
+    # Epoch 1 ends at the very reading where epoch 2 starts; the last step ends with its epoch.
+    events = [("step", "step", trace.MAIN, 5.8, 5.9, None),
+              ("epoch 1", "epoch", trace.MAIN, 5.1, 5.9, None),
+              ("epoch 2", "epoch", trace.MAIN, 5.9, 6.3, None),
+              ("step", "step", trace.MAIN, 5.9, 6.0, None)]
+    parts = [{"rank": 1, "host": "", "dropped": 0, "events": events}]
+    doc = trace.merge(parts, {1: (5.0, 0.0)}, {1: (5.0 + drift, 1.0)}, origin=0.0)
+    xs = {(e["name"], e["ts"]): e for e in doc["traceEvents"] if e["ph"] == "X"}
+    by_name = sorted(xs.values(), key=lambda e: e["ts"])
+    e1 = next(e for e in by_name if e["name"] == "epoch 1")
+    e2 = next(e for e in by_name if e["name"] == "epoch 2")
+    last_step, first_step = [e for e in by_name if e["name"] == "step"]
+    assert e2["ts"] >= e1["ts"] + e1["dur"] - 1e-6, (e1, e2)
+    assert first_step["ts"] >= last_step["ts"] + last_step["dur"] - 1e-6
+    assert last_step["ts"] + last_step["dur"] <= e1["ts"] + e1["dur"] + 1e-6
+    assert all(e["dur"] > 0 for e in by_name)
+    assert_properly_nested(list(xs.values()), slack_us=1e-3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(drift=st.floats(-1e-2, 1e-2), offset=st.floats(-1e4, 1e4),
+       gaps=st.lists(st.floats(0, 600), min_size=2, max_size=20))
+def test_back_to_back_spans_stay_in_order_whatever_the_drift(drift, offset, gaps):
+    bounds = [offset + 10.0]
+    for g in gaps:
+        bounds.append(bounds[-1] + g)
+    events = [(f"s{i}", "", trace.MAIN, a, b, None) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    parts = [{"rank": 1, "host": "", "dropped": 0, "events": events}]
+    doc = trace.merge(parts, {1: (offset, 0.0)}, {1: (offset + drift * 50.0, 50.0)}, origin=0.0)
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in xs] == [e[0] for e in events]
+    for a, b in zip(xs, xs[1:]):
+        assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (a, b)      # 1 ns: float rounding only
+
+
 # ---- under mpirun ------------------------------------------------------------------------
 
 SKEW_SCRIPT = textwrap.dedent("""
