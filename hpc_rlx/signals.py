@@ -30,10 +30,11 @@ import signal
 import sys
 import time
 
+from .job_abort import abort_job
+
 INTERRUPT_EXIT = 130
 REPEAT_AFTER_S = 1.0
 ABORT_GRACE_S = 1.0     # a rank other than 0 waits this long for rank 0 to print and abort
-ABORT_HUNG_S = 10.0     # MPI_Abort that has not ended this process by then: leave by force
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 # Launcher variables that give a rank's number before MPI starts (only rank 0 prints).
 RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -151,21 +152,14 @@ class Signals:
 
 
 def _abort(comm) -> None:
-    """End the whole job with exit status 130 (MPI_Abort), without MPICH's one-line abort
-    banner: the interrupt's own line has been printed."""
-    import threading
-    threading.Timer(ABORT_HUNG_S, lambda: os._exit(INTERRUPT_EXIT)).start()
+    """End the whole job with exit status 130, without MPICH's one-line abort banner: the
+    interrupt's own line has been printed."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
     except OSError:
         pass
-    try:
-        comm.Abort(INTERRUPT_EXIT)
-    except Exception:  # noqa: BLE001 - leave all the same
-        pass
-    # MPICH's MPI_Abort can return before the launcher kills this process: nothing may run after it.
-    os._exit(INTERRUPT_EXIT)
+    abort_job(comm, INTERRUPT_EXIT)
 
 
 # One per process: signal handlers are process-wide.
