@@ -367,8 +367,12 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, tmp_path, trigger
     """usr1: the time-limit warning (scancel --signal=USR1); the job requeues itself.
     scontrol-requeue: Slurm requeues the job (SIGTERM to every rank)."""
     epochs = 12
-    # ~0.5 s per epoch: long enough to be caught mid-run, short enough to finish soon after
-    args = [f"train.epochs={epochs}", *SMALL, "debug.slowdown={0:100,1:100}"]
+    # 22 steps per epoch, a few ms each on a fast machine: rank 1 sleeps 8 s at step 30 (in
+    # epoch 2, and again at the first step of the requeued run), so the signal sent once the
+    # first epoch is in lands mid-run however fast the machine; no stall report under the
+    # default stall_warning_s (60 s)
+    args = [f"train.epochs={epochs}", *SMALL, "debug.stall_rank=1", "debug.stall_step=30",
+            "debug.stall_s=8"]
     job, _ = sbatch(slurm, tmp_path, args, wait=False)
     run_dir = tmp_path / "outputs" / f"slurm-{job}"
     show = lambda: log_of(tmp_path, job)  # noqa: E731
