@@ -148,10 +148,7 @@ class RuntimeCheckpoints:
         if per_rank is None:   # policy=sync: every rank is at the same step of its rows
             per_rank = [ctx.step_in_epoch] * run.comm.size
         meta = {
-            "epoch": ctx.epoch,
-            "step": ctx.step,
-            "step_in_epoch": ctx.step_in_epoch,
-            "skipped_steps": ctx.skipped_steps,
+            **ctx.state.checkpoint_meta(),
             "optimizer": {"name": run.spec.optim["name"], "scalars": opt["scalars"]},
             "policy": {"name": run.policy.name, "state": pstate.get("meta", {})},
             # Shuffling and dropout are pure functions of (seed, epoch, step, rank): the seed
@@ -319,12 +316,7 @@ class RuntimeCheckpoints:
         run.policy.load_state_dict({
             "arrays": {k[7:]: v for k, v in arrays.items() if k.startswith("policy/")},
             "meta": meta["policy"]["state"], "world_size": meta["world_size"]})
-        ctx.epoch, ctx.step = int(meta["epoch"]), int(meta["step"])
-        ctx.step_in_epoch = int(meta["step_in_epoch"])
-        if ctx.step_in_epoch > ctx.steps_per_epoch:
-            raise CheckpointError(f"checkpoint {info['path']} is at step {ctx.step_in_epoch} of an epoch "
-                                  f"that now has {ctx.steps_per_epoch} steps")
-        ctx.skipped_steps = int(meta.get("skipped_steps", 0))
+        ctx.state.restore(meta, ctx.steps_per_epoch, info["path"])
         ctx.history = list(meta.get("history", []))
         run.carried_totals = meta.get("epoch_totals") if ctx.step_in_epoch else None
         lanes = getattr(run, "lanes", None)

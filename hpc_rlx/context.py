@@ -11,6 +11,7 @@ from . import comm as mpi
 from .errors import DataError
 from .faults import maybe_fail
 from .spec import TrainSpec, optimizer_kwargs, schedule_kwargs
+from .train_state import TrainState
 
 # Tail slots of the fused bucket, in order. Policies may append their own.
 TAIL_FIELDS = ("samples", "loss_sum", "correct", "stop", "nonfinite", "ckpt_due")
@@ -60,12 +61,25 @@ class Context:
         self.total_steps = int(spec.train["max_steps"]) if spec.train.get("max_steps") else None
         self.schedule = make_schedule(opt["schedule"], self.base_lr, self.schedule_steps,
                                       **schedule_kwargs(opt))
-        self.step = 0            # global optimizer steps taken (all ranks agree)
-        self.epoch = 0
-        self.step_in_epoch = 0
-        self.skipped_steps = 0
-        self._consecutive_skips = 0   # skipped steps in a row (train.max_consecutive_skips)
+        self.state = TrainState()     # step, epoch, position: advanced only through it
         self.history: list[dict] = []
+
+    # ---- the position (read-only views of `state`) --------------------------------------
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def epoch(self) -> int:
+        return self.state.epoch
+
+    @property
+    def step_in_epoch(self) -> int:
+        return self.state.step_in_epoch
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.state.skipped_steps
 
     # ---- data -------------------------------------------------------------------------
     def load_data(self) -> None:
@@ -143,19 +157,18 @@ class Context:
     def note_skip(self) -> None:
         """Count a step skipped for non-finite values (train.on_nonfinite=skip). A model that
         only produces skipped steps is broken: stop instead of finishing as if it trained."""
-        self.skipped_steps += 1
-        self._consecutive_skips += 1
+        in_a_row = self.state.step_skipped()
         limit = int(self.spec.train.get("max_consecutive_skips") or 0)
-        if limit and self._consecutive_skips >= limit:
+        if limit and in_a_row >= limit:
             # Decided from the bucket's flags: every rank raises this in the same step.
             raise mpi.CollectiveError(
                 kind="NonFiniteError",
-                message=f"{self._consecutive_skips} consecutive steps had NaN/Inf gradients or loss "
+                message=f"{in_a_row} consecutive steps had NaN/Inf gradients or loss "
                         f"(train.on_nonfinite=skip, train.max_consecutive_skips={limit}) at step "
                         f"{self.step}; the model is not training: lower optim.lr or set optim.clip_grad_norm")
 
     def apply_gradient_ok(self) -> None:
-        self._consecutive_skips = 0
+        self.state.step_applied()
 
     def evaluate(self, lanes) -> dict:
         """Global validation loss/accuracy: every rank scores its slice, one small Allreduce."""

@@ -248,8 +248,7 @@ class Run:
                 metrics = self._end_epoch(totals, time.perf_counter() - t_epoch, partial=True)
             if epoch_done:
                 metrics = self._end_epoch(totals, time.perf_counter() - t_epoch)
-                ctx.epoch += 1
-                ctx.step_in_epoch = 0
+                ctx.state.epoch_ended()
                 epoch_due = self.checkpoints.epoch_due(ctx.epoch)
                 if (epoch_due or self.checkpoints.deferred) and self.stop_reason is None:
                     self.save_checkpoint("epoch" if epoch_due else "cadence",

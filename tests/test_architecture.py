@@ -177,8 +177,7 @@ class ToyPolicy(Policy):
             total_n = bucket["samples"]
             bucket.payload /= total_n
             ctx.apply_gradient(bucket.payload, ctx.lr_at(ctx.step) * self.lr_scale)
-            ctx.step += 1
-            ctx.step_in_epoch = s + 1
+            ctx.state.step_taken(s + 1)
             totals.samples += total_n
             totals.loss_sum += bucket["loss_sum"]
             totals.correct += bucket["correct"]
@@ -257,3 +256,46 @@ def test_no_module_is_over_the_size_limit():
     too_long = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py")
                 if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not too_long, too_long
+
+
+# ---------------------------------------------------------------------------------------------
+# The training position has one writer
+# ---------------------------------------------------------------------------------------------
+
+POSITION = {"step", "epoch", "step_in_epoch", "skipped_steps", "consecutive_skips"}
+
+
+def test_only_the_train_state_writes_the_position():
+    """Policies, the loop and resume advance it through TrainState's methods; nothing assigns
+    a context's step, epoch or position directly (they are read-only views)."""
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        if path.name == "train_state.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for t in targets:
+                for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(el, ast.Attribute) and el.attr in POSITION and \
+                            "ctx" in ast.unparse(el.value) + ("ctx" if path.name == "context.py" else ""):
+                        offenders.append(f"{path.name}:{node.lineno} {ast.unparse(el)}")
+    assert not offenders, offenders
+
+
+def test_the_train_state_round_trips_through_a_checkpoint_meta():
+    from hpc_rlx.errors import CheckpointError
+    from hpc_rlx.train_state import TrainState
+
+    s = TrainState()
+    s.step_taken(1)
+    s.step_taken(2)
+    s.step_skipped()
+    s.epoch_ended()
+    s.step_taken()
+    assert (s.epoch, s.step, s.step_in_epoch, s.skipped_steps) == (1, 3, 1, 1)
+    t = TrainState()
+    t.restore(s.checkpoint_meta(), steps_per_epoch=5, where="ckpt")
+    assert t.checkpoint_meta() == s.checkpoint_meta() and t.consecutive_skips == 0
+    with pytest.raises(CheckpointError, match="at step 1 of an epoch that now has 0 steps"):
+        TrainState().restore(s.checkpoint_meta(), steps_per_epoch=0, where="ckpt")

@@ -64,8 +64,7 @@ class SyncPolicy(Policy):
                 with trace.span("optimizer", "optim"):
                     ctx.apply_gradient(bucket.payload, ctx.lr_at(ctx.step))
                 ctx.apply_gradient_ok()
-            ctx.step += 1
-            ctx.step_in_epoch = s + 1
+            ctx.state.step_taken(s + 1)
             if not skipped:     # a skipped step's loss may be NaN: keep it out of the epoch's means
                 totals.samples += total_n
                 totals.loss_sum += bucket["loss_sum"]

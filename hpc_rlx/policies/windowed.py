@@ -249,8 +249,6 @@ class WindowedPolicy(Policy):
     def run_epoch(self, run: TrainingLoop, epoch: int, first_step: int) -> EpochTotals:
         if not self._ready:
             self._setup(run)
-        ctx = run.ctx
-        ctx.step_in_epoch = first_step
         totals = run.epoch_totals()     # carries a mid-epoch checkpoint's running totals
         if self._log is None or first_step == 0:
             self._log = EpochLog(self.world)
@@ -381,8 +379,7 @@ class WindowedPolicy(Policy):
             self.cursors[r] += s
         consumed = report.total_samples
         self.epoch_consumed += consumed
-        ctx.step += 1
-        ctx.step_in_epoch += 1
+        ctx.state.step_taken()
         log.add(report, k, bad_ranks)
         self._observe(report, trimmed)
 
