@@ -18,7 +18,9 @@ import os
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -53,17 +55,31 @@ def bcast_arrays(comm, arrays: dict | None, shapes: dict) -> dict:
     return out
 
 
+@dataclass
+class Resumed:
+    """What a resume hands back to the loop."""
+    path: str
+    carried_totals: dict | None     # a mid-epoch checkpoint's running epoch totals
+
+
 class RuntimeCheckpoints:
-    def __init__(self, run):
+    """Checkpoints of one run. It sees the spec, the communicator, the rank's context (params,
+    optimizer, position), the policy (its state) and two callbacks, not the whole run."""
+
+    def __init__(self, spec, comm, ctx, policy, log: Callable[[str], None],
+                 epoch_totals: Callable[[], object]):
         from .checkpoint import CheckpointManager, checkpoints_dir
         from .checkpoint.cadence import BestWatch, Cadence
 
-        self.run = run
-        cfg = run.spec.checkpoint
+        self.spec, self.comm, self.ctx, self.policy = spec, comm, ctx, policy
+        self.is_root = comm.rank == 0
+        self.log = log
+        self._epoch_totals = epoch_totals    # the running totals of the epoch being trained
+        cfg = spec.checkpoint
         self.cadence = Cadence.from_config(cfg)
-        self.directory = checkpoints_dir(run.spec.run_dir)
+        self.directory = checkpoints_dir(spec.run_dir)
         self.manager = CheckpointManager(self.directory, keep_last=int(cfg["keep_last"]),
-                                         metric=cfg["metric"]) if run.is_root else None
+                                         metric=cfg["metric"]) if self.is_root else None
         self.saved_step: int | None = None
         self._saved_at: tuple | None = None     # (step, epoch, step_in_epoch) of the last save
         # A cadence save that falls on the last step of an epoch waits for that epoch's
@@ -90,16 +106,16 @@ class RuntimeCheckpoints:
     def training_starts(self) -> None:
         """The minutes cadence counts training time, not data loading or resume."""
         self.cadence.restart()
-        self.run.log(f"checkpoints: {self.cadence.describe()}, keeping the best by "
-                     f"{self.run.spec.checkpoint['metric']}")
+        self.log(f"checkpoints: {self.cadence.describe()}, keeping the best by "
+                     f"{self.spec.checkpoint['metric']}")
 
     def epoch_ended(self, metric: float | None) -> None:
         """Rank 0, at an epoch boundary after validation: remember the state if it is the best
         so far. A save at this same step writes it anyway, with its metric."""
-        step = self.run.ctx.step
-        if not (self.enabled and self.run.is_root) or not self.best.offer(step, metric):
+        step = self.ctx.step
+        if not (self.enabled and self.is_root) or not self.best.offer(step, metric):
             return
-        if self.saved_step == step or self.run.ctx.epoch >= int(self.run.spec.train["epochs"]):
+        if self.saved_step == step or self.ctx.epoch >= int(self.spec.train["epochs"]):
             self._unsaved_best = None       # this epoch's own save, or the final one, holds it
             return
         state = self._state()
@@ -108,7 +124,7 @@ class RuntimeCheckpoints:
         state.meta = copy.deepcopy(state.meta)
         self._unsaved_best = (step, metric, state)
         log.debug("best %s so far at step %d (%s): kept in memory until the next save",
-                  self.run.spec.checkpoint["metric"], step, metric)
+                  self.spec.checkpoint["metric"], step, metric)
 
     def _write_unsaved_best(self, step: int) -> None:
         """Rank 0, inside a save at `step`: first write the best epoch end since the last save."""
@@ -116,18 +132,18 @@ class RuntimeCheckpoints:
         if best is None or best[0] >= step or (self.saved_step is not None and best[0] <= self.saved_step):
             return
         path = self.manager.save(best[2], step=best[0], metric_value=best[1])
-        self.run.log(f"checkpoint (best) at step {best[0]}: {path}")
+        self.log(f"checkpoint (best) at step {best[0]}: {path}")
 
     # ---- what goes into a checkpoint ----------------------------------------------------
     def _plan(self) -> dict:
-        ctx, spec = self.run.ctx, self.run.spec
+        ctx, spec = self.ctx, self.spec
         return {"n_samples": int(ctx.plan.n_samples), "global_batch": int(ctx.plan.global_batch),
                 "leftover": ctx.plan.leftover, "steps_per_epoch": int(ctx.steps_per_epoch),
                 "seed": int(spec.train["seed"]), "shuffle": bool(spec.data.shuffle)}
 
     def _totals(self) -> dict | None:
-        t = self.run.current_totals
-        if not self.run.ctx.step_in_epoch or t is None:
+        t = self._epoch_totals()
+        if not self.ctx.step_in_epoch or t is None:
             return None
         return {"samples": float(t.samples), "loss_sum": float(t.loss_sum),
                 "correct": float(t.correct), "steps": int(t.steps), "compute_s": float(t.compute_s),
@@ -136,42 +152,42 @@ class RuntimeCheckpoints:
     def _state(self):
         from .checkpoint import CheckpointState
 
-        run, ctx = self.run, self.run.ctx
+        ctx, spec = self.ctx, self.spec
         opt = ctx.optimizer.state_dict()
         arrays = {"params": np.asarray(ctx.params)}
         for k, v in opt["arrays"].items():
             arrays[f"opt/{k}"] = np.asarray(v)
-        pstate = run.policy.state_dict()
+        pstate = self.policy.state_dict()
         for k, v in pstate.get("arrays", {}).items():
             arrays[f"policy/{k}"] = np.asarray(v)
         per_rank = pstate.get("meta", {}).get("positions")
         if per_rank is None:   # policy=sync: every rank is at the same step of its rows
-            per_rank = [ctx.step_in_epoch] * run.comm.size
+            per_rank = [ctx.step_in_epoch] * self.comm.size
         meta = {
             **ctx.state.checkpoint_meta(),
-            "optimizer": {"name": run.spec.optim["name"], "scalars": opt["scalars"]},
-            "policy": {"name": run.policy.name, "state": pstate.get("meta", {})},
+            "optimizer": {"name": spec.optim["name"], "scalars": opt["scalars"]},
+            "policy": {"name": self.policy.name, "state": pstate.get("meta", {})},
             # Shuffling and dropout are pure functions of (seed, epoch, step, rank): the seed
             # and the position are the whole RNG state.
-            "rng": {"seed": int(run.spec.train["seed"]), "epoch": ctx.epoch, "step": ctx.step},
+            "rng": {"seed": int(spec.train["seed"]), "epoch": ctx.epoch, "step": ctx.step},
             "shard_positions": {"scheme": "rows", "epoch": ctx.epoch, "step_in_epoch": ctx.step_in_epoch,
                                 "per_rank": per_rank},
             "plan": self._plan(),
             "schedule_steps": ctx.schedule_steps,
             "epoch_totals": self._totals(),
             "history": ctx.history,
-            "world_size": run.comm.size,
+            "world_size": self.comm.size,
             "graph_fingerprint": ctx.graph.fingerprint(),
-            "config_yaml": run.spec.config_yaml,
+            "config_yaml": spec.config_yaml,
             # which training this is (hpc_rlx.fingerprint): decides which runs continue it
-            "config_fingerprint": run.spec.extras.get("config_fingerprint"),
-            "dtype": run.spec.train["dtype"],
+            "config_fingerprint": spec.extras.get("config_fingerprint"),
+            "dtype": spec.train["dtype"],
         }
         return CheckpointState(arrays=arrays, meta=meta)
 
     # ---- save (collective: every rank calls it at the same step) -------------------------
-    def save(self, run, reason: str, metric: float | None) -> None:
-        ctx = run.ctx
+    def save(self, reason: str, metric: float | None) -> None:
+        ctx = self.ctx
         at = (ctx.step, ctx.epoch, ctx.step_in_epoch)
         self.deferred = False
         if self._saved_at == at:
@@ -183,21 +199,21 @@ class RuntimeCheckpoints:
             return str(self.manager.save(self._state(), step=ctx.step, metric_value=metric))
         # A failed write (disk full ...) raises the same CheckpointError on every rank; the
         # previous checkpoint and the `latest` pointer are then untouched.
-        path = mpi.root_computes(run.comm, _write)
+        path = mpi.root_computes(self.comm, _write)
         self.saved_step, self._saved_at = ctx.step, at
         self.cadence.restart()
-        run.log(f"checkpoint ({reason}) at step {ctx.step}: {path} "
+        self.log(f"checkpoint ({reason}) at step {ctx.step}: {path} "
                 f"[{time.perf_counter() - t0:.2f}s]")
 
     # ---- resume -----------------------------------------------------------------------
     def _warn(self, message: str) -> None:
-        self.run.log(f"warning: {message}")
+        self.log(f"warning: {message}")
 
     def _read_choice(self):
         """Rank 0: the checkpoint `resume=` asks for, read and verified, or None."""
         from .checkpoint import CheckpointManager, checkpoints_dir, read_checkpoint
 
-        choice = str(self.run.spec.resume).strip()
+        choice = str(self.spec.resume).strip()
         if choice.lower() in _NO_RESUME:
             return None
         if choice == "auto":
@@ -230,21 +246,21 @@ class RuntimeCheckpoints:
         """Rank 0: refuse a checkpoint this run cannot continue exactly."""
         from .checkpoint import check_compatible
 
-        run, ctx = self.run, self.run.ctx
+        ctx = self.ctx
         check_compatible(state, ctx.graph.fingerprint())
         meta, where = state.meta, state.path
-        if meta.get("dtype", run.spec.train["dtype"]) != run.spec.train["dtype"]:
+        if meta.get("dtype", self.spec.train["dtype"]) != self.spec.train["dtype"]:
             raise CheckpointError(f"checkpoint {where} was written with train.dtype={meta.get('dtype')}, "
-                                  f"this run uses train.dtype={run.spec.train['dtype']}")
+                                  f"this run uses train.dtype={self.spec.train['dtype']}")
         opt = (meta.get("optimizer") or {}).get("name")
-        if opt is not None and opt != run.spec.optim["name"]:
+        if opt is not None and opt != self.spec.optim["name"]:
             raise CheckpointError(
-                f"checkpoint {where} holds optim={opt} state, this run uses optim={run.spec.optim['name']}; "
+                f"checkpoint {where} holds optim={opt} state, this run uses optim={self.spec.optim['name']}; "
                 f"to start a new optimizer from those weights, use model.init_from=<run_dir>/model.h5")
         policy = (meta.get("policy") or {}).get("name")
         saved_policy = POLICIES.get(policy)
         if (saved_policy is not None and not saved_policy.steps_are_batches
-                and run.policy.steps_are_batches and int(meta.get("step_in_epoch", 0)) > 0):
+                and self.policy.steps_are_batches and int(meta.get("step_in_epoch", 0)) > 0):
             # A windowed policy counts syncs, not sample steps: its mid-epoch position has no
             # meaning for sync.
             raise CheckpointError(
@@ -269,9 +285,9 @@ class RuntimeCheckpoints:
                 self._warn(f"the data plan differs from checkpoint {where} "
                            f"({', '.join(sorted(changed))}); continuing from its epoch boundary")
 
-    def maybe_resume(self) -> None:
+    def maybe_resume(self) -> Resumed | None:
         """Collective: rank 0 picks, reads and checks; everyone receives the arrays by Bcast."""
-        run, ctx, comm = self.run, self.run.ctx, self.run.comm
+        ctx, comm = self.ctx, self.comm
         holder = {}
 
         def _load():
@@ -288,22 +304,22 @@ class RuntimeCheckpoints:
             return {"path": str(state.path), "meta": state.meta, "shapes": shapes}
         info = mpi.root_computes(comm, _load)
         if info is None:
-            return
+            return None
         arrays = bcast_arrays(comm, holder["state"].arrays if comm.rank == 0 else None, info["shapes"])
         holder.clear()
         # Every rank holds the same data, so these checks fail everywhere or nowhere.
         mpi.agree(comm, lambda: self._apply(info, arrays))
-        run.resumed_from = info["path"]
         meta = info["meta"]
         self.resumed_config_yaml = meta.get("config_yaml")
         where = (f"in epoch {ctx.epoch + 1} at step {ctx.step_in_epoch}/{ctx.steps_per_epoch}"
                  if ctx.step_in_epoch else f"after epoch {ctx.epoch}")
         ranks = (f"written on {meta['world_size']} ranks, shards re-planned for {comm.size}"
                  if int(meta["world_size"]) != comm.size else f"written on {comm.size} ranks")
-        run.log(f"resumed from {info['path']}: global step {ctx.step}, {where} ({ranks})")
+        self.log(f"resumed from {info['path']}: global step {ctx.step}, {where} ({ranks})")
+        return Resumed(info["path"], meta.get("epoch_totals") if ctx.step_in_epoch else None)
 
     def _apply(self, info: dict, arrays: dict) -> None:
-        run, ctx = self.run, self.run.ctx
+        ctx = self.ctx
         meta = info["meta"]
         params = arrays["params"]
         if params.shape != ctx.params.shape:
@@ -313,15 +329,11 @@ class RuntimeCheckpoints:
         ctx.optimizer.load_state_dict({
             "arrays": {k[4:]: v for k, v in arrays.items() if k.startswith("opt/")},
             "scalars": meta["optimizer"]["scalars"]})
-        run.policy.load_state_dict({
+        self.policy.load_state_dict({
             "arrays": {k[7:]: v for k, v in arrays.items() if k.startswith("policy/")},
             "meta": meta["policy"]["state"], "world_size": meta["world_size"]})
         ctx.state.restore(meta, ctx.steps_per_epoch, info["path"])
         ctx.history = list(meta.get("history", []))
-        run.carried_totals = meta.get("epoch_totals") if ctx.step_in_epoch else None
-        lanes = getattr(run, "lanes", None)
-        if lanes is not None:
-            lanes.refresh_device_params()
         self.saved_step = ctx.step
         self._saved_at = (ctx.step, ctx.epoch, ctx.step_in_epoch)
 
@@ -334,25 +346,24 @@ class RuntimeCheckpoints:
         same run directory and resumes there. (slurm/train.sh requeues from the batch shell
         after every rank has exited instead, and turns this off.)
         """
-        run = self.run
-        if not run.spec.checkpoint.get("requeue"):
+        if not self.spec.checkpoint.get("requeue"):
             return
-        run.comm.Barrier()      # every rank has finished its work before Slurm ends the job
-        if not run.is_root:
+        self.comm.Barrier()      # every rank has finished its work before Slurm ends the job
+        if not self.is_root:
             return
         job = os.environ.get("SLURM_JOB_ID")
         if not job:
-            run.log("checkpoint.requeue=true but this is not a Slurm job (no SLURM_JOB_ID): not requeued")
+            self.log("checkpoint.requeue=true but this is not a Slurm job (no SLURM_JOB_ID): not requeued")
             return
         scontrol = shutil.which("scontrol") or "scontrol"
         try:
             out = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as e:
-            run.log(f"warning: scontrol requeue {job} failed: {e}; resubmit the job to resume "
+            self.log(f"warning: scontrol requeue {job} failed: {e}; resubmit the job to resume "
                     f"from its checkpoint")
             return
         if out.returncode == 0:
-            run.log(f"requeued Slurm job {job}: it resumes from its latest checkpoint")
+            self.log(f"requeued Slurm job {job}: it resumes from its latest checkpoint")
         else:
-            run.log(f"warning: scontrol requeue {job} exited {out.returncode}: "
+            self.log(f"warning: scontrol requeue {job} exited {out.returncode}: "
                     f"{(out.stderr or out.stdout).strip()}; resubmit the job to resume from its checkpoint")

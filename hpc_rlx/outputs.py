@@ -14,28 +14,26 @@ from . import segments, watchdog
 class RunOutputs:
     """Rank 0's files in the run directory."""
 
-    def __init__(self, run):        # a train.Run
-        self.run = run
-        self.dir = Path(run.spec.run_dir)
+    def __init__(self, spec, ctx, log, lane_names: list[str]):
+        self.spec, self.ctx, self.log, self.lane_names = spec, ctx, log, lane_names
+        self.dir = Path(spec.run_dir)
 
-    def start(self) -> None:
+    def start(self, resumed_from: str | None, resumed_config_yaml: str | None, world_size: int) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        segment = self._start_segment() if self.run.spec.config_yaml else None
-        (self.dir / "graph.json").write_text(json.dumps(self.run.spec.graph, indent=1))
-        if self.run.resumed_from:
-            self._trim_metrics(self.run.ctx.epoch)
+        segment = None
+        if self.spec.config_yaml:
+            # config.yaml for the first run here; a later run keeps it and adds its own
+            segment = segments.start_segment(
+                self.dir, self.spec.config_yaml, resumed_from=resumed_from,
+                resumed_config_yaml=resumed_config_yaml, start_step=self.ctx.step,
+                start_epoch=self.ctx.epoch, world_size=world_size)
+        (self.dir / "graph.json").write_text(json.dumps(self.spec.graph, indent=1))
+        if resumed_from:
+            self._trim_metrics(self.ctx.epoch)
         self.metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
         if segment is not None:
             self.metrics.write(segments.dumps(segment) + "\n")
-            self.run.log(segments.describe(segment))
-
-    def _start_segment(self) -> dict | None:
-        """config.yaml for the first run here; a later run keeps it and adds its own (segments)."""
-        run = self.run
-        return segments.start_segment(
-            self.dir, run.spec.config_yaml, resumed_from=run.resumed_from,
-            resumed_config_yaml=run.checkpoints.resumed_config_yaml, start_step=run.ctx.step,
-            start_epoch=run.ctx.epoch, world_size=run.comm.size)
+            self.log(segments.describe(segment))
 
     def _trim_metrics(self, epochs_done: int) -> None:
         """On resume, epochs past the checkpoint are trained again: their old records move to
@@ -65,10 +63,10 @@ class RunOutputs:
     def finish(self, result: dict) -> None:
         import h5py
         self.metrics.close()
-        ctx = self.run.ctx
+        ctx = self.ctx
         if not np.isfinite(ctx.params).all():
             # Never hand out a NaN model: the newest checkpoint stays the last good state.
-            self.run.log("warning: parameters are not finite; model.h5 was not written")
+            self.log("warning: parameters are not finite; model.h5 was not written")
             self._write_summary(result)
             return
         tmp = self.dir / "model.h5.tmp"
@@ -77,28 +75,28 @@ class RunOutputs:
             for name, arr in views.items():
                 f.create_dataset(name, data=np.asarray(arr))
             f.attrs["graph_fingerprint"] = ctx.graph.fingerprint()
-            f.attrs["graph"] = json.dumps(self.run.spec.graph)
+            f.attrs["graph"] = json.dumps(self.spec.graph)
         os.replace(tmp, self.dir / "model.h5")
         self._write_summary(result)
 
     def _write_summary(self, result: dict) -> None:
         summary = dict(result)
         summary["run_dir"] = str(self.dir)
-        summary["lanes"] = self.run.lanes.names
+        summary["lanes"] = self.lane_names
         watched = watchdog.current().stats()
         if watched is not None:
             summary["watchdog"] = watched
         with open(self.dir / "summary.json.tmp", "w") as f:
             json.dump(summary, f, indent=1, default=_json_default)
         os.replace(self.dir / "summary.json.tmp", self.dir / "summary.json")
-        if self.run.spec.extras.get("report", {}).get("plots", False):
+        if self.spec.extras.get("report", {}).get("plots", False):
             try:
                 from .report import write_plots
                 write_plots(self.dir)
             except ImportError:
-                self.run.log("plots skipped: matplotlib is not installed (pip install 'hpc_rlx[report]')")
+                self.log("plots skipped: matplotlib is not installed (pip install 'hpc_rlx[report]')")
             except Exception as e:  # noqa: BLE001 - plots must never fail a finished run
-                self.run.log(f"plots skipped: {type(e).__name__}: {e}")
+                self.log(f"plots skipped: {type(e).__name__}: {e}")
 
 
 def _json_default(o):

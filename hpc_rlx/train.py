@@ -169,7 +169,7 @@ class Run:
             mpi.agree(self.comm, self._check_params_finite)
             t0 = time.perf_counter()
             with trace.span("checkpoint", "io", args={"reason": reason}):
-                self.checkpoints.save(self, reason, metric)
+                self.checkpoints.save(reason, metric)
         self._add_checkpoint_time(time.perf_counter() - t0)
 
     def _add_checkpoint_time(self, dt: float) -> None:
@@ -217,14 +217,18 @@ class Run:
         self.log(f"{bucket_note}")
         self.stats = RankStats(lanes=self.lanes.names, inventory=inventory(), threads=self.threads)
         self.policy = make_policy(spec)
-        self.checkpoints = RuntimeCheckpoints(self)
+        self.checkpoints = RuntimeCheckpoints(spec, comm, ctx, self.policy, self.log,
+                                              lambda: self.current_totals)
         with phase("resume from a checkpoint"):
-            self.checkpoints.maybe_resume()
+            resumed = self.checkpoints.maybe_resume()
+        if resumed is not None:
+            self.resumed_from, self.carried_totals = resumed.path, resumed.carried_totals
+            self.lanes.refresh_device_params()     # device lanes hold a copy of the parameters
         if ctx.total_steps and ctx.step >= ctx.total_steps:
             self.stop_reason = "max_steps"     # resumed at or past train.max_steps: no step to take
-        self.outputs = RunOutputs(self) if self.is_root else None
+        self.outputs = RunOutputs(spec, ctx, self.log, self.lanes.names) if self.is_root else None
         if self.outputs:
-            self.outputs.start()
+            self.outputs.start(self.resumed_from, self.checkpoints.resumed_config_yaml, comm.size)
             self.display.open_step_log(ctx.steps_per_epoch, ctx.step if self.resumed_from else None)
         self.log(f"{comm.size} ranks, lanes on rank 0: {self.lanes.names}, "
                  f"{ctx.layout.size} parameters, {ctx.steps_per_epoch} steps/epoch")
