@@ -346,7 +346,7 @@ class RuntimeCheckpoints:
         same run directory and resumes there. (slurm/train.sh requeues from the batch shell
         after every rank has exited instead, and turns this off.)
         """
-        if not self.spec.checkpoint.get("requeue"):
+        if not self.spec.checkpoint["requeue"]:
             return
         self.comm.Barrier()      # every rank has finished its work before Slurm ends the job
         if not self.is_root:

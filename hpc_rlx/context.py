@@ -51,14 +51,14 @@ class Context:
         self.bucket = mpi.agree(comm, lambda: mpi.FusedBucket(
             self.layout.size, TAIL_FIELDS + tuple(spec.extras.get("tail", ())), self.dtype,
             cap_mb=float(spec.comm["bucket_cap_mb"]), deterministic=bool(spec.comm["deterministic"]),
-            wire_dtype=spec.comm.get("wire_dtype")))
+            wire_dtype=spec.comm["wire_dtype"]))
         opt = dict(spec.optim)
         self.optimizer = make_optimizer(opt["name"], self.layout.size, np, self.dtype, **optimizer_kwargs(opt))
-        self.base_lr = scaled_lr(float(opt["lr"]), self.world, float(opt.get("lr_scale_ratio") or 0.0))
+        self.base_lr = scaled_lr(float(opt["lr"]), self.world, float(opt["lr_scale_ratio"] or 0.0))
         # The schedule spans the configured epochs; max_steps only stops early, so a run
         # stopped by max_steps and resumed follows exactly the same LR curve.
         self.schedule_steps = spec.train["epochs"] * self.steps_per_epoch
-        self.total_steps = int(spec.train["max_steps"]) if spec.train.get("max_steps") else None
+        self.total_steps = int(spec.train["max_steps"]) if spec.train["max_steps"] else None
         self.schedule = make_schedule(opt["schedule"], self.base_lr, self.schedule_steps,
                                       **schedule_kwargs(opt))
         self.state = TrainState()     # step, epoch, position: advanced only through it
@@ -147,7 +147,7 @@ class Context:
     def apply_gradient(self, grad: np.ndarray, lr: float) -> float | None:
         """Clip (optionally) and step the optimizer with a mean gradient. Returns the norm."""
         norm = None
-        clip = self.spec.optim.get("clip_grad_norm")
+        clip = self.spec.optim["clip_grad_norm"]
         if clip:
             from .optim import clip_grad_norm_
             norm = clip_grad_norm_(grad, float(clip))
@@ -158,7 +158,7 @@ class Context:
         """Count a step skipped for non-finite values (train.on_nonfinite=skip). A model that
         only produces skipped steps is broken: stop instead of finishing as if it trained."""
         in_a_row = self.state.step_skipped()
-        limit = int(self.spec.train.get("max_consecutive_skips") or 0)
+        limit = int(self.spec.train["max_consecutive_skips"] or 0)
         if limit and in_a_row >= limit:
             # Decided from the bucket's flags: every rank raises this in the same step.
             raise mpi.CollectiveError(

@@ -28,8 +28,8 @@ def spec_summary(spec) -> str:
     return (f"spec: run_dir={spec.run_dir} world_size={spec.world_size} "
             f"config_fingerprint={spec.extras.get('config_fingerprint')} "
             f"graph nodes={len(graph.get('nodes', []))} data={spec.data.path} "
-            f"rows={spec.data.n_train} optim={spec.optim.get('name')} lr={spec.optim.get('lr')} "
-            f"policy={spec.policy.get('name')} resume={spec.resume} checkpoint={spec.checkpoint}")
+            f"rows={spec.data.n_train} optim={spec.optim['name']} lr={spec.optim['lr']} "
+            f"policy={spec.policy['name']} resume={spec.resume} checkpoint={spec.checkpoint}")
 
 
 def startup(spec) -> None:

@@ -19,9 +19,9 @@ def training_settings(overrides: list[str]) -> dict:
         raise ConfigError(problem)
     with initialize_config_dir(config_dir=entry._CONFIG_DIR, version_base="1.3", job_name="hpc_rlx"):
         cfg = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
-    validate_config(cfg)
-    return {"threads_per_rank": cfg["train"].get("threads_per_rank"),
-            "cpu_lanes": cfg["device"].get("cpu_lanes")}
+    cfg = validate_config(cfg)
+    return {"threads_per_rank": cfg["train"]["threads_per_rank"],
+            "cpu_lanes": cfg["device"]["cpu_lanes"]}
 
 
 def split_run_dir(overrides: list[str]) -> tuple[list[str], str | None]:

@@ -10,8 +10,8 @@ class InjectedFailure(RuntimeError):
 def maybe_fail(spec, rank: int, point: str, step: int | None = None) -> None:
     """Raise InjectedFailure if `spec.debug` (a TrainSpec's) asks for one here."""
     dbg = spec.debug
-    if dbg.get("fail_point") != point or dbg.get("fail_rank") is None or int(dbg["fail_rank"]) != rank:
+    if dbg["fail_point"] != point or dbg["fail_rank"] is None or int(dbg["fail_rank"]) != rank:
         return
-    if step is not None and step != int(dbg.get("fail_step") or 0):
+    if step is not None and step != int(dbg["fail_step"] or 0):
         return
     raise InjectedFailure(f"injected failure (debug.fail_point={point})")

@@ -226,7 +226,7 @@ class AdamW(_Optimizer):
 
 
 OPTIMIZERS = {"sgd": SGD, "adamw": AdamW}
-_OPT_KWARGS = {
+OPTIMIZER_KEYS = {
     "sgd": ("momentum", "nesterov", "weight_decay"),
     "adamw": ("betas", "eps", "weight_decay"),
 }
@@ -236,10 +236,10 @@ def make_optimizer(name: str, size: int, xp, dtype, **kwargs):
     """Build ``name`` ("sgd" or "adamw") over ``size`` flat parameters; unknown names/keys raise."""
     if name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}")
-    unknown = sorted(set(kwargs) - set(_OPT_KWARGS[name]))
+    unknown = sorted(set(kwargs) - set(OPTIMIZER_KEYS[name]))
     if unknown:
         raise ConfigError(
-            f"optimizer {name!r} does not take {unknown}; it takes {list(_OPT_KWARGS[name])}"
+            f"optimizer {name!r} does not take {unknown}; it takes {list(OPTIMIZER_KEYS[name])}"
         )
     return OPTIMIZERS[name](size, xp, dtype, **kwargs)
 

@@ -89,7 +89,7 @@ class RunOutputs:
         with open(self.dir / "summary.json.tmp", "w") as f:
             json.dump(summary, f, indent=1, default=_json_default)
         os.replace(self.dir / "summary.json.tmp", self.dir / "summary.json")
-        if self.spec.extras.get("report", {}).get("plots", False):
+        if self.spec.extras["report"]["plots"]:
             try:
                 from .report import write_plots
                 write_plots(self.dir)

@@ -15,7 +15,7 @@ from .step_log import StepLog
 class RunDisplay:
     def __init__(self, spec, is_root: bool, t_start: float):
         self.spec, self.is_root, self.t_start = spec, is_root, t_start
-        self.progress = (make_progress(spec.train.get("progress", "auto"), spec.train.get("log_every_s"))
+        self.progress = (make_progress(spec.train["progress"], spec.train["log_every_s"])
                          if is_root else None)
         self.step_log: StepLog | None = None
         self._epoch_clock = self._run_clock = None     # (time, fraction) where they started
@@ -30,7 +30,7 @@ class RunDisplay:
         """Rank 0: steps.jsonl, and the TensorBoard event files when report.tensorboard is on."""
         spec = self.spec
         board = None
-        if tensorboard_log.enabled(spec.extras.get("report", {}).get("tensorboard", "false")):
+        if tensorboard_log.enabled(spec.extras["report"]["tensorboard"]):
             board = tensorboard_log.TensorBoardLog(spec.run_dir, tensorboard_log.flat_hparams(
                 config_dict(spec), spec.world_size))
         self.step_log = StepLog(spec.run_dir, steps_per_epoch, self.t_start, board,

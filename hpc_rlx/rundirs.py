@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from .config_schema import default
 from .fingerprint import UNKNOWN, choose_job_dir, config_fingerprint, job_dir_number
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ def slurm_run_id(argv: list[str], env=os.environ, root: str = RUNS_ROOT) -> str 
     except Exception as e:  # noqa: BLE001 - unreadable outputs/: the run reports what it meets
         log.debug("run-dir choice: cannot read the job's directories (%s); using %s", e, base)
         return base
-    resume_auto = str(cfg.get("resume", "auto")).strip() == "auto"
+    resume_auto = str(cfg.get("resume", default("resume"))).strip() == "auto"
     name, why = choose_job_dir(base, existing, mine, requeued(env), resume_auto)
     global LAST_CHOICE
     LAST_CHOICE = (f"{name}: {why} (this config {mine}; the job's directories "

@@ -7,8 +7,8 @@ spec: rank 0 materialises them (`initial_parameters`) and broadcasts them by buf
 
 from __future__ import annotations
 
+import inspect
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,13 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from . import config_schema as schema
 from .errors import ConfigError, DataError
+from .graph import BUILDERS, Graph, ParamLayout, build_model, init_params
+from .optim import OPTIMIZER_KEYS, make_optimizer, make_schedule
 
-DTYPES = ("float32", "float64")
-DEVICES = ("cpu", "cuda", "all", "auto")
-DISTRIBUTIONS = ("read", "scatter")
-ON_NONFINITE = ("stop", "skip")
-CKPT_METRICS = ("val_loss", "val_accuracy")
+# the choices, declared with their keys in config_schema (re-exported for their readers)
+DTYPES, DEVICES, DISTRIBUTIONS = schema.DTYPES, schema.DEVICES, schema.DISTRIBUTIONS
+ON_NONFINITE, CKPT_METRICS = schema.ON_NONFINITE, schema.CKPT_METRICS
 
 
 @dataclass
@@ -74,99 +75,11 @@ class TrainSpec:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
-
-
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _num(v) -> bool:
-    """A finite real number (bools, strings, NaN and Inf are not)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def validate_config(cfg: dict, world_size: int | None = None) -> None:
-    """Value checks Hydra's schema cannot express. Every message names the key and value.
-
-    Type-safe on purpose: any value a command line can produce gives a ConfigError, never a
-    TypeError from comparing it.
-    """
-    t, o, c, dev, ck = cfg["train"], cfg["optim"], cfg["comm"], cfg["device"], cfg["checkpoint"]
-    _require(_int(t["epochs"]) and t["epochs"] >= 1,
-             f"train.epochs must be a positive integer, got {t['epochs']!r}")
-    _require(_int(t["batch_size"]) and t["batch_size"] >= 1,
-             f"train.batch_size must be a positive integer, got {t['batch_size']!r}")
-    _require(t["dtype"] in DTYPES, f"train.dtype={t['dtype']!r} is not one of {DTYPES}")
-    _require(t["on_nonfinite"] in ON_NONFINITE,
-             f"train.on_nonfinite={t['on_nonfinite']!r} is not one of {ON_NONFINITE}")
-    _require(t.get("progress", "auto") in ("auto", "bar", "lines"),
-             f"train.progress={t.get('progress')!r} is not one of ('auto', 'bar', 'lines')")
-    les = t.get("log_every_s")
-    _require(les is None or (_num(les) and les >= 0),
-             f"train.log_every_s must be null or a number >= 0, got {les!r}")
-    from .tensorboard_log import enabled as tensorboard_enabled
-    tensorboard_enabled(cfg.get("report", {}).get("tensorboard", "auto"))   # a bad value or a missing library
-    tpr = t.get("threads_per_rank")
-    _require(tpr is None or (isinstance(tpr, int) and not isinstance(tpr, bool) and tpr >= 1),
-             f"train.threads_per_rank must be null or an integer >= 1, got {tpr!r}")
-    mcs = t.get("max_consecutive_skips")
-    _require(mcs is None or (isinstance(mcs, int) and not isinstance(mcs, bool) and mcs >= 0),
-             f"train.max_consecutive_skips must be an integer >= 0, got {mcs!r}")
-    _require(t["max_steps"] is None or (_int(t["max_steps"]) and t["max_steps"] >= 1),
-             f"train.max_steps must be null or a positive integer, got {t['max_steps']!r}")
-    _require(_int(t.get("seed", 0)) and t.get("seed", 0) >= 0,
-             f"train.seed must be an integer >= 0, got {t.get('seed')!r}")
-    lr = o["lr"]
-    _require(_num(lr) and lr > 0, f"optim.lr must be a positive number, got {lr!r}")
-    ratio = o.get("lr_scale_ratio", 0.0)
-    _require(ratio is None or (_num(ratio) and ratio >= 0),
-             f"optim.lr_scale_ratio must be >= 0, got {ratio!r}")
-    if o.get("clip_grad_norm") is not None:
-        _require(_num(o["clip_grad_norm"]) and o["clip_grad_norm"] > 0,
-                 f"optim.clip_grad_norm must be null or > 0, got {o['clip_grad_norm']!r}")
-    for key in ("momentum", "weight_decay", "eps", "min_lr", "gamma"):
-        if key in o and o[key] is not None:
-            _require(_num(o[key]) and o[key] >= 0, f"optim.{key} must be a number >= 0, got {o[key]!r}")
-    for key in ("warmup_steps", "step_size"):
-        if key in o and o[key] is not None:
-            _require(_int(o[key]) and o[key] >= 0, f"optim.{key} must be an integer >= 0, got {o[key]!r}")
-    _require(dev["kind"] in DEVICES, f"device={dev['kind']!r} is not one of {DEVICES}")
-    _require(_int(dev["cpu_lanes"]) and dev["cpu_lanes"] >= 0,
-             f"device.cpu_lanes must be an integer >= 0, got {dev['cpu_lanes']!r}")
-    _require(dev["kind"] not in ("cpu",) or dev["cpu_lanes"] >= 1,
-             "device=cpu needs device.cpu_lanes >= 1")
-    _require(_num(c["bucket_cap_mb"]) and c["bucket_cap_mb"] > 0,
-             f"comm.bucket_cap_mb must be > 0, got {c['bucket_cap_mb']!r}")
-    warn, stall_abort = c.get("stall_warning_s"), c.get("stall_abort_s")
-    _require(warn is None or (_num(warn) and warn >= 0),
-             f"comm.stall_warning_s must be null (off) or a number of seconds >= 0, got {warn!r}")
-    _require(stall_abort is None or stall_abort == "auto" or (_num(stall_abort) and stall_abort > 0),
-             f"comm.stall_abort_s must be auto, null (never) or a number of seconds > 0, got {stall_abort!r}")
-    _require(stall_abort in (None, "auto") or (_num(warn) and warn > 0),
-             f"comm.stall_abort_s={stall_abort!r} needs the watchdog on: comm.stall_warning_s > 0, "
-             f"got {warn!r}")
-    _require(cfg["data"]["distribution"] in DISTRIBUTIONS,
-             f"data.distribution={cfg['data']['distribution']!r} is not one of {DISTRIBUTIONS}")
-    vf = cfg["data"]["val_fraction"]
-    _require(vf is None or (_num(vf) and 0 <= vf < 1), f"data.val_fraction must be in [0, 1), got {vf!r}")
-    for key in ("x", "y"):
-        _require(isinstance(cfg["data"][key], str) and cfg["data"][key] != "",
-                 f"data.{key} must be a dataset name, got {cfg['data'][key]!r}")
-    _require(ck["metric"] in CKPT_METRICS,
-             f"checkpoint.metric={ck['metric']!r} is not one of {CKPT_METRICS}")
-    _require(_int(ck["keep_last"]) and ck["keep_last"] >= 1,
-             f"checkpoint.keep_last must be >= 1, got {ck['keep_last']!r}")
-    for key in ("every_steps", "every_epochs"):
-        v = ck[key]
-        _require(v is None or (_int(v) and v > 0), f"checkpoint.{key} must be null or an integer > 0, got {v!r}")
-    v = ck["every_minutes"]
-    _require(v is None or (_num(v) and v > 0), f"checkpoint.every_minutes must be null or > 0, got {v!r}")
-    from .policies import parse_slowdown, validate_policy_config
-    validate_policy_config(cfg["policy"])
-    parse_slowdown(cfg["debug"].get("slowdown"), world_size)
+def validate_config(cfg: dict, world_size: int | None = None) -> dict:
+    """Check every key of a composed config against its declaration (`config_schema`) and
+    return the config completed with the declared defaults. Every message names the key and
+    the value; any value a command line can produce gives a ConfigError, never a TypeError."""
+    return schema.validate(cfg, world_size)
 
 
 def check_lane_batch(dev: dict, global_batch: int, world_size: int) -> None:
@@ -186,24 +99,21 @@ def check_lane_batch(dev: dict, global_batch: int, world_size: int) -> None:
 
 
 def optimizer_kwargs(opt: dict) -> dict:
-    """The optimizer's own keys from the `optim` group (the rest are schedule/scaling keys)."""
-    if opt["name"] == "sgd":
-        return dict(momentum=opt["momentum"], nesterov=opt["nesterov"], weight_decay=opt["weight_decay"])
-    if opt["name"] == "adamw":
-        return dict(betas=tuple(opt["betas"]), eps=opt["eps"], weight_decay=opt["weight_decay"])
-    return {}
+    """The optimizer's own keys from the (completed) `optim` section; the rest are schedule
+    and scaling keys."""
+    kwargs = {k: opt[k] for k in OPTIMIZER_KEYS.get(opt["name"], ())}
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return kwargs
 
 
 def schedule_kwargs(opt: dict) -> dict:
-    return dict(warmup_steps=opt.get("warmup_steps", 0), step_size=opt.get("step_size"),
-                gamma=opt.get("gamma", 0.1), min_lr=opt.get("min_lr", 0.0))
+    return {k: opt[k] for k in ("warmup_steps", "step_size", "gamma", "min_lr")}
 
 
 def check_optimizer(opt: dict, dtype: str, schedule_steps: int) -> None:
     """Build the optimizer and schedule once on rank 0, so bad values are one clear startup
     error instead of a failure on every rank later."""
-    from .optim import make_optimizer, make_schedule
-
     try:
         make_optimizer(opt["name"], 1, np, np.dtype(dtype), **optimizer_kwargs(opt))
         make_schedule(opt["schedule"], float(opt["lr"]), schedule_steps, **schedule_kwargs(opt))
@@ -214,8 +124,6 @@ def check_optimizer(opt: dict, dtype: str, schedule_steps: int) -> None:
 def check_model_fits(graph, cfg: dict, world_size: int) -> None:
     """Refuse, once and clearly, a model whose parameter-sized buffers cannot fit in this node's
     memory (instead of every rank dying in its own allocation)."""
-    from .graph import ParamLayout
-
     n = ParamLayout(graph).size
     itemsize = np.dtype(cfg["train"]["dtype"]).itemsize
     # params, gradient bucket, init buffer (float64), optimizer state, one per extra CPU lane
@@ -242,38 +150,33 @@ def check_run_dir_writable(run_dir: str) -> None:
         raise ConfigError(f"run directory {run_dir} is not writable: {e.strerror or e}") from e
 
 
-def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes: int | None):
-    from .graph import Graph, build_model
+# what a builder of graph.models needs of the data's samples: (dimensions, what they are)
+SAMPLE_DIMS = {"cnn": (3, "(C, H, W) images"), "transformer_lm": (1, "token sequences (N, T)")}
 
+
+def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes: int | None):
+    """The model graph: a builder of `graph.models.BUILDERS` with the option's keys
+    (`config_schema.BUILDER_KEYS`) and what the data says, or a graph file (`model=graph`)."""
     name = model_cfg["name"]
     if name == "graph":
         if model_cfg.get("path") in (None, "", "???"):
             raise ConfigError("model=graph needs model.path=<a graph JSON file>")
         return Graph.from_file(model_cfg["path"])
-    if name in ("mlp", "cnn") and num_classes is None:
+    if name not in schema.BUILDER_KEYS:
+        raise ConfigError(f"model={name!r} is not one of mlp, cnn, transformer_lm, graph")
+    takes = inspect.signature(BUILDERS[name]).parameters
+    if "input_shape" in takes and num_classes is None:
         raise DataError("cannot tell the number of classes: set model.num_classes, or give the "
                         "file or its label dataset a num_classes attribute")
-    if name == "mlp":
-        return build_model("mlp", input_shape=tuple(sample_shape), num_classes=num_classes,
-                           hidden=model_cfg["hidden"], activation=model_cfg["activation"],
-                           dropout=model_cfg["dropout"])
-    if name == "cnn":
-        if len(sample_shape) != 3:
-            raise DataError(f"model=cnn needs (C, H, W) images; the data's samples have shape "
-                            f"{tuple(sample_shape)}")
-        return build_model("cnn", input_shape=tuple(sample_shape), num_classes=num_classes,
-                           channels=model_cfg["channels"], kernel=model_cfg["kernel"],
-                           hidden=model_cfg["hidden"], pool=model_cfg["pool"],
-                           dropout=model_cfg["dropout"])
-    if name == "transformer_lm":
-        if len(sample_shape) != 1:
-            raise DataError(f"model=transformer_lm needs token sequences (N, T); the data's "
-                            f"samples have shape {tuple(sample_shape)}")
-        return build_model("transformer_lm", vocab_size=num_classes, seq_len=int(sample_shape[0]),
-                           d_model=model_cfg["d_model"], n_heads=model_cfg["n_heads"],
-                           n_layers=model_cfg["n_layers"], d_ff=model_cfg["d_ff"],
-                           dropout=model_cfg.get("dropout", 0.0))
-    raise ConfigError(f"model={name!r} is not one of mlp, cnn, transformer_lm, graph")
+    if name in SAMPLE_DIMS and len(sample_shape) != SAMPLE_DIMS[name][0]:
+        raise DataError(f"model={name} needs {SAMPLE_DIMS[name][1]}; the data's samples have shape "
+                        f"{tuple(sample_shape)}")
+    kwargs = {k: model_cfg[k] for k in schema.BUILDER_KEYS[name]}
+    if "input_shape" in takes:
+        kwargs.update(input_shape=tuple(sample_shape), num_classes=num_classes)
+    else:    # a sequence model: the classes are its vocabulary
+        kwargs.update(vocab_size=num_classes, seq_len=int(sample_shape[0]))
+    return build_model(name, **kwargs)
 
 
 def _num_classes(model_cfg: dict, info, n_train: int) -> int | None:
@@ -293,9 +196,10 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     from .data.plan import plan_shards
     from .rundirs import fingerprint_of
 
-    validate_config(cfg, world_size)
-    # of the config as composed (before anything below fills in defaults): what rundirs sees
+    completed = validate_config(cfg, world_size)
+    # of the config as composed (before the defaults are filled in): what rundirs sees
     fingerprint = fingerprint_of(cfg)
+    cfg = completed
     check_run_dir_writable(run_dir)
     d = cfg["data"]
     from .data.resolve import prepare_missing_data
@@ -347,14 +251,12 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         comm=dict(cfg["comm"]), checkpoint=dict(cfg["checkpoint"]), debug=dict(cfg["debug"]),
         run_dir=str(run_dir), resume=str(cfg["resume"]), world_size=world_size,
         config_yaml=config_yaml,
-        extras={"report": dict(cfg.get("report", {})), "trace": dict(cfg.get("trace", {})),
+        extras={"report": dict(cfg["report"]), "trace": dict(cfg["trace"]),
                 "plan": plan.describe(), "config_fingerprint": fingerprint})
 
 
 def initial_parameters(spec: TrainSpec, graph, layout) -> np.ndarray:
     """Rank 0: the initial flat parameter vector, in the compute dtype."""
-    from .graph import init_params
-
     dtype = np.dtype(spec.train["dtype"])
     flat = np.zeros(layout.size, dtype=np.float64)
     src = spec.param_source

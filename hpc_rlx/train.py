@@ -68,7 +68,7 @@ class Run:
         self.display = RunDisplay(spec, self.is_root, self.t_start)
         self.partial_metrics: dict | None = None     # the validation of a run ending mid-epoch
         from .policies import slowdown_for_rank
-        self._slowdown = slowdown_for_rank(spec.debug.get("slowdown"), comm.rank, comm.size)
+        self._slowdown = slowdown_for_rank(spec.debug["slowdown"], comm.rank, comm.size)
         self.tracer = None
         self._ckpt_pending_s = 0.0
         self._cpu_mark = time.process_time()
@@ -97,7 +97,7 @@ class Run:
     def fill_flags(self, loss_sum: float) -> None:
         b = self.ctx.bucket
         dbg = self.spec.debug
-        if dbg.get("nan_rank") == self.rank and dbg.get("nan_step") == self.ctx.step:
+        if dbg["nan_rank"] == self.rank and dbg["nan_step"] == self.ctx.step:
             b.payload[0] = float("nan")     # debug.nan_*: a non-finite gradient, on purpose
         for key, value in self.control_flags().items():
             b[key] = value
@@ -193,11 +193,11 @@ class Run:
         # Early, so a signal during startup becomes a stop at the first step, not a dead rank.
         self.stop_flag.install(self.rank)
         maybe_fail(spec, self.rank, "startup")
-        self.threads = limit_threads(comm, spec.train.get("threads_per_rank"),
-                                     lanes=thread_lanes(spec.device.get("cpu_lanes")))
-        tcfg = spec.extras.get("trace") or {}
-        self.tracer = trace.start(comm, bool(tcfg.get("enabled")), host=hostname(),
-                                  max_events=tcfg.get("max_events"))
+        self.threads = limit_threads(comm, spec.train["threads_per_rank"],
+                                     lanes=thread_lanes(spec.device["cpu_lanes"]))
+        tcfg = spec.extras["trace"]
+        self.tracer = trace.start(comm, bool(tcfg["enabled"]), host=hostname(),
+                                  max_events=tcfg["max_events"])
         self.ctx = ctx = Context(spec, comm, log=self.log)
         self.log(spec.extras.get("plan", ""))
         self._cpu_mark = time.process_time()
@@ -210,7 +210,7 @@ class Run:
         # Lanes place the bucket (device twin or host) and pick its Allreduce path.
         self.lanes = mpi_mod.agree(comm, lambda: LaneSet(
             ctx.graph, lanes_spec, spec.train["dtype"], ctx.params, ctx.bucket, ctx.layout,
-            cuda_aware=spec.comm.get("cuda_aware", "auto")))
+            cuda_aware=spec.comm["cuda_aware"]))
         lane_note = mpi_mod.by_rank(comm, describe_lanes(lanes_spec))
         bucket_note = mpi_mod.by_rank(comm, self.lanes.bucket_path)
         self.log(f"lanes: {lane_note}")

@@ -156,14 +156,14 @@ class StallWatchdog:
     @classmethod
     def from_spec(cls, spec, comm, position):
         c, d = spec.comm, spec.debug
-        warn = c.get("stall_warning_s")
+        warn = c["stall_warning_s"]
         if warn is None or float(warn) <= 0 or comm.size == 1:   # one rank waits for nobody
             return NullWatchdog()
         stall = {}
-        if d.get("stall_rank") is not None and d.get("stall_s"):
-            stall = {"rank": int(d["stall_rank"]), "step": int(d.get("stall_step") or 0),
+        if d["stall_rank"] is not None and d["stall_s"]:
+            stall = {"rank": int(d["stall_rank"]), "step": int(d["stall_step"] or 0),
                      "seconds": float(d["stall_s"])}
-        return cls(comm, float(warn), c.get("stall_abort_s"), position=position, stall=stall)
+        return cls(comm, float(warn), c["stall_abort_s"], position=position, stall=stall)
 
     # ---- the hot path: two attribute writes per collective ------------------------------
     def enter(self, label: str) -> None:

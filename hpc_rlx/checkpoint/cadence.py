@@ -32,7 +32,7 @@ class Cadence:
 
     @classmethod
     def from_config(cls, cfg: dict, clock: Callable[[], float] = time.monotonic) -> "Cadence":
-        return cls(cfg.get("every_steps"), cfg.get("every_epochs"), cfg.get("every_minutes"), clock)
+        return cls(cfg["every_steps"], cfg["every_epochs"], cfg["every_minutes"], clock)
 
     @property
     def enabled(self) -> bool:

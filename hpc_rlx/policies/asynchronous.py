@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from .interval import IntervalController
 from .window import stretch_to_epoch
-from .windowed import SHARED_DEFAULTS, WindowedPolicy, number_key, round_or_none
+from .windowed import SHARED_DEFAULTS, SHARED_DOCS, WindowedPolicy, number_key, round_or_none
 
 
 class AsyncPolicy(WindowedPolicy):
     name = "async"
     defaults = dict(SHARED_DEFAULTS, divergence_threshold=0.05)
+    key_docs = dict(SHARED_DOCS, divergence_threshold="max over ranks of ||W_i - W|| / ||W|| above "
+                    "which K is halved; null = guard off")
 
     @classmethod
     def check_own_keys(cls, cfg: dict) -> dict:

@@ -73,12 +73,14 @@ class Policy:
     """Base of every policy. Subclasses set `name` and `defaults` and implement `run_epoch`.
 
     Class level (no MPI): `defaults` are the `policy.*` keys the policy takes with their
-    default values; `check_config` normalises and checks them (raising ConfigError).
+    default values, `key_docs` one line of documentation each (the README's config table);
+    `check_config` normalises and checks them (raising ConfigError).
     Instance level: `run_epoch` trains one epoch through a `TrainingLoop`.
     """
 
     name: str = ""
     defaults: Mapping[str, Any] = {}
+    key_docs: Mapping[str, str] = {}
     # Whether `ctx.step_in_epoch` counts global batches (every step a sync). Then a mid-epoch
     # position names the same batch after a resume, and a checkpoint due at the epoch's last
     # step waits for the epoch's validation, so a resume does not redo the epoch's end.

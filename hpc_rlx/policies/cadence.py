@@ -9,12 +9,14 @@ time; the anchor (the slowest rank's steps per window) grows until the sync cost
 from __future__ import annotations
 
 from .elche import ElcheScheduler
-from .windowed import SHARED_DEFAULTS, WindowedPolicy, integer_key, round_or_none
+from .windowed import SHARED_DEFAULTS, SHARED_DOCS, WindowedPolicy, integer_key, round_or_none
 
 
 class CadencePolicy(WindowedPolicy):
     name = "cadence"
     defaults = dict(SHARED_DEFAULTS, max_batch_diff=None)
+    key_docs = dict(SHARED_DOCS, max_batch_diff="most steps per sync the fastest rank may lead the "
+                    "slowest by (and move per update); 0 = lockstep; null = no bound")
 
     @classmethod
     def check_own_keys(cls, cfg: dict) -> dict:

@@ -69,6 +69,16 @@ SHARED_DEFAULTS = {
     "outer_lr": None,
     "outer_momentum": None,
 }
+SHARED_DOCS = {
+    "anchor": "initial local steps per sync (cadence: of the slowest rank; async: K)",
+    "max_anchor": "upper bound of the anchor",
+    "overhead_target": "target sync time / compute time that the anchor is tuned to",
+    "gamma": "consensus weight of a rank = (its local steps) ** gamma; 0 = plain mean",
+    "outer": "`average`, `diloco` (outer Nesterov, inner state reset) or `slowmo` (slow momentum, "
+             "inner state kept)",
+    "outer_lr": "outer step size; null = the method's default (diloco 0.7, slowmo 1.0)",
+    "outer_momentum": "outer momentum; null = the method's default (diloco 0.9, slowmo 0.5)",
+}
 
 
 class WindowedPolicy(Policy):
@@ -76,6 +86,7 @@ class WindowedPolicy(Policy):
     `build_controller`, `k`, `planned_counts`, `window_k`, `_observe`, `_controller_record`."""
 
     defaults = SHARED_DEFAULTS
+    key_docs = SHARED_DOCS
 
     @classmethod
     def check_config(cls, cfg: dict) -> dict:
@@ -107,7 +118,7 @@ class WindowedPolicy(Policy):
             self.controller = self.build_controller(self.cfg, self.world)
             self.outer = make_outer(self.cfg["outer"], self.cfg["outer_lr"],
                                     self.cfg["outer_momentum"])
-            self.slowdown_map = parse_slowdown(spec.debug.get("slowdown"), self.world)
+            self.slowdown_map = parse_slowdown(spec.debug["slowdown"], self.world)
         except ConfigError as e:
             # Every rank checks the same broadcast spec, so every rank fails here with this
             # same message: it is already agreed, and needs no collective to say so.
