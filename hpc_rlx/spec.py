@@ -12,7 +12,6 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -20,11 +19,6 @@ from . import config_schema as schema
 from .errors import ConfigError, DataError
 from .graph import BUILDERS, Graph, ParamLayout, build_model, init_params
 from .optim import OPTIMIZER_KEYS, make_optimizer, make_schedule
-
-# the choices, declared with their keys in config_schema (re-exported for their readers)
-DTYPES, DEVICES, DISTRIBUTIONS = schema.DTYPES, schema.DEVICES, schema.DISTRIBUTIONS
-ON_NONFINITE, CKPT_METRICS = schema.ON_NONFINITE, schema.CKPT_METRICS
-
 
 @dataclass
 class DataPlan:

@@ -40,8 +40,8 @@ def _options(group: str) -> list[str]:
 
 
 def _same(a, b) -> bool:
-    return type(a) is type(b) and a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float))
-                                             and not isinstance(a, bool) and a == b and a is not None)
+    """Equal and of one type: `10` and `10.0` are different defaults, `true` and `1` too."""
+    return type(a) is type(b) and a == b
 
 
 def test_config_yaml_sections_match_the_schema():
