@@ -98,6 +98,7 @@ class Run:
         b = self.ctx.bucket
         dbg = self.spec.debug
         if dbg["nan_rank"] == self.rank and dbg["nan_step"] == self.ctx.step:
+            b.payload_to_host()             # GPU-only lanes left the gradient on the GPU
             b.payload[0] = float("nan")     # debug.nan_*: a non-finite gradient, on purpose
         for key, value in self.control_flags().items():
             b[key] = value

@@ -193,13 +193,14 @@ def test_gpu_lanes_sum_on_the_lead_device_and_come_down_once(fake2):
     n, loss_sum, correct, _ = lanes.step(x, y, seed=0)
     assert n == 24
     # parameters went up to both GPUs, the peer's gradient was copied to the lead GPU once,
-    # and nothing came down yet: the sum stays on the device until someone reads it
+    # and nothing came down yet: the sum stays on the device until payload_to_host()
     assert fake2.counts["h2d"] == 2 and fake2.counts["d2d"] == 1 and fake2.counts["d2h"] == 0
     assert bucket.payload_finite() and fake2.counts["d2h"] == 0
+    bucket.payload_to_host()
     got = bucket.payload.copy()
     assert fake2.counts["d2h"] == 1
     np.testing.assert_allclose(got, reference_grad(g, layout, params, x, y), rtol=1e-12, atol=1e-12)
-    _ = bucket.payload                    # already on the host: no second copy
+    bucket.payload_to_host()              # already on the host: no second copy
     assert fake2.counts["d2h"] == 1
     assert "GPU 0" in lanes.bucket_path and "staged" in lanes.bucket_path
 
@@ -212,12 +213,14 @@ def test_parameters_are_never_stale(fake2):
     fake2.counts.clear()
     lanes.step(x, y, seed=0)              # nobody called refresh: the step copies them itself
     assert fake2.counts["h2d"] == 2
+    bucket.payload_to_host()
     np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-12, atol=1e-12)
     params += 0.1
     lanes.refresh_device_params()         # a policy refreshes right after its update ...
     fake2.counts.clear()
     lanes.step(x, y, seed=0)              # ... so the step does not copy again
     assert fake2.counts["h2d"] == 0
+    bucket.payload_to_host()
     np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-12, atol=1e-12)
     params -= 0.2                         # evaluation also sees the newest parameters
     loss_sum, _ = lanes.evaluate(x, y)
@@ -273,7 +276,7 @@ def test_a_rank_on_gpu_1_never_makes_a_context_on_gpu_0(fake2, spec):
     for _ in range(2):
         lanes.step(x, y, seed=0)
         assert bucket.payload_finite()
-        _ = bucket.payload
+        bucket.payload_to_host()
         params *= 0.9
         lanes.refresh_device_params()
     lanes.evaluate(x, y)
@@ -361,6 +364,7 @@ for name, spec, setting in [("host", [("cpu", 0)], "auto"), ("staged", [("cuda",
     out[name] = {"path": bucket.last_path, "chunks": bucket.last_chunks, "samples": bucket["samples"],
                  "d2h_in_allreduce": fake.counts["d2h"] - before.get("d2h", 0),
                  "h2d_in_allreduce": fake.counts["h2d"] - before.get("h2d", 0)}
+    bucket.payload_to_host()
     np.save(os.path.join(os.environ["OUT"], f"{name}_{comm.rank}.npy"), bucket.payload)
 if comm.rank == 0:
     print("RESULT " + json.dumps(out))
@@ -484,9 +488,11 @@ def test_real_gpu_lanes_match_numpy(spec):
     for _ in range(3):                    # warm-up, then rated splits
         lanes.step(x, y, seed=0)
     assert bucket.payload_finite()
+    bucket.payload_to_host()
     np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-9, atol=1e-10)
     params *= 0.9
     lanes.step(x, y, seed=0)
+    bucket.payload_to_host()
     np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-9, atol=1e-10)
     lanes.close()
 
@@ -499,6 +505,7 @@ def test_real_two_gpus_combine_on_the_lead():
     lanes, bucket = make_lanes([("cuda", 0), ("cuda", 1)], g, layout, params)
     lanes.step(x, y, seed=0)
     assert backend.device_of(bucket.device_payload) == 0
+    bucket.payload_to_host()
     np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-9, atol=1e-10)
 
 
@@ -513,6 +520,7 @@ def test_real_rank_on_gpu_1_keeps_gpu_1_current():
         assert cp.cuda.runtime.getDevice() == 1      # the main thread works for the rank's GPU
         lanes.step(x, y, seed=0)
         assert cp.cuda.runtime.getDevice() == 1
+        bucket.payload_to_host()
         np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-9, atol=1e-10)
         lanes.close()
     finally:

@@ -60,6 +60,7 @@ class SyncPolicy(Policy):
             if skipped:
                 ctx.note_skip()
             elif total_n > 0:
+                bucket.payload_to_host()      # a CUDA-aware Allreduce leaves the sum on the GPU
                 bucket.payload /= total_n
                 with trace.span("optimizer", "optim"):
                     ctx.apply_gradient(bucket.payload, ctx.lr_at(ctx.step))

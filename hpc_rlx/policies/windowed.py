@@ -314,6 +314,7 @@ class WindowedPolicy(Policy):
                 else:
                     loss_sum += ls
                     correct += corr
+                    ctx.bucket.payload_to_host()      # GPU-only lanes sum on the GPU
                     grad = ctx.bucket.payload
                     grad /= n
                     with trace.span("optimizer", "optim"):
