@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import backend, cuda_mpi, trace
+from .bucket_layout import BucketLayout
 from . import watchdog as _watchdog
 from .errors import HpcRlxError
 from .job_abort import abort_job
@@ -136,7 +137,8 @@ def _all_finite(x: np.ndarray) -> bool:
 
 
 class FusedBucket:
-    """One contiguous array: [gradients or weighted params ... | tail fields].
+    """One contiguous array laid out by a `bucket_layout.BucketLayout`:
+    [gradients or weighted params ... | summed fields | per-rank fields].
 
     Lanes write gradients straight into `payload` views, the loop writes counts, loss sums
     and flags into the tail, and one in-place SUM Allreduce (chunked under the size cap)
@@ -156,10 +158,11 @@ class FusedBucket:
     """
 
     def __init__(self, payload_size: int, tail_fields: Sequence[str], dtype, xp=np,
-                 cap_mb: float = 16.0, deterministic: bool = False, wire_dtype: str | None = None):
-        self.fields = {name: i for i, name in enumerate(tail_fields)}
-        self.payload_size = int(payload_size)
-        self._set_host(xp.zeros(self.payload_size + len(tail_fields), dtype=dtype))
+                 cap_mb: float = 16.0, deterministic: bool = False, wire_dtype: str | None = None,
+                 rank_fields: Sequence[str] = (), world_size: int = 1):
+        self.layout = BucketLayout(payload_size, tail_fields, rank_fields, world_size)
+        self.payload_size = self.layout.payload_size
+        self._set_host(xp.zeros(self.layout.size, dtype=dtype))
         itemsize = np.dtype(dtype).itemsize
         self.chunk_elems = max(1, int(cap_mb * 1024 * 1024) // itemsize)
         self.deterministic = deterministic
@@ -175,16 +178,31 @@ class FusedBucket:
         self.choice = None              # cuda_mpi.PathChoice once lanes placed the bucket
         self.reduction = make_reduction(self.chunk_elems, deterministic, self.wire)
 
+    @classmethod
+    def for_layout(cls, layout: BucketLayout, dtype, **options) -> "FusedBucket":
+        """A bucket with `layout`'s payload, summed fields and per-rank fields."""
+        return cls(layout.payload_size, layout.fields, dtype, rank_fields=layout.rank_fields,
+                   world_size=layout.world_size, **options)
+
     def _set_host(self, buf) -> None:
         self.buffer = buf
         self.payload = buf[: self.payload_size]
         self.tail = buf[self.payload_size:]
 
-    def __getitem__(self, field: str) -> float:
-        return float(self.tail[self.fields[field]])
+    def __getitem__(self, field: str):
+        """A summed field as a float; a per-rank field as its slots (a view of the tail)."""
+        return self.layout.read(self.tail, field)
 
     def __setitem__(self, field: str, value: float) -> None:
-        self.tail[self.fields[field]] = value
+        self.layout.write(self.tail, field, value)
+
+    def put(self, field: str, value: float, rank: int) -> None:
+        """This rank's slot of a per-rank field (or a summed field: `rank` is ignored)."""
+        self.layout.write(self.tail, field, value, rank)
+
+    def flags(self) -> dict[str, bool]:
+        """The reduced control flags (`bucket_layout.CONTROL_FLAGS`) after the Allreduce."""
+        return self.layout.flags(self.tail)
 
     def zero_tail(self) -> None:
         self.tail[...] = 0

@@ -8,13 +8,11 @@ import time
 import numpy as np
 
 from . import comm as mpi
+from .bucket_layout import STEP_FIELDS
 from .errors import DataError
 from .faults import maybe_fail
 from .spec import TrainSpec, optimizer_kwargs, schedule_kwargs
 from .train_state import TrainState
-
-# Tail slots of the fused bucket, in order. Policies may append their own.
-TAIL_FIELDS = ("samples", "loss_sum", "correct", "stop", "nonfinite", "ckpt_due")
 
 
 class Context:
@@ -48,8 +46,9 @@ class Context:
         self.plan = plan_shards(spec.data.n_train, spec.train["batch_size"], self.world, spec.data.leftover)
         self.steps_per_epoch = self.plan.steps_per_epoch
         # agreed: a bad comm.wire_dtype is one clear error on every rank
+        # summed fields: the step's (bucket_layout.STEP_FIELDS), then any a policy asks for
         self.bucket = mpi.agree(comm, lambda: mpi.FusedBucket(
-            self.layout.size, TAIL_FIELDS + tuple(spec.extras.get("tail", ())), self.dtype,
+            self.layout.size, STEP_FIELDS + tuple(spec.extras.get("tail", ())), self.dtype,
             cap_mb=float(spec.comm["bucket_cap_mb"]), deterministic=bool(spec.comm["deterministic"]),
             wire_dtype=spec.comm["wire_dtype"]))
         opt = dict(spec.optim)

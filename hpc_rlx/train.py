@@ -16,6 +16,7 @@ import numpy as np
 
 from . import comm as mpi
 from . import trace
+from .bucket_layout import flag_values
 from .context import Context
 from .errors import CheckpointError, phase
 from .faults import maybe_fail
@@ -100,22 +101,20 @@ class Run:
         if dbg["nan_rank"] == self.rank and dbg["nan_step"] == self.ctx.step:
             b.payload_to_host()             # GPU-only lanes left the gradient on the GPU
             b.payload[0] = float("nan")     # debug.nan_*: a non-finite gradient, on purpose
-        for key, value in self.control_flags().items():
-            b[key] = value
         bad = not math.isfinite(loss_sum) or not b.payload_finite()   # on the GPU for a device bucket
-        b["nonfinite"] = 1.0 if bad else 0.0
+        for key, value in self.control_flags(nonfinite=bad).items():
+            b[key] = value
 
-    def control_flags(self) -> dict:
-        """This rank's control flags for the next sync."""
-        return {"stop": 1.0 if self.stop_flag.raised else 0.0,
-                "ckpt_due": 1.0 if (self.is_root and self.checkpoints.minutes_due()) else 0.0}
+    def control_flags(self, nonfinite: bool = False) -> dict:
+        """This rank's control flags for the next sync (`bucket_layout.CONTROL_FLAGS`)."""
+        return flag_values(stop=self.stop_flag.raised, nonfinite=nonfinite,
+                           ckpt_due=self.is_root and self.checkpoints.minutes_due())
 
     def stop(self, reason: str) -> None:
         self.stop_reason = reason
 
     def read_flags(self) -> dict:
-        b = self.ctx.bucket
-        return {"stop": b["stop"] > 0, "nonfinite": b["nonfinite"] > 0, "ckpt_due": b["ckpt_due"] > 0}
+        return self.ctx.bucket.flags()
 
     def after_step(self, n: int, loss: float, compute: float, comm_s: float) -> None:
         st = self.stats

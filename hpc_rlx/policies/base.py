@@ -50,8 +50,8 @@ class TrainingLoop(Protocol):
     def slowdown(self, compute_s: float) -> None:
         """debug.slowdown's extra wall time after a step of `compute_s`."""
 
-    def control_flags(self) -> dict:
-        """This rank's control flags for the next sync: stop, ckpt_due (0.0 or 1.0)."""
+    def control_flags(self, nonfinite: bool = False) -> dict:
+        """This rank's control flags for the next sync: stop, nonfinite, ckpt_due (0.0 or 1.0)."""
 
     def fill_flags(self, loss_sum: float) -> None:
         """Write this rank's control flags into the bucket's tail."""

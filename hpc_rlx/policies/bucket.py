@@ -4,6 +4,9 @@
 [ w_i*W_i (n_params) | w_i | steps[N] | samples[N] | compute_ms[N] | sync_ms[N] | divergence[N] ]
 ```
 
+In `bucket_layout.BucketLayout` terms: the weighted parameters are the payload, the weight a
+summed field, and the report values per-rank fields.
+
 Each rank writes its own report values at index `rank` of every per-rank field and zeros
 elsewhere, so the Allreduce(SUM) that averages the parameters also gathers every rank's
 report: `x + 0` is exact, so all ranks read bit-identical vectors and take identical
@@ -22,6 +25,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ..bucket_layout import BucketLayout
 from .consensus import finish_consensus, pack_consensus
 
 REPORT_FIELDS: tuple[str, ...] = ("steps", "samples", "compute_ms", "sync_ms", "divergence")
@@ -122,7 +126,7 @@ class SyncReport:
 
 
 class SyncLayout:
-    """Offsets of one policy bucket, plus pack / finish / read for it.
+    """Offsets of one policy bucket (a `BucketLayout`: `bucket`), plus pack / finish / read.
 
     `pack` and `finish` do not allocate on the parameter path; the per-rank tail is staged in
     a small host array owned by the layout.
@@ -130,22 +134,19 @@ class SyncLayout:
 
     def __init__(self, n_params: int, world_size: int,
                  fields: Sequence[str] = REPORT_FIELDS):
-        if n_params < 0 or world_size < 1:
-            raise ValueError(f"bad layout: n_params={n_params}, world_size={world_size}")
         if len(set(fields)) != len(fields):
             raise ValueError(f"duplicate report fields: {list(fields)}")
-        self.n_params = int(n_params)
-        self.world_size = int(world_size)
-        self.fields = tuple(fields)
-        self.weight_index = self.n_params
-        self.tail_start = self.n_params + 1
-        self.size = self.tail_start + len(self.fields) * self.world_size
-        self._tail = np.zeros(len(self.fields) * self.world_size, dtype=np.float64)
+        self.bucket = BucketLayout(n_params, ("weight",), fields, world_size)
+        self.n_params = self.bucket.payload_size
+        self.world_size = self.bucket.world_size
+        self.fields = self.bucket.rank_fields
+        self.weight_index = self.bucket.field_offset("weight")
+        self.tail_start = self.bucket.payload_size + self.bucket.rank_fields_start
+        self.size = self.bucket.size
+        self._tail = np.zeros(self.bucket.tail_size, dtype=np.float64)   # staged on the host
 
     def field_slice(self, name: str) -> slice:
-        i = self.fields.index(name)
-        start = self.tail_start + i * self.world_size
-        return slice(start, start + self.world_size)
+        return self.bucket.rank_span(name)
 
     def pack(self, bucket, params, weight: float, rank: int,
              report: Mapping[str, float]) -> None:
@@ -159,9 +160,9 @@ class SyncLayout:
             raise ValueError(f"unknown report fields {sorted(unknown)}; known: {list(self.fields)}")
         pack_consensus(params, weight, bucket)
         self._tail.fill(0.0)
-        for i, name in enumerate(self.fields):
-            self._tail[i * self.world_size + rank] = float(report.get(name, 0.0))
-        _copy_into(bucket[self.tail_start:], self._tail)
+        for name in self.fields:
+            self.bucket.write(self._tail, name, float(report.get(name, 0.0)), rank)
+        _copy_into(bucket[self.tail_start:], self._tail[self.bucket.rank_fields_start:])
 
     def finish(self, bucket, out_params) -> bool:
         """Apply the consensus to `out_params` (see `consensus.finish_consensus`)."""

@@ -46,6 +46,7 @@ import numpy as np
 
 from .. import comm as mpi
 from .. import trace
+from ..bucket_layout import CONTROL_FLAGS
 from ..errors import ConfigError
 from ..faults import maybe_fail
 from .base import EpochTotals, Policy, TrainingLoop, dropout_seed
@@ -57,7 +58,7 @@ from .slowdown import SlowdownInjector, parse_slowdown
 from .smoothing import RecentMin
 from .window import plan_window
 
-FIELDS = REPORT_FIELDS + ("loss_sum", "correct", "stop", "nonfinite", "ckpt_due")
+FIELDS = REPORT_FIELDS + ("loss_sum", "correct") + CONTROL_FLAGS     # per-rank slots of the sync
 
 
 SHARED_DEFAULTS = {
@@ -204,9 +205,9 @@ class WindowedPolicy(Policy):
     def _setup(self, run) -> None:
         ctx = run.ctx
         self.layout = SyncLayout(ctx.layout.size, self.world, FIELDS)
-        self.bucket = mpi.FusedBucket(self.layout.size, (), ctx.dtype,
-                                      cap_mb=float(ctx.spec.comm["bucket_cap_mb"]),
-                                      deterministic=bool(ctx.spec.comm["deterministic"]))
+        self.bucket = mpi.FusedBucket.for_layout(self.layout.bucket, ctx.dtype,
+                                                 cap_mb=float(ctx.spec.comm["bucket_cap_mb"]),
+                                                 deterministic=bool(ctx.spec.comm["deterministic"]))
         self.buf = self.bucket.buffer
         self.global_params = ctx.params.copy()   # the last agreed model (restore point)
         self.outer.begin(ctx.params)
@@ -350,12 +351,11 @@ class WindowedPolicy(Policy):
             "steps": steps, "samples": samples, "compute_ms": measured * 1e3,
             "sync_ms": self._prev_sync_ms, "divergence": self._prev_div,
             "loss_sum": 0.0 if bad else loss_sum, "correct": 0.0 if bad else correct,
-            "nonfinite": 1.0 if bad else 0.0,
-            **run.control_flags(),
+            **run.control_flags(nonfinite=bad),
         })
         self.bucket.allreduce(ctx.comm)    # the one collective of the window
         report = self.layout.read(self.buf)
-        flags = {key: bool(np.any(report[key] > 0)) for key in ("stop", "nonfinite", "ckpt_due")}
+        flags = self.bucket.flags()
         if flags["nonfinite"] and run.on_nonfinite == "stop":
             run.stop("nonfinite")
             ctx.params[...] = self.global_params      # the last agreed model, not this rank's window
