@@ -46,7 +46,7 @@ def child(sizes_mb: list[float], repeats: int | None, cap_mb: float) -> None:
     import numpy as np
     from mpi4py import MPI
 
-    from hpc_rlx.comm import FusedBucket
+    from hpc_rlx.comm.collective import FusedBucket
 
     comm = MPI.COMM_WORLD
     tail = ("samples", "loss_sum", "correct", "stop", "nonfinite", "ckpt_due")

@@ -13,7 +13,7 @@ import time
 
 from _common import REPO  # noqa: F401 - puts the checkout on sys.path
 
-from hpc_rlx.heartbeat import HeartbeatGate, HeartbeatSealer, JobSecret
+from hpc_rlx.comm.heartbeat import HeartbeatGate, HeartbeatSealer, JobSecret
 
 BUDGET_US = 50.0
 BEAT = {"r": 1, "label": "fused-bucket Allreduce", "step": 123456, "for": 12.5, "seq": 98765,

@@ -7,7 +7,7 @@
 
 MPI starts before Hydra so that all ranks agree on one run directory (a known trap: each
 process computing its own timestamped directory), and so that only rank 0 writes Hydra's
-files. The Hydra task is a thin wrapper: the work is `hpc_rlx.train.train(spec, comm)`.
+files. The Hydra task is a thin wrapper: the work is `hpc_rlx.runtime.train.train(spec, comm)`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ _CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")
 
 def _run_id(comm) -> str:
     """One run id for all ranks: under Slurm the job's directory or a fresh one of the job
-    (hpc_rlx.rundirs: only the same training continues a directory), else rank 0's clock."""
+    (hpc_rlx.config.rundirs: only the same training continues a directory), else rank 0's clock."""
     rid = None
     if comm.rank == 0:
-        from .rundirs import slurm_run_id
+        from hpc_rlx.config.rundirs import slurm_run_id
         rid = slurm_run_id(sys.argv[1:])
         if rid is None:
             base = time.strftime("%Y-%m-%d_%H-%M-%S")
@@ -38,7 +38,7 @@ def _run_id(comm) -> str:
     global _FRESH_ROOT
     fresh = None
     if comm.rank == 0:
-        from .rundirs import new_run_root
+        from hpc_rlx.config.rundirs import new_run_root
         fresh = new_run_root(sys.argv[1:], rid)   # before anything creates it
     rid, _FRESH_ROOT = comm.bcast((rid, fresh), root=0)
     return rid
@@ -50,7 +50,7 @@ _FRESH_ROOT: Path | None = None
 
 
 def _remove_unused_run_dir() -> None:
-    from .rundirs import remove_unused_run_dir
+    from hpc_rlx.config.rundirs import remove_unused_run_dir
     remove_unused_run_dir(_FRESH_ROOT)
 
 
@@ -89,8 +89,9 @@ def _rank_overrides(rank: int) -> list[str]:
 def _error_exit(comm, exc: BaseException, where: str) -> None:
     """Errors agreed by every rank print once (rank 0) and exit 2; anything else prints one
     message from the failing rank (rank, host, what it was doing, step, cause) and aborts."""
-    from .comm import CollectiveError, abort
-    from .topology import hostname
+    from hpc_rlx.comm.collective import CollectiveError, abort
+    from hpc_rlx.comm.topology import hostname
+
     from .errors import HpcRlxError, phase_of
 
     step = getattr(exc, "step", None)
@@ -174,7 +175,7 @@ def _config_problem(argv: list[str]) -> str | None:
     except Exception:  # noqa: BLE001
         return None
     try:
-        from .spec import check_run_dir_writable
+        from hpc_rlx.config.spec import check_run_dir_writable
         check_run_dir_writable(run_dir)
     except Exception as e:  # noqa: BLE001
         return f"{e} (set hydra.run.dir to a writable directory)"
@@ -190,7 +191,7 @@ def _unknown_key(key: str, argv: list[str], compose, added: str | None = None) -
     """'unknown config key' with the closest real keys, from a config composed without it."""
     from omegaconf import OmegaConf
 
-    from .config_hints import flatten_keys, group_option_keys, suggest_keys
+    from hpc_rlx.config.hints import flatten_keys, group_option_keys, suggest_keys
 
     override = added or next((a for a in argv if a.split("=", 1)[0].lstrip("+~") == key), key)
     known: list[str] = []
@@ -229,17 +230,18 @@ def run_job(cfg, comm) -> float | None:
         from hydra.core.hydra_config import HydraConfig
         from omegaconf import OmegaConf
 
-        from . import comm as mpi
+        from hpc_rlx.comm import collective as mpi
+        from hpc_rlx.config.spec import TrainSpec, build_spec
+        from hpc_rlx.runtime.faults import maybe_fail
+        from hpc_rlx.runtime.train import train
+
         from .errors import ConfigError
-        from .spec import TrainSpec, build_spec
-        from .faults import maybe_fail
-        from .train import train
 
         hc = HydraConfig.get()
         run_dir = hc.runtime.output_dir
         multirun = str(hc.mode).endswith("MULTIRUN")
         if comm.rank == 0:
-            from . import debuglog
+            from hpc_rlx.observe import debuglog
             debuglog.configure(hc.verbose)
 
         def _spec():
@@ -268,14 +270,14 @@ def run_job(cfg, comm) -> float | None:
         _error_exit(comm, exc, where)
         raise
     if result.get("status") == "interrupted":
-        from .signals import INTERRUPT_EXIT
+        from hpc_rlx.runtime.signals import INTERRUPT_EXIT
         raise SystemExit(INTERRUPT_EXIT)     # Ctrl-C: the checkpoint is written; a sweep stops too
     final = result.get("final") or {}
     return final.get("val_loss")
 
 
 def _is_agreed(exc: BaseException) -> bool:
-    from .comm import CollectiveError
+    from hpc_rlx.comm.collective import CollectiveError
     return isinstance(exc, CollectiveError)
 
 
@@ -294,7 +296,7 @@ def _record_failed_point(comm, exc: BaseException) -> None:
 
 
 def main() -> None:
-    from .signals import INTERRUPT_EXIT, SIGNALS
+    from hpc_rlx.runtime.signals import INTERRUPT_EXIT, SIGNALS
     SIGNALS.install()   # first: a Ctrl-C while MPI and Hydra start exits quietly (see signals.py)
 
     from mpi4py import MPI
@@ -310,7 +312,7 @@ def main() -> None:
     if problem:
         if comm.rank == 0:
             _remove_unused_run_dir()
-            from .topology import hostname
+            from hpc_rlx.comm.topology import hostname
             sys.stderr.write(f"hpc_rlx: error (ConfigError, reported by rank 0 on {hostname()}): {problem}\n")
             sys.stderr.flush()
         raise SystemExit(2)

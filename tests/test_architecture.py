@@ -285,7 +285,7 @@ def test_only_the_train_state_writes_the_position():
 
 def test_the_train_state_round_trips_through_a_checkpoint_meta():
     from hpc_rlx.errors import CheckpointError
-    from hpc_rlx.train_state import TrainState
+    from hpc_rlx.runtime.state import TrainState
 
     s = TrainState()
     s.step_taken(1)
@@ -299,3 +299,43 @@ def test_the_train_state_round_trips_through_a_checkpoint_meta():
     assert t.checkpoint_meta() == s.checkpoint_meta() and t.consecutive_skips == 0
     with pytest.raises(CheckpointError, match="at step 1 of an epoch that now has 0 steps"):
         TrainState().restore(s.checkpoint_meta(), steps_per_epoch=0, where="ckpt")
+
+
+# ---------------------------------------------------------------------------------------------
+# Imports at the top, unless there is a reason
+# ---------------------------------------------------------------------------------------------
+
+# The only modules imported inside functions, and why. `__main__.py` is exempt: it installs
+# signal handling before MPI starts and keeps `--help` and completion fast.
+LAZY_IMPORTS = {
+    "mpi4py": "importing mpi4py.MPI starts MPI: only when a communicator is needed",
+    "cupy": "optional GPU backend, imported only in device/backend",
+    "cupyx": "ships with CuPy, reached only with a CuPy array in hand",
+    "matplotlib": "optional (report extra): plots load it on first use",
+    "tqdm": "the progress bar's library, loaded when a bar is drawn",
+    "tensorboardX": "optional: loaded when report.tensorboard is on",
+    "sklearn": "only to prepare the demo digits file",
+    "pydoc_data": "only to prepare the demo text file",
+    "numpy": "doctor: loads the BLAS before threadpoolctl looks",
+}
+
+
+def test_imports_inside_functions_are_only_the_lazy_ones():
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        if path.name == "__main__.py":
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    roots = [a.name.split(".")[0] for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    roots = ["." if node.level else (node.module or "").split(".")[0]]
+                else:
+                    continue
+                for root in roots:
+                    if root not in LAZY_IMPORTS:
+                        offenders.append(f"{path.relative_to(PKG)}:{node.lineno} imports {root}")
+    assert not offenders, offenders

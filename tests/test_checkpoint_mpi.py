@@ -379,7 +379,7 @@ BCAST_SCRIPT = """
 import sys
 import numpy as np
 from mpi4py import MPI
-from hpc_rlx.checkpoints_runtime import bcast_arrays
+from hpc_rlx.checkpoint.runtime import bcast_arrays
 
 comm = MPI.COMM_WORLD
 want = {"step": np.array(7, np.int64), "scale": np.array(0.25), "mask": np.array([True, False, True]),

@@ -1,4 +1,4 @@
-"""The config schema (`hpc_rlx.config_schema`) against the YAML groups and the README: every
+"""The config schema (`hpc_rlx.config.schema`) against the YAML groups and the README: every
 key is declared once, with the default its YAML file gives it, and documented in the README's
 generated table; every option of every config group composes and validates."""
 
@@ -10,12 +10,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hpc_rlx import config_schema as schema
+from hpc_rlx.config import schema as schema
 from hpc_rlx.__main__ import _CONFIG_DIR
-from hpc_rlx.config_doc import TABLE_BEGIN, TABLE_END, config_table
+from hpc_rlx.config.doc import TABLE_BEGIN, TABLE_END, config_table
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.policies.registry import POLICIES
-from hpc_rlx.spec import validate_config
+from hpc_rlx.config.spec import validate_config
 
 from .conftest import REPO
 
@@ -151,7 +151,7 @@ def test_a_group_section_renamed_to_another_option_is_refused():
 def test_the_readme_holds_the_generated_config_table():
     readme = (REPO / "README.md").read_text()
     assert TABLE_BEGIN + config_table() + TABLE_END in readme, \
-        "README.md's config table differs from the schema: python -m hpc_rlx.config_doc prints it"
+        "README.md's config table differs from the schema: python -m hpc_rlx.config.doc prints it"
     table = readme.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0]
     documented = {row.split("`")[1] for row in table.splitlines()[2:]}
     declared = {k.path for k in schema.KEYS if not (k.section in schema.GROUPS

@@ -10,7 +10,7 @@ import subprocess
 import h5py
 import pytest
 
-from hpc_rlx import doctor, doctor_probe
+from hpc_rlx.doctor import check as doctor, probe as doctor_probe
 
 from .conftest import MPI_IMPL, REPO, explain, launch_cmd, mpirun
 
@@ -74,7 +74,7 @@ def test_report_shows_the_threads_training_will_use_not_the_doctors_own():
 
 
 def test_the_shared_training_rule_gives_the_doctors_numbers():
-    from hpc_rlx.threads import training_threads
+    from hpc_rlx.device.threads import training_threads
     recs = [rec(r, 3, cores=range(8)) for r in range(3)]
     assert doctor.host_train_threads(recs, None) == [training_threads(None, 8, 3)] * 3 == [2, 2, 2]
     assert doctor.host_train_threads(recs, {"threads_per_rank": 5, "cpu_lanes": 1}) == [5, 5, 5]
@@ -162,7 +162,7 @@ def test_a_gpu_that_cannot_run_kernels_is_named_with_its_ranks():
 
 
 def test_gpu_check_without_cupy_is_skipped_and_the_smoke_test_says_why():
-    from hpc_rlx import backend
+    from hpc_rlx.device import backend
     if backend.cupy_available():
         pytest.skip("CuPy sees a GPU here: the GPU tests cover the smoke test")
     assert doctor_probe.gpu_check(0) is None

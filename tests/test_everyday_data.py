@@ -147,7 +147,7 @@ def test_num_classes_from_the_training_labels(tmp_path):
 
 
 def test_num_classes_attribute_of_the_label_dataset(tmp_path):
-    from hpc_rlx.spec import build_spec
+    from hpc_rlx.config.spec import build_spec
 
     x, y = _classification(classes=5)
     cfg = _cfg(_write(tmp_path / "yattr.h5", x, y, y_attrs={"num_classes": 7}))
@@ -158,7 +158,7 @@ def test_num_classes_attribute_of_the_label_dataset(tmp_path):
 
 def test_num_classes_attributes_that_disagree_are_an_error(tmp_path):
     from hpc_rlx.errors import DataError
-    from hpc_rlx.spec import build_spec
+    from hpc_rlx.config.spec import build_spec
 
     x, y = _classification(classes=5)
     cfg = _cfg(_write(tmp_path / "both.h5", x, y, attrs={"num_classes": 5}, y_attrs={"num_classes": 6}))
@@ -168,7 +168,7 @@ def test_num_classes_attributes_that_disagree_are_an_error(tmp_path):
 
 def test_num_classes_inference_refuses_bad_labels(tmp_path):
     from hpc_rlx.errors import DataError
-    from hpc_rlx.spec import build_spec
+    from hpc_rlx.config.spec import build_spec
 
     x, y = _classification(classes=5)
     y = y.copy()
@@ -223,8 +223,8 @@ def test_regression_run_reports_no_accuracy(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stderr
     assert "val_loss" in rep.stdout and "accuracy" not in rep.stdout, rep.stdout
-    from hpc_rlx.report_data import load_run
-    from hpc_rlx.report_plots import curve_panels
+    from hpc_rlx.observe.run_files import load_run
+    from hpc_rlx.observe.plots import curve_panels
     panels = curve_panels(load_run(run).metrics)
     assert "loss" in panels and "accuracy" not in panels, panels
 
@@ -247,7 +247,7 @@ def test_regression_cannot_checkpoint_by_accuracy(tmp_path):
 
 
 def test_sweep_summary_of_regression_points_has_no_accuracy_column(tmp_path):
-    from hpc_rlx.sweep import collect, render
+    from hpc_rlx.observe.sweep import collect, render
 
     for i, final in enumerate(({"val_loss": 0.5, "train_loss": 0.4}, {"val_loss": 0.25, "train_loss": 0.2})):
         point = tmp_path / str(i)
@@ -265,7 +265,7 @@ def test_sweep_summary_of_regression_points_has_no_accuracy_column(tmp_path):
 
 def test_key_suggestions_search_the_whole_tree_then_other_options():
     from hpc_rlx.__main__ import _CONFIG_DIR
-    from hpc_rlx.config_hints import group_option_keys, suggest_keys
+    from hpc_rlx.config.hints import group_option_keys, suggest_keys
 
     other = group_option_keys(_CONFIG_DIR)
     known = ["train", "train.epochs", "optim", "optim.lr", "optim.momentum", "model", "model.hidden"]

@@ -215,7 +215,7 @@ def test_a_checkpoint_of_non_finite_parameters_is_refused():
     from types import SimpleNamespace
 
     from hpc_rlx.errors import CheckpointError
-    from hpc_rlx.train import Run
+    from hpc_rlx.runtime.train import Run
 
     fake = SimpleNamespace(ctx=SimpleNamespace(params=np.array([1.0, np.inf, np.nan], np.float32), step=7),
                            rank=1)
@@ -232,7 +232,7 @@ class FakeComm:
     """Just enough of a communicator to build a watchdog as `rank` of `size` in one process."""
 
     def __init__(self, rank: int, size: int, root_addr=None):
-        from hpc_rlx.heartbeat import JobSecret
+        from hpc_rlx.comm.heartbeat import JobSecret
 
         self.rank, self.size, self.root_addr = rank, size, root_addr
         self.secret = JobSecret.draw()        # what rank 0 would have sent over MPI
@@ -252,7 +252,7 @@ class FakeComm:
 
 
 def test_stall_report_names_the_collective_the_step_and_each_missing_rank():
-    from hpc_rlx.watchdog import stall_report
+    from hpc_rlx.comm.watchdog import stall_report
 
     now = 100.0
     states = {
@@ -277,12 +277,12 @@ def test_watchdog_reports_over_udp_then_aborts(monkeypatch):
     import io
     import threading
 
-    from hpc_rlx.watchdog import StallWatchdog
+    from hpc_rlx.comm.watchdog import StallWatchdog
 
     out, aborted = io.StringIO(), threading.Event()
     wd = StallWatchdog(FakeComm(0, 2), warn_s=0.3, abort_s=1.0, position=lambda: 4, out=out,
                        abort=lambda code: aborted.set())
-    from hpc_rlx.heartbeat import HeartbeatSealer
+    from hpc_rlx.comm.heartbeat import HeartbeatSealer
 
     peer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     rank1 = HeartbeatSealer(wd._gate.secret, 1)     # a genuine rank 1, holding the job's key
@@ -310,7 +310,7 @@ def test_a_waiting_rank_aborts_on_its_own_when_rank_0_does_not():
     import io
     import threading
 
-    from hpc_rlx.watchdog import StallWatchdog
+    from hpc_rlx.comm.watchdog import StallWatchdog
 
     sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)   # a rank 0 that never answers
     sink.bind(("127.0.0.1", 0))
@@ -329,9 +329,9 @@ def test_a_waiting_rank_aborts_on_its_own_when_rank_0_does_not():
 def test_watching_a_collective_costs_no_message_and_microseconds(monkeypatch):
     import io
 
-    from hpc_rlx import comm as mpi
-    from hpc_rlx import watchdog
-    from hpc_rlx.watchdog import StallWatchdog
+    from hpc_rlx.comm import collective as mpi
+    from hpc_rlx.comm import watchdog
+    from hpc_rlx.comm.watchdog import StallWatchdog
 
     bucket = mpi.FusedBucket(1000, ("samples",), np.float32, cap_mb=0.001)   # 1 KB chunks: 4 chunks
     fake = FakeComm(0, 1)

@@ -6,10 +6,8 @@ import copy
 
 import pytest
 
-from hpc_rlx.fingerprint import (
-    UNKNOWN, changed_settings, choose_job_dir, config_fingerprint, flatten, job_dir_number,
-)
-from hpc_rlx.rundirs import compose_config
+from hpc_rlx.config.fingerprint import UNKNOWN, changed_settings, choose_job_dir, config_fingerprint, flatten, job_dir_number
+from hpc_rlx.config.rundirs import compose_config
 
 
 @pytest.fixture(scope="module")

@@ -183,7 +183,7 @@ def _check_raises_documented(fn, *args):
 @FAST
 @given(st.data())
 def test_validate_config_on_mutated_configs(base_config, data):
-    from hpc_rlx.spec import validate_config
+    from hpc_rlx.config.spec import validate_config
 
     cfg = copy.deepcopy(base_config)
     for _ in range(data.draw(st.integers(1, 3), label="mutations")):
@@ -214,7 +214,7 @@ MODEL_DATA_KEYS = sorted(PLAUSIBLE)
 @settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_build_spec_on_mutated_configs(base_config, tmp_path, data):
-    from hpc_rlx.spec import TrainSpec, build_spec
+    from hpc_rlx.config.spec import TrainSpec, build_spec
 
     cfg = copy.deepcopy(base_config)
     for _ in range(data.draw(st.integers(1, 3), label="mutations")):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx import backend
+from hpc_rlx.device import backend
 from hpc_rlx.errors import DeviceError
 from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params
 

@@ -1,5 +1,5 @@
 """Ctrl-C: a real `mpirun -n 2` in its own process group, interrupted the way a terminal does it
-(SIGINT to the whole foreground process group), and the rank-side rules of hpc_rlx/signals.py."""
+(SIGINT to the whole foreground process group), and the rank-side rules of hpc_rlx/runtime/signals.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rlx.signals import INTERRUPT_EXIT, Signals
+from hpc_rlx.runtime.signals import INTERRUPT_EXIT, Signals
 
 from .conftest import MPI_IMPL, REPO, explain, launch_cmd, mpi_env, rank_pids, train_job
 
@@ -254,7 +254,7 @@ class _HoldBeforeMpi:
             sys.meta_path.remove(self)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                signals = sys.modules.get("hpc_rlx.signals")
+                signals = sys.modules.get("hpc_rlx.runtime.signals")
                 if signals is not None and signals.SIGNALS.interrupted:
                     break
                 time.sleep(0.01)

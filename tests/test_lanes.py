@@ -10,12 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpc_rlx import backend, cuda_mpi
-from hpc_rlx.comm import FusedBucket
+from hpc_rlx.device import backend, cuda_mpi
+from hpc_rlx.comm.collective import FusedBucket
 from hpc_rlx.errors import ConfigError, DeviceError
 from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params
-from hpc_rlx.lanes import (MIN_SHARE, PROBE_EVERY, LaneSet, assign_gpus, assign_samples, resolve_lanes,
-                           split_by_throughput)
+from hpc_rlx.device.lanes import MIN_SHARE, PROBE_EVERY, LaneSet, assign_gpus, assign_samples, resolve_lanes, split_by_throughput
 
 from .conftest import REPO, explain, mpirun, train_job
 
@@ -192,8 +191,8 @@ def test_query_and_doctor_line_on_this_machine():
 LOCAL = r'''
 import json
 from mpi4py import MPI
-from hpc_rlx.comm import by_rank
-from hpc_rlx.topology import node_layout
+from hpc_rlx.comm.collective import by_rank
+from hpc_rlx.comm.topology import node_layout
 comm = MPI.COMM_WORLD
 layout = node_layout(comm)
 note = by_rank(comm, "same")
@@ -250,7 +249,7 @@ def test_device_auto_and_all_fall_back_to_cpu_lanes(tmp_path, digits_h5):
 
 
 def test_doctor_reports_the_bucket_path():
-    from hpc_rlx.doctor import format_report
+    from hpc_rlx.doctor.check import format_report
 
     from .test_doctor import rec
 

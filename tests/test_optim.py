@@ -8,14 +8,7 @@ import numpy as np
 import pytest
 
 from hpc_rlx.errors import CheckpointError, ConfigError
-from hpc_rlx.optim import (
-    SGD,
-    AdamW,
-    clip_grad_norm_,
-    make_optimizer,
-    make_schedule,
-    scaled_lr,
-)
+from hpc_rlx.runtime.optim import SGD, AdamW, clip_grad_norm_, make_optimizer, make_schedule, scaled_lr
 
 torch = pytest.importorskip("torch")
 

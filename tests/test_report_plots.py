@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from hpc_rlx import report_plots
-from hpc_rlx.report_data import load_run
+from hpc_rlx.observe import plots as report_plots
+from hpc_rlx.observe.run_files import load_run
 
 from .conftest import explain, train_job
 from .test_report import make_run, make_sweep
@@ -122,7 +122,7 @@ def test_rank_time_and_sweep_panels_have_labels_and_legends(tmp_path):
     fig = report_plots.rank_time_figure(load_run(make_run(tmp_path / "run")))
     _check_every_panel_is_labelled(fig)
     assert [ax.get_xlabel() for ax in fig.axes] == ["epoch", "rank"]
-    from hpc_rlx.report_data import sweep_rows
+    from hpc_rlx.observe.run_files import sweep_rows
     fig = report_plots.sweep_figure(sweep_rows(make_sweep(tmp_path / "sweep")))
     _check_every_panel_is_labelled(fig)
     assert _labels(fig.axes[0]) == ["best point", "other points"]

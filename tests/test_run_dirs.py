@@ -168,7 +168,7 @@ def test_hydra_verbose_turns_on_hpc_rlx_debug_log(tmp_path, digits_h5):
     ours = [line for line in debug if "][hpc_rlx" in line]
     assert any("][hpc_rlx][DEBUG] - spec: run_dir=" in line and "config_fingerprint=cfg-" in line
                for line in ours), debug[:20]
-    assert any("][hpc_rlx.checkpoints_runtime][DEBUG] - resume=auto" in line for line in ours), ours
+    assert any("][hpc_rlx.checkpoint.runtime][DEBUG] - resume=auto" in line for line in ours), ours
     assert any("best val_loss so far at step" in line for line in ours), ours
     # libraries that flood DEBUG stay quiet unless named
     assert not [line for line in debug if "][matplotlib" in line or "][h5py" in line], debug[:20]

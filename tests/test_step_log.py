@@ -1,6 +1,6 @@
 """Which steps the per-step log (steps.jsonl, TensorBoard) records: pure, on a made-up clock."""
 
-from hpc_rlx.step_log import StepSampler
+from hpc_rlx.observe.step_log import StepSampler
 
 
 def run_epochs(sampler: StepSampler, epochs: int, steps: int, step_s: float) -> list[int]:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from hpc_rlx import tensorboard_log
+from hpc_rlx.observe import tensorboard_log
 from hpc_rlx.errors import ConfigError
-from hpc_rlx.step_log import TENSORBOARD_INTERVAL_S, read_steps
+from hpc_rlx.observe.step_log import TENSORBOARD_INTERVAL_S, read_steps
 
 from .conftest import explain, mpirun, read_metrics, train_job
 
@@ -130,7 +130,7 @@ def test_the_writer_does_not_import_torch(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from hpc_rlx.tensorboard_log import TensorBoardLog, available; "
+    code = ("import sys; from hpc_rlx.observe.tensorboard_log import TensorBoardLog, available; "
             f"assert available(); b = TensorBoardLog({str(tmp_path)!r}, {{'optim.lr': 0.1}}); "
             "b.step({'step': 1, 'loss': 1.0}); b.close(); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

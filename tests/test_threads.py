@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpc_rlx.threads import cores_available, default_threads
+from hpc_rlx.device.threads import cores_available, default_threads
 
 from .conftest import REPO, explain, mpirun
 
@@ -46,7 +46,7 @@ PROBE = textwrap.dedent("""
     from mpi4py import MPI
     import numpy  # loads the BLAS whose pool is limited
     from threadpoolctl import threadpool_info
-    from hpc_rlx.threads import limit_threads, cores_available
+    from hpc_rlx.device.threads import limit_threads, cores_available
 
     arg = sys.argv[1]
     got = limit_threads(MPI.COMM_WORLD, None if arg == "default" else int(arg))

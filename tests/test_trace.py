@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpc_rlx import trace
+from hpc_rlx.observe import trace
 
 from .conftest import REPO, explain, mpirun, train_job
 

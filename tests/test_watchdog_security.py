@@ -21,8 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpc_rlx.heartbeat import (MAX_DATAGRAM, HeartbeatGate, HeartbeatSealer, JobSecret,
-                               validate_heartbeat)
+from hpc_rlx.comm.heartbeat import MAX_DATAGRAM, HeartbeatGate, HeartbeatSealer, JobSecret, validate_heartbeat
 
 from .conftest import REPO, explain, launch_cmd, mpi_env, write_small_classification
 
@@ -137,7 +136,7 @@ class RootComm:
 
 
 def test_the_watchdog_survives_a_flood_and_still_hears_its_ranks():
-    from hpc_rlx.watchdog import StallWatchdog
+    from hpc_rlx.comm.watchdog import StallWatchdog
 
     out, aborted = io.StringIO(), threading.Event()
     wd = StallWatchdog(RootComm(2), warn_s=0.3, abort_s=1.0, position=lambda: 4, out=out,
@@ -184,7 +183,7 @@ def test_the_watchdog_survives_a_flood_and_still_hears_its_ranks():
 
 
 def test_stall_reports_are_at_most_one_every_ten_seconds():
-    from hpc_rlx.watchdog import StallWatchdog
+    from hpc_rlx.comm.watchdog import StallWatchdog
 
     out = io.StringIO()
     wd = StallWatchdog(RootComm(2), warn_s=0.2, abort_s=None, position=lambda: 4, out=out)
@@ -197,7 +196,7 @@ def test_stall_reports_are_at_most_one_every_ten_seconds():
 
 
 def test_rank_0_listens_on_loopback_only_on_one_host():
-    from hpc_rlx.watchdog import StallWatchdog
+    from hpc_rlx.comm.watchdog import StallWatchdog
 
     wd = StallWatchdog(RootComm(2), warn_s=60, position=lambda: 0, out=io.StringIO())
     with wd:
@@ -311,7 +310,7 @@ def test_rank_0s_own_answers_sent_back_to_it_are_dropped():
 
 
 def test_a_host_none_of_whose_ranks_is_heard_is_unreachable():
-    from hpc_rlx.stall_report import alive_and_busy, stall_report, unreachable_hosts
+    from hpc_rlx.comm.stall_report import alive_and_busy, stall_report, unreachable_hosts
 
     now = 100.0
     hosts = {0: "node1", 1: "node1", 2: "node2", 3: "node2", 4: "node3"}
@@ -347,8 +346,8 @@ def _root_beating(wd, sealer, label, seconds, sender):
 def default_abort_root(monkeypatch):
     """Rank 0 of 2 with comm.stall_abort_s=auto on a 1 s clock (the rule, not the 600 s), a
     genuine rank 1's sealer and a socket to send as it."""
-    from hpc_rlx import watchdog
-    from hpc_rlx.watchdog import StallWatchdog
+    from hpc_rlx.comm import watchdog
+    from hpc_rlx.comm.watchdog import StallWatchdog
 
     monkeypatch.setattr(watchdog, "DEFAULT_ABORT_S", 1.0)
     out, aborted = io.StringIO(), threading.Event()
@@ -390,7 +389,7 @@ def test_the_default_abort_ends_a_job_whose_ranks_all_wait_in_one_collective(def
 
 
 def test_a_rank_warns_once_when_rank_0_never_answers_its_heartbeats(monkeypatch):
-    from hpc_rlx.watchdog import StallWatchdog
+    from hpc_rlx.comm.watchdog import StallWatchdog
 
     class RankComm(RootComm):
         def __init__(self, root_addr):
@@ -418,7 +417,7 @@ def test_a_rank_warns_once_when_rank_0_never_answers_its_heartbeats(monkeypatch)
 
 
 def test_rank_0_names_ranks_whose_heartbeats_never_arrive():
-    from hpc_rlx.watchdog import StallWatchdog
+    from hpc_rlx.comm.watchdog import StallWatchdog
 
     out = io.StringIO()
     wd = StallWatchdog(RootComm(3), warn_s=0.2, abort_s=None, position=lambda: 1, out=out)
@@ -429,7 +428,7 @@ def test_rank_0_names_ranks_whose_heartbeats_never_arrive():
 
 
 def test_rank_0_listens_where_the_other_nodes_can_reach_it():
-    from hpc_rlx.side_channel import root_address
+    from hpc_rlx.comm.side_channel import root_address
 
     route = {"10.0.0.2": "10.0.0.1", "192.168.1.7": None}.get
     assert root_address(["a", "a"], [["10.0.0.1"], ["10.0.0.1"]], route) == "127.0.0.1"   # one host
@@ -439,7 +438,7 @@ def test_rank_0_listens_where_the_other_nodes_can_reach_it():
 
 
 def test_rank_0_binds_the_first_address_this_machine_has_not_every_interface():
-    from hpc_rlx.side_channel import bind_narrowly
+    from hpc_rlx.comm.side_channel import bind_narrowly
 
     # 192.0.2.1 (TEST-NET-1) is no address of this machine, as a stale hosts entry would give
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

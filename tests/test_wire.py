@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpc_rlx import wire
+from hpc_rlx.comm import wire
 from hpc_rlx.errors import ConfigError
 
 from .conftest import REPO, explain, mpirun, read_metrics, train_job
@@ -96,7 +96,7 @@ WORKER = r'''
 import hashlib, json, sys
 import numpy as np
 from mpi4py import MPI
-from hpc_rlx.comm import FusedBucket
+from hpc_rlx.comm.collective import FusedBucket
 from hpc_rlx import wire
 comm = MPI.COMM_WORLD
 codec, n, cap_mb, dtype = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), np.dtype(sys.argv[4])

@@ -16,8 +16,17 @@ Typical use on rank 0::
 """
 
 from hpc_rlx.checkpoint.h5file import (
-    BEST_POINTER, FORMAT, FORMAT_VERSION, POINTER, SUBDIR, CheckpointState, check_compatible,
-    checkpoint_name, checkpoints_dir, read_checkpoint, verify_checkpoint,
+    BEST_POINTER,
+    FORMAT,
+    FORMAT_VERSION,
+    POINTER,
+    SUBDIR,
+    CheckpointState,
+    check_compatible,
+    checkpoint_name,
+    checkpoints_dir,
+    read_checkpoint,
+    verify_checkpoint,
 )
 from hpc_rlx.checkpoint.manager import CheckpointManager
 from hpc_rlx.checkpoint.retention import BestTracker, metric_mode, plan_deletions

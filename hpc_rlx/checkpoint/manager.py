@@ -25,10 +25,24 @@ from pathlib import Path
 from hpc_rlx import __version__
 from hpc_rlx.checkpoint import h5file as hf
 from hpc_rlx.checkpoint.h5file import (
-    BEST_POINTER, FORMAT, FORMAT_VERSION, POINTER, CheckpointState, Warn, _warn_stderr,
-    checkpoint_name, read_checkpoint, verify_checkpoint,
+    BEST_POINTER,
+    FORMAT,
+    FORMAT_VERSION,
+    POINTER,
+    CheckpointState,
+    Warn,
+    _warn_stderr,
+    checkpoint_name,
+    read_checkpoint,
+    verify_checkpoint,
 )
-from hpc_rlx.checkpoint.retention import BestTracker, metric_mode, plan_deletions, record, usable_value
+from hpc_rlx.checkpoint.retention import (
+    BestTracker,
+    metric_mode,
+    plan_deletions,
+    record,
+    usable_value,
+)
 from hpc_rlx.errors import CheckpointError, ConfigError
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hpc_rlx import __version__
 from hpc_rlx.errors import ConfigError, DataError
 
 from .prepare import atomic_h5
@@ -135,7 +136,6 @@ def _dataset(f, name: str, rows: int, sample_shape: tuple, dtype, resizable: boo
 
 
 def _attrs(f, src: str, classes: int | None, extra: dict) -> None:
-    from hpc_rlx import __version__
 
     f.attrs["kind"] = "converted"
     f.attrs["source"] = os.path.abspath(src)

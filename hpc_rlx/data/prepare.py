@@ -28,6 +28,7 @@ from typing import Any, Callable
 import h5py
 import numpy as np
 
+from hpc_rlx import __version__
 from hpc_rlx.errors import ConfigError, DataError
 
 __all__ = [
@@ -76,7 +77,6 @@ def atomic_h5(out):
 
 
 def _common_attrs(f: h5py.File, kind: str, num_classes: int, source: str, seed) -> None:
-    from hpc_rlx import __version__
 
     f.attrs["kind"] = kind
     f.attrs["num_classes"] = int(num_classes)

@@ -14,8 +14,12 @@ import os
 from pathlib import Path
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from hpc_rlx.errors import ConfigError, DataError
+
+from .hdf5 import open_readonly
+from .prepare import ensure_prepared
 
 _GROUP_DIR = Path(__file__).resolve().parent.parent / "configs" / "data"
 _CLASS_ATTRS = ("num_classes", "vocab_size")
@@ -27,7 +31,6 @@ def group_default_path(name) -> str | None:
     """`path` as the data group `name` declares it (configs/data/<name>.yaml), or None."""
     if not isinstance(name, str) or not name or "/" in name:
         return None
-    from omegaconf import OmegaConf
 
     try:
         group = OmegaConf.load(_GROUP_DIR / f"{name}.yaml")
@@ -56,7 +59,6 @@ def prepare_missing_data(d: dict) -> None:
             f"dataset only at its own path {default or '(none)'}; for your own data use "
             f"data=file data.path={path} (or write it there first: python -m hpc_rlx.data "
             f"prepare {kind} --out {path})")
-    from .prepare import ensure_prepared
     ensure_prepared(path, kind)
 
 
@@ -91,7 +93,6 @@ def attribute_classes(info) -> tuple[int, str] | None:
 def label_classes(path: str, y_name: str, n_rows: int, extra_names=()) -> tuple[int, int]:
     """(max label + 1, rows scanned) over rows [0, n_rows) of the integer datasets `y_name`
     (and `extra_names`, e.g. token-id inputs that index the same vocabulary), block by block."""
-    from .hdf5 import open_readonly
 
     try:
         return _label_classes(path, y_name, n_rows, extra_names, open_readonly)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpc_rlx import backend
+from hpc_rlx.device import backend
 from hpc_rlx.errors import DataError, DeviceError, GraphError
 from hpc_rlx.graph.ir import Graph
 from hpc_rlx.graph.params import ParamLayout

@@ -13,7 +13,6 @@ from hpc_rlx.graph.shapes import (
     require_int,
 )
 
-
 # ---------------------------------------------------------------- losses and metrics
 
 def _labels_type(types, what):

@@ -14,7 +14,6 @@ from hpc_rlx.graph.shapes import (
     require_ndim,
 )
 
-
 # ---------------------------------------------------------------- convolution and pooling
 
 def _conv_check(a):

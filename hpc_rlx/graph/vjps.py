@@ -9,7 +9,7 @@ Rules never modify ``g`` or ``args`` (they may be shared); the executor copies t
 
 from __future__ import annotations
 
-from hpc_rlx import backend
+from hpc_rlx.device import backend
 from hpc_rlx.graph import conv
 from hpc_rlx.graph.ops import GELU_C
 from hpc_rlx.graph.registry import defvjp

@@ -25,7 +25,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..bucket_layout import BucketLayout
+from hpc_rlx.comm.bucket_layout import BucketLayout
+
 from .consensus import finish_consensus, pack_consensus
 
 REPORT_FIELDS: tuple[str, ...] = ("steps", "samples", "compute_ms", "sync_ms", "divergence")

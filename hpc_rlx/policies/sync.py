@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 
-from .. import trace
-from ..faults import maybe_fail
+from hpc_rlx.observe import trace
+from hpc_rlx.runtime.faults import maybe_fail
+
 from .base import EpochTotals, Policy, TrainingLoop
 
 

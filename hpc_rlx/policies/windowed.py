@@ -44,11 +44,12 @@ import time
 
 import numpy as np
 
-from .. import comm as mpi
-from .. import trace
-from ..bucket_layout import CONTROL_FLAGS
+from hpc_rlx.comm import collective as mpi
+from hpc_rlx.comm.bucket_layout import CONTROL_FLAGS
+from hpc_rlx.observe import trace
+from hpc_rlx.runtime.faults import maybe_fail
+
 from ..errors import ConfigError
-from ..faults import maybe_fail
 from .base import EpochTotals, Policy, TrainingLoop, dropout_seed
 from .bucket import REPORT_FIELDS, SyncLayout
 from .consensus import relative_divergence, work_weight

@@ -26,7 +26,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hpc_rlx.signals import python_interrupts
+from hpc_rlx.runtime.signals import python_interrupts
 from hydra_plugins.hpc_rlx_slurm import slurm_jobs
 
 log = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ class SlurmLauncher(Launcher):
     def _write_summary(sweep_dir: Path) -> None:
         # A failed point stops Hydra before its end-of-sweep callbacks run: write the table here.
         try:
-            from hpc_rlx.sweep import write_summary
+            from hpc_rlx.observe.sweep import write_summary
         except ImportError:
             return
         try:

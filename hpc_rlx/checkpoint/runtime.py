@@ -1,0 +1,372 @@
+"""Checkpoints in a running job: cadence, what goes in, collective save/resume, requeue.
+
+The storage layer (atomic HDF5 files, checksums, retention) is `hpc_rlx.checkpoint`; this
+module decides *when* (identically on every rank), gathers *what*, and moves it over MPI:
+rank 0 writes and reads, everybody else receives by buffer Bcast, so only rank 0 needs to
+see the checkpoint directory.
+
+Every decision that leads to a collective is taken on numbers all ranks agree on (the step,
+the epoch, the flags of the step's fused bucket), and every failure on rank 0 is broadcast as
+one error, so no rank is ever left waiting in a collective the others skipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from hpc_rlx.checkpoint import (
+    CheckpointManager,
+    CheckpointState,
+    check_compatible,
+    checkpoints_dir,
+    read_checkpoint,
+)
+from hpc_rlx.checkpoint.cadence import BestWatch, Cadence
+from hpc_rlx.comm import collective as mpi
+from hpc_rlx.errors import CheckpointError
+from hpc_rlx.policies.registry import POLICIES
+
+log = logging.getLogger(__name__)
+
+_NO_RESUME = ("none", "null", "", "false", "no", "off")
+# What fixes which rows a step uses: if any of it differs, a mid-epoch position means nothing.
+_PLAN_KEYS = ("n_samples", "global_batch", "leftover", "steps_per_epoch", "seed", "shuffle")
+
+
+def bcast_arrays(comm, arrays: dict | None, shapes: dict) -> dict:
+    """Rank 0's `arrays` on every rank, one buffer Bcast each (never pickled).
+
+    shapes: name -> (shape, dtype.str), known to all ranks. Shapes are kept exactly, 0-d
+    included (np.ascontiguousarray would make a 0-d array 1-d).
+    """
+    out = {}
+    for name in sorted(shapes):
+        shape, dt = shapes[name]
+        if comm.rank == 0:
+            arr = arrays[name]
+            if not arr.flags.c_contiguous:
+                arr = arr.copy(order="C")
+        else:
+            arr = np.empty(tuple(shape), dtype=np.dtype(dt))
+        comm.Bcast(arr, root=0)
+        out[name] = arr
+    return out
+
+
+@dataclass
+class Resumed:
+    """What a resume hands back to the loop."""
+    path: str
+    carried_totals: dict | None     # a mid-epoch checkpoint's running epoch totals
+
+
+class RuntimeCheckpoints:
+    """Checkpoints of one run. It sees the spec, the communicator, the rank's context (params,
+    optimizer, position), the policy (its state) and two callbacks, not the whole run."""
+
+    def __init__(self, spec, comm, ctx, policy, log: Callable[[str], None],
+                 epoch_totals: Callable[[], object]):
+
+        self.spec, self.comm, self.ctx, self.policy = spec, comm, ctx, policy
+        self.is_root = comm.rank == 0
+        self.log = log
+        self._epoch_totals = epoch_totals    # the running totals of the epoch being trained
+        cfg = spec.checkpoint
+        self.cadence = Cadence.from_config(cfg)
+        self.directory = checkpoints_dir(spec.run_dir)
+        self.manager = CheckpointManager(self.directory, keep_last=int(cfg["keep_last"]),
+                                         metric=cfg["metric"]) if self.is_root else None
+        self.saved_step: int | None = None
+        self._saved_at: tuple | None = None     # (step, epoch, step_in_epoch) of the last save
+        # A cadence save that falls on the last step of an epoch waits for that epoch's
+        # validation, so the file holds a finished epoch and its metric (see Run).
+        self.deferred = False
+        self.enabled = self.cadence.enabled
+        # Rank 0: the best epoch end not yet on disk, (step, metric, state copy); written just
+        # before the next save, so the best survives without a file per epoch.
+        self.best = BestWatch(cfg["metric"])
+        self._unsaved_best: tuple | None = None
+        self.resumed_config_yaml: str | None = None   # what the resumed checkpoint trained with
+
+    # ---- cadence (all ranks evaluate these on the same agreed numbers) -------------------
+    def steps_due(self, step: int) -> bool:
+        return self.cadence.steps_due(step)
+
+    def epoch_due(self, epoch: int) -> bool:
+        return self.cadence.epoch_due(epoch)
+
+    def minutes_due(self) -> bool:
+        """Only rank 0's answer counts: it travels in the bucket's `ckpt_due` slot."""
+        return self.cadence.minutes_due()
+
+    def training_starts(self) -> None:
+        """The minutes cadence counts training time, not data loading or resume."""
+        self.cadence.restart()
+        self.log(f"checkpoints: {self.cadence.describe()}, keeping the best by "
+                     f"{self.spec.checkpoint['metric']}")
+
+    def epoch_ended(self, metric: float | None) -> None:
+        """Rank 0, at an epoch boundary after validation: remember the state if it is the best
+        so far. A save at this same step writes it anyway, with its metric."""
+        step = self.ctx.step
+        if not (self.enabled and self.is_root) or not self.best.offer(step, metric):
+            return
+        if self.saved_step == step or self.ctx.epoch >= int(self.spec.train["epochs"]):
+            self._unsaved_best = None       # this epoch's own save, or the final one, holds it
+            return
+        state = self._state()
+        # a copy: training goes on changing the parameters, optimizer state and history
+        state.arrays = {k: np.array(v, copy=True) for k, v in state.arrays.items()}
+        state.meta = copy.deepcopy(state.meta)
+        self._unsaved_best = (step, metric, state)
+        log.debug("best %s so far at step %d (%s): kept in memory until the next save",
+                  self.spec.checkpoint["metric"], step, metric)
+
+    def _write_unsaved_best(self, step: int) -> None:
+        """Rank 0, inside a save at `step`: first write the best epoch end since the last save."""
+        best, self._unsaved_best = self._unsaved_best, None
+        if best is None or best[0] >= step or (self.saved_step is not None and best[0] <= self.saved_step):
+            return
+        path = self.manager.save(best[2], step=best[0], metric_value=best[1])
+        self.log(f"checkpoint (best) at step {best[0]}: {path}")
+
+    # ---- what goes into a checkpoint ----------------------------------------------------
+    def _plan(self) -> dict:
+        ctx, spec = self.ctx, self.spec
+        return {"n_samples": int(ctx.plan.n_samples), "global_batch": int(ctx.plan.global_batch),
+                "leftover": ctx.plan.leftover, "steps_per_epoch": int(ctx.steps_per_epoch),
+                "seed": int(spec.train["seed"]), "shuffle": bool(spec.data.shuffle)}
+
+    def _totals(self) -> dict | None:
+        t = self._epoch_totals()
+        if not self.ctx.step_in_epoch or t is None:
+            return None
+        return {"samples": float(t.samples), "loss_sum": float(t.loss_sum),
+                "correct": float(t.correct), "steps": int(t.steps), "compute_s": float(t.compute_s),
+                "comm_s": float(t.comm_s), "step_wall_s": float(t.step_wall_s)}
+
+    def _state(self):
+
+        ctx, spec = self.ctx, self.spec
+        opt = ctx.optimizer.state_dict()
+        arrays = {"params": np.asarray(ctx.params)}
+        for k, v in opt["arrays"].items():
+            arrays[f"opt/{k}"] = np.asarray(v)
+        pstate = self.policy.state_dict()
+        for k, v in pstate.get("arrays", {}).items():
+            arrays[f"policy/{k}"] = np.asarray(v)
+        per_rank = pstate.get("meta", {}).get("positions")
+        if per_rank is None:   # policy=sync: every rank is at the same step of its rows
+            per_rank = [ctx.step_in_epoch] * self.comm.size
+        meta = {
+            **ctx.state.checkpoint_meta(),
+            "optimizer": {"name": spec.optim["name"], "scalars": opt["scalars"]},
+            "policy": {"name": self.policy.name, "state": pstate.get("meta", {})},
+            # Shuffling and dropout are pure functions of (seed, epoch, step, rank): the seed
+            # and the position are the whole RNG state.
+            "rng": {"seed": int(spec.train["seed"]), "epoch": ctx.epoch, "step": ctx.step},
+            "shard_positions": {"scheme": "rows", "epoch": ctx.epoch, "step_in_epoch": ctx.step_in_epoch,
+                                "per_rank": per_rank},
+            "plan": self._plan(),
+            "schedule_steps": ctx.schedule_steps,
+            "epoch_totals": self._totals(),
+            "history": ctx.history,
+            "world_size": self.comm.size,
+            "graph_fingerprint": ctx.graph.fingerprint(),
+            "config_yaml": spec.config_yaml,
+            # which training this is (hpc_rlx.config.fingerprint): decides which runs continue it
+            "config_fingerprint": spec.extras.get("config_fingerprint"),
+            "dtype": spec.train["dtype"],
+        }
+        return CheckpointState(arrays=arrays, meta=meta)
+
+    # ---- save (collective: every rank calls it at the same step) -------------------------
+    def save(self, reason: str, metric: float | None) -> None:
+        ctx = self.ctx
+        at = (ctx.step, ctx.epoch, ctx.step_in_epoch)
+        self.deferred = False
+        if self._saved_at == at:
+            return          # e.g. the final save right after an epoch save: same state
+        t0 = time.perf_counter()
+
+        def _write():
+            self._write_unsaved_best(ctx.step)
+            return str(self.manager.save(self._state(), step=ctx.step, metric_value=metric))
+        # A failed write (disk full ...) raises the same CheckpointError on every rank; the
+        # previous checkpoint and the `latest` pointer are then untouched.
+        path = mpi.root_computes(self.comm, _write)
+        self.saved_step, self._saved_at = ctx.step, at
+        self.cadence.restart()
+        self.log(f"checkpoint ({reason}) at step {ctx.step}: {path} "
+                f"[{time.perf_counter() - t0:.2f}s]")
+
+    # ---- resume -----------------------------------------------------------------------
+    def _warn(self, message: str) -> None:
+        self.log(f"warning: {message}")
+
+    def _read_choice(self):
+        """Rank 0: the checkpoint `resume=` asks for, read and verified, or None."""
+
+        choice = str(self.spec.resume).strip()
+        if choice.lower() in _NO_RESUME:
+            return None
+        if choice == "auto":
+            state = self.manager.load_latest(warn=self._warn)
+            present = self.manager.steps()
+            log.debug("resume=auto: checkpoint steps in %s: %s; resuming %s", self.directory,
+                      present, None if state is None else state.path)
+            if state is None and present:
+                # Never start over silently next to checkpoints that exist: a storage hiccup
+                # would otherwise cost the whole run.
+                names = ", ".join(self.manager.path_for(s).name for s in present)
+                raise CheckpointError(
+                    f"resume=auto: none of the checkpoints in {self.directory} can be read ({names}); "
+                    f"see the warnings above. Use resume=PATH for a specific file, or resume=none "
+                    f"to start over in this directory")
+            return state
+        path = Path(choice).expanduser()
+        if path.is_dir():
+            # a run directory or its checkpoints/ directory: the newest valid checkpoint there
+            where = checkpoints_dir(path) if checkpoints_dir(path).is_dir() else path
+            state = CheckpointManager(where).load_latest(warn=self._warn)
+            if state is None:
+                raise CheckpointError(f"resume={choice}: no readable checkpoint (ckpt-<step>.h5) in {where}")
+            return state
+        if not path.exists():
+            raise CheckpointError(f"resume={choice}: no such checkpoint file or directory")
+        return read_checkpoint(path)
+
+    def _check(self, state) -> None:
+        """Rank 0: refuse a checkpoint this run cannot continue exactly."""
+
+        ctx = self.ctx
+        check_compatible(state, ctx.graph.fingerprint())
+        meta, where = state.meta, state.path
+        if meta.get("dtype", self.spec.train["dtype"]) != self.spec.train["dtype"]:
+            raise CheckpointError(f"checkpoint {where} was written with train.dtype={meta.get('dtype')}, "
+                                  f"this run uses train.dtype={self.spec.train['dtype']}")
+        opt = (meta.get("optimizer") or {}).get("name")
+        if opt is not None and opt != self.spec.optim["name"]:
+            raise CheckpointError(
+                f"checkpoint {where} holds optim={opt} state, this run uses optim={self.spec.optim['name']}; "
+                f"to start a new optimizer from those weights, use model.init_from=<run_dir>/model.h5")
+        policy = (meta.get("policy") or {}).get("name")
+        saved_policy = POLICIES.get(policy)
+        if (saved_policy is not None and not saved_policy.steps_are_batches
+                and self.policy.steps_are_batches and int(meta.get("step_in_epoch", 0)) > 0):
+            # A windowed policy counts syncs, not sample steps: its mid-epoch position has no
+            # meaning for sync.
+            raise CheckpointError(
+                f"checkpoint {where} stopped in the middle of an epoch under policy={policy}; "
+                f"resume it with policy={policy}, or from an end-of-epoch checkpoint")
+        if meta.get("schedule_steps") not in (None, ctx.schedule_steps):
+            self._warn(f"the LR schedule now spans {ctx.schedule_steps} steps (train.epochs x steps/epoch), "
+                       f"checkpoint {where} was on one of {meta['schedule_steps']}: the learning-rate curve "
+                       f"changes from here on; to stop early and resume exactly, keep train.epochs and use "
+                       f"train.max_steps")
+        saved, now = meta.get("plan"), self._plan()
+        if saved:
+            changed = {k: (saved.get(k), now[k]) for k in _PLAN_KEYS if saved.get(k) != now[k]}
+            if changed and int(meta.get("step_in_epoch", 0)) > 0:
+                detail = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+                raise CheckpointError(
+                    f"checkpoint {where} stopped in the middle of epoch {int(meta['epoch']) + 1} "
+                    f"(step {meta['step_in_epoch']} of {saved.get('steps_per_epoch')}), but the data plan "
+                    f"changed ({detail}), so that position means other samples now; resume with the same "
+                    f"train.batch_size, train.seed and data settings, or from an end-of-epoch checkpoint")
+            if changed:
+                self._warn(f"the data plan differs from checkpoint {where} "
+                           f"({', '.join(sorted(changed))}); continuing from its epoch boundary")
+
+    def maybe_resume(self) -> Resumed | None:
+        """Collective: rank 0 picks, reads and checks; everyone receives the arrays by Bcast."""
+        ctx, comm = self.ctx, self.comm
+        holder = {}
+
+        def _load():
+            state = self._read_choice()
+            if state is None:
+                return None
+            self._check(state)
+            # Best tracking from the recorded history, later checkpoints moved aside: only
+            # now that the checkpoint has been accepted.
+            self.manager.restore_history(state, warn=self._warn)
+            self.best.seed(self.manager.best_step, self.manager.best_value)
+            holder["state"] = state
+            shapes = {k: (list(v.shape), v.dtype.str) for k, v in state.arrays.items()}
+            return {"path": str(state.path), "meta": state.meta, "shapes": shapes}
+        info = mpi.root_computes(comm, _load)
+        if info is None:
+            return None
+        arrays = bcast_arrays(comm, holder["state"].arrays if comm.rank == 0 else None, info["shapes"])
+        holder.clear()
+        # Every rank holds the same data, so these checks fail everywhere or nowhere.
+        mpi.agree(comm, lambda: self._apply(info, arrays))
+        meta = info["meta"]
+        self.resumed_config_yaml = meta.get("config_yaml")
+        where = (f"in epoch {ctx.epoch + 1} at step {ctx.step_in_epoch}/{ctx.steps_per_epoch}"
+                 if ctx.step_in_epoch else f"after epoch {ctx.epoch}")
+        ranks = (f"written on {meta['world_size']} ranks, shards re-planned for {comm.size}"
+                 if int(meta["world_size"]) != comm.size else f"written on {comm.size} ranks")
+        self.log(f"resumed from {info['path']}: global step {ctx.step}, {where} ({ranks})")
+        return Resumed(info["path"], meta.get("epoch_totals") if ctx.step_in_epoch else None)
+
+    def _apply(self, info: dict, arrays: dict) -> None:
+        ctx = self.ctx
+        meta = info["meta"]
+        params = arrays["params"]
+        if params.shape != ctx.params.shape:
+            raise CheckpointError(f"checkpoint {info['path']} holds {params.size} parameters, "
+                                  f"the model has {ctx.params.size}")
+        ctx.params[...] = params
+        ctx.optimizer.load_state_dict({
+            "arrays": {k[4:]: v for k, v in arrays.items() if k.startswith("opt/")},
+            "scalars": meta["optimizer"]["scalars"]})
+        self.policy.load_state_dict({
+            "arrays": {k[7:]: v for k, v in arrays.items() if k.startswith("policy/")},
+            "meta": meta["policy"]["state"], "world_size": meta["world_size"]})
+        ctx.state.restore(meta, ctx.steps_per_epoch, info["path"])
+        ctx.history = list(meta.get("history", []))
+        self.saved_step = ctx.step
+        self._saved_at = (ctx.step, ctx.epoch, ctx.step_in_epoch)
+
+    # ---- Slurm requeue ------------------------------------------------------------------
+    def maybe_requeue(self) -> None:
+        """After a preemption checkpoint: `scontrol requeue $SLURM_JOB_ID` (rank 0 only).
+
+        Collective when checkpoint.requeue is set. Called once the run's outputs are written,
+        because Slurm ends the job right away. The requeued job keeps its id, so it finds the
+        same run directory and resumes there. (slurm/train.sh requeues from the batch shell
+        after every rank has exited instead, and turns this off.)
+        """
+        if not self.spec.checkpoint["requeue"]:
+            return
+        self.comm.Barrier()      # every rank has finished its work before Slurm ends the job
+        if not self.is_root:
+            return
+        job = os.environ.get("SLURM_JOB_ID")
+        if not job:
+            self.log("checkpoint.requeue=true but this is not a Slurm job (no SLURM_JOB_ID): not requeued")
+            return
+        scontrol = shutil.which("scontrol") or "scontrol"
+        try:
+            out = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            self.log(f"warning: scontrol requeue {job} failed: {e}; resubmit the job to resume "
+                    f"from its checkpoint")
+            return
+        if out.returncode == 0:
+            self.log(f"requeued Slurm job {job}: it resumes from its latest checkpoint")
+        else:
+            self.log(f"warning: scontrol requeue {job} exited {out.returncode}: "
+                    f"{(out.stderr or out.stdout).strip()}; resubmit the job to resume from its checkpoint")

@@ -1,0 +1,293 @@
+"""Everything MPI: collective error agreement, spec/array broadcast, the fused bucket and abort.
+
+The bucket's reduction paths (host, ordered, 16-bit wire, staged, CUDA-aware) are in `reduce`.
+
+Idioms: lowercase `bcast`/`allgather` only for small Python objects (the spec, status
+strings); uppercase buffer collectives for arrays, so arrays are never pickled.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from hpc_rlx.comm import watchdog as _watchdog
+from hpc_rlx.comm.bucket_layout import BucketLayout
+from hpc_rlx.comm.job_abort import abort_job
+from hpc_rlx.comm.reduce import make_reduction
+from hpc_rlx.comm.topology import hostname, rank_span
+from hpc_rlx.comm.wire import normalize_wire
+from hpc_rlx.device import backend, cuda_mpi
+from hpc_rlx.errors import HpcRlxError
+from hpc_rlx.observe import trace
+
+
+def world():
+    """The MPI world communicator (imports and initialises MPI on first call)."""
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+# --------------------------------------------------------------------------------------
+# Errors decided collectively: every rank raises the same message, nobody is left waiting.
+# --------------------------------------------------------------------------------------
+
+class CollectiveError(HpcRlxError):
+    """A user-facing error agreed by all ranks. `origin` is the rank that first hit it,
+    `host` the node it runs on."""
+
+    def __init__(self, message: str, kind: str = "HpcRlxError", origin: int = 0,
+                 host: str | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.origin = origin
+        self.host = host
+
+
+def _status(exc: BaseException | None) -> tuple | None:
+    if exc is None:
+        return None
+    if isinstance(exc, CollectiveError):
+        return (exc.kind, str(exc), exc.host or hostname())
+    if isinstance(exc, HpcRlxError):
+        return (type(exc).__name__, str(exc), hostname())
+    # A bug, not bad input: keep the traceback so it can be fixed.
+    return (type(exc).__name__, "".join(traceback.format_exception(exc)).rstrip(), hostname())
+
+
+def watched_call(label: str, call: Callable, *args, **kwargs):
+    """Run one collective under the stall watchdog (`hpc_rlx.comm.watchdog`): it only notes
+    entering and leaving, so a call costs two attribute writes, no message."""
+    wd = _watchdog.current()
+    wd.enter(label)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        wd.leave()
+
+
+def watched(label: str):
+    """Decorator form of `watched_call`."""
+    def wrap(method):
+        @functools.wraps(method)
+        def inner(*args, **kwargs):
+            return watched_call(label, method, *args, **kwargs)
+        return inner
+    return wrap
+
+
+def agree(comm, fn: Callable[[], Any]) -> Any:
+    """Run `fn` on every rank; if it fails anywhere, every rank raises the same error.
+
+    The lowest failing rank's message wins, so the message is identical everywhere.
+    """
+    try:
+        result, exc = fn(), None
+    except Exception as e:  # noqa: BLE001 - re-raised collectively below
+        result, exc = None, e
+    statuses = watched_call("error agreement (allgather)", comm.allgather, _status(exc))
+    for rank, st in enumerate(statuses):
+        if st is not None:
+            raise CollectiveError(st[1], kind=st[0], origin=rank, host=st[2]) from exc
+    return result
+
+
+def root_computes(comm, fn: Callable[[], Any], root: int = 0) -> Any:
+    """Rank `root` runs `fn` and broadcasts its (small, picklable) result or its error."""
+    payload = None
+    if comm.rank == root:
+        try:
+            payload = ("ok", fn())
+        except Exception as e:  # noqa: BLE001
+            payload = ("err", _status(e))
+    payload = watched_call(f"broadcast of rank {root}'s result", comm.bcast, payload, root=root)
+    if payload[0] == "err":
+        kind, message, host = payload[1]
+        raise CollectiveError(message, kind=kind, origin=root, host=host)
+    return payload[1]
+
+
+def abort(comm, message: str, code: int = 1) -> None:
+    """Print one message and take the whole MPI job down (no rank may be left waiting)."""
+    abort_job(comm, code, message)
+
+
+# --------------------------------------------------------------------------------------
+# The fused bucket
+# --------------------------------------------------------------------------------------
+
+_FINITE_BLOCK = 1 << 16
+
+
+def _all_finite(x: np.ndarray) -> bool:
+    """``np.isfinite(x).all()`` in cache-sized blocks into one small mask: no temporary as
+    large as the gradient each step, and it stops at the first bad block."""
+    flat = x.reshape(-1)
+    mask = np.empty(min(flat.size, _FINITE_BLOCK), dtype=bool)
+    for lo in range(0, flat.size, _FINITE_BLOCK):
+        part = flat[lo: lo + _FINITE_BLOCK]
+        view = mask[: part.size]
+        np.isfinite(part, out=view)
+        if not view.all():
+            return False
+    return True
+
+
+class FusedBucket:
+    """One contiguous array laid out by a `bucket_layout.BucketLayout`:
+    [gradients or weighted params ... | summed fields | per-rank fields].
+
+    Lanes write gradients straight into `payload` views, the loop writes counts, loss sums
+    and flags into the tail, and one in-place SUM Allreduce (chunked under the size cap)
+    gives every rank the global sums of all of it at once.
+
+    `buffer`, `payload` and `tail` are plain host arrays. On a rank whose lanes are all GPUs
+    the bucket also has a twin on the lead GPU (`attach_device`): the lanes sum their
+    gradients there (`mark_device_fresh`), and the payload comes to the page-locked host array
+    only through an explicit `payload_to_host()` (a no-op when the host is newest), which
+    whoever reads or writes `payload` after the lanes or the Allreduce calls first. The tail
+    always lives on the host and is never compressed.
+
+    How the Allreduce runs is one `hpc_rlx.comm.reduce` path, chosen when the lanes place the
+    bucket (`attach_device` / `set_choice`) and kept for the run: host, ordered
+    (``comm.deterministic``), 16-bit wire (``comm.wire_dtype``: bfloat16 | float16, half the
+    bytes, float32 sums), staged through the host, or CUDA-aware directly on the device.
+    """
+
+    def __init__(self, payload_size: int, tail_fields: Sequence[str], dtype, xp=np,
+                 cap_mb: float = 16.0, deterministic: bool = False, wire_dtype: str | None = None,
+                 rank_fields: Sequence[str] = (), world_size: int = 1):
+        self.layout = BucketLayout(payload_size, tail_fields, rank_fields, world_size)
+        self.payload_size = self.layout.payload_size
+        self._set_host(xp.zeros(self.layout.size, dtype=dtype))
+        itemsize = np.dtype(dtype).itemsize
+        self.chunk_elems = max(1, int(cap_mb * 1024 * 1024) // itemsize)
+        self.deterministic = deterministic
+        self.wire = normalize_wire(wire_dtype)
+        self.last_chunks = 0
+        self.last_wire_bytes = 0        # bytes this rank sent in the last allreduce
+        self.last_path = cuda_mpi.HOST
+        self.device = None              # lead GPU of the device twin, if any
+        self.device_buffer = None
+        self.device_payload = None
+        self.device_tail = None
+        self.device_is_newest = False   # the lanes or the Allreduce left the newest payload there
+        self.choice = None              # cuda_mpi.PathChoice once lanes placed the bucket
+        self.reduction = make_reduction(self.chunk_elems, deterministic, self.wire)
+
+    @classmethod
+    def for_layout(cls, layout: BucketLayout, dtype, **options) -> "FusedBucket":
+        """A bucket with `layout`'s payload, summed fields and per-rank fields."""
+        return cls(layout.payload_size, layout.fields, dtype, rank_fields=layout.rank_fields,
+                   world_size=layout.world_size, **options)
+
+    def _set_host(self, buf) -> None:
+        self.buffer = buf
+        self.payload = buf[: self.payload_size]
+        self.tail = buf[self.payload_size:]
+
+    def __getitem__(self, field: str):
+        """A summed field as a float; a per-rank field as its slots (a view of the tail)."""
+        return self.layout.read(self.tail, field)
+
+    def __setitem__(self, field: str, value: float) -> None:
+        self.layout.write(self.tail, field, value)
+
+    def put(self, field: str, value: float, rank: int) -> None:
+        """This rank's slot of a per-rank field (or a summed field: `rank` is ignored)."""
+        self.layout.write(self.tail, field, value, rank)
+
+    def flags(self) -> dict[str, bool]:
+        """The reduced control flags (`bucket_layout.CONTROL_FLAGS`) after the Allreduce."""
+        return self.layout.flags(self.tail)
+
+    def zero_tail(self) -> None:
+        self.tail[...] = 0
+
+    # ---- placement: chosen once, when the lanes are built -----------------------------------
+    def attach_device(self, device: int, choice) -> None:
+        """Give the bucket a twin on GPU `device`, move the host side to page-locked memory,
+        and reduce by `choice` (staged or CUDA-aware). Call before anyone keeps a view of
+        `payload` or `buffer`."""
+        host = backend.pinned_empty(self.buffer.shape[0], self.buffer.dtype)
+        host[...] = self.buffer
+        self._set_host(host)
+        self.device = int(device)
+        self.device_buffer = backend.device_zeros(host.shape[0], host.dtype, self.device)
+        self.device_payload = self.device_buffer[: self.payload_size]
+        self.device_tail = self.device_buffer[self.payload_size:]
+        self.device_is_newest = False
+        self.set_choice(choice)
+
+    def set_choice(self, choice) -> None:
+        self.choice = choice
+        self.reduction = make_reduction(self.chunk_elems, self.deterministic, self.wire, choice)
+
+    def describe(self) -> str:
+        """Where the bucket lives and how it is reduced, in one line (logged at start-up)."""
+        where = "host" if self.device is None else f"GPU {self.device}"
+        path = self.choice.describe() if self.choice is not None else "host"
+        wire = f", wire {self.wire} (float32 sums; tail uncompressed)" if self.wire else ""
+        return f"bucket on {where}, path {path}{wire}"
+
+    # ---- explicit transfers between the host arrays and the device twin ----------------------
+    def mark_device_fresh(self) -> None:
+        """The lanes (or a CUDA-aware Allreduce) left the newest payload in `device_payload`."""
+        if self.device_buffer is None:
+            raise HpcRlxError("mark_device_fresh on a bucket without a device twin")
+        self.device_is_newest = True
+
+    def payload_to_host(self) -> None:
+        """Bring a device-side payload down to `payload` (a no-op when the host is newest)."""
+        if self.device_is_newest:
+            backend.copy_to_host(self.payload, self.device_payload)
+            self.device_is_newest = False
+
+    def tail_to_device(self) -> None:
+        backend.copy_to_device(self.device_tail, self.tail)
+
+    def tail_to_host(self) -> None:
+        backend.copy_to_host(self.tail, self.device_tail)
+
+    def payload_finite(self) -> bool:
+        """Whether every payload value is finite, checked where the newest payload lives."""
+        if self.device_is_newest:
+            xp = backend.array_module(self.device_payload)
+            with backend.use_device(self.device):
+                return bool(xp.isfinite(self.device_payload).all())
+        return _all_finite(self.payload)
+
+    # ---- the collective -------------------------------------------------------------------
+    @watched("fused-bucket Allreduce")
+    def allreduce(self, comm) -> float:
+        """Sum the whole bucket over all ranks in place, by this bucket's reduction path.
+        Returns seconds spent."""
+        t0 = time.perf_counter()
+        tr = trace.ACTIVE
+        seq = tr.next_seq() if tr is not None else 0
+        done = self.reduction.run(self, comm, seq)
+        self.last_chunks = done.chunks
+        self.last_wire_bytes = done.wire_bytes
+        self.last_path = done.path
+        t1 = time.perf_counter()
+        if tr is not None:
+            tr.add("allreduce", "comm", trace.MAIN, t0, t1,
+                   {"seq": seq, "bytes": int(self.buffer.nbytes), "chunks": done.chunks, "path": done.path})
+        return t1 - t0
+
+
+def by_rank(comm, text: str) -> str | None:
+    """Rank 0: ``text`` of every rank, grouped ("A on ranks 0-3; B on ranks 4-7"); others: None."""
+    texts = comm.gather(text, root=0)
+    if comm.rank != 0:
+        return None
+    groups: dict[str, list[int]] = {}
+    for r, t in enumerate(texts):
+        groups.setdefault(t, []).append(r)
+    if len(groups) == 1:
+        return text if comm.size == 1 else f"{text} (all {comm.size} ranks)"
+    return "; ".join(f"{t} on ranks {rank_span(rs)}" for t, rs in groups.items())

@@ -1,0 +1,406 @@
+"""Every config key, declared once: its type, default, one-line doc and check.
+
+The YAML files in `configs/` are what Hydra composes and what users read; this table is what
+the code reads. `tests/test_config_schema.py` holds the two together (every YAML key is
+declared here with the same default, every key declared here is in the YAML), and the
+README's config table is generated from it (`hpc_rlx.config.doc`).
+
+- Sections with one shape (`train`, `comm`, `report`, `trace`, `debug`, `resume`) declare a
+  default per key.
+- Group sections (`model`, `data`, `optim`, `device`, `checkpoint`) declare each key once
+  with `Options`: the group options that have the key, each with its default (`optim.lr` is
+  0.1 under `optim=sgd`, 0.003 under `optim=adamw`). The builders and the optimizer classes
+  keep the range checks of their own parameters (`graph.models`, `optim`): their signature
+  defaults are library defaults, not these config defaults, so they cannot serve as the
+  declaration, and their checks stay where the value is used.
+- `policy.*` keys are declared by each policy class (`Policy.defaults`, `Policy.key_docs`,
+  `Policy.check_config`) and only referred to here.
+
+Adding a key: one `Key(...)` line here, the key in its YAML file, and the regenerated README
+table. Code reads it through the validated, completed section (`complete`), never with a
+default of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+from hpc_rlx.errors import ConfigError
+from hpc_rlx.observe.tensorboard_log import enabled as tensorboard_enabled
+from hpc_rlx.policies.config import validate_policy_config
+from hpc_rlx.policies.registry import POLICIES
+from hpc_rlx.policies.slowdown import parse_slowdown
+
+# ---------------------------------------------------------------------------------------------
+# The checkers: a test of one value and the message that names the key and the value
+# ---------------------------------------------------------------------------------------------
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    """A finite real number (bools, strings, NaN and Inf are not)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+class Check:
+    """`test(value)` or ConfigError `<key> <must>, got <value!r>`. Type-safe on purpose: any
+    value a command line can produce fails the test, never raises a TypeError."""
+
+    def __init__(self, test: Callable[[Any], bool], must: str):
+        self.test, self.must = test, must
+
+    def __call__(self, label: str, value, world_size: int | None = None) -> None:
+        if not self.test(value):
+            raise ConfigError(self.message(label, value))
+
+    def message(self, label: str, value) -> str:
+        return f"{label} {self.must}, got {value!r}"
+
+
+class OneOf(Check):
+    def __init__(self, *choices):
+        super().__init__(lambda v: v in choices, f"is one of {choices}")
+        self.choices = choices
+
+    def message(self, label: str, value) -> str:
+        return f"{label}={value!r} is not one of {self.choices}"
+
+
+class Via(Check):
+    """A check that lives with the code that interprets the value: `fn(value, world_size)`
+    raises ConfigError itself."""
+
+    def __init__(self, fn: Callable[[Any, int | None], Any], must: str):
+        super().__init__(lambda v: True, must)
+        self.fn = fn
+
+    def __call__(self, label: str, value, world_size: int | None = None) -> None:
+        self.fn(value, world_size)
+
+
+def integer(minimum: int, *, null: bool = False, must: str | None = None) -> Check:
+    if must is None:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        must = f"must be null or {what}" if null else f"must be {what}"
+    return Check(lambda v: (null and v is None) or (is_int(v) and v >= minimum), must)
+
+
+def number(minimum: float, *, above: bool = False, null: bool = False, must: str | None = None) -> Check:
+    if must is None:
+        must = f"must be {'null or ' if null else ''}{'>' if above else '>='} {minimum:g}"
+    return Check(lambda v: (null and v is None)
+                 or (is_number(v) and (v > minimum if above else v >= minimum)), must)
+
+
+def _stall_abort(v) -> bool:
+    return v is None or v == "auto" or (is_number(v) and v > 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The declarations
+# ---------------------------------------------------------------------------------------------
+
+
+class Options(dict):
+    """A group key's defaults, by the group options that have the key."""
+
+
+def every(options: tuple[str, ...], value) -> Options:
+    return Options((o, value) for o in options)
+
+
+@dataclass(frozen=True)
+class Key:
+    path: str                   # "train.epochs"; "resume" for a top-level key
+    type: Any                   # a type or a tuple of types; None is always allowed as a value
+    default: Any                # the default, or Options for a key of a group section
+    doc: str                    # one line: what it does, and its choices
+    check: Check | None = None  # None: any value (or checked where it is used: see the doc)
+    label: str | None = None    # the name in messages when it is not `path`
+
+    @property
+    def section(self) -> str:
+        return self.path.split(".", 1)[0]
+
+    @property
+    def name(self) -> str:
+        return self.path.split(".", 1)[-1]
+
+    def options(self) -> tuple[str, ...] | None:
+        return tuple(self.default) if isinstance(self.default, Options) else None
+
+    def default_for(self, option: str | None = None):
+        return self.default[option] if isinstance(self.default, Options) else self.default
+
+    def validate(self, value, world_size: int | None = None) -> None:
+        if self.check is not None:
+            self.check(self.label or self.path, value, world_size)
+
+
+# group -> (the key that names the option, its options in the order the README lists them,
+# the option config.yaml selects)
+GROUPS: dict[str, tuple[str | None, tuple[str, ...], str]] = {
+    "model": ("name", ("mlp", "cnn", "transformer_lm", "graph"), "mlp"),
+    "data": ("name", ("digits", "synthetic", "text", "file"), "digits"),
+    "optim": ("name", ("sgd", "adamw"), "sgd"),
+    "policy": ("name", tuple(POLICIES), "sync"),
+    "device": ("kind", ("cpu", "cuda", "all", "auto"), "cpu"),
+    "checkpoint": (None, ("default", "off"), "default"),
+}
+MODELS, DATASETS = GROUPS["model"][1], GROUPS["data"][1]
+OPTIMIZERS, DEVICES = GROUPS["optim"][1], GROUPS["device"][1]
+DTYPES = ("float32", "float64")
+DISTRIBUTIONS = ("read", "scatter")
+ON_NONFINITE = ("stop", "skip")
+CKPT_METRICS = ("val_loss", "val_accuracy")
+PROGRESS = ("auto", "bar", "lines")
+_BUILT = ("mlp", "cnn", "transformer_lm")
+_PREPARED = Options(digits="digits", synthetic="synthetic", text="text", file=None)
+_NUMBER = (int, float)
+_OPT_NONNEG = number(0, null=True, must="must be a number >= 0")
+_OPT_STEPS = integer(0, null=True, must="must be an integer >= 0")
+_DATASET = Check(lambda v: isinstance(v, str) and v != "", "must be a dataset name")
+
+
+def _selector(group: str, option_key: str, options, check: Check | None = None) -> Key:
+    return Key(f"{group}.{option_key}", str, Options((o, o) for o in options),
+               f"the option of `{group}=`", check, label=group)
+
+
+KEYS: tuple[Key, ...] = (
+    Key("train.epochs", int, 20, "epochs", integer(1)),
+    Key("train.batch_size", int, 64, "global batch per step, split over ranks and lanes", integer(1)),
+    Key("train.seed", int, 0, "init, shuffling and dropout seed", integer(0)),
+    Key("train.dtype", str, "float32", "`float32` or `float64`", OneOf(*DTYPES)),
+    Key("train.on_nonfinite", str, "stop", "`stop` or `skip` a step where any rank saw NaN/Inf",
+        OneOf(*ON_NONFINITE)),
+    Key("train.max_consecutive_skips", int, 100, "with `on_nonfinite=skip`, fail after this many "
+        "skipped steps in a row (0 = never)", integer(0, null=True, must="must be an integer >= 0")),
+    Key("train.max_steps", int, None, "stop after this many steps (the LR schedule still spans "
+        "`train.epochs`, so a resume continues it exactly)", integer(1, null=True)),
+    Key("train.log_every_s", _NUMBER, 10, "period of the plain progress lines (batch jobs, piped "
+        "output); the first comes after the run's first step (0 = every step)",
+        number(0, null=True, must="must be null or a number >= 0")),
+    Key("train.progress", str, "auto", "`auto`, `bar` or `lines`: see \"Progress\" below", OneOf(*PROGRESS)),
+    Key("train.threads_per_rank", int, None, "BLAS threads per rank; null = cores per node / ranks per node",
+        integer(1, null=True, must="must be null or an integer >= 1")),
+    Key("report.plots", bool, True, "PNG plots in `RUN_DIR/plots` at the end of the run"),
+    Key("report.tensorboard", (str, bool), "auto", "TensorBoard event files in `RUN_DIR/tensorboard`: "
+        "`auto` (when tensorboardX is installed, as `scripts/install.sh` does), `true` (an error if "
+        "it is not), `false`", Via(lambda v, _: tensorboard_enabled(v), "is auto, true or false")),
+    Key("trace.enabled", bool, False, "Chrome trace of every rank and lane (`RUN_DIR/trace.json`)"),
+    Key("trace.max_events", int, 500000, "events kept per rank (later ones are counted, not kept)"),
+    _selector("optim", "name", OPTIMIZERS),
+    Key("optim.lr", _NUMBER, Options(sgd=0.1, adamw=0.003), "base learning rate",
+        number(0, above=True, must="must be a positive number")),
+    Key("optim.momentum", _NUMBER, Options(sgd=0.9), "SGD momentum", _OPT_NONNEG),
+    Key("optim.nesterov", bool, Options(sgd=False), "SGD Nesterov momentum (needs momentum > 0)"),
+    Key("optim.betas", list, Options(adamw=[0.9, 0.999]), "AdamW moment decay rates"),
+    Key("optim.eps", _NUMBER, Options(adamw=1e-8), "AdamW denominator term", _OPT_NONNEG),
+    Key("optim.weight_decay", _NUMBER, Options(sgd=0.0, adamw=0.01),
+        "L2 (SGD) or decoupled (AdamW) weight decay", _OPT_NONNEG),
+    Key("optim.clip_grad_norm", _NUMBER, every(OPTIMIZERS, None), "clip the global gradient norm; "
+        "null = no clipping", number(0, above=True, null=True)),
+    Key("optim.lr_scale_ratio", _NUMBER, every(OPTIMIZERS, 0.0), "`lr × (1 + (world − 1) × ratio)`; "
+        "1.0 = linear scaling rule", number(0, null=True, must="must be >= 0")),
+    Key("optim.schedule", str, every(OPTIMIZERS, "cosine"), "`constant`, `step` or `cosine`"),
+    Key("optim.warmup_steps", int, every(OPTIMIZERS, 0), "linear warm-up steps", _OPT_STEPS),
+    Key("optim.step_size", int, every(OPTIMIZERS, 1000), "steps between decays (`schedule=step`)",
+        _OPT_STEPS),
+    Key("optim.gamma", _NUMBER, every(OPTIMIZERS, 0.1), "decay factor (`schedule=step`)", _OPT_NONNEG),
+    Key("optim.min_lr", _NUMBER, every(OPTIMIZERS, 0.0), "floor of the cosine", _OPT_NONNEG),
+    _selector("device", "kind", DEVICES, OneOf(*DEVICES)),
+    Key("device.cpu_lanes", int, Options(cpu=1, cuda=0, all=1, auto=1), "CPU (NumPy) lanes per rank",
+        integer(0)),
+    Key("device.gpus_per_rank", int, every(DEVICES, 1), "GPU (CuPy) lanes per rank for cuda/all "
+        "(checked by the lanes)"),
+    Key("comm.bucket_cap_mb", _NUMBER, 16, "Allreduce chunk size (MPICH slows ~3× at 32 MiB messages)",
+        number(0, above=True)),
+    Key("comm.deterministic", bool, False, "fixed reduction order: bitwise-reproducible runs for a "
+        "given world size"),
+    Key("comm.stall_warning_s", _NUMBER, 60, "stall watchdog: report ranks that have not reached a "
+        "collective after this long; null = off",
+        number(0, null=True, must="must be null (off) or a number of seconds >= 0")),
+    Key("comm.stall_abort_s", (str, int, float), "auto", "`auto` aborts a job that is stuck (no rank "
+        "alive and busy outside a collective) after 600 s, a number aborts after that long whatever "
+        "the other ranks do, `null` never (RELIABILITY.md)",
+        Check(_stall_abort, "must be auto, null (never) or a number of seconds > 0")),
+    Key("comm.cuda_aware", (str, bool), "auto", "`auto`, `true` or `false`: all-reduce the GPU bucket "
+        "directly or through pinned host memory (checked by the lanes)"),
+    Key("comm.wire_dtype", str, None, "`bfloat16` or `float16` on the wire, float32 sums; null = "
+        "the compute dtype (checked by the bucket)"),
+    _selector("data", "name", DATASETS),
+    Key("data.path", str, Options(digits="data/digits.h5", synthetic="data/synthetic.h5",
+                                  text="data/text.h5", file="???"), "the training file (HDF5)"),
+    Key("data.prepare", str, _PREPARED, "dataset to prepare when the group's own default `data.path` "
+        "is missing (another missing path is an error); null = never"),
+    Key("data.x", str, every(DATASETS, "x"), "input dataset name", _DATASET),
+    Key("data.y", str, every(DATASETS, "y"), "label dataset name", _DATASET),
+    Key("data.val_path", str, every(DATASETS, None), "a separate validation file (same dataset names)"),
+    Key("data.val_fraction", _NUMBER, Options(digits=0.2, synthetic=0.2, text=0.1, file=0.2),
+        "without `val_path`: the tail fraction of `path` used for validation",
+        Check(lambda v: v is None or (is_number(v) and 0 <= v < 1), "must be in [0, 1)")),
+    Key("data.distribution", str, every(DATASETS, "read"), "`read` (each rank reads its own "
+        "hyperslab) or `scatter` (rank 0 reads and sends)", OneOf(*DISTRIBUTIONS)),
+    Key("data.leftover", str, every(DATASETS, "drop"), "`drop` or `partial` (sample-weighted partial "
+        "batches)"),
+    Key("data.shuffle", bool, every(DATASETS, True), "per-epoch seeded shuffling"),
+    Key("data.check_finite", bool, every(DATASETS, False), "refuse inputs with NaN/Inf at load time"),
+    Key("checkpoint.every_steps", int, every(("default", "off"), None), "checkpoint every N steps",
+        integer(1, null=True, must="must be null or an integer > 0")),
+    Key("checkpoint.every_epochs", int, every(("default", "off"), None), "checkpoint every N epochs",
+        integer(1, null=True, must="must be null or an integer > 0")),
+    Key("checkpoint.every_minutes", _NUMBER, Options(default=10, off=None), "checkpoint every N minutes "
+        "of training (always also at the end of the run and on preemption)", number(0, above=True, null=True)),
+    Key("checkpoint.keep_last", int, every(("default", "off"), 2), "checkpoints kept, plus the best by "
+        "`checkpoint.metric` (held in memory, written with the next save)", integer(1, must="must be >= 1")),
+    Key("checkpoint.metric", str, every(("default", "off"), "val_loss"), "`val_loss` (lower is better) "
+        "or `val_accuracy` (higher is better)", OneOf(*CKPT_METRICS)),
+    Key("checkpoint.requeue", bool, every(("default", "off"), False), "on SIGUSR1/SIGTERM under Slurm, "
+        "rank 0 runs `scontrol requeue` (for `mpirun` inside a batch script; `slurm/train.sh` "
+        "requeues by itself)"),
+    Key("debug.slowdown", dict, None, "`{rank: factor}`: make ranks honestly slower, to simulate "
+        "mixed hardware", Via(parse_slowdown, "is a mapping {rank: factor}")),
+    Key("debug.fail_rank", int, None, "inject a failure on this rank (reliability tests) ..."),
+    Key("debug.fail_point", str, None, "... at `startup`, `data`, `step` or `checkpoint`"),
+    Key("debug.fail_step", int, 0, "... (`fail_point=step`) at this global step"),
+    Key("debug.stall_rank", int, None, "this rank arrives `stall_s` late at the first watched collective ..."),
+    Key("debug.stall_step", int, 0, "... from this global step on (exercises the stall watchdog)"),
+    Key("debug.stall_s", _NUMBER, 0, "... by this many seconds"),
+    Key("debug.nan_rank", int, None, "this rank puts a NaN into its gradient ..."),
+    Key("debug.nan_step", int, 0, "... at this global step (exercises `train.on_nonfinite`)"),
+    Key("resume", str, "auto", "`auto`, `none`, a checkpoint file, or a run directory (its newest "
+        "valid checkpoint)"),
+    _selector("model", "name", MODELS),
+    Key("model.hidden", (list, int), Options(mlp=[128, 128], cnn=64), "hidden widths (mlp), "
+        "the dense layer's width (cnn)"),
+    Key("model.activation", str, Options(mlp="relu"), "`relu`, `gelu`, `tanh` or `sigmoid`"),
+    Key("model.channels", list, Options(cnn=[16, 32]), "convolution channels per block"),
+    Key("model.kernel", int, Options(cnn=3), "convolution kernel size"),
+    Key("model.pool", str, Options(cnn="max"), "`max` or `avg` pooling"),
+    Key("model.d_model", int, Options(transformer_lm=64), "transformer width"),
+    Key("model.n_heads", int, Options(transformer_lm=4), "attention heads"),
+    Key("model.n_layers", int, Options(transformer_lm=2), "transformer blocks"),
+    Key("model.d_ff", int, Options(transformer_lm=256), "feed-forward width"),
+    Key("model.dropout", _NUMBER, every(_BUILT, 0.0), "dropout probability"),
+    Key("model.num_classes", int, every(_BUILT, None), "classes (vocabulary for the LM); null = the "
+        "file's or label dataset's `num_classes`/`vocab_size` attribute, else the training labels' "
+        "largest value + 1"),
+    Key("model.path", str, Options(graph="???"), "graph JSON file (see \"Bring your own graph\")"),
+    Key("model.init_from", str, every(MODELS, None), "HDF5 file of initial parameters (e.g. a "
+        "previous run's `model.h5`)"),
+)
+# the model keys a builder of graph.models takes from the config (the rest come from the data)
+BUILDER_KEYS = {m: tuple(k.name for k in KEYS if k.section == "model" and m in (k.options() or ())
+                         and k.name not in ("name", "num_classes", "init_from", "path")) for m in _BUILT}
+BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}
+SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS if "." in k.path))
+TOP_LEVEL = tuple(k.path for k in KEYS if "." not in k.path)
+
+
+def keys_of(section: str, option: str | None = None) -> Iterator[Key]:
+    """The keys of a section; of a group section, those of `option` (all options if None)."""
+    for k in KEYS:
+        if k.section == section and "." in k.path and (option is None or k.options() is None
+                                                         or option in k.options()):
+            yield k
+
+
+def option_of(section: str, values: Mapping[str, Any]) -> str:
+    """The group option a composed section is, by its `name`/`kind` key, else the group default."""
+    selector, options, default = GROUPS[section]
+    chosen = values.get(selector) if selector else None
+    return chosen if chosen in options else default
+
+
+def defaults(section: str, option: str | None = None) -> dict[str, Any]:
+    """A section's defaults (of a group: of `option`, default the group's default option)."""
+    if section == "policy":
+        return {"name": option or "sync", **POLICIES[option or "sync"].defaults}
+    option = option or (GROUPS[section][2] if section in GROUPS else None)
+    return {k.name: k.default_for(option) for k in keys_of(section, option)}
+
+
+def default(path: str):
+    """One key's default (of a group key: under the group's default option)."""
+    key = BY_PATH[path]
+    return key.default_for(GROUPS[key.section][2] if key.options() else None)
+
+
+def complete(cfg: Mapping[str, Any]) -> dict:
+    """`cfg` with every declared key present: the given values over the declared defaults.
+    A group section is completed with its own option's defaults; `policy` is left as given
+    (the policy completes its own keys)."""
+    out = dict(cfg)
+    for section in SECTIONS:
+        given = dict(cfg.get(section) or {})
+        if section in GROUPS:
+            selector, options, _ = GROUPS[section]
+            chosen = given.get(selector) if selector else GROUPS[section][2]
+            if chosen not in options:
+                out[section] = given      # an unknown option: whoever reads it reports it
+                continue
+            out[section] = {**defaults(section, chosen), **given}
+        else:
+            out[section] = {**defaults(section), **given}
+    for path in TOP_LEVEL:
+        out.setdefault(path, BY_PATH[path].default)
+    return out
+
+
+# Rules between keys of one section, checked after that section's own keys.
+def _device_rule(dev: Mapping[str, Any]) -> None:
+    if dev["kind"] == "cpu" and dev["cpu_lanes"] < 1:
+        raise ConfigError("device=cpu needs device.cpu_lanes >= 1")
+
+
+def _comm_rule(c: Mapping[str, Any]) -> None:
+    warn, stall_abort = c["stall_warning_s"], c["stall_abort_s"]
+    if not (stall_abort in (None, "auto") or (is_number(warn) and warn > 0)):
+        raise ConfigError(f"comm.stall_abort_s={stall_abort!r} needs the watchdog on: "
+                          f"comm.stall_warning_s > 0, got {warn!r}")
+
+
+def _check_option_keys(section: str, values: Mapping[str, Any]) -> None:
+    """A group section renamed to another option (`optim.name=adamw` on `optim=sgd`) keeps the
+    keys of the option it came from: refuse it instead of mixing the two."""
+    if section not in GROUPS or GROUPS[section][0] is None:
+        return
+    selector, options, _ = GROUPS[section]
+    chosen = values.get(selector)
+    if chosen in options:
+        extra = sorted(set(values) - {k.name for k in keys_of(section, chosen)})
+        if extra:
+            raise ConfigError(f"{section}.{selector}={chosen!r} does not take {extra} (keys of "
+                              f"another {section} option); select the option itself: {section}={chosen}")
+
+
+RULES: dict[str, Callable[[Mapping[str, Any]], None]] = {"device": _device_rule, "comm": _comm_rule}
+# the order sections are checked in (the first bad key found is the one reported)
+CHECK_ORDER = ("train", "report", "trace", "optim", "device", "comm", "data", "checkpoint",
+               "policy", "debug", "model")
+
+
+def validate(cfg: Mapping[str, Any], world_size: int | None = None) -> dict:
+    """Check every declared key of a composed config; return it completed (`complete`).
+
+    Group sections are checked key by key as given (an `optim=sgd` section overridden with
+    `optim.name=adamw` still has SGD's keys; the optimizer reports the mismatch)."""
+    cfg = complete(cfg)
+    for section in CHECK_ORDER:
+        if section == "policy":
+            validate_policy_config(cfg["policy"])
+            continue
+        values = cfg[section]
+        _check_option_keys(section, values)
+        for key in keys_of(section):
+            if key.name in values:
+                key.validate(values[key.name], world_size)
+        if section in RULES:
+            RULES[section](values)
+    return cfg

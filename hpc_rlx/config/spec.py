@@ -1,0 +1,274 @@
+"""The TrainSpec: everything a worker needs to train a model it has no code for.
+
+Rank 0 turns the composed Hydra config into a TrainSpec (`build_spec`), which is a few KB of
+plain JSON-able data and is broadcast to every rank. Parameter values are *not* in the
+spec: rank 0 materialises them (`initial_parameters`) and broadcasts them by buffer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from hpc_rlx.config import schema as schema
+from hpc_rlx.config.rundirs import fingerprint_of
+from hpc_rlx.data import hdf5
+from hpc_rlx.data.plan import plan_shards
+from hpc_rlx.data.resolve import num_classes, prepare_missing_data
+from hpc_rlx.errors import ConfigError, DataError
+from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, init_params
+from hpc_rlx.runtime.optim import OPTIMIZER_KEYS, make_optimizer, make_schedule
+
+
+@dataclass
+class DataPlan:
+    path: str
+    x: str
+    y: str
+    n_train: int                 # rows [0, n_train) of `path` are training data
+    val_path: str | None         # validation rows come from here ...
+    val_start: int               # ... rows [val_start, val_stop)
+    val_stop: int
+    distribution: str
+    leftover: str
+    shuffle: bool
+    check_finite: bool
+    sample_shape: list
+    x_dtype: str
+    y_dtype: str
+
+
+@dataclass
+class TrainSpec:
+    graph: dict                  # the model graph IR (hpc_rlx.graph JSON form)
+    param_source: dict           # {"kind": "seed", "seed": s} or {"kind": "file", "path": p}
+    data: DataPlan
+    train: dict
+    optim: dict
+    policy: dict
+    device: dict
+    comm: dict
+    checkpoint: dict
+    debug: dict
+    run_dir: str
+    resume: str
+    world_size: int
+    config_yaml: str = ""
+    extras: dict = field(default_factory=dict)   # report/trace switches
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainSpec":
+        d = dict(d)
+        d["data"] = DataPlan(**d["data"])
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def validate_config(cfg: dict, world_size: int | None = None) -> dict:
+    """Check every key of a composed config against its declaration (`config.schema`) and
+    return the config completed with the declared defaults. Every message names the key and
+    the value; any value a command line can produce gives a ConfigError, never a TypeError."""
+    return schema.validate(cfg, world_size)
+
+
+def check_lane_batch(dev: dict, global_batch: int, world_size: int) -> None:
+    """Every lane needs at least one sample per step, or the ranks x lanes asked for are not
+    all used. Checked where the lane count is known before the run (device=cpu / cuda)."""
+    kind = dev.get("kind")
+    key = {"cpu": "cpu_lanes", "cuda": "gpus_per_rank"}.get(kind)
+    lanes = dev.get(key) if key else None
+    if not isinstance(lanes, int) or lanes <= 1:
+        return
+    per_rank = global_batch // world_size
+    if per_rank < lanes:
+        raise ConfigError(
+            f"train.batch_size={global_batch} over {world_size} ranks gives a rank {per_rank} "
+            f"sample(s) per step, fewer than its {lanes} lanes (device.{key}={lanes}); use "
+            f"train.batch_size >= {world_size * lanes} (ranks x lanes) or fewer lanes")
+
+
+def optimizer_kwargs(opt: dict) -> dict:
+    """The optimizer's own keys from the (completed) `optim` section; the rest are schedule
+    and scaling keys."""
+    kwargs = {k: opt[k] for k in OPTIMIZER_KEYS.get(opt["name"], ())}
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return kwargs
+
+
+def schedule_kwargs(opt: dict) -> dict:
+    return {k: opt[k] for k in ("warmup_steps", "step_size", "gamma", "min_lr")}
+
+
+def check_optimizer(opt: dict, dtype: str, schedule_steps: int) -> None:
+    """Build the optimizer and schedule once on rank 0, so bad values are one clear startup
+    error instead of a failure on every rank later."""
+    try:
+        make_optimizer(opt["name"], 1, np, np.dtype(dtype), **optimizer_kwargs(opt))
+        make_schedule(opt["schedule"], float(opt["lr"]), schedule_steps, **schedule_kwargs(opt))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"optim: {e}") from e
+
+
+def check_model_fits(graph, cfg: dict, world_size: int) -> None:
+    """Refuse, once and clearly, a model whose parameter-sized buffers cannot fit in this node's
+    memory (instead of every rank dying in its own allocation)."""
+    n = ParamLayout(graph).size
+    itemsize = np.dtype(cfg["train"]["dtype"]).itemsize
+    # params, gradient bucket, init buffer (float64), optimizer state, one per extra CPU lane
+    copies = 4 + (2 if cfg["optim"]["name"] == "adamw" else 1) + max(0, cfg["device"]["cpu_lanes"] - 1)
+    need = n * itemsize * copies + n * 8
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > avail:
+        raise ConfigError(f"the model has {n:,} parameters: about {need / 2**30:.1f} GiB of parameter-sized "
+                          f"buffers per rank, more than the {avail / 2**30:.1f} GiB of memory available "
+                          f"on this node; use a smaller model")
+
+
+def check_run_dir_writable(run_dir: str) -> None:
+    path = Path(run_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"run directory {run_dir} is not writable: {e.strerror or e}") from e
+
+
+# what a builder of graph.models needs of the data's samples: (dimensions, what they are)
+SAMPLE_DIMS = {"cnn": (3, "(C, H, W) images"), "transformer_lm": (1, "token sequences (N, T)")}
+
+
+def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes: int | None):
+    """The model graph: a builder of `graph.models.BUILDERS` with the option's keys
+    (`config.schema.BUILDER_KEYS`) and what the data says, or a graph file (`model=graph`)."""
+    name = model_cfg["name"]
+    if name == "graph":
+        if model_cfg.get("path") in (None, "", "???"):
+            raise ConfigError("model=graph needs model.path=<a graph JSON file>")
+        return Graph.from_file(model_cfg["path"])
+    if name not in schema.BUILDER_KEYS:
+        raise ConfigError(f"model={name!r} is not one of mlp, cnn, transformer_lm, graph")
+    takes = inspect.signature(BUILDERS[name]).parameters
+    if "input_shape" in takes and num_classes is None:
+        raise DataError("cannot tell the number of classes: set model.num_classes, or give the "
+                        "file or its label dataset a num_classes attribute")
+    if name in SAMPLE_DIMS and len(sample_shape) != SAMPLE_DIMS[name][0]:
+        raise DataError(f"model={name} needs {SAMPLE_DIMS[name][1]}; the data's samples have shape "
+                        f"{tuple(sample_shape)}")
+    kwargs = {k: model_cfg[k] for k in schema.BUILDER_KEYS[name]}
+    if "input_shape" in takes:
+        kwargs.update(input_shape=tuple(sample_shape), num_classes=num_classes)
+    else:    # a sequence model: the classes are its vocabulary
+        kwargs.update(vocab_size=num_classes, seq_len=int(sample_shape[0]))
+    return build_model(name, **kwargs)
+
+
+def _num_classes(model_cfg: dict, info, n_train: int) -> int | None:
+
+    n, source = num_classes(model_cfg, info, n_train)
+    if n is not None and source.startswith("the training labels"):
+        # rank 0 only (build_spec); every rank gets the number inside the spec
+        print(f"[hpc_rlx] model.num_classes={n} from {source} of {info.path} "
+              f"(set model.num_classes to choose it)", flush=True)
+    return n
+
+
+def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") -> TrainSpec:
+    """Rank 0: validate the config, inspect the data, build the graph and the shard plan."""
+
+    completed = validate_config(cfg, world_size)
+    # of the config as composed (before the defaults are filled in): what rundirs sees
+    fingerprint = fingerprint_of(cfg)
+    cfg = completed
+    check_run_dir_writable(run_dir)
+    d = cfg["data"]
+    prepare_missing_data(d)
+    info = hdf5.describe(d["path"], d["x"], d["y"])
+
+    if d.get("val_path"):
+        vinfo = hdf5.describe(d["val_path"], d["x"], d["y"])
+        n_train, val_path, val_start, val_stop = info.n, d["val_path"], 0, vinfo.n
+    else:
+        n_val = int(round(info.n * float(d["val_fraction"] or 0.0)))
+        n_train = info.n - n_val
+        val_path, val_start, val_stop = d["path"], n_train, info.n
+        if n_train <= 0:
+            raise DataError(f"data.val_fraction={d['val_fraction']} leaves no training samples "
+                            f"in {d['path']} ({info.n} samples)")
+
+    graph = _build_graph(cfg["model"], info.x_shape, info.x_dtype, _num_classes(cfg["model"], info, n_train))
+    if cfg["checkpoint"]["metric"] == "val_accuracy" and "correct" not in graph.outputs:
+        raise ConfigError("checkpoint.metric=val_accuracy, but this model reports no accuracy "
+                          "(its loss is a regression loss); use checkpoint.metric=val_loss")
+    x_in = next(i for i in graph.inputs if i.name == "x")
+    y_in = next(i for i in graph.inputs if i.name == "y")
+    expect = dict(input_shape=tuple(x_in.shape[1:]),
+                  input_dtype_kind="int" if x_in.dtype == "int64" else "float",
+                  label_kind="class" if y_in.dtype == "int64" else "float",
+                  label_shape=tuple(y_in.shape[1:]))
+    hdf5.check_compatible(info, **expect)
+    if d.get("val_path"):
+        hdf5.check_compatible(vinfo, **expect)   # not only at the first validation, an epoch later
+
+    check_model_fits(graph, cfg, world_size)
+    # Fails here, on rank 0, with the same message every rank will print.
+    plan = plan_shards(n_train, cfg["train"]["batch_size"], world_size, d["leftover"])
+    check_optimizer(cfg["optim"], cfg["train"]["dtype"], cfg["train"]["epochs"] * plan.steps_per_epoch)
+    check_lane_batch(cfg["device"], cfg["train"]["batch_size"], world_size)
+
+    init_from = cfg["model"].get("init_from")
+    source = ({"kind": "file", "path": init_from} if init_from
+              else {"kind": "seed", "seed": int(cfg["train"]["seed"])})
+    data_plan = DataPlan(
+        path=d["path"], x=d["x"], y=d["y"], n_train=n_train, val_path=val_path,
+        val_start=val_start, val_stop=val_stop, distribution=d["distribution"],
+        leftover=d["leftover"], shuffle=bool(d["shuffle"]), check_finite=bool(d["check_finite"]),
+        sample_shape=list(info.x_shape), x_dtype=str(info.x_dtype), y_dtype=str(info.y_dtype))
+    return TrainSpec(
+        graph=graph.to_dict(), param_source=source, data=data_plan, train=dict(cfg["train"]),
+        optim=dict(cfg["optim"]), policy=dict(cfg["policy"]), device=dict(cfg["device"]),
+        comm=dict(cfg["comm"]), checkpoint=dict(cfg["checkpoint"]), debug=dict(cfg["debug"]),
+        run_dir=str(run_dir), resume=str(cfg["resume"]), world_size=world_size,
+        config_yaml=config_yaml,
+        extras={"report": dict(cfg["report"]), "trace": dict(cfg["trace"]),
+                "plan": plan.describe(), "config_fingerprint": fingerprint})
+
+
+def initial_parameters(spec: TrainSpec, graph, layout) -> np.ndarray:
+    """Rank 0: the initial flat parameter vector, in the compute dtype."""
+    dtype = np.dtype(spec.train["dtype"])
+    flat = np.zeros(layout.size, dtype=np.float64)
+    src = spec.param_source
+    if src["kind"] == "seed":
+        init_params(graph, flat, int(src["seed"]))
+    else:
+        try:
+            with h5py.File(src["path"], "r") as f:
+                views = layout.views(flat)
+                for p in graph.params:
+                    if p.name not in f:
+                        raise ConfigError(f"model.init_from={src['path']} has no dataset {p.name!r}")
+                    arr = f[p.name][...]
+                    if tuple(arr.shape) != tuple(p.shape):
+                        raise ConfigError(f"model.init_from={src['path']}: {p.name} has shape "
+                                          f"{arr.shape}, the model needs {tuple(p.shape)}")
+                    views[p.name][...] = arr
+        except OSError as e:
+            raise ConfigError(f"model.init_from={src['path']} cannot be read: {e}") from e
+    return flat.astype(dtype)

@@ -1,0 +1,37 @@
+"""The training config as the doctor sees it: the same overrides, composition and validation
+as `python -m hpc_rlx`, reduced to the settings the doctor checks."""
+
+from __future__ import annotations
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from hpc_rlx import __main__ as entry
+from hpc_rlx.config.spec import validate_config
+from hpc_rlx.errors import ConfigError
+
+
+def training_settings(overrides: list[str]) -> dict:
+    """The thread-related training settings for these config overrides, composed and validated
+    as `python -m hpc_rlx OVERRIDES` would; ConfigError with the training run's message."""
+
+
+    problem = entry._config_problem(overrides)   # the entry point's own message for a bad override
+    if problem:
+        raise ConfigError(problem)
+    with initialize_config_dir(config_dir=entry._CONFIG_DIR, version_base="1.3", job_name="hpc_rlx"):
+        cfg = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
+    cfg = validate_config(cfg)
+    return {"threads_per_rank": cfg["train"]["threads_per_rank"],
+            "cpu_lanes": cfg["device"]["cpu_lanes"]}
+
+
+def split_run_dir(overrides: list[str]) -> tuple[list[str], str | None]:
+    """hydra.run.dir=... is where the run would write: the doctor checks that directory."""
+    rest, run_dir = [], None
+    for o in overrides:
+        if o.startswith("hydra.run.dir="):
+            run_dir = o.split("=", 1)[1]
+        else:
+            rest.append(o)
+    return rest, run_dir

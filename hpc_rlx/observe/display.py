@@ -1,0 +1,110 @@
+"""Rank 0's live view of a run: log lines, the progress bar or lines, steps.jsonl and the
+TensorBoard event files. Every rank holds one; only rank 0's shows or writes anything."""
+
+from __future__ import annotations
+
+import time
+
+import yaml
+
+from hpc_rlx.observe import tensorboard_log
+from hpc_rlx.observe.progress import Snapshot, make_progress, run_fraction
+from hpc_rlx.observe.step_log import StepLog
+
+
+class RunDisplay:
+    def __init__(self, spec, is_root: bool, t_start: float):
+        self.spec, self.is_root, self.t_start = spec, is_root, t_start
+        self.progress = (make_progress(spec.train["progress"], spec.train["log_every_s"])
+                         if is_root else None)
+        self.step_log: StepLog | None = None
+        self._epoch_clock = self._run_clock = None     # (time, fraction) where they started
+
+    def log(self, msg: str) -> None:
+        if self.progress is not None:
+            self.progress.print(f"[hpc_rlx] {msg}")     # above the bar, if there is one
+        elif self.is_root:
+            print(f"[hpc_rlx] {msg}", flush=True)
+
+    def open_step_log(self, steps_per_epoch: int, resumed_step: int | None) -> None:
+        """Rank 0: steps.jsonl, and the TensorBoard event files when report.tensorboard is on."""
+        spec = self.spec
+        board = None
+        if tensorboard_log.enabled(spec.extras["report"]["tensorboard"]):
+            board = tensorboard_log.TensorBoardLog(spec.run_dir, tensorboard_log.flat_hparams(
+                config_dict(spec), spec.world_size))
+        self.step_log = StepLog(spec.run_dir, steps_per_epoch, self.t_start, board,
+                                resumed_step=resumed_step)
+
+    def epoch_start(self, ctx, policy, totals) -> None:
+        """An epoch (or the rest of a resumed one) starts: the clocks the ETAs run from."""
+        if not self.is_root:
+            return
+        now = time.perf_counter()
+        frac = policy.epoch_fraction(ctx)
+        self._epoch_clock = (now, frac)
+        if self._run_clock is None:
+            epochs = int(self.spec.train["epochs"])
+            self._run_clock = (now, run_fraction(ctx.epoch, frac, epochs, ctx.step, ctx.total_steps))
+        if self.step_log is not None:
+            self.step_log.epoch_start(ctx.step, now, totals.samples, totals.loss_sum)
+
+    def after_step(self, ctx, policy, totals) -> None:
+        """Rank 0 after a step: the step log and the progress display, from global totals."""
+        if self.progress is None:
+            return
+        now = time.perf_counter()
+        show, log = self.progress.due(now), self.step_log
+        if not show and (log is None or not log.due(ctx.step, now)):
+            return          # most steps: nothing to write or draw
+        frac = min(1.0, policy.epoch_fraction(ctx))
+        if log is not None:
+            log.step(ctx.step, now, totals.samples, totals.loss_sum, ctx.epoch + frac, policy.current_lr(ctx))
+        if not show:
+            return
+        epochs = int(self.spec.train["epochs"])
+        self.progress.update(Snapshot(
+            epoch=ctx.epoch, epochs=epochs, epoch_fraction=frac,
+            run_fraction=run_fraction(ctx.epoch, frac, epochs, ctx.step, ctx.total_steps),
+            step=ctx.step, step_label=policy.step_label(ctx), epoch_samples=totals.samples,
+            samples_per_epoch=int(ctx.plan.samples_per_epoch),
+            loss=totals.loss_sum / totals.samples if totals.samples else None, now=now,
+            epoch_t0=self._epoch_clock[0], epoch_f0=self._epoch_clock[1],
+            run_t0=self._run_clock[0], run_f0=self._run_clock[1]))
+
+    def epoch_end(self, rec: dict, comm_s: float, steps: int, partial: bool) -> None:
+        """The epoch's record: into the step log, and one line above the (closed) bar."""
+        if self.step_log is not None:
+            self.step_log.epoch(rec)
+        if self.progress is not None:
+            self.progress.end_epoch()
+        acc = f"  val_acc {fmt(rec['val_accuracy'])}" if "val_accuracy" in rec else ""
+        part = f" (partial: {steps} steps)" if partial else ""
+        self.log(f"epoch {rec['epoch']}/{self.spec.train['epochs']}{part}  train_loss {fmt(rec['train_loss'])}  "
+                 f"val_loss {fmt(rec['val_loss'])}{acc}  "
+                 f"{fmt(rec['samples_per_s'], 0)} samples/s  comm {fmt(comm_s, 3)}s")
+
+    def close(self) -> None:
+        """End the progress bar and the step log (also when the run fails)."""
+        if self.progress is not None:
+            self.progress.close()
+        if self.step_log is not None:
+            self.step_log.close()
+
+
+def config_dict(spec) -> dict:
+    """The resolved config as a dict (the hyper-parameters TensorBoard shows)."""
+    try:
+        cfg = yaml.safe_load(spec.config_yaml or "") or {}
+    except yaml.YAMLError:
+        cfg = {}
+    if not isinstance(cfg, dict) or not cfg:
+        cfg = {"train": spec.train, "optim": spec.optim, "policy": spec.policy, "device": spec.device,
+               "comm": spec.comm}
+    return cfg
+
+
+def fmt(v, digits: int = 4) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.{digits}f}"

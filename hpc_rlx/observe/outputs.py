@@ -1,0 +1,106 @@
+"""Rank 0's files in the run directory: config, graph, metrics.jsonl, model.h5, summary.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from hpc_rlx.comm import watchdog
+from hpc_rlx.config import segments
+from hpc_rlx.observe.plots import write_plots
+
+
+class RunOutputs:
+    """Rank 0's files in the run directory."""
+
+    def __init__(self, spec, ctx, log, lane_names: list[str]):
+        self.spec, self.ctx, self.log, self.lane_names = spec, ctx, log, lane_names
+        self.dir = Path(spec.run_dir)
+
+    def start(self, resumed_from: str | None, resumed_config_yaml: str | None, world_size: int) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        segment = None
+        if self.spec.config_yaml:
+            # config.yaml for the first run here; a later run keeps it and adds its own
+            segment = segments.start_segment(
+                self.dir, self.spec.config_yaml, resumed_from=resumed_from,
+                resumed_config_yaml=resumed_config_yaml, start_step=self.ctx.step,
+                start_epoch=self.ctx.epoch, world_size=world_size)
+        (self.dir / "graph.json").write_text(json.dumps(self.spec.graph, indent=1))
+        if resumed_from:
+            self._trim_metrics(self.ctx.epoch)
+        self.metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        if segment is not None:
+            self.metrics.write(segments.dumps(segment) + "\n")
+            self.log(segments.describe(segment))
+
+    def _trim_metrics(self, epochs_done: int) -> None:
+        """On resume, epochs past the checkpoint are trained again: their old records move to
+        metrics.abandoned.jsonl so metrics.jsonl reads as one uninterrupted run."""
+        path = self.dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        keep, drop = [], []
+        for line in path.read_text().splitlines():
+            try:
+                later = int(json.loads(line).get("epoch", 0)) > epochs_done
+            except (ValueError, AttributeError, TypeError):
+                later = False
+            (drop if later else keep).append(line)
+        if not drop:
+            return
+        with open(self.dir / "metrics.abandoned.jsonl", "a") as f:
+            f.write("".join(line + "\n" for line in drop))
+        tmp = self.dir / "metrics.jsonl.tmp"
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+
+    def epoch(self, rec: dict) -> None:
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+
+    def finish(self, result: dict) -> None:
+        self.metrics.close()
+        ctx = self.ctx
+        if not np.isfinite(ctx.params).all():
+            # Never hand out a NaN model: the newest checkpoint stays the last good state.
+            self.log("warning: parameters are not finite; model.h5 was not written")
+            self._write_summary(result)
+            return
+        tmp = self.dir / "model.h5.tmp"
+        with h5py.File(tmp, "w") as f:
+            views = ctx.layout.views(ctx.params)
+            for name, arr in views.items():
+                f.create_dataset(name, data=np.asarray(arr))
+            f.attrs["graph_fingerprint"] = ctx.graph.fingerprint()
+            f.attrs["graph"] = json.dumps(self.spec.graph)
+        os.replace(tmp, self.dir / "model.h5")
+        self._write_summary(result)
+
+    def _write_summary(self, result: dict) -> None:
+        summary = dict(result)
+        summary["run_dir"] = str(self.dir)
+        summary["lanes"] = self.lane_names
+        watched = watchdog.current().stats()
+        if watched is not None:
+            summary["watchdog"] = watched
+        with open(self.dir / "summary.json.tmp", "w") as f:
+            json.dump(summary, f, indent=1, default=_json_default)
+        os.replace(self.dir / "summary.json.tmp", self.dir / "summary.json")
+        if self.spec.extras["report"]["plots"]:
+            try:
+                write_plots(self.dir)     # matplotlib loads here, on first use
+            except ImportError:
+                self.log("plots skipped: matplotlib is not installed (pip install 'hpc_rlx[report]')")
+            except Exception as e:  # noqa: BLE001 - plots must never fail a finished run
+                self.log(f"plots skipped: {type(e).__name__}: {e}")
+
+
+def _json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    return str(o)

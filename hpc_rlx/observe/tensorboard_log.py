@@ -1,0 +1,125 @@
+"""TensorBoard event files of a run: `RUN_DIR/tensorboard/events.out.tfevents.*` (rank 0).
+
+Written with tensorboardX (its writer queues events and a background thread writes them, so a
+step pays for building a few small protobufs only, and only at the step log's bounded rate):
+
+- `train/loss`, `train/lr`, `train/samples_per_s` at the steps `step_log.StepSampler` picks;
+- per epoch `val/loss`, `val/accuracy`, `epoch/train_loss`, `epoch/train_accuracy`,
+  `epoch/samples_per_s`, at the epoch's last global step;
+- the run's hyper-parameters (the HParams dashboard), with `val/loss` and `val/accuracy` as its
+  metrics, so `tensorboard --logdir outputs/` compares runs and `--logdir multirun/` the
+  points of a sweep.
+
+`report.tensorboard`: `auto` (write when tensorboardX is installed), `true` (an error when it
+is not), `false`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+from hpc_rlx.errors import ConfigError
+
+SETTINGS = ("auto", "true", "false")
+HPARAM_GROUPS = ("model", "data", "optim", "policy", "train", "device", "comm")
+HPARAM_METRICS = ("val/loss", "val/accuracy")
+INSTALL_HINT = "pip install tensorboardX (or install hpc_rlx with the [report] extra)"
+
+
+def normalize_setting(value) -> str:
+    """report.tensorboard as one of SETTINGS (YAML gives booleans for true/false)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str) and value.lower() in SETTINGS:
+        return value.lower()
+    raise ConfigError(f"report.tensorboard={value!r} is not one of auto, true, false")
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    try:
+        _import_writer()
+    except ImportError:
+        return False
+    return True
+
+
+def _import_writer():
+    """tensorboardX's writer and hparams, without torch. tensorboardX imports torch when it
+    can (only to accept torch tensors, which hpc_rlx never passes); in a venv that has torch
+    that costs ~5 s of rank 0's startup. A `None` entry in sys.modules makes that optional
+    import fail fast, as if torch were absent, for the duration of the import only."""
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None       # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+        from tensorboardX.summary import hparams
+    finally:
+        if blocked:
+            del sys.modules["torch"]
+    return SummaryWriter, hparams
+
+
+def enabled(value) -> bool:
+    """Whether to write event files; `true` without tensorboardX is a ConfigError."""
+    setting = normalize_setting(value)
+    if setting == "false":
+        return False
+    if setting == "true" and not available():
+        raise ConfigError(f"report.tensorboard=true, but tensorboardX is not installed: "
+                          f"{INSTALL_HINT}, or set report.tensorboard=auto|false")
+    return available()
+
+
+def flat_hparams(config: dict, world_size: int) -> dict:
+    """The run's settings as TensorBoard hyper-parameters: `group.key` -> number, bool or
+    string (lists and nulls as text)."""
+    out: dict = {"world_size": int(world_size)}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(value, bool) or isinstance(value, (int, float, str)):
+            out[prefix] = value
+        else:
+            out[prefix] = json.dumps(value)
+
+    for group in HPARAM_GROUPS:
+        if isinstance(config.get(group), dict):
+            walk(group, config[group])
+    return out
+
+
+class TensorBoardLog:
+    """Rank 0's event file writer for one run segment."""
+
+    def __init__(self, run_dir, hparams: dict):
+        SummaryWriter, hparams_summary = _import_writer()
+        self.dir = Path(run_dir) / "tensorboard"
+        self.writer = SummaryWriter(logdir=str(self.dir), flush_secs=10)
+        exp, ssi, self._sei = hparams_summary(hparams, {k: 0.0 for k in HPARAM_METRICS})
+        self.writer.file_writer.add_summary(exp)
+        self.writer.file_writer.add_summary(ssi)
+
+    def step(self, rec: dict) -> None:
+        step = int(rec["step"])
+        for key in ("loss", "lr", "samples_per_s"):
+            if isinstance(rec.get(key), (int, float)):
+                self.writer.add_scalar(f"train/{key}", rec[key], step)
+
+    def epoch(self, rec: dict) -> None:
+        step = int(rec["step"])
+        for key, tag in (("val_loss", "val/loss"), ("val_accuracy", "val/accuracy"),
+                         ("train_loss", "epoch/train_loss"), ("train_accuracy", "epoch/train_accuracy"),
+                         ("samples_per_s", "epoch/samples_per_s")):
+            if isinstance(rec.get(key), (int, float)):
+                self.writer.add_scalar(tag, rec[key], step)
+
+    def close(self) -> None:
+        self.writer.file_writer.add_summary(self._sei)
+        self.writer.close()

@@ -1,0 +1,5 @@
+import sys
+
+from hpc_rlx.report.text import main
+
+sys.exit(main())

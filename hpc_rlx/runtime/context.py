@@ -1,0 +1,180 @@
+"""What one rank holds during training: the graph, parameters, optimizer and LR schedule, its
+data shard and validation slice, and the fused bucket. Policies drive it through its methods."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from hpc_rlx.comm import collective as mpi
+from hpc_rlx.comm.bucket_layout import STEP_FIELDS
+from hpc_rlx.config.spec import TrainSpec, initial_parameters, optimizer_kwargs, schedule_kwargs
+from hpc_rlx.data import hdf5
+from hpc_rlx.data.distribute import load_shard
+from hpc_rlx.data.plan import EpochOrder, plan_shards
+from hpc_rlx.errors import DataError
+from hpc_rlx.graph import Graph, ParamLayout
+from hpc_rlx.runtime.faults import maybe_fail
+from hpc_rlx.runtime.optim import clip_grad_norm_, make_optimizer, make_schedule, scaled_lr
+from hpc_rlx.runtime.state import TrainState
+
+
+class Context:
+    """Everything one rank holds during training. Policies drive it through its methods."""
+
+    def __init__(self, spec: TrainSpec, comm, log=print):
+
+        self.spec, self.comm, self.log = spec, comm, log
+        self.rank, self.world = comm.rank, comm.size
+        self.dtype = np.dtype(spec.train["dtype"])
+        self.graph = Graph.from_dict(spec.graph)
+        self.layout = ParamLayout(self.graph)
+        self.per_sample = max(1, int(getattr(self.graph, "predictions_per_sample", 1)))
+        # a regression loss (mse) has no `correct` output: there is no accuracy to report
+        self.has_accuracy = "correct" in self.graph.outputs
+        self.EpochOrder = EpochOrder
+
+        # Initial weights: rank 0 materialises them, everyone receives them by buffer Bcast.
+        self.params = np.empty(self.layout.size, dtype=self.dtype)
+
+        def _init():
+            if self.rank == 0:
+                self.params[...] = initial_parameters(spec, self.graph, self.layout)
+        mpi.root_computes(comm, _init)
+        comm.Bcast(self.params, root=0)
+
+        self.plan = plan_shards(spec.data.n_train, spec.train["batch_size"], self.world, spec.data.leftover)
+        self.steps_per_epoch = self.plan.steps_per_epoch
+        # agreed: a bad comm.wire_dtype is one clear error on every rank
+        # summed fields: the step's (bucket_layout.STEP_FIELDS), then any a policy asks for
+        self.bucket = mpi.agree(comm, lambda: mpi.FusedBucket(
+            self.layout.size, STEP_FIELDS + tuple(spec.extras.get("tail", ())), self.dtype,
+            cap_mb=float(spec.comm["bucket_cap_mb"]), deterministic=bool(spec.comm["deterministic"]),
+            wire_dtype=spec.comm["wire_dtype"]))
+        opt = dict(spec.optim)
+        self.optimizer = make_optimizer(opt["name"], self.layout.size, np, self.dtype, **optimizer_kwargs(opt))
+        self.base_lr = scaled_lr(float(opt["lr"]), self.world, float(opt["lr_scale_ratio"] or 0.0))
+        # The schedule spans the configured epochs; max_steps only stops early, so a run
+        # stopped by max_steps and resumed follows exactly the same LR curve.
+        self.schedule_steps = spec.train["epochs"] * self.steps_per_epoch
+        self.total_steps = int(spec.train["max_steps"]) if spec.train["max_steps"] else None
+        self.schedule = make_schedule(opt["schedule"], self.base_lr, self.schedule_steps,
+                                      **schedule_kwargs(opt))
+        self.state = TrainState()     # step, epoch, position: advanced only through it
+        self.history: list[dict] = []
+
+    # ---- the position (read-only views of `state`) --------------------------------------
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def epoch(self) -> int:
+        return self.state.epoch
+
+    @property
+    def step_in_epoch(self) -> int:
+        return self.state.step_in_epoch
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.state.skipped_steps
+
+    # ---- data -------------------------------------------------------------------------
+    def load_data(self) -> None:
+
+        d = self.spec.data
+        t0 = time.perf_counter()
+        num_classes = getattr(self.graph, "num_classes", None)
+
+        def _train():
+            x, y = load_shard(self.comm, d.distribution, d.path, d.x, d.y, self.plan.all_bounds())
+            start = self.plan.shard_bounds(self.rank)[0]
+            hdf5.check_values(x, y, num_classes, d.check_finite, first_row=start)
+            self._check_tokens(x, start)
+            return x, y
+        # Not inside the agreement: a rank failing before load_shard's collectives would leave
+        # the others in them; an exception here takes the abort path instead.
+        maybe_fail(self.spec, self.rank, "data")
+        # load_shard itself agrees on read errors; value checks are agreed here.
+        self.x, self.y = mpi.agree(self.comm, _train)
+        n_val = d.val_stop - d.val_start
+        per, more = divmod(n_val, self.world)
+        val_bounds, lo = [], d.val_start
+        for r in range(self.world):
+            hi = lo + per + (1 if r < more else 0)
+            val_bounds.append((lo, hi))
+            lo = hi
+
+        def _val():
+            if n_val == 0:
+                return (np.empty((0,)), np.empty((0,)))
+            x, y = load_shard(self.comm, d.distribution, d.val_path, d.x, d.y, val_bounds)
+            hdf5.check_values(x, y, num_classes, d.check_finite, first_row=val_bounds[self.rank][0])
+            return x, y
+        self.vx, self.vy = mpi.agree(self.comm, _val)
+        self.x = self._cast_inputs(self.x)
+        self.vx = self._cast_inputs(self.vx)
+        self.data_s = time.perf_counter() - t0
+
+    def _check_tokens(self, x: np.ndarray, first_row: int) -> None:
+        """Token-id inputs index an embedding: out-of-range ids would be used silently."""
+        vocab = getattr(self.graph, "num_classes", None)
+        if vocab is None or x.dtype.kind not in "iu" or not x.size:
+            return
+        bad = (x < 0) | (x >= vocab)
+        if bad.any():
+            row = int(np.flatnonzero(bad.reshape(len(x), -1).any(axis=1))[0])
+            raise DataError(f"input token id {int(x[row][bad[row]].flat[0])} at row {first_row + row} "
+                            f"is outside the vocabulary [0, {vocab})")
+
+    def _cast_inputs(self, x: np.ndarray) -> np.ndarray:
+        if x.dtype.kind == "f" and x.dtype != self.dtype:
+            return x.astype(self.dtype)
+        return x
+
+    def order(self, epoch: int):
+        return self.EpochOrder(self.plan, self.rank, epoch, int(self.spec.train["seed"]),
+                               shuffle=self.spec.data.shuffle)
+
+    # ---- numerics ---------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        return float(self.schedule(step))
+
+    def apply_gradient(self, grad: np.ndarray, lr: float) -> float | None:
+        """Clip (optionally) and step the optimizer with a mean gradient. Returns the norm."""
+        norm = None
+        clip = self.spec.optim["clip_grad_norm"]
+        if clip:
+            norm = clip_grad_norm_(grad, float(clip))
+        self.optimizer.step(self.params, grad, lr)
+        return norm
+
+    def note_skip(self) -> None:
+        """Count a step skipped for non-finite values (train.on_nonfinite=skip). A model that
+        only produces skipped steps is broken: stop instead of finishing as if it trained."""
+        in_a_row = self.state.step_skipped()
+        limit = int(self.spec.train["max_consecutive_skips"] or 0)
+        if limit and in_a_row >= limit:
+            # Decided from the bucket's flags: every rank raises this in the same step.
+            raise mpi.CollectiveError(
+                kind="NonFiniteError",
+                message=f"{in_a_row} consecutive steps had NaN/Inf gradients or loss "
+                        f"(train.on_nonfinite=skip, train.max_consecutive_skips={limit}) at step "
+                        f"{self.step}; the model is not training: lower optim.lr or set optim.clip_grad_norm")
+
+    def apply_gradient_ok(self) -> None:
+        self.state.step_applied()
+
+    def evaluate(self, lanes) -> dict:
+        """Global validation loss/accuracy: every rank scores its slice, one small Allreduce."""
+        from mpi4py import MPI
+        loss_sum, correct = lanes.evaluate(self.vx, self.vy) if self.vx.shape[0] else (0.0, 0.0)
+        buf = np.array([loss_sum, correct, float(self.vx.shape[0])], dtype=np.float64)
+        mpi.watched_call("validation Allreduce", self.comm.Allreduce, MPI.IN_PLACE, buf, op=MPI.SUM)
+        if buf[2] == 0:
+            return {"val_loss": None, "val_accuracy": None}
+        if not self.has_accuracy:
+            return {"val_loss": buf[0] / buf[2], "val_accuracy": None}
+        return {"val_loss": buf[0] / buf[2], "val_accuracy": buf[1] / (buf[2] * self.per_sample)}
