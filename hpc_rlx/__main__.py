@@ -230,7 +230,7 @@ def run_job(cfg, comm) -> float | None:
         from hydra.core.hydra_config import HydraConfig
         from omegaconf import OmegaConf
 
-        from hpc_rlx.comm import collective as mpi
+        from hpc_rlx.comm import collective
         from hpc_rlx.config.spec import TrainSpec, build_spec
         from hpc_rlx.runtime.faults import maybe_fail
         from hpc_rlx.runtime.train import train
@@ -252,10 +252,10 @@ def run_job(cfg, comm) -> float | None:
             container = OmegaConf.to_container(cfg, resolve=True)
             return build_spec(container, run_dir, comm.size,
                               config_yaml=OmegaConf.to_yaml(cfg, resolve=True)).to_dict()
-        spec = TrainSpec.from_dict(mpi.root_computes(comm, _spec))
+        spec = TrainSpec.from_dict(collective.root_computes(comm, _spec))
         if comm.rank == 0:
             debuglog.startup(spec)
-        mpi.agree(comm, lambda: maybe_fail(spec, comm.rank, "startup"))
+        collective.agree(comm, lambda: maybe_fail(spec, comm.rank, "startup"))
         where = "training"
         result = train(spec, comm)
     except SystemExit:

@@ -329,11 +329,11 @@ def test_a_waiting_rank_aborts_on_its_own_when_rank_0_does_not():
 def test_watching_a_collective_costs_no_message_and_microseconds(monkeypatch):
     import io
 
-    from hpc_rlx.comm import collective as mpi
+    from hpc_rlx.comm import collective
     from hpc_rlx.comm import watchdog
     from hpc_rlx.comm.watchdog import StallWatchdog
 
-    bucket = mpi.FusedBucket(1000, ("samples",), np.float32, cap_mb=0.001)   # 1 KB chunks: 4 chunks
+    bucket = collective.FusedBucket(1000, ("samples",), np.float32, cap_mb=0.001)   # 1 KB chunks: 4 chunks
     fake = FakeComm(0, 1)
     bucket.allreduce(fake)
     unwatched = list(fake.calls)

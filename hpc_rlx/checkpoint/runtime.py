@@ -32,7 +32,7 @@ from hpc_rlx.checkpoint import (
     read_checkpoint,
 )
 from hpc_rlx.checkpoint.cadence import BestWatch, Cadence
-from hpc_rlx.comm import collective as mpi
+from hpc_rlx.comm import collective
 from hpc_rlx.errors import CheckpointError
 from hpc_rlx.policies.registry import POLICIES
 
@@ -204,7 +204,7 @@ class RuntimeCheckpoints:
             return str(self.manager.save(self._state(), step=ctx.step, metric_value=metric))
         # A failed write (disk full ...) raises the same CheckpointError on every rank; the
         # previous checkpoint and the `latest` pointer are then untouched.
-        path = mpi.root_computes(self.comm, _write)
+        path = collective.root_computes(self.comm, _write)
         self.saved_step, self._saved_at = ctx.step, at
         self.cadence.restart()
         self.log(f"checkpoint ({reason}) at step {ctx.step}: {path} "
@@ -305,13 +305,13 @@ class RuntimeCheckpoints:
             holder["state"] = state
             shapes = {k: (list(v.shape), v.dtype.str) for k, v in state.arrays.items()}
             return {"path": str(state.path), "meta": state.meta, "shapes": shapes}
-        info = mpi.root_computes(comm, _load)
+        info = collective.root_computes(comm, _load)
         if info is None:
             return None
         arrays = bcast_arrays(comm, holder["state"].arrays if comm.rank == 0 else None, info["shapes"])
         holder.clear()
         # Every rank holds the same data, so these checks fail everywhere or nowhere.
-        mpi.agree(comm, lambda: self._apply(info, arrays))
+        collective.agree(comm, lambda: self._apply(info, arrays))
         meta = info["meta"]
         self.resumed_config_yaml = meta.get("config_yaml")
         where = (f"in epoch {ctx.epoch + 1} at step {ctx.step_in_epoch}/{ctx.steps_per_epoch}"

@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 
-from hpc_rlx.comm import collective as mpi
+from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import CONTROL_FLAGS
 from hpc_rlx.observe import trace
 from hpc_rlx.runtime.faults import maybe_fail
@@ -124,7 +124,7 @@ class WindowedPolicy(Policy):
         except ConfigError as e:
             # Every rank checks the same broadcast spec, so every rank fails here with this
             # same message: it is already agreed, and needs no collective to say so.
-            raise mpi.CollectiveError(str(e), kind="ConfigError", origin=0) from None
+            raise collective.CollectiveError(str(e), kind="ConfigError", origin=0) from None
         self.gamma = float(self.cfg["gamma"])
         self.cursors: list[int] | None = None    # per rank: local steps taken since the start
         self.epoch_consumed = 0                  # samples consumed so far in this epoch
@@ -206,7 +206,7 @@ class WindowedPolicy(Policy):
     def _setup(self, run) -> None:
         ctx = run.ctx
         self.layout = SyncLayout(ctx.layout.size, self.world, FIELDS)
-        self.bucket = mpi.FusedBucket.for_layout(self.layout.bucket, ctx.dtype,
+        self.bucket = collective.FusedBucket.for_layout(self.layout.bucket, ctx.dtype,
                                                  cap_mb=float(ctx.spec.comm["bucket_cap_mb"]),
                                                  deterministic=bool(ctx.spec.comm["deterministic"]))
         self.buf = self.bucket.buffer

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from hpc_rlx.comm import collective as mpi
+from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import STEP_FIELDS
 from hpc_rlx.config.spec import TrainSpec, initial_parameters, optimizer_kwargs, schedule_kwargs
 from hpc_rlx.data import hdf5
@@ -41,14 +41,14 @@ class Context:
         def _init():
             if self.rank == 0:
                 self.params[...] = initial_parameters(spec, self.graph, self.layout)
-        mpi.root_computes(comm, _init)
+        collective.root_computes(comm, _init)
         comm.Bcast(self.params, root=0)
 
         self.plan = plan_shards(spec.data.n_train, spec.train["batch_size"], self.world, spec.data.leftover)
         self.steps_per_epoch = self.plan.steps_per_epoch
         # agreed: a bad comm.wire_dtype is one clear error on every rank
         # summed fields: the step's (bucket_layout.STEP_FIELDS), then any a policy asks for
-        self.bucket = mpi.agree(comm, lambda: mpi.FusedBucket(
+        self.bucket = collective.agree(comm, lambda: collective.FusedBucket(
             self.layout.size, STEP_FIELDS + tuple(spec.extras.get("tail", ())), self.dtype,
             cap_mb=float(spec.comm["bucket_cap_mb"]), deterministic=bool(spec.comm["deterministic"]),
             wire_dtype=spec.comm["wire_dtype"]))
@@ -98,7 +98,7 @@ class Context:
         # the others in them; an exception here takes the abort path instead.
         maybe_fail(self.spec, self.rank, "data")
         # load_shard itself agrees on read errors; value checks are agreed here.
-        self.x, self.y = mpi.agree(self.comm, _train)
+        self.x, self.y = collective.agree(self.comm, _train)
         n_val = d.val_stop - d.val_start
         per, more = divmod(n_val, self.world)
         val_bounds, lo = [], d.val_start
@@ -113,7 +113,7 @@ class Context:
             x, y = load_shard(self.comm, d.distribution, d.val_path, d.x, d.y, val_bounds)
             hdf5.check_values(x, y, num_classes, d.check_finite, first_row=val_bounds[self.rank][0])
             return x, y
-        self.vx, self.vy = mpi.agree(self.comm, _val)
+        self.vx, self.vy = collective.agree(self.comm, _val)
         self.x = self._cast_inputs(self.x)
         self.vx = self._cast_inputs(self.vx)
         self.data_s = time.perf_counter() - t0
@@ -158,7 +158,7 @@ class Context:
         limit = int(self.spec.train["max_consecutive_skips"] or 0)
         if limit and in_a_row >= limit:
             # Decided from the bucket's flags: every rank raises this in the same step.
-            raise mpi.CollectiveError(
+            raise collective.CollectiveError(
                 kind="NonFiniteError",
                 message=f"{in_a_row} consecutive steps had NaN/Inf gradients or loss "
                         f"(train.on_nonfinite=skip, train.max_consecutive_skips={limit}) at step "
@@ -172,7 +172,7 @@ class Context:
         from mpi4py import MPI
         loss_sum, correct = lanes.evaluate(self.vx, self.vy) if self.vx.shape[0] else (0.0, 0.0)
         buf = np.array([loss_sum, correct, float(self.vx.shape[0])], dtype=np.float64)
-        mpi.watched_call("validation Allreduce", self.comm.Allreduce, MPI.IN_PLACE, buf, op=MPI.SUM)
+        collective.watched_call("validation Allreduce", self.comm.Allreduce, MPI.IN_PLACE, buf, op=MPI.SUM)
         if buf[2] == 0:
             return {"val_loss": None, "val_accuracy": None}
         if not self.has_accuracy:

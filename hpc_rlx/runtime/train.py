@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from hpc_rlx.checkpoint.runtime import RuntimeCheckpoints
-from hpc_rlx.comm import collective as mpi
-from hpc_rlx.comm import collective as mpi_mod
+from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import flag_values
 from hpc_rlx.comm.topology import hostname, local_rank
 from hpc_rlx.comm.watchdog import StallWatchdog
@@ -77,6 +76,14 @@ class Run:
         self.tracer = None
         self._ckpt_pending_s = 0.0
         self._cpu_mark = time.process_time()
+        # set up by execute(), in this order
+        self.threads: int | None = None
+        self.ctx: Context | None = None
+        self.lanes = None
+        self.stats: RankStats | None = None
+        self.policy = None
+        self.checkpoints: RuntimeCheckpoints | None = None
+        self.outputs: RunOutputs | None = None
 
     # ---- logging ----------------------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -170,7 +177,7 @@ class Run:
     def save_checkpoint(self, reason: str, metric: float | None = None) -> None:
         with phase("checkpointing"):
             maybe_fail(self.spec, self.rank, "checkpoint")
-            mpi.agree(self.comm, self._check_params_finite)
+            collective.agree(self.comm, self._check_params_finite)
             t0 = time.perf_counter()
             with trace.span("checkpoint", "io", args={"reason": reason}):
                 self.checkpoints.save(reason, metric)
@@ -188,7 +195,6 @@ class Run:
 
     # ---- main -------------------------------------------------------------------------
     def execute(self) -> dict:
-
         spec, comm = self.spec, self.comm
         # Early, so a signal during startup becomes a stop at the first step, not a dead rank.
         self.stop_flag.install(self.rank)
@@ -204,15 +210,15 @@ class Run:
         with phase("data loading"), trace.span("data.load", "data",
                                                args={"distribution": spec.data.distribution}):
             ctx.load_data()
-        lanes_spec = mpi_mod.agree(comm, lambda: resolve_lanes(
+        lanes_spec = collective.agree(comm, lambda: resolve_lanes(
             spec.device["kind"], int(spec.device["cpu_lanes"]), int(spec.device["gpus_per_rank"]),
             local_rank(comm)))
         # Lanes place the bucket (device twin or host) and pick its Allreduce path.
-        self.lanes = mpi_mod.agree(comm, lambda: LaneSet(
+        self.lanes = collective.agree(comm, lambda: LaneSet(
             ctx.graph, lanes_spec, spec.train["dtype"], ctx.params, ctx.bucket, ctx.layout,
             cuda_aware=spec.comm["cuda_aware"]))
-        lane_note = mpi_mod.by_rank(comm, describe_lanes(lanes_spec))
-        bucket_note = mpi_mod.by_rank(comm, self.lanes.bucket_path)
+        lane_note = collective.by_rank(comm, describe_lanes(lanes_spec))
+        bucket_note = collective.by_rank(comm, self.lanes.bucket_path)
         self.log(f"lanes: {lane_note}")
         self.log(f"{bucket_note}")
         self.stats = RankStats(lanes=self.lanes.names, inventory=inventory(), threads=self.threads)
@@ -377,7 +383,7 @@ class Run:
                 self.log(end_line(result["status"], mine["wall_s"], final, self.spec.run_dir))
         if self.stop_reason == "nonfinite":
             # Decided from the bucket, so every rank raises this same error in the same step.
-            raise mpi.CollectiveError(kind="NonFiniteError", message=
+            raise collective.CollectiveError(kind="NonFiniteError", message=
                 f"non-finite loss or gradient at step {ctx.step} (train.on_nonfinite=stop); "
                 f"no checkpoint was written from that state; lower optim.lr, set optim.clip_grad_norm, "
                 f"or train.on_nonfinite=skip")
@@ -391,7 +397,7 @@ def train(spec: TrainSpec, comm) -> dict:
     run = Run(spec, comm)
 
     def position() -> int | None:
-        ctx = getattr(run, "ctx", None)
+        ctx = run.ctx
         return None if ctx is None else ctx.step
 
     with StallWatchdog.from_spec(spec, comm, position):
