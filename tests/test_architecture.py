@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -219,6 +220,96 @@ def test_a_new_policy_is_one_file_and_one_registry_line(tmp_path):
     assert epochs[-1]["train_loss"] < epochs[0]["train_loss"], epochs
     # the copy trained, not the package this test imported
     assert not (PKG / "policies" / "toy.py").exists()
+
+
+SQUARE_OP = '''
+"""`square`: x * x, an op added as one file."""
+
+from __future__ import annotations
+
+from hpc_rlx.graph.registry import defop, defvjp
+from hpc_rlx.graph.shapes import require_float
+
+
+def _same(types, attrs):
+    require_float(types[0], "input")
+    return types[0]
+
+
+@defop("square", _same, (1, 1))
+def square(xp, args, a, ctx):
+    return args[0] * args[0], None
+
+
+defvjp("square", lambda xp, g, args, ans, s, a, out: 2.0 * args[0] * g)
+'''
+
+
+def _copy_package(tmp_path: Path) -> Path:
+    copy = tmp_path / "src"
+    shutil.copytree(PKG, copy / "hpc_rlx", ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def _add_line_after(path: Path, anchor: str, line: str) -> None:
+    text = path.read_text()
+    assert anchor in text, (path, anchor)
+    path.write_text(text.replace(anchor, anchor + line, 1))
+
+
+def _train_copy(copy: Path, tmp_path: Path, overrides: list[str]):
+    data = write_small_classification(tmp_path / "d.h5", rows=800, seed=3)
+    run_dir = tmp_path / "run"
+    cmd = launch_cmd(2, ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "data=file", f"data.path={data}",
+                         "train.epochs=3", "report.plots=false", "report.tensorboard=false",
+                         "checkpoint=off", *overrides])
+    proc = subprocess.run(cmd, cwd=copy, env=mpi_env({"PYTHONPATH": str(copy)}), capture_output=True,
+                          text=True, timeout=240)
+    return proc, run_dir
+
+
+@pytest.mark.mpi
+def test_a_new_op_is_one_file_and_one_registry_line(tmp_path):
+    """In a copy of the package: `graph/ops_square.py` and its import beside the built-in ops,
+    then an MLP graph file whose activations are `square` trains (and the engine's gradient
+    check passes on the new op)."""
+    copy = _copy_package(tmp_path)
+    (copy / "hpc_rlx" / "graph" / "ops_square.py").write_text(textwrap.dedent(SQUARE_OP))
+    anchor = "from hpc_rlx.graph import ops_spatial as _ops_spatial  # noqa: F401\n"
+    _add_line_after(copy / "hpc_rlx" / "graph" / "ir.py", anchor,
+                    "from hpc_rlx.graph import ops_square as _ops_square  # noqa: F401\n")
+    graph = tmp_path / "net.json"
+    check = subprocess.run(
+        [sys.executable, "-c", "import sys, numpy as np; from hpc_rlx.graph import build_model; "
+         "from hpc_rlx.graph.gradcheck import check_op; "
+         "check_op('square', [np.random.default_rng(0).standard_normal((3, 4))]); "
+         "g = build_model('mlp', input_shape=(6,), num_classes=3, hidden=[8]).to_json(); "
+         "assert '\"relu\"' in g; open(sys.argv[1], 'w').write(g.replace('\"relu\"', '\"square\"'))",
+         str(graph)], cwd=copy, env=mpi_env({"PYTHONPATH": str(copy)}), capture_output=True, text=True,
+        timeout=120)
+    assert check.returncode == 0, explain(check)
+    proc, run_dir = _train_copy(copy, tmp_path, ["model=graph", f"model.path={graph}", "optim.lr=0.02"])
+    assert proc.returncode == 0, explain(proc)
+    assert '"square"' in (run_dir / "graph.json").read_text()
+    epochs = read_metrics(run_dir)
+    assert len(epochs) == 3 and epochs[-1]["train_loss"] < epochs[0]["train_loss"], epochs
+    assert not (PKG / "graph" / "ops_square.py").exists()
+
+
+@pytest.mark.mpi
+def test_a_new_config_key_is_one_schema_line_and_its_yaml_default(tmp_path):
+    """In a copy of the package: one `Key(...)` line in config/schema.py and the key in
+    config.yaml; the run accepts and records it, and the schema's check refuses a bad value."""
+    copy = _copy_package(tmp_path)
+    _add_line_after(copy / "hpc_rlx" / "config" / "schema.py",
+                    'Key("train.seed", int, 0, "init, shuffling and dropout seed", integer(0)),\n',
+                    '    Key("train.toy_limit", int, 3, "a key added in one line", integer(1)),\n')
+    _add_line_after(copy / "hpc_rlx" / "configs" / "config.yaml", "train:\n", "  toy_limit: 3\n")
+    proc, run_dir = _train_copy(copy, tmp_path, ["train.toy_limit=5"])
+    assert proc.returncode == 0, explain(proc)
+    assert "toy_limit: 5" in (run_dir / "config.yaml").read_text()
+    bad, _ = _train_copy(copy, tmp_path, ["train.toy_limit=0", "hydra.run.dir=" + str(tmp_path / "bad")])
+    assert bad.returncode == 2 and "train.toy_limit" in bad.stderr, explain(bad)
 
 
 # ---------------------------------------------------------------------------------------------
