@@ -344,7 +344,7 @@ sys.path.insert(0, os.environ["REPO"])
 import numpy as np
 from mpi4py import MPI
 from tests.test_gpu_lanes import FakeGPUs, small_model
-from hpc_rlx import comm as mpi_comm
+from hpc_rlx.comm import collective as mpi_comm
 from hpc_rlx.device.lanes import LaneSet
 fake = FakeGPUs(2).install()
 comm = MPI.COMM_WORLD

@@ -221,7 +221,7 @@ SKEW_SCRIPT = textwrap.dedent("""
     import json, sys, time
     import numpy as np
     from mpi4py import MPI
-    from hpc_rlx import trace
+    from hpc_rlx.observe import trace
 
     comm = MPI.COMM_WORLD
     r = comm.rank

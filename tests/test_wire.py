@@ -97,7 +97,7 @@ import hashlib, json, sys
 import numpy as np
 from mpi4py import MPI
 from hpc_rlx.comm.collective import FusedBucket
-from hpc_rlx import wire
+from hpc_rlx.comm import wire
 comm = MPI.COMM_WORLD
 codec, n, cap_mb, dtype = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), np.dtype(sys.argv[4])
 
