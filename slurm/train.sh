@@ -164,7 +164,7 @@ if [[ ${launch[0]} == "$mpirun_bin" ]] && ! command -v "$mpirun_bin" >/dev/null;
 fi
 
 # The run directory, to read how the run ended: hydra.run.dir if given, else the one the run
-# would choose by itself (python -m hpc_rlx.config.rundirs: the job's directory only when this is the
+# would choose by itself (python -m hpc_rlx.rundirs: the job's directory only when this is the
 # same training continuing, a requeue or a matching checkpoint, else slurm-<jobid>.<n>). It is
 # then passed on as hydra.run.dir, so the run and this script agree.
 run_dir=""
@@ -176,7 +176,7 @@ done
 run_dir=${run_dir#\'}
 run_dir=${run_dir%\'}
 if [[ $module == hpc_rlx && -z $run_dir && -n ${SLURM_JOB_ID:-} ]]; then
-    run_dir=$("$python" -m hpc_rlx.config.rundirs "$@" 2>/dev/null | tail -n 1) || run_dir=""
+    run_dir=$("$python" -m hpc_rlx.rundirs "$@" 2>/dev/null | tail -n 1) || run_dir=""
     if [[ -z $run_dir ]]; then
         run_dir=outputs/slurm-$SLURM_JOB_ID${SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}
     fi

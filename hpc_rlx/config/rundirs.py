@@ -4,7 +4,7 @@ The rule itself is `hpc_rlx.config.fingerprint.choose_job_dir`; this module read
 the environment (the job id, the restart count), the composed config and the checkpoints of
 the job's earlier directories. `slurm/train.sh` asks the same question before it launches::
 
-    python -m hpc_rlx.config.rundirs [OVERRIDES...]      # prints outputs/slurm-<jobid>[.<n>]
+    python -m hpc_rlx.rundirs [OVERRIDES...]      # prints outputs/slurm-<jobid>[.<n>]
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rid = slurm_run_id(argv)
     if rid is None:
-        print("hpc_rlx.config.rundirs: not in a Slurm job (no SLURM_JOB_ID); runs outside Slurm get a "
+        print("hpc_rlx.rundirs: not in a Slurm job (no SLURM_JOB_ID); runs outside Slurm get a "
               "timestamped directory", file=sys.stderr)
         return 2
     print(f"{RUNS_ROOT}/{rid}")
