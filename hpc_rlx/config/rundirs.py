@@ -26,7 +26,7 @@ from hpc_rlx.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")   # hpc_rlx/configs
 RUNS_ROOT = "outputs"        # hydra.run.dir's default is outputs/${rlx_run_id:}
 LAST_CHOICE: str | None = None   # why slurm_run_id chose what it did (for hpc_rlx's debug log)
 
