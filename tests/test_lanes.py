@@ -14,7 +14,8 @@ from hpc_rlx.device import backend, cuda_mpi
 from hpc_rlx.comm.collective import FusedBucket
 from hpc_rlx.errors import ConfigError, DeviceError
 from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params
-from hpc_rlx.device.lanes import MIN_SHARE, PROBE_EVERY, LaneSet, assign_gpus, assign_samples, resolve_lanes, split_by_throughput
+from hpc_rlx.device.lane_plan import MIN_SHARE, PROBE_EVERY, assign_gpus, assign_samples, resolve_lanes, split_by_throughput
+from hpc_rlx.device.lanes import LaneSet
 
 from .conftest import REPO, explain, mpirun, train_job
 

@@ -4,15 +4,17 @@ Each lane computes the gradient of its slice of the rank's micro-batch, scaled b
 count, so that summing lanes (and then ranks) gives the exact sample-weighted total. Micro-batch
 slices follow each lane's measured throughput, so a slow lane never holds the step back.
 
-Where the lanes' gradients meet:
-- CPU lanes only: the first lane writes straight into the host bucket, the others into own
-  buffers added afterwards (no packing copy in the common 1-lane case).
-- GPU lanes only (``device=cuda``): the bucket gets a twin on the first GPU; that lane writes
-  into it, the other GPUs' gradients are peer-copied there and added, so the rank's sum is
-  formed on the device and one transfer (or none, with CUDA-aware MPI) feeds the collective.
-- GPU and CPU lanes (``device=all``): the bucket stays on the host. The optimizer and the CPU
-  lane are there, so the GPUs' gradients must come down anyway; they are summed on the first
-  GPU and come down once, into a pinned staging buffer allocated once, then added.
+Where the lanes' gradients meet is the lane topology, one class each (``LaneSet(...)`` picks it):
+- ``CpuLanes``, CPU lanes only: the first lane writes straight into the host bucket, the others
+  into own buffers added afterwards (no packing copy in the common 1-lane case).
+- ``GpuLanes``, GPU lanes only (``device=cuda``): the bucket gets a twin on the first GPU; that
+  lane writes into it, the other GPUs' gradients are peer-copied there and added, so the rank's
+  sum is formed on the device and one transfer (or none, with CUDA-aware MPI) feeds the collective.
+- ``MixedLanes``, GPU and CPU lanes (``device=all``): the bucket stays on the host. The optimizer
+  and the CPU lane are there, so the GPUs' gradients must come down anyway; they are summed on
+  the first GPU and come down once, into a pinned staging buffer allocated once, then added.
+  (``GpuLanesToHost``: GPU lanes only, given a plain host payload array, the same way.)
+Which lanes a rank gets and how a micro-batch is split over them: ``device/lane_plan.py``.
 
 Parameters live on the host (the optimizer, checkpoints and policies work there). GPU lanes
 keep a device copy that is refreshed before a step or an evaluation whenever the host
@@ -30,109 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpc_rlx.device import backend, cuda_mpi
-from hpc_rlx.errors import ConfigError, DeviceError
+from hpc_rlx.device.lane_plan import assign_samples, split_by_throughput
 from hpc_rlx.graph import Executor
 from hpc_rlx.observe import trace
-
-# A lane whose share of a step would be under half a sample idles (it would only stall the
-# others); it gets one sample every PROBE_EVERY steps so its speed keeps being measured.
-PROBE_EVERY = 25
-MIN_SHARE = 0.5
-
-
-def assign_gpus(visible: int, gpus_per_rank: int, local_rank: int) -> list[int]:
-    """The GPU indices (as this process numbers them) for one rank.
-
-    Ranks on a node take consecutive, disjoint groups of ``gpus_per_rank``; when the launcher
-    already gave each rank its own GPUs (CUDA_VISIBLE_DEVICES per task, so ``visible`` is
-    ``gpus_per_rank`` or fewer) every rank starts at 0. With fewer GPUs than ranks need, the
-    groups wrap around and ranks share GPUs.
-    """
-    if visible <= 0:
-        return []
-    want = min(int(gpus_per_rank), visible)
-    first = (int(local_rank) * int(gpus_per_rank)) % visible
-    return [(first + i) % visible for i in range(want)]
-
-
-def resolve_lanes(kind: str, cpu_lanes: int, gpus_per_rank: int, local_rank: int) -> list[tuple[str, int]]:
-    """Turn the device directive into (backend, index) lanes for this rank."""
-    if not isinstance(gpus_per_rank, int) or isinstance(gpus_per_rank, bool) or gpus_per_rank < 1:
-        raise ConfigError(f"device.gpus_per_rank must be an integer >= 1, got {gpus_per_rank!r}")
-    if kind == "cpu":
-        return [("cpu", i) for i in range(max(1, cpu_lanes))]
-    gpus = backend.gpu_count() if kind in ("cuda", "all", "auto") else 0
-    if kind == "cuda" and gpus == 0:
-        vis = backend.visible_devices()
-        note = "" if vis is None else f"; CUDA_VISIBLE_DEVICES={','.join(vis)!r}"
-        raise DeviceError("device=cuda but no GPU is usable on this rank "
-                          f"({backend.gpu_unavailable_reason()}{note}); use device=cpu, or device=auto "
-                          "to take GPUs where there are some")
-    gpu_lanes = [("cuda", i) for i in assign_gpus(gpus, gpus_per_rank, local_rank)]
-    if kind == "cuda":
-        return gpu_lanes + [("cpu", i) for i in range(cpu_lanes)]
-    if kind == "all":
-        return gpu_lanes + [("cpu", i) for i in range(max(1, cpu_lanes))]
-    # auto: the fastest backend present
-    return gpu_lanes if gpu_lanes else [("cpu", i) for i in range(max(1, cpu_lanes))]
-
-
-def inventory() -> list[str]:
-    """Every backend this rank could use."""
-    return ["cpu"] + [f"cuda:{i}" for i in range(backend.gpu_count())]
-
-
-def describe_lanes(lanes_spec: list[tuple[str, int]]) -> str:
-    """Lane names with the node-level GPU behind each (CUDA_VISIBLE_DEVICES applied)."""
-    out = []
-    for kind, idx in lanes_spec:
-        if kind == "cuda" and backend.visible_devices() is not None:
-            out.append(f"cuda{idx} (GPU {backend.physical_gpu(idx)})")
-        else:
-            out.append(f"{kind}{idx}")
-    return ", ".join(out)
-
-
-def split_by_throughput(n: int, rates: list[float]) -> list[int]:
-    """Split n samples proportionally to rates (largest remainder); every lane gets at least
-    one sample while n allows, so every lane's rate keeps being measured."""
-    k = len(rates)
-    if k == 1:
-        return [n]
-    if n <= k:
-        return [1 if i < n else 0 for i in range(k)]
-    base = [1] * k
-    rest = n - k
-    total = sum(rates)
-    shares = [rest * r / total for r in rates]
-    counts = [int(s) for s in shares]
-    order = sorted(range(k), key=lambda i: shares[i] - counts[i], reverse=True)
-    for i in order[: rest - sum(counts)]:
-        counts[i] += 1
-    return [b + c for b, c in zip(base, counts)]
-
-
-def assign_samples(n: int, rates: list[float], step: int) -> list[int]:
-    """Samples per lane for one step: proportional to measured rates, but a lane too slow to
-    deserve even half a sample sits the step out (it would make the fast lanes wait), except
-    on every PROBE_EVERY-th step, when it gets one sample to measure it again. Unmeasured
-    lanes (rate 0) share equally until every lane has a rate."""
-    k = len(rates)
-    if k == 1 or n == 0:
-        return [n] + [0] * (k - 1)
-    if any(r <= 0.0 for r in rates):
-        return split_by_throughput(n, [1.0] * k)
-    total = sum(rates)
-    active = [i for i in range(k) if n * rates[i] / total >= MIN_SHARE]
-    if not active:
-        active = [max(range(k), key=lambda i: rates[i])]
-    probe = [i for i in range(k) if i not in active] if step % PROBE_EVERY == 0 else []
-    counts = [0] * k
-    for i, c in zip(active, split_by_throughput(n - len(probe), [rates[i] for i in active])):
-        counts[i] = c
-    for i in probe:
-        counts[i] = 1
-    return counts
 
 
 @dataclass
@@ -185,6 +87,12 @@ class Lane:
 class LaneSet:
     """The lanes of one rank, and their concurrent step.
 
+    ``LaneSet(...)`` builds the class for the lanes' topology (as ``pathlib.Path()`` builds a
+    ``PosixPath``), picked once by ``lane_topology``: ``CpuLanes``, ``GpuLanes``, ``MixedLanes``
+    or ``GpuLanesToHost``. Each places the bucket, says which lane writes straight into it and
+    sums the lanes' gradients its own way (``_place_bucket``, ``_gradient_homes``, ``_combine``);
+    splitting a micro-batch, running the lanes and evaluating are the same for all, here.
+
     ``bucket`` is the ``comm.FusedBucket`` the gradients go to (or, for host-only callers, a
     plain payload array). ``cuda_aware`` is ``comm.cuda_aware`` (auto | true | false); with GPU
     lanes only, it decides whether the Allreduce runs on the device bucket.
@@ -193,72 +101,69 @@ class LaneSet:
     Allreduce ...) gets the first GPU lane's device as its current device, for good.
     """
 
+    def __new__(cls, graph, lanes_spec, dtype, params_flat, bucket, *args, **kwargs):
+        if cls is LaneSet:
+            cls = lane_topology(lanes_spec, bucket)
+        return super().__new__(cls)
+
     def __init__(self, graph, lanes_spec: list[tuple[str, int]], dtype: str, params_flat: np.ndarray,
                  bucket, layout, cuda_aware="auto", query_cuda_support=None):
-
-        self.lanes: list[Lane] = []
         self.layout = layout
         self.host_params = params_flat
         self.bucket = None if isinstance(bucket, np.ndarray) else bucket
-        kinds = [k for k, _ in lanes_spec]
-        gpu_idx = [i for k, i in lanes_spec if k == "cuda"]
-        # The calling thread (the rank's main thread: refreshes, combine, the Allreduce) works
-        # for the lead GPU from here on, before the first pinned allocation below.
-        backend.select_device(gpu_idx[0] if gpu_idx else None)
-        self.device_bucket = bool(gpu_idx) and all(k == "cuda" for k in kinds) and self.bucket is not None
-        if self.bucket is not None:
-            kw = {} if query_cuda_support is None else {"query": query_cuda_support}
-            choice = cuda_mpi.choose_path(cuda_aware, self.device_bucket, wire_dtype=self.bucket.wire,
-                                          deterministic=self.bucket.deterministic, **kw)
-            if self.device_bucket:
-                self.bucket.attach_device(gpu_idx[0], choice)
-            else:
-                if gpu_idx:
-                    choice = cuda_mpi.PathChoice(cuda_mpi.HOST, "CPU and GPU lanes: GPU gradients summed "
-                                                 "on the first GPU, staged once through pinned memory")
-                self.bucket.set_choice(choice)
-        host_payload = self.bucket.payload if self.bucket is not None else bucket
-        self.bucket_payload = host_payload
-
-        self._params_stage = backend.pinned_empty(params_flat.shape[0], params_flat.dtype) if gpu_idx else None
-        host_owner_taken = self.device_bucket
-        for kind, idx in lanes_spec:
-            if kind == "cpu":
-                xp, device, device_params, params = np, None, None, params_flat
-                if not host_owner_taken:
-                    grad = host_payload
-                    host_owner_taken = True
-                else:
-                    grad = np.zeros_like(params_flat)
-            else:
-                xp = backend.get_xp("cuda", device=idx)
-                device = idx
-                device_params = backend.device_zeros(params_flat.shape[0], params_flat.dtype, idx)
-                params = device_params
-                if self.device_bucket and not any(ln.kind == "cuda" for ln in self.lanes):
-                    grad = self.bucket.device_payload
-                else:
-                    grad = backend.device_zeros(params_flat.shape[0], params_flat.dtype, idx)
-            with backend.use_device(device):
-                ex = Executor(graph, xp=xp, dtype=dtype)
-                pviews, gviews = layout.views(params), layout.views(grad)
-            self.lanes.append(Lane(
-                name=f"{kind}{idx}", kind=kind, xp=xp, executor=ex, device=device,
-                param_views=pviews, grad_flat=grad, grad_views=gviews,
-                host_params=params_flat, device_params=device_params))
-        self._gpu = [ln for ln in self.lanes if ln.kind == "cuda"]
-        self._owner = next((ln for ln in self.lanes if ln.kind == "cpu" and ln.grad_flat is host_payload), None)
-        lead = self._gpu[0] if self._gpu else None
-        # One staging buffer on the lead GPU for the peers' gradients, and (mixed lanes) one
-        # pinned host buffer for the GPUs' sum: both allocated once.
-        self._peer_stage = (backend.device_zeros(params_flat.shape[0], params_flat.dtype, lead.device)
-                            if len(self._gpu) > 1 else None)
-        self._host_stage = (backend.pinned_empty(params_flat.shape[0], params_flat.dtype)
-                            if self._gpu and not self.device_bucket else None)
+        self._place_bucket(cuda_aware, query_cuda_support)
+        self.bucket_payload = bucket if self.bucket is None else self.bucket.payload
+        homes = self._gradient_homes()     # lane kind -> the bucket array its first lane writes
+        self.lanes: list[Lane] = [self._new_lane(graph, dtype, kind, idx, homes.pop(kind, None))
+                                  for kind, idx in lanes_spec]
+        # CPU lanes with their own gradient buffer, added into the host payload after a step
+        self._cpu_peers = [ln for ln in self.lanes if ln.kind == "cpu" and ln.grad_flat is not self.bucket_payload]
         self._pool = ThreadPoolExecutor(max_workers=len(self.lanes)) if len(self.lanes) > 1 else None
         self._params_fresh = False      # the first step or evaluation copies the parameters up
         self.steps = 0
         self.last_counts: list[int] = []
+
+    # ---- what each topology decides -------------------------------------------------------
+    def _place_bucket(self, cuda_aware, query_cuda_support) -> None:
+        """Put the bucket where the lanes' sum is formed and pick its Allreduce path."""
+        raise NotImplementedError
+
+    def _gradient_homes(self) -> dict:
+        """{lane kind: bucket array}: the first lane of that kind writes its gradient there."""
+        raise NotImplementedError
+
+    def _combine(self, busy: set[int]) -> None:
+        """Sum the gradients of the lanes that had samples (``id(lane)`` in ``busy``) into the bucket."""
+        raise NotImplementedError
+
+    # ---- shared ---------------------------------------------------------------------------
+    def _path_choice(self, cuda_aware, on_device: bool, query_cuda_support):
+        kw = {} if query_cuda_support is None else {"query": query_cuda_support}
+        return cuda_mpi.choose_path(cuda_aware, on_device, wire_dtype=self.bucket.wire,
+                                    deterministic=self.bucket.deterministic, **kw)
+
+    def _new_lane(self, graph, dtype: str, kind: str, idx: int, grad) -> Lane:
+        """A lane on backend ``kind``; ``grad`` is the bucket array it writes into, or None for
+        a buffer of its own."""
+        host = self.host_params
+        if kind == "cpu":
+            xp, device, device_params, params = np, None, None, host
+            grad = np.zeros_like(host) if grad is None else grad
+        else:
+            xp, device = backend.get_xp("cuda", device=idx), idx
+            device_params = params = backend.device_zeros(host.shape[0], host.dtype, idx)
+            grad = backend.device_zeros(host.shape[0], host.dtype, idx) if grad is None else grad
+        with backend.use_device(device):
+            ex = Executor(graph, xp=xp, dtype=dtype)
+            pviews, gviews = self.layout.views(params), self.layout.views(grad)
+        return Lane(name=f"{kind}{idx}", kind=kind, xp=xp, executor=ex, device=device,
+                    param_views=pviews, grad_flat=grad, grad_views=gviews,
+                    host_params=host, device_params=device_params)
+
+    def _add_cpu_peers(self, busy: set[int]) -> None:
+        for ln in self._cpu_peers:
+            if id(ln) in busy:
+                self.bucket_payload += ln.grad_flat
 
     @property
     def names(self) -> list[str]:
@@ -273,15 +178,7 @@ class LaneSet:
 
     def refresh_device_params(self) -> None:
         """Mirror the host parameters to every GPU lane now (after the optimizer changed them)."""
-        if self._gpu:
-            for ln in self._gpu:     # the previous copy out of the stage must be done
-                backend.synchronize_device(ln.device)
-            np.copyto(self._params_stage, self.host_params)
-            for ln in self._gpu:
-                backend.copy_to_device(ln.device_params, self._params_stage)
-            for ln in self._gpu:     # lanes run on other threads (maybe other streams): wait here
-                backend.synchronize_device(ln.device)
-        self._params_fresh = True
+        self._params_fresh = True       # CPU lanes read the host parameters themselves
 
     def _ensure_fresh_params(self) -> None:
         if not self._params_fresh:
@@ -306,7 +203,7 @@ class LaneSet:
             results = [jobs[0][0].compute(*jobs[0][1:])]
         else:
             results = list(self._pool.map(lambda j: j[0].compute(*j[1:]), jobs))
-        self._combine(counts)
+        self._combine({id(ln) for ln, c in zip(self.lanes, counts) if c > 0})
         self.steps += 1
         self._params_fresh = False     # the caller is about to change the host parameters
         n = sum(r[0] for r in results)
@@ -314,38 +211,6 @@ class LaneSet:
         correct = sum(r[2] for r in results)
         wall = max(r[3] for r in results)
         return n, loss_sum, correct, wall
-
-    def _combine(self, counts: list[int]) -> None:
-        busy = {id(ln) for ln, c in zip(self.lanes, counts) if c > 0}
-        lead_has = False                # whether the lead GPU holds a gradient to pass on
-        if self._gpu:
-            lead = self._gpu[0]
-            lead_has = id(lead) in busy
-            for ln in self._gpu[1:]:
-                if id(ln) not in busy:
-                    continue
-                with backend.use_device(lead.device):
-                    if lead_has:
-                        backend.copy_between_devices(self._peer_stage, ln.grad_flat)
-                        lead.grad_flat += self._peer_stage
-                    else:
-                        backend.copy_between_devices(lead.grad_flat, ln.grad_flat)
-                        lead_has = True
-            if self.device_bucket:
-                self.bucket.mark_device_fresh()   # the lead lane's gradient IS the device bucket
-            elif lead_has:
-                backend.copy_to_host(self._host_stage, lead.grad_flat)
-        payload = self.bucket_payload
-        if self._owner is None and not self.device_bucket:
-            if self._gpu and lead_has:
-                payload[...] = self._host_stage
-            else:
-                payload[...] = 0
-        elif self._owner is not None and self._gpu and lead_has:
-            payload += self._host_stage
-        for ln in self.lanes:
-            if ln.kind == "cpu" and ln is not self._owner and id(ln) in busy:
-                payload += ln.grad_flat
 
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch: int = 1024) -> tuple[float, float]:
         """(loss_sum, correct) over a host array, on the first lane."""
@@ -363,3 +228,129 @@ class LaneSet:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+class CpuLanes(LaneSet):
+    """CPU lanes only: the bucket stays on the host; the first lane writes into it, the others
+    into buffers of their own, added afterwards (no packing copy in the common 1-lane case)."""
+
+    def _place_bucket(self, cuda_aware, query_cuda_support) -> None:
+        if self.bucket is not None:
+            self.bucket.set_choice(self._path_choice(cuda_aware, False, query_cuda_support))
+
+    def _gradient_homes(self) -> dict:
+        return {"cpu": self.bucket_payload}
+
+    def _combine(self, busy: set[int]) -> None:
+        self._add_cpu_peers(busy)
+
+
+class _WithGpuLanes(LaneSet):
+    """What the topologies with GPU lanes share: the calling thread works for the lead (first)
+    GPU; the host parameters go up through a pinned stage; the GPUs' gradients are summed on
+    the lead GPU, the peers' peer-copied through one staging buffer there."""
+
+    def __init__(self, graph, lanes_spec, dtype, params_flat, bucket, *args, **kwargs):
+        # The calling thread (the rank's main thread: refreshes, combine, the Allreduce) works
+        # for the lead GPU from here on, before the first pinned allocation.
+        self.lead_device = next(i for k, i in lanes_spec if k == "cuda")
+        backend.select_device(self.lead_device)
+        super().__init__(graph, lanes_spec, dtype, params_flat, bucket, *args, **kwargs)
+        self._gpus = [ln for ln in self.lanes if ln.kind == "cuda"]
+        self._lead = self._gpus[0]
+        # both allocated once: the parameters' pinned stage, the peers' stage on the lead GPU
+        self._params_stage = backend.pinned_empty(params_flat.shape[0], params_flat.dtype)
+        self._peer_stage = (backend.device_zeros(params_flat.shape[0], params_flat.dtype, self.lead_device)
+                            if len(self._gpus) > 1 else None)
+
+    def refresh_device_params(self) -> None:
+        for ln in self._gpus:        # the previous copy out of the stage must be done
+            backend.synchronize_device(ln.device)
+        np.copyto(self._params_stage, self.host_params)
+        for ln in self._gpus:
+            backend.copy_to_device(ln.device_params, self._params_stage)
+        for ln in self._gpus:        # lanes run on other threads (maybe other streams): wait here
+            backend.synchronize_device(ln.device)
+        self._params_fresh = True
+
+    def _sum_on_lead(self, busy: set[int]) -> bool:
+        """Sum the busy GPU lanes' gradients into the lead lane's; whether it holds one now."""
+        lead = self._lead
+        lead_has = id(lead) in busy
+        for ln in self._gpus[1:]:
+            if id(ln) not in busy:
+                continue
+            with backend.use_device(lead.device):
+                if lead_has:
+                    backend.copy_between_devices(self._peer_stage, ln.grad_flat)
+                    lead.grad_flat += self._peer_stage
+                else:
+                    backend.copy_between_devices(lead.grad_flat, ln.grad_flat)
+                    lead_has = True
+        return lead_has
+
+
+class GpuLanes(_WithGpuLanes):
+    """GPU lanes only (``device=cuda``): the bucket gets a twin on the lead GPU and the lead
+    lane writes into it, so the rank's sum is formed on the device and one transfer (or none,
+    with CUDA-aware MPI) feeds the collective."""
+
+    def _place_bucket(self, cuda_aware, query_cuda_support) -> None:
+        self.bucket.attach_device(self.lead_device, self._path_choice(cuda_aware, True, query_cuda_support))
+
+    def _gradient_homes(self) -> dict:
+        return {"cuda": self.bucket.device_payload}
+
+    def _combine(self, busy: set[int]) -> None:
+        self._sum_on_lead(busy)
+        self.bucket.mark_device_fresh()       # the lead lane's gradient IS the device bucket
+
+
+class MixedLanes(_WithGpuLanes):
+    """GPU and CPU lanes (``device=all``): the bucket stays on the host, where the optimizer
+    and the CPU lanes are, so the GPUs' gradients must come down anyway; they are summed on
+    the lead GPU and come down once, into a pinned stage, to be added to the first CPU lane's
+    gradient (written straight into the bucket), then the other CPU lanes' are added."""
+
+    HOST_REASON = "CPU and GPU lanes: GPU gradients summed on the first GPU, staged once through pinned memory"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._host_stage = backend.pinned_empty(self.host_params.shape[0], self.host_params.dtype)
+
+    def _place_bucket(self, cuda_aware, query_cuda_support) -> None:
+        if self.bucket is not None:
+            cuda_mpi.normalize_setting(cuda_aware)     # a bad setting fails here too
+            self.bucket.set_choice(cuda_mpi.PathChoice(cuda_mpi.HOST, self.HOST_REASON))
+
+    def _gradient_homes(self) -> dict:
+        return {"cpu": self.bucket_payload}
+
+    def _combine(self, busy: set[int]) -> None:
+        lead_has = self._sum_on_lead(busy)
+        if lead_has:
+            backend.copy_to_host(self._host_stage, self._lead.grad_flat)
+        self._take_gpu_sum(lead_has)
+        self._add_cpu_peers(busy)
+
+    def _take_gpu_sum(self, lead_has: bool) -> None:
+        if lead_has:
+            self.bucket_payload += self._host_stage
+
+
+class GpuLanesToHost(MixedLanes):
+    """GPU lanes only, feeding a plain host payload array (host-only callers): combined as
+    mixed lanes, but no CPU lane writes the payload, so the GPUs' sum (or zeros) replaces it."""
+
+    def _take_gpu_sum(self, lead_has: bool) -> None:
+        self.bucket_payload[...] = self._host_stage if lead_has else 0
+
+
+def lane_topology(lanes_spec: list[tuple[str, int]], bucket) -> type[LaneSet]:
+    """The LaneSet class for these lanes and this bucket (a FusedBucket or a plain payload)."""
+    kinds = {kind for kind, _ in lanes_spec}
+    if "cuda" not in kinds:
+        return CpuLanes
+    if "cpu" in kinds:
+        return MixedLanes
+    return GpuLanesToHost if isinstance(bucket, np.ndarray) else GpuLanes

@@ -19,7 +19,7 @@ from threadpoolctl import threadpool_info
 import hpc_rlx
 from hpc_rlx.device import backend
 from hpc_rlx.device.cuda_mpi import query_cuda_support
-from hpc_rlx.device.lanes import assign_gpus
+from hpc_rlx.device.lane_plan import assign_gpus
 from hpc_rlx.doctor.threads import THREAD_ENV
 
 SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_CPUS_PER_TASK", "SLURM_JOB_NODELIST",

@@ -20,7 +20,8 @@ from hpc_rlx.comm.bucket_layout import flag_values
 from hpc_rlx.comm.topology import hostname, local_rank
 from hpc_rlx.comm.watchdog import StallWatchdog
 from hpc_rlx.config.spec import TrainSpec
-from hpc_rlx.device.lanes import LaneSet, describe_lanes, inventory, resolve_lanes
+from hpc_rlx.device.lane_plan import describe_lanes, inventory, resolve_lanes
+from hpc_rlx.device.lanes import LaneSet
 from hpc_rlx.device.threads import limit_threads, thread_lanes
 from hpc_rlx.errors import CheckpointError, phase
 from hpc_rlx.observe import trace
