@@ -25,7 +25,8 @@ from hpc_rlx.device import backend, cuda_mpi
 from hpc_rlx.comm import collective as mpi_comm
 from hpc_rlx.errors import DeviceError
 from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params
-from hpc_rlx.device.lanes import LaneSet, resolve_lanes
+from hpc_rlx.device.lane_plan import resolve_lanes
+from hpc_rlx.device.lanes import CpuLanes, GpuLanes, GpuLanesToHost, LaneSet, MixedLanes
 
 from .conftest import REPO, explain, mpirun, read_metrics
 
@@ -248,6 +249,35 @@ def test_a_plain_payload_array_takes_the_gpu_sum(fake2):
     lanes = LaneSet(g, [("cuda", 0), ("cuda", 1), ("cpu", 0)], "float64", params, payload, layout)
     lanes.step(x, y, seed=0)
     assert lanes.bucket_path == "host payload"
+    np.testing.assert_allclose(payload, reference_grad(g, layout, params, x, y), rtol=1e-12, atol=1e-12)
+    lanes.close()
+
+
+@pytest.mark.parametrize("spec, plain, cls", [
+    ([("cpu", 0)], False, CpuLanes), ([("cpu", 0), ("cpu", 1)], True, CpuLanes),
+    ([("cuda", 1)], False, GpuLanes), ([("cuda", 0), ("cuda", 1)], False, GpuLanes),
+    ([("cuda", 0), ("cpu", 0)], False, MixedLanes), ([("cuda", 0), ("cpu", 0)], True, MixedLanes),
+    ([("cuda", 0), ("cuda", 1)], True, GpuLanesToHost)])
+def test_lane_set_is_the_class_of_its_topology(fake2, spec, plain, cls):
+    g, layout, params, *_ = small_model()
+    bucket = np.zeros(layout.size) if plain else mpi_comm.FusedBucket(layout.size, ("samples",), np.float64)
+    lanes = LaneSet(g, spec, "float64", params, bucket, layout, query_cuda_support=lambda: ("no", "test"))
+    assert type(lanes) is cls and isinstance(lanes, LaneSet)
+    assert lanes.names == [f"{k}{i}" for k, i in spec]
+    lanes.close()
+
+
+def test_gpu_lanes_into_a_plain_payload_replace_it(fake2):
+    """GPU lanes only, given a plain payload: no lane writes it in place, so the GPUs' sum
+    replaces what was there (zeros when no lane had a sample)."""
+    g, layout, params, x, y = small_model()
+    payload = np.full(layout.size, 7.0)
+    lanes = LaneSet(g, [("cuda", 0), ("cuda", 1)], "float64", params, payload, layout)
+    lanes.step(x[:0], y[:0], seed=0)
+    assert not payload.any()
+    payload[...] = 7.0
+    lanes.step(x, y, seed=0)
+    assert lanes.last_counts == [12, 12] and lanes.bucket_path == "host payload"
     np.testing.assert_allclose(payload, reference_grad(g, layout, params, x, y), rtol=1e-12, atol=1e-12)
     lanes.close()
 
