@@ -98,6 +98,12 @@ def test_assign_samples_covers_the_batch(n, rates, step):
             assert n < len(rates)
 
 
+def test_a_batch_smaller_than_the_lanes_probes_no_lane_at_the_active_ones_cost():
+    # one sample, three equally fast lanes, a probe step: the active lane keeps the sample
+    assert assign_samples(1, [1.0, 1.0, 1.0], step=0) == [1, 0, 0]
+    assert assign_samples(2, [1000.0, 1.0, 1.0], step=PROBE_EVERY) == [1, 1, 0]
+
+
 def test_slow_lane_idles_and_is_probed():
     rates = [1000.0, 1000.0, 1.0]                # a CPU lane next to two GPUs
     assert assign_samples(64, rates, step=1) == [32, 32, 0]

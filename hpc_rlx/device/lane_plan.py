@@ -103,6 +103,8 @@ def assign_samples(n: int, rates: list[float], step: int) -> list[int]:
     if not active:
         active = [max(range(k), key=lambda i: rates[i])]
     probe = [i for i in range(k) if i not in active] if step % PROBE_EVERY == 0 else []
+    # a batch smaller than its lanes: the active lanes keep a sample each before any probe
+    probe = probe[:max(0, n - len(active))]
     counts = [0] * k
     for i, c in zip(active, split_by_throughput(n - len(probe), [rates[i] for i in active])):
         counts[i] = c
