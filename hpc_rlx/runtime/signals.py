@@ -18,8 +18,9 @@ An immediate exit must not leave another rank waiting for this one. A rank block
 (its own MPI_Init, a collective) cannot run its Python handler, whatever signal it gets, and
 a launcher only ends the job for a rank that exits after MPI started on it (MPICH's hydra
 leaves the others waiting in MPI_Init forever). So a SIGINT that arrives while MPI is still
-starting is answered once it has started (`install(rank, comm)`), and the exit itself is
-MPI_Abort, which ends the job under any launcher. Rank 0 prints the one line; the other ranks
+starting is answered once it has started (`install(rank, comm)`), and that exit is
+MPI_Abort, which ends the job under any launcher. A second SIGINT during training exits at
+once (every rank is in Python then, and the launcher ends the job for a rank that leaves). Rank 0 prints the one line; the other ranks
 leave it `ABORT_GRACE_S` to do so first (a launcher that forwards Ctrl-C signals every rank).
 """
 
@@ -146,7 +147,12 @@ class Signals:
                 os.write(2, (self.exit_message() + "\n").encode())
             except OSError:
                 pass
-        else:
+        if self.training:
+            # Every rank is past MPI_Init and running Python: a rank that exits after MPI
+            # started ends the job under any launcher, and it must leave before the launcher
+            # does (MPICH's mpiexec, on its own second Ctrl-C, cleans up and exits 0).
+            os._exit(INTERRUPT_EXIT)
+        if rank != 0:
             time.sleep(ABORT_GRACE_S)
         _abort(self.comm)
 
