@@ -8,8 +8,9 @@ module is not named `async`, a Python keyword.)
 from __future__ import annotations
 
 from .interval import IntervalController
+from .keys import SHARED_DEFAULTS, SHARED_DOCS, number_key, round_or_none
 from .window import stretch_to_epoch
-from .windowed import SHARED_DEFAULTS, SHARED_DOCS, WindowedPolicy, number_key, round_or_none
+from .windowed import WindowedPolicy
 
 
 class AsyncPolicy(WindowedPolicy):

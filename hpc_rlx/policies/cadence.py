@@ -9,7 +9,8 @@ time; the anchor (the slowest rank's steps per window) grows until the sync cost
 from __future__ import annotations
 
 from .elche import ElcheScheduler
-from .windowed import SHARED_DEFAULTS, SHARED_DOCS, WindowedPolicy, integer_key, round_or_none
+from .keys import SHARED_DEFAULTS, SHARED_DOCS, integer_key, round_or_none
+from .windowed import WindowedPolicy
 
 
 class CadencePolicy(WindowedPolicy):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,6 +55,7 @@ from .base import EpochTotals, Policy, TrainingLoop, dropout_seed
 from .bucket import REPORT_FIELDS, SyncLayout
 from .consensus import relative_divergence, work_weight
 from .epochlog import EpochLog
+from .keys import SHARED_DEFAULTS, SHARED_DOCS, integer_key, number_key
 from .outer import make_outer
 from .slowdown import SlowdownInjector, parse_slowdown
 from .smoothing import RecentMin
@@ -62,25 +64,16 @@ from .window import plan_window
 FIELDS = REPORT_FIELDS + ("loss_sum", "correct") + CONTROL_FLAGS     # per-rank slots of the sync
 
 
-SHARED_DEFAULTS = {
-    "anchor": 10,
-    "max_anchor": 200,
-    "overhead_target": 0.10,
-    "gamma": 1.0,
-    "outer": "average",
-    "outer_lr": None,
-    "outer_momentum": None,
-}
-SHARED_DOCS = {
-    "anchor": "initial local steps per sync (cadence: of the slowest rank; async: K)",
-    "max_anchor": "upper bound of the anchor",
-    "overhead_target": "target sync time / compute time that the anchor is tuned to",
-    "gamma": "consensus weight of a rank = (its local steps) ** gamma; 0 = plain mean",
-    "outer": "`average`, `diloco` (outer Nesterov, inner state reset) or `slowmo` (slow momentum, "
-             "inner state kept)",
-    "outer_lr": "outer step size; null = the method's default (diloco 0.7, slowmo 1.0)",
-    "outer_momentum": "outer momentum; null = the method's default (diloco 0.9, slowmo 0.5)",
-}
+@dataclass
+class LocalWork:
+    """What one rank's local steps of a window did."""
+    steps: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    compute: float = 0.0        # seconds, the slowdown's sleep included
+    measured: float = 0.0       # compute, the process's cold first step extrapolated away
+    bad: bool = False           # a non-finite loss: the window is dropped
 
 
 class WindowedPolicy(Policy):
@@ -291,31 +284,56 @@ class WindowedPolicy(Policy):
     def _window(self, run: TrainingLoop, counts, trimmed: bool, totals: EpochTotals, log: EpochLog,
                 k: int) -> bool:
         """Local steps, then the sync. Returns True when the run must stop."""
-        ctx, lanes, rank = run.ctx, run.lanes, run.rank
+        ctx = run.ctx
         lr = self._lr = ctx.lr_at(self._lr_step(ctx))
+        t_window = time.perf_counter()
+        work = self._local_steps(run, counts[run.rank], lr, totals)
+        if trace.ACTIVE is not None:
+            trace.ACTIVE.add("window", "step", trace.MAIN, t_window, time.perf_counter(),
+                             {"steps": work.steps, "sync": ctx.step})
+        t_sync = time.perf_counter()
+        synced = self._sync(run, work, lr)
+        if synced is None:
+            return True          # non-finite with train.on_nonfinite=stop
+        report, flags = synced
+        sync_s = time.perf_counter() - t_sync
+        # this process's first sync pays one-off setup (buffers, connections): not a cost
+        # the controllers should plan with, so it is not reported
+        self._prev_sync_ms = sync_s * 1e3 if self._synced else 0.0
+        self._synced = True
+        if trace.ACTIVE is not None:
+            trace.ACTIVE.add("sync", "comm", trace.MAIN, t_sync, t_sync + sync_s,
+                             {"sync": ctx.step + 1, "applied": report.applied})
+        self._account(run, report, k, trimmed, totals, log)
+        totals.compute_s += work.compute
+        totals.comm_s += sync_s
+        totals.step_wall_s += time.perf_counter() - t_window   # before a checkpoint reads it
+        run.after_step(work.samples, work.loss_sum / max(work.samples, 1), work.compute, sync_s)
+        return run.should_stop_after_step(flags)
+
+    def _local_steps(self, run: TrainingLoop, count: int, lr: float, totals: EpochTotals) -> LocalWork:
+        """This rank's `count` local optimizer steps on its own shard (no communication)."""
+        ctx, lanes, rank = run.ctx, run.lanes, run.rank
         seed = ctx.spec.train["seed"]
-        steps = samples = 0
-        loss_sum = correct = compute = 0.0
-        bad = False
+        work = LocalWork()
         cold_s = None
         position = self.cursors[rank]
-        t_window = time.perf_counter()
-        for _ in range(counts[rank]):
+        for _ in range(count):
             t = time.perf_counter()
             maybe_fail(ctx.spec, rank, "step", ctx.step)
             with trace.span("data.batch", "data"):
-                idx = self._indices(ctx, position + steps)
+                idx = self._indices(ctx, position + work.steps)
                 xb, yb = ctx.x[idx], ctx.y[idx]
             totals.data_s += time.perf_counter() - t
-            n, ls, corr, _ = lanes.step(xb, yb, dropout_seed(seed, position + steps, rank))
-            steps += 1
-            samples += n
+            n, ls, corr, _ = lanes.step(xb, yb, dropout_seed(seed, position + work.steps, rank))
+            work.steps += 1
+            work.samples += n
             if n:
                 if not math.isfinite(ls):
-                    bad = True
+                    work.bad = True
                 else:
-                    loss_sum += ls
-                    correct += corr
+                    work.loss_sum += ls
+                    work.correct += corr
                     ctx.bucket.payload_to_host()      # GPU-only lanes sum on the GPU
                     grad = ctx.bucket.payload
                     grad /= n
@@ -325,43 +343,42 @@ class WindowedPolicy(Policy):
             dt = time.perf_counter() - t
             # slowdown: (f - 1) x the whole step, slept once before the sync
             self.slow.owe(dt)
-            compute += dt
+            work.compute += dt
             if self._cold:
                 cold_s, self._cold = dt, False
-            if bad:
+            if work.bad:
                 break   # the window is lost anyway; report what was consumed
         if self.slow.active:
             t = time.perf_counter()
             with trace.span("slowdown", "debug"):
                 self.slow.flush()
-            compute += time.perf_counter() - t
-        if trace.ACTIVE is not None:
-            trace.ACTIVE.add("window", "step", trace.MAIN, t_window, time.perf_counter(),
-                             {"steps": steps, "sync": ctx.step})
+            work.compute += time.perf_counter() - t
         # The run's first step pays one-off costs (allocation, page faults): it would read as
         # a slow rank, so the speed estimate extrapolates from the window's other steps.
-        measured = compute
-        if cold_s is not None and steps > 1:
-            measured = max(0.0, compute - cold_s * self.slow.factor) * steps / (steps - 1)
+        work.measured = work.compute
+        if cold_s is not None and work.steps > 1:
+            work.measured = max(0.0, work.compute - cold_s * self.slow.factor) * work.steps / (work.steps - 1)
+        return work
 
-        t_sync = time.perf_counter()
-        if not bad and not math.isfinite(float(np.sum(ctx.params, dtype=np.float64))):
-            bad = True
-        weight = 0.0 if bad else work_weight(steps, self.gamma)
-        self.layout.pack(self.buf, ctx.params, weight, rank, {
-            "steps": steps, "samples": samples, "compute_ms": measured * 1e3,
+    def _sync(self, run: TrainingLoop, work: LocalWork, lr: float):
+        """The one collective of the window, and the consensus it gives; None when the run
+        stops on a non-finite window, else (report, flags)."""
+        ctx = run.ctx
+        bad = work.bad or not math.isfinite(float(np.sum(ctx.params, dtype=np.float64)))
+        weight = 0.0 if bad else work_weight(work.steps, self.gamma)
+        self.layout.pack(self.buf, ctx.params, weight, run.rank, {
+            "steps": work.steps, "samples": work.samples, "compute_ms": work.measured * 1e3,
             "sync_ms": self._prev_sync_ms, "divergence": self._prev_div,
-            "loss_sum": 0.0 if bad else loss_sum, "correct": 0.0 if bad else correct,
+            "loss_sum": 0.0 if bad else work.loss_sum, "correct": 0.0 if bad else work.correct,
             **run.control_flags(nonfinite=bad),
         })
-        self.bucket.allreduce(ctx.comm)    # the one collective of the window
+        self.bucket.allreduce(ctx.comm)
         report = self.layout.read(self.buf)
         flags = self.bucket.flags()
         if flags["nonfinite"] and run.on_nonfinite == "stop":
             run.stop("nonfinite")
             ctx.params[...] = self.global_params      # the last agreed model, not this rank's window
-            return True
-
+            return None
         self._prev_div = relative_divergence(ctx.params, self.buf, weight)
         if self.layout.finish(self.buf, ctx.params):
             self.outer.step(ctx.params, inner_lr=lr if lr > 0 else ctx.base_lr)
@@ -372,17 +389,14 @@ class WindowedPolicy(Policy):
             ctx.params[...] = self.global_params     # nobody worked: the model stays as it was
         if bad:
             ctx.optimizer.reset()                     # its state may hold the non-finite values
-        lanes.refresh_device_params()
-        t_end = time.perf_counter()
-        sync_s = t_end - t_sync
-        # this process's first sync pays one-off setup (buffers, connections): not a cost
-        # the controllers should plan with, so it is not reported
-        self._prev_sync_ms = sync_s * 1e3 if self._synced else 0.0
-        self._synced = True
-        if trace.ACTIVE is not None:
-            trace.ACTIVE.add("sync", "comm", trace.MAIN, t_sync, t_end,
-                             {"sync": ctx.step + 1, "applied": report.applied})
+        run.lanes.refresh_device_params()
+        return report, flags
 
+    def _account(self, run: TrainingLoop, report, k: int, trimmed: bool, totals: EpochTotals,
+                 log: EpochLog) -> None:
+        """What every rank learns from the reduced report: skips, cursors, the position, the
+        epoch log, the controller, and the epoch's totals."""
+        ctx = run.ctx
         bad_ranks = int(np.count_nonzero(report["nonfinite"] > 0))
         if bad_ranks:
             ctx.note_skip()          # counts, and stops after train.max_consecutive_skips in a row
@@ -395,38 +409,9 @@ class WindowedPolicy(Policy):
         ctx.state.step_taken()
         log.add(report, k, bad_ranks)
         self._observe(report, trimmed)
-
         # A bad window's loss is left out, so its samples are too: the epoch's mean stays honest.
         bad_mask = report["nonfinite"] > 0
         totals.samples += consumed - float(np.sum(np.asarray(report["samples"])[bad_mask]))
         totals.loss_sum += float(np.sum(report["loss_sum"]))
         totals.correct += float(np.sum(report["correct"]))
         totals.steps += 1
-        totals.compute_s += compute
-        totals.comm_s += sync_s
-        totals.step_wall_s += time.perf_counter() - t_window   # before a checkpoint reads it
-        run.after_step(samples, loss_sum / max(samples, 1), compute, sync_s)
-        return run.should_stop_after_step(flags)
-
-
-def round_or_none(x, digits: int = 5):
-    return None if x is None else round(float(x), digits)
-
-
-def number_key(name: str, value, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"policy.{name} must be a number, got {value!r}")
-    return float(value)
-
-
-def integer_key(name: str, value, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    # Hydra hands `anchor: 10.0` through as a float; accept integral floats, refuse 2.5
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"policy.{name} must be an integer, got {value!r}")
-    return value
