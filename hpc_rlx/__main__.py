@@ -12,14 +12,12 @@ files. The Hydra task is a thin wrapper: the work is `hpc_rlx.runtime.train.trai
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 import traceback
 from pathlib import Path
 
-# Inside the package, so a plain (non-editable) install finds them; ./configs links here.
-_CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")
+from hpc_rlx.config import CONFIG_DIR as _CONFIG_DIR   # ./configs links there
 
 
 def _run_id(comm) -> str:
@@ -126,92 +124,6 @@ def _error_exit(comm, exc: BaseException, where: str) -> None:
                 f"hpc_rlx: aborting all {comm.size} ranks", code=1)
 
 
-def _config_problem(argv: list[str]) -> str | None:
-    """Rank 0 composes the config once before Hydra starts on every rank, so a bad override
-    or an unusable run directory is one message instead of one per rank. None: all fine, or a
-    case this check leaves to Hydra (flags such as --multirun, --help, --cfg)."""
-    if any(a.startswith("-") for a in argv):
-        return None
-    try:
-        from hydra import compose, initialize_config_dir
-        from hydra.errors import HydraException, MissingConfigException
-        from omegaconf.errors import OmegaConfBaseException
-    except ImportError:
-        return None
-
-    def _compose(overrides):
-        with initialize_config_dir(config_dir=_CONFIG_DIR, version_base="1.3", job_name="hpc_rlx"):
-            return compose("config", overrides=overrides, return_hydra_config=True)
-
-    try:
-        cfg = _compose(argv)
-    except MissingConfigException as e:
-        missing = str(getattr(e, "missing_cfg_file", "") or "")
-        options = list(getattr(e, "options", None) or [])
-        if "/" in missing and options:
-            group, name = missing.rsplit("/", 1)
-            return (f"unknown option {name!r} for config group '{group}' "
-                    f"({group}={name}); available: {', '.join(options)}")
-        return _first_lines(str(e))
-    except HydraException as e:
-        text = str(e)
-        m = re.match(r"Could not override '([^']+)'", text)
-        if m:
-            return _unknown_key(m.group(1), argv, _compose)
-        return _first_lines(text)
-    except OmegaConfBaseException as e:
-        return _first_lines(str(e))
-    except Exception:  # noqa: BLE001 - anything else is Hydra's to report
-        return None
-    # '+key=value' would add a key nothing reads: unknown keys are errors here.
-    plain = [a for a in argv if not a.startswith("+")]
-    for a in argv:
-        if a.startswith("+") and not a.startswith("++") and "=" in a:
-            key = a[1:].split("=", 1)[0]
-            if "/" not in key and not key.startswith("hydra"):
-                return _unknown_key(key, plain, _compose, added=a)
-    try:
-        run_dir = str(cfg.hydra.run.dir)
-    except Exception:  # noqa: BLE001
-        return None
-    try:
-        from hpc_rlx.config.spec import check_run_dir_writable
-        check_run_dir_writable(run_dir)
-    except Exception as e:  # noqa: BLE001
-        return f"{e} (set hydra.run.dir to a writable directory)"
-    return None
-
-
-def _first_lines(text: str, n: int = 6) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()][:n]
-    return "\n".join(lines)
-
-
-def _unknown_key(key: str, argv: list[str], compose, added: str | None = None) -> str:
-    """'unknown config key' with the closest real keys, from a config composed without it."""
-    from omegaconf import OmegaConf
-
-    from hpc_rlx.config.hints import flatten_keys, group_option_keys, suggest_keys
-
-    override = added or next((a for a in argv if a.split("=", 1)[0].lstrip("+~") == key), key)
-    known: list[str] = []
-    try:
-        rest = [a for a in argv if a.split("=", 1)[0].lstrip("+~") != key]
-        cfg = compose(rest)
-        flat = OmegaConf.to_container(cfg, resolve=False)
-        flat.pop("hydra", None)
-        known = flatten_keys(flat)
-    except Exception:  # noqa: BLE001 - suggestions are a bonus
-        pass
-    try:
-        close = suggest_keys(key, known, group_option_keys(_CONFIG_DIR))
-    except Exception:  # noqa: BLE001
-        close = []
-    hint = f"; did you mean {' or '.join(close)}?" if close else "."
-    return (f"unknown config key {key!r} (from {override!r}){hint} "
-            f"hpc_rlx rejects keys it does not read: see configs/config.yaml and configs/<group>/")
-
-
 _FAILED_POINTS: list[str] = []     # sweep points that failed with an agreed error
 
 
@@ -302,12 +214,13 @@ def main() -> None:
     from mpi4py import MPI
     from omegaconf import OmegaConf
 
+    from hpc_rlx.config.overrides import config_problem
     comm = MPI.COMM_WORLD
     SIGNALS.install(comm.rank, comm)    # a Ctrl-C that came while MPI started exits here
     rid = _run_id(comm)
     if not OmegaConf.has_resolver("rlx_run_id"):
         OmegaConf.register_new_resolver("rlx_run_id", lambda: rid)
-    problem = _config_problem(sys.argv[1:]) if comm.rank == 0 else None
+    problem = config_problem(sys.argv[1:]) if comm.rank == 0 else None
     problem = comm.bcast(problem, root=0)
     if problem:
         if comm.rank == 0:

@@ -430,3 +430,38 @@ def test_imports_inside_functions_are_only_the_lazy_ones():
                     if root not in LAZY_IMPORTS:
                         offenders.append(f"{path.relative_to(PKG)}:{node.lineno} imports {root}")
     assert not offenders, offenders
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers: a package imports from its own layer or lower ones
+# ---------------------------------------------------------------------------------------------
+
+# Low to high. BASE modules may be imported from anywhere (errors, trace spans, array modules).
+LAYERS = ["graph", "data", "comm", "device", "policies", "checkpoint", "config", "observe", "runtime",
+          "report", "rundirs", "doctor", "__main__"]
+BASE = {"hpc_rlx", "hpc_rlx.errors", "hpc_rlx.observe.trace", "hpc_rlx.device.backend",
+        "hpc_rlx.device.cuda_mpi"}
+# Known upward imports, each with its reason; the list may only shrink.
+UPWARD = {
+    ("hpc_rlx.config.spec", "hpc_rlx.runtime.optim"): "the spec checks optimizer and schedule "
+                                                        "settings by building them",
+    ("hpc_rlx.config.schema", "hpc_rlx.observe.tensorboard_log"): "report.tensorboard's check "
+                                                                    "lives with its writer",
+}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__main__"
+
+
+def test_layers_import_downward_only():
+    graph = import_graph()
+    offenders = []
+    for module, targets in graph.items():
+        for target in targets:
+            if target in BASE or (module, target) in UPWARD:
+                continue
+            if LAYERS.index(_layer(target)) > LAYERS.index(_layer(module)):
+                offenders.append(f"{module} -> {target}")
+    assert not offenders, offenders

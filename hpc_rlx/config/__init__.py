@@ -5,3 +5,8 @@ override; `fingerprint` says which training a run directory holds; `rundirs` pic
 directory (and whether to resume); `segments` records each resumed segment's config. The YAML
 groups themselves are in `hpc_rlx/configs/` (user-visible as `configs/`).
 """
+
+from pathlib import Path
+
+# The Hydra groups, inside the package so a plain (non-editable) install finds them
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")

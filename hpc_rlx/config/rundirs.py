@@ -20,13 +20,13 @@ from omegaconf import OmegaConf
 
 from hpc_rlx.checkpoint import CheckpointManager, checkpoints_dir
 from hpc_rlx.checkpoint.h5file import read_meta
+from hpc_rlx.config import CONFIG_DIR
 from hpc_rlx.config.fingerprint import UNKNOWN, choose_job_dir, config_fingerprint, job_dir_number
 from hpc_rlx.config.schema import default
 from hpc_rlx.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")   # hpc_rlx/configs
 RUNS_ROOT = "outputs"        # hydra.run.dir's default is outputs/${rlx_run_id:}
 LAST_CHOICE: str | None = None   # why slurm_run_id chose what it did (for hpc_rlx's debug log)
 

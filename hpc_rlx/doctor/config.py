@@ -6,7 +6,8 @@ from __future__ import annotations
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hpc_rlx import __main__ as entry
+from hpc_rlx.config import CONFIG_DIR
+from hpc_rlx.config.overrides import config_problem
 from hpc_rlx.config.spec import validate_config
 from hpc_rlx.errors import ConfigError
 
@@ -14,12 +15,10 @@ from hpc_rlx.errors import ConfigError
 def training_settings(overrides: list[str]) -> dict:
     """The thread-related training settings for these config overrides, composed and validated
     as `python -m hpc_rlx OVERRIDES` would; ConfigError with the training run's message."""
-
-
-    problem = entry._config_problem(overrides)   # the entry point's own message for a bad override
+    problem = config_problem(overrides)   # the entry point's own message for a bad override
     if problem:
         raise ConfigError(problem)
-    with initialize_config_dir(config_dir=entry._CONFIG_DIR, version_base="1.3", job_name="hpc_rlx"):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name="hpc_rlx"):
         cfg = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
     cfg = validate_config(cfg)
     return {"threads_per_rank": cfg["train"]["threads_per_rank"],

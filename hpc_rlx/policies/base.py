@@ -40,6 +40,7 @@ class TrainingLoop(Protocol):
     rank: int
     is_root: bool
     on_nonfinite: str   # train.on_nonfinite: "stop" or "skip"
+    faults: Any         # debug.fail_*: `faults.at("step", step)` (does nothing unless asked)
 
     def epoch_totals(self) -> EpochTotals:
         """Totals for the epoch about to be trained (a resumed epoch's carried in)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 
 from hpc_rlx.observe import trace
-from hpc_rlx.runtime.faults import maybe_fail
 
 from .base import EpochTotals, Policy, TrainingLoop
 
@@ -42,7 +41,7 @@ class SyncPolicy(Policy):
             tr = trace.ACTIVE       # spans reuse the loop's own clock reads
             if tr is not None:
                 tr.add("data.batch", "data", trace.MAIN, t_step, t_data)
-            maybe_fail(ctx.spec, ctx.rank, "step", ctx.step)
+            loop.faults.at("step", ctx.step)
             n, loss_sum, correct, compute = lanes.step(xb, yb, loop.dropout_seed())
             loop.slowdown(compute)
             compute = time.perf_counter() - t_data

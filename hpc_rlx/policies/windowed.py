@@ -48,7 +48,6 @@ import numpy as np
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import CONTROL_FLAGS
 from hpc_rlx.observe import trace
-from hpc_rlx.runtime.faults import maybe_fail
 
 from ..errors import ConfigError
 from .base import EpochTotals, Policy, TrainingLoop, dropout_seed
@@ -320,7 +319,7 @@ class WindowedPolicy(Policy):
         position = self.cursors[rank]
         for _ in range(count):
             t = time.perf_counter()
-            maybe_fail(ctx.spec, rank, "step", ctx.step)
+            run.faults.at("step", ctx.step)
             with trace.span("data.batch", "data"):
                 idx = self._indices(ctx, position + work.steps)
                 xb, yb = ctx.x[idx], ctx.y[idx]

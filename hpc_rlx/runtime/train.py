@@ -32,7 +32,7 @@ from hpc_rlx.policies import slowdown_for_rank
 from hpc_rlx.policies.base import EpochTotals, dropout_seed
 from hpc_rlx.policies.registry import make_policy
 from hpc_rlx.runtime.context import Context
-from hpc_rlx.runtime.faults import maybe_fail
+from hpc_rlx.runtime.faults import Faults
 from hpc_rlx.runtime.signals import SIGNALS
 
 
@@ -64,6 +64,7 @@ class Run:
         self.rank = comm.rank
         self.is_root = comm.rank == 0
         self.on_nonfinite = spec.train["on_nonfinite"]
+        self.faults = Faults.for_rank(spec, comm.rank)
         self.stop_flag = SIGNALS     # a signal only sets a flag, carried in the next step's bucket
         self.stop_reason: str | None = None
         self.resumed_from: str | None = None
@@ -177,7 +178,7 @@ class Run:
 
     def save_checkpoint(self, reason: str, metric: float | None = None) -> None:
         with phase("checkpointing"):
-            maybe_fail(self.spec, self.rank, "checkpoint")
+            self.faults.at("checkpoint")
             collective.agree(self.comm, self._check_params_finite)
             t0 = time.perf_counter()
             with trace.span("checkpoint", "io", args={"reason": reason}):
@@ -199,7 +200,7 @@ class Run:
         spec, comm = self.spec, self.comm
         # Early, so a signal during startup becomes a stop at the first step, not a dead rank.
         self.stop_flag.install(self.rank)
-        maybe_fail(spec, self.rank, "startup")
+        self.faults.at("startup")
         self.threads = limit_threads(comm, spec.train["threads_per_rank"],
                                      lanes=thread_lanes(spec.device["cpu_lanes"]))
         tcfg = spec.extras["trace"]
