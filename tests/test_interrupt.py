@@ -179,7 +179,11 @@ def test_second_ctrl_c_under_mpirun_ends_the_job_at_once(tmp_path, digits_h5):
     t0 = time.monotonic()
     rc = job.wait(timeout=60)
     assert time.monotonic() - t0 < 10, job.explain()
-    assert rc != 0, job.explain()          # MPICH's mpiexec aborts the job itself (its banner is allowed)
+    # MPICH's mpiexec kills the ranks itself on a second Ctrl-C (they never see it) and exits
+    # 255, or 0 when a proxy fails its own assertion during that cleanup: the status is then
+    # MPICH's own, and its forced-cleanup lines must say so
+    forced = "Ctrl-C caught... cleaning up processes" in job.stdout + job.stderr
+    assert rc != 0 or (forced and "assert (!closed) failed" in job.stderr), job.explain()
     assert_no_traceback(job)
 
 
