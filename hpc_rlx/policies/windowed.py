@@ -247,9 +247,6 @@ class WindowedPolicy(Policy):
         """The learning rate of the last window (it follows data progress, see _lr_step)."""
         return self._lr
 
-    def epoch_record(self, totals: EpochTotals) -> dict:
-        return dict(totals.extra)
-
     # ---- one epoch ----------------------------------------------------------------------
     def run_epoch(self, run: TrainingLoop, epoch: int, first_step: int) -> EpochTotals:
         if not self._ready:
