@@ -22,13 +22,21 @@ _DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
 class _Ctx:
-    """What an op's forward may know about the call (dropout needs the seed and its node)."""
+    """What an op's forward may know about the call (dropout needs the seed and its node), and
+    where a training forward publishes a buffer's new statistic (``emit``)."""
 
-    __slots__ = ("train", "seed", "need_saved", "index", "node")
+    __slots__ = ("train", "seed", "need_saved", "index", "node", "emitted")
 
     def __init__(self, train, seed):
         self.train, self.seed = train, seed
         self.need_saved, self.index, self.node = False, 0, ""
+        self.emitted = []  # (node index, argument position, value)
+
+    def emit(self, position: int, value) -> None:
+        """Publish ``value`` as this step's statistic for the buffer wired to argument ``position``
+        (batch norm's batch mean and variance); the executor writes it into the buffer's slot of
+        the gradient vector, scaled like the gradients."""
+        self.emitted.append((self.index, position, value))
 
 
 class _Step:
@@ -66,7 +74,13 @@ class Executor:
         self._nslots = len(slot)
         self._outputs = [(out, slot[ref]) for out, ref in g.outputs.items()]
         self._loss_slot = slot[g.outputs[g.loss_name]]
-        param_of = {slot[p.name]: p.name for p in g.params}
+        param_of = {slot[p.name]: p.name for p in g.params if p.trainable}
+        self._buffer_slots = [(p.name, slot[p.name]) for p in g.params if not p.trainable]
+        buffer_of = {s: name for name, s in self._buffer_slots}
+        # (node index, argument position) -> the buffer an emitted statistic updates
+        self._emit_target = {(i, pos): buffer_of[slot[r]] for i, n in enumerate(g.nodes)
+                             for pos, r in enumerate(n.inputs) if slot[r] in buffer_of}
+        self._slot = slot
 
         nodes = [g.nodes[i] for i in g.order]  # topological
         node_slot = [slot[n.name] for n in nodes]
@@ -123,9 +137,9 @@ class Executor:
         self._train_plan = self._plan(nodes, node_slot, node_args, live, kept, {b.slot for b in backward})
         self._eval_plan = self._plan(nodes, node_slot, node_args, live, set(), set())
 
-    def _plan(self, nodes, node_slot, node_args, live, kept, saving):
+    def _plan(self, nodes, node_slot, node_args, live, kept, saving, outputs=None):
         """Forward steps; each releases the values no later step (or the backward pass) reads."""
-        keep = set(kept) | {s for _, s in self._outputs}
+        keep = set(kept) | {s for _, s in (self._outputs if outputs is None else outputs)}
         last_use = {}
         for k, args in enumerate(node_args):
             if node_slot[k] in live:
@@ -182,7 +196,7 @@ class Executor:
             device = self._device(v, f"{what}['{name}']", device)
         return device
 
-    def _load(self, env, feeds, params, device):
+    def _load(self, env, feeds, params, device, needed=None):
         if not isinstance(feeds, dict):
             raise TypeError("feeds must be a dict of input name -> array")
         unknown = sorted(set(feeds) - {n for n, _, _ in self._inputs})
@@ -191,6 +205,8 @@ class Executor:
         batch = None
         for i, (name, shape, dtype) in enumerate(self._inputs):
             a = feeds.get(name)
+            if a is None and needed is not None and i not in needed:
+                continue
             if a is None:
                 raise DataError(f"input '{name}' was not fed")
             self._require_module(a, f"input '{name}'")
@@ -248,8 +264,10 @@ class Executor:
     def _run_backward(self, env, grad_views, train, seed, grad_scale) -> dict:
         xp = self.xp
         saved = [None] * self._nslots
-        self._forward(self._train_plan, env, saved, _Ctx(bool(train), seed))
+        ctx = _Ctx(bool(train), seed)
+        self._forward(self._train_plan, env, saved, ctx)
         results = [(name, env[s]) for name, s in self._outputs]
+        self._write_statistics(env, ctx, grad_views, grad_scale)
 
         cot = [None] * self._nslots
         cot[self._loss_slot] = xp.asarray(grad_scale, dtype=self.dtype)
@@ -276,6 +294,40 @@ class Executor:
             env[bs.slot] = saved[bs.slot] = None
             del g, args, ans, sv
         return {name: float(v) for name, v in results}
+
+    def _write_statistics(self, env, ctx, grad_views, grad_scale) -> None:
+        """Each buffer's slot of the gradient vector gets ``grad_scale`` times this step's
+        statistic (its current value when no op emitted one, so the running update leaves it
+        be); the runtime's sample-weighted sum then yields the mean statistic over lanes and ranks."""
+        if not self._buffer_slots:
+            return
+        emitted = {self._emit_target[(i, pos)]: v for i, pos, v in ctx.emitted if (i, pos) in self._emit_target}
+        for name, s in self._buffer_slots:
+            dest = grad_views[name]
+            self.xp.multiply(emitted.get(name, env[s]), grad_scale, out=dest)
+
+    def run(self, param_views, feeds, fetch, train=False, seed=None) -> dict:
+        """Forward only; returns ``{name: array}`` for the graph nodes named in ``fetch`` (a
+        model's output before its loss, say). Only the inputs those nodes depend on need feeding."""
+        names = [fetch] if isinstance(fetch, str) else list(fetch)
+        nodes = [self.graph.nodes[i] for i in self.graph.order]
+        for name in names:
+            if name not in self._slot or self._slot[name] < self._first_node_slot:
+                raise GraphError(f"fetch: {name!r} is not a node of the graph")
+        node_slot = [self._slot[n.name] for n in nodes]
+        node_args = [[self._slot[r] for r in n.inputs] for n in nodes]
+        live = {self._slot[n] for n in names}
+        for k in range(len(nodes) - 1, -1, -1):
+            if node_slot[k] in live:
+                live.update(node_args[k])
+        plan = self._plan(nodes, node_slot, node_args, live, set(), set(),
+                          outputs=[(n, self._slot[n]) for n in names])
+        device = self._check_arrays(param_views, "param_views")
+        env = [None] * self._nslots
+        device = self._load(env, feeds, param_views, device, needed=live)
+        with backend.use_device(device):
+            self._forward(plan, env, [None] * self._nslots, _Ctx(bool(train), seed))
+            return {n: env[self._slot[n]] for n in names}
 
     def forward(self, param_views, feeds, train=False, seed=None) -> dict:
         """Forward pass only; ``train`` enables dropout (then ``seed`` is needed)."""

@@ -54,6 +54,7 @@ class ParamSpec:
     shape: tuple
     init: dict
     dtype: str = FLOAT  # parameters are always trained in the executor's compute dtype
+    trainable: bool = True  # False: a buffer (batch-norm running statistics), never differentiated
 
 
 @dataclass(frozen=True, eq=True)
@@ -149,7 +150,7 @@ class Graph:
 
         self.params: list[ParamSpec] = []
         for i, obj in enumerate(d["params"]):
-            _check_keys(obj, ["name", "shape", "init"], ["dtype"], f"parameter #{i}")
+            _check_keys(obj, ["name", "shape", "init"], ["dtype", "trainable"], f"parameter #{i}")
             name = _name(obj, f"parameter #{i}")
             claim(name, "parameter")
             where = f"parameter '{name}'"
@@ -161,7 +162,10 @@ class Graph:
                 raise _err(where, str(exc)) from None
             if obj.get("dtype", FLOAT) != FLOAT:
                 raise _err(where, f"dtype must be 'float' (the compute dtype), got {obj['dtype']!r}")
-            self.params.append(ParamSpec(name, shape, init))
+            trainable = obj.get("trainable", True)
+            if not isinstance(trainable, bool):
+                raise _err(where, f"trainable must be true or false, got {trainable!r}")
+            self.params.append(ParamSpec(name, shape, init, trainable=trainable))
 
         self.nodes: list[Node] = []
         for i, obj in enumerate(d["nodes"]):
@@ -306,8 +310,10 @@ class Graph:
             "schema_version": SCHEMA_VERSION,
             "name": self.name,
             "inputs": [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype} for s in self.inputs],
+            # "trainable" only when false: graphs without buffers keep their JSON (and fingerprint)
             "params": [
-                {"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "init": copy.deepcopy(p.init)}
+                {"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "init": copy.deepcopy(p.init),
+                 **({} if p.trainable else {"trainable": False})}
                 for p in self.params
             ],
             "nodes": [
@@ -371,7 +377,24 @@ class Graph:
 
     @property
     def num_params(self) -> int:
-        return sum(known_prod(p.shape) for p in self.params)
+        """Trainable parameter elements (buffers are state, not parameters)."""
+        return sum(known_prod(p.shape) for p in self.params if p.trainable)
+
+    @property
+    def buffers(self) -> list:
+        """The non-trainable parameters (batch-norm running statistics), in declaration order."""
+        return [p for p in self.params if not p.trainable]
+
+    def buffer_momentum(self) -> dict:
+        """buffer name -> the rate its running update moves towards the step's statistic
+        (`buffer += momentum * (statistic - buffer)`): the `momentum` attribute of the node
+        that reads the buffer; 0 (never updated) for a buffer no node updates."""
+        rates = {p.name: 0.0 for p in self.buffers}
+        for n in self.nodes:
+            for ref in n.inputs:
+                if ref in rates and "momentum" in self.norm_attrs.get(n.name, {}):
+                    rates[ref] = float(self.norm_attrs[n.name]["momentum"])
+        return rates
 
     def _loss_node(self) -> Node:
         return self.node(self.outputs[LOSS])

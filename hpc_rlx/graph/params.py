@@ -97,17 +97,24 @@ def draw_init(init: dict, shape, rng: np.random.Generator) -> np.ndarray:
 
 
 class ParamLayout:
-    """Where each parameter lives in a flat buffer: declaration order, densely packed."""
+    """Where each parameter lives in a flat buffer: the trainable parameters in declaration
+    order, densely packed, then the buffers (non-trainable: batch-norm running statistics).
+
+    The optimizer steps ``flat[:trainable_size]``; the buffers ride in the same flat vector so
+    that broadcasting, averaging, checkpointing and the fused bucket carry them unchanged."""
 
     def __init__(self, graph):
-        self.names = [p.name for p in graph.params]
-        self.shapes = {p.name: tuple(p.shape) for p in graph.params}
+        ordered = [p for p in graph.params if p.trainable] + [p for p in graph.params if not p.trainable]
+        self.names = [p.name for p in ordered]
+        self.buffer_names = [p.name for p in ordered if not p.trainable]
+        self.shapes = {p.name: tuple(p.shape) for p in ordered}
         self.offsets = {}
         off = 0
-        for p in graph.params:
+        for p in ordered:
             self.offsets[p.name] = off
             off += prod(p.shape)
         self.size = off
+        self.trainable_size = off - sum(prod(p.shape) for p in ordered if not p.trainable)
 
     def __repr__(self) -> str:
         return f"ParamLayout({len(self.names)} params, {self.size} elements)"
