@@ -9,6 +9,7 @@ the job's earlier directories. `slurm/train.sh` asks the same question before it
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -79,12 +80,15 @@ def compose_config(overrides: list[str]) -> dict:
 
 
 def graph_text(cfg: dict) -> str | None:
-    """model=graph: the graph file's content, part of what the fingerprint covers."""
+    """model=graph or onnx: the model file's content (the ONNX file's sha256), part of what the
+    fingerprint covers: a changed model file is a new run, not a resume."""
     model = cfg.get("model") or {}
-    path = model.get("path") if model.get("name") == "graph" else None
+    path = model.get("path") if model.get("name") in ("graph", "onnx") else None
     if not path:
         return None
     try:
+        if model.get("name") == "onnx":
+            return "onnx sha256 " + hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
         return Path(path).expanduser().read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None

@@ -145,7 +145,7 @@ class Key:
 # group -> (the key that names the option, its options in the order the README lists them,
 # the option config.yaml selects)
 GROUPS: dict[str, tuple[str | None, tuple[str, ...], str]] = {
-    "model": ("name", ("mlp", "cnn", "transformer_lm", "graph"), "mlp"),
+    "model": ("name", ("mlp", "cnn", "transformer_lm", "graph", "onnx"), "mlp"),
     "data": ("name", ("digits", "synthetic", "text", "file"), "digits"),
     "optim": ("name", ("sgd", "adamw"), "sgd"),
     "policy": ("name", tuple(POLICIES), "sync"),
@@ -291,7 +291,11 @@ KEYS: tuple[Key, ...] = (
     Key("model.num_classes", int, every(_BUILT, None), "classes (vocabulary for the LM); null = the "
         "file's or label dataset's `num_classes`/`vocab_size` attribute, else the training labels' "
         "largest value + 1"),
-    Key("model.path", str, Options(graph="???"), "graph JSON file (see \"Bring your own graph\")"),
+    Key("model.path", str, Options(graph="???", onnx="???"), "the graph JSON file (`graph`) or ONNX "
+        "file (`onnx`; see \"Bring your PyTorch model\")"),
+    Key("model.loss", str, Options(onnx="auto"), "`auto` (cross-entropy for integer labels, MSE for "
+        "float targets, or the file's own scalar loss), `cross_entropy` or `mse`",
+        OneOf("auto", "cross_entropy", "mse")),
     Key("model.init_from", str, every(MODELS, None), "HDF5 file of initial parameters (e.g. a "
         "previous run's `model.h5`)"),
 )

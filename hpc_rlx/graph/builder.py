@@ -30,8 +30,13 @@ class GraphBuilder:
         self._types[name] = TensorType(tuple(shape), dtype)
         return name
 
-    def param(self, name: str, shape, init: dict) -> str:
-        self._params.append({"name": name, "shape": list(shape), "dtype": FLOAT, "init": _plain(init)})
+    def param(self, name: str, shape, init: dict, trainable: bool = True) -> str:
+        """A parameter; ``trainable=False`` makes it a buffer (state an op updates, such as
+        batch norm's running statistics), never differentiated."""
+        spec = {"name": name, "shape": list(shape), "dtype": FLOAT, "init": _plain(init)}
+        if not trainable:
+            spec["trainable"] = False
+        self._params.append(spec)
         self._types[name] = TensorType(tuple(shape), FLOAT)
         return name
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import h5py
@@ -31,6 +32,10 @@ class RunOutputs:
                 resumed_config_yaml=resumed_config_yaml, start_step=self.ctx.step,
                 start_epoch=self.ctx.epoch, world_size=world_size)
         (self.dir / "graph.json").write_text(json.dumps(self.spec.graph, indent=1))
+        source = self.spec.extras.get("model_source")
+        if source:   # model=onnx: `python -m hpc_rlx.export` writes the trained weights into it
+            shutil.copyfile(source, self.dir / "model.source.onnx.tmp")
+            os.replace(self.dir / "model.source.onnx.tmp", self.dir / "model.source.onnx")
         if resumed_from:
             self._trim_metrics(self.ctx.epoch)
         self.metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)

@@ -203,7 +203,7 @@ class WindowedPolicy(Policy):
                                                  deterministic=bool(ctx.spec.comm["deterministic"]))
         self.buf = self.bucket.buffer
         self.global_params = ctx.params.copy()   # the last agreed model (restore point)
-        self.outer.begin(ctx.params)
+        self.outer.begin(ctx.params[:ctx.n_trainable])   # buffers: the plain average
         if self._pending is not None:
             arrays = self._pending.get("arrays") or {}
             outer_meta = dict((self._pending.get("meta") or {}).get("outer") or {})
@@ -377,7 +377,7 @@ class WindowedPolicy(Policy):
             return None
         self._prev_div = relative_divergence(ctx.params, self.buf, weight)
         if self.layout.finish(self.buf, ctx.params):
-            self.outer.step(ctx.params, inner_lr=lr if lr > 0 else ctx.base_lr)
+            self.outer.step(ctx.params[:ctx.n_trainable], inner_lr=lr if lr > 0 else ctx.base_lr)
             self.global_params[...] = ctx.params
             if self.outer.resets_inner:
                 ctx.optimizer.reset()

@@ -53,7 +53,11 @@ class Context:
             cap_mb=float(spec.comm["bucket_cap_mb"]), deterministic=bool(spec.comm["deterministic"]),
             wire_dtype=spec.comm["wire_dtype"]))
         opt = dict(spec.optim)
-        self.optimizer = make_optimizer(opt["name"], self.layout.size, np, self.dtype, **optimizer_kwargs(opt))
+        # The optimizer steps the trainable prefix; the buffers after it (batch-norm running
+        # statistics) move towards the step's mean statistic, carried in the same bucket slots.
+        self.n_trainable = self.layout.trainable_size
+        self.optimizer = make_optimizer(opt["name"], self.n_trainable, np, self.dtype, **optimizer_kwargs(opt))
+        self.buffer_rates = self._buffer_rates()
         self.base_lr = scaled_lr(float(opt["lr"]), self.world, float(opt["lr_scale_ratio"] or 0.0))
         # The schedule spans the configured epochs; max_steps only stops early, so a run
         # stopped by max_steps and resumed follows exactly the same LR curve.
@@ -142,13 +146,29 @@ class Context:
     def lr_at(self, step: int) -> float:
         return float(self.schedule(step))
 
+    def _buffer_rates(self):
+        """Per buffer element, the rate of its running update (None without buffers)."""
+        if self.n_trainable == self.layout.size:
+            return None
+        rates = np.zeros(self.layout.size - self.n_trainable, dtype=self.dtype)
+        momentum = self.graph.buffer_momentum()
+        for name in self.layout.buffer_names:
+            off = self.layout.offsets[name] - self.n_trainable
+            rates[off:off + int(np.prod(self.layout.shapes[name]))] = momentum[name]
+        return rates
+
     def apply_gradient(self, grad: np.ndarray, lr: float) -> float | None:
-        """Clip (optionally) and step the optimizer with a mean gradient. Returns the norm."""
+        """Clip (optionally) and step the optimizer with a mean gradient; move the buffers
+        towards the mean statistics in the rest of ``grad``. Returns the gradient norm."""
         norm = None
+        n = self.n_trainable
         clip = self.spec.optim["clip_grad_norm"]
         if clip:
-            norm = clip_grad_norm_(grad, float(clip))
-        self.optimizer.step(self.params, grad, lr)
+            norm = clip_grad_norm_(grad[:n], float(clip))
+        self.optimizer.step(self.params[:n], grad[:n], lr)
+        if self.buffer_rates is not None:
+            buffers = self.params[n:]
+            buffers += self.buffer_rates * (grad[n:] - buffers)
         return norm
 
     def note_skip(self) -> None:
