@@ -307,6 +307,19 @@ def scatter_add(xp, target, indices, values) -> None:
         cupyx.scatter_add(target, indices, values)
 
 
+def erf(xp, x):
+    """The error function of ``x`` on ``xp``'s device (neither NumPy nor CuPy has one)."""
+    if xp is np:
+        try:
+            from scipy.special import erf as host_erf  # optional: only graphs with erf need it
+        except ImportError as exc:
+            raise ImportError(f"the erf op (and gelu approximate='none') needs SciPy on the host: {exc}") from None
+        return host_erf(x)
+    from cupyx.scipy.special import erf as device_erf  # ships with CuPy; reached with a CuPy array
+
+    return device_erf(x)
+
+
 def derive_seed(*parts: int) -> int:
     """A well-mixed 63-bit seed from several integers (train seed, node, step ...)."""
     state = np.random.SeedSequence([int(p) & 0xFFFFFFFFFFFFFFFF for p in parts]).generate_state(2, np.uint32)

@@ -29,6 +29,7 @@ from hpc_rlx.graph.shapes import (
 )
 
 GELU_C = math.sqrt(2.0 / math.pi)
+SQRT_HALF = math.sqrt(0.5)
 
 
 def _same(types, attrs):
@@ -58,21 +59,25 @@ def sigmoid(xp, args, a, ctx):
 
 
 def _check_gelu(a):
-    if a["approximate"] != "tanh":
-        raise ShapeError(f"gelu supports approximate='tanh' only, got {a['approximate']!r}")
+    if a["approximate"] not in ("tanh", "none"):
+        raise ShapeError(f"gelu supports approximate='tanh' or 'none', got {a['approximate']!r}")
     return a
 
 
 @defop("gelu", _same, (1, 1), attrs={"approximate": "tanh"}, check=_check_gelu)
 def gelu(xp, args, a, ctx):
-    # The tanh form (GPT-2, PyTorch approximate="tanh"); NumPy ships no erf.
+    # "tanh": the GPT-2 form (PyTorch approximate="tanh"); "none": the exact x * Phi(x).
+    # Either way the saved t is the bracket in 0.5 x (1 + t), which the VJP reuses.
     x = args[0]
-    t = x * x  # built in place: one temporary instead of one per operator
-    t *= x
-    t *= 0.044715
-    t += x
-    t *= GELU_C
-    xp.tanh(t, out=t)
+    if a["approximate"] == "none":
+        t = backend.erf(xp, x * SQRT_HALF)
+    else:
+        t = x * x  # built in place: one temporary instead of one per operator
+        t *= x
+        t *= 0.044715
+        t += x
+        t *= GELU_C
+        xp.tanh(t, out=t)
     out = t + 1.0
     out *= x
     out *= 0.5

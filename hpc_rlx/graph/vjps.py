@@ -9,10 +9,14 @@ Rules never modify ``g`` or ``args`` (they may be shared); the executor copies t
 
 from __future__ import annotations
 
+import math
+
 from hpc_rlx.device import backend
 from hpc_rlx.graph import conv
 from hpc_rlx.graph.ops import GELU_C
 from hpc_rlx.graph.registry import defvjp
+
+INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 def unbroadcast(xp, g, shape):
@@ -45,8 +49,18 @@ defvjp("dropout", lambda xp, g, args, ans, mask, a, out: g if mask is None else 
 
 
 def _gelu_x(xp, g, args, ans, t, a, out):
-    # d/dx 0.5 x (1 + t) = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2), in place
     x = args[0]
+    if a["approximate"] == "none":
+        # d/dx 0.5 x (1 + erf(x / sqrt 2)) = 0.5 (1 + t) + x exp(-x^2 / 2) / sqrt(2 pi)
+        d = x * x
+        d *= -0.5
+        xp.exp(d, out=d)
+        d *= x
+        d *= INV_SQRT_2PI
+        d += 0.5 * (t + 1.0)
+        d *= g
+        return d
+    # d/dx 0.5 x (1 + t) = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2), in place
     inner = x * x
     inner *= 3.0 * 0.044715 * GELU_C
     inner += GELU_C
