@@ -292,7 +292,7 @@ KEYS: tuple[Key, ...] = (
         "file's or label dataset's `num_classes`/`vocab_size` attribute, else the training labels' "
         "largest value + 1"),
     Key("model.path", str, Options(graph="???", onnx="???"), "the graph JSON file (`graph`) or ONNX "
-        "file (`onnx`; see \"Bring your PyTorch model\")"),
+        "file (`onnx`; see README: \"Bring your PyTorch model\")"),
     Key("model.loss", str, Options(onnx="auto"), "`auto` (cross-entropy for integer labels, MSE for "
         "float targets, or the file's own scalar loss), `cross_entropy` or `mse`",
         OneOf("auto", "cross_entropy", "mse")),
