@@ -1,0 +1,5 @@
+import sys
+
+from hpc_rlx.export.command import main
+
+sys.exit(main())

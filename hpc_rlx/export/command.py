@@ -1,0 +1,87 @@
+"""`python -m hpc_rlx.export RUN_DIR [--onnx OUT.onnx] [--state-dict OUT.safetensors]
+[--checkpoint latest|best|PATH]`: a run's trained model as an inference ONNX file and/or a
+safetensors state dict. Errors are one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from hpc_rlx.errors import HpcRlxError
+from hpc_rlx.export.ir_to_onnx import ir_to_onnx
+from hpc_rlx.export.onnx_source import is_imported, original_onnx, original_state_dict
+from hpc_rlx.export.onnx_writer import optional_onnx, require_onnx, save_model
+from hpc_rlx.export.safetensors_file import write_safetensors
+from hpc_rlx.export.trained import ExportError, TrainedModel, load_trained, model_output
+
+PROG = "python -m hpc_rlx.export"
+EXIT_ERROR = 2
+
+
+def export_onnx(trained: TrainedModel, path, output: str | None = None) -> str:
+    """Write the inference ONNX file; returns the name of its output."""
+    onnx = require_onnx()
+    if is_imported(trained.graph) and output is None:
+        model, out_name = original_onnx(onnx, trained)
+    else:
+        out_name = model_output(trained.graph, output)
+        model = ir_to_onnx(onnx, trained, out_name)
+    save_model(onnx, model, path)
+    return out_name
+
+
+def state_dict(trained: TrainedModel) -> dict:
+    """name -> float32 array: every parameter and buffer, under the names and in the layout of
+    the model the run started from (the graph's own names for a builder model)."""
+    if is_imported(trained.graph):
+        return original_state_dict(trained, optional_onnx())
+    return {p.name: np.asarray(trained.params[p.name], dtype=np.float32) for p in trained.graph.params}
+
+
+def export_state_dict(trained: TrainedModel, path) -> int:
+    tensors = state_dict(trained)
+    write_safetensors(path, tensors, {"format": "pt", "hpc_rlx_model": trained.graph.name,
+                                      "hpc_rlx_source": str(trained.source)})
+    return len(tensors)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Export a run's trained model: an inference ONNX file (ONNX Runtime, "
+        "any ONNX consumer) and/or a safetensors state dict (PyTorch load_state_dict).")
+    p.add_argument("run_dir", help="the run directory (model.h5, graph.json, checkpoints/)")
+    p.add_argument("--onnx", metavar="OUT.onnx", help="write the inference ONNX model here")
+    p.add_argument("--state-dict", metavar="OUT.safetensors", help="write the parameters and "
+                   "batch-norm running statistics here (float32, the original model's names)")
+    p.add_argument("--checkpoint", metavar="latest|best|PATH", default=None,
+                   help="export this checkpoint instead of the final model.h5")
+    p.add_argument("--output", metavar="NODE", default=None,
+                   help="the graph node to export as the ONNX output (default: what the loss reads)")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.onnx and not args.state_dict:
+        parser.print_usage(sys.stderr)
+        print(f"{PROG}: error: nothing to write: give --onnx OUT.onnx and/or --state-dict OUT.safetensors",
+              file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        if args.onnx:
+            require_onnx()  # before any work: a missing install is the first thing to hear
+        trained = load_trained(args.run_dir, args.checkpoint, warn=lambda m: print(m, file=sys.stderr))
+        print(f"model '{trained.graph.name}' from {trained.source}")
+        if args.onnx:
+            out_name = export_onnx(trained, args.onnx, args.output)
+            print(f"ONNX (opset of the model, inference form, output {out_name!r}): {args.onnx}")
+        if args.state_dict:
+            count = export_state_dict(trained, args.state_dict)
+            print(f"state dict ({count} tensors, float32): {args.state_dict}")
+    except (ExportError, HpcRlxError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    return 0

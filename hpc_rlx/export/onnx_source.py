@@ -1,0 +1,185 @@
+"""Models that came in as ONNX: the original file with the trained weights, in inference form,
+and the state dict under the original (PyTorch) names and layouts.
+
+The run keeps the file it imported as RUN_DIR/model.source.onnx; graph.meta["onnx"] maps each
+IR parameter to the initializer it came from ("params"), names those stored transposed
+relative to it ("transposed"), and may name their PyTorch state-dict key ("torch_names").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpc_rlx.export.onnx_writer import BATCH, check_model
+from hpc_rlx.export.trained import ExportError, TrainedModel
+from hpc_rlx.graph import Graph
+
+SOURCE_FILE = "model.source.onnx"
+
+
+def is_imported(graph: Graph) -> bool:
+    return isinstance(graph.meta.get("onnx"), dict)
+
+
+def _meta(graph: Graph) -> dict:
+    meta = graph.meta["onnx"]
+    params = meta.get("params")
+    if not isinstance(params, dict):
+        raise ExportError("the model came in as ONNX but its graph records no parameter map (meta.onnx.params)")
+    return meta
+
+
+def _source_value(meta: dict, ir_name: str, value: np.ndarray, shape) -> np.ndarray:
+    """The trained value in the layout of the file's initializer ``shape``."""
+    if ir_name in meta.get("transposed", {}):
+        value = value.T
+    if tuple(value.shape) != tuple(shape):
+        if value.size != int(np.prod(shape, dtype=np.int64)):
+            raise ExportError(f"parameter {ir_name!r} has shape {value.shape}, its initializer "
+                              f"{meta['params'][ir_name]!r} {tuple(shape)}")
+        value = value.reshape(shape)
+    return value
+
+
+def load_source(onnx, trained: TrainedModel):
+    path = trained.run_dir / SOURCE_FILE
+    if not path.is_file():
+        raise ExportError(f"{trained.run_dir} has no {SOURCE_FILE}, the ONNX file the model was imported "
+                          f"from; copy that file there to export the model")
+    try:
+        return onnx.load(str(path))
+    except Exception as e:  # noqa: BLE001 - protobuf and onnx raise several types for a bad file
+        raise ExportError(f"{path} cannot be read as ONNX: {e}") from None
+
+
+def original_state_dict(trained: TrainedModel, onnx=None) -> dict:
+    """PyTorch name -> float32 value for every IR parameter and buffer. With ``onnx`` the
+    source file's initializer shapes are used for the untransposed ones."""
+    meta = _meta(trained.graph)
+    torch_names = meta.get("torch_names") or {}
+    shapes = {}
+    if onnx is not None and (trained.run_dir / SOURCE_FILE).is_file():
+        shapes = {t.name: tuple(t.dims) for t in load_source(onnx, trained).graph.initializer}
+    out = {}
+    for p in trained.graph.params:
+        value = np.asarray(trained.params[p.name], dtype=np.float32)
+        source = meta["params"].get(p.name)
+        if source is None:
+            raise ExportError(f"parameter {p.name!r} has no source initializer in meta.onnx.params")
+        if p.name not in meta.get("transposed", {}) and source in shapes:
+            value = _source_value(meta, p.name, value, shapes[source])
+        name = torch_names.get(p.name, source)
+        if name in out:
+            raise ExportError(f"parameters map to the same state-dict name {name!r}")
+        out[name] = value
+    return out
+
+
+def _prune(graph, keep: str) -> None:
+    """Keep only the nodes ``keep`` depends on; graph outputs = [keep]."""
+    producer = {o: n for n in graph.node for o in n.output}
+    needed, todo, seen = set(), [keep], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in producer:
+            continue
+        seen.add(name)
+        node = producer[name]
+        needed.add(id(node))
+        todo.extend(i for i in node.input if i)
+        for attr in node.attribute:  # names a subgraph reads from the outer scope
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                todo.extend(i for n in sub.node for i in n.input if i)
+    kept = [n for n in graph.node if id(n) in needed]
+    del graph.node[:]
+    graph.node.extend(kept)
+    used = {i for n in kept for i in n.input} | {keep}
+    for attr_node in kept:
+        for attr in attr_node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                used.update(i for n in sub.node for i in n.input)
+    inits = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(inits)
+    inputs = [i for i in graph.input if i.name in used]
+    del graph.input[:]
+    graph.input.extend(inputs)
+
+
+def _inference_forms(graph) -> None:
+    """Batch norm on its running statistics with one output; Dropout as Identity."""
+    for node in graph.node:
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+            kept = [a for a in node.attribute if a.name not in ("training_mode", "is_test")]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+            del node.output[1:]
+        elif node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
+            node.op_type = "Identity"
+            del node.input[1:]
+            del node.output[1:]
+            del node.attribute[:]
+
+
+def _symbolic_batch(value_info) -> None:
+    dims = value_info.type.tensor_type.shape.dim
+    if len(dims):
+        dims[0].Clear()
+        dims[0].dim_param = BATCH
+
+
+def _output_info(onnx, model, output: str):
+    """The value info of tensor ``output``: a graph output's, or inferred for an inner tensor."""
+    for vi in model.graph.output:
+        if vi.name == output:
+            return type(vi).FromString(vi.SerializeToString())
+    if not any(output in n.output for n in model.graph.node):
+        raise ExportError(f"{SOURCE_FILE} has no tensor {output!r} (the model output its graph records)")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - inference is best effort here; the type below suffices
+        inferred = model
+    for vi in inferred.graph.value_info:
+        if vi.name == output:
+            return vi
+    return onnx.helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None)
+
+
+def _batched_output(trained: TrainedModel, meta: dict, output: str) -> bool:
+    """Whether the model output's first dim is the batch (the IR's types say so)."""
+    node = meta.get("output_node") or output
+    t = trained.graph.types.get(node)
+    return t is None or (len(t.shape) > 0 and t.shape[0] is None)
+
+
+def original_onnx(onnx, trained: TrainedModel):
+    """(the inference ModelProto, its output name): the source file with the trained weights."""
+    meta = _meta(trained.graph)
+    model = load_source(onnx, trained)
+    graph = model.graph
+    output = meta.get("output")
+    if not output:
+        raise ExportError("the model came in as ONNX but its graph records no output (meta.onnx.output)")
+    out_info = _output_info(onnx, model, output)
+    by_name = {t.name: t for t in graph.initializer}
+    for ir_name, source in meta["params"].items():
+        init = by_name.get(source)
+        if init is None:
+            raise ExportError(f"{SOURCE_FILE} has no initializer {source!r} (parameter {ir_name!r}); "
+                              f"is it the file this run imported?")
+        value = _source_value(meta, ir_name, np.asarray(trained.params[ir_name]), tuple(init.dims))
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+        init.CopyFrom(onnx.numpy_helper.from_array(np.ascontiguousarray(value, dtype=dtype), source))
+    _inference_forms(graph)
+    _prune(graph, output)
+    del graph.output[:]
+    graph.output.append(out_info)
+    del graph.value_info[:]  # shapes there may carry the batch size the file was traced with
+    initialized = {t.name for t in graph.initializer}
+    for vi in graph.input:
+        if vi.name not in initialized:
+            _symbolic_batch(vi)
+    if _batched_output(trained, meta, output):
+        _symbolic_batch(graph.output[0])
+    model.doc_string = f"hpc_rlx: {SOURCE_FILE} with the trained weights from {trained.source} (inference form)"
+    return check_model(onnx, model), output

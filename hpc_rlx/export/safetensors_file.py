@@ -1,0 +1,58 @@
+"""The safetensors format, written with NumPy alone (no torch, no safetensors package).
+
+Layout: an 8-byte little-endian header length N, N bytes of JSON (``{name: {"dtype", "shape",
+"data_offsets": [begin, end]}, "__metadata__": {str: str}}``, space-padded so the data starts
+8-byte aligned), then every tensor's raw little-endian C-order bytes, back to back, in the
+order of the header's offsets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from hpc_rlx.export.trained import ExportError
+
+_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32",
+           "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def safetensors_bytes(tensors: dict, metadata: dict | None = None) -> tuple[bytes, list]:
+    """(header bytes, the tensors' little-endian arrays in file order)."""
+    header, arrays, offset = {}, [], 0
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    for name, value in tensors.items():
+        a = np.asarray(value)
+        code = _DTYPES.get(a.dtype.name)
+        if code is None:
+            raise ExportError(f"tensor {name!r} has dtype {a.dtype}, which safetensors does not store")
+        a = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
+        header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        arrays.append(a)
+        offset += a.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-(8 + len(text)) % 8)
+    return len(text).to_bytes(8, "little") + text, arrays
+
+
+def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None:
+    """Write ``tensors`` (name -> array) atomically (a temporary file renamed over ``path``)."""
+    path = Path(path)
+    head, arrays = safetensors_bytes(tensors, metadata)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(head)
+            for a in arrays:
+                f.write(a.reshape(-1).view(np.uint8).data)
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise ExportError(f"cannot write {path}: {e}") from None
