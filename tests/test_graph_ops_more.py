@@ -10,6 +10,7 @@ import pytest
 from hpc_rlx.errors import GraphError
 from hpc_rlx.graph import OPS, Executor, Graph, GraphBuilder, ParamLayout
 from hpc_rlx.graph.gradcheck import check_op
+from hpc_rlx.graph.registry import VJPS
 from hpc_rlx.graph.shapes import ShapeError, TensorType
 
 R = np.random.default_rng(11)
@@ -47,6 +48,7 @@ CASES = [
     ("clip", [n(2, 3)], {}),
     ("where", [ids(0, 2, 3, 1), n(3, 4), n(4)], {}),
     ("where", [ids(-1, 2, 4), n(2, 1), n(2, 4)], {}),
+    ("where", [np.array([[0.0], [2.5], [-1.0]]), n(3, 4), n(4)], {}),  # a float condition is a buffer here
     ("cast", [n(3, 4)], {"to": "float"}),
     ("concat", [n(2, 3), n(2, 1), n(2, 4)], {"axis": 1}),
     ("concat", [n(1, 2, 3), n(3, 2, 3)], {"axis": -3}),
@@ -58,6 +60,11 @@ CASES = [
     ("gather", [n(2, 5, 3), np.asarray(-2)], {"axis": -1}),
     ("expand", [n(3, 1)], {"shape": [2, 3, 4]}),
     ("expand", [n(4)], {"shape": [3, 1]}),
+    ("batch_norm", [n(4, 3, 2, 5), n(3), n(3), n(3), pos(3)], {}),
+    ("batch_norm", [n(5, 2), n(2), n(2), n(2), pos(2)], {"eps": 1e-3, "momentum": 0.3}),
+    ("batch_norm", [n(3, 2, 4), n(2), n(2), n(2), pos(2)], {"training": False}),
+    ("log_softmax", [n(3, 5)], {}),
+    ("log_softmax", [n(3, 5, 2)], {"axis": 1}),
 ]
 
 # Forward-only: no float argument to differentiate.
@@ -67,9 +74,9 @@ CHECKED = {c[0] for c in CASES} | FORWARD_ONLY
 
 @pytest.mark.parametrize("op,args,attrs", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_vjp_matches_finite_differences(op, args, attrs):
-    report = check_op(op, args, attrs)
-    float_args = [a for a in args if np.asarray(a).dtype.kind == "f"]
-    assert len(report) == len(float_args)
+    report = check_op(op, args, attrs, train=True)  # train=True: batch_norm uses the batch statistics
+    differentiable = [i for i, a in enumerate(args) if np.asarray(a).dtype.kind == "f" and VJPS[op].fns[i]]
+    assert len(report) == len(differentiable)
 
 
 # ---------------------------------------------------------------- helpers
@@ -77,9 +84,11 @@ def test_vjp_matches_finite_differences(op, args, attrs):
 
 def run_op(op, arrays, attrs, feeds_only=(), dtype="float64", train=False):
     """Loss = sum(op(*arrays) * w). Float arrays are parameters unless their position is in
-    ``feeds_only``; int arrays are inputs. Returns (output, loss, {position: gradient})."""
+    ``feeds_only`` (then inputs); those the op's VJP rule leaves out are buffers; int arrays are
+    inputs. Returns (output, loss, {position: gradient, or a buffer's emitted statistic}, w)."""
     b = GraphBuilder()
     refs, params, feeds = [], {}, {}
+    rule = VJPS[op]
     for i, a in enumerate(arrays):
         a = np.asarray(a)
         if a.dtype.kind in "iu":
@@ -89,7 +98,8 @@ def run_op(op, arrays, attrs, feeds_only=(), dtype="float64", train=False):
             refs.append(b.input(f"in{i}", list(a.shape)))
             feeds[f"in{i}"] = a.astype(dtype)
         else:
-            refs.append(b.param(f"a{i}", list(a.shape), {"scheme": "zeros"}))
+            trainable = rule.fns[i] is not None
+            refs.append(b.param(f"a{i}", list(a.shape), {"scheme": "zeros"}, trainable=trainable))
             params[f"a{i}"] = a
     out = b.op(op, *refs, name="out", **attrs)
     w = np.random.default_rng(5).standard_normal(b.type_of(out).shape)
@@ -120,7 +130,7 @@ def oracle(op, arrays, attrs, torch_fn, feeds_only=(), train=False):
     ts = []
     for i, a in enumerate(arrays):
         a = np.asarray(a)
-        diff = a.dtype.kind == "f" and i not in feeds_only
+        diff = a.dtype.kind == "f" and i not in feeds_only and VJPS[op].fns[i] is not None
         ts.append(torch.tensor(a, requires_grad=diff))
     ref = torch_fn(*ts)
     assert tuple(ref.shape) == value.shape, (op, tuple(ref.shape), value.shape)
@@ -340,3 +350,72 @@ def test_unknown_or_bad_attributes_are_refused():
         b.op("clip", "x", min=2, max=1)
     with pytest.raises(GraphError, match="approximate"):
         b.op("gelu", "x", approximate="sigmoid")
+
+
+# ---------------------------------------------------------------- batch norm and log_softmax
+
+
+def test_batch_norm_in_eval_uses_the_running_statistics():
+    args = [n(4, 3, 2, 5), n(3), n(3), n(3), pos(3)]
+    check_op("batch_norm", args, {}, train=False)
+    x, scale, bias, mean, var = args
+    value, _, grads, _ = run_op("batch_norm", args, {}, train=False)
+    ref = (x - mean[:, None, None]) / np.sqrt(var[:, None, None] + 1e-5) * scale[:, None, None] + bias[:, None, None]
+    assert rel(value, ref) <= TOL
+    # no statistic emitted outside training: each buffer's slot holds its current value
+    assert np.array_equal(grads[3], mean) and np.array_equal(grads[4], var)
+
+
+@pytest.mark.parametrize("shape", [(6, 3, 4, 5), (7, 4), (5, 2, 6)])
+def test_batch_norm_training_matches_torch_and_emits_its_running_update(shape):
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    c = shape[1]
+    x, scale, bias, mean, var = 2 + 3 * n(*shape), n(c), n(c), n(c), pos(c)
+    t_mean, t_var = torch.tensor(mean), torch.tensor(var)
+    _, grads = oracle("batch_norm", [x, scale, bias, mean, var], {"eps": 1e-3},
+                      lambda a, s, b, m, v: F.batch_norm(a, t_mean, t_var, s, b, training=True, momentum=1.0,
+                                                         eps=1e-3), train=True)
+    # momentum 1.0: PyTorch's running buffers become the batch mean and the unbiased variance
+    assert rel(grads[3], t_mean.numpy()) <= TOL and rel(grads[4], t_var.numpy()) <= TOL
+
+
+def test_batch_norm_eval_forms_match_torch():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    args = [n(4, 3, 5, 2), n(3), n(3), n(3), pos(3)]
+
+    def ref(a, s, b, m, v):
+        return F.batch_norm(a, m, v, s, b, training=False, eps=1e-5)
+
+    oracle("batch_norm", args, {}, ref, train=False)
+    oracle("batch_norm", args, {"training": False}, ref, train=True)  # a frozen batch norm while training
+
+
+def test_batch_norm_rejects_bad_shapes_and_attributes():
+    bn = OPS["batch_norm"]
+    x, v = TensorType((None, 3, 4, 4), "float"), TensorType((3,), "float")
+    assert bn.infer([x, v, v, v, v], bn.normalise({})) == x
+    with pytest.raises(ShapeError, match="running_var"):
+        bn.infer([x, v, v, v, TensorType((4,), "float")], bn.normalise({}))
+    with pytest.raises(ShapeError, match="momentum"):
+        bn.normalise({"momentum": 1.5})
+    with pytest.raises(ShapeError, match="training"):
+        bn.normalise({"training": 1})
+
+
+def test_batch_norm_buffers_take_its_momentum():
+    b = GraphBuilder()
+    b.input("x", [None, 2])
+    s, t = b.param("s", [2], {"scheme": "ones"}), b.param("t", [2], {"scheme": "zeros"})
+    m = b.param("m", [2], {"scheme": "zeros"}, trainable=False)
+    v = b.param("v", [2], {"scheme": "ones"}, trainable=False)
+    b.output("loss", b.op("mean", b.op("batch_norm", "x", s, t, m, v, momentum=0.25)))
+    assert b.build().buffer_momentum() == {"m": 0.25, "v": 0.25}
+
+
+def test_log_softmax_matches_torch_and_is_stable():
+    torch = pytest.importorskip("torch")
+    oracle("log_softmax", [n(3, 4, 5)], {"axis": 1}, lambda a: torch.log_softmax(a, 1))
+    oracle("log_softmax", [np.array([[1000.0, 0.0, -1000.0], [5e3, 5e3, -5e3]])], {},
+           lambda a: torch.log_softmax(a, -1))

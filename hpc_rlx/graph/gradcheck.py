@@ -1,10 +1,11 @@
 """Finite-difference gradient checks, shipped so users can test ops and graphs they add.
 
 ``check_grads(graph, params, feeds)`` compares the executor's float64 gradients with central
-differences of the loss, on a sample of coordinates of every parameter plus one random
-direction through all of them. ``check_op(op, args, **attrs)`` wraps a single op into a
-graph (float arguments become parameters, integer ones inputs, the loss a random weighting
-of the op's output) and checks that.
+differences of the loss, on a sample of coordinates of every trainable parameter plus one
+random direction through all of them (buffers are state, not differentiated).
+``check_op(op, args, **attrs)`` wraps a single op into a graph (float arguments become
+parameters, or buffers where the op's VJP rule is None for them, integer ones inputs, the loss a
+random weighting of the op's output) and checks that.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from hpc_rlx.graph.builder import GraphBuilder
 from hpc_rlx.graph.executor import Executor
 from hpc_rlx.graph.ir import Graph
 from hpc_rlx.graph.params import ParamLayout
+from hpc_rlx.graph.registry import VJPS
 from hpc_rlx.graph.shapes import FLOAT, INT
 
 
@@ -45,7 +47,8 @@ def check_grads(graph: Graph, params: dict, feeds: dict, *, eps: float = 1e-6, r
 
     rng = np.random.default_rng(seed)
     report, failures = {}, []
-    for name in layout.names:
+    buffers = set(layout.buffer_names)
+    for name in (n for n in layout.names if n not in buffers):
         p, g = views[name].reshape(-1), grads[name].reshape(-1)
         coords = np.arange(p.size) if p.size <= max_coords else rng.choice(p.size, max_coords, replace=False)
         worst = 0.0
@@ -66,6 +69,7 @@ def check_grads(graph: Graph, params: dict, feeds: dict, *, eps: float = 1e-6, r
 
     # One random direction through every parameter at once catches errors in unsampled coordinates.
     direction = rng.standard_normal(layout.size)
+    direction[layout.trainable_size:] = 0.0  # the buffers follow the trainable parameters
     base = flat.copy()
     flat[:] = base + eps * direction
     up = loss()
@@ -91,7 +95,10 @@ def op_graph(op: str, args: list, attrs: dict | None = None, seed: int = 0):
             refs.append(b.input(f"int{i}", list(a.shape), INT))
             feeds[f"int{i}"] = a.astype(np.int64)
         else:
-            refs.append(b.param(f"arg{i}", list(a.shape), {"scheme": "zeros"}))
+            # an argument the op's VJP rule declares non-differentiable (None) is a buffer
+            rule = VJPS.get(op)
+            trainable = rule is None or i >= len(rule.fns) or rule.fns[i] is not None
+            refs.append(b.param(f"arg{i}", list(a.shape), {"scheme": "zeros"}, trainable=trainable))
             params[f"arg{i}"] = a.astype(np.float64)
     out = b.op(op, *refs, name="out", **(attrs or {}))
     t = b.type_of(out)

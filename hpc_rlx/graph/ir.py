@@ -30,10 +30,12 @@ from hpc_rlx.errors import GraphError
 from hpc_rlx.graph import ops as _ops  # noqa: F401  (registers the built-in ops)
 from hpc_rlx.graph import ops_loss as _ops_loss  # noqa: F401
 from hpc_rlx.graph import ops_math as _ops_math  # noqa: F401
+from hpc_rlx.graph import ops_norm as _ops_norm  # noqa: F401
 from hpc_rlx.graph import ops_shape as _ops_shape  # noqa: F401
 from hpc_rlx.graph import ops_spatial as _ops_spatial  # noqa: F401
 from hpc_rlx.graph import vjps as _vjps  # noqa: F401  (registers their VJPs)
 from hpc_rlx.graph import vjps_math as _vjps_math  # noqa: F401
+from hpc_rlx.graph import vjps_norm as _vjps_norm  # noqa: F401
 from hpc_rlx.graph import vjps_shape as _vjps_shape  # noqa: F401
 from hpc_rlx.graph.params import check_init
 from hpc_rlx.graph.registry import OPS
