@@ -34,8 +34,7 @@ def ir_to_onnx(onnx, trained: TrainedModel, output: str):
     graph = trained.graph
     needed = needed_by(graph, output)
     inputs = [s for s in graph.inputs if s.name in needed]
-    batched = next((s.name for s in inputs if s.shape and s.shape[0] is None), None)
-    w = OnnxWriter(onnx, batch_source=batched)
+    w = OnnxWriter(onnx)
     unknown = sorted({graph.nodes[i].op for i in graph.order
                       if graph.nodes[i].name in needed and graph.nodes[i].op not in TABLE})
     if unknown:

@@ -145,7 +145,8 @@ def _gather(w, s):
 
 @onnx_op("expand")
 def _expand(w, s):
-    w.add("Expand", [s.ins[0], w.shape_tensor(s.attrs["shape"])], s.out)
+    # a null lines up with the input's batch dim: 1 keeps that dim under ONNX's broadcasting
+    w.add("Expand", [s.ins[0], w.ints([1 if d is None else d for d in s.attrs["shape"]])], s.out)
 
 
 @onnx_op("conv2d")

@@ -169,7 +169,7 @@ def original_onnx(onnx, trained: TrainedModel):
                               f"is it the file this run imported?")
         value = _source_value(meta, ir_name, np.asarray(trained.params[ir_name]), tuple(init.dims))
         dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
-        init.CopyFrom(onnx.numpy_helper.from_array(np.ascontiguousarray(value, dtype=dtype), source))
+        init.CopyFrom(onnx.numpy_helper.from_array(np.require(value, dtype, "C"), source))
     _inference_forms(graph)
     _prune(graph, output)
     del graph.output[:]

@@ -36,25 +36,23 @@ def optional_onnx():
 class OnnxWriter:
     """Collects nodes and initializers; ``tmp`` names helper tensors, ``const`` makes constants."""
 
-    def __init__(self, onnx, batch_source: str | None = None):
+    def __init__(self, onnx):
         self.onnx = onnx
         self.helper = onnx.helper
         self.nodes: list = []
         self.initializers: list = []
         self._names: set = set()
         self._consts: dict = {}
-        self._batch_source = batch_source  # a graph input whose first dim is the batch
-        self._batch = None
+        self._counts: dict = {}  # base name -> the next suffix to try
 
     def tmp(self, base: str) -> str:
         """A fresh tensor name derived from ``base``."""
-        k = 0
-        name = f"{base}/t{k}"
-        while name in self._names:
+        k = self._counts.get(base, 0)
+        while f"{base}/t{k}" in self._names:
             k += 1
-            name = f"{base}/t{k}"
-        self._names.add(name)
-        return name
+        self._counts[base] = k + 1
+        self._names.add(f"{base}/t{k}")
+        return f"{base}/t{k}"
 
     def add(self, op_type: str, inputs, out: str | None = None, base: str = "", **attrs) -> str:
         """Append one node; returns its (single) output name, ``out`` or a fresh one."""
@@ -66,7 +64,7 @@ class OnnxWriter:
 
     def initializer(self, name: str, value: np.ndarray) -> str:
         self._names.add(name)
-        self.initializers.append(self.onnx.numpy_helper.from_array(np.ascontiguousarray(value), name))
+        self.initializers.append(self.onnx.numpy_helper.from_array(np.require(value, None, "C"), name))
         return name
 
     def const(self, value, dtype=np.float32) -> str:
@@ -79,22 +77,6 @@ class OnnxWriter:
 
     def ints(self, values) -> str:
         return self.const(list(values), np.int64)
-
-    def batch_size(self) -> str:
-        """A 1-element int64 tensor holding the batch size at run time."""
-        if self._batch is None:
-            if self._batch_source is None:
-                raise ExportError("the model has no batched input to take the batch size from")
-            shape = self.add("Shape", [self._batch_source], base="batch_size")
-            self._batch = self.add("Slice", [shape, self.ints([0]), self.ints([1])], base="batch_size")
-        return self._batch
-
-    def shape_tensor(self, dims) -> str:
-        """An int64 shape tensor where ``None`` stands for the run-time batch size."""
-        if None not in dims:
-            return self.ints(dims)
-        parts = [self.batch_size() if d is None else self.ints([d]) for d in dims]
-        return self.add("Concat", parts, base="shape", axis=0)
 
 
 def value_info(onnx, name: str, dtype: str, shape) -> object:

@@ -30,7 +30,7 @@ def safetensors_bytes(tensors: dict, metadata: dict | None = None) -> tuple[byte
         code = _DTYPES.get(a.dtype.name)
         if code is None:
             raise ExportError(f"tensor {name!r} has dtype {a.dtype}, which safetensors does not store")
-        a = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
+        a = np.require(a, a.dtype.newbyteorder("<"), "C")  # keeps 0-d arrays 0-d
         header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         arrays.append(a)
         offset += a.nbytes
