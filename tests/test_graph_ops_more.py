@@ -65,6 +65,16 @@ CASES = [
     ("batch_norm", [n(3, 2, 4), n(2), n(2), n(2), pos(2)], {"training": False}),
     ("log_softmax", [n(3, 5)], {}),
     ("log_softmax", [n(3, 5, 2)], {"axis": 1}),
+    ("conv2d", [n(2, 4, 7, 6), n(6, 2, 3, 2), n(6)], {"groups": 2, "stride": [2, 1], "padding": 1}),
+    ("conv2d", [n(2, 3, 6, 6), n(3, 1, 3, 3)], {"groups": 3, "padding": 1}),  # depthwise
+    ("conv2d", [n(2, 2, 8, 7), n(3, 2, 3, 2), n(3)], {"dilation": [2, 3], "padding": [2, 1]}),
+    ("conv2d", [n(1, 4, 7, 7), n(8, 1, 2, 2)], {"groups": 4, "dilation": 2, "stride": 2}),
+    ("max_pool2d", [n(2, 2, 9, 8)], {"kernel": 3, "stride": 1, "padding": 1, "dilation": 2}),
+    ("max_pool2d", [n(2, 2, 9, 8)], {"kernel": 2, "dilation": [2, 1]}),
+    ("avg_pool2d", [n(2, 3, 7, 5)], {"kernel": 3, "stride": 2, "padding": 1, "count_include_pad": False}),
+    ("avg_pool2d", [n(1, 2, 6, 6)], {"kernel": [2, 3], "stride": 1, "padding": [1, 1], "count_include_pad": False}),
+    ("linear", [n(3, 4), n(5, 4), n(5)], {"weight_layout": "out_in"}),
+    ("linear", [n(2, 3, 4), n(5, 4)], {"weight_layout": "out_in"}),
 ]
 
 # Forward-only: no float argument to differentiate.
@@ -419,3 +429,78 @@ def test_log_softmax_matches_torch_and_is_stable():
     oracle("log_softmax", [n(3, 4, 5)], {"axis": 1}, lambda a: torch.log_softmax(a, 1))
     oracle("log_softmax", [np.array([[1000.0, 0.0, -1000.0], [5e3, 5e3, -5e3]])], {},
            lambda a: torch.log_softmax(a, -1))
+
+
+# ---------------------------------------------------------------- extended conv, pooling and linear
+
+
+def test_grouped_and_dilated_conv_match_torch():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    x = n(3, 6, 9, 8)
+    for attrs, w_shape in [({"groups": 3, "stride": [2, 1], "padding": [1, 2]}, (9, 2, 3, 3)),
+                           ({"groups": 6, "padding": 1}, (6, 1, 3, 3)),  # depthwise
+                           ({"groups": 6, "padding": 1}, (12, 1, 3, 3)),  # depthwise, multiplier 2
+                           ({"dilation": [2, 3], "padding": [2, 3]}, (4, 6, 3, 3)),
+                           ({"groups": 2, "dilation": 2, "stride": 2, "padding": 1}, (4, 3, 2, 3))]:
+        tattrs = {k: tuple(v) if isinstance(v, list) else v for k, v in attrs.items()}
+        oracle("conv2d", [x, n(*w_shape), n(w_shape[0])], attrs, lambda a, w, b: F.conv2d(a, w, b, **tattrs))
+        oracle("conv2d", [x, n(*w_shape)], attrs, lambda a, w: F.conv2d(a, w, **tattrs))
+
+
+def test_conv_without_groups_or_dilation_is_unchanged():
+    x, w, b = n(2, 3, 7, 6), n(4, 3, 3, 2), n(4)
+    base = run_op("conv2d", [x, w, b], {"stride": [2, 1], "padding": 1})
+    explicit = run_op("conv2d", [x, w, b], {"stride": [2, 1], "padding": 1, "dilation": 1, "groups": 1})
+    assert np.array_equal(base[0], explicit[0])
+    assert all(np.array_equal(base[2][i], explicit[2][i]) for i in range(3))
+
+
+def test_pooling_options_match_torch():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    x = n(2, 3, 9, 8)
+    oracle("avg_pool2d", [x], {"kernel": 3, "stride": 2, "padding": 1, "count_include_pad": False},
+           lambda a: F.avg_pool2d(a, 3, 2, 1, count_include_pad=False))
+    oracle("avg_pool2d", [x], {"kernel": [3, 2], "stride": [1, 2], "padding": [1, 1], "count_include_pad": False},
+           lambda a: F.avg_pool2d(a, (3, 2), (1, 2), (1, 1), count_include_pad=False))
+    oracle("avg_pool2d", [x], {"kernel": 3, "stride": 2, "padding": 1},
+           lambda a: F.avg_pool2d(a, 3, 2, 1, count_include_pad=True))
+    oracle("max_pool2d", [x], {"kernel": 3, "stride": 1, "padding": 1, "dilation": 2},
+           lambda a: F.max_pool2d(a, 3, 1, 1, dilation=2))
+    oracle("max_pool2d", [x], {"kernel": [2, 3], "stride": [2, 1], "padding": [1, 0], "dilation": [3, 2]},
+           lambda a: F.max_pool2d(a, (2, 3), (2, 1), (1, 0), dilation=(3, 2)))
+
+
+def test_linear_out_in_matches_torch():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    oracle("linear", [n(4, 6), n(3, 6), n(3)], {"weight_layout": "out_in"}, F.linear)
+    oracle("linear", [n(2, 4, 6), n(3, 6)], {"weight_layout": "out_in"}, F.linear)
+
+
+def test_extended_conv_pool_and_linear_type_rules():
+    c = OPS["conv2d"]
+    x = TensorType((None, 6, 9, 9), "float")
+    t = c.infer([x, TensorType((12, 1, 3, 3), "float")], c.normalise({"groups": 6, "dilation": 2}))
+    assert t.shape == (None, 12, 5, 5)
+    with pytest.raises(ShapeError, match="channels"):
+        c.infer([x, TensorType((12, 2, 3, 3), "float")], c.normalise({"groups": 6}))
+    with pytest.raises(ShapeError, match="groups"):
+        c.infer([x, TensorType((5, 2, 3, 3), "float")], c.normalise({"groups": 3}))
+    with pytest.raises(ShapeError, match="groups"):
+        c.normalise({"groups": 0})
+    mp = OPS["max_pool2d"]
+    assert mp.infer([x], mp.normalise({"kernel": 3, "dilation": 3})).shape == (None, 6, 1, 1)
+    with pytest.raises(ShapeError, match="count_include_pad"):
+        OPS["avg_pool2d"].normalise({"kernel": 2, "count_include_pad": 0})
+    with pytest.raises(ShapeError, match="unknown attribute"):
+        OPS["avg_pool2d"].normalise({"kernel": 2, "dilation": 2})
+    lin = OPS["linear"]
+    v = TensorType((None, 6), "float")
+    assert lin.infer([v, TensorType((3, 6), "float"), TensorType((3,), "float")],
+                     lin.normalise({"weight_layout": "out_in"})).shape == (None, 3)
+    with pytest.raises(ShapeError, match="does not match"):
+        lin.infer([v, TensorType((3, 6), "float")], lin.normalise({}))
+    with pytest.raises(ShapeError, match="weight_layout"):
+        lin.normalise({"weight_layout": "transposed"})

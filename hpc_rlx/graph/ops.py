@@ -197,23 +197,34 @@ def matmul(xp, args, a, ctx):
     return xp.matmul(x, y), None
 
 
+def _linear_check(a):
+    if a["weight_layout"] not in ("in_out", "out_in"):
+        raise ShapeError(f"attribute 'weight_layout' must be 'in_out' or 'out_in', got {a['weight_layout']!r}")
+    return a
+
+
 def _linear_type(types, a):
     x, w = types[0], types[1]
     require_float(x, "input")
     require_float(w, "weight")
     require_ndim(w, 2, "weight")
-    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
-        raise ShapeError(f"input {fmt_shape(x.shape)} does not match weight {fmt_shape(w.shape)} (in, out)")
+    k, n = w.shape if a["weight_layout"] == "in_out" else w.shape[::-1]
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ShapeError(f"input {fmt_shape(x.shape)} does not match weight {fmt_shape(w.shape)} "
+                         f"({a['weight_layout'].replace('_', ', ')})")
     if len(types) == 3:
         require_float(types[2], "bias")
-        if types[2].shape != (w.shape[1],):
-            raise ShapeError(f"bias shape {fmt_shape(types[2].shape)} must be ({w.shape[1]},)")
-    return TensorType(x.shape[:-1] + (w.shape[1],), FLOAT)
+        if types[2].shape != (n,):
+            raise ShapeError(f"bias shape {fmt_shape(types[2].shape)} must be ({n},)")
+    return TensorType(x.shape[:-1] + (n,), FLOAT)
 
 
-@defop("linear", _linear_type, (2, 3), arg_names=("x", "weight", "bias"))
+@defop("linear", _linear_type, (2, 3), attrs={"weight_layout": "in_out"}, check=_linear_check,
+       arg_names=("x", "weight", "bias"))
 def linear(xp, args, a, ctx):
     x, w = args[0], args[1]
+    if a["weight_layout"] == "out_in":
+        w = w.T  # PyTorch's (out, in): a transposed view, which the GEMM reads as is
     x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
     out = xp.matmul(x2, w)
     if len(args) == 3:

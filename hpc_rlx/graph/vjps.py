@@ -136,14 +136,15 @@ defvjp("matmul", _matmul_a, _matmul_b)
 
 def _linear_x(xp, g, args, ans, s, a, out):
     x, w = args[0], args[1]
-    return xp.matmul(g.reshape(-1, w.shape[1]), w.T).reshape(x.shape)
+    g2 = g.reshape(-1, g.shape[-1])
+    return xp.matmul(g2, w.T if a["weight_layout"] == "in_out" else w).reshape(x.shape)
 
 
 def _linear_w(xp, g, args, ans, s, a, out):
-    x = args[0]
-    x2 = x.reshape(-1, x.shape[-1]).T
+    x2 = args[0].reshape(-1, args[0].shape[-1])
     g2 = g.reshape(-1, g.shape[-1])
-    return xp.matmul(x2, g2, out=out) if out is not None else xp.matmul(x2, g2)
+    left, right = (x2.T, g2) if a["weight_layout"] == "in_out" else (g2.T, x2)
+    return xp.matmul(left, right, out=out) if out is not None else xp.matmul(left, right)
 
 
 def _linear_b(xp, g, args, ans, s, a, out):
@@ -156,11 +157,11 @@ defvjp("linear", _linear_x, _linear_w, _linear_b, needs_args=(0, 1))
 
 
 def _conv_x(xp, g, args, ans, saved, a, out):
-    return conv.conv2d_grad_x(xp, g, args[1], saved[1], a["stride"], a["padding"])
+    return conv.conv2d_grad_x(xp, g, args[1], saved[1], a["stride"], a["padding"], a["dilation"], a["groups"])
 
 
 def _conv_w(xp, g, args, ans, saved, a, out):
-    return conv.conv2d_grad_w(xp, g, saved[0], args[1].shape, out)
+    return conv.conv2d_grad_w(xp, g, saved[0], args[1].shape, out, a["groups"])
 
 
 def _conv_b(xp, g, args, ans, saved, a, out):
@@ -171,13 +172,14 @@ defvjp("conv2d", _conv_x, _conv_w, _conv_b, needs_args=(1,))
 defvjp(
     "max_pool2d",
     lambda xp, g, args, ans, saved, a, out: conv.max_pool_grad(
-        xp, g, saved[0], saved[1], a["kernel"], a["stride"], a["padding"]
+        xp, g, saved[0], saved[1], a["kernel"], a["stride"], a["padding"], a["dilation"]
     ),
     needs_args=(),
 )
 defvjp(
     "avg_pool2d",
-    lambda xp, g, args, ans, shape, a, out: conv.avg_pool_grad(xp, g, shape, a["kernel"], a["stride"], a["padding"]),
+    lambda xp, g, args, ans, shape, a, out: conv.avg_pool_grad(xp, g, shape, a["kernel"], a["stride"], a["padding"],
+                                                               a["count_include_pad"]),
     needs_args=(),
 )
 
