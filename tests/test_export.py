@@ -289,6 +289,17 @@ def test_an_op_without_translation_names_it(tmp_path, capsys):
         unregister_op("cube_for_export_test")
 
 
+def test_a_wrong_translation_is_caught_before_the_file_is_written(tmp_path, capsys, mlp_run, monkeypatch):
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from hpc_rlx.export import onnx_ops
+    monkeypatch.setitem(onnx_ops.TABLE, "relu", onnx_ops.TABLE["sigmoid"])
+    out = tmp_path / "m.onnx"
+    assert "differs from hpc_rlx's forward" in _error(capsys, [str(mlp_run), "--onnx", str(out)])
+    assert not out.exists()
+    assert main([str(mlp_run), "--onnx", str(out), "--no-check"]) == 0 and out.exists()
+
+
 # ------------------------------------------------------------------ a real run
 
 @pytest.mark.mpi

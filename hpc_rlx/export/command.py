@@ -10,26 +10,38 @@ import sys
 import numpy as np
 
 from hpc_rlx.errors import HpcRlxError
-from hpc_rlx.export.ir_to_onnx import ir_to_onnx
+from hpc_rlx.export.ir_to_onnx import ir_to_onnx, needed_by
 from hpc_rlx.export.onnx_source import is_imported, original_onnx, original_state_dict
 from hpc_rlx.export.onnx_writer import optional_onnx, require_onnx, save_model
 from hpc_rlx.export.safetensors_file import write_safetensors
 from hpc_rlx.export.trained import ExportError, TrainedModel, load_trained, model_output
+from hpc_rlx.export.verify import check_with_runtime
 
 PROG = "python -m hpc_rlx.export"
 EXIT_ERROR = 2
 
 
-def export_onnx(trained: TrainedModel, path, output: str | None = None) -> str:
-    """Write the inference ONNX file; returns the name of its output."""
+def export_onnx(trained: TrainedModel, path, output: str | None = None, check: bool = True) -> str:
+    """Write the inference ONNX file (after ONNX Runtime agreed with hpc_rlx's forward on a random
+    batch, when it is installed and ``check``); returns a line saying what was written."""
     onnx = require_onnx()
+    input_names = {}
     if is_imported(trained.graph) and output is None:
         model, out_name = original_onnx(onnx, trained)
+        meta = trained.graph.meta["onnx"]
+        node = meta.get("output_node") or out_name
+        input_names = {"x": meta.get("input") or "x"}
     else:
-        out_name = model_output(trained.graph, output)
+        node = out_name = model_output(trained.graph, output)
         model = ir_to_onnx(onnx, trained, out_name)
+    what = f"ONNX opset {max(o.version for o in model.opset_import if o.domain in ('', 'ai.onnx'))}, " \
+           f"output {out_name!r}"
+    if check and node in trained.graph.types:
+        diff = check_with_runtime(model, trained, node, input_names, needed_by(trained.graph, node))
+        what += (", not checked (onnxruntime is not installed)" if diff is None
+                 else f", checked in ONNX Runtime against hpc_rlx (max relative difference {diff:.1e})")
     save_model(onnx, model, path)
-    return out_name
+    return what
 
 
 def state_dict(trained: TrainedModel) -> dict:
@@ -59,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="export this checkpoint instead of the final model.h5")
     p.add_argument("--output", metavar="NODE", default=None,
                    help="the graph node to export as the ONNX output (default: what the loss reads)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip running the ONNX file in ONNX Runtime against hpc_rlx's forward")
     return p
 
 
@@ -76,8 +90,7 @@ def main(argv=None) -> int:
         trained = load_trained(args.run_dir, args.checkpoint, warn=lambda m: print(m, file=sys.stderr))
         print(f"model '{trained.graph.name}' from {trained.source}")
         if args.onnx:
-            out_name = export_onnx(trained, args.onnx, args.output)
-            print(f"ONNX (opset of the model, inference form, output {out_name!r}): {args.onnx}")
+            print(f"{export_onnx(trained, args.onnx, args.output, not args.no_check)}: {args.onnx}")
         if args.state_dict:
             count = export_state_dict(trained, args.state_dict)
             print(f"state dict ({count} tensors, float32): {args.state_dict}")

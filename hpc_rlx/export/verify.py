@@ -1,0 +1,76 @@
+"""The exported ONNX file checked against hpc_rlx's own forward, when ONNX Runtime is installed:
+a random batch through both, the largest difference relative to the largest value."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpc_rlx.export.trained import ExportError, TrainedModel
+from hpc_rlx.graph import Executor
+
+CHECK_BATCH = 2
+CHECK_TOLERANCE = 1e-4  # float32 ONNX against the run's dtype (float64 runs too)
+
+
+def _id_range(graph, name: str) -> int:
+    """How many ids an int input may take: the smallest table it indexes (2 if none)."""
+    bound = None
+    for node in graph.nodes:
+        for pos, ref in enumerate(node.inputs):
+            if ref != name:
+                continue
+            if node.op == "embedding" and pos == 0:
+                size = graph.types[node.inputs[1]].shape[0]
+            elif node.op == "gather" and pos == 1:
+                data = graph.types[node.inputs[0]]
+                size = data.shape[graph.norm_attrs[node.name]["axis"] % data.ndim]
+            else:
+                continue
+            if size is not None:
+                bound = size if bound is None else min(bound, size)
+    return bound or 2
+
+
+def random_feeds(graph, needed: set, dtype, seed: int = 0) -> dict:
+    """A random batch for the graph inputs in ``needed``."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for s in graph.inputs:
+        if s.name not in needed:
+            continue
+        shape = tuple(CHECK_BATCH if d is None else d for d in s.shape)
+        if s.dtype == "int64":
+            feeds[s.name] = rng.integers(0, _id_range(graph, s.name), shape).astype(np.int64)
+        else:
+            feeds[s.name] = rng.standard_normal(shape).astype(dtype)
+    return feeds
+
+
+def check_with_runtime(model, trained: TrainedModel, output_node: str, input_names: dict, needed: set):
+    """Run ``model`` (a ModelProto) in ONNX Runtime and the graph in the Executor on one random
+    batch; returns the relative difference, or None when ONNX Runtime is not installed.
+    ``input_names`` maps IR input -> ONNX input name."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return None
+    graph = trained.graph
+    dtype = next(iter(trained.params.values())).dtype if trained.params else np.dtype(np.float32)
+    dtype = dtype if dtype in (np.float32, np.float64) else np.dtype(np.float32)
+    feeds = random_feeds(graph, needed, dtype)
+    want = Executor(graph, np, dtype.name).run(trained.params, feeds, [output_node])[output_node]
+    try:
+        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        ort_feeds = {input_names.get(k, k): (v.astype(np.float32) if v.dtype.kind == "f" else v)
+                     for k, v in feeds.items()}
+        got = session.run(None, ort_feeds)[0]
+    except Exception as e:  # noqa: BLE001 - ONNX Runtime's errors have no common base class
+        raise ExportError(f"ONNX Runtime cannot run the exported model: {str(e).splitlines()[0]}") from None
+    if got.shape != want.shape:
+        raise ExportError(f"ONNX Runtime gives the output shape {got.shape}, hpc_rlx {want.shape}")
+    scale = max(float(np.abs(want).max()), 1e-30)
+    diff = float(np.abs(got.astype(np.float64) - want).max()) / scale
+    if not diff <= CHECK_TOLERANCE:
+        raise ExportError(f"ONNX Runtime's output differs from hpc_rlx's forward by {diff:.2e} (relative "
+                          f"to the largest output); the export is wrong, please report it")
+    return diff
