@@ -216,8 +216,26 @@ OP_CASES = {
     "batch_norm": lambda b, x: b.op(
         "batch_norm", x, *[b.param(f"bn.{n}", [3], {"scheme": "normal", "std": 1.0}, trainable=n in ("w", "b"))
                            for n in ("w", "b", "mean", "var")], eps=1e-3),
+    "linear_out_in": lambda b, x: b.op("linear", x, b.param("w", [5, 4], {"scheme": "normal", "std": 1.0}),
+                                       b.param("bias", [5], {"scheme": "normal", "std": 1.0}), weight_layout="out_in"),
 }
-_OP_OF = {"gelu_none": "gelu", "clip_min": "clip", "mean_all_but_batch": "mean"}
+# cases on images (B, 4, 7, 7)
+IMAGE_CASES = {
+    "conv2d": lambda b, x: b.op("conv2d", x, b.param("k", [6, 2, 3, 3], {"scheme": "normal", "std": 0.3}),
+                                b.param("kb", [6], {"scheme": "normal", "std": 1.0}), stride=2, padding=1,
+                                dilation=2, groups=2),
+    "conv2d_plain": lambda b, x: b.op("conv2d", x, b.param("k", [3, 4, 2, 3], {"scheme": "normal", "std": 0.3}),
+                                      stride=[1, 2], padding=[0, 1]),
+    "max_pool2d": lambda b, x: b.op("max_pool2d", x, kernel=2, stride=1, padding=1, dilation=2),
+    "avg_pool2d": lambda b, x: b.op("avg_pool2d", x, kernel=3, stride=2, padding=1, count_include_pad=False),
+    "avg_pool2d_pad": lambda b, x: b.op("avg_pool2d", x, kernel=3, stride=2, padding=1),
+    "batch_norm_2d": lambda b, x: b.op(
+        "batch_norm", x, *[b.param(f"bn.{n}", [4], {"scheme": "normal", "std": 1.0}, trainable=n in ("w", "b"))
+                           for n in ("w", "b", "mean", "var")]),
+}
+OP_CASES.update(IMAGE_CASES)
+_OP_OF = {"gelu_none": "gelu", "clip_min": "clip", "mean_all_but_batch": "mean", "linear_out_in": "linear",
+          "conv2d_plain": "conv2d", "avg_pool2d_pad": "avg_pool2d", "batch_norm_2d": "batch_norm"}
 
 
 @pytest.mark.parametrize("case", sorted(OP_CASES))
@@ -226,7 +244,7 @@ def test_each_op_onnx_matches_the_executor(tmp_path, case):
     if op not in OPS:
         pytest.skip(f"op {op!r} is not registered in this checkout")
     b = GraphBuilder(f"op_{case}")
-    x = b.input("x", [None, 3, 4])
+    x = b.input("x", [None, 4, 7, 7] if case in IMAGE_CASES else [None, 3, 4])
     out = OP_CASES[case](b, x)
     b.output("loss", b.op("mean", out, name="loss_node"))
     try:
