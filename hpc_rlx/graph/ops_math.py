@@ -93,6 +93,10 @@ def clip(xp, args, a, ctx):
     x, lo, hi = args[0], a["min"], a["max"]
     if lo is None and hi is None:
         return x, None
+    if hi is None:
+        return xp.maximum(x, lo), None
+    if lo is None:
+        return xp.minimum(x, hi), None
     return xp.clip(x, lo, hi), None
 
 
