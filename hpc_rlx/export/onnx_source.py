@@ -68,7 +68,8 @@ def original_state_dict(trained: TrainedModel, onnx=None) -> dict:
             raise ExportError(f"parameter {p.name!r} has no source initializer in meta.onnx.params")
         if p.name not in meta.get("transposed", {}) and source in shapes:
             value = _source_value(meta, p.name, value, shapes[source])
-        name = torch_names.get(p.name, source)
+        # a transposed copy the importer recognised is trained under its PyTorch name
+        name = torch_names.get(p.name) or (p.name if p.name in meta.get("transposed", {}) else source)
         if name in out:
             raise ExportError(f"parameters map to the same state-dict name {name!r}")
         out[name] = value

@@ -1,0 +1,192 @@
+"""Export of models that came in as ONNX: the original file with the trained weights, in its
+inference form, and the state dict under PyTorch's names, both checked against PyTorch.
+
+The first tests write graph.meta["onnx"] themselves (the importer's map from parameters to the
+file's initializers), so they check the exporter alone; the round trips at the end go through
+the importer (hpc_rlx.graph.onnx_import) and compare with hpc_rlx's own forward."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from hpc_rlx.export.command import main, state_dict
+from hpc_rlx.export.onnx_source import SOURCE_FILE, original_onnx
+from hpc_rlx.export.trained import load_trained
+from hpc_rlx.graph import GraphBuilder
+
+from .test_export import TOL, fake_run, ort_run, rel_err
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+st = pytest.importorskip("safetensors.torch")
+nn = torch.nn
+
+# the exporters' deprecation and tracer chatter
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning",
+                                        "ignore::torch.jit.TracerWarning")
+
+
+class ConvNet(nn.Module):
+    """Convolution, batch norm, dropout, a linear on 2-D and one on 3-D input (a MatMul whose
+    weight the exporters transpose)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(0.3)
+        self.fc = nn.Linear(4 * 4 * 4, 6)
+        self.seq = nn.Linear(6, 5)
+
+    def forward(self, x):
+        h = nn.functional.max_pool2d(torch.relu(self.bn(self.conv(x))), 2).flatten(1)
+        return self.seq(self.drop(self.fc(h)).unsqueeze(1)).squeeze(1)
+
+
+class SeqMlp(nn.Module):
+    """No batch norm: the eval-mode TorchScript export folds seq.weight into a transposed copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 6)
+        self.seq = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.seq(torch.tanh(self.fc(x.flatten(1))).unsqueeze(1)).squeeze(1)
+
+
+_EXPORTED: dict = {}
+
+
+def export_torch(module, exporter: str, train: bool) -> bytes:
+    """The file (cached per module class, exporter and mode: exports take seconds)."""
+    key = (type(module), exporter, train)
+    if key not in _EXPORTED:
+        _EXPORTED[key] = _export(module, exporter, train)
+    return _EXPORTED[key]
+
+
+def _export(module, exporter: str, train: bool) -> bytes:
+    module.train(train)
+    x = torch.randn(2, 1, 8, 8)
+    if exporter == "dynamo":
+        prog = torch.onnx.export(module, (x,), dynamo=True, optimize=False, input_names=["x"],
+                                 dynamic_shapes=({0: torch.export.Dim("batch")},))
+        return prog.model_proto.SerializeToString()
+    f = io.BytesIO()
+    mode = torch.onnx.TrainingMode.TRAINING if train else torch.onnx.TrainingMode.EVAL
+    torch.onnx.export(module, (x,), f, dynamo=False, input_names=["x"], training=mode,
+                      do_constant_folding=not train, dynamic_axes={"x": {0: "b"}})
+    return f.getvalue()
+
+
+def imported_meta(model_bytes: bytes, module) -> tuple[dict, dict]:
+    """What the importer records, worked out from the file and the module: (meta, IR shapes).
+    Every float initializer is a parameter under its name; one equal to a state-dict tensor
+    transposed is that tensor, kept in PyTorch's layout under its PyTorch name."""
+    proto = onnx.load_from_string(model_bytes)
+    sd = {k: v.detach().numpy() for k, v in module.state_dict().items() if v.dtype == torch.float32}
+    params, transposed, shapes = {}, {}, {}
+    for init in proto.graph.initializer:
+        value = onnx.numpy_helper.to_array(init)
+        if value.dtype != np.float32 or value.ndim == 0:
+            continue
+        if init.name in sd:
+            params[init.name], shapes[init.name] = init.name, value.shape
+            continue
+        match = next((k for k, v in sd.items() if v.ndim == 2 and v.T.shape == value.shape
+                      and np.array_equal(v.T, value)), None)
+        if match is not None:
+            params[match], transposed[match], shapes[match] = init.name, init.name, sd[match].shape
+    meta = {"opset": proto.opset_import[0].version, "params": params, "transposed": transposed,
+            "input": proto.graph.input[0].name, "output": proto.graph.output[0].name}
+    return meta, shapes
+
+
+def imported_run(tmp_path, cls, exporter, train, seed=1):
+    """A run directory of an imported model whose 'trained' weights are the exported module's
+    after a random change; returns (run_dir, the trained PyTorch module)."""
+    torch.manual_seed(0)
+    module = cls()
+    data = export_torch(module, exporter, train)
+    meta, shapes = imported_meta(data, module)
+    trained = cls()
+    trained.load_state_dict(module.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in trained.state_dict().items():
+            if t.dtype == torch.float32:
+                t.add_(0.1 * torch.randn(t.shape, generator=gen))
+                if name.endswith("running_var"):
+                    t.abs_().add_(0.5)
+    b = GraphBuilder("imported", meta={"onnx": meta})
+    x = b.input("x", [None, 1, 8, 8])
+    for name, shape in shapes.items():
+        b.param(name, list(shape), {"scheme": "zeros"}, trainable="running" not in name)
+    b.output("loss", b.op("mean", x))
+    graph = b.build()
+    values = {k: v.detach().numpy().astype(np.float32) for k, v in trained.state_dict().items()}
+    run = tmp_path / "run"
+    fake_run(run, graph, {name: values[name] for name in shapes})
+    (run / SOURCE_FILE).write_bytes(data)
+    return run, trained.eval()
+
+
+CASES = [(ConvNet, "dynamo", True), (ConvNet, "torchscript", True), (SeqMlp, "torchscript", False),
+         (SeqMlp, "dynamo", False)]
+IDS = ["convnet-dynamo-train", "convnet-torchscript-train", "mlp-torchscript-eval-folded", "mlp-dynamo-eval"]
+
+
+@pytest.mark.parametrize("cls,exporter,train", CASES, ids=IDS)
+def test_the_original_file_runs_the_trained_weights_like_pytorch(tmp_path, cls, exporter, train):
+    run, trained = imported_run(tmp_path, cls, exporter, train)
+    model, out_name = original_onnx(onnx, load_trained(run))
+    path = tmp_path / "out.onnx"
+    onnx.save_model(model, str(path))
+    ops = [n.op_type for n in model.graph.node]
+    assert "Dropout" not in ops
+    for n in model.graph.node:
+        if n.op_type == "BatchNormalization":
+            assert len(n.output) == 1
+            assert all(a.name != "training_mode" or a.i == 0 for a in n.attribute)
+    assert [o.name for o in model.graph.output] == [out_name]
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    for batch in (1, 5):
+        x = np.random.default_rng(batch).standard_normal((batch, 1, 8, 8)).astype(np.float32)
+        with torch.no_grad():
+            want = trained(torch.from_numpy(x)).numpy()
+        assert rel_err(ort_run(path, {model.graph.input[0].name: x}), want) <= TOL
+
+
+@pytest.mark.parametrize("cls,exporter,train", CASES, ids=IDS)
+def test_the_state_dict_loads_into_the_module_and_gives_its_outputs(tmp_path, cls, exporter, train):
+    run, trained = imported_run(tmp_path, cls, exporter, train)
+    out = tmp_path / "w.safetensors"
+    assert main([str(run), "--state-dict", str(out)]) == 0
+    fresh = cls()
+    result = fresh.load_state_dict(st.load_file(str(out)), strict=False)
+    assert result.unexpected_keys == []
+    assert all(k.endswith("num_batches_tracked") for k in result.missing_keys), result.missing_keys
+    fresh.eval()
+    x = torch.randn(3, 1, 8, 8)
+    with torch.no_grad():
+        assert rel_err(fresh(x).numpy(), trained(x).numpy()) <= TOL
+
+
+def test_the_state_dict_names_and_layouts_are_pytorch_s(tmp_path):
+    run, trained = imported_run(tmp_path, SeqMlp, "torchscript", False)
+    tensors = state_dict(load_trained(run))
+    assert set(tensors) == {"fc.weight", "fc.bias", "seq.weight", "seq.bias"}
+    assert tensors["seq.weight"].shape == (5, 6)                # PyTorch's (out, in), not the file's copy
+    np.testing.assert_array_equal(tensors["seq.weight"], trained.seq.weight.detach().numpy())
+
+
+def test_an_imported_run_without_its_source_file_is_one_error(tmp_path, capsys):
+    run, _ = imported_run(tmp_path, SeqMlp, "dynamo", False)
+    (run / SOURCE_FILE).unlink()
+    assert main([str(run), "--onnx", str(tmp_path / "m.onnx")]) == 2
+    assert f"no {SOURCE_FILE}" in capsys.readouterr().err
