@@ -25,10 +25,10 @@ class _Ctx:
     """What an op's forward may know about the call (dropout needs the seed and its node), and
     where a training forward publishes a buffer's new statistic (``emit``)."""
 
-    __slots__ = ("train", "seed", "need_saved", "index", "node", "emitted")
+    __slots__ = ("train", "seed", "need_saved", "index", "node", "emitted", "dtype")
 
-    def __init__(self, train, seed):
-        self.train, self.seed = train, seed
+    def __init__(self, train, seed, dtype):
+        self.train, self.seed, self.dtype = train, seed, dtype  # dtype: the compute dtype (constants, casts)
         self.need_saved, self.index, self.node = False, 0, ""
         self.emitted = []  # (node index, argument position, value)
 
@@ -264,7 +264,7 @@ class Executor:
     def _run_backward(self, env, grad_views, train, seed, grad_scale) -> dict:
         xp = self.xp
         saved = [None] * self._nslots
-        ctx = _Ctx(bool(train), seed)
+        ctx = _Ctx(bool(train), seed, self.dtype)
         self._forward(self._train_plan, env, saved, ctx)
         results = [(name, env[s]) for name, s in self._outputs]
         self._write_statistics(env, ctx, grad_views, grad_scale)
@@ -326,7 +326,7 @@ class Executor:
         env = [None] * self._nslots
         device = self._load(env, feeds, param_views, device, needed=live)
         with backend.use_device(device):
-            self._forward(plan, env, [None] * self._nslots, _Ctx(bool(train), seed))
+            self._forward(plan, env, [None] * self._nslots, _Ctx(bool(train), seed, self.dtype))
             return {n: env[self._slot[n]] for n in names}
 
     def forward(self, param_views, feeds, train=False, seed=None) -> dict:
@@ -335,7 +335,7 @@ class Executor:
         env = [None] * self._nslots
         device = self._load(env, feeds, param_views, device)
         with backend.use_device(device):
-            self._forward(self._eval_plan, env, [None] * self._nslots, _Ctx(bool(train), seed))
+            self._forward(self._eval_plan, env, [None] * self._nslots, _Ctx(bool(train), seed, self.dtype))
             return {name: float(env[s]) for name, s in self._outputs}
 
     def evaluate(self, param_views, feeds) -> dict:

@@ -24,9 +24,8 @@ from hpc_rlx.graph.shapes import (
 
 def compute_dtype(xp, ctx):
     """The executor's float dtype, for values an op creates rather than derives from a float
-    argument (a cast from int64, a constant). float64 when the context does not say."""
-    dtype = getattr(ctx, "dtype", None)
-    return xp.float64 if dtype is None else dtype
+    argument (a cast from int64, a constant)."""
+    return ctx.dtype
 
 
 def _same(types, attrs):
