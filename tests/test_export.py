@@ -149,6 +149,19 @@ def test_the_state_dict_holds_every_parameter_as_float32(tmp_path):
     assert json.loads(raw[8:8 + n])["__metadata__"]["format"] == "pt"
 
 
+def test_a_float64_run_exports_float32_that_matches_its_forward(tmp_path):
+    pytest.importorskip("onnx")
+    g = build_model("transformer_lm", vocab_size=7, seq_len=4, d_model=8, n_heads=2, n_layers=1, d_ff=8)
+    params = random_params(g, dtype="float64")
+    fake_run(tmp_path / "run", g, params)
+    out = tmp_path / "m.onnx"
+    assert main([str(tmp_path / "run"), "--onnx", str(out)]) == 0
+    feeds = feeds_for(g, 2)
+    want = Executor(g, np, "float64").run(params, feeds, ["logits"])["logits"]
+    got = ort_run(out, feeds)
+    assert got.dtype == np.float32 and rel_err(got, want) <= TOL
+
+
 def test_safetensors_writer_is_read_by_the_reference_reader(tmp_path):
     st = pytest.importorskip("safetensors.numpy")
     tensors = {"scalar": np.float32(2.5), "empty": np.zeros((0, 3), np.float32),
