@@ -1,0 +1,344 @@
+"""Constant and shape folding for the ONNX importer: a small NumPy evaluator.
+
+A value that does not depend on the input data (a constant, or something computed from the
+input's shape) is a ``Folded``: its NumPy value at two batch sizes, ``TRACE_BATCHES``. Where the
+two agree the value is a constant; where they differ it depends on the batch size, and the
+importer reads which entries are the batch (the value equals the batch size) and which are a
+multiple of it. The two sizes are large primes so that no model dimension is mistaken for them.
+
+Each ``fold_*`` function evaluates one ONNX op on NumPy arrays: ``fn(inputs, attrs) -> array``
+or a list of arrays (one per output); ``inputs`` holds None for an omitted optional input.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+TRACE_BATCHES = (1009, 1013)
+# A batch-dependent constant is materialised at both trace sizes; beyond this many elements it
+# is not worth folding (and would only come from an unusual model).
+MAX_FOLD_ELEMENTS = 1 << 24
+
+# ONNX TensorProto element types -> NumPy (bfloat16 has no NumPy type: computed as float32)
+ONNX_DTYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32,
+               7: np.int64, 9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32,
+               13: np.uint64, 16: np.float32}
+
+
+class FoldError(ValueError):
+    """A folded op cannot be evaluated (the caller names the node)."""
+
+
+class Folded:
+    """A value known without the input data: ``a`` at the first trace batch, ``b`` at the
+    second (the same object when it does not depend on the batch size)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a, b=None):
+        a = np.asarray(a)
+        b = a if b is None else np.asarray(b)
+        if b is not a and a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b):
+            b = a
+        for v in (a, b):
+            if v.size > MAX_FOLD_ELEMENTS:
+                raise FoldError(f"a folded value of shape {v.shape} is too large to evaluate")
+        self.a, self.b = a, b
+
+    @property
+    def const(self) -> bool:
+        return self.a is self.b
+
+    @property
+    def value(self) -> np.ndarray:
+        return self.a
+
+    def at(self, trace: int) -> np.ndarray:
+        return self.a if trace == 0 else self.b
+
+    def __repr__(self) -> str:
+        return f"Folded({self.a!r})" if self.const else f"Folded({self.a!r}, {self.b!r})"
+
+
+def evaluate(fn, inputs: list, attrs: dict) -> list:
+    """Run ``fn`` on folded inputs: once if none depends on the batch size, else per trace."""
+    traces = 1 if all(v is None or v.const for v in inputs) else 2
+    results = []
+    for t in range(traces):
+        out = fn([None if v is None else v.at(t) for v in inputs], attrs)
+        results.append(out if isinstance(out, (list, tuple)) else [out])
+    if traces == 1:
+        return [Folded(np.asarray(v)) for v in results[0]]
+    return [Folded(np.asarray(a), np.asarray(b)) for a, b in zip(results[0], results[1])]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def ints(value) -> list:
+    """A folded 0-d or 1-d integer array as a list of Python ints."""
+    return [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+def _axes(ins, attrs, position=1) -> list | None:
+    """Axes from the input at ``position`` (newer opsets) or the ``axes`` attribute."""
+    if len(ins) > position and ins[position] is not None:
+        return ints(ins[position])
+    return list(attrs["axes"]) if "axes" in attrs else None
+
+
+def _same_kind(value, like):
+    return np.asarray(value).astype(like.dtype) if isinstance(like, np.ndarray) else value
+
+
+def unary(fn):
+    return lambda ins, at: _same_kind(fn(ins[0]), ins[0])
+
+
+def binary(fn):
+    return lambda ins, at: fn(ins[0], ins[1])
+
+
+def compare(fn):
+    return lambda ins, at: np.asarray(fn(ins[0], ins[1]), dtype=np.bool_)
+
+
+def _erf(x):
+    return np.vectorize(math.erf, otypes=[np.float64])(x).astype(x.dtype)
+
+
+def _div(a, b):
+    if np.asarray(a).dtype.kind in "iu" and np.asarray(b).dtype.kind in "iu":
+        q = np.abs(a) // np.abs(b)  # ONNX integer division truncates toward zero
+        return (q * np.sign(a) * np.sign(b)).astype(np.result_type(a, b))
+    return a / b
+
+
+def _pow(a, b):
+    return np.power(a, b).astype(np.asarray(a).dtype)
+
+
+def _mod(ins, at):
+    a, b = ins
+    if at.get("fmod", 0):
+        return np.fmod(a, b)
+    return np.mod(a, b)
+
+
+def _where(ins, at):
+    return np.where(ins[0].astype(bool), ins[1], ins[2])
+
+
+def _cast(ins, at):
+    return np.asarray(ins[0]).astype(ONNX_DTYPES.get(at["to"], np.float32))
+
+
+def _cast_like(ins, at):
+    return np.asarray(ins[0]).astype(ins[1].dtype)
+
+
+def _shape(ins, at):
+    dims = np.asarray(np.shape(ins[0]), dtype=np.int64)
+    return dims[slice(at.get("start", 0), at.get("end"))]
+
+
+def _constant(ins, at):
+    for key in ("value", "sparse_value"):
+        if key in at:
+            return np.asarray(at[key])
+    if "value_float" in at:
+        return np.asarray(at["value_float"], np.float32)
+    if "value_floats" in at:
+        return np.asarray(at["value_floats"], np.float32)
+    if "value_int" in at:
+        return np.asarray(at["value_int"], np.int64)
+    if "value_ints" in at:
+        return np.asarray(at["value_ints"], np.int64)
+    raise FoldError("a Constant node without a numeric value")
+
+
+def _constant_of_shape(ins, at):
+    fill = np.asarray(at.get("value", np.zeros(1, np.float32))).reshape(-1)
+    return np.full(ints(ins[0]), fill[0], dtype=fill.dtype)
+
+
+def _range(ins, at):
+    start, limit, delta = (np.asarray(v).reshape(()) for v in ins)
+    return np.arange(start, limit, delta, dtype=np.result_type(start, limit, delta))
+
+
+def _concat(ins, at):
+    return np.concatenate([np.atleast_1d(v) if v.ndim == 0 else v for v in ins if v is not None], axis=at["axis"])
+
+
+def _gather(ins, at):
+    data, idx = ins
+    axis = at.get("axis", 0) % max(data.ndim, 1)
+    idx = np.where(idx < 0, idx + data.shape[axis], idx)
+    return np.take(data, idx, axis=axis)
+
+
+def slice_index(shape, starts, ends, axes, steps) -> tuple:
+    """The NumPy index of an ONNX Slice (negative bounds count from the end; clamped)."""
+    axes = list(range(len(starts))) if axes is None else [a % len(shape) for a in axes]
+    steps = [1] * len(starts) if steps is None else steps
+    index = [slice(None)] * len(shape)
+    for ax, s, e, st in zip(axes, starts, ends, steps):
+        index[ax] = slice(*slice(s, e, st).indices(shape[ax]))
+        if st < 0 and index[ax].stop < 0:  # ran through index 0: open-ended
+            index[ax] = slice(index[ax].start, None, st)
+    return tuple(index)
+
+
+def _slice(ins, at):
+    data = ins[0]
+    axes = ints(ins[3]) if len(ins) > 3 and ins[3] is not None else None
+    steps = ints(ins[4]) if len(ins) > 4 and ins[4] is not None else None
+    return data[slice_index(data.shape, ints(ins[1]), ints(ins[2]), axes, steps)]
+
+
+def squeeze_shape(shape, axes) -> tuple:
+    if axes is None:
+        return tuple(d for d in shape if d != 1)
+    drop = {a % len(shape) for a in axes}
+    if any(shape[a] != 1 for a in drop):
+        raise FoldError(f"cannot squeeze axes {sorted(drop)} of shape {tuple(shape)}")
+    return tuple(d for i, d in enumerate(shape) if i not in drop)
+
+
+def unsqueeze_shape(shape, axes) -> tuple:
+    rank = len(shape) + len(axes)
+    where = {a % rank for a in axes}
+    rest = iter(shape)
+    return tuple(1 if i in where else next(rest) for i in range(rank))
+
+
+def reshape_shape(shape, target, allowzero=0) -> tuple:
+    """ONNX Reshape's output shape: 0 copies the input dim (unless ``allowzero``), -1 is inferred."""
+    out = [shape[i] if d == 0 and not allowzero else d for i, d in enumerate(target)]
+    if out.count(-1) > 1:
+        raise FoldError(f"reshape target {list(target)} has more than one -1")
+    if -1 in out:
+        known = math.prod(d for d in out if d != -1)
+        total = math.prod(shape)
+        if known == 0 or total % known:
+            raise FoldError(f"cannot reshape {tuple(shape)} to {list(target)}")
+        out[out.index(-1)] = total // known
+    if math.prod(out) != math.prod(shape):
+        raise FoldError(f"cannot reshape {tuple(shape)} to {list(target)}")
+    return tuple(out)
+
+
+def flatten_shape(shape, axis) -> tuple:
+    if axis < 0:
+        axis += len(shape)
+    return (math.prod(shape[:axis]), math.prod(shape[axis:]))
+
+
+def _squeeze(ins, at):
+    return ins[0].reshape(squeeze_shape(ins[0].shape, _axes(ins, at)))
+
+
+def _unsqueeze(ins, at):
+    return ins[0].reshape(unsqueeze_shape(ins[0].shape, _axes(ins, at)))
+
+
+def _reshape(ins, at):
+    return ins[0].reshape(reshape_shape(ins[0].shape, ints(ins[1]), at.get("allowzero", 0)))
+
+
+def _flatten(ins, at):
+    return ins[0].reshape(flatten_shape(ins[0].shape, at.get("axis", 1)))
+
+
+def _transpose(ins, at):
+    return np.transpose(ins[0], at.get("perm"))
+
+
+def _expand(ins, at):
+    return ins[0] * np.ones(ints(ins[1]), dtype=ins[0].dtype)
+
+
+def _tile(ins, at):
+    return np.tile(ins[0], ints(ins[1]))
+
+
+def reduce_axes(ins, at, rank) -> tuple | None:
+    """The axes a Reduce* op reduces (None: all), or () for a no-op."""
+    axes = _axes(ins, at)
+    if not axes:
+        return () if at.get("noop_with_empty_axes", 0) else None
+    return tuple(a % rank for a in axes)
+
+
+def reducer(fn):
+    def run(ins, at):
+        axes = reduce_axes(ins, at, ins[0].ndim)
+        if axes == ():
+            return ins[0]
+        out = fn(ins[0], axis=axes, keepdims=bool(at.get("keepdims", 1)))
+        return np.asarray(out).astype(ins[0].dtype)
+
+    return run
+
+
+def split_sizes(ins, at, dim: int) -> list:
+    """Split's piece sizes along an axis of ``dim``: its second input, else ``num_outputs``
+    (or one per node output, ``_outputs``) pieces of equal size, the last one smaller."""
+    if len(ins) > 1 and ins[1] is not None:
+        return ints(ins[1])
+    n = at.get("num_outputs", at.get("_outputs", 1))
+    step = -(-dim // n)
+    return [min(step, dim - i * step) for i in range(n)]
+
+
+def _split(ins, at):
+    axis = at.get("axis", 0)
+    sizes = split_sizes(ins, at, ins[0].shape[axis])
+    return np.split(ins[0], np.cumsum(sizes)[:-1], axis=axis)
+
+
+def _clip(ins, at):
+    lo = ins[1] if len(ins) > 1 and ins[1] is not None else None
+    hi = ins[2] if len(ins) > 2 and ins[2] is not None else None
+    return np.clip(ins[0], lo, hi)
+
+
+def _matmul(ins, at):
+    return np.matmul(ins[0], ins[1])
+
+
+def _variadic(fn):
+    def run(ins, at):
+        out = ins[0]
+        for v in ins[1:]:
+            out = fn(out, v)
+        return out
+
+    return run
+
+
+# op type -> NumPy evaluator; the import table (onnx_import.ONNX_OPS) refers to these
+FOLD = {
+    "Identity": lambda ins, at: ins[0],
+    "Add": binary(np.add), "Sub": binary(np.subtract), "Mul": binary(np.multiply), "Div": binary(_div),
+    "Pow": binary(_pow), "Mod": _mod, "Min": _variadic(np.minimum), "Max": _variadic(np.maximum),
+    "Neg": unary(np.negative), "Abs": unary(np.abs), "Sqrt": unary(np.sqrt), "Exp": unary(np.exp),
+    "Log": unary(np.log), "Reciprocal": unary(np.reciprocal), "Floor": unary(np.floor), "Ceil": unary(np.ceil),
+    "Relu": unary(lambda x: np.maximum(x, 0)), "Tanh": unary(np.tanh),
+    "Sigmoid": unary(lambda x: 1.0 / (1.0 + np.exp(-x))), "Erf": lambda ins, at: _erf(ins[0]),
+    "Equal": compare(np.equal), "Less": compare(np.less), "LessOrEqual": compare(np.less_equal),
+    "Greater": compare(np.greater), "GreaterOrEqual": compare(np.greater_equal),
+    "Not": lambda ins, at: np.logical_not(ins[0]), "And": compare(np.logical_and),
+    "Or": compare(np.logical_or), "Xor": compare(np.logical_xor),
+    "Where": _where, "Cast": _cast, "CastLike": _cast_like, "Shape": _shape,
+    "Size": lambda ins, at: np.asarray(np.size(ins[0]), np.int64),
+    "Constant": _constant, "ConstantOfShape": _constant_of_shape, "Range": _range,
+    "Concat": _concat, "Gather": _gather, "Slice": _slice, "Squeeze": _squeeze, "Unsqueeze": _unsqueeze,
+    "Reshape": _reshape, "Flatten": _flatten, "Transpose": _transpose, "Expand": _expand, "Tile": _tile,
+    "Split": _split, "Clip": _clip, "MatMul": _matmul,
+    "ReduceSum": reducer(np.sum), "ReduceMean": reducer(np.mean), "ReduceProd": reducer(np.prod),
+    "ReduceMax": reducer(np.max), "ReduceMin": reducer(np.min),
+}

@@ -1,0 +1,305 @@
+"""Import an ONNX file (opsets 13 and newer, as PyTorch's exporters write them) as a trainable
+IR graph.
+
+    from hpc_rlx.graph.onnx_import import import_onnx
+    imported = import_onnx("model.onnx")            # or the file's bytes
+    imported.graph      # a Graph with inputs x (the model input) and y (the labels), a loss head
+    imported.initial    # {IR parameter or buffer name: float64 value}
+    imported.warnings   # what the import could not keep as the file says (see below)
+
+The walk visits the ONNX nodes in order. Every op type has one entry in ``ONNX_OPS``: a NumPy
+evaluator (``onnx_fold``) used when all of a node's inputs are known without the data
+(constants, and shapes: the batch size enters as two trace sizes), and a mapping to IR ops used
+otherwise. The batch dimension of the model input is the IR's batch (null); other dimensions
+must be static.
+
+``graph.meta["onnx"]``: ``opset``, ``exporter`` ("dynamo", "torchscript" or "other"),
+``form`` ("training": batch norm and dropout train as in module.train(); "inference": some
+were exported in eval mode and stay frozen), ``input`` / ``output`` (the ONNX names of the model
+input and output), ``output_node`` (the IR node holding the model output), ``params`` ({IR
+parameter: the initializer holding it}), ``transposed`` ({IR parameter: PyTorch name} for those
+whose initializer holds the transpose), ``tied`` ({initializer: IR parameter} for initializers
+that are a transposed copy of a parameter stored elsewhere too) and ``torch_names`` ({IR
+parameter: PyTorch state-dict name} where the file says it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hpc_rlx.errors import GraphError
+from hpc_rlx.graph import onnx_loss
+from hpc_rlx.graph import onnx_map_math as m
+from hpc_rlx.graph import onnx_map_nn as nn
+from hpc_rlx.graph import onnx_map_shape as s
+from hpc_rlx.graph.ir import Graph
+from hpc_rlx.graph.onnx_emit import Emitter, Tensor, dims_at, sanitise
+from hpc_rlx.graph.onnx_fold import FOLD, TRACE_BATCHES, Folded, FoldError, evaluate
+from hpc_rlx.graph.onnx_params import exporter_of, load_model, opset_of, plan_initializers
+from hpc_rlx.graph.shapes import FLOAT, INT
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one ONNX op type is imported: ``fold`` evaluates it on folded inputs, ``emit``
+    writes IR nodes for it (None: the op is only supported on constants and shapes)."""
+
+    fold: object = None
+    emit: object = None
+
+
+def _rule(op: str, emit=None) -> Rule:
+    return Rule(FOLD.get(op), emit)
+
+
+ONNX_OPS = {
+    # arithmetic and activations
+    "Add": _rule("Add", m.binary("add")), "Sub": _rule("Sub", m.binary("sub")),
+    "Mul": _rule("Mul", m.binary("mul")), "Div": _rule("Div", m.binary("div")),
+    "Pow": _rule("Pow", m.binary("pow")), "Sqrt": _rule("Sqrt", m.unary("sqrt")),
+    "Neg": _rule("Neg", m.unary("neg")), "Exp": _rule("Exp", m.unary("exp")), "Log": _rule("Log", m.unary("log")),
+    "Reciprocal": _rule("Reciprocal", m.unary("reciprocal")), "Relu": _rule("Relu", m.unary("relu")),
+    "LeakyRelu": _rule("LeakyRelu", m.leaky_relu), "Sigmoid": _rule("Sigmoid", m.unary("sigmoid")),
+    "Tanh": _rule("Tanh", m.unary("tanh")), "Gelu": _rule("Gelu", m.gelu), "Erf": _rule("Erf", m.unary("erf")),
+    "Softmax": _rule("Softmax", m.softmax("softmax")), "LogSoftmax": _rule("LogSoftmax", m.softmax("log_softmax")),
+    "Clip": _rule("Clip", m.clip), "Where": _rule("Where", m.where),
+    "Cast": _rule("Cast", m.cast), "CastLike": _rule("CastLike", m.cast_like),
+    "MatMul": _rule("MatMul", m.matmul), "Gemm": _rule("Gemm", m.gemm),
+    # layers
+    "Conv": _rule("Conv", nn.conv), "MaxPool": _rule("MaxPool", nn.max_pool),
+    "AveragePool": _rule("AveragePool", nn.average_pool),
+    "GlobalAveragePool": _rule("GlobalAveragePool", nn.global_average_pool),
+    "BatchNormalization": _rule("BatchNormalization", nn.batch_norm),
+    "LayerNormalization": _rule("LayerNormalization", nn.layer_norm), "Dropout": _rule("Dropout", nn.dropout),
+    # shapes
+    "Identity": _rule("Identity", s.identity), "Reshape": _rule("Reshape", s.reshape),
+    "Flatten": _rule("Flatten", s.flatten), "Squeeze": _rule("Squeeze", s.squeeze),
+    "Unsqueeze": _rule("Unsqueeze", s.unsqueeze), "Transpose": _rule("Transpose", s.transpose),
+    "Concat": _rule("Concat", s.concat), "Split": _rule("Split", s.split), "Slice": _rule("Slice", s.slice_),
+    "Gather": _rule("Gather", s.gather), "Expand": _rule("Expand", s.expand),
+    "Shape": _rule("Shape", s.shape), "Size": _rule("Size", s.size),
+    "ReduceMean": _rule("ReduceMean", s.reduce("mean")), "ReduceSum": _rule("ReduceSum", s.reduce("sum")),
+    # folded only: constants and shape arithmetic
+    **{op: _rule(op) for op in (
+        "Constant", "ConstantOfShape", "Range", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
+        "Not", "And", "Or", "Xor", "Mod", "Min", "Max", "Abs", "Floor", "Ceil", "Tile",
+        "ReduceProd", "ReduceMax", "ReduceMin")},
+}
+
+_FLOAT_TYPES = {1, 10, 11, 16}
+_INT_TYPES = {2, 3, 4, 5, 6, 7, 9, 12, 13}
+
+
+@dataclass
+class ImportedModel:
+    graph: Graph
+    initial: dict = field(default_factory=dict)   # IR parameter / buffer name -> float64 value
+    warnings: list = field(default_factory=list)
+
+
+def _attrs(node) -> dict:
+    from onnx import helper, numpy_helper
+
+    out = {}
+    for a in node.attribute:
+        v = helper.get_attribute_value(a)
+        if hasattr(v, "dims") and hasattr(v, "data_type"):
+            v = numpy_helper.to_array(v)
+        elif isinstance(v, bytes):
+            v = v.decode("utf-8", "replace")
+        elif isinstance(v, list) and v and isinstance(v[0], bytes):
+            v = [b.decode("utf-8", "replace") for b in v]
+        out[a.name] = v
+    out["_outputs"] = len(node.output)
+    return out
+
+
+def _unsupported(node) -> GraphError:
+    op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+    return GraphError(f"ONNX node '{node.name}': op type '{op}' is not supported; supported ops: "
+                      f"{', '.join(sorted(ONNX_OPS))}")
+
+
+def _data_inputs(em: Emitter, graph, initialized: set, warnings: list) -> list:
+    """IR inputs x (and y) for the graph inputs that are not initializers."""
+    inputs = [i for i in graph.input if i.name not in initialized]
+    if len(inputs) not in (1, 2):
+        raise GraphError(f"the ONNX graph has {len(inputs)} data inputs {[i.name for i in inputs]}: hpc_rlx feeds "
+                         f"one (the model input), or two (input and labels) to a graph that computes its own loss")
+    out = []
+    for ir_name, vi in zip(("x", "y"), inputs):
+        tt = vi.type.tensor_type
+        if tt.elem_type not in _FLOAT_TYPES | _INT_TYPES:
+            raise GraphError(f"ONNX input {vi.name!r} has element type {tt.elem_type}, not a number")
+        dims = list(tt.shape.dim)
+        if not dims:
+            raise GraphError(f"ONNX input {vi.name!r} must have a batch dimension (it is a scalar)")
+        shape = [None]
+        for k, d in enumerate(dims[1:], 1):
+            if not d.HasField("dim_value") or d.dim_value < 1:
+                raise GraphError(f"ONNX input {vi.name!r} dim {k} is {d.dim_param or 'unknown'!r}: only the batch "
+                                 f"dim (the first) may vary; export with a fixed size for the others")
+            shape.append(d.dim_value)
+        if dims[0].HasField("dim_value"):
+            warnings.append(f"ONNX input {vi.name!r} has a fixed batch size {dims[0].dim_value}: it is read as the "
+                            f"batch dim (export with a dynamic batch dim if the graph bakes that size in)")
+        out.append((vi.name, em.input(ir_name, shape, FLOAT if tt.elem_type in _FLOAT_TYPES else INT)))
+    return out
+
+
+def _bind_initializers(em: Emitter, plan, env: dict, meta: dict, initial: dict) -> None:
+    em.at("initializers", "initializer", "init")
+    for name, value in plan.values.items():
+        kind = plan.kind[name]
+        if kind == "const":
+            env[name] = Folded(value)
+        elif kind in ("param", "buffer"):
+            ir = em.unique(name)
+            init = None if kind == "param" else {"scheme": "ones" if "var" in name.lower() else "zeros"}
+            env[name] = em.param(ir, value, trainable=kind == "param", init=init)
+            initial[ir], meta["params"][ir] = value.astype(np.float64), name
+            if name in plan.torch_name:
+                meta["torch_names"][ir] = plan.torch_name[name]
+    for name, source in plan.source.items():
+        value = plan.values[name]
+        held = env.get(source)
+        if isinstance(held, Tensor) and np.array_equal(initial[held.name], value.T.astype(np.float64)):
+            meta["tied"][name] = held.name
+        else:
+            ir = em.unique(source)
+            held = em.param(ir, np.ascontiguousarray(value.T))
+            initial[ir], meta["params"][ir], meta["transposed"][ir] = value.T.astype(np.float64), name, source
+            meta["torch_names"][ir] = plan.torch_name.get(source, source)
+        em.at("initializers", "initializer", name)
+        env[name] = em.transpose(held, [1, 0])
+
+
+def _walk(em: Emitter, graph, env: dict) -> None:
+    producer = {}
+    for node in graph.node:
+        rule = ONNX_OPS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        if rule is None:
+            raise _unsupported(node)
+        ins = []
+        for name in node.input:
+            if not name:
+                ins.append(None)
+            elif name not in env:
+                raise GraphError(f"ONNX node '{node.name}' ({node.op_type}): input {name!r} comes from no node, "
+                                 f"initializer or graph input before it")
+            elif env[name] is None:
+                raise GraphError(f"ONNX node '{node.name}' ({node.op_type}) reads {name!r}, an output of "
+                                 f"{producer[name]} that hpc_rlx does not compute")
+            else:
+                ins.append(env[name])
+        attrs = _attrs(node)
+        em.at(node.name, node.op_type, node.output[0] if node.output else node.name)
+        em.proto = node
+        if rule.fold is not None and all(v is None or isinstance(v, Folded) for v in ins):
+            try:
+                outs = evaluate(rule.fold, ins, attrs)
+            except (FoldError, ValueError, TypeError, IndexError, KeyError) as exc:
+                raise em.fail(f"cannot evaluate it on its constant inputs: {exc}") from None
+        elif rule.emit is None:
+            raise em.fail("supported only on constants and shapes, but an input depends on the data")
+        else:
+            outs = rule.emit(em, ins, attrs, len(node.output))
+        for name, value in zip(node.output, list(outs) + [None] * len(node.output)):
+            if name:
+                env[name], producer[name] = value, f"'{node.name}' ({node.op_type})"
+
+
+def _check_declared(graph, out: Tensor) -> None:
+    """The model output's static dims, as the file declares them, against the import's."""
+    dims = list(graph.output[0].type.tensor_type.shape.dim)
+    ours = dims_at(out.groups, TRACE_BATCHES[0])
+    if dims and len(dims) != len(ours):
+        raise GraphError(f"the import gives the model output rank {len(ours)}, the file declares {len(dims)}")
+    for k, (d, g) in enumerate(zip(dims, out.groups)):
+        if d.HasField("dim_value") and None not in g and d.dim_value != ours[k]:
+            raise GraphError(f"the import gives the model output {ours[k]} in dim {k}, the file declares {d.dim_value}")
+
+
+def _form_warnings(em: Emitter, plan, warnings: list) -> str:
+    frozen_bn, off = em.forms["bn_frozen"], em.forms["dropout_off"]
+    if frozen_bn or off:
+        parts = []
+        if frozen_bn:
+            parts.append(f"batch norm {frozen_bn} normalises with its running statistics, which stay as they are")
+        parts.append(f"dropout is absent (inference exports leave it out{'; inactive: ' + str(off) if off else ''})")
+        warnings.append("an inference-form export trains as exported: " + "; ".join(parts) + ". Export from "
+                        "module.train() (TorchScript: training=torch.onnx.TrainingMode.TRAINING) to train them")
+    return "inference" if frozen_bn or off or plan.fused else "training"
+
+
+def _prune(d: dict) -> dict:
+    """Only the nodes and parameters the outputs depend on (the graph inputs stay)."""
+    nodes = {n["name"]: n for n in d["nodes"]}
+    needed, todo = set(), list(d["outputs"].values())
+    while todo:
+        name = todo.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        todo.extend(nodes[name]["inputs"] if name in nodes else [])
+    d["nodes"] = [n for n in d["nodes"] if n["name"] in needed]
+    d["params"] = [p for p in d["params"] if p["name"] in needed]
+    return d
+
+
+def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, label_shape=None) -> ImportedModel:
+    """The trainable IR graph of an ONNX file (a path or its bytes).
+
+    ``loss``: "auto", "cross_entropy" or "mse" (see ``onnx_loss``); ``label_dtype`` ("int64"
+    or "float") and ``label_shape`` (one sample's label dims) describe the labels when known.
+    A graph with two data inputs and a float scalar output is trained on that output as is.
+    """
+    onnx_loss.check_loss_args(loss, label_dtype, label_shape)
+    model = load_model(source)
+    warnings: list = []
+    meta = {"opset": opset_of(model), "exporter": exporter_of(model), "params": {}, "transposed": {},
+            "tied": {}, "torch_names": {}}
+    plan = plan_initializers(model, warnings)
+    graph = model.graph
+    em = Emitter(sanitise(graph.name or "onnx_model"))
+    env: dict = {}
+    initial: dict = {}
+    inputs = _data_inputs(em, graph, set(plan.values), warnings)
+    for onnx_name, tensor in inputs:
+        env[onnx_name] = tensor
+    em.data_input = inputs[0][1]
+    _bind_initializers(em, plan, env, meta, initial)
+    _walk(em, graph, env)
+
+    missing = [o.name for o in graph.output if env.get(o.name) is None]
+    if missing:
+        raise GraphError(f"ONNX graph outputs {missing} are computed by no node")
+    if len(inputs) == 2:
+        if loss != "auto":
+            raise GraphError(f"the ONNX graph computes its own loss (two inputs), so it takes loss=auto, not {loss!r}")
+        loss_t, out = onnx_loss.own_loss([env[o.name] for o in graph.output])
+        outputs = {"loss": loss_t.name}
+        out_name = next(o.name for o in graph.output if env[o.name] is out)
+    else:
+        out_name = graph.output[0].name
+        out = env[out_name]
+        if not isinstance(out, Tensor):
+            raise GraphError(f"the model output {out_name!r} does not depend on the input")
+        _check_declared(graph, out)
+        if len(graph.output) > 1:
+            warnings.append(f"the ONNX graph has {len(graph.output)} outputs: the first, {out_name!r}, is the model "
+                            f"output; {[o.name for o in graph.output[1:]]} are not used")
+        outputs = onnx_loss.attach(em, out, loss, label_dtype, label_shape)
+    for name, ref in outputs.items():
+        em.b.output(name, ref)
+    form = _form_warnings(em, plan, warnings)
+    meta.update(form=form, input=inputs[0][0], output=out_name, output_node=out.name)
+    em.b.meta = {"onnx": meta}
+    d = _prune(em.b.to_dict())
+    kept = {p["name"] for p in d["params"]}
+    for table in ("params", "transposed", "torch_names"):
+        meta[table] = {k: v for k, v in meta[table].items() if k in kept}
+    d["meta"] = {"onnx": meta}
+    return ImportedModel(Graph.from_dict(d), {k: v for k, v in initial.items() if k in kept}, warnings)

@@ -1,0 +1,220 @@
+"""ONNX -> IR for shape ops: reshapes, transposes, joins, cuts, picks, broadcasts and
+reductions (see ``onnx_map_math`` for the mapping convention).
+
+Reshape-like ops compute the ONNX output shape at both trace batches (``TRACE_BATCHES``) and
+let ``reshape_groups`` decide where the batch goes; shape inputs must be folded values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpc_rlx.graph import onnx_fold as fold
+from hpc_rlx.graph.onnx_emit import Tensor, dims_at, flat, reshape_groups, shape_group_error, single
+from hpc_rlx.graph.onnx_fold import TRACE_BATCHES, Folded, FoldError, ints
+from hpc_rlx.graph.shapes import INT
+
+
+def _ir_axis(t: Tensor, axis: int) -> int:
+    return sum(len(g) for g in t.groups[:axis])
+
+
+def _folded(em, v, what: str) -> Folded:
+    if not isinstance(v, Folded):
+        raise em.fail(f"{what} must be computable without the data (a constant or shape arithmetic)")
+    return v
+
+
+def _regroup(em, x: Tensor, shape_of) -> Tensor:
+    """Reshape ``x`` to ``shape_of(input dims, trace)`` (an ONNX shape rule)."""
+    try:
+        outs = [tuple(shape_of(dims_at(x.groups, b), t)) for t, b in enumerate(TRACE_BATCHES)]
+        groups = reshape_groups(x.groups, *outs)
+    except (ValueError, FoldError) as exc:
+        raise em.fail(str(exc)) from None
+    return em.reshape(x, groups)
+
+
+def reshape(em, ins, at, n):
+    target = _folded(em, ins[1], "Reshape's shape")
+    allow = at.get("allowzero", 0)
+    return [_regroup(em, em.as_tensor(ins[0]), lambda d, t: fold.reshape_shape(d, ints(target.at(t)), allow))]
+
+
+def flatten(em, ins, at, n):
+    return [_regroup(em, em.as_tensor(ins[0]), lambda d, t: fold.flatten_shape(d, at.get("axis", 1)))]
+
+
+def _axes_input(em, ins, at):
+    if len(ins) > 1 and ins[1] is not None:
+        return ints(_folded(em, ins[1], "axes").value)
+    return at.get("axes")
+
+
+def squeeze(em, ins, at, n):
+    axes = _axes_input(em, ins, at)
+    return [_regroup(em, em.as_tensor(ins[0]), lambda d, t: fold.squeeze_shape(d, axes))]
+
+
+def unsqueeze(em, ins, at, n):
+    axes = _axes_input(em, ins, at)
+    return [_regroup(em, em.as_tensor(ins[0]), lambda d, t: fold.unsqueeze_shape(d, axes))]
+
+
+def transpose(em, ins, at, n):
+    x = em.as_tensor(ins[0])
+    perm = at.get("perm") or list(reversed(range(x.rank)))
+    return [em.transpose(x, [p % x.rank for p in perm])]
+
+
+def identity(em, ins, at, n):
+    return [ins[0]]
+
+
+def shape(em, ins, at, n):
+    x = em.as_tensor(ins[0])
+    cut = slice(at.get("start", 0), at.get("end"))
+    return [Folded(*(np.asarray(dims_at(x.groups, b), np.int64)[cut] for b in TRACE_BATCHES))]
+
+
+def size(em, ins, at, n):
+    x = em.as_tensor(ins[0])
+    return [Folded(*(np.asarray(np.prod(dims_at(x.groups, b)), np.int64) for b in TRACE_BATCHES))]
+
+
+def concat(em, ins, at, n):
+    parts = [em.as_tensor(v) for v in ins if v is not None and not (isinstance(v, Folded) and v.a.size == 0)]
+    if len(parts) == 1:
+        return parts
+    axis = at["axis"] % parts[0].rank
+    for p in parts:
+        if p.rank != parts[0].rank or not p.plain(axis) or any(
+                g != h for i, (g, h) in enumerate(zip(p.groups, parts[0].groups)) if i != axis):
+            raise em.fail(f"Concat of {[str(flat(q.groups)) for q in parts]} along axis {axis}: the inputs must "
+                          f"agree outside that axis, which must not hold the batch")
+    total = sum(p.groups[axis][0] for p in parts)
+    groups = parts[0].groups[:axis] + ((total,),) + parts[0].groups[axis + 1:]
+    return [em.tensor("concat", parts, groups, axis=_ir_axis(parts[0], axis))]
+
+
+def _cut(em, x: Tensor, cuts: list) -> Tensor:
+    """IR slice of ``x`` by ``[(onnx axis, start, stop, step)]`` (already clamped)."""
+    groups = list(x.groups)
+    axes, starts, ends, steps = [], [], [], []
+    for axis, start, stop, step in cuts:
+        dim = x.groups[axis][0]
+        groups[axis] = (len(range(start, stop, step)),)
+        axes.append(_ir_axis(x, axis))
+        starts.append(start)
+        ends.append(stop if stop >= 0 else -dim - 1)  # a negative step that ran through index 0
+        steps.append(step)
+    if not axes:
+        return x
+    return em.tensor("slice", [x], groups, axes=axes, starts=starts, ends=ends, steps=steps)
+
+
+def slice_(em, ins, at, n):
+    x = em.as_tensor(ins[0])
+    args = [None if v is None else _folded(em, v, "Slice's bounds") for v in (ins + [None] * 5)[1:5]]
+    cuts = []
+    per_trace = []
+    for t in range(2):
+        starts, ends = ints(args[0].at(t)), ints(args[1].at(t))
+        axes = ints(args[2].at(t)) if args[2] is not None else list(range(len(starts)))
+        steps = ints(args[3].at(t)) if args[3] is not None else [1] * len(starts)
+        dims = dims_at(x.groups, TRACE_BATCHES[t])
+        per_trace.append([(a % x.rank, *slice(s, e, st).indices(dims[a % x.rank]))
+                          for a, s, e, st in zip(axes, starts, ends, steps)])
+    for (axis, *ra), (_, *rb) in zip(*per_trace):
+        dims = [dims_at(x.groups, b)[axis] for b in TRACE_BATCHES]
+        if all(r == (0, d, 1) for r, d in zip((ra, rb), dims)):
+            continue  # the whole axis
+        if not x.plain(axis) or ra != rb:
+            raise em.fail(f"a slice of axis {axis}, which holds the batch: " + shape_group_error("it"))
+        cuts.append((axis, *ra))
+    return [_cut(em, x, cuts)]
+
+
+def split(em, ins, at, n):
+    x = em.as_tensor(ins[0])
+    axis = at.get("axis", 0) % x.rank
+    if not x.plain(axis):
+        raise em.fail(f"Split along axis {axis}, which holds the batch")
+    sizes_in = None if len(ins) < 2 or ins[1] is None else _folded(em, ins[1], "Split's sizes").value
+    sizes = fold.split_sizes([None, sizes_in], {**at, "_outputs": n}, x.groups[axis][0])
+    outs, start = [], 0
+    for size_ in sizes:
+        outs.append(_cut(em, x, [(axis, start, start + size_, 1)]))
+        start += size_
+    return outs
+
+
+def gather(em, ins, at, n):
+    data, idx = ins
+    if isinstance(idx, Tensor):  # indices computed from the data: token ids
+        if idx.dtype != INT:
+            raise em.fail("Gather indices must be integers")
+        data = em.as_tensor(data)
+        axis = at.get("axis", 0) % data.rank
+        if data.batch_axis is not None:
+            raise em.fail("Gather from a tensor holding the batch with data-dependent indices")
+        groups = data.groups[:axis] + idx.groups + data.groups[axis + 1:]
+        if axis == 0 and data.rank == 2:
+            return [em.tensor("embedding", [idx, data], groups)]
+        return [em.tensor("gather", [data, idx], groups, axis=_ir_axis(data, axis))]
+    if not idx.const:
+        raise em.fail(shape_group_error("Gather indices"))
+    data = em.as_tensor(data)
+    axis = at.get("axis", 0) % data.rank
+    if not data.plain(axis):
+        raise em.fail(f"Gather along axis {axis}, which holds the batch")
+    iv = np.asarray(idx.value, np.int64)
+    groups = data.groups[:axis] + single(iv.shape) + data.groups[axis + 1:]
+    return [em.tensor("gather", [data, em.constant(iv)], groups, axis=_ir_axis(data, axis))]
+
+
+def expand(em, ins, at, n):
+    x = em.as_tensor(ins[0])
+    target = _folded(em, ins[1], "Expand's shape")
+    try:
+        outs = [np.broadcast_shapes(dims_at(x.groups, b), tuple(ints(target.at(t))))
+                for t, b in enumerate(TRACE_BATCHES)]
+    except ValueError as exc:
+        raise em.fail(str(exc)) from None
+    pad = len(outs[0]) - x.rank
+    groups, new_batch = [], False
+    for i, (a, b) in enumerate(zip(*outs)):
+        own = x.groups[i - pad] if i >= pad else None
+        if own is not None and dims_at((own,), TRACE_BATCHES[0]) == (a,) and dims_at((own,), TRACE_BATCHES[1]) == (b,):
+            groups.append(own)
+        elif a != b:
+            if (a, b) != TRACE_BATCHES:
+                raise em.fail(shape_group_error(f"Expand to a multiple of the batch ({a} at batch {TRACE_BATCHES[0]})"))
+            groups.append((None,))
+            new_batch = True
+        else:
+            groups.append((a,))
+    if any(len(g) > 1 for g in groups) and tuple(groups[pad:]) != x.groups:
+        raise em.fail("Expand of a tensor whose dims merge the batch with another")
+    no_batch = tuple((1,) if g == (None,) and (i < pad or x.groups[i - pad] != (None,)) else g
+                     for i, g in enumerate(groups))
+    y = x
+    if flat(no_batch) != x.ir_shape:
+        y = em.tensor("expand", [x], no_batch, shape=list(flat(no_batch)))
+    return [em.with_batch(y, tuple(groups)) if new_batch else y]
+
+
+def reduce(op: str):
+    def emit(em, ins, at, n):
+        x = em.as_tensor(ins[0])
+        axes_in = None if len(ins) < 2 or ins[1] is None else _folded(em, ins[1], "axes").value
+        axes = fold.reduce_axes([None, axes_in], at, x.rank)
+        if axes == ():
+            return [x]
+        axes = set(range(x.rank)) if axes is None else set(axes)
+        keep = bool(at.get("keepdims", 1))
+        ir_axes = [_ir_axis(x, a) + k for a in sorted(axes) for k in range(len(x.groups[a]))]
+        groups = tuple((1,) * len(g) if i in axes else g for i, g in enumerate(x.groups) if keep or i not in axes)
+        return [em.tensor(op, [x], groups, axes=ir_axes, keepdims=keep)]
+
+    return emit

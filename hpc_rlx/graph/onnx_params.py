@@ -1,0 +1,233 @@
+"""Reading an ONNX file for the importer: the model itself, its opset, which exporter wrote
+it, and what each initializer becomes.
+
+Initializers become (by ``plan_initializers``):
+
+- ``param``: a float initializer of at least one dimension: a trainable IR parameter under
+  its (sanitised) name;
+- ``buffer``: the running mean and variance a BatchNormalization reads: a non-trainable IR
+  parameter that training updates;
+- ``const``: integer and boolean initializers, float scalars, buffers of the PyTorch module
+  that are not batch-norm statistics, and values the exporter's optimizer computed from
+  constants only: folded into the graph;
+- ``transposed``: a 2-D initializer the dynamo exporter's optimizer computed as the transpose
+  of one PyTorch weight (value_info metadata ``pkg.onnxscript.optimizer.folded_from``) and
+  that feeds MatMul's B input: the parameter keeps the PyTorch name and layout, and the
+  initializer is read as its transpose. The TorchScript exporter's constant folding does the
+  same without saying so; an initializer equal to the transpose of another (a tied output
+  head) is tied to it the same way.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hpc_rlx.errors import GraphError
+
+MIN_OPSET = 13
+FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
+INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
+SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
+FX_NODE = "pkg.torch.onnx.fx_node"
+REWRITE_RULE = "pkg.onnxscript.rewriter.rule_name"
+_INTERMEDIATE = re.compile(r"^(val_\d+|_?[a-z_]+(_\d+)?)$")
+_SIGNATURE_TARGET = re.compile(r"^\w+: (PARAMETER|BUFFER) target='([^']+)'", re.M)
+
+
+def load_model(source):
+    """The ModelProto of a path or of the file's bytes; GraphError for anything unreadable."""
+    import onnx
+
+    what = f"ONNX file {str(source)!r}" if not isinstance(source, (bytes, bytearray)) else "ONNX bytes"
+    try:
+        if isinstance(source, (bytes, bytearray)):
+            model = onnx.load_model_from_string(bytes(source))
+        else:
+            model = onnx.load(str(source))
+    except FileNotFoundError:
+        raise GraphError(f"{what}: no such file") from None
+    except Exception as exc:  # noqa: BLE001 - protobuf and onnx raise several types for a bad file
+        raise GraphError(f"{what} is not a valid ONNX model: {type(exc).__name__}: {exc}") from None
+    graph = model.graph
+    if not model.HasField("graph") or not graph.node or not graph.output:
+        raise GraphError(f"{what} is not a valid ONNX model: it has no graph, nodes or outputs")
+    return model
+
+
+def opset_of(model) -> int:
+    """The default-domain opset, checked against what the importer supports."""
+    import onnx.defs
+
+    newest = onnx.defs.onnx_opset_version()
+    versions = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    if not versions:
+        raise GraphError("the ONNX model imports no default-domain opset")
+    opset = max(versions)
+    if not MIN_OPSET <= opset <= newest:
+        raise GraphError(f"the ONNX model uses opset {opset}; hpc_rlx imports opsets {MIN_OPSET} to {newest} "
+                         f"(re-export with opset_version between them)")
+    return opset
+
+
+def exporter_of(model) -> str:
+    """'dynamo' (torch.onnx.export(dynamo=True)), 'torchscript' (dynamo=False) or 'other'."""
+    if any(p.key.startswith("pkg.torch") for p in list(model.metadata_props) + list(
+            getattr(model.graph, "metadata_props", []))):
+        return "dynamo"
+    if any(p.key.startswith("pkg.torch") for n in model.graph.node for p in n.metadata_props):
+        return "dynamo"
+    if model.producer_name == "pytorch":
+        return "torchscript"
+    return "other"
+
+
+def node_meta(node, key: str) -> str | None:
+    return next((p.value for p in node.metadata_props if p.key == key), None)
+
+
+def fx_batch_norm(node):
+    """(training, momentum, eps) from the dynamo exporter's record of the PyTorch batch-norm
+    call behind ``node``, or None. ``_native_batch_norm_legit_functional(x, w, b, mean, var,
+    training, momentum, eps)`` and ``_native_batch_norm_legit_no_training(x, w, b, mean, var,
+    momentum, eps)``."""
+    text = node_meta(node, FX_NODE) or ""
+    m = re.search(r"target=torch\.ops\.aten\.(\w*batch_norm\w*)\.\w+\]\(args = \((.*)\), kwargs", text)
+    if not m:
+        return None
+    args = [a.strip() for a in m.group(2).split(",")]
+    if "no_training" in m.group(1) and len(args) >= 7:
+        return False, float(args[5]), float(args[6])
+    if len(args) >= 8 and args[5] in ("True", "False"):
+        return args[5] == "True", float(args[6]), float(args[7])
+    return None
+
+
+@dataclass
+class InitPlan:
+    values: dict = field(default_factory=dict)       # initializer name -> np.ndarray
+    kind: dict = field(default_factory=dict)         # initializer name -> param/buffer/const/transposed
+    source: dict = field(default_factory=dict)       # transposed initializer -> the name it transposes
+    torch_name: dict = field(default_factory=dict)   # initializer (or source) name -> PyTorch name
+    fused: set = field(default_factory=set)          # initializers batch norm was folded into
+
+
+def _read_values(model) -> dict:
+    from onnx import numpy_helper
+
+    values = {}
+    for t in model.graph.initializer:
+        if t.data_location == 1 and not t.raw_data:  # TensorProto.EXTERNAL, not loaded
+            raise GraphError(f"initializer {t.name!r} lives in an external data file that was not loaded: "
+                             f"import the .onnx file by its path, next to its data file")
+        try:
+            values[t.name] = numpy_helper.to_array(t)
+        except Exception as exc:  # noqa: BLE001 - onnx raises several types for a damaged tensor
+            raise GraphError(f"initializer {t.name!r} cannot be read: {exc}") from None
+    return values
+
+
+def _value_meta(model) -> dict:
+    return {vi.name: {p.key: p.value for p in vi.metadata_props} for vi in model.graph.value_info}
+
+
+def signature_targets(model) -> set:
+    """The PyTorch parameter and buffer names the dynamo exporter's graph signature lists."""
+    props = list(model.metadata_props) + list(getattr(model.graph, "metadata_props", []))
+    text = next((p.value for p in props if p.key == SIGNATURE), "")
+    return {m.group(2) for m in _SIGNATURE_TARGET.finditer(text)}
+
+
+def _sources(meta: dict) -> list:
+    try:
+        found = ast.literal_eval(meta.get(FOLDED_FROM, "[]"))
+    except (ValueError, SyntaxError):
+        return []
+    return [s for s in found if isinstance(s, str)]
+
+
+def plan_initializers(model, warnings: list) -> InitPlan:
+    plan = InitPlan(values=_read_values(model))
+    vmeta, targets = _value_meta(model), signature_targets(model)
+    uses: dict = {}
+    for node in model.graph.node:
+        for pos, name in enumerate(node.input):
+            uses.setdefault(name, []).append((node.op_type, pos))
+        if "FuseBatchNorm" in (node_meta(node, REWRITE_RULE) or ""):
+            plan.fused.update(i for i in node.input[1:] if i in plan.values)
+    bn_stats = {n for n, u in uses.items() if any(op == "BatchNormalization" and pos in (3, 4) for op, pos in u)}
+    derived, folded_state = [], []
+    for name, value in plan.values.items():
+        meta = vmeta.get(name, {})
+        kind = meta.get(INPUT_KIND)
+        sources = _sources(meta)
+        state = [s for s in sources if s in targets or (not targets and not _INTERMEDIATE.match(s))]
+        if value.dtype.kind != "f" or value.ndim == 0:
+            plan.kind[name] = "const"
+        elif name in bn_stats:
+            plan.kind[name] = "buffer"
+        elif kind in ("BUFFER", "CONSTANT_TENSOR") or (sources and not state):
+            plan.kind[name] = "const"
+        elif len(sources) == 1 and state and value.ndim == 2 and uses.get(name) and all(
+                u in (("MatMul", 1),) for u in uses[name]):
+            plan.kind[name], plan.source[name] = "transposed", sources[0]
+            plan.torch_name[sources[0]] = sources[0]
+        else:
+            plan.kind[name] = "param"
+            if state:
+                (folded_state if any("running_" in s for s in state) else derived).append((name, state))
+            elif kind == "PARAMETER" or (model.producer_name == "pytorch" and not name.startswith("onnx::")
+                                         and name not in plan.fused):
+                plan.torch_name[name] = name
+    _tie_transposed_copies(plan, uses)
+    for name, state in derived:
+        warnings.append(f"initializer {name!r} was computed from {state} by the exporter's optimizer: it trains "
+                        f"as its own parameter (export with optimize=False to keep PyTorch's parameters)")
+    fused = sorted(plan.fused | {n for n, _ in folded_state})
+    if fused:
+        warnings.append(f"batch norm was fused into convolution weights {fused} by the exporter's optimizer: it "
+                        f"trains as a fixed scale and shift folded into them; export with optimize=False to train "
+                        f"batch norm")
+    _missing_state(model, plan, targets, warnings)
+    return plan
+
+
+def _tie_transposed_copies(plan: InitPlan, uses: dict) -> None:
+    """A float matrix that only feeds MatMul's B input and equals another parameter's
+    transpose is a folded copy of it (TorchScript constant folding of a tied head)."""
+    params = [n for n, k in plan.kind.items() if k == "param" and plan.values[n].ndim == 2]
+    for name in params:
+        v = plan.values[name]
+        if not all(u == ("MatMul", 1) for u in uses.get(name, [("", 0)])) or np.unique(v).size < 2:
+            continue
+        for other in params:
+            w = plan.values[other]
+            if other != name and plan.kind[other] == "param" and w.shape == v.shape[::-1] and np.array_equal(w, v.T):
+                plan.kind[name], plan.source[name] = "transposed", other
+                break
+
+
+def _missing_state(model, plan: InitPlan, targets: set, warnings: list) -> None:
+    """Dynamo's optimizer merges initializers of equal value (freshly initialised layer-norm
+    weights, zero biases): the merged parameters would then train as one."""
+    if exporter_of(model) != "dynamo":
+        return
+    folded = {src for name in plan.values for src in _sources(_value_meta(model).get(name, {}))}
+    present = set(plan.values) | set(plan.source.values()) | folded
+    float_targets = {t for t in targets if not t.endswith("num_batches_tracked")}
+    missing = sorted(t for t in float_targets - present if t not in plan.fused)
+    uses: dict = {}
+    for node in model.graph.node:
+        for pos, name in enumerate(node.input):
+            if plan.kind.get(name) == "param":
+                uses.setdefault(name, []).append((node.op_type, pos))
+    shared = sorted(n for n, u in uses.items() if len(set(u)) < len(u))
+    if shared and (missing or not targets):
+        also = f"the PyTorch module's {missing} are not in the file, and " if missing else ""
+        warnings.append(f"{also}parameters {shared} feed several nodes of the same kind: they train as one shared "
+                        f"parameter each. Unless the module shares them, the exporter's optimizer merged "
+                        f"initializers of equal value (dynamo's optimize=True does, e.g. for freshly initialised "
+                        f"layer-norm weights): export with optimize=False")
