@@ -190,3 +190,124 @@ def test_an_imported_run_without_its_source_file_is_one_error(tmp_path, capsys):
     (run / SOURCE_FILE).unlink()
     assert main([str(run), "--onnx", str(tmp_path / "m.onnx")]) == 2
     assert f"no {SOURCE_FILE}" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ round trips through the importer
+
+class TiedLm(nn.Module):
+    """Token ids -> embedding -> layer norm -> MLP -> an output head tied to the embedding."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8, seq: int = 5):
+        super().__init__()
+        self.seq = seq
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(0.1 * torch.randn(seq, dim))
+        self.ln = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids) + self.pos
+        return self.head(h + nn.functional.gelu(self.fc(self.ln(h))))
+
+
+def _export_any(module, exporter: str, train: bool, optimize: bool) -> bytes:
+    key = (type(module), exporter, train, optimize)
+    if key not in _EXPORTED:
+        _EXPORTED[key] = _export_uncached(module, exporter, train, optimize)
+    return _EXPORTED[key]
+
+
+def _export_uncached(module, exporter: str, train: bool, optimize: bool) -> bytes:
+    module.train(train)
+    x = torch.randint(0, 11, (2, module.seq)) if isinstance(module, TiedLm) else torch.randn(2, 1, 8, 8)
+    if exporter == "dynamo":
+        prog = torch.onnx.export(module, (x,), dynamo=True, optimize=optimize, input_names=["x"],
+                                 dynamic_shapes=({0: torch.export.Dim("batch")},))
+        return prog.model_proto.SerializeToString()
+    f = io.BytesIO()
+    mode = torch.onnx.TrainingMode.TRAINING if train else torch.onnx.TrainingMode.EVAL
+    torch.onnx.export(module, (x,), f, dynamo=False, input_names=["x"], training=mode,
+                      do_constant_folding=optimize, dynamic_axes={"x": {0: "b"}})
+    return f.getvalue()
+
+
+ROUND_TRIPS = [(ConvNet, "dynamo", True, False), (ConvNet, "torchscript", True, False),
+               (SeqMlp, "torchscript", False, True), (SeqMlp, "dynamo", False, True),
+               (TiedLm, "torchscript", False, True), (TiedLm, "dynamo", True, False)]
+ROUND_IDS = ["convnet-dynamo", "convnet-torchscript", "mlp-torchscript-folded", "mlp-dynamo-optimized",
+             "tied-lm-torchscript-folded", "tied-lm-dynamo"]
+# TorchScript's constant folding turns a Linear on 3-D input into MatMul(x, onnx::MatMul_N), the
+# weight's transpose under no PyTorch name; the importer does not recognise it (yet)
+UNNAMED_FOLDED = {"mlp-torchscript-folded", "tied-lm-torchscript-folded"}
+
+
+def _tied_names(module) -> set:
+    """State-dict names whose tensor is shared with another name (tied weights)."""
+    by_tensor: dict = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        by_tensor.setdefault(id(t), []).append(name)
+    return {n for names in by_tensor.values() if len(names) > 1 for n in names}
+
+
+def _trained_import(tmp_path, cls, exporter, train, optimize):
+    """import_onnx, 'train' (perturb every parameter and running statistic), export both files.
+    Returns (graph, params, module, ONNX path, safetensors path)."""
+    onnx_import = pytest.importorskip("hpc_rlx.graph.onnx_import")
+    torch.manual_seed(0)
+    module = cls()
+    data = _export_any(module, exporter, train, optimize)
+    imported = onnx_import.import_onnx(data, label_dtype="int64")
+    graph = imported.graph
+    rng = np.random.default_rng(3)
+    params = {}
+    for p in graph.params:
+        value = imported.initial[p.name] + 0.1 * rng.standard_normal(p.shape)
+        params[p.name] = (np.abs(value) + 0.5 if not p.trainable and "var" in p.name else value).astype(np.float32)
+    run = tmp_path / "run"
+    fake_run(run, graph, params)
+    (run / SOURCE_FILE).write_bytes(data)
+    out_onnx, out_sd = tmp_path / "m.onnx", tmp_path / "m.safetensors"
+    assert main([str(run), "--onnx", str(out_onnx), "--state-dict", str(out_sd)]) == 0
+    return graph, params, module, out_onnx, out_sd
+
+
+def _inputs(cls, module, batch):
+    rng = np.random.default_rng(batch)
+    if cls is TiedLm:
+        return rng.integers(0, 11, (batch, module.seq)).astype(np.int64)
+    return rng.standard_normal((batch, 1, 8, 8)).astype(np.float32)
+
+
+@pytest.mark.parametrize("cls,exporter,train,optimize", ROUND_TRIPS, ids=ROUND_IDS)
+def test_an_imported_model_s_onnx_export_runs_like_hpc_rlx(tmp_path, cls, exporter, train, optimize):
+    from hpc_rlx.graph import Executor
+    graph, params, module, out_onnx, _ = _trained_import(tmp_path, cls, exporter, train, optimize)
+    meta = graph.meta["onnx"]
+    ex = Executor(graph, np, "float32")
+    for batch in (1, 4):
+        x = _inputs(cls, module, batch)
+        want = ex.run(params, {"x": x}, [meta["output_node"]])[meta["output_node"]]
+        assert rel_err(ort_run(out_onnx, {meta["input"]: x}), want) <= TOL
+
+
+@pytest.mark.parametrize("cls,exporter,train,optimize", [
+    pytest.param(*case, id=name, marks=[pytest.mark.xfail(reason="folded onnx::MatMul_N weights carry no "
+                                                          "PyTorch name", strict=False)] if name in UNNAMED_FOLDED else [])
+    for case, name in zip(ROUND_TRIPS, ROUND_IDS)])
+def test_an_imported_model_s_state_dict_loads_into_pytorch(tmp_path, cls, exporter, train, optimize):
+    from hpc_rlx.graph import Executor
+    graph, params, module, _, out_sd = _trained_import(tmp_path, cls, exporter, train, optimize)
+    node = graph.meta["onnx"]["output_node"]
+    fresh = cls()
+    result = fresh.load_state_dict(st.load_file(str(out_sd)), strict=False)
+    assert result.unexpected_keys == []
+    # a tied weight loads through the name the file holds; its other name is reported missing
+    tied = _tied_names(fresh)
+    assert all(k.endswith("num_batches_tracked") or k in tied for k in result.missing_keys), result.missing_keys
+    x = _inputs(cls, module, 3)
+    with torch.no_grad():
+        got = fresh.eval()(torch.from_numpy(x)).numpy()
+    want = Executor(graph, np, "float32").run(params, {"x": x}, [node])[node]
+    assert rel_err(got, want) <= TOL

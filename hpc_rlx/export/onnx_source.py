@@ -3,7 +3,9 @@ and the state dict under the original (PyTorch) names and layouts.
 
 The run keeps the file it imported as RUN_DIR/model.source.onnx; graph.meta["onnx"] maps each
 IR parameter to the initializer it came from ("params"), names those stored transposed
-relative to it ("transposed"), and may name their PyTorch state-dict key ("torch_names").
+relative to it ("transposed"), and may name their PyTorch state-dict key ("torch_names");
+"tied" names initializers that are a transposed copy of a parameter held elsewhere too, and
+"aliases" (optional) the other PyTorch names of a tied parameter.
 """
 
 from __future__ import annotations
@@ -29,14 +31,12 @@ def _meta(graph: Graph) -> dict:
     return meta
 
 
-def _source_value(meta: dict, ir_name: str, value: np.ndarray, shape) -> np.ndarray:
-    """The trained value in the layout of the file's initializer ``shape``."""
-    if ir_name in meta.get("transposed", {}):
-        value = value.T
+def _in_shape(ir_name: str, source: str, value: np.ndarray, shape) -> np.ndarray:
+    """``value`` in the initializer's ``shape`` (the same elements, e.g. a (C,1,1) bias as (C,))."""
     if tuple(value.shape) != tuple(shape):
         if value.size != int(np.prod(shape, dtype=np.int64)):
-            raise ExportError(f"parameter {ir_name!r} has shape {value.shape}, its initializer "
-                              f"{meta['params'][ir_name]!r} {tuple(shape)}")
+            raise ExportError(f"parameter {ir_name!r} has shape {value.shape}, its initializer {source!r} "
+                              f"{tuple(shape)}")
         value = value.reshape(shape)
     return value
 
@@ -67,12 +67,16 @@ def original_state_dict(trained: TrainedModel, onnx=None) -> dict:
         if source is None:
             raise ExportError(f"parameter {p.name!r} has no source initializer in meta.onnx.params")
         if p.name not in meta.get("transposed", {}) and source in shapes:
-            value = _source_value(meta, p.name, value, shapes[source])
+            value = _in_shape(p.name, source, value, shapes[source])
         # a transposed copy the importer recognised is trained under its PyTorch name
         name = torch_names.get(p.name) or (p.name if p.name in meta.get("transposed", {}) else source)
         if name in out:
             raise ExportError(f"parameters map to the same state-dict name {name!r}")
         out[name] = value
+    # PyTorch lists a tied parameter under each of its names; the file holds it once
+    for alias, ir in (meta.get("aliases") or {}).items():
+        if ir in trained.params and alias not in out:
+            out[alias] = np.asarray(trained.params[ir], dtype=np.float32)
     return out
 
 
@@ -163,12 +167,16 @@ def original_onnx(onnx, trained: TrainedModel):
         raise ExportError("the model came in as ONNX but its graph records no output (meta.onnx.output)")
     out_info = _output_info(onnx, model, output)
     by_name = {t.name: t for t in graph.initializer}
-    for ir_name, source in meta["params"].items():
+    # a tied initializer is a transposed copy of a parameter held elsewhere: file value = ir.T
+    writes = [(ir, source, ir in meta.get("transposed", {})) for ir, source in meta["params"].items()]
+    writes += [(ir, source, True) for source, ir in (meta.get("tied") or {}).items()]
+    for ir_name, source, transpose in writes:
         init = by_name.get(source)
-        if init is None:
+        if init is None or ir_name not in trained.params:
             raise ExportError(f"{SOURCE_FILE} has no initializer {source!r} (parameter {ir_name!r}); "
                               f"is it the file this run imported?")
-        value = _source_value(meta, ir_name, np.asarray(trained.params[ir_name]), tuple(init.dims))
+        value = np.asarray(trained.params[ir_name])
+        value = _in_shape(ir_name, source, value.T if transpose else value, tuple(init.dims))
         dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
         init.CopyFrom(onnx.numpy_helper.from_array(np.require(value, dtype, "C"), source))
     _inference_forms(graph)
