@@ -311,3 +311,63 @@ def test_an_imported_model_s_state_dict_loads_into_pytorch(tmp_path, cls, export
         got = fresh.eval()(torch.from_numpy(x)).numpy()
     want = Executor(graph, np, "float32").run(params, {"x": x}, [node])[node]
     assert rel_err(got, want) <= TOL
+
+
+def test_tensors_in_an_external_data_file_are_read_from_the_run_directory(tmp_path, capsys):
+    """torch's dynamo exporter keeps large weights in OUT.onnx.data beside the file: the trained
+    ones are replaced anyway; the others are read from the run directory, or named in one error."""
+    run, trained = imported_run(tmp_path, SeqMlp, "dynamo", False)
+    proto = onnx.load(str(run / SOURCE_FILE))
+    onnx.save_model(proto, str(run / SOURCE_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="weights.data", size_threshold=0, convert_attribute=True)  # constants too
+    out = tmp_path / "m.onnx"
+    assert main([str(run), "--onnx", str(out)]) == 0
+    x = np.random.default_rng(0).standard_normal((2, 1, 8, 8)).astype(np.float32)
+    with torch.no_grad():
+        assert rel_err(ort_run(out, {"x": x}), trained(torch.from_numpy(x)).numpy()) <= TOL
+    (run / "weights.data").unlink()
+    assert main([str(run), "--onnx", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "external file 'weights.data'" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.mpi
+def test_an_onnx_model_trained_under_mpirun_exports_and_loads_back(tmp_path, digits_h5):
+    """README's flow: torch.onnx.export, `mpirun -n 2 python -m hpc_rlx model=onnx`, then
+    `python -m hpc_rlx.export`: PyTorch loads the state dict and ONNX Runtime runs the file, both
+    like the trained model.h5 under hpc_rlx."""
+    import subprocess
+
+    from hpc_rlx.graph import Executor
+
+    from .conftest import PYTHON, REPO, explain, mpi_env, train_job
+    pytest.importorskip("hpc_rlx.graph.onnx_import")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Flatten(), nn.Dropout(0.1), nn.Linear(8 * 4 * 4, 10))
+    net.train()
+    source = tmp_path / "net.onnx"
+    torch.onnx.export(net, (torch.randn(2, 1, 8, 8),), str(source), input_names=["x"],
+                      dynamic_shapes=({0: torch.export.Dim("batch")},), optimize=False)
+    run = tmp_path / "run"
+    proc = train_job(2, run, ["model=onnx", f"model.path={source}", "train.epochs=2", f"data.path={digits_h5}",
+                              "report.tensorboard=false"], timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    out_onnx, out_sd = tmp_path / "trained.onnx", tmp_path / "trained.safetensors"
+    cli = subprocess.run([PYTHON, "-m", "hpc_rlx.export", str(run), "--onnx", str(out_onnx),
+                          "--state-dict", str(out_sd)], cwd=REPO, env=mpi_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert cli.returncode == 0, explain(cli)
+    assert "checked in ONNX Runtime" in cli.stdout
+
+    model = load_trained(run)
+    node = model.graph.meta["onnx"]["output_node"]
+    x = np.random.default_rng(0).standard_normal((5, 1, 8, 8)).astype(np.float32)
+    want = Executor(model.graph, np, "float32").run(model.params, {"x": x}, [node])[node]
+    assert rel_err(ort_run(out_onnx, {"x": x}), want) <= TOL
+    result = net.load_state_dict(st.load_file(str(out_sd)), strict=False)
+    assert result.unexpected_keys == [] and all(k.endswith("num_batches_tracked") for k in result.missing_keys)
+    running = net[1].running_mean.detach().numpy()
+    assert np.abs(running).max() > 0       # the trained running statistics came back
+    with torch.no_grad():
+        assert rel_err(net.eval()(torch.from_numpy(x)).numpy(), want) <= TOL

@@ -42,14 +42,46 @@ def _in_shape(ir_name: str, source: str, value: np.ndarray, shape) -> np.ndarray
 
 
 def load_source(onnx, trained: TrainedModel):
+    """The source file's ModelProto. Tensors kept in an external data file are left unread:
+    the trained ones are replaced anyway, the others are read by ``read_external`` (the
+    exporters of torch put large weights next to the file, and the run copies the file only)."""
     path = trained.run_dir / SOURCE_FILE
     if not path.is_file():
         raise ExportError(f"{trained.run_dir} has no {SOURCE_FILE}, the ONNX file the model was imported "
                           f"from; copy that file there to export the model")
     try:
-        return onnx.load(str(path))
+        return onnx.load(str(path), load_external_data=False)
     except Exception as e:  # noqa: BLE001 - protobuf and onnx raise several types for a bad file
         raise ExportError(f"{path} cannot be read as ONNX: {e}") from None
+
+
+def _all_tensors(graph):
+    """The initializers and constant tensors of ``graph`` and of its subgraphs."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _all_tensors(sub)
+
+
+def read_external(onnx, model, run_dir) -> None:
+    """Read the tensors still kept in external data files, from the run directory."""
+    helper = onnx.external_data_helper
+    for tensor in _all_tensors(model.graph):
+        if not helper.uses_external_data(tensor):
+            continue
+        where = {e.key: e.value for e in tensor.external_data}.get("location", "?")
+        try:
+            helper.load_external_data_for_tensor(tensor, str(run_dir))
+        except Exception:  # noqa: BLE001 - a missing or short file; one message for both
+            raise ExportError(f"{SOURCE_FILE} keeps tensor {tensor.name!r} in the external file {where!r}, "
+                              f"which is not readable in {run_dir}: copy it there from beside the "
+                              f"original ONNX file") from None
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]
 
 
 def original_state_dict(trained: TrainedModel, onnx=None) -> dict:
@@ -179,6 +211,7 @@ def original_onnx(onnx, trained: TrainedModel):
         value = _in_shape(ir_name, source, value.T if transpose else value, tuple(init.dims))
         dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
         init.CopyFrom(onnx.numpy_helper.from_array(np.require(value, dtype, "C"), source))
+    read_external(onnx, model, trained.run_dir)
     _inference_forms(graph)
     _prune(graph, output)
     del graph.output[:]
