@@ -86,9 +86,12 @@ def cast(em, ins, at, n):
 
 
 def cast_like(em, ins, at, n):
-    like = ins[1]
+    """Only the second input's type matters: a constant cast like a tensor stays a constant."""
+    x, like = ins
     target = like.value.dtype if isinstance(like, Folded) else (np.float32 if like.dtype == FLOAT else np.int64)
-    return [_cast_to(em, em.as_tensor(ins[0]), target)]
+    if isinstance(x, Folded):
+        return [Folded(x.a.astype(target), x.b.astype(target))]
+    return [_cast_to(em, x, target)]
 
 
 def _causal_fill(em, cond, fill, scores, hide_when: bool):

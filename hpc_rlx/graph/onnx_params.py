@@ -152,12 +152,17 @@ def _sources(meta: dict) -> list:
 def plan_initializers(model, warnings: list) -> InitPlan:
     plan = InitPlan(values=_read_values(model))
     vmeta, targets = _value_meta(model), signature_targets(model)
-    uses: dict = {}
+    uses, consumers = {}, {}
     for node in model.graph.node:
         for pos, name in enumerate(node.input):
             uses.setdefault(name, []).append((node.op_type, pos))
+            consumers.setdefault(name, []).append(node)
         if "FuseBatchNorm" in (node_meta(node, REWRITE_RULE) or ""):
             plan.fused.update(i for i in node.input[1:] if i in plan.values)
+    torchscript = exporter_of(model) == "torchscript"
+    if torchscript:  # constant folding writes new initializers "onnx::<op>_<n>"
+        plan.fused.update(n for n in plan.values if n.startswith("onnx::Conv_") and
+                          all(op == "Conv" and pos > 0 for op, pos in uses.get(n, [])))
     bn_stats = {n for n, u in uses.items() if any(op == "BatchNormalization" and pos in (3, 4) for op, pos in u)}
     derived, folded_state = [], []
     for name, value in plan.values.items():
@@ -175,6 +180,9 @@ def plan_initializers(model, warnings: list) -> InitPlan:
                 u in (("MatMul", 1),) for u in uses[name]):
             plan.kind[name], plan.source[name] = "transposed", sources[0]
             plan.torch_name[sources[0]] = sources[0]
+        elif torchscript and name.startswith("onnx::MatMul_") and value.ndim == 2 and _scoped_weight(consumers, name):
+            source = _scoped_weight(consumers, name)
+            plan.kind[name], plan.source[name], plan.torch_name[source] = "transposed", source, source
         else:
             plan.kind[name] = "param"
             if state:
@@ -187,12 +195,26 @@ def plan_initializers(model, warnings: list) -> InitPlan:
         warnings.append(f"initializer {name!r} was computed from {state} by the exporter's optimizer: it trains "
                         f"as its own parameter (export with optimize=False to keep PyTorch's parameters)")
     fused = sorted(plan.fused | {n for n, _ in folded_state})
-    if fused:
+    if fused and torchscript:
+        warnings.append(f"TorchScript constant folding rewrote the convolution weights {fused}: batch norm after "
+                        f"those convolutions (if any) was fused into them and trains as a fixed scale and shift; "
+                        f"export with do_constant_folding=False (or training=TrainingMode.TRAINING) to train it")
+    elif fused:
         warnings.append(f"batch norm was fused into convolution weights {fused} by the exporter's optimizer: it "
                         f"trains as a fixed scale and shift folded into them; export with optimize=False to train "
                         f"batch norm")
     _missing_state(model, plan, targets, warnings)
     return plan
+
+
+def _scoped_weight(consumers: dict, name: str) -> str | None:
+    """The PyTorch weight a TorchScript-folded MatMul operand transposes: the MatMul node's
+    name scope is the module path ("/blocks.0/fc1/MatMul" -> "blocks.0.fc1.weight")."""
+    nodes = consumers.get(name, [])
+    if len(nodes) != 1 or nodes[0].op_type != "MatMul" or list(nodes[0].input).index(name) != 1:
+        return None
+    scope = nodes[0].name.split("/")[1:-1]
+    return ".".join(scope) + ".weight" if scope and all(scope) else None
 
 
 def _tie_transposed_copies(plan: InitPlan, uses: dict) -> None:

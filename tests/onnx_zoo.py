@@ -1,0 +1,219 @@
+"""A small model zoo in plain PyTorch for the ONNX import tests, and a helper that exports one
+with either exporter in either mode.
+
+Each model stays under 200k parameters with inputs of at most 16x16 pixels (or 8 tokens), so
+an export and a gradient check take about a second. ``randomize`` gives every parameter and
+batch-norm statistic distinct random values: the dynamo exporter's optimizer merges
+initializers of equal value (freshly initialised layer-norm weights are all ones), and
+distinct values also let a test find each imported parameter's PyTorch counterpart by value.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LeNet5(nn.Module):
+    def __init__(self, c=1, n=10):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(c, 6, 5, padding=2), nn.Conv2d(6, 16, 5)
+        self.fc1, self.fc2 = nn.Linear(16 * 2 * 2, 32), nn.Linear(32, n)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.avg_pool2d(torch.tanh(self.conv2(x)), 3, stride=1, padding=1)  # padded: count_include_pad
+        return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet(nn.Module):
+    def __init__(self, c=3, n=10):
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(c, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8)
+        self.layer1, self.layer2 = BasicBlock(8, 8, 1), BasicBlock(8, 16, 2)
+        self.fc = nn.Linear(16, n)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(F.relu(self.bn(self.stem(x)))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class MobileNet(nn.Module):
+    """A depthwise-separable block: ReLU6 stem, depthwise 3x3, pointwise 1x1, dropout head."""
+
+    def __init__(self, c=3, n=10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(c, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6())
+        self.dw, self.bn1 = nn.Conv2d(16, 16, 3, 1, 1, groups=16, bias=False), nn.BatchNorm2d(16)
+        self.pw, self.bn2 = nn.Conv2d(16, 32, 1, bias=False), nn.BatchNorm2d(32)
+        self.drop, self.head = nn.Dropout(0.1), nn.Linear(32, n)
+
+    def forward(self, x):
+        x = F.relu(self.bn2(self.pw(F.relu(self.bn1(self.dw(self.stem(x)))))))
+        return self.head(self.drop(x.mean((2, 3))))
+
+
+class ViT(nn.Module):
+    """Patch convolution, class token, pre-LN blocks of PyTorch multi-head attention, exact GELU."""
+
+    def __init__(self, c=3, n=10, img=16, p=4, d=32, heads=2, depth=2):
+        super().__init__()
+        self.patch = nn.Conv2d(c, d, p, p)
+        t = (img // p) ** 2
+        self.cls, self.pos = nn.Parameter(torch.zeros(1, 1, d)), nn.Parameter(torch.zeros(1, t + 1, d))
+        self.blocks = nn.ModuleList([nn.ModuleDict(dict(
+            ln1=nn.LayerNorm(d), attn=nn.MultiheadAttention(d, heads, batch_first=True),
+            ln2=nn.LayerNorm(d), fc1=nn.Linear(d, 2 * d), fc2=nn.Linear(2 * d, d))) for _ in range(depth)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, n)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.pos
+        for b in self.blocks:
+            h = b["ln1"](x)
+            x = x + b["attn"](h, h, h, need_weights=False)[0]
+            x = x + b["fc2"](F.gelu(b["fc1"](b["ln2"](x))))
+        return self.head(self.ln(x)[:, 0])
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, causal self-attention, pre-LN blocks, a tied or own head."""
+
+    def __init__(self, v=32, t=8, d=32, heads=2, depth=2, tied=True):
+        super().__init__()
+        self.tok, self.pos, self.h, self.tied = nn.Embedding(v, d), nn.Embedding(t, d), heads, tied
+        self.blocks = nn.ModuleList([nn.ModuleDict(dict(
+            ln1=nn.LayerNorm(d), qkv=nn.Linear(d, 3 * d), proj=nn.Linear(d, d),
+            ln2=nn.LayerNorm(d), fc1=nn.Linear(d, 4 * d), fc2=nn.Linear(4 * d, d))) for _ in range(depth)])
+        self.ln = nn.LayerNorm(d)
+        if not tied:
+            self.lm_head = nn.Linear(d, v, bias=False)
+        self.register_buffer("mask", torch.tril(torch.ones(t, t, dtype=torch.bool)))
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        for b in self.blocks:
+            q, k, v = b["qkv"](b["ln1"](x)).split(x.shape[-1], dim=2)
+            q, k, v = [z.view(B, T, self.h, -1).transpose(1, 2) for z in (q, k, v)]
+            a = (q @ k.transpose(-2, -1)) / (q.shape[-1] ** 0.5)
+            a = a.masked_fill(~self.mask[:T, :T], float("-inf")).softmax(-1)
+            x = x + b["proj"]((a @ v).transpose(1, 2).reshape(B, T, -1))
+            x = x + b["fc2"](F.gelu(b["fc1"](b["ln2"](x))))
+        x = self.ln(x)
+        return x @ self.tok.weight.t() if self.tied else self.lm_head(x)
+
+
+class Mixer(nn.Module):
+    """MLP-Mixer: token-mixing MLPs across patches (linear layers on the transposed tokens)."""
+
+    def __init__(self, c=3, n=10, img=16, p=4, d=32, depth=2):
+        super().__init__()
+        t = (img // p) ** 2
+        self.stem = nn.Conv2d(c, d, p, p)
+        self.blocks = nn.ModuleList([nn.ModuleDict(dict(
+            ln1=nn.LayerNorm(d), tok1=nn.Linear(t, 2 * t), tok2=nn.Linear(2 * t, t),
+            ln2=nn.LayerNorm(d), ch1=nn.Linear(d, 2 * d), ch2=nn.Linear(2 * d, d))) for _ in range(depth)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, n)
+
+    def forward(self, x):
+        x = self.stem(x).flatten(2).transpose(1, 2)
+        for b in self.blocks:
+            y = b["ln1"](x).transpose(1, 2)
+            x = x + b["tok2"](F.gelu(b["tok1"](y))).transpose(1, 2)
+            x = x + b["ch2"](F.gelu(b["ch1"](b["ln2"](x))))
+        return self.head(self.ln(x).mean(1))
+
+
+# name -> (constructor, one sample's input shape, token vocabulary or None for float images)
+ZOO = {
+    "lenet": (LeNet5, (1, 12, 12), None),
+    "resnet": (ResNet, (3, 16, 16), None),
+    "mobilenet": (MobileNet, (3, 16, 16), None),
+    "vit": (ViT, (3, 16, 16), None),
+    "gpt": (GPT, (8,), 32),
+    "gpt_untied": (lambda: GPT(tied=False), (8,), 32),
+    "mixer": (Mixer, (3, 16, 16), None),
+}
+
+
+def randomize(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Distinct random values for every float parameter and buffer (variances positive)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(module.named_parameters()) + list(module.named_buffers()):
+            if not p.dtype.is_floating_point:
+                continue
+            r = torch.rand(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
+            if name.endswith("running_var") or (name.endswith("weight") and p.dim() == 1):
+                p.copy_(0.5 + r)  # variances and norm scales around 1
+            else:
+                fan_in = p[0].numel() if p.dim() > 1 else 1
+                p.copy_((2 * r - 1) * (0.2 if p.dim() == 1 else fan_in ** -0.5 * 1.5))
+    return module
+
+
+def make(name: str, seed: int = 0) -> nn.Module:
+    return randomize(ZOO[name][0](), seed)
+
+
+def sample_input(name: str, batch: int, seed: int = 0) -> torch.Tensor:
+    _, shape, vocab = ZOO[name]
+    g = torch.Generator().manual_seed(seed)
+    if vocab:
+        return torch.randint(0, vocab, (batch, *shape), generator=g)
+    return torch.randn((batch, *shape), generator=g)
+
+
+def has_batch_norm(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+def export(module: nn.Module, example: torch.Tensor, path, exporter: str, mode: str, optimize: bool = True):
+    """Write ``module`` as ONNX at ``path``: ``exporter`` "dynamo" (torch.onnx.export(dynamo=True),
+    with its graph optimizer unless ``optimize`` is false) or "torchscript" (dynamo=False, constant
+    folding in eval mode only); ``mode`` "train" (module.train(); TorchScript's TRAINING form) or
+    "eval". The batch dim is dynamic. Returns ``path``.
+
+    Exporting runs the module once; in training mode that moves its batch-norm running
+    statistics, and the TorchScript exporter writes the moved values. The module is left
+    holding what the file holds."""
+    module.train(mode == "train")
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            torch.onnx.export(module, (example,), str(path), dynamo=True, optimize=optimize, verbose=False,
+                              input_names=["x"], output_names=["logits"],
+                              dynamic_shapes=({0: torch.export.Dim("batch")},))
+        else:
+            training = torch.onnx.TrainingMode.TRAINING if mode == "train" else torch.onnx.TrainingMode.EVAL
+            torch.onnx.export(module, (example,), str(path), dynamo=False, input_names=["x"],
+                              output_names=["logits"], dynamic_axes={"x": {0: "batch"}}, training=training,
+                              do_constant_folding=mode != "train" and optimize)
+    import onnx
+    from onnx import numpy_helper
+
+    written = {t.name: t for t in onnx.load(str(path)).graph.initializer}
+    for key, value in state.items():
+        if key in written and tuple(written[key].dims) == tuple(value.shape):
+            value.copy_(torch.from_numpy(numpy_helper.to_array(written[key]).copy()))
+    module.load_state_dict(state)
+    return path
