@@ -23,6 +23,7 @@ from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.data.resolve import num_classes, prepare_missing_data
 from hpc_rlx.errors import ConfigError, DataError
 from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, init_params
+from hpc_rlx.graph.onnx_import import import_onnx
 from hpc_rlx.runtime.optim import OPTIMIZER_KEYS, make_optimizer, make_schedule
 
 
@@ -154,16 +155,38 @@ def check_run_dir_writable(run_dir: str) -> None:
 SAMPLE_DIMS = {"cnn": (3, "(C, H, W) images"), "transformer_lm": (1, "token sequences (N, T)")}
 
 
-def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes: int | None):
+# rank 0: the ONNX file's initial weights, imported once by build_spec for initial_parameters
+_IMPORTED: dict[str, dict] = {}
+
+
+def _import_onnx(model_cfg: dict, info):
+    """model=onnx: the file's graph with the loss head the config and the labels ask for."""
+    path = model_cfg["path"]
+    if not os.path.isfile(path):
+        raise ConfigError(f"model.path={path}: no such file")
+    label_dtype = "int64" if np.dtype(info.y_dtype).kind in "iub" else "float"
+    imported = import_onnx(path, loss=model_cfg["loss"], label_dtype=label_dtype,
+                           label_shape=tuple(info.y_shape))
+    for warning in imported.warnings:
+        print(f"[hpc_rlx] warning: {path}: {warning}", flush=True)   # rank 0 only (build_spec)
+    _IMPORTED[os.path.abspath(path)] = imported.initial
+    return imported.graph
+
+
+def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes: int | None,
+                 info=None):
     """The model graph: a builder of `graph.models.BUILDERS` with the option's keys
-    (`config.schema.BUILDER_KEYS`) and what the data says, or a graph file (`model=graph`)."""
+    (`config.schema.BUILDER_KEYS`) and what the data says, a graph file (`model=graph`) or an
+    ONNX file (`model=onnx`)."""
     name = model_cfg["name"]
+    if name in ("graph", "onnx") and model_cfg.get("path") in (None, "", "???"):
+        raise ConfigError(f"model={name} needs model.path=<a {'graph JSON' if name == 'graph' else 'ONNX'} file>")
     if name == "graph":
-        if model_cfg.get("path") in (None, "", "???"):
-            raise ConfigError("model=graph needs model.path=<a graph JSON file>")
         return Graph.from_file(model_cfg["path"])
+    if name == "onnx":
+        return _import_onnx(model_cfg, info)
     if name not in schema.BUILDER_KEYS:
-        raise ConfigError(f"model={name!r} is not one of mlp, cnn, transformer_lm, graph")
+        raise ConfigError(f"model={name!r} is not one of {', '.join(schema.MODELS)}")
     takes = inspect.signature(BUILDERS[name]).parameters
     if "input_shape" in takes and num_classes is None:
         raise DataError("cannot tell the number of classes: set model.num_classes, or give the "
@@ -212,7 +235,8 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
             raise DataError(f"data.val_fraction={d['val_fraction']} leaves no training samples "
                             f"in {d['path']} ({info.n} samples)")
 
-    graph = _build_graph(cfg["model"], info.x_shape, info.x_dtype, _num_classes(cfg["model"], info, n_train))
+    n_classes = _num_classes(cfg["model"], info, n_train) if cfg["model"]["name"] in schema.BUILDER_KEYS else None
+    graph = _build_graph(cfg["model"], info.x_shape, info.x_dtype, n_classes, info)
     if cfg["checkpoint"]["metric"] == "val_accuracy" and "correct" not in graph.outputs:
         raise ConfigError("checkpoint.metric=val_accuracy, but this model reports no accuracy "
                           "(its loss is a regression loss); use checkpoint.metric=val_loss")
@@ -233,8 +257,12 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     check_lane_batch(cfg["device"], cfg["train"]["batch_size"], world_size)
 
     init_from = cfg["model"].get("init_from")
-    source = ({"kind": "file", "path": init_from} if init_from
-              else {"kind": "seed", "seed": int(cfg["train"]["seed"])})
+    if init_from:
+        source = {"kind": "file", "path": init_from}
+    elif cfg["model"]["name"] == "onnx":
+        source = {"kind": "onnx", "path": os.path.abspath(cfg["model"]["path"])}
+    else:
+        source = {"kind": "seed", "seed": int(cfg["train"]["seed"])}
     data_plan = DataPlan(
         path=d["path"], x=d["x"], y=d["y"], n_train=n_train, val_path=val_path,
         val_start=val_start, val_stop=val_stop, distribution=d["distribution"],
@@ -247,7 +275,8 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         run_dir=str(run_dir), resume=str(cfg["resume"]), world_size=world_size,
         config_yaml=config_yaml,
         extras={"report": dict(cfg["report"]), "trace": dict(cfg["trace"]),
-                "plan": plan.describe(), "config_fingerprint": fingerprint})
+                "plan": plan.describe(), "config_fingerprint": fingerprint,
+                "model_source": source["path"] if source["kind"] == "onnx" else None})
 
 
 def initial_parameters(spec: TrainSpec, graph, layout) -> np.ndarray:
@@ -257,6 +286,11 @@ def initial_parameters(spec: TrainSpec, graph, layout) -> np.ndarray:
     src = spec.param_source
     if src["kind"] == "seed":
         init_params(graph, flat, int(src["seed"]))
+    elif src["kind"] == "onnx":
+        initial = _IMPORTED.get(src["path"])
+        if initial is None:     # build_spec ran in another process (a test, a tool)
+            initial = import_onnx(src["path"]).initial
+        layout.pack(initial, flat)
     else:
         try:
             with h5py.File(src["path"], "r") as f:

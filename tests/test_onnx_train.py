@@ -1,0 +1,161 @@
+"""Training an ONNX file under real mpirun: a PyTorch model exported with both exporters trains
+on ranks that have no PyTorch, 2 ranks equal 1 rank in float64, batch-norm running statistics
+are averaged over ranks and lanes, and a bad file fails the same way on every rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from .conftest import explain, read_metrics, train_job
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnx")
+pytest.importorskip("onnxscript")
+nn = torch.nn
+
+pytestmark = pytest.mark.mpi
+
+EQUIV = ["train.dtype=float64", "train.epochs=2", "train.batch_size=24", "data.leftover=partial",
+         "optim.lr=0.05", "checkpoint=off", "data.shuffle=false"]
+
+
+class SmallBatchNormNet(nn.Module):
+    """Convolution, batch norm, dropout and a linear head on 1x8x8 digits."""
+
+    def __init__(self, dropout: float = 0.1):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(dropout)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = nn.functional.max_pool2d(torch.relu(self.bn(self.conv(x))), 2)
+        return self.fc(self.drop(torch.flatten(x, 1)))
+
+
+class SmallMlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc2(nn.functional.gelu(self.fc1(torch.flatten(x, 1))))
+
+
+def export(module: nn.Module, path: Path, exporter: str = "dynamo", train: bool = True) -> Path:
+    torch.manual_seed(0)
+    module.train(train)
+    x = torch.randn(2, 1, 8, 8)
+    if exporter == "dynamo":
+        torch.onnx.export(module, (x,), str(path), dynamo=True, optimize=False, input_names=["x"],
+                          dynamic_shapes=({0: torch.export.Dim("batch")},))
+    else:
+        mode = torch.onnx.TrainingMode.TRAINING if train else torch.onnx.TrainingMode.EVAL
+        torch.onnx.export(module, (x,), str(path), dynamo=False, input_names=["x"], training=mode,
+                          dynamic_axes={"x": {0: "batch"}}, do_constant_folding=not train)
+    return path
+
+
+def params_of(run_dir: Path) -> dict:
+    with h5py.File(run_dir / "model.h5", "r") as f:
+        return {k: f[k][...] for k in f.keys()}
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.abs(a[k] - b[k]).max() / max(np.abs(a[k]).max(), 1e-300)) for k in a)
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_a_pytorch_model_with_batch_norm_trains_on_two_ranks(tmp_path, digits_h5, exporter):
+    onnx_file = export(SmallBatchNormNet(), tmp_path / "net.onnx", exporter)
+    run = tmp_path / "run"
+    proc = train_job(2, run, [f"data.path={digits_h5}", "model=onnx", f"model.path={onnx_file}",
+                              "train.epochs=4", "optim.lr=0.1"], timeout=240)
+    assert proc.returncode == 0, explain(proc)
+    metrics = read_metrics(run)
+    assert metrics[-1]["val_accuracy"] >= 0.85, metrics[-1]
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+    # the source file rides along for the exporter; the running statistics trained and are saved
+    assert (run / "model.source.onnx").read_bytes() == onnx_file.read_bytes()
+    params = params_of(run)
+    assert {"bn.running_mean", "bn.running_var", "bn.weight", "conv.weight"} <= set(params)
+    assert np.abs(params["bn.running_mean"]).max() > 0.01            # moved from its initial zeros
+    assert not np.allclose(params["bn.running_var"], 1.0)
+
+
+def test_two_ranks_equal_one_rank_in_float64(tmp_path, digits_h5):
+    onnx_file = export(SmallMlp(), tmp_path / "mlp.onnx")
+    base = EQUIV + [f"data.path={digits_h5}", "model=onnx", f"model.path={onnx_file}"]
+    for name, n in (("w1", 1), ("w2", 2)):
+        proc = train_job(n, tmp_path / name, base)
+        assert proc.returncode == 0, f"{name}: " + explain(proc)
+    assert max_rel_diff(params_of(tmp_path / "w1"), params_of(tmp_path / "w2")) <= 1e-10
+
+
+def test_batch_norm_statistics_of_two_ranks_equal_two_lanes_of_one_rank(tmp_path, digits_h5):
+    """Each lane normalises with its own batch statistics (as DDP without SyncBN); the running
+    statistics are the sample-weighted mean over lanes and ranks, so 2 ranks x 1 lane equal
+    1 rank x 2 lanes that see the same micro-batches (a fixed split: comm.deterministic)."""
+    onnx_file = export(SmallBatchNormNet(dropout=0.0), tmp_path / "bn.onnx", "torchscript")
+    # leftover=drop: a partial last step would be split 10/10 over lanes but 12/8 over ranks
+    base = EQUIV + [f"data.path={digits_h5}", "model=onnx", f"model.path={onnx_file}",
+                    "comm.deterministic=true", "data.leftover=drop"]
+    runs = {"w2": (2, []), "w1_lanes2": (1, ["device.cpu_lanes=2"])}
+    for name, (n, extra) in runs.items():
+        proc = train_job(n, tmp_path / name, base + extra)
+        assert proc.returncode == 0, f"{name}: " + explain(proc)
+    a, b = params_of(tmp_path / "w2"), params_of(tmp_path / "w1_lanes2")
+    assert max_rel_diff(a, b) <= 1e-10
+    # and they differ from one lane of one rank: the statistics really are per lane
+    proc = train_job(1, tmp_path / "w1", base)
+    assert proc.returncode == 0, explain(proc)
+    assert max_rel_diff(a, params_of(tmp_path / "w1")) > 1e-6
+
+
+def test_an_unsupported_op_is_one_error_on_every_rank(tmp_path, digits_h5):
+    import onnx
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1, 8, 8])
+    node = helper.make_node("Hardmax", ["x"], ["y"], name="the_hardmax")
+    model = helper.make_model(helper.make_graph([node], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "bad.onnx"
+    onnx.save(model, str(path))
+    proc = train_job(2, tmp_path / "run", [f"data.path={digits_h5}", "model=onnx", f"model.path={path}"],
+                     timeout=120)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "Hardmax" in out and "the_hardmax" in out, explain(proc)
+    assert "Gemm" in out          # the list of supported ops
+    assert "Traceback" not in out, explain(proc)
+
+
+def test_a_malformed_file_is_one_clear_error(tmp_path, digits_h5):
+    path = tmp_path / "junk.onnx"
+    path.write_bytes(b"this is not a protobuf" * 10)
+    proc = train_job(2, tmp_path / "run", [f"data.path={digits_h5}", "model=onnx", f"model.path={path}"],
+                     timeout=120)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "junk.onnx" in out and "Traceback" not in out, explain(proc)
+    assert not (tmp_path / "run" / "model.h5").exists()
+
+
+def test_summary_and_graph_name_the_onnx_parameters(tmp_path, digits_h5):
+    onnx_file = export(SmallMlp(), tmp_path / "mlp.onnx", "torchscript", train=False)
+    run = tmp_path / "run"
+    proc = train_job(1, run, [f"data.path={digits_h5}", "model=onnx", f"model.path={onnx_file}",
+                              "train.epochs=1"], timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    graph = json.loads((run / "graph.json").read_text())
+    names = {p["name"] for p in graph["params"]}
+    assert {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"} <= names
+    assert graph["meta"]["onnx"]["params"]
