@@ -1,6 +1,7 @@
 """Graph engine vs PyTorch CPU: forward + backward + SGD step, one BLAS thread, one process.
 
     .venv/bin/python bench/bench_engine.py [--repeats 7] [--steps 10] [--only mlp,cnn,lm]
+    .venv/bin/python bench/bench_engine.py --only zoo      # the ONNX model zoo of the tests
 
 Prints per-step times and the ratio engine / PyTorch for the MLP 784-1024-1024-10 at batch
 128 (the target is <= 1.0), a small CNN and the transformer LM, all float32. A hand-written
@@ -28,11 +29,14 @@ from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params  # noq
 LR = 1e-3
 
 
-def engine_step_fn(graph, feeds, seed=0):
+def engine_step_fn(graph, feeds, seed=0, initial=None):
     layout = ParamLayout(graph)
     params = np.empty(layout.size, np.float32)
     grads = np.empty(layout.size, np.float32)
-    init_params(graph, params, seed)
+    if initial is None:
+        init_params(graph, params, seed)
+    else:
+        layout.pack(initial, params)
     pv, gv = layout.views(params), layout.views(grads)
     ex = Executor(graph, np, "float32")
     scratch = np.empty_like(grads)
@@ -193,6 +197,38 @@ def lm_case():
     }
 
 
+def zoo_cases(batch=32):
+    """The ONNX zoo of tests/onnx_zoo.py, exported by torch (dynamo, training form) and imported:
+    the engine steps the imported graph, PyTorch the module it came from."""
+    import tempfile
+
+    import torch
+
+    from hpc_rlx.graph.onnx_import import import_onnx
+    from tests import onnx_zoo
+
+    for name in ("lenet", "resnet", "mobilenet", "vit", "gpt", "mixer"):
+        module = onnx_zoo.make(name)
+        for m in module.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        with tempfile.TemporaryDirectory() as tmp:
+            path = onnx_zoo.export(module, onnx_zoo.sample_input(name, 2), f"{tmp}/{name}.onnx", "dynamo",
+                                   "train", optimize=False)
+            imported = import_onnx(path, label_dtype="int64")
+        x = onnx_zoo.sample_input(name, batch, seed=1)
+        vocab = onnx_zoo.ZOO[name][2]
+        y = (x + 1) % vocab if vocab else torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(2))
+        xn, yn = x.numpy(), y.numpy().astype(np.int64)
+        if xn.dtype.kind == "f":
+            xn = xn.astype(np.float32)
+        params = sum(p.numel() for p in module.parameters())
+        yield f"zoo {name} ({params} parameters), batch {batch}", {
+            "engine": engine_step_fn(imported.graph, {"x": xn, "y": yn}, initial=imported.initial),
+            "torch": torch_step_fn(module.train(), x, y),
+        }
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
@@ -202,22 +238,25 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(1)
-    cases = {"mlp": mlp_case, "cnn": cnn_case, "lm": lm_case}
+    cases = {"mlp": lambda: [mlp_case()], "cnn": lambda: [cnn_case()], "lm": lambda: [lm_case()],
+             "zoo": zoo_cases}
     with threadpool_limits(limits=1):
         print(f"numpy {np.__version__}, torch {torch.__version__}, 1 BLAS thread, float32, "
               f"{args.repeats} repeats x {args.steps} steps")
         for key in args.only.split(","):
-            title, contenders = cases[key]()
-            t = race(contenders, args.steps, args.repeats)
-            print(f"{title}")
-            base = t["torch"]
-            for name, (best, med, cpu) in t.items():
-                print(f"  {name:14s} wall best {best * 1e3:7.2f} ms  median {med * 1e3:7.2f} ms  "
-                      f"cpu best {cpu * 1e3:7.2f} ms   /torch: {best / base[0]:.2f}x wall, {cpu / base[2]:.2f}x cpu")
-            e = t["engine"]
-            print(f"  ratio engine/torch = {e[0] / base[0]:.2f} (best wall), {e[1] / base[1]:.2f} (median wall), "
-                  f"{e[2] / base[2]:.2f} (best cpu)")
+            for title, contenders in cases[key]():
+                report(title, race(contenders, args.steps, args.repeats))
 
+
+def report(title, t):
+    print(f"{title}")
+    base = t["torch"]
+    for name, (best, med, cpu) in t.items():
+        print(f"  {name:14s} wall best {best * 1e3:7.2f} ms  median {med * 1e3:7.2f} ms  "
+              f"cpu best {cpu * 1e3:7.2f} ms   /torch: {best / base[0]:.2f}x wall, {cpu / base[2]:.2f}x cpu")
+    e = t["engine"]
+    print(f"  ratio engine/torch = {e[0] / base[0]:.2f} (best wall), {e[1] / base[1]:.2f} (median wall), "
+          f"{e[2] / base[2]:.2f} (best cpu)")
 
 if __name__ == "__main__":
     main()
