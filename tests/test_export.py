@@ -272,8 +272,8 @@ def test_each_op_onnx_matches_the_executor(tmp_path, case):
 def _error(capsys, argv) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) >= 1 and err[-1].startswith("python -m hpc_rlx.export: error: "), err
-    return err[-1]
+    assert len(err) == 1 and err[0].startswith("python -m hpc_rlx.export: error: "), err
+    return err[0]
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from hpc_rlx.export.ir_to_onnx import ir_to_onnx, needed_by
 from hpc_rlx.export.onnx_source import is_imported, original_onnx, original_state_dict
 from hpc_rlx.export.onnx_writer import optional_onnx, require_onnx, save_model
 from hpc_rlx.export.safetensors_file import write_safetensors
-from hpc_rlx.export.trained import ExportError, TrainedModel, load_trained, model_output
+from hpc_rlx.export.trained import TrainedModel, load_trained, model_output
 from hpc_rlx.export.verify import check_with_runtime
 
 PROG = "python -m hpc_rlx.export"
@@ -36,7 +36,9 @@ def export_onnx(trained: TrainedModel, path, output: str | None = None, check: b
         model = ir_to_onnx(onnx, trained, out_name)
     what = f"ONNX opset {max(o.version for o in model.opset_import if o.domain in ('', 'ai.onnx'))}, " \
            f"output {out_name!r}"
-    if check and node in trained.graph.types:
+    if check and node not in trained.graph.types:
+        what += ", not checked (the graph names no node for the output)"
+    elif check:
         diff = check_with_runtime(model, trained, node, input_names, needed_by(trained.graph, node))
         what += (", not checked (onnxruntime is not installed)" if diff is None
                  else f", checked in ONNX Runtime against hpc_rlx (max relative difference {diff:.1e})")
@@ -80,7 +82,6 @@ def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if not args.onnx and not args.state_dict:
-        parser.print_usage(sys.stderr)
         print(f"{PROG}: error: nothing to write: give --onnx OUT.onnx and/or --state-dict OUT.safetensors",
               file=sys.stderr)
         return EXIT_ERROR
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
         if args.state_dict:
             count = export_state_dict(trained, args.state_dict)
             print(f"state dict ({count} tensors, float32): {args.state_dict}")
-    except (ExportError, HpcRlxError) as e:
+    except HpcRlxError as e:  # ExportError and the graph's, checkpoint's errors
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     return 0
