@@ -186,34 +186,39 @@ def has_batch_norm(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
-def export(module: nn.Module, example: torch.Tensor, path, exporter: str, mode: str, optimize: bool = True):
+def export(module: nn.Module, example: torch.Tensor, path, exporter: str, mode: str, optimize: bool = True,
+           opset: int | None = None):
     """Write ``module`` as ONNX at ``path``: ``exporter`` "dynamo" (torch.onnx.export(dynamo=True),
     with its graph optimizer unless ``optimize`` is false) or "torchscript" (dynamo=False, constant
     folding in eval mode only); ``mode`` "train" (module.train(); TorchScript's TRAINING form) or
-    "eval". The batch dim is dynamic. Returns ``path``.
+    "eval"; ``opset`` the opset version (the exporter's default if None). The batch dim is
+    dynamic. Returns ``path``.
 
     Exporting runs the module once; in training mode that moves its batch-norm running
     statistics, and the TorchScript exporter writes the moved values. The module is left
-    holding what the file holds."""
+    holding the statistics the file holds."""
     module.train(mode == "train")
     state = {k: v.clone() for k, v in module.state_dict().items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
             torch.onnx.export(module, (example,), str(path), dynamo=True, optimize=optimize, verbose=False,
+                              opset_version=opset,
                               input_names=["x"], output_names=["logits"],
                               dynamic_shapes=({0: torch.export.Dim("batch")},))
         else:
             training = torch.onnx.TrainingMode.TRAINING if mode == "train" else torch.onnx.TrainingMode.EVAL
             torch.onnx.export(module, (example,), str(path), dynamo=False, input_names=["x"],
                               output_names=["logits"], dynamic_axes={"x": {0: "batch"}}, training=training,
-                              do_constant_folding=mode != "train" and optimize)
+                              do_constant_folding=mode != "train" and optimize,
+                              **({"opset_version": opset} if opset else {}))
     import onnx
     from onnx import numpy_helper
 
     written = {t.name: t for t in onnx.load(str(path)).graph.initializer}
+    buffers = dict(module.named_buffers())
     for key, value in state.items():
-        if key in written and tuple(written[key].dims) == tuple(value.shape):
+        if key in buffers and key in written and tuple(written[key].dims) == tuple(value.shape):
             value.copy_(torch.from_numpy(numpy_helper.to_array(written[key]).copy()))
     module.load_state_dict(state)
     return path

@@ -215,3 +215,215 @@ def test_gradients_match_pytorch(exported, name, exporter, mode, dtype):
     assert not missing, f"PyTorch parameters the import lost: {missing}"
     if train and g.buffers:
         _buffer_updates(imported, g, layout, gflat, before, tm, 1e-5 if dtype == "float32" else 1e-10)
+
+
+# ---------------------------------------------------------------- special forms and metadata
+
+
+@pytest.mark.parametrize("name", ["mobilenet", "gpt"])
+def test_opset_13_files_import(tmp_path, name):
+    """Opset 13: layer norm decomposed into primitives, training batch norm marked by its
+    statistics outputs (training_mode came in opset 14)."""
+    module = zoo.make(name)
+    path = zoo.export(module, zoo.sample_input(name, 3, seed=1), tmp_path / "m.onnx", "torchscript", "train", opset=13)
+    imported = import_onnx(path)
+    assert imported.graph.meta["onnx"]["opset"] == 13 and imported.graph.meta["onnx"]["form"] == "training"
+    xb = zoo.sample_input(name, BATCH, seed=2)
+    ref = ort.InferenceSession(str(path)).run(None, {"x": xb.numpy()})[0]
+    assert rel(ours_forward(imported, xb, train=True), ref) <= TOL["float32"]
+    with torch.no_grad():
+        assert rel(ours_forward(imported, xb, train=True), torch_module(module, True)(xb).numpy()) <= TOL["float32"]
+
+
+def test_dynamo_folded_transposes_keep_the_pytorch_names_and_layouts(exported):
+    module, path, imported = exported("gpt", "dynamo", "train")
+    meta, g = imported.graph.meta["onnx"], imported.graph
+    assert meta["exporter"] == "dynamo"
+    shapes = {p.name: p.shape for p in g.params}
+    for name, p in module.named_parameters():
+        if name.endswith(("qkv.weight", "fc1.weight", "fc2.weight", "proj.weight")):
+            assert meta["params"][name].startswith("val_") and name in meta["transposed"]
+            assert shapes[name] == tuple(p.shape) and meta["torch_names"][name] == name
+    # the tied head: the optimizer stored tok.weight.t() as its own initializer
+    assert list(meta["tied"].values()) == ["tok.weight"]
+    assert sum(1 for p in g.params if p.shape == (32, 32) and p.name.startswith("tok")) == 1
+
+
+def test_torchscript_folded_weights_are_traced_to_their_modules(exported):
+    module, path, imported = exported("gpt", "torchscript", "eval")
+    meta = imported.graph.meta["onnx"]
+    assert meta["params"]["blocks.0.qkv.weight"].startswith("onnx::MatMul_")
+    assert "blocks.0.qkv.weight" in meta["transposed"]
+    assert list(meta["tied"].values()) == ["tok.weight"]  # x @ tok.weight.t(), found by value
+    assert all(p.name.replace("_", "").replace(".", "").replace("-", "").isalnum() for p in imported.graph.params)
+
+
+def test_an_inference_export_trains_frozen_with_one_warning(exported):
+    module, path, imported = exported("mobilenet", "torchscript", "eval")
+    g = imported.graph
+    assert g.meta["onnx"]["form"] == "inference"
+    assert [n.attrs["training"] for n in g.nodes if n.op == "batch_norm"] == [False] * 3
+    assert not any(n.op == "dropout" for n in g.nodes)
+    (warning,) = imported.warnings
+    assert "running statistics" in warning and "dropout" in warning and "bn1" in warning
+    assert {p.name for p in g.buffers} == {f"{m}.running_{s}" for m in ("stem.1", "bn1", "bn2") for s in ("mean", "var")}
+
+
+def test_training_batch_norm_from_dynamo_metadata(exported):
+    module, path, imported = exported("mobilenet", "dynamo", "train")
+    bns = [n for n in imported.graph.nodes if n.op == "batch_norm"]
+    assert [(n.attrs["training"], n.attrs["momentum"], n.attrs["eps"]) for n in bns] == [(True, 0.1, 1e-5)] * 3
+    assert [n.attrs["p"] for n in imported.graph.nodes if n.op == "dropout"] == [0.1]
+    assert imported.graph.buffer_momentum() == {b.name: 0.1 for b in imported.graph.buffers}
+
+
+def test_initializers_merged_by_the_dynamo_optimizer_are_reported(tmp_path):
+    """Freshly initialised layer norms have equal weights (ones): optimize=True keeps one."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8),
+                                 torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    imported = import_onnx(zoo.export(module, torch.randn(3, 4), tmp_path / "m.onnx", "dynamo", "train"))
+    (warning,) = [w for w in imported.warnings if "merged" in w]
+    assert "'3.weight'" in warning and "optimize=False" in warning
+
+
+def _conv_bn_pairs(module):
+    mods = dict(module.named_modules())
+    names = list(mods)
+    return [(mods[a], mods[b]) for a, b in zip(names, names[1:])
+            if isinstance(mods[a], torch.nn.Conv2d) and isinstance(mods[b], torch.nn.BatchNorm2d)]
+
+
+@pytest.mark.parametrize("exporter, mode", [("dynamo", "train"), ("dynamo", "eval"), ("torchscript", "eval")])
+def test_fused_batch_norm_trains_as_a_fixed_scale_and_shift(tmp_path, exporter, mode):
+    """The exporters' optimisations fold batch norm into the convolution before it: the
+    import warns, trains it like module.eval(), and the fused weight W*s and shift b - mean*s
+    (s = gamma / sqrt(var + eps)) get the gradients PyTorch gives W / s and the bias."""
+    module = zoo.make("resnet")
+    path = zoo.export(module, zoo.sample_input("resnet", 3, seed=1), tmp_path / "r.onnx", exporter, mode)
+    imported = import_onnx(path)
+    assert imported.graph.meta["onnx"]["form"] == "inference"
+    assert any("fused" in w and "=False" in w for w in imported.warnings)
+    x = zoo.sample_input("resnet", BATCH, seed=2)
+    ref = ort.InferenceSession(str(path)).run(None, {"x": x.numpy()})[0]
+    assert rel(ours_forward(imported, x, train=False), ref) <= TOL["float32"]
+
+    g = imported.graph
+    y = torch.randint(0, 10, (BATCH,), generator=torch.Generator().manual_seed(4))
+    layout, flat = param_views(imported, g, "float64")
+    gflat = np.zeros_like(flat)
+    Executor(g, np, "float64").forward_backward(layout.views(flat), layout.views(gflat),
+                                                {"x": x.numpy().astype(np.float64), "y": y.numpy()}, seed=0)
+    grads = layout.views(gflat)
+    tm = torch_module(module, False, torch.float64)
+    F.cross_entropy(tm(x.double()), y).backward()
+    # the file holds the fused values rounded to float32: a float32-sized tolerance
+    for conv, bn in _conv_bn_pairs(tm):
+        s = (bn.weight / torch.sqrt(bn.running_var + bn.eps)).detach()
+        fused_w = (conv.weight * s[:, None, None, None]).detach().numpy()
+        fused_b = (bn.bias - bn.running_mean * s).detach().numpy()
+        (w_ir,) = [k for k, v in imported.initial.items() if v.shape == fused_w.shape and np.allclose(v, fused_w, rtol=1e-5, atol=1e-6)]
+        (b_ir,) = [k for k, v in imported.initial.items() if v.shape == fused_b.shape and np.allclose(v, fused_b, rtol=1e-5, atol=1e-6)]
+        assert rel(grads[w_ir], (conv.weight.grad / s[:, None, None, None]).numpy()) <= 1e-5
+        assert rel(grads[b_ir], bn.bias.grad.numpy()) <= 1e-5
+
+
+# ---------------------------------------------------------------- loss heads
+
+
+def _tiny(nodes, inputs, outputs, inits=(), opset=17) -> bytes:
+    """A hand-written ONNX model's bytes."""
+    from onnx import helper
+
+    graph = helper.make_graph(nodes, "tiny", inputs, outputs, initializer=list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]).SerializeToString()
+
+
+def _info(name, shape, elem=1):
+    return onnx.helper.make_tensor_value_info(name, elem, shape)
+
+
+def _linear_model(opset=17) -> bytes:
+    """logits = x @ W with x (batch, 3), W (3, 2)."""
+    w = onnx.numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(3, 2) / 7, "w")
+    return _tiny([onnx.helper.make_node("MatMul", ["x", "w"], ["logits"], name="mm")],
+                 [_info("x", ["batch", 3])], [_info("logits", ["batch", 2])], [w], opset)
+
+
+def test_loss_heads_follow_the_labels():
+    g = import_onnx(_linear_model()).graph
+    assert g.input("y").shape == (None,) and g.input("y").dtype == "int64" and set(g.outputs) == {"loss", "correct"}
+    for kwargs in ({"loss": "mse"}, {"label_dtype": "float"}):
+        g = import_onnx(_linear_model(), **kwargs).graph
+        assert g.input("y").shape == (None, 2) and g.input("y").dtype == "float" and set(g.outputs) == {"loss"}
+        assert g.node(g.outputs["loss"]).op == "mse"
+    with pytest.raises(GraphError, match="integer class labels"):
+        import_onnx(_linear_model(), loss="cross_entropy", label_dtype="float")
+    with pytest.raises(GraphError, match=r"labels are \(3,\) per sample"):
+        import_onnx(_linear_model(), label_shape=[3])
+
+
+def test_a_graph_with_its_own_loss_trains_as_it_is():
+    """Two inputs (x, y) and a float scalar output: that output is the loss."""
+    h = onnx.helper
+    w_value = np.arange(6, dtype=np.float32).reshape(3, 2) / 7
+    nodes = [h.make_node("MatMul", ["x", "w"], ["pred"]), h.make_node("Sub", ["pred", "target"], ["d"]),
+             h.make_node("Mul", ["d", "d"], ["sq"]), h.make_node("ReduceMean", ["sq"], ["mse"], keepdims=0)]
+    model = _tiny(nodes, [_info("x", ["batch", 3]), _info("target", ["batch", 2])],
+                  [_info("mse", []), _info("pred", ["batch", 2])], [onnx.numpy_helper.from_array(w_value, "w")])
+    imported = import_onnx(model)
+    g = imported.graph
+    assert set(g.outputs) == {"loss"} and g.input("y").shape == (None, 2) and g.meta["onnx"]["output"] == "pred"
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((5, 3)), rng.standard_normal((5, 2))
+    layout, flat = param_views(imported, g, "float64")
+    gflat = np.zeros_like(flat)
+    out = Executor(g, np, "float64").forward_backward(layout.views(flat), layout.views(gflat), {"x": x, "y": y})
+    d = x @ w_value - y
+    assert out["loss"] == pytest.approx((d * d).mean(), rel=1e-12)
+    assert rel(layout.views(gflat)["w"], 2 * x.T @ d / d.size) <= 1e-12
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_an_unsupported_op_is_named_with_its_node_and_the_supported_ops():
+    h = onnx.helper
+    model = _tiny([h.make_node("Relu", ["x"], ["r"]), h.make_node("HardSwish", ["r"], ["out"], name="act_7")],
+                  [_info("x", ["batch", 3])], [_info("out", ["batch", 3])])
+    with pytest.raises(GraphError) as err:
+        import_onnx(model)
+    assert str(err.value) == (f"ONNX node 'act_7': op type 'HardSwish' is not supported; supported ops: "
+                              f"{', '.join(sorted(ONNX_OPS))}")
+
+
+def test_malformed_files_and_unsupported_opsets_fail_clearly(tmp_path):
+    with pytest.raises(GraphError, match="ONNX bytes is not a valid ONNX model"):
+        import_onnx(b"\x08\x07garbage that is no protobuf \xff\xff")
+    with pytest.raises(GraphError, match="no such file"):
+        import_onnx(tmp_path / "missing.onnx")
+    with pytest.raises(GraphError, match="opset 12; hpc_rlx imports opsets 13 to"):
+        import_onnx(_linear_model(opset=12))
+    newest = onnx.defs.onnx_opset_version()
+    assert import_onnx(_linear_model(opset=newest)).graph.meta["onnx"]["opset"] == newest
+    with pytest.raises(GraphError, match=f"opset {newest + 1}"):
+        import_onnx(_linear_model(opset=newest + 1))
+
+
+def test_shapes_that_cannot_be_made_static_fail_clearly():
+    h = onnx.helper
+    two_rows = onnx.numpy_helper.from_array(np.array([2, -1], np.int64), "two_rows")
+    mixes = _tiny([h.make_node("Reshape", ["x", "two_rows"], ["out"], name="rows")],
+                  [_info("x", ["batch", 4])], [_info("out", [2, "n"])], [two_rows])
+    with pytest.raises(GraphError, match=r"ONNX node 'rows' \(Reshape\): .*mixes samples.*cannot be made static"):
+        import_onnx(mixes)
+    zero, one = (onnx.numpy_helper.from_array(np.array(v, np.int64), n) for v, n in ((0, "zero"), (1, "one")))
+    axes = onnx.numpy_helper.from_array(np.array([1], np.int64), "axes")
+    counts = _tiny([h.make_node("Shape", ["x"], ["s"]), h.make_node("Gather", ["s", "zero"], ["b"]),
+                    h.make_node("Range", ["zero", "b", "one"], ["r"]), h.make_node("Cast", ["r"], ["rf"], to=1),
+                    h.make_node("Unsqueeze", ["rf", "axes"], ["col"]), h.make_node("Add", ["x", "col"], ["out"], name="add")],
+                   [_info("x", ["batch", 4])], [_info("out", ["batch", 4])], [zero, one, axes])
+    with pytest.raises(GraphError, match=r"ONNX node 'add' \(Add\): dynamic shape .* cannot be made static"):
+        import_onnx(counts)
+    seq = _tiny([h.make_node("Relu", ["x"], ["out"])], [_info("x", ["batch", "seq"])], [_info("out", ["batch", "seq"])])
+    with pytest.raises(GraphError, match="dim 1 is 'seq': only the batch dim"):
+        import_onnx(seq)

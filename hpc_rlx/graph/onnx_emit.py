@@ -129,6 +129,7 @@ class Emitter:
         self._zeros = None
         self.data_input: Tensor | None = None
         self.proto = None  # the NodeProto being translated (handlers read its metadata)
+        self.opset = 0
         # what the training forms found: batch norms on batch / running statistics, dropouts on / off
         self.forms: dict[str, list] = {"bn_train": [], "bn_frozen": [], "dropout": [], "dropout_off": []}
 

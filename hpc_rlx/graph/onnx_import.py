@@ -228,7 +228,10 @@ def _form_warnings(em: Emitter, plan, warnings: list) -> str:
         parts = []
         if frozen_bn:
             parts.append(f"batch norm {frozen_bn} normalises with its running statistics, which stay as they are")
-        parts.append(f"dropout is absent (inference exports leave it out{'; inactive: ' + str(off) if off else ''})")
+        if off:
+            parts.append(f"dropout {off} is inactive")
+        elif not em.forms["dropout"]:
+            parts.append("dropout, if the model has any, is absent (inference exports leave it out)")
         warnings.append("an inference-form export trains as exported: " + "; ".join(parts) + ". Export from "
                         "module.train() (TorchScript: training=torch.onnx.TrainingMode.TRAINING) to train them")
     return "inference" if frozen_bn or off or plan.fused else "training"
@@ -264,6 +267,7 @@ def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, labe
     plan = plan_initializers(model, warnings)
     graph = model.graph
     em = Emitter(sanitise(graph.name or "onnx_model"))
+    em.opset = meta["opset"]
     env: dict = {}
     initial: dict = {}
     inputs = _data_inputs(em, graph, set(plan.values), warnings)

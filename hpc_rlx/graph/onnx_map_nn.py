@@ -6,7 +6,8 @@ Batch norm and dropout come in two forms. A training-form export (TorchScript wi
 with a true ``training_mode`` input. The dynamo exporter writes a training batch norm as a
 plain BatchNormalization node but records the PyTorch call in the node's metadata
 (``_native_batch_norm_legit_functional(..., True, momentum, eps)``), which is read here.
-ONNX's ``momentum`` is the weight of the old running value (PyTorch's is 1 minus it).
+(Before opset 14 a training BatchNormalization is one with its statistics outputs.) ONNX's
+``momentum`` is the weight of the old running value (PyTorch's is 1 minus it).
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def batch_norm(em, ins, at, n):
         raise em.fail("the running mean and variance must be initializers")
     eps = decimal32(float(at.get("epsilon", 1e-5)))
     momentum = torch_momentum(float(at.get("momentum", 0.9)))
-    training = bool(at.get("training_mode", 0))
+    # opset 14 added training_mode; before it a training batch norm has the statistics outputs
+    training = bool(at.get("training_mode", 0)) or (em.opset < 14 and sum(1 for o in em.proto.output if o) > 1)
     recorded = fx_batch_norm(em.proto)
     if not training and recorded is not None and recorded[0]:
         training, momentum, eps = True, recorded[1], recorded[2]
@@ -165,7 +167,7 @@ def layer_norm(em, ins, at, n):
 
 def dropout(em, ins, at, n):
     x = ins[0]
-    ratio = 0.5 if len(ins) < 2 or ins[1] is None else float(folded_scalar(ins[1], "Dropout's ratio", em))
+    ratio = 0.5 if len(ins) < 2 or ins[1] is None else decimal32(float(folded_scalar(ins[1], "Dropout's ratio", em)))
     training = False if len(ins) < 3 or ins[2] is None else bool(folded_scalar(ins[2], "Dropout's training_mode", em))
     if training and ratio > 0:
         em.forms["dropout"].append(em.node)

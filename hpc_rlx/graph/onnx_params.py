@@ -180,15 +180,16 @@ def plan_initializers(model, warnings: list) -> InitPlan:
                 u in (("MatMul", 1),) for u in uses[name]):
             plan.kind[name], plan.source[name] = "transposed", sources[0]
             plan.torch_name[sources[0]] = sources[0]
-        elif torchscript and name.startswith("onnx::MatMul_") and value.ndim == 2 and _scoped_weight(consumers, name):
-            source = _scoped_weight(consumers, name)
+        elif torchscript and name.startswith("onnx::MatMul_") and value.ndim == 2 and \
+                _linear_weight(plan, consumers, name):
+            source = _linear_weight(plan, consumers, name)
             plan.kind[name], plan.source[name], plan.torch_name[source] = "transposed", source, source
         else:
             plan.kind[name] = "param"
             if state:
                 (folded_state if any("running_" in s for s in state) else derived).append((name, state))
-            elif kind == "PARAMETER" or (model.producer_name == "pytorch" and not name.startswith("onnx::")
-                                         and name not in plan.fused):
+            elif name not in plan.fused and (kind == "PARAMETER" or (
+                    model.producer_name == "pytorch" and not name.startswith("onnx::"))):
                 plan.torch_name[name] = name
     _tie_transposed_copies(plan, uses)
     for name, state in derived:
@@ -207,14 +208,18 @@ def plan_initializers(model, warnings: list) -> InitPlan:
     return plan
 
 
-def _scoped_weight(consumers: dict, name: str) -> str | None:
-    """The PyTorch weight a TorchScript-folded MatMul operand transposes: the MatMul node's
-    name scope is the module path ("/blocks.0/fc1/MatMul" -> "blocks.0.fc1.weight")."""
+def _linear_weight(plan: InitPlan, consumers: dict, name: str) -> str | None:
+    """The PyTorch weight a TorchScript-folded MatMul operand transposes, named after the bias
+    the product is added to ("blocks.0.fc1.bias" -> "blocks.0.fc1.weight"): an nn.Linear."""
     nodes = consumers.get(name, [])
     if len(nodes) != 1 or nodes[0].op_type != "MatMul" or list(nodes[0].input).index(name) != 1:
         return None
-    scope = nodes[0].name.split("/")[1:-1]
-    return ".".join(scope) + ".weight" if scope and all(scope) else None
+    for add in consumers.get(nodes[0].output[0], []):
+        bias = [i for i in add.input if i != nodes[0].output[0]]
+        if add.op_type == "Add" and len(bias) == 1 and bias[0].endswith(".bias") and bias[0] in plan.values \
+                and plan.values[bias[0]].shape == plan.values[name].shape[1:]:
+            return bias[0][: -len("bias")] + "weight"
+    return None
 
 
 def _tie_transposed_copies(plan: InitPlan, uses: dict) -> None:
