@@ -15,6 +15,21 @@ from hpc_rlx.config import segments
 from hpc_rlx.observe.plots import write_plots
 
 
+def _keep_model_source(source: str, dest: Path) -> None:
+    """The ONNX file as one self-contained file (torch's dynamo exporter keeps the weights in a
+    `<file>.data` beside it, which a copy of the file alone would lose). Rank 0 of a model=onnx
+    run has read the file with `onnx` already."""
+    import onnx
+    tmp = dest.with_name(dest.name + ".tmp")
+    try:
+        onnx.save(onnx.load(source), str(tmp))
+    except ValueError:      # over protobuf's 2 GB: the file itself, its data file beside it
+        shutil.copyfile(source, tmp)
+        for data in Path(source).parent.glob(Path(source).name + ".data"):
+            shutil.copyfile(data, dest.parent / data.name)
+    os.replace(tmp, dest)
+
+
 class RunOutputs:
     """Rank 0's files in the run directory."""
 
@@ -34,8 +49,7 @@ class RunOutputs:
         (self.dir / "graph.json").write_text(json.dumps(self.spec.graph, indent=1))
         source = self.spec.extras.get("model_source")
         if source:   # model=onnx: `python -m hpc_rlx.export` writes the trained weights into it
-            shutil.copyfile(source, self.dir / "model.source.onnx.tmp")
-            os.replace(self.dir / "model.source.onnx.tmp", self.dir / "model.source.onnx")
+            _keep_model_source(source, self.dir / "model.source.onnx")
         if resumed_from:
             self._trim_metrics(self.ctx.epoch)
         self.metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
