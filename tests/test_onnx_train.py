@@ -5,6 +5,7 @@ are averaged over ranks and lanes, and a bad file fails the same way on every ra
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import h5py
@@ -225,3 +226,34 @@ def test_zoo_model_trains_on_two_ranks_and_equals_one_rank_in_float64(tmp_path, 
         proc = train_job(n, tmp_path / tag, exact + extra, timeout=300)
         assert proc.returncode == 0, f"{tag}: " + explain(proc)
     assert max_rel_diff(params_of(tmp_path / "w2"), params_of(tmp_path / "w1")) <= 1e-10
+
+
+def test_running_statistics_resume_exactly_and_on_another_world_size(tmp_path, digits_h5):
+    """Buffers ride in the checkpoint's parameter vector: a run stopped mid-epoch and resumed
+    ends bitwise where the straight run ends, running statistics included; resuming on another
+    world size continues from them (float64 sums in another order: equal to 1e-10)."""
+    onnx_file = export(SmallBatchNormNet(dropout=0.0), tmp_path / "bn.onnx", "torchscript")
+    base = [f"data.path={digits_h5}", "model=onnx", f"model.path={onnx_file}", "train.dtype=float64",
+            "comm.deterministic=true", "train.epochs=2", "train.batch_size=32", "checkpoint.every_epochs=1"]
+    straight = tmp_path / "straight"
+    proc = train_job(2, straight, base)
+    assert proc.returncode == 0, explain(proc)
+    steps = int(re.search(r"(\d+) steps/epoch", proc.stdout).group(1))
+
+    split = tmp_path / "split"
+    proc = train_job(2, split, base + [f"train.max_steps={steps + steps // 2}"])
+    assert proc.returncode == 0, explain(proc)
+    proc = train_job(2, split, base)
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, explain(proc)
+    a, b = params_of(straight), params_of(split)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+    assert not np.allclose(a["bn.running_mean"], 0.0)
+
+    # 1 rank x 2 lanes resumes the 2-rank checkpoint: the same micro-batches, the same statistics
+    other = tmp_path / "other"
+    proc = train_job(2, other, base + [f"train.max_steps={steps + steps // 2}"])
+    assert proc.returncode == 0, explain(proc)
+    proc = train_job(1, other, base + ["device.cpu_lanes=2"])
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, explain(proc)
+    assert max_rel_diff(a, params_of(other)) <= 1e-10
