@@ -142,6 +142,23 @@ class Mixer(nn.Module):
         return self.head(self.ln(x).mean(1))
 
 
+class OpsMix(nn.Module):
+    """The ops the other models leave out: dilated convolution, leaky ReLU, a sigmoid gate,
+    sum and power reductions, sqrt, exp, log, negation and log-softmax outputs."""
+
+    def __init__(self, c=3, n=10):
+        super().__init__()
+        self.conv = nn.Conv2d(c, 8, 3, padding=2, dilation=2)
+        self.gate, self.fc = nn.Linear(8, 8), nn.Linear(8, n)
+
+    def forward(self, x):
+        h = F.leaky_relu(self.conv(x), 0.2)
+        s = h.sum((2, 3)) / 64.0
+        s = s * torch.sigmoid(self.gate(s)) - torch.sqrt(s * s + 1.0)
+        s = torch.log(torch.exp(-s) + 1.0) + s.pow(3) * 0.1
+        return F.log_softmax(self.fc(s), dim=-1)
+
+
 # name -> (constructor, one sample's input shape, token vocabulary or None for float images)
 ZOO = {
     "lenet": (LeNet5, (1, 12, 12), None),
@@ -151,6 +168,7 @@ ZOO = {
     "gpt": (GPT, (8,), 32),
     "gpt_untied": (lambda: GPT(tied=False), (8,), 32),
     "mixer": (Mixer, (3, 16, 16), None),
+    "opsmix": (OpsMix, (3, 8, 8), None),
 }
 
 

@@ -172,14 +172,15 @@ def _buffer_updates(imported, g, layout, gflat, module_before, module_after, tol
         assert rel(updated, buffers_after[tname].detach().numpy()) <= tol, b.name
 
 
-@pytest.mark.parametrize("name, exporter, mode, dtype", _cases(("float32", "float64")))
-def test_gradients_match_pytorch(exported, name, exporter, mode, dtype):
-    module, path, imported = exported(name, exporter, mode)
+def check_gradients(module, imported, name: str, train: bool, dtype: str) -> None:
+    """The import's loss and gradients against PyTorch autograd on ``module`` with the same
+    weights and batch (module.train() when ``train``, else module.eval(); dropout off), and
+    in training the batch-norm statistics it emits against PyTorch's running-buffer update."""
     g = without_dropout(imported.graph)
-    train = trains_like_module_train(imported, mode)
     x = zoo.sample_input(name, BATCH, seed=3)
     classes = g.types[g.meta["onnx"]["output_node"]].shape[-1]
-    y = torch.randint(0, classes, tuple(d or BATCH for d in g.input("y").shape), generator=torch.Generator().manual_seed(4))
+    y_shape = tuple(d or BATCH for d in g.input("y").shape)
+    y = torch.randint(0, classes, y_shape, generator=torch.Generator().manual_seed(4))
 
     layout, flat = param_views(imported, g, dtype)
     gflat = np.zeros_like(flat)
@@ -187,8 +188,7 @@ def test_gradients_match_pytorch(exported, name, exporter, mode, dtype):
                                                   {"x": feed(x, dtype), "y": y.numpy()}, train=True, seed=0)
     tm = torch_module(module, train, torch.float64 if dtype == "float64" else torch.float32)
     before = copy.deepcopy(tm)
-    xt = x if x.dtype == torch.int64 else x.to(next(tm.parameters()).dtype)
-    logits = tm(xt)
+    logits = tm(x if x.dtype == torch.int64 else x.to(next(tm.parameters()).dtype))
     loss = F.cross_entropy(logits.reshape(-1, classes), y.reshape(-1))
     loss.backward()
     tol = TOL[dtype]
@@ -214,7 +214,13 @@ def test_gradients_match_pytorch(exported, name, exporter, mode, dtype):
     missing = sorted(set(named) - set(summed))
     assert not missing, f"PyTorch parameters the import lost: {missing}"
     if train and g.buffers:
-        _buffer_updates(imported, g, layout, gflat, before, tm, 1e-5 if dtype == "float32" else 1e-10)
+        _buffer_updates(imported, g, layout, gflat, before, tm, tol)
+
+
+@pytest.mark.parametrize("name, exporter, mode, dtype", _cases(("float32", "float64")))
+def test_gradients_match_pytorch(exported, name, exporter, mode, dtype):
+    module, path, imported = exported(name, exporter, mode)
+    check_gradients(module, imported, name, trains_like_module_train(imported, mode), dtype)
 
 
 # ---------------------------------------------------------------- special forms and metadata
@@ -233,6 +239,7 @@ def test_opset_13_files_import(tmp_path, name):
     assert rel(ours_forward(imported, xb, train=True), ref) <= TOL["float32"]
     with torch.no_grad():
         assert rel(ours_forward(imported, xb, train=True), torch_module(module, True)(xb).numpy()) <= TOL["float32"]
+    check_gradients(module, imported, name, True, "float64")
 
 
 def test_dynamo_folded_transposes_keep_the_pytorch_names_and_layouts(exported):
@@ -266,7 +273,8 @@ def test_an_inference_export_trains_frozen_with_one_warning(exported):
     assert not any(n.op == "dropout" for n in g.nodes)
     (warning,) = imported.warnings
     assert "running statistics" in warning and "dropout" in warning and "bn1" in warning
-    assert {p.name for p in g.buffers} == {f"{m}.running_{s}" for m in ("stem.1", "bn1", "bn2") for s in ("mean", "var")}
+    stats = {f"{m}.running_{s}" for m in ("stem.1", "bn1", "bn2") for s in ("mean", "var")}
+    assert {p.name for p in g.buffers} == stats
 
 
 def test_training_batch_norm_from_dynamo_metadata(exported):
@@ -291,6 +299,10 @@ def _conv_bn_pairs(module):
     names = list(mods)
     return [(mods[a], mods[b]) for a, b in zip(names, names[1:])
             if isinstance(mods[a], torch.nn.Conv2d) and isinstance(mods[b], torch.nn.BatchNorm2d)]
+
+
+def _close(value, fused) -> bool:
+    return value.shape == fused.shape and np.allclose(value, fused, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("exporter, mode", [("dynamo", "train"), ("dynamo", "eval"), ("torchscript", "eval")])
@@ -321,8 +333,8 @@ def test_fused_batch_norm_trains_as_a_fixed_scale_and_shift(tmp_path, exporter, 
         s = (bn.weight / torch.sqrt(bn.running_var + bn.eps)).detach()
         fused_w = (conv.weight * s[:, None, None, None]).detach().numpy()
         fused_b = (bn.bias - bn.running_mean * s).detach().numpy()
-        (w_ir,) = [k for k, v in imported.initial.items() if v.shape == fused_w.shape and np.allclose(v, fused_w, rtol=1e-5, atol=1e-6)]
-        (b_ir,) = [k for k, v in imported.initial.items() if v.shape == fused_b.shape and np.allclose(v, fused_b, rtol=1e-5, atol=1e-6)]
+        (w_ir,) = [k for k, v in imported.initial.items() if _close(v, fused_w)]
+        (b_ir,) = [k for k, v in imported.initial.items() if _close(v, fused_b)]
         assert rel(grads[w_ir], (conv.weight.grad / s[:, None, None, None]).numpy()) <= 1e-5
         assert rel(grads[b_ir], bn.bias.grad.numpy()) <= 1e-5
 
@@ -420,7 +432,8 @@ def test_shapes_that_cannot_be_made_static_fail_clearly():
     axes = onnx.numpy_helper.from_array(np.array([1], np.int64), "axes")
     counts = _tiny([h.make_node("Shape", ["x"], ["s"]), h.make_node("Gather", ["s", "zero"], ["b"]),
                     h.make_node("Range", ["zero", "b", "one"], ["r"]), h.make_node("Cast", ["r"], ["rf"], to=1),
-                    h.make_node("Unsqueeze", ["rf", "axes"], ["col"]), h.make_node("Add", ["x", "col"], ["out"], name="add")],
+                    h.make_node("Unsqueeze", ["rf", "axes"], ["col"]),
+                    h.make_node("Add", ["x", "col"], ["out"], name="add")],
                    [_info("x", ["batch", 4])], [_info("out", ["batch", 4])], [zero, one, axes])
     with pytest.raises(GraphError, match=r"ONNX node 'add' \(Add\): dynamic shape .* cannot be made static"):
         import_onnx(counts)

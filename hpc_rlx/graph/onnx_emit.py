@@ -21,7 +21,20 @@ from hpc_rlx.graph.onnx_fold import TRACE_BATCHES, Folded
 from hpc_rlx.graph.shapes import FLOAT, INT, fmt_shape
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+SHORT_DECIMALS = 4096  # float32 constants up to this size are written as their shortest decimals
 _BAD_CHARS = re.compile(r"[^A-Za-z0-9_.\-]")
+
+
+# irrational constants exporters write (exact GELU divides by sqrt(2)), by their float32 value
+_IRRATIONAL = {np.float32(v): v for v in (math.sqrt(2), 1 / math.sqrt(2), math.sqrt(2 / math.pi), math.pi)}
+
+
+def decimal32(x: float) -> float:
+    """The number a float32 constant stands for: the shortest decimal with that float32 value
+    (1e-05 for 9.99999974738e-06), or sqrt(2) and the like. Float32 files round PyTorch's
+    constants, and a float64 run should see the constants the model was written with."""
+    f = np.float32(x)
+    return _IRRATIONAL.get(f) or float(np.format_float_scientific(f, unique=True))
 
 
 def sanitise(name: str) -> str:
@@ -172,7 +185,10 @@ class Emitter:
         if is_float:
             if np.isnan(value).any():
                 raise self.fail("a constant holds NaN")
+            short = value.dtype == np.float32 and value.size <= SHORT_DECIMALS
             value = np.clip(value.astype(np.float64), -FLOAT32_MAX, FLOAT32_MAX)  # -inf masks stay "very negative"
+            if short:
+                value = np.vectorize(decimal32, otypes=[np.float64])(value).reshape(value.shape)
         else:
             value = value.astype(np.int64)
         key = (is_float, value.shape, value.tobytes())

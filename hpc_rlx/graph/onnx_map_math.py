@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpc_rlx.graph.onnx_emit import FLOAT32_MAX, Tensor, folded_scalar
+from hpc_rlx.graph.onnx_emit import FLOAT32_MAX, Tensor, decimal32, folded_scalar
 from hpc_rlx.graph.onnx_fold import ONNX_DTYPES, Folded
 from hpc_rlx.graph.shapes import FLOAT, INT
 
@@ -34,7 +34,7 @@ def unary(op: str, **attrs):
 
 def leaky_relu(em, ins, at, n):
     x = float_tensor(em, ins[0])
-    return [em.tensor("leaky_relu", [x], x.groups, alpha=float(at.get("alpha", 0.01)))]
+    return [em.tensor("leaky_relu", [x], x.groups, alpha=decimal32(at.get("alpha", 0.01)))]
 
 
 def gelu(em, ins, at, n):
@@ -67,7 +67,7 @@ def clip(em, ins, at, n):
     x = float_tensor(em, ins[0])
     bounds = []
     for v, what in zip((ins + [None, None])[1:3], ("min", "max")):
-        b = None if v is None else float(folded_scalar(v, f"Clip's {what}", em))
+        b = None if v is None else decimal32(folded_scalar(v, f"Clip's {what}", em))
         bounds.append(None if b is None or not np.isfinite(b) else b)
     return [em.tensor("clip", [x], x.groups, min=bounds[0], max=bounds[1])]
 
@@ -168,7 +168,7 @@ def matmul(em, ins, at, n):
 def gemm(em, ins, at, n):
     a, b = float_tensor(em, ins[0], "A"), ins[1]
     c = ins[2] if len(ins) > 2 else None
-    alpha, beta = float(at.get("alpha", 1.0)), float(at.get("beta", 1.0))
+    alpha, beta = decimal32(at.get("alpha", 1.0)), decimal32(at.get("beta", 1.0))
     if a.rank != 2 or not _is_matrix(b):
         raise em.fail("Gemm needs a 2-D A and a constant or parameter B")
     if at.get("transA", 0):

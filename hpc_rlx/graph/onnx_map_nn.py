@@ -16,19 +16,10 @@ import math
 
 import numpy as np
 
-from hpc_rlx.graph.onnx_emit import Tensor, folded_scalar
+from hpc_rlx.graph.onnx_emit import Tensor, decimal32, folded_scalar
 from hpc_rlx.graph.onnx_fold import Folded
 from hpc_rlx.graph.onnx_map_math import float_tensor
 from hpc_rlx.graph.onnx_params import fx_batch_norm
-
-
-def decimal32(x: float) -> float:
-    """The shortest decimal with the same float32 value: 1e-5 for ONNX's 9.99999974738e-06."""
-    for digits in range(1, 10):
-        d = float(f"{x:.{digits}g}")
-        if np.float32(d) == np.float32(x):
-            return d
-    return float(x)
 
 
 def torch_momentum(onnx_momentum: float) -> float:
