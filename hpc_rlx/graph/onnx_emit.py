@@ -101,6 +101,8 @@ def reshape_groups(groups, out_a, out_b) -> tuple:
     b1, b2 = TRACE_BATCHES
     if len(out_a) != len(out_b):
         raise ValueError(shape_group_error(f"{list(out_a)}"))
+    if 0 in out_a:
+        raise ValueError(f"a reshape to an empty shape {list(out_a)} is not supported")
     varying = [i for i, (a, b) in enumerate(zip(out_a, out_b)) if a != b]
     src = flat(groups)
     if not varying:
@@ -136,7 +138,7 @@ class Emitter:
 
     def __init__(self, name: str):
         self.b = GraphBuilder(name)
-        self.used: set[str] = set()
+        self.used: set[str] = {"x", "y"}  # the data inputs, named before the loss head adds y
         self.node, self.op_type, self.base = "", "", "n"
         self._consts: dict = {}
         self._zeros = None

@@ -6,8 +6,9 @@ two agree the value is a constant; where they differ it depends on the batch siz
 importer reads which entries are the batch (the value equals the batch size) and which are a
 multiple of it. The two sizes are large primes so that no model dimension is mistaken for them.
 
-Each ``fold_*`` function evaluates one ONNX op on NumPy arrays: ``fn(inputs, attrs) -> array``
-or a list of arrays (one per output); ``inputs`` holds None for an omitted optional input.
+Each evaluator runs one ONNX op on NumPy arrays: ``fn(inputs, attrs) -> array`` or a list of
+arrays (one per output); ``inputs`` holds None for an omitted optional input. The import table
+(``onnx_import.ONNX_OPS``) names each op's evaluator.
 """
 
 from __future__ import annotations
@@ -105,46 +106,46 @@ def compare(fn):
     return lambda ins, at: np.asarray(fn(ins[0], ins[1]), dtype=np.bool_)
 
 
-def _erf(x):
+def erf_values(x):
     return np.vectorize(math.erf, otypes=[np.float64])(x).astype(x.dtype)
 
 
-def _div(a, b):
+def div(a, b):
     if np.asarray(a).dtype.kind in "iu" and np.asarray(b).dtype.kind in "iu":
         q = np.abs(a) // np.abs(b)  # ONNX integer division truncates toward zero
         return (q * np.sign(a) * np.sign(b)).astype(np.result_type(a, b))
     return a / b
 
 
-def _pow(a, b):
+def pow_(a, b):
     return np.power(a, b).astype(np.asarray(a).dtype)
 
 
-def _mod(ins, at):
+def mod(ins, at):
     a, b = ins
     if at.get("fmod", 0):
         return np.fmod(a, b)
     return np.mod(a, b)
 
 
-def _where(ins, at):
+def where(ins, at):
     return np.where(ins[0].astype(bool), ins[1], ins[2])
 
 
-def _cast(ins, at):
+def cast(ins, at):
     return np.asarray(ins[0]).astype(ONNX_DTYPES.get(at["to"], np.float32))
 
 
-def _cast_like(ins, at):
+def cast_like(ins, at):
     return np.asarray(ins[0]).astype(ins[1].dtype)
 
 
-def _shape(ins, at):
+def shape(ins, at):
     dims = np.asarray(np.shape(ins[0]), dtype=np.int64)
     return dims[slice(at.get("start", 0), at.get("end"))]
 
 
-def _constant(ins, at):
+def constant(ins, at):
     for key in ("value", "sparse_value"):
         if key in at:
             return np.asarray(at[key])
@@ -159,21 +160,21 @@ def _constant(ins, at):
     raise FoldError("a Constant node without a numeric value")
 
 
-def _constant_of_shape(ins, at):
+def constant_of_shape(ins, at):
     fill = np.asarray(at.get("value", np.zeros(1, np.float32))).reshape(-1)
     return np.full(ints(ins[0]), fill[0], dtype=fill.dtype)
 
 
-def _range(ins, at):
+def range_(ins, at):
     start, limit, delta = (np.asarray(v).reshape(()) for v in ins)
     return np.arange(start, limit, delta, dtype=np.result_type(start, limit, delta))
 
 
-def _concat(ins, at):
+def concat(ins, at):
     return np.concatenate([np.atleast_1d(v) if v.ndim == 0 else v for v in ins if v is not None], axis=at["axis"])
 
 
-def _gather(ins, at):
+def gather(ins, at):
     data, idx = ins
     axis = at.get("axis", 0) % max(data.ndim, 1)
     idx = np.where(idx < 0, idx + data.shape[axis], idx)
@@ -192,7 +193,7 @@ def slice_index(shape, starts, ends, axes, steps) -> tuple:
     return tuple(index)
 
 
-def _slice(ins, at):
+def slice_(ins, at):
     data = ins[0]
     axes = ints(ins[3]) if len(ins) > 3 and ins[3] is not None else None
     steps = ints(ins[4]) if len(ins) > 4 and ins[4] is not None else None
@@ -237,31 +238,31 @@ def flatten_shape(shape, axis) -> tuple:
     return (math.prod(shape[:axis]), math.prod(shape[axis:]))
 
 
-def _squeeze(ins, at):
+def squeeze(ins, at):
     return ins[0].reshape(squeeze_shape(ins[0].shape, _axes(ins, at)))
 
 
-def _unsqueeze(ins, at):
+def unsqueeze(ins, at):
     return ins[0].reshape(unsqueeze_shape(ins[0].shape, _axes(ins, at)))
 
 
-def _reshape(ins, at):
+def reshape(ins, at):
     return ins[0].reshape(reshape_shape(ins[0].shape, ints(ins[1]), at.get("allowzero", 0)))
 
 
-def _flatten(ins, at):
+def flatten(ins, at):
     return ins[0].reshape(flatten_shape(ins[0].shape, at.get("axis", 1)))
 
 
-def _transpose(ins, at):
+def transpose(ins, at):
     return np.transpose(ins[0], at.get("perm"))
 
 
-def _expand(ins, at):
+def expand(ins, at):
     return ins[0] * np.ones(ints(ins[1]), dtype=ins[0].dtype)
 
 
-def _tile(ins, at):
+def tile(ins, at):
     return np.tile(ins[0], ints(ins[1]))
 
 
@@ -294,23 +295,23 @@ def split_sizes(ins, at, dim: int) -> list:
     return [min(step, dim - i * step) for i in range(n)]
 
 
-def _split(ins, at):
+def split(ins, at):
     axis = at.get("axis", 0)
     sizes = split_sizes(ins, at, ins[0].shape[axis])
     return np.split(ins[0], np.cumsum(sizes)[:-1], axis=axis)
 
 
-def _clip(ins, at):
+def clip(ins, at):
     lo = ins[1] if len(ins) > 1 and ins[1] is not None else None
     hi = ins[2] if len(ins) > 2 and ins[2] is not None else None
     return np.clip(ins[0], lo, hi)
 
 
-def _matmul(ins, at):
+def matmul(ins, at):
     return np.matmul(ins[0], ins[1])
 
 
-def _variadic(fn):
+def variadic(fn):
     def run(ins, at):
         out = ins[0]
         for v in ins[1:]:
@@ -320,25 +321,21 @@ def _variadic(fn):
     return run
 
 
-# op type -> NumPy evaluator; the import table (onnx_import.ONNX_OPS) refers to these
-FOLD = {
-    "Identity": lambda ins, at: ins[0],
-    "Add": binary(np.add), "Sub": binary(np.subtract), "Mul": binary(np.multiply), "Div": binary(_div),
-    "Pow": binary(_pow), "Mod": _mod, "Min": _variadic(np.minimum), "Max": _variadic(np.maximum),
-    "Neg": unary(np.negative), "Abs": unary(np.abs), "Sqrt": unary(np.sqrt), "Exp": unary(np.exp),
-    "Log": unary(np.log), "Reciprocal": unary(np.reciprocal), "Floor": unary(np.floor), "Ceil": unary(np.ceil),
-    "Relu": unary(lambda x: np.maximum(x, 0)), "Tanh": unary(np.tanh),
-    "Sigmoid": unary(lambda x: 1.0 / (1.0 + np.exp(-x))), "Erf": lambda ins, at: _erf(ins[0]),
-    "Equal": compare(np.equal), "Less": compare(np.less), "LessOrEqual": compare(np.less_equal),
-    "Greater": compare(np.greater), "GreaterOrEqual": compare(np.greater_equal),
-    "Not": lambda ins, at: np.logical_not(ins[0]), "And": compare(np.logical_and),
-    "Or": compare(np.logical_or), "Xor": compare(np.logical_xor),
-    "Where": _where, "Cast": _cast, "CastLike": _cast_like, "Shape": _shape,
-    "Size": lambda ins, at: np.asarray(np.size(ins[0]), np.int64),
-    "Constant": _constant, "ConstantOfShape": _constant_of_shape, "Range": _range,
-    "Concat": _concat, "Gather": _gather, "Slice": _slice, "Squeeze": _squeeze, "Unsqueeze": _unsqueeze,
-    "Reshape": _reshape, "Flatten": _flatten, "Transpose": _transpose, "Expand": _expand, "Tile": _tile,
-    "Split": _split, "Clip": _clip, "MatMul": _matmul,
-    "ReduceSum": reducer(np.sum), "ReduceMean": reducer(np.mean), "ReduceProd": reducer(np.prod),
-    "ReduceMax": reducer(np.max), "ReduceMin": reducer(np.min),
-}
+def identity(ins, at):
+    return ins[0]
+
+
+def erf(ins, at):
+    return erf_values(ins[0])
+
+
+def logical_not(ins, at):
+    return np.logical_not(ins[0])
+
+
+def size(ins, at):
+    return np.asarray(np.size(ins[0]), np.int64)
+
+
+relu = unary(lambda x: np.maximum(x, 0))
+sigmoid = unary(lambda x: 1.0 / (1.0 + np.exp(-x)))

@@ -7,10 +7,10 @@ IR graph.
     imported.initial    # {IR parameter or buffer name: float64 value}
     imported.warnings   # what the import could not keep as the file says (see below)
 
-The walk visits the ONNX nodes in order. Every op type has one entry in ``ONNX_OPS``: a NumPy
-evaluator (``onnx_fold``) used when all of a node's inputs are known without the data
-(constants, and shapes: the batch size enters as two trace sizes), and a mapping to IR ops used
-otherwise. The batch dimension of the model input is the IR's batch (null); other dimensions
+The walk visits the ONNX nodes in order. Every op type has one entry in ``ONNX_OPS``, its only
+home: a NumPy evaluator (``onnx_fold``) used when all of a node's inputs are known without the
+data (constants, and shapes: the batch size enters as two trace sizes), and a mapping to IR ops
+(``onnx_map_*``) used otherwise. The batch dimension of the model input is the IR's batch (null); other dimensions
 must be static.
 
 ``graph.meta["onnx"]``: ``opset``, ``exporter`` ("dynamo", "torchscript" or "other"),
@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpc_rlx.errors import GraphError
+from hpc_rlx.graph import onnx_fold as f
 from hpc_rlx.graph import onnx_loss
 from hpc_rlx.graph import onnx_map_math as m
 from hpc_rlx.graph import onnx_map_nn as nn
 from hpc_rlx.graph import onnx_map_shape as s
 from hpc_rlx.graph.ir import Graph
 from hpc_rlx.graph.onnx_emit import Emitter, Tensor, dims_at, sanitise
-from hpc_rlx.graph.onnx_fold import FOLD, TRACE_BATCHES, Folded, FoldError, evaluate
+from hpc_rlx.graph.onnx_fold import TRACE_BATCHES, Folded, FoldError, evaluate
 from hpc_rlx.graph.onnx_params import exporter_of, load_model, opset_of, plan_initializers
 from hpc_rlx.graph.shapes import FLOAT, INT
 
@@ -50,42 +51,79 @@ class Rule:
     emit: object = None
 
 
-def _rule(op: str, emit=None) -> Rule:
-    return Rule(FOLD.get(op), emit)
-
-
 ONNX_OPS = {
     # arithmetic and activations
-    "Add": _rule("Add", m.binary("add")), "Sub": _rule("Sub", m.binary("sub")),
-    "Mul": _rule("Mul", m.binary("mul")), "Div": _rule("Div", m.binary("div")),
-    "Pow": _rule("Pow", m.binary("pow")), "Sqrt": _rule("Sqrt", m.unary("sqrt")),
-    "Neg": _rule("Neg", m.unary("neg")), "Exp": _rule("Exp", m.unary("exp")), "Log": _rule("Log", m.unary("log")),
-    "Reciprocal": _rule("Reciprocal", m.unary("reciprocal")), "Relu": _rule("Relu", m.unary("relu")),
-    "LeakyRelu": _rule("LeakyRelu", m.leaky_relu), "Sigmoid": _rule("Sigmoid", m.unary("sigmoid")),
-    "Tanh": _rule("Tanh", m.unary("tanh")), "Gelu": _rule("Gelu", m.gelu), "Erf": _rule("Erf", m.unary("erf")),
-    "Softmax": _rule("Softmax", m.softmax("softmax")), "LogSoftmax": _rule("LogSoftmax", m.softmax("log_softmax")),
-    "Clip": _rule("Clip", m.clip), "Where": _rule("Where", m.where),
-    "Cast": _rule("Cast", m.cast), "CastLike": _rule("CastLike", m.cast_like),
-    "MatMul": _rule("MatMul", m.matmul), "Gemm": _rule("Gemm", m.gemm),
+    "Add": Rule(f.binary(np.add), m.binary("add")),
+    "Sub": Rule(f.binary(np.subtract), m.binary("sub")),
+    "Mul": Rule(f.binary(np.multiply), m.binary("mul")),
+    "Div": Rule(f.binary(f.div), m.binary("div")),
+    "Pow": Rule(f.binary(f.pow_), m.binary("pow")),
+    "Sqrt": Rule(f.unary(np.sqrt), m.unary("sqrt")),
+    "Neg": Rule(f.unary(np.negative), m.unary("neg")),
+    "Exp": Rule(f.unary(np.exp), m.unary("exp")),
+    "Log": Rule(f.unary(np.log), m.unary("log")),
+    "Reciprocal": Rule(f.unary(np.reciprocal), m.unary("reciprocal")),
+    "Relu": Rule(f.relu, m.unary("relu")),
+    "LeakyRelu": Rule(None, m.leaky_relu),
+    "Sigmoid": Rule(f.sigmoid, m.unary("sigmoid")),
+    "Tanh": Rule(f.unary(np.tanh), m.unary("tanh")),
+    "Gelu": Rule(None, m.gelu),
+    "Erf": Rule(f.erf, m.unary("erf")),
+    "Softmax": Rule(None, m.softmax("softmax")),
+    "LogSoftmax": Rule(None, m.softmax("log_softmax")),
+    "Clip": Rule(f.clip, m.clip),
+    "Where": Rule(f.where, m.where),
+    "Cast": Rule(f.cast, m.cast),
+    "CastLike": Rule(f.cast_like, m.cast_like),
+    "MatMul": Rule(f.matmul, m.matmul),
+    "Gemm": Rule(None, m.gemm),
     # layers
-    "Conv": _rule("Conv", nn.conv), "MaxPool": _rule("MaxPool", nn.max_pool),
-    "AveragePool": _rule("AveragePool", nn.average_pool),
-    "GlobalAveragePool": _rule("GlobalAveragePool", nn.global_average_pool),
-    "BatchNormalization": _rule("BatchNormalization", nn.batch_norm),
-    "LayerNormalization": _rule("LayerNormalization", nn.layer_norm), "Dropout": _rule("Dropout", nn.dropout),
+    "Conv": Rule(None, nn.conv),
+    "MaxPool": Rule(None, nn.max_pool),
+    "AveragePool": Rule(None, nn.average_pool),
+    "GlobalAveragePool": Rule(None, nn.global_average_pool),
+    "BatchNormalization": Rule(None, nn.batch_norm),
+    "LayerNormalization": Rule(None, nn.layer_norm),
+    "Dropout": Rule(None, nn.dropout),
     # shapes
-    "Identity": _rule("Identity", s.identity), "Reshape": _rule("Reshape", s.reshape),
-    "Flatten": _rule("Flatten", s.flatten), "Squeeze": _rule("Squeeze", s.squeeze),
-    "Unsqueeze": _rule("Unsqueeze", s.unsqueeze), "Transpose": _rule("Transpose", s.transpose),
-    "Concat": _rule("Concat", s.concat), "Split": _rule("Split", s.split), "Slice": _rule("Slice", s.slice_),
-    "Gather": _rule("Gather", s.gather), "Expand": _rule("Expand", s.expand),
-    "Shape": _rule("Shape", s.shape), "Size": _rule("Size", s.size),
-    "ReduceMean": _rule("ReduceMean", s.reduce("mean")), "ReduceSum": _rule("ReduceSum", s.reduce("sum")),
-    # folded only: constants and shape arithmetic
-    **{op: _rule(op) for op in (
-        "Constant", "ConstantOfShape", "Range", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
-        "Not", "And", "Or", "Xor", "Mod", "Min", "Max", "Abs", "Floor", "Ceil", "Tile",
-        "ReduceProd", "ReduceMax", "ReduceMin")},
+    "Identity": Rule(f.identity, s.identity),
+    "Reshape": Rule(f.reshape, s.reshape),
+    "Flatten": Rule(f.flatten, s.flatten),
+    "Squeeze": Rule(f.squeeze, s.squeeze),
+    "Unsqueeze": Rule(f.unsqueeze, s.unsqueeze),
+    "Transpose": Rule(f.transpose, s.transpose),
+    "Concat": Rule(f.concat, s.concat),
+    "Split": Rule(f.split, s.split),
+    "Slice": Rule(f.slice_, s.slice_),
+    "Gather": Rule(f.gather, s.gather),
+    "Expand": Rule(f.expand, s.expand),
+    "Shape": Rule(f.shape, s.shape),
+    "Size": Rule(f.size, s.size),
+    "ReduceMean": Rule(f.reducer(np.mean), s.reduce("mean")),
+    "ReduceSum": Rule(f.reducer(np.sum), s.reduce("sum")),
+    # constants and shape arithmetic: folded only
+    "Constant": Rule(f.constant),
+    "ConstantOfShape": Rule(f.constant_of_shape),
+    "Range": Rule(f.range_),
+    "Equal": Rule(f.compare(np.equal)),
+    "Less": Rule(f.compare(np.less)),
+    "LessOrEqual": Rule(f.compare(np.less_equal)),
+    "Greater": Rule(f.compare(np.greater)),
+    "GreaterOrEqual": Rule(f.compare(np.greater_equal)),
+    "Not": Rule(f.logical_not),
+    "And": Rule(f.compare(np.logical_and)),
+    "Or": Rule(f.compare(np.logical_or)),
+    "Xor": Rule(f.compare(np.logical_xor)),
+    "Mod": Rule(f.mod),
+    "Min": Rule(f.variadic(np.minimum)),
+    "Max": Rule(f.variadic(np.maximum)),
+    "Abs": Rule(f.unary(np.abs)),
+    "Floor": Rule(f.unary(np.floor)),
+    "Ceil": Rule(f.unary(np.ceil)),
+    "Tile": Rule(f.tile),
+    "ReduceProd": Rule(f.reducer(np.prod)),
+    "ReduceMax": Rule(f.reducer(np.max)),
+    "ReduceMin": Rule(f.reducer(np.min)),
 }
 
 _FLOAT_TYPES = {1, 10, 11, 16}
@@ -162,14 +200,15 @@ def _bind_initializers(em: Emitter, plan, env: dict, meta: dict, initial: dict) 
             initial[ir], meta["params"][ir] = value.astype(np.float64), name
             if name in plan.torch_name:
                 meta["torch_names"][ir] = plan.torch_name[name]
+    made: dict = {}  # PyTorch weights not in the file, made from a first transposed copy
     for name, source in plan.source.items():
         value = plan.values[name]
-        held = env.get(source)
+        held = env.get(source) if source in plan.values else made.get(source)
         if isinstance(held, Tensor) and np.array_equal(initial[held.name], value.T.astype(np.float64)):
             meta["tied"][name] = held.name
         else:
             ir = em.unique(source)
-            held = em.param(ir, np.ascontiguousarray(value.T))
+            held = made[source] = em.param(ir, np.ascontiguousarray(value.T))
             initial[ir], meta["params"][ir], meta["transposed"][ir] = value.T.astype(np.float64), name, source
             meta["torch_names"][ir] = plan.torch_name.get(source, source)
         em.at("initializers", "initializer", name)
