@@ -159,7 +159,21 @@ class OpsMix(nn.Module):
         return F.log_softmax(self.fc(s), dim=-1)
 
 
-# name -> (constructor, one sample's input shape, token vocabulary or None for float images)
+class Signal(nn.Module):
+    """1-D convolution and pooling over (C, L) signals."""
+
+    def __init__(self, c=3, n=10):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv1d(c, 8, 3, padding=1), nn.Conv1d(8, 8, 3, stride=2, dilation=2, padding=2)
+        self.fc = nn.Linear(8 * 2, n)
+
+    def forward(self, x):
+        x = F.max_pool1d(F.relu(self.conv1(x)), 2)
+        x = F.avg_pool1d(torch.tanh(self.conv2(x)), 3, stride=2, padding=1)
+        return self.fc(torch.flatten(x, 1))
+
+
+# name -> (constructor, one sample's input shape, token vocabulary or None for float inputs)
 ZOO = {
     "lenet": (LeNet5, (1, 12, 12), None),
     "resnet": (ResNet, (3, 16, 16), None),
@@ -169,6 +183,7 @@ ZOO = {
     "gpt_untied": (lambda: GPT(tied=False), (8,), 32),
     "mixer": (Mixer, (3, 16, 16), None),
     "opsmix": (OpsMix, (3, 8, 8), None),
+    "signal": (Signal, (3, 16), None),
 }
 
 

@@ -35,7 +35,7 @@ def _image(em, v, what="input") -> Tensor:
     """A (B, C, H, W) tensor with the batch first."""
     x = float_tensor(em, v, what)
     if x.rank != 4 or x.groups[0] != (None,) or not all(x.plain(i) for i in (1, 2, 3)):
-        raise em.fail(f"{what} must be (batch, C, H, W) (2-D images), got ONNX rank {x.rank}")
+        raise em.fail(f"{what} must be (batch, C, L) or (batch, C, H, W), got ONNX rank {x.rank}")
     return x
 
 
@@ -63,11 +63,36 @@ def _out_size(n, k, s, p, d, ceil_mode=False) -> int:
     return (-(-span // s) if ceil_mode else span // s) + 1
 
 
-def conv(em, ins, at, n):
+def _with_one_dim(emit, weighted: bool = False):
+    """``emit`` for 2-D images, also taking 1-D signals (B, C, L) as (B, C, 1, L) images (and
+    a ``weighted`` op's (O, C, k) kernel as (O, C, 1, k))."""
+
+    def run(em, ins, at, n):
+        x = float_tensor(em, ins[0])
+        if x.rank != 3:
+            return emit(em, ins, at, n)
+
+        def lift(t):
+            return em.reshape(t, t.groups[:2] + ((1,),) + t.groups[2:])
+
+        ins = [lift(x)] + list(ins[1:])
+        if weighted:
+            ins[1] = lift(float_tensor(em, ins[1], "weight"))
+        at = {**at, **{k: [1] + list(at[k]) for k in ("kernel_shape", "strides", "dilations") if k in at}}
+        if "pads" in at:
+            at["pads"] = [0, at["pads"][0], 0, at["pads"][1]]
+        outs = emit(em, ins, at, n)
+        y = outs[0]
+        return [em.reshape(y, y.groups[:2] + y.groups[3:])] + outs[1:]
+
+    return run
+
+
+def _conv2d(em, ins, at, n):
     x = _image(em, ins[0])
     w = float_tensor(em, ins[1], "weight")
     if w.rank != 4:
-        raise em.fail("only 2-D convolution is supported")
+        raise em.fail("only 1-D and 2-D convolution are supported")
     out_c, kernel = w.ir_shape[0], list(w.ir_shape[2:])
     strides, dil = list(at.get("strides", [1, 1])), list(at.get("dilations", [1, 1]))
     size = [x.groups[2][0], x.groups[3][0]]
@@ -83,6 +108,9 @@ def conv(em, ins, at, n):
     if at.get("group", 1) != 1:
         attrs["groups"] = at["group"]
     return [em.tensor("conv2d", args, ((None,), (out_c,), (hw[0],), (hw[1],)), **attrs)]
+
+
+conv = _with_one_dim(_conv2d, weighted=True)
 
 
 def _pool(op: str):
@@ -109,8 +137,8 @@ def _pool(op: str):
     return emit
 
 
-max_pool = _pool("max_pool2d")
-average_pool = _pool("avg_pool2d")
+max_pool = _with_one_dim(_pool("max_pool2d"))
+average_pool = _with_one_dim(_pool("avg_pool2d"))
 
 
 def global_average_pool(em, ins, at, n):
@@ -164,5 +192,6 @@ def dropout(em, ins, at, n):
         em.forms["dropout"].append(em.node)
         x = float_tensor(em, x)
         return [em.tensor("dropout", [x], x.groups, p=ratio)] + [None] * (n - 1)
-    em.forms["dropout_off"].append(em.node)
+    if not training:
+        em.forms["dropout_off"].append(em.node)
     return [x] + [None] * (n - 1)
