@@ -1,11 +1,20 @@
 """Convolution and pooling kernels on (B, C, H, W) arrays, written once against ``xp``.
 
-Internally everything works channel-major, (C, B, H, W): the im2col columns are
-(C, kh, kw, B, Ho, Wo), so filling them is kh*kw contiguous-ish slice copies, conv2d is one
-GEMM ``W(O, K) @ cols(K, B*Ho*Wo)`` whose (O, B*Ho*Wo) result *is* the output in that layout,
-and the outputs are handed on as (B, C, H, W) transposed views of it. Elementwise ops keep the
-layout, the next conv or pool reads it without a transpose copy, and only a flatten copies
-once. Pooling loops over the window offsets; each pass is one vectorised slice op.
+Internally everything works batch-last, (C, H, W, B): a kernel offset shifts whole runs of
+W*B contiguous numbers (B at a stride), so every pass below is a long, vectorised slice op
+rather than one short row per image. The im2col columns are (C, kh*kw, Ho, Wo, B); conv2d is
+one GEMM ``W(O, K) @ cols(K, Ho*Wo*B)`` whose (O, Ho*Wo*B) result *is* the output in that
+layout, and outputs are handed on as (B, C, H, W) transposed views of it. Elementwise ops keep
+the layout (NumPy and CuPy allocate results in the operands' memory order), the next conv or
+pool reads it without a copy, and only a flatten (or an input that arrives batch-first, like
+the data) pays one transposing copy.
+
+Padding is never materialised: each kernel offset copies (im2col), accumulates (col2im) or
+compares (pooling) only the part of the output whose input lies inside the image, and im2col
+zeroes the rest of its rows. col2im is kh*kw strided adds; the offset that covers the whole
+input (the centre of a "same" convolution) is written instead of added, so the gradient
+buffer needs no zeroing. Max pooling keeps the first maximum's offset per window as int8 (as
+PyTorch, the first maximum wins on ties).
 
 Grouped convolution (``groups`` > 1, depthwise when it equals C) splits the same columns into
 ``groups`` row blocks and runs one batched GEMM over them; ``groups`` = 1 keeps the single GEMM.
@@ -19,62 +28,92 @@ def out_size(n: int, k: int, s: int, p: int, d: int = 1) -> int:
     return (n + 2 * p - d * (k - 1) - 1) // s + 1
 
 
-def _offsets(kh, kw, sh, sw, ho, wo, dilation=(1, 1)):
-    """(index, row slice, col slice) of every kernel offset over the padded input; the
-    offset's kernel position is ``divmod(index, kw)``."""
-    dh, dw = dilation
-    n = 0
-    for i in range(kh):
-        for j in range(kw):
-            yield n, slice(i * dh, i * dh + sh * (ho - 1) + 1, sh), slice(j * dw, j * dw + sw * (wo - 1) + 1, sw)
-            n += 1
+def _bl(x):
+    """(B, C, H, W) -> (C, H, W, B): a view, no copy."""
+    return x.transpose(1, 2, 3, 0)
 
 
-def _cm(x):
-    """(B, C, H, W) <-> (C, B, H, W): a view, no copy."""
-    return x.transpose(1, 0, 2, 3)
+def _bf(a):
+    """(C, H, W, B) -> (B, C, H, W): a view, no copy."""
+    return a.transpose(3, 0, 1, 2)
 
 
-def _pad_cm(xp, xc, ph: int, pw: int, value: float = 0.0):
-    """Pad a channel-major array's spatial dims (no copy when there is no padding)."""
-    if ph == 0 and pw == 0:
-        return xc
-    c, b, h, w = xc.shape
-    out = xp.full((c, b, h + 2 * ph, w + 2 * pw), value, dtype=xc.dtype)
-    out[:, :, ph : ph + h, pw : pw + w] = xc
-    return out
+def batch_last(xp, x):
+    """``x`` (B, C, H, W) as (C, H, W, B): a view when its batch is already the innermost axis
+    (what this module produces), else one transposing copy (the data, a flatten's cotangent)."""
+    if x.shape[0] == 1 or x.strides[0] == x.itemsize:
+        return _bl(x)
+    return xp.ascontiguousarray(_bl(x))
 
 
-def _crop_cm(xc, ph, pw):
-    if ph == 0 and pw == 0:
-        return xc
-    return xc[:, :, ph : xc.shape[2] - ph, pw : xc.shape[3] - pw]
+def _span(n_in, n_out, off, s):
+    """Output positions [r0, r1) whose input position ``r * s + off`` lies in [0, n_in), and
+    the input slice they read."""
+    r0 = max(0, -(off // s))
+    r1 = max(r0, min(n_out, (n_in - 1 - off) // s + 1))
+    start = r0 * s + off
+    return slice(r0, r1), slice(start, start + (r1 - r0 - 1) * s + 1, s), r1 > r0
+
+
+def _windows(in_hw, out_hw, kernel, stride, padding, dilation=(1, 1)):
+    """Per kernel offset n (row-major): (n, output rows, output cols, input rows, input cols,
+    kind) where kind is None (no output reads the image), "all" (every output position reads
+    the image) or "part"."""
+    (h, w), (ho, wo) = in_hw, out_hw
+    res = []
+    for i in range(kernel[0]):
+        orow, irow, rok = _span(h, ho, i * dilation[0] - padding[0], stride[0])
+        for j in range(kernel[1]):
+            ocol, icol, cok = _span(w, wo, j * dilation[1] - padding[1], stride[1])
+            full = orow.stop - orow.start == ho and ocol.stop - ocol.start == wo
+            kind = None if not (rok and cok) else ("all" if full else "part")
+            res.append((i * kernel[1] + j, orow, ocol, irow, icol, kind))
+    return res
+
+
+def _covers_input(x_hw, orow, ocol, irow, icol, stride):
+    """Whether one offset's output positions read every input position exactly once."""
+    h, w = x_hw
+    return (stride == (1, 1) and irow.start == 0 and icol.start == 0
+            and orow.stop - orow.start == h and ocol.stop - ocol.start == w)
 
 
 def im2col(xp, x, kernel, stride, padding, dilation=(1, 1)):
-    """Columns (C*kh*kw, B*Ho*Wo) of ``x`` (B, C, H, W); returns (cols, ho, wo)."""
+    """Columns (C*kh*kw, Ho*Wo*B) of ``x`` (B, C, H, W); returns (cols, ho, wo)."""
     b, c, h, w = x.shape
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
-    ho, wo = out_size(h, kh, sh, ph, dilation[0]), out_size(w, kw, sw, pw, dilation[1])
-    xc = _pad_cm(xp, _cm(x), ph, pw)
-    cols = xp.empty((c, kh, kw, b, ho, wo), dtype=x.dtype)
-    for n, rs, cs in _offsets(kh, kw, sh, sw, ho, wo, dilation):
-        i, j = divmod(n, kw)
-        cols[:, i, j] = xc[:, :, rs, cs]
-    return cols.reshape(c * kh * kw, b * ho * wo), ho, wo
+    ho, wo = out_size(h, kernel[0], stride[0], padding[0], dilation[0]), out_size(w, kernel[1], stride[1], padding[1], dilation[1])
+    xb = batch_last(xp, x)
+    cols = xp.empty((c, kernel[0] * kernel[1], ho, wo, b), dtype=x.dtype)
+    for n, orow, ocol, irow, icol, kind in _windows((h, w), (ho, wo), kernel, stride, padding, dilation):
+        dst = cols[:, n]
+        if kind is None:
+            dst[...] = 0
+            continue
+        dst[:, orow, ocol] = xb[:, irow, icol]
+        if kind == "part":  # the rest reads the zero padding
+            dst[:, : orow.start] = 0
+            dst[:, orow.stop :] = 0
+            dst[:, orow, : ocol.start] = 0
+            dst[:, orow, ocol.stop :] = 0
+    return cols.reshape(c * kernel[0] * kernel[1], ho * wo * b), ho, wo
 
 
 def col2im(xp, cols, x_shape, kernel, stride, padding, dilation=(1, 1)):
-    """Adjoint of ``im2col``: scatter-add the columns back onto a (B, C, H, W) array."""
+    """Adjoint of ``im2col``: add the columns back onto a (B, C, H, W) array (batch-last view)."""
     b, c, h, w = x_shape
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
-    ho, wo = out_size(h, kh, sh, ph, dilation[0]), out_size(w, kw, sw, pw, dilation[1])
-    c6 = cols.reshape(c, kh, kw, b, ho, wo)
-    gxc = xp.zeros((c, b, h + 2 * ph, w + 2 * pw), dtype=cols.dtype)
-    for n, rs, cs in _offsets(kh, kw, sh, sw, ho, wo, dilation):
-        i, j = divmod(n, kw)
-        gxc[:, :, rs, cs] += c6[:, i, j]
-    return _cm(_crop_cm(gxc, ph, pw))
+    ho, wo = out_size(h, kernel[0], stride[0], padding[0], dilation[0]), out_size(w, kernel[1], stride[1], padding[1], dilation[1])
+    c5 = cols.reshape(c, kernel[0] * kernel[1], ho, wo, b)
+    wins = [t for t in _windows((h, w), (ho, wo), kernel, stride, padding, dilation) if t[5] is not None]
+    first = next((t for t in wins if _covers_input((h, w), *t[1:5], stride)), None)
+    if first is not None:  # written, not added: no zeroing pass
+        gx = xp.empty((c, h, w, b), dtype=cols.dtype)
+        gx[...] = c5[:, first[0], first[1], first[2]]
+    else:
+        gx = xp.zeros((c, h, w, b), dtype=cols.dtype)
+    for n, orow, ocol, irow, icol, _ in wins:
+        if first is None or n != first[0]:
+            gx[:, irow, icol] += c5[:, n, orow, ocol]
+    return _bf(gx)
 
 
 def conv2d_forward(xp, x, w, b, stride, padding, dilation=(1, 1), groups=1):
@@ -82,28 +121,28 @@ def conv2d_forward(xp, x, w, b, stride, padding, dilation=(1, 1), groups=1):
     o = w.shape[0]
     cols, ho, wo = im2col(xp, x, w.shape[2:], stride, padding, dilation)
     if groups == 1:
-        y = xp.matmul(w.reshape(o, -1), cols)  # (O, B*Ho*Wo): the output, channel-major
+        y = xp.matmul(w.reshape(o, -1), cols)  # (O, Ho*Wo*B): the output, batch-last
     else:  # group k's output channels read group k's block of column rows
         y = xp.matmul(w.reshape(groups, o // groups, -1), cols.reshape(groups, -1, cols.shape[1]))
         y = y.reshape(o, -1)
     if b is not None:
         y += b.reshape(o, 1)
-    return _cm(y.reshape(o, x.shape[0], ho, wo)), cols
+    return _bf(y.reshape(o, ho, wo, x.shape[0])), cols
 
 
-def _g_matrix(g):
-    """(B, O, Ho, Wo) cotangent as the (O, B*Ho*Wo) matrix the GEMMs need (a view when
-    ``g`` is channel-major, as it is when it comes straight from elementwise VJPs)."""
-    return _cm(g).reshape(g.shape[1], -1)
+def _g_matrix(xp, g):
+    """(B, O, Ho, Wo) cotangent as the (O, Ho*Wo*B) matrix the GEMMs need (a view when ``g``
+    is batch-last, as it is when it comes straight from elementwise VJPs)."""
+    return batch_last(xp, g).reshape(g.shape[1], -1)
 
 
 def conv2d_grad_x(xp, g, w, x_shape, stride, padding, dilation=(1, 1), groups=1):
     o = w.shape[0]
     if groups == 1:
-        gcols = xp.matmul(w.reshape(o, -1).T, _g_matrix(g))
+        gcols = xp.matmul(w.reshape(o, -1).T, _g_matrix(xp, g))
     else:
         wg = w.reshape(groups, o // groups, -1)
-        gcols = xp.matmul(wg.transpose(0, 2, 1), _g_matrix(g).reshape(groups, o // groups, -1))
+        gcols = xp.matmul(wg.transpose(0, 2, 1), _g_matrix(xp, g).reshape(groups, o // groups, -1))
         gcols = gcols.reshape(-1, gcols.shape[2])
     return col2im(xp, gcols, x_shape, w.shape[2:], stride, padding, dilation)
 
@@ -111,100 +150,138 @@ def conv2d_grad_x(xp, g, w, x_shape, stride, padding, dilation=(1, 1), groups=1)
 def conv2d_grad_w(xp, g, cols, w_shape, out=None, groups=1):
     o = w_shape[0]
     if groups != 1:
-        gm = _g_matrix(g).reshape(groups, o // groups, -1)
+        gm = _g_matrix(xp, g).reshape(groups, o // groups, -1)
         cg = cols.reshape(groups, -1, cols.shape[1]).transpose(0, 2, 1)
         if out is not None:
             xp.matmul(gm, cg, out=out.reshape(groups, o // groups, -1))
             return out
         return xp.matmul(gm, cg).reshape(w_shape)
     if out is not None:
-        xp.matmul(_g_matrix(g), cols.T, out=out.reshape(o, -1))
+        xp.matmul(_g_matrix(xp, g), cols.T, out=out.reshape(o, -1))
         return out
-    return xp.matmul(_g_matrix(g), cols.T).reshape(w_shape)
+    return xp.matmul(_g_matrix(xp, g), cols.T).reshape(w_shape)
+
+
+def conv2d_grad_b(xp, g, out=None):
+    """Sum of the cotangent over batch and space, per output channel."""
+    gm = _g_matrix(xp, g)
+    if out is not None:
+        xp.sum(gm, axis=1, out=out)
+        return out
+    return gm.sum(axis=1)
+
+
+def _pool_windows(x_shape, kernel, stride, padding, dilation=(1, 1)):
+    h, w = x_shape[2], x_shape[3]
+    ho, wo = out_size(h, kernel[0], stride[0], padding[0], dilation[0]), out_size(w, kernel[1], stride[1], padding[1], dilation[1])
+    return (ho, wo), [t for t in _windows((h, w), (ho, wo), kernel, stride, padding, dilation) if t[5] is not None]
+
+
+def _tiles_input(x_shape, out_hw, kernel, stride, padding, dilation=(1, 1)):
+    """Whether the windows cover every input position exactly once (a 2x2/2 pool on even sizes)."""
+    return (tuple(padding) == (0, 0) and tuple(dilation) == (1, 1) and tuple(stride) == tuple(kernel)
+            and out_hw[0] * kernel[0] == x_shape[2] and out_hw[1] * kernel[1] == x_shape[3])
 
 
 def max_pool_forward(xp, x, kernel, stride, padding, keep_index, dilation=(1, 1)):
     """Max over each window; with ``keep_index`` also the winning offset (the first max wins,
     as in PyTorch). Offsets only grow, so the last strict improvement is a running maximum of
-    ``offset * improved``: cheap elementwise passes instead of masked assignment."""
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
-    ho, wo = out_size(x.shape[2], kh, sh, ph, dilation[0]), out_size(x.shape[3], kw, sw, pw, dilation[1])
-    xc = _pad_cm(xp, _cm(x), ph, pw, value=-float("inf"))
-    out = index = scratch = None
-    for n, rs, cs in _offsets(kh, kw, sh, sw, ho, wo, dilation):
-        win = xc[:, :, rs, cs]
-        if out is None:
-            out = xp.empty(win.shape, dtype=x.dtype)
-            out[...] = win
-            if keep_index:
-                itype = xp.int8 if kh * kw <= 127 else xp.int32
-                index = xp.zeros(out.shape, dtype=itype)
-                scratch = xp.empty(out.shape, dtype=itype)
+    ``offset * improved``: cheap int8 passes instead of masked assignment. Returns the output
+    and the index as (B, C, Ho, Wo) views of batch-last arrays."""
+    (ho, wo), wins = _pool_windows(x.shape, kernel, stride, padding, dilation)
+    xb = batch_last(xp, x)
+    shape = (x.shape[1], ho, wo, x.shape[0])
+    out = xp.empty(shape, dtype=x.dtype)
+    index = scratch = None
+    if keep_index:
+        itype = xp.int8 if kernel[0] * kernel[1] <= 127 else xp.int32
+        index = xp.zeros(shape, dtype=itype)
+    if wins[0][5] != "all":
+        out.fill(-float("inf"))
+    for k, (n, orow, ocol, irow, icol, kind) in enumerate(wins):
+        win, dst = xb[:, irow, icol], out[:, orow, ocol]
+        if k == 0 and kind == "all":
+            dst[...] = win
             continue
         if keep_index:
-            xp.multiply(win > out, n, out=scratch)
-            xp.maximum(index, scratch, out=index)
-        xp.maximum(out, win, out=out)
-    return _cm(out), (None if index is None else _cm(index))
+            better = xp.greater(win, dst)
+            if itype == xp.int8:
+                better = better.view(xp.int8)  # same bytes: no cast pass
+            if scratch is None:
+                scratch = xp.empty(shape, dtype=itype)
+            sc = scratch[:, orow, ocol]
+            xp.multiply(better, n, out=sc)
+            idx = index[:, orow, ocol]
+            xp.maximum(idx, sc, out=idx)
+        xp.maximum(dst, win, out=dst)
+    return _bf(out), (None if index is None else _bf(index))
 
 
 def max_pool_grad(xp, g, index, x_shape, kernel, stride, padding, dilation=(1, 1)):
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+    (ho, wo), wins = _pool_windows(x_shape, kernel, stride, padding, dilation)
     b, c, h, w = x_shape
-    disjoint = sh >= dilation[0] * (kh - 1) + 1 and sw >= dilation[1] * (kw - 1) + 1
-    gc, ic = _cm(g), _cm(index)
-    gxc = xp.zeros((c, b, h + 2 * ph, w + 2 * pw), dtype=g.dtype)
-    for n, rs, cs in _offsets(kh, kw, sh, sw, g.shape[2], g.shape[3], dilation):
+    disjoint = stride[0] >= dilation[0] * (kernel[0] - 1) + 1 and stride[1] >= dilation[1] * (kernel[1] - 1) + 1
+    gb, ib = batch_last(xp, g), _bl(index)
+    if disjoint and _tiles_input(x_shape, (ho, wo), kernel, stride, padding, dilation):
+        gx = xp.empty((c, h, w, b), dtype=g.dtype)  # every cell gets written once
+    else:
+        gx = xp.zeros((c, h, w, b), dtype=g.dtype)
+    for n, orow, ocol, irow, icol, _ in wins:
+        hit = ib[:, orow, ocol] == n
         if disjoint:  # each input cell is in one window at most: write, don't accumulate
-            xp.multiply(gc, ic == n, out=gxc[:, :, rs, cs])
+            xp.multiply(gb[:, orow, ocol], hit, out=gx[:, irow, icol])
         else:
-            gxc[:, :, rs, cs] += gc * (ic == n)
-    return _cm(_crop_cm(gxc, ph, pw))
+            gx[:, irow, icol] += gb[:, orow, ocol] * hit
+    return _bf(gx)
 
 
 def _window_counts(xp, h, w, ho, wo, kernel, stride, padding, dtype):
-    """(Ho, Wo): how many input cells (padding not counted) each pooling window covers."""
+    """(Ho, Wo, 1): how many input cells (padding not counted) each pooling window covers."""
     def along(n, no, k, s, p):
         start = xp.arange(no) * s - p
         return xp.clip(start + k, 0, n) - xp.clip(start, 0, n)
 
     rows = along(h, ho, kernel[0], stride[0], padding[0])
     cols = along(w, wo, kernel[1], stride[1], padding[1])
-    return (rows[:, None] * cols[None, :]).astype(dtype)
+    return (rows[:, None] * cols[None, :]).astype(dtype)[:, :, None]
 
 
 def avg_pool_forward(xp, x, kernel, stride, padding, count_include_pad=True):
     """Mean over each window; zero padding counted unless ``count_include_pad`` is false."""
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
-    ho, wo = out_size(x.shape[2], kh, sh, ph), out_size(x.shape[3], kw, sw, pw)
-    xc = _pad_cm(xp, _cm(x), ph, pw)
-    out = None
-    for _, rs, cs in _offsets(kh, kw, sh, sw, ho, wo):
-        win = xc[:, :, rs, cs]
-        if out is None:
-            out = xp.empty(win.shape, dtype=x.dtype)
-            out[...] = win
+    (ho, wo), wins = _pool_windows(x.shape, kernel, stride, padding)
+    xb = batch_last(xp, x)
+    shape = (x.shape[1], ho, wo, x.shape[0])
+    if wins[0][5] == "all":
+        out = xp.empty(shape, dtype=x.dtype)
+    else:
+        out = xp.zeros(shape, dtype=x.dtype)
+    for k, (n, orow, ocol, irow, icol, kind) in enumerate(wins):
+        if k == 0 and kind == "all":
+            out[...] = xb[:, irow, icol]
         else:
-            out += win
-    if count_include_pad or (ph == 0 and pw == 0):
-        out *= 1.0 / (kh * kw)
+            out[:, orow, ocol] += xb[:, irow, icol]
+    if count_include_pad or tuple(padding) == (0, 0):
+        out *= 1.0 / (kernel[0] * kernel[1])
     else:
         out /= _window_counts(xp, x.shape[2], x.shape[3], ho, wo, kernel, stride, padding, x.dtype)
-    return _cm(out)
+    return _bf(out)
 
 
 def avg_pool_grad(xp, g, x_shape, kernel, stride, padding, count_include_pad=True):
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+    (ho, wo), wins = _pool_windows(x_shape, kernel, stride, padding)
     b, c, h, w = x_shape
-    if count_include_pad or (ph == 0 and pw == 0):
-        gs = _cm(g) * (1.0 / (kh * kw))
+    if count_include_pad or tuple(padding) == (0, 0):
+        gs = batch_last(xp, g) * (1.0 / (kernel[0] * kernel[1]))
     else:
-        gs = _cm(g) / _window_counts(xp, h, w, g.shape[2], g.shape[3], kernel, stride, padding, g.dtype)
-    disjoint = sh >= kh and sw >= kw
-    gxc = xp.zeros((c, b, h + 2 * ph, w + 2 * pw), dtype=g.dtype)
-    for _, rs, cs in _offsets(kh, kw, sh, sw, g.shape[2], g.shape[3]):
+        gs = batch_last(xp, g) / _window_counts(xp, h, w, ho, wo, kernel, stride, padding, g.dtype)
+    disjoint = stride[0] >= kernel[0] and stride[1] >= kernel[1]
+    if disjoint and _tiles_input(x_shape, (ho, wo), kernel, stride, padding):
+        gx = xp.empty((c, h, w, b), dtype=g.dtype)
+    else:
+        gx = xp.zeros((c, h, w, b), dtype=g.dtype)
+    for n, orow, ocol, irow, icol, _ in wins:
         if disjoint:
-            gxc[:, :, rs, cs] = gs
+            gx[:, irow, icol] = gs[:, orow, ocol]
         else:
-            gxc[:, :, rs, cs] += gs
-    return _cm(_crop_cm(gxc, ph, pw))
+            gx[:, irow, icol] += gs[:, orow, ocol]
+    return _bf(gx)

@@ -165,7 +165,7 @@ def _conv_w(xp, g, args, ans, saved, a, out):
 
 
 def _conv_b(xp, g, args, ans, saved, a, out):
-    return _sum_to(xp, g, (0, 2, 3), out)
+    return conv.conv2d_grad_b(xp, g, out)
 
 
 defvjp("conv2d", _conv_x, _conv_w, _conv_b, needs_args=(1,))
