@@ -21,6 +21,7 @@ Initializers become (by ``plan_initializers``):
 from __future__ import annotations
 
 import ast
+import hashlib
 import re
 from dataclasses import dataclass, field
 
@@ -204,7 +205,7 @@ def plan_initializers(model, warnings: list) -> InitPlan:
         warnings.append(f"batch norm was fused into convolution weights {fused} by the exporter's optimizer: it "
                         f"trains as a fixed scale and shift folded into them; export with optimize=False to train "
                         f"batch norm")
-    _missing_state(model, plan, targets, warnings)
+    _missing_state(model, plan, targets, vmeta, warnings)
     return plan
 
 
@@ -222,27 +223,33 @@ def _linear_weight(plan: InitPlan, consumers: dict, name: str) -> str | None:
     return None
 
 
+def _digest(a: np.ndarray) -> tuple:
+    return a.shape, a.dtype.str, hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
 def _tie_transposed_copies(plan: InitPlan, uses: dict) -> None:
     """A float matrix that only feeds MatMul's B input and equals another parameter's
     transpose is a folded copy of it (TorchScript constant folding of a tied head)."""
     params = [n for n, k in plan.kind.items() if k == "param" and plan.values[n].ndim == 2]
+    by_value: dict = {}
+    for name in params:
+        by_value.setdefault(_digest(plan.values[name]), []).append(name)
     for name in params:
         v = plan.values[name]
         if not all(u == ("MatMul", 1) for u in uses.get(name, [("", 0)])) or np.unique(v).size < 2:
             continue
-        for other in params:
-            w = plan.values[other]
-            if other != name and plan.kind[other] == "param" and w.shape == v.shape[::-1] and np.array_equal(w, v.T):
+        for other in by_value.get(_digest(v.T), []):
+            if other != name and plan.kind[other] == "param" and np.array_equal(plan.values[other], v.T):
                 plan.kind[name], plan.source[name] = "transposed", other
                 break
 
 
-def _missing_state(model, plan: InitPlan, targets: set, warnings: list) -> None:
+def _missing_state(model, plan: InitPlan, targets: set, vmeta: dict, warnings: list) -> None:
     """Dynamo's optimizer merges initializers of equal value (freshly initialised layer-norm
     weights, zero biases): the merged parameters would then train as one."""
     if exporter_of(model) != "dynamo":
         return
-    folded = {src for name in plan.values for src in _sources(_value_meta(model).get(name, {}))}
+    folded = {src for name in plan.values for src in _sources(vmeta.get(name, {}))}
     present = set(plan.values) | set(plan.source.values()) | folded
     float_targets = {t for t in targets if not t.endswith("num_batches_tracked")}
     missing = sorted(t for t in float_targets - present if t not in plan.fused)
