@@ -344,5 +344,6 @@ def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, labe
     kept = {p["name"] for p in d["params"]}
     for table in ("params", "transposed", "torch_names"):
         meta[table] = {k: v for k, v in meta[table].items() if k in kept}
+    meta["tied"] = {k: v for k, v in meta["tied"].items() if v in kept}
     d["meta"] = {"onnx": meta}
     return ImportedModel(Graph.from_dict(d), {k: v for k, v in initial.items() if k in kept}, warnings)
