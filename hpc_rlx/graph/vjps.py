@@ -137,6 +137,10 @@ defvjp("matmul", _matmul_a, _matmul_b)
 def _linear_x(xp, g, args, ans, s, a, out):
     x, w = args[0], args[1]
     g2 = g.reshape(-1, g.shape[-1])
+    if x.ndim == 2 and x.shape[0] > 1 and x.strides[0] == x.itemsize:
+        # x is a batch-last array seen flat (a convolution's output after flatten): answer in
+        # the same layout, so the flatten's cotangent reaches the convolution without a copy
+        return xp.matmul(w if a["weight_layout"] == "in_out" else w.T, g2.T).T
     return xp.matmul(g2, w.T if a["weight_layout"] == "in_out" else w).reshape(x.shape)
 
 
