@@ -440,3 +440,19 @@ def test_shapes_that_cannot_be_made_static_fail_clearly():
     seq = _tiny([h.make_node("Relu", ["x"], ["out"])], [_info("x", ["batch", "seq"])], [_info("out", ["batch", "seq"])])
     with pytest.raises(GraphError, match="dim 1 is 'seq': only the batch dim"):
         import_onnx(seq)
+
+
+@pytest.mark.parametrize("name", ["gpt", "vit"])
+def test_dynamo_files_without_its_optimizer_import(tmp_path, name):
+    """dynamo with optimize=False writes torch.split as SplitToSequence + SequenceAt and x[:, 0]
+    as a whole-batch Slice followed by a Gather: both import, and match ONNX Runtime."""
+    module = zoo.make(name)
+    path = zoo.export(module, zoo.sample_input(name, 2), tmp_path / f"{name}.onnx", "dynamo", "eval",
+                      optimize=False)
+    ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert ("SplitToSequence" in ops) if name == "gpt" else ("Slice" in ops)
+    imported = import_onnx(path)
+    x = zoo.sample_input(name, 3, seed=4)
+    session = ort.InferenceSession(str(path))
+    ref = session.run(None, {session.get_inputs()[0].name: feed(x, "float32")})[0]
+    assert rel(ours_forward(imported, x, train=False), ref) <= 1e-5

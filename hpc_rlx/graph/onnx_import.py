@@ -94,6 +94,8 @@ ONNX_OPS = {
     "Transpose": Rule(f.transpose, s.transpose),
     "Concat": Rule(f.concat, s.concat),
     "Split": Rule(f.split, s.split),
+    "SplitToSequence": Rule(None, s.split_to_sequence),
+    "SequenceAt": Rule(None, s.sequence_at),
     "Slice": Rule(f.slice_, s.slice_),
     "Gather": Rule(f.gather, s.gather),
     "Expand": Rule(f.expand, s.expand),

@@ -127,7 +127,7 @@ def slice_(em, ins, at, n):
                           for a, s, e, st in zip(axes, starts, ends, steps)])
     for (axis, *ra), (_, *rb) in zip(*per_trace):
         dims = [dims_at(x.groups, b)[axis] for b in TRACE_BATCHES]
-        if all(r == (0, d, 1) for r, d in zip((ra, rb), dims)):
+        if all(tuple(r) == (0, d, 1) for r, d in zip((ra, rb), dims)):
             continue  # the whole axis
         if not x.plain(axis) or ra != rb:
             raise em.fail(f"a slice of axis {axis}, which holds the batch: " + shape_group_error("it"))
@@ -147,6 +147,43 @@ def split(em, ins, at, n):
         outs.append(_cut(em, x, [(axis, start, start + size_, 1)]))
         start += size_
     return outs
+
+
+class TensorSequence(tuple):
+    """An ONNX sequence value (SplitToSequence's output): the pieces, read by SequenceAt."""
+
+
+def split_to_sequence(em, ins, at, n):
+    """The pieces of a split as one sequence value: dynamo writes ``torch.split`` this way."""
+    x = em.as_tensor(ins[0])
+    axis = at.get("axis", 0) % x.rank
+    if not x.plain(axis):
+        raise em.fail(f"SplitToSequence along axis {axis}, which holds the batch")
+    dim = x.groups[axis][0]
+    if len(ins) < 2 or ins[1] is None:
+        if at.get("keepdims", 1) == 0:
+            raise em.fail("SplitToSequence without split sizes and keepdims=0 is not supported")
+        sizes = [1] * dim
+    else:
+        split = np.asarray(_folded(em, ins[1], "SplitToSequence's sizes").value, np.int64)
+        if split.ndim == 0:        # one size: equal pieces, the last one smaller
+            k = int(split)
+            sizes = [min(k, dim - i) for i in range(0, dim, k)]
+        else:
+            sizes = [int(v) for v in split]
+    pieces, start = [], 0
+    for size_ in sizes:
+        pieces.append(_cut(em, x, [(axis, start, start + size_, 1)]))
+        start += size_
+    return [TensorSequence(pieces)]
+
+
+def sequence_at(em, ins, at, n):
+    seq = ins[0]
+    if not isinstance(seq, TensorSequence):
+        raise em.fail("SequenceAt reads a sequence that is not a SplitToSequence output")
+    position = int(np.asarray(_folded(em, ins[1], "SequenceAt's position").value).reshape(()))
+    return [seq[position]]
 
 
 def gather(em, ins, at, n):
