@@ -148,14 +148,29 @@ def _g_matrix(xp, g):
 
 
 def conv2d_grad_x(xp, g, w, x_shape, stride, padding, dilation=(1, 1), groups=1):
+    """Input cotangent. With one group, one GEMM per kernel offset, each (C, Ho*Wo*B) block
+    added into the gradient while it is still in cache (the offset that covers the whole
+    input *is* the gradient buffer); with groups, one batched GEMM and ``col2im``."""
     o = w.shape[0]
-    if groups == 1:
-        gcols = xp.matmul(w.reshape(o, -1).T, _g_matrix(xp, g))
-    else:
+    gm = _g_matrix(xp, g)
+    if groups != 1:
         wg = w.reshape(groups, o // groups, -1)
-        gcols = xp.matmul(wg.transpose(0, 2, 1), _g_matrix(xp, g).reshape(groups, o // groups, -1))
-        gcols = gcols.reshape(-1, gcols.shape[2])
-    return col2im(xp, gcols, x_shape, w.shape[2:], stride, padding, dilation)
+        gcols = xp.matmul(wg.transpose(0, 2, 1), gm.reshape(groups, o // groups, -1))
+        return col2im(xp, gcols.reshape(-1, gcols.shape[2]), x_shape, w.shape[2:], stride, padding, dilation)
+    b, c, h, wd = x_shape
+    kernel = w.shape[2:]
+    ho, wo = out_size(h, kernel[0], stride[0], padding[0], dilation[0]), out_size(wd, kernel[1], stride[1], padding[1], dilation[1])
+    wt = xp.ascontiguousarray(w.reshape(o, c, kernel[0] * kernel[1]).transpose(2, 1, 0))  # (kh*kw, C, O)
+    wins = [t for t in _windows((h, wd), (ho, wo), kernel, stride, padding, dilation) if t[5] is not None]
+    first = next((t for t in wins if _covers_input((h, wd), *t[1:5], stride)), None)
+    if first is not None:
+        gx = xp.matmul(wt[first[0]], gm).reshape(c, h, wd, b)
+    else:
+        gx = xp.zeros((c, h, wd, b), dtype=g.dtype)
+    for n, orow, ocol, irow, icol, _ in wins:
+        if first is None or n != first[0]:
+            gx[:, irow, icol] += xp.matmul(wt[n], gm).reshape(c, ho, wo, b)[:, orow, ocol]
+    return _bf(gx)
 
 
 def conv2d_grad_w(xp, g, cols, w_shape, out=None, groups=1):
