@@ -13,6 +13,7 @@ import numpy as np
 
 from hpc_rlx.device import backend
 from hpc_rlx.errors import DataError, DeviceError, GraphError
+from hpc_rlx.graph import rewrite as rewrite_mod
 from hpc_rlx.graph.ir import Graph
 from hpc_rlx.graph.params import ParamLayout
 from hpc_rlx.graph.registry import OPS, VJPS, vjp_fn
@@ -48,9 +49,10 @@ class _BackStep:
 
 
 class Executor:
-    """``Executor(graph, xp=numpy, dtype="float32")``; see ``forward_backward`` and ``evaluate``."""
+    """``Executor(graph, xp=numpy, dtype="float32")``; see ``forward_backward`` and ``evaluate``.
+    ``rewrite=False`` runs the graph exactly as written (no ``rewrite.py`` rewrites)."""
 
-    def __init__(self, graph: Graph, xp=np, dtype="float32"):
+    def __init__(self, graph: Graph, xp=np, dtype="float32", rewrite=True):
         if not isinstance(graph, Graph):
             raise TypeError(f"Executor needs a Graph, got {type(graph).__name__}")
         name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
@@ -63,7 +65,10 @@ class Executor:
         if xp is np:
             backend.keep_host_memory()  # steps re-allocate the same buffers: keep them mapped
 
-        g = graph
+        # What runs is the graph after exact rewrites (``rewrite.py``); ``self.graph`` stays
+        # the caller's. ``run`` of a node a rewrite moved takes the graph as written.
+        g, self._moved = rewrite_mod.pool_before_relu(graph) if rewrite else (graph, frozenset())
+        self._g, self._plain = g, None
         self._inputs = [(s.name, s.shape, s.dtype) for s in g.inputs]
         self._params = [(p.name, tuple(p.shape)) for p in g.params]
         slot = {s.name: i for i, s in enumerate(g.inputs)}
@@ -150,8 +155,8 @@ class Executor:
             if node_slot[k] not in live:
                 continue
             st = _Step()
-            st.index, st.name = self.graph.order[k], n.name
-            st.forward, st.attrs = OPS[n.op].forward, self.graph.norm_attrs[n.name]
+            st.index, st.name = self._g.order[k], n.name
+            st.forward, st.attrs = OPS[n.op].forward, self._g.norm_attrs[n.name]
             st.args, st.slot = node_args[k], node_slot[k]
             st.need_saved = node_slot[k] in saving
             # Inputs and parameters belong to the caller and are never released.
@@ -310,7 +315,11 @@ class Executor:
         """Forward only; returns ``{name: array}`` for the graph nodes named in ``fetch`` (a
         model's output before its loss, say). Only the inputs those nodes depend on need feeding."""
         names = [fetch] if isinstance(fetch, str) else list(fetch)
-        nodes = [self.graph.nodes[i] for i in self.graph.order]
+        if self._moved.intersection(names):
+            if self._plain is None:
+                self._plain = Executor(self.graph, self.xp, self.dtype.name, rewrite=False)
+            return self._plain.run(param_views, feeds, names, train, seed)
+        nodes = [self._g.nodes[i] for i in self._g.order]
         for name in names:
             if name not in self._slot or self._slot[name] < self._first_node_slot:
                 raise GraphError(f"fetch: {name!r} is not a node of the graph")
