@@ -156,6 +156,7 @@ MODELS, DATASETS = GROUPS["model"][1], GROUPS["data"][1]
 OPTIMIZERS, DEVICES = GROUPS["optim"][1], GROUPS["device"][1]
 DTYPES = ("float32", "float64")
 DISTRIBUTIONS = ("read", "scatter")
+CACHES = ("memory", "stream")
 ON_NONFINITE = ("stop", "skip")
 CKPT_METRICS = ("val_loss", "val_accuracy")
 PROGRESS = ("auto", "bar", "lines")
@@ -247,6 +248,9 @@ KEYS: tuple[Key, ...] = (
         Check(lambda v: v is None or (is_number(v) and 0 <= v < 1), "must be in [0, 1)")),
     Key("data.distribution", str, every(DATASETS, "read"), "`read` (each rank reads its own "
         "hyperslab) or `scatter` (rank 0 reads and sends)", OneOf(*DISTRIBUTIONS)),
+    Key("data.cache", str, every(DATASETS, "memory"), "`memory` (each rank holds its shard) or "
+        "`stream` (a background thread reads the next steps' rows into a bounded ring of buffers; "
+        "bitwise the same training)", OneOf(*CACHES)),
     Key("data.leftover", str, every(DATASETS, "drop"), "`drop` or `partial` (sample-weighted partial "
         "batches)"),
     Key("data.shuffle", bool, every(DATASETS, True), "per-epoch seeded shuffling"),

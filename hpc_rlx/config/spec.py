@@ -24,6 +24,7 @@ from hpc_rlx.data.resolve import num_classes, prepare_missing_data
 from hpc_rlx.errors import ConfigError, DataError
 from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, init_params
 from hpc_rlx.graph.onnx_import import import_onnx
+from hpc_rlx.policies.registry import POLICIES
 from hpc_rlx.runtime.optim import OPTIMIZER_KEYS, make_optimizer, make_schedule
 
 
@@ -43,6 +44,7 @@ class DataPlan:
     sample_shape: list
     x_dtype: str
     y_dtype: str
+    cache: str = "memory"        # memory | stream (runtime/feed.py)
 
 
 @dataclass
@@ -253,6 +255,12 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     check_model_fits(graph, cfg, world_size)
     # Fails here, on rank 0, with the same message every rank will print.
     plan = plan_shards(n_train, cfg["train"]["batch_size"], world_size, d["leftover"])
+    if (d["cache"] == "stream" and d["distribution"] == "scatter"
+            and not POLICIES[cfg["policy"]["name"]].steps_are_batches):
+        # rank 0 streams rounds that every rank receives at the same step: lockstep policies only
+        raise ConfigError(f"data.cache=stream with data.distribution=scatter needs every step to be "
+                          f"a sync (policy=sync); policy={cfg['policy']['name']} lets ranks step apart: "
+                          f"use data.distribution=read with data.cache=stream")
     check_optimizer(cfg["optim"], cfg["train"]["dtype"], cfg["train"]["epochs"] * plan.steps_per_epoch)
     check_lane_batch(cfg["device"], cfg["train"]["batch_size"], world_size)
 
@@ -267,7 +275,8 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         path=d["path"], x=d["x"], y=d["y"], n_train=n_train, val_path=val_path,
         val_start=val_start, val_stop=val_stop, distribution=d["distribution"],
         leftover=d["leftover"], shuffle=bool(d["shuffle"]), check_finite=bool(d["check_finite"]),
-        sample_shape=list(info.x_shape), x_dtype=str(info.x_dtype), y_dtype=str(info.y_dtype))
+        sample_shape=list(info.x_shape), x_dtype=str(info.x_dtype), y_dtype=str(info.y_dtype),
+        cache=d["cache"])
     return TrainSpec(
         graph=graph.to_dict(), param_source=source, data=data_plan, train=dict(cfg["train"]),
         optim=dict(cfg["optim"]), policy=dict(cfg["policy"]), device=dict(cfg["device"]),

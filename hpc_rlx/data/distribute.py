@@ -89,18 +89,21 @@ def round_rows(size: int, row_bytes: int, row_elems: int, chunk_bytes: int, int_
     return max(1, min(by_mem, by_int))
 
 
-def load_shard(comm, mode: str, path, x_name: str, y_name: str, bounds, *, chunk_bytes: int = _CHUNK_BYTES):
+def load_shard(comm, mode: str, path, x_name: str, y_name: str, bounds, *, chunk_bytes: int = _CHUNK_BYTES,
+               x_dtype=None):
     """This rank's rows ``bounds[comm.rank]`` of x and y, as native-order NumPy arrays.
 
     ``bounds`` holds one ``(start, stop)`` per rank (identical on every rank); empty ranges are
-    fine. Collective: every rank of ``comm`` must call it with the same arguments.
+    fine. ``x_dtype``: the type x is wanted in (a float cast, done while reading, so no rank
+    holds its shard twice), else x as stored. Collective: every rank of ``comm`` must call it
+    with the same arguments.
     """
     if mode not in MODES:
         raise ConfigError(f"unknown data distribution mode {mode!r}; choose one of {list(MODES)}")
     bounds = _check_bounds(bounds, comm.Get_size())
     if mode == "read":
-        return _load_read(comm, path, x_name, y_name, bounds)
-    return _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes)
+        return _load_read(comm, path, x_name, y_name, bounds, x_dtype)
+    return _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype)
 
 
 def _check_numeric(path, name: str, dtype: np.dtype) -> None:
@@ -109,14 +112,14 @@ def _check_numeric(path, name: str, dtype: np.dtype) -> None:
         raise DataError(f"dataset {name!r} in {path!r} has non-numeric dtype {dtype}")
 
 
-def _load_read(comm, path, x_name, y_name, bounds):
+def _load_read(comm, path, x_name, y_name, bounds, x_dtype=None):
     status = None
     x = y = None
     try:
         info = describe(path, x_name, y_name)
         _check_numeric(path, x_name, info.x_dtype)
         _check_numeric(path, y_name, info.y_dtype)
-        x, y = read_rows(path, x_name, y_name, *bounds[comm.Get_rank()])
+        x, y = read_rows(path, x_name, y_name, *bounds[comm.Get_rank()], x_dtype=x_dtype)
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
         status = (_message(e), isinstance(e, FileNotFoundError) or "does not exist" in str(e))
     gathered = comm.allgather((status, _host()))
@@ -134,7 +137,7 @@ def _mpi_type(dtype: np.dtype):
     return from_numpy_dtype(dtype)
 
 
-def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes):
+def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype=None):
     rank, size = comm.Get_rank(), comm.Get_size()
     where = f"scattering {path!r}"
 
@@ -160,6 +163,9 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes):
     _raise_if_failed([status], where)
     x_shape, x_dt, y_shape, y_dt = meta
     x_dt, y_dt = np.dtype(x_dt), np.dtype(y_dt)
+    stored_x = x_dt
+    if x_dtype is not None:
+        x_dt = np.dtype(x_dtype)    # rank 0 casts while filling its send buffer
     x_elems = math.prod(x_shape)
     y_elems = math.prod(y_shape)
 
@@ -168,7 +174,7 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes):
 
     # 2. every rank allocates; rank 0 also its reusable send buffers and the file handle
     f = None
-    out_x = out_y = send_x = send_y = None
+    out_x = out_y = send_x = send_y = raw_x = None
     status = None
     try:
         cap = round_rows(
@@ -180,6 +186,8 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes):
             rows0 = sum(min(cap, n) for n in lens)  # round 0 is the largest
             send_x = np.empty((rows0,) + tuple(x_shape), dtype=x_dt)
             send_y = np.empty((rows0,) + tuple(y_shape), dtype=y_dt)
+            if x_dt != stored_x:
+                raw_x = np.empty((cap,) + tuple(x_shape), dtype=stored_x)
             f = open_readonly(path)
     except Exception as e:  # noqa: BLE001
         status = _message(e)
@@ -203,7 +211,11 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes):
                         if c:
                             a = bounds[r][0] + k * cap
                             o = int(offs[r])
-                            dx.read_direct(send_x, source_sel=np.s_[a : a + c], dest_sel=np.s_[o : o + c])
+                            if raw_x is None:
+                                dx.read_direct(send_x, source_sel=np.s_[a : a + c], dest_sel=np.s_[o : o + c])
+                            else:
+                                dx.read_direct(raw_x, source_sel=np.s_[a : a + c], dest_sel=np.s_[0:c])
+                                send_x[o : o + c] = raw_x[:c]
                             dy.read_direct(send_y, source_sel=np.s_[a : a + c], dest_sel=np.s_[o : o + c])
                 except Exception as e:  # noqa: BLE001
                     status = _message(e)

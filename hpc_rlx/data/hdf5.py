@@ -22,6 +22,8 @@ __all__ = ["DatasetInfo", "describe", "check_compatible", "read_rows", "check_va
 # check_values scans inputs in blocks of about this many elements, so a multi-GB shard never
 # needs a same-sized boolean temporary
 _SCAN_ELEMS = 1 << 22
+# read_rows casts through a buffer of about this many bytes
+_CAST_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -241,16 +243,29 @@ def check_compatible(
         )
 
 
-def _read_into(d: h5py.Dataset, start: int, stop: int) -> np.ndarray:
+def _read_into(d: h5py.Dataset, start: int, stop: int, dtype=None) -> np.ndarray:
     # native byte order, so buffers from 'read' and 'scatter' modes agree and MPI can send them
-    out = np.empty((stop - start,) + d.shape[1:], dtype=d.dtype.newbyteorder("="))
-    if stop > start:
+    stored = d.dtype.newbyteorder("=")
+    out = np.empty((stop - start,) + d.shape[1:], dtype=stored if dtype is None else dtype)
+    if stop <= start:
+        return out
+    if out.dtype == stored:
         d.read_direct(out, source_sel=np.s_[start:stop])
+        return out
+    # a cast (float64 file, float32 run): through a bounded buffer, so the shard is never held
+    # twice; NumPy's cast, the one the per-batch path of data.cache=stream uses
+    block = max(1, _CAST_BYTES // max(1, stored.itemsize * int(np.prod(d.shape[1:], dtype=np.int64))))
+    buf = np.empty((min(block, stop - start),) + d.shape[1:], dtype=stored)
+    for a in range(start, stop, block):
+        b = min(stop, a + block)
+        d.read_direct(buf, source_sel=np.s_[a:b], dest_sel=np.s_[0:b - a])
+        out[a - start:b - start] = buf[:b - a]
     return out
 
 
-def read_rows(path, x_name: str, y_name: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows ``[start, stop)`` of x and y; reads only that hyperslab from disk."""
+def read_rows(path, x_name: str, y_name: str, start: int, stop: int, x_dtype=None) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[start, stop)`` of x and y; reads only that hyperslab from disk. ``x_dtype``:
+    the type x is wanted in (cast block by block while reading), else as stored."""
     path = os.fspath(path)
     with _open(path) as f:
         info = _describe_open(f, path, x_name, y_name)
@@ -259,35 +274,40 @@ def read_rows(path, x_name: str, y_name: str, start: int, stop: int) -> tuple[np
                 f"row range [{start}, {stop}) is outside dataset {path!r} with {info.n} rows"
             )
         try:
-            return _read_into(f[x_name], start, stop), _read_into(f[y_name], start, stop)
+            return _read_into(f[x_name], start, stop, x_dtype), _read_into(f[y_name], start, stop)
         except OSError as e:
             raise DataError(f"reading rows [{start}, {stop}) of {path!r} failed: {e}") from None
 
 
-def check_values(x: np.ndarray, y: np.ndarray, num_classes, check_finite: bool, first_row: int = 0) -> None:
-    """Reject out-of-range class labels and (optionally) non-finite inputs.
+def _blocks(a: np.ndarray):
+    """(first row, rows) blocks of about _SCAN_ELEMS elements: checks never allocate a
+    shard-sized temporary."""
+    per_row = max(1, int(np.prod(a.shape[1:], dtype=np.int64)))
+    block = max(1, _SCAN_ELEMS // per_row)
+    for s in range(0, len(a), block):
+        yield s, a[s:s + block]
+
+
+def check_values(x: np.ndarray, y: np.ndarray, num_classes, check_finite: bool, first_row: int = 0,
+                 vocab: int | None = None) -> None:
+    """Reject out-of-range class labels, (optionally) non-finite inputs and, with ``vocab``,
+    integer inputs outside [0, vocab) (token ids that index an embedding).
 
     ``first_row`` is the global index of row 0 of this shard, so messages name the row in the
     file. ``num_classes=None`` skips the label check (regression targets).
     """
     if num_classes is not None and y.size:
-        bad = (y < 0) | (y >= num_classes)
-        if bad.any():
-            flat = int(np.flatnonzero(bad.reshape(-1))[0])
-            row, col = divmod(flat, max(1, int(np.prod(y.shape[1:], dtype=np.int64))))
-            pos = f"row {first_row + row}"
-            if y.ndim > 1:
-                pos += f" (position {tuple(int(i) for i in np.unravel_index(col, y.shape[1:]))})"
-            raise DataError(
-                f"label {y.reshape(-1)[flat].item()} at {pos} is outside [0, {num_classes}) "
-                f"for num_classes={num_classes}; {int(bad.sum())} bad label(s) in rows "
-                f"[{first_row}, {first_row + len(y)})"
-            )
+        _check_labels(y, num_classes, first_row)
+    if vocab is not None and x.dtype.kind in "iu" and x.size:
+        for s, xb in _blocks(x):
+            bad = (xb < 0) | (xb >= vocab)
+            if bad.any():
+                row = int(np.flatnonzero(bad.reshape(len(xb), -1).any(axis=1))[0])
+                raise DataError(f"input token id {int(xb[row][bad[row]].flat[0])} at row "
+                                f"{first_row + s + row} is outside the vocabulary [0, {vocab})")
     if check_finite and x.dtype.kind == "f" and x.size:
-        per_row = max(1, int(np.prod(x.shape[1:], dtype=np.int64)))
-        block = max(1, _SCAN_ELEMS // per_row)
-        for s in range(0, len(x), block):
-            ok = np.isfinite(x[s : s + block]).reshape(min(block, len(x) - s), -1).all(axis=1)
+        for s, xb in _blocks(x):
+            ok = np.isfinite(xb).reshape(len(xb), -1).all(axis=1)
             if not ok.all():
                 r = s + int(np.argmin(ok))
                 bad_vals = x[r][~np.isfinite(x[r])]
@@ -295,3 +315,27 @@ def check_values(x: np.ndarray, y: np.ndarray, num_classes, check_finite: bool, 
                     f"input row {first_row + r} contains a non-finite value ({bad_vals.flat[0]}); "
                     "clean the data or set data.check_finite=false"
                 )
+
+
+def _check_labels(y: np.ndarray, num_classes: int, first_row: int) -> None:
+    per_row = max(1, int(np.prod(y.shape[1:], dtype=np.int64)))
+    first = None
+    count = 0
+    for s, yb in _blocks(y):
+        bad = (yb < 0) | (yb >= num_classes)
+        n = int(np.count_nonzero(bad))
+        if n and first is None:
+            flat = int(np.flatnonzero(bad.reshape(-1))[0])
+            first = (s * per_row + flat, yb.reshape(-1)[flat].item())
+        count += n
+    if first is None:
+        return
+    flat, value = first
+    row, col = divmod(flat, per_row)
+    pos = f"row {first_row + row}"
+    if y.ndim > 1:
+        pos += f" (position {tuple(int(i) for i in np.unravel_index(col, y.shape[1:]))})"
+    raise DataError(
+        f"label {value} at {pos} is outside [0, {num_classes}) for num_classes={num_classes}; "
+        f"{count} bad label(s) in rows [{first_row}, {first_row + len(y)})"
+    )

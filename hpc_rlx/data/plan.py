@@ -110,22 +110,63 @@ def _row_permutation(seed: int, epoch: int, row: int, n: int, shuffle: bool) -> 
 
 
 class EpochOrder:
-    """Local sample indices a rank uses at each step of one epoch (indices into its shard)."""
+    """Local sample indices a rank uses at each step of one epoch (indices into its shard).
+
+    Held as one column per (local row, step) in the smallest unsigned type that fits a row's
+    permutation: 2 or 4 bytes per sample instead of 8, so the order table stays small next to
+    the data it orders (it is O(shard), and data.cache=stream keeps it for the whole epoch)."""
 
     def __init__(self, plan: ShardPlan, rank: int, epoch: int, seed: int, shuffle: bool = True):
         first, stop = plan.rank_rows[rank]
         steps = plan.steps_per_epoch
         shard_start = plan.shard_bounds(rank)[0]
-        # table[j, s] = local index used by local row j at step s, or -1 for no sample
-        self.table = np.full((stop - first, steps), -1, dtype=np.int64)
-        for j, row in enumerate(range(first, stop)):
-            length = plan.row_len[row]
+        rows = range(first, stop)
+        self.offsets = np.array([plan.row_start[r] - shard_start for r in rows], dtype=np.int64)
+        self.lengths = np.array([plan.row_len[r] for r in rows], dtype=np.int64)
+        width = max([steps, *self.lengths.tolist()])
+        # cols[j, s] = the column local row j uses at step s; >= its length: no sample
+        self.cols = np.empty((len(rows), steps), dtype=np.min_scalar_type(width))
+        for j, row in enumerate(rows):
             # Over max(length, steps) slots: with drop, the row's last slot sits out this
             # epoch; with partial, a slot past the row's end is a missing sample.
-            perm = _row_permutation(seed, epoch, row, max(length, steps), shuffle)[:steps]
-            cols = perm < length
-            self.table[j, cols] = plan.row_start[row] - shard_start + perm[cols]
+            self.cols[j] = _row_permutation(seed, epoch, row, max(plan.row_len[row], steps), shuffle)[:steps]
 
     def step_indices(self, step: int) -> np.ndarray:
-        col = self.table[:, step]
-        return col[col >= 0]
+        col = self.cols[:, step]
+        used = col < self.lengths
+        return self.offsets[used] + col[used]
+
+    def window(self, start: int, stop: int) -> "Window":
+        """The samples of steps [start, stop), for reading them in one go (data.cache=stream)."""
+        cols = self.cols[:, start:stop]
+        used = cols < self.lengths[:, None]
+        local = self.offsets[:, None] + cols
+        rows = np.sort(local[used])      # distinct: a permutation never repeats a column
+        pos = np.searchsorted(rows, local)
+        return Window(start, stop, rows, [pos[used[:, k], k] for k in range(stop - start)])
+
+
+@dataclass(frozen=True)
+class Window:
+    """Steps [start, stop) of an epoch: `rows` (sorted local indices, each once) is what to
+    read; `step_pos[k]` indexes `rows` with step start+k's samples, in step_indices' order."""
+    start: int
+    stop: int
+    rows: np.ndarray
+    step_pos: list
+
+    def positions(self, step: int) -> np.ndarray:
+        return self.step_pos[step - self.start]
+
+
+def window_steps(steps_per_epoch: int, step_bytes: int, budget_bytes: int, min_windows: int = 8) -> int:
+    """Steps per streamed window: as many as fit `budget_bytes` (a step needs `step_bytes`),
+    and at most 1/min_windows of an epoch so reading ahead starts early; at least one step."""
+    by_bytes = budget_bytes // max(1, step_bytes)
+    return int(max(1, min(by_bytes, -(-steps_per_epoch // min_windows), steps_per_epoch)))
+
+
+def window_of(step: int, steps_per_epoch: int, w: int) -> tuple[int, int]:
+    """The window [start, stop) of an epoch that holds `step` (windows never cross epochs)."""
+    start = (step // w) * w
+    return start, min(start + w, steps_per_epoch)

@@ -27,7 +27,7 @@ class EpochTotals:
     compute_s: float = 0.0
     comm_s: float = 0.0
     step_wall_s: float = 0.0
-    data_s: float = 0.0          # batch gathering from the in-memory shard
+    data_s: float = 0.0          # batch gathering (and, with data.cache=stream, waiting for it)
     extra: dict = field(default_factory=dict)     # policy-specific keys of the epoch record
     complete: bool = False       # a windowed policy consumed the whole epoch (even if stopping)
 

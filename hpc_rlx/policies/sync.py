@@ -30,12 +30,10 @@ class SyncPolicy(Policy):
 
     def run_epoch(self, loop: TrainingLoop, epoch: int, first_step: int) -> EpochTotals:
         ctx, lanes, bucket = loop.ctx, loop.lanes, loop.ctx.bucket
-        order = ctx.order(epoch)
         totals = loop.epoch_totals()
         for s in range(first_step, ctx.steps_per_epoch):
             t_step = time.perf_counter()
-            idx = order.step_indices(s)
-            xb, yb = ctx.x[idx], ctx.y[idx]
+            xb, yb = ctx.batch(epoch * ctx.steps_per_epoch + s)
             t_data = time.perf_counter()
             totals.data_s += t_data - t_step
             tr = trace.ACTIVE       # spans reuse the loop's own clock reads

@@ -21,9 +21,9 @@ never wait on a collective the others will not issue.
 
 Epoch accounting: an epoch ends when the cluster has consumed the samples of one sync-policy
 epoch (`plan.samples_per_epoch`), counted from the reports; each rank walks its own shard in
-successive local passes (`ctx.order(pass)`), with a cursor per rank that every rank tracks
-from the reported step counts. Fast ranks therefore see their shard more often than slow
-ranks within an epoch: the sample count is exact, per-sample coverage is not.
+successive local passes (`ctx.batch(pass * steps + step)`), with a cursor per rank that every
+rank tracks from the reported step counts. Fast ranks therefore see their shard more often
+than slow ranks within an epoch: the sample count is exact, per-sample coverage is not.
 
 Clocks: `ctx.step` counts syncs (checkpoint cadence and `train.max_steps` use it) and
 `ctx.step_in_epoch` the syncs of this epoch; the learning rate follows data progress in global
@@ -124,7 +124,6 @@ class WindowedPolicy(Policy):
         self._ready = False
         self._prev_sync_ms = 0.0
         self._prev_div = 0.0
-        self._order_cache: tuple[int, object] | None = None
         self._cold = True                        # the next local step is this process's first
         self._cost = RecentMin(3)                # sync cost filter, see _observe
         self._lr = None
@@ -224,13 +223,6 @@ class WindowedPolicy(Policy):
         self.slow = SlowdownInjector(self.slowdown_map.get(ctx.rank, 1.0))
         self._ready = True
 
-    # ---- data ---------------------------------------------------------------------------
-    def _indices(self, ctx, position: int) -> np.ndarray:
-        local_pass, s = divmod(position, ctx.steps_per_epoch)
-        if self._order_cache is None or self._order_cache[0] != local_pass:
-            self._order_cache = (local_pass, ctx.order(local_pass))
-        return self._order_cache[1].step_indices(s)
-
     def _lr_step(self, ctx) -> int:
         """Data progress in global batches: the LR clock of policy=sync, whose schedule spans
         the configured epochs (max_steps, which counts syncs here, only stops early)."""
@@ -318,8 +310,7 @@ class WindowedPolicy(Policy):
             t = time.perf_counter()
             run.faults.at("step", ctx.step)
             with trace.span("data.batch", "data"):
-                idx = self._indices(ctx, position + work.steps)
-                xb, yb = ctx.x[idx], ctx.y[idx]
+                xb, yb = ctx.batch(position + work.steps)
             totals.data_s += time.perf_counter() - t
             n, ls, corr, _ = lanes.step(xb, yb, dropout_seed(seed, position + work.steps, rank))
             work.steps += 1

@@ -10,12 +10,11 @@ import numpy as np
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import STEP_FIELDS
 from hpc_rlx.config.spec import TrainSpec, initial_parameters, optimizer_kwargs, schedule_kwargs
-from hpc_rlx.data import hdf5
-from hpc_rlx.data.distribute import load_shard
 from hpc_rlx.data.plan import EpochOrder, plan_shards
-from hpc_rlx.errors import DataError
 from hpc_rlx.graph import Graph, ParamLayout
 from hpc_rlx.runtime.faults import maybe_fail
+from hpc_rlx.runtime.feed import EVAL_BATCH, Feed, MemoryFeed, StreamFeed
+from hpc_rlx.runtime.feed_scatter import ScatterStreamFeed
 from hpc_rlx.runtime.optim import clip_grad_norm_, make_optimizer, make_schedule, scaled_lr
 from hpc_rlx.runtime.state import TrainState
 
@@ -85,58 +84,26 @@ class Context:
     def skipped_steps(self) -> int:
         return self.state.skipped_steps
 
-    # ---- data -------------------------------------------------------------------------
+    # ---- data ----------------------------------------------------------------------------
     def load_data(self) -> None:
-
-        d = self.spec.data
+        """Collective: the feed `data.cache` and `data.distribution` ask for (runtime/feed.py)."""
         t0 = time.perf_counter()
-        num_classes = getattr(self.graph, "num_classes", None)
-
-        def _train():
-            x, y = load_shard(self.comm, d.distribution, d.path, d.x, d.y, self.plan.all_bounds())
-            start = self.plan.shard_bounds(self.rank)[0]
-            hdf5.check_values(x, y, num_classes, d.check_finite, first_row=start)
-            self._check_tokens(x, start)
-            return x, y
-        # Not inside the agreement: a rank failing before load_shard's collectives would leave
+        # Not inside an agreement: a rank failing before the feed's collectives would leave
         # the others in them; an exception here takes the abort path instead.
         maybe_fail(self.spec, self.rank, "data")
-        # load_shard itself agrees on read errors; value checks are agreed here.
-        self.x, self.y = collective.agree(self.comm, _train)
-        n_val = d.val_stop - d.val_start
-        per, more = divmod(n_val, self.world)
-        val_bounds, lo = [], d.val_start
-        for r in range(self.world):
-            hi = lo + per + (1 if r < more else 0)
-            val_bounds.append((lo, hi))
-            lo = hi
-
-        def _val():
-            if n_val == 0:
-                return (np.empty((0,)), np.empty((0,)))
-            x, y = load_shard(self.comm, d.distribution, d.val_path, d.x, d.y, val_bounds)
-            hdf5.check_values(x, y, num_classes, d.check_finite, first_row=val_bounds[self.rank][0])
-            return x, y
-        self.vx, self.vy = collective.agree(self.comm, _val)
-        self.x = self._cast_inputs(self.x)
-        self.vx = self._cast_inputs(self.vx)
+        d = self.spec.data
+        kind = (MemoryFeed if d.cache == "memory"
+                else ScatterStreamFeed if d.distribution == "scatter" else StreamFeed)
+        self.feed: Feed = kind(self.spec, self.comm, self.graph, self.plan)
+        self.feed.load()
+        # memory mode's arrays, for code that indexes them itself (as stored: batch() casts)
+        self.x, self.y = getattr(self.feed, "x", None), getattr(self.feed, "y", None)
         self.data_s = time.perf_counter() - t0
 
-    def _check_tokens(self, x: np.ndarray, first_row: int) -> None:
-        """Token-id inputs index an embedding: out-of-range ids would be used silently."""
-        vocab = getattr(self.graph, "num_classes", None)
-        if vocab is None or x.dtype.kind not in "iu" or not x.size:
-            return
-        bad = (x < 0) | (x >= vocab)
-        if bad.any():
-            row = int(np.flatnonzero(bad.reshape(len(x), -1).any(axis=1))[0])
-            raise DataError(f"input token id {int(x[row][bad[row]].flat[0])} at row {first_row + row} "
-                            f"is outside the vocabulary [0, {vocab})")
-
-    def _cast_inputs(self, x: np.ndarray) -> np.ndarray:
-        if x.dtype.kind == "f" and x.dtype != self.dtype:
-            return x.astype(self.dtype)
-        return x
+    def batch(self, position: int):
+        """(x, y) of this rank's batch at `position` = pass * steps_per_epoch + step, x in
+        the compute dtype; the same bytes whatever data.cache."""
+        return self.feed.batch(position)
 
     def order(self, epoch: int):
         return self.EpochOrder(self.plan, self.rank, epoch, int(self.spec.train["seed"]),
@@ -188,10 +155,17 @@ class Context:
         self.state.step_applied()
 
     def evaluate(self, lanes) -> dict:
-        """Global validation loss/accuracy: every rank scores its slice, one small Allreduce."""
+        """Global validation loss/accuracy: every rank scores its slice, one small Allreduce.
+        Summed per EVAL_BATCH rows in order, as lanes.evaluate sums, whatever data.cache."""
         from mpi4py import MPI
-        loss_sum, correct = lanes.evaluate(self.vx, self.vy) if self.vx.shape[0] else (0.0, 0.0)
-        buf = np.array([loss_sum, correct, float(self.vx.shape[0])], dtype=np.float64)
+        loss_sum = correct = 0.0
+        n = 0
+        for xb, yb in self.feed.val_batches():
+            part_loss, part_correct = lanes.evaluate(xb, yb, batch=EVAL_BATCH)
+            loss_sum += part_loss
+            correct += part_correct
+            n += int(xb.shape[0])
+        buf = np.array([loss_sum, correct, float(n)], dtype=np.float64)
         collective.watched_call("validation Allreduce", self.comm.Allreduce, MPI.IN_PLACE, buf, op=MPI.SUM)
         if buf[2] == 0:
             return {"val_loss": None, "val_accuracy": None}

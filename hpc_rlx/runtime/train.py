@@ -362,8 +362,10 @@ class Run:
         st.lane_samples = {ln.name: ln.samples for ln in self.lanes.lanes}
         st.lane_busy_s = {ln.name: ln.busy_s for ln in self.lanes.lanes}
         st.data_s = ctx.data_s
+        ctx.feed.close()      # collective: data.cache=stream's rounds in flight complete
+        # peak_rss_bytes next to shard_bytes (the rank's rows as stored): what data costs
         mine = dict(st.__dict__, rank=self.rank, host=hostname(),
-                    wall_s=time.perf_counter() - self.t_start)
+                    wall_s=time.perf_counter() - self.t_start, **ctx.feed.report())
         ranks = comm.gather(mine, root=0)
         self.lanes.close()
         final = self.partial_metrics or (ctx.history[-1] if ctx.history else {})
@@ -407,6 +409,9 @@ def train(spec: TrainSpec, comm) -> dict:
             return run.execute()
         except Exception as exc:
             run.close_displays()       # no half-drawn bar above the error message
+            feed = getattr(run.ctx, "feed", None)
+            if feed is not None:       # the reader thread stops; MPI only if every rank is here
+                feed.close(collective_ok=isinstance(exc, collective.CollectiveError))
             if getattr(exc, "step", None) is None and position() is not None:
                 try:
                     exc.step = position()     # the failure message names the step

@@ -1,0 +1,171 @@
+"""Reading ahead for ``data.cache=stream`` (HDF5 only, no MPI: MPI stays on the main thread).
+
+- :class:`RowSource` reads sorted row lists and row ranges of x and y into given buffers, in
+  pieces, so one call never holds the GIL (h5py keeps it during a read) for long;
+- :class:`Prefetcher` runs read jobs in order on one background thread, each into a free slot
+  of a fixed ring: memory is the ring's, whatever the dataset's size;
+- :func:`scan_rows` checks values the way ``check_values`` does, block by block from the file.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Callable, Iterable
+
+import numpy as np
+
+from hpc_rlx.data.hdf5 import _open, check_values
+from hpc_rlx.errors import DataError
+
+__all__ = ["RowSource", "Prefetcher", "Slot", "scan_rows"]
+
+# one h5py call reads at most this many bytes: the main thread waits at most about that long
+# for the GIL while the reader works
+_PIECE_BYTES = 1 << 20
+
+
+class RowSource:
+    """One open HDF5 file's x and y, read into caller-owned buffers (native byte order, as
+    stored). Not shared between threads: each thread that reads opens its own."""
+
+    def __init__(self, path, x_name: str, y_name: str):
+        self.path = os.fspath(path)
+        self.file = _open(self.path)
+        self.dx, self.dy = self.file[x_name], self.file[y_name]
+        self.n = int(self.dx.shape[0])
+        self.x_shape, self.y_shape = tuple(self.dx.shape[1:]), tuple(self.dy.shape[1:])
+        self.x_dtype = self.dx.dtype.newbyteorder("=")
+        self.y_dtype = self.dy.dtype.newbyteorder("=")
+        self.row_bytes = (self.x_dtype.itemsize * int(np.prod(self.x_shape, dtype=np.int64))
+                          + self.y_dtype.itemsize * int(np.prod(self.y_shape, dtype=np.int64)))
+        self.piece = max(1, _PIECE_BYTES // max(1, self.row_bytes))
+
+    def empty(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        return (np.empty((rows,) + self.x_shape, dtype=self.x_dtype),
+                np.empty((rows,) + self.y_shape, dtype=self.y_dtype))
+
+    def read(self, rows: np.ndarray, x_out: np.ndarray, y_out: np.ndarray, at: int = 0) -> None:
+        """File rows `rows` (sorted, distinct) into x_out/y_out[at : at + len(rows)]."""
+        try:
+            for a in range(0, len(rows), self.piece):
+                part = rows[a:a + self.piece]
+                lo, hi = int(part[0]), int(part[-1]) + 1
+                # a run of neighbours is one hyperslab; else one point list (HDF5 merges reads)
+                src = np.s_[lo:hi] if hi - lo == len(part) else np.s_[part]
+                dst = np.s_[at + a:at + a + len(part)]
+                self.dx.read_direct(x_out, source_sel=src, dest_sel=dst)
+                self.dy.read_direct(y_out, source_sel=src, dest_sel=dst)
+        except (OSError, ValueError, TypeError) as e:
+            raise DataError(f"reading {len(rows)} rows of {self.path!r} failed: {e}") from None
+
+    def read_range(self, start: int, stop: int, x_out: np.ndarray, y_out: np.ndarray, at: int = 0) -> None:
+        try:
+            for a in range(start, stop, self.piece):
+                b = min(stop, a + self.piece)
+                dst = np.s_[at + a - start:at + b - start]
+                self.dx.read_direct(x_out, source_sel=np.s_[a:b], dest_sel=dst)
+                self.dy.read_direct(y_out, source_sel=np.s_[a:b], dest_sel=dst)
+        except (OSError, ValueError, TypeError) as e:
+            raise DataError(f"reading rows [{start}, {stop}) of {self.path!r} failed: {e}") from None
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        except (OSError, ValueError):
+            pass
+
+
+class Slot:
+    """One buffer of the ring: x and y for up to `rows` samples, and what the job put there."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray):
+        self.x, self.y = x, y
+        self.job = None
+        self.info = None
+
+
+_END = object()
+
+
+class Prefetcher:
+    """Runs `fill(job, slot)` for each job of `jobs`, in order, on a background thread, each
+    into a free slot; `next()` hands (job, slot) over in the same order, `release(slot)` gives
+    the slot back. At most len(slots) jobs are ever read ahead. Errors of the thread come out
+    of `next()` as DataError."""
+
+    def __init__(self, jobs: Iterable, fill: Callable, slots: list[Slot], name: str = "hpc_rlx-stream",
+                 opener: Callable[[], RowSource] | None = None):
+        self._free: queue.Queue = queue.Queue()
+        self._ready: queue.Queue = queue.Queue()
+        for s in slots:
+            self._free.put(s)
+        self._stop = threading.Event()
+        self._jobs, self._fill, self._opener = jobs, fill, opener
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        source = None
+        try:
+            source = self._opener() if self._opener else None   # h5py handles stay in this thread
+            for job in self._jobs:
+                slot = self._free.get()
+                if self._stop.is_set() or slot is None:
+                    return
+                slot.job = job
+                slot.info = self._fill(source, job, slot)
+                self._ready.put(slot)
+            self._ready.put(_END)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            self._ready.put(e)
+        finally:
+            if source is not None:
+                source.close()
+
+    def next(self) -> Slot | None:
+        """The next filled slot, or None when the jobs are done."""
+        item = self._ready.get()
+        if item is _END:
+            self._ready.put(_END)
+            return None
+        if isinstance(item, BaseException):
+            self._ready.put(item)      # every later call fails the same way
+            if isinstance(item, DataError):
+                raise item
+            raise DataError(f"reading ahead failed: {type(item).__name__}: {item}") from item
+        return item
+
+    def release(self, slot: Slot) -> None:
+        slot.job = slot.info = None
+        self._free.put(slot)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._free.put(None)       # wakes a thread waiting for a slot
+        self._thread.join(timeout=30)
+
+
+def scan_rows(source: RowSource, start: int, stop: int, num_classes, check_finite: bool,
+              vocab: int | None, block_bytes: int) -> None:
+    """check_values over file rows [start, stop), read in blocks of about block_bytes; x is
+    read only when a check needs it (labels alone are small)."""
+    need_x = ((check_finite and source.x_dtype.kind == "f")
+              or (vocab is not None and source.x_dtype.kind in "iu"))
+    if num_classes is None and not need_x:
+        return
+    block = max(1, block_bytes // max(1, source.row_bytes))
+    n = min(block, max(0, stop - start))
+    x_buf = np.empty((n if need_x else 0,) + source.x_shape, dtype=source.x_dtype)
+    y_buf = np.empty((n,) + source.y_shape, dtype=source.y_dtype)
+    for a in range(start, stop, block):
+        b = min(stop, a + block)
+        try:
+            source.dy.read_direct(y_buf, source_sel=np.s_[a:b], dest_sel=np.s_[0:b - a])
+            if need_x:
+                source.dx.read_direct(x_buf, source_sel=np.s_[a:b], dest_sel=np.s_[0:b - a])
+        except (OSError, ValueError) as e:
+            raise DataError(f"reading rows [{a}, {b}) of {source.path!r} failed: {e}") from None
+        check_values(x_buf[:b - a], y_buf[:b - a], num_classes, check_finite and need_x, first_row=a,
+                     vocab=vocab if need_x else None)

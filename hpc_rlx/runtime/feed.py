@@ -1,0 +1,258 @@
+"""A rank's training batches and validation data.
+
+`data.cache=memory` holds the rank's shard and validation slice (read or scattered once,
+`data/distribute.py`); `data.cache=stream` holds a bounded ring of buffers that a background
+thread fills from the file a few windows of steps ahead (`data/stream.py`). Both hand out the
+same bytes for the same position: a window's rows are the samples its steps use
+(`plan.EpochOrder.window`), read sorted in a few calls, and each step gathers its batch from
+them in the order the plan gives, as memory mode gathers from the shard.
+
+A position is `pass * steps_per_epoch + step` (policy=sync: pass = epoch; the windowed policies
+walk their shard in successive passes).
+"""
+
+from __future__ import annotations
+
+import resource
+
+import numpy as np
+
+from hpc_rlx.comm import collective
+from hpc_rlx.data.distribute import load_shard
+from hpc_rlx.data.hdf5 import check_values
+from hpc_rlx.data.plan import EpochOrder, window_of, window_steps
+from hpc_rlx.data.stream import Prefetcher, RowSource, Slot, scan_rows
+from hpc_rlx.graph.shapes import FLOAT
+
+CACHES = ("memory", "stream")
+EVAL_BATCH = 1024        # validation is evaluated, and summed, per batch of this many rows
+SLOT_BYTES = 8 << 20     # one buffer of the ring: a window of steps, or a validation chunk
+RING = 3                 # buffers per reader: the window in use, one ready, one being read
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (VmHWM; ru_maxrss where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def even_bounds(start: int, stop: int, world: int) -> list[tuple[int, int]]:
+    """[start, stop) cut into `world` contiguous ranges, the first ones one row longer."""
+    per, more = divmod(stop - start, world)
+    out, lo = [], start
+    for r in range(world):
+        hi = lo + per + (1 if r < more else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+class Feed:
+    """What both caches share: the plan's orders, the per-batch cast, validation bounds."""
+
+    cache = "memory"
+
+    def __init__(self, spec, comm, graph, plan):
+        self.spec, self.comm, self.d = spec, comm, spec.data
+        self.rank, self.world = comm.rank, comm.size
+        self.plan, self.steps = plan, plan.steps_per_epoch
+        self.dtype = np.dtype(spec.train["dtype"])
+        x_in = next(i for i in graph.inputs if i.name == "x")
+        # integer data feeding a float model (uint8 images) stays as stored; each batch is cast
+        self.float_input = x_in.dtype == FLOAT
+        self.num_classes = getattr(graph, "num_classes", None)
+        # token ids index an embedding: out-of-range ids would be used silently
+        self.vocab = None if self.float_input else self.num_classes
+        self.seed, self.shuffle = int(spec.train["seed"]), bool(self.d.shuffle)
+        self.train_bounds = plan.all_bounds()
+        self.val_bounds = even_bounds(self.d.val_start, self.d.val_stop, self.world)
+        self._order: tuple[int, EpochOrder] | None = None
+        self.row_bytes = 0
+        self.buffer_bytes = 0
+
+    def order(self, epoch: int, rank: int | None = None) -> EpochOrder:
+        return EpochOrder(self.plan, self.rank if rank is None else rank, epoch, self.seed, self.shuffle)
+
+    def _cached_order(self, p: int) -> EpochOrder:
+        if self._order is None or self._order[0] != p:
+            self._order = (p, self.order(p))
+        return self._order[1]
+
+    def cast(self, x: np.ndarray) -> np.ndarray:
+        if self.float_input and x.dtype != self.dtype:
+            return x.astype(self.dtype)
+        return x
+
+    def _n_rows(self, bounds) -> int:
+        a, b = bounds[self.rank]
+        return b - a
+
+    def report(self) -> dict:
+        """This rank's data figures for summary.json."""
+        rows = self._n_rows(self.train_bounds) + self._n_rows(self.val_bounds)
+        return {"data_cache": self.cache, "shard_bytes": int(rows * self.row_bytes),
+                "buffer_bytes": int(self.buffer_bytes), "peak_rss_bytes": peak_rss_bytes()}
+
+    def close(self, collective_ok: bool = True) -> None:
+        """Release what the feed holds; collective_ok: every rank is here (the run's end)."""
+
+
+class MemoryFeed(Feed):
+    """The whole shard and validation slice in memory, x already in the compute dtype when the
+    file holds floats of another width (cast while reading: the shard is never held twice)."""
+
+    def load(self) -> None:
+        d, comm = self.d, self.comm
+        stored = np.dtype(d.x_dtype)
+        want = self.dtype if (self.float_input and stored.kind == "f" and stored != self.dtype) else None
+
+        def _train():
+            x, y = load_shard(comm, d.distribution, d.path, d.x, d.y, self.train_bounds, x_dtype=want)
+            check_values(x, y, self.num_classes, d.check_finite, first_row=self.train_bounds[self.rank][0],
+                         vocab=self.vocab)
+            return x, y
+        # load_shard agrees on read errors itself; the value checks are agreed here
+        self.x, self.y = collective.agree(comm, _train)
+        self.row_bytes = _row_bytes(stored, self.x.shape[1:], self.y)
+
+        def _val():
+            if d.val_stop == d.val_start:
+                return self.x[:0], self.y[:0]
+            x, y = load_shard(comm, d.distribution, d.val_path, d.x, d.y, self.val_bounds, x_dtype=want)
+            check_values(x, y, self.num_classes, d.check_finite, first_row=self.val_bounds[self.rank][0],
+                         vocab=self.vocab)
+            return x, y
+        self.vx, self.vy = collective.agree(comm, _val)
+
+    def batch(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        p, s = divmod(position, self.steps)
+        idx = self._cached_order(p).step_indices(s)
+        return self.cast(self.x[idx]), self.y[idx]
+
+    def val_batches(self):
+        for lo in range(0, len(self.vx), EVAL_BATCH):
+            yield self.cast(self.vx[lo:lo + EVAL_BATCH]), self.vy[lo:lo + EVAL_BATCH]
+
+
+def _row_bytes(x_dtype, x_shape, y: np.ndarray) -> int:
+    return (np.dtype(x_dtype).itemsize * int(np.prod(x_shape, dtype=np.int64))
+            + y.dtype.itemsize * int(np.prod(y.shape[1:], dtype=np.int64)))
+
+
+class StreamFeed(Feed):
+    """data.distribution=read: each rank reads its own windows, a background thread ahead."""
+
+    cache = "stream"
+    _pre: Prefetcher | None = None
+    _cur: Slot | None = None
+
+    def load(self) -> None:
+        d, comm = self.d, self.comm
+        empty = [(0, 0)] * self.world
+        # every rank opens the files (agreed, with the shared-filesystem hint); no rows yet
+        x0, y0 = load_shard(comm, "read", d.path, d.x, d.y, empty)
+        if d.val_stop > d.val_start:
+            load_shard(comm, "read", d.val_path, d.x, d.y, empty)
+        self.row_bytes = _row_bytes(x0.dtype, x0.shape[1:], y0)
+        self._geometry(x0, y0)
+        collective.agree(comm, self._scan_mine)
+
+    def _scan_mine(self) -> None:
+        """The value checks of memory mode, block by block from the file (labels are small;
+        inputs are read only when check_finite or a token model asks)."""
+        d = self.d
+        for path, bounds in ((d.path, self.train_bounds), (d.val_path, self.val_bounds)):
+            a, b = bounds[self.rank]
+            if b > a:
+                src = RowSource(path, d.x, d.y)
+                try:
+                    scan_rows(src, a, b, self.num_classes, d.check_finite, self.vocab, SLOT_BYTES)
+                finally:
+                    src.close()
+
+    def _geometry(self, x0, y0) -> None:
+        batch = self.plan.rank_batch(self.rank)
+        self.w = window_steps(self.steps, batch * self.row_bytes, SLOT_BYTES)
+        self.slot_rows = self.w * batch
+        # a whole number of EVAL_BATCH per chunk (the sums' order), or the whole slice
+        self.val_rows = min(max(1, SLOT_BYTES // max(1, self.row_bytes) // EVAL_BATCH) * EVAL_BATCH,
+                            max(1, max(b - a for a, b in self.val_bounds)))
+        self._shapes = (x0.shape[1:], x0.dtype, y0.shape[1:], y0.dtype)
+        self.buffer_bytes = (RING * self.slot_rows + 2 * self.val_rows) * self.row_bytes
+
+    def _slots(self, rows: int, count: int = RING) -> list[Slot]:
+        xs, xd, ys, yd = self._shapes
+        return [Slot(np.empty((rows,) + tuple(xs), dtype=xd), np.empty((rows,) + tuple(ys), dtype=yd))
+                for _ in range(count)]
+
+    def _opener(self, path):
+        d = self.d
+        return lambda: RowSource(path, d.x, d.y)
+
+    def _windows(self, p: int, start: int, rank: int):
+        """(pass, Window) from window `start` of pass `p` on, for ever (runs on the reader)."""
+        while True:
+            order = self.order(p, rank)
+            for a in range(start, self.steps, self.w):
+                yield p, order.window(a, min(a + self.w, self.steps))
+            p, start = p + 1, 0
+
+    def _fill_window(self, source: RowSource, job, slot: Slot):
+        p, win = job
+        source.read(win.rows + self.train_bounds[self.rank][0], slot.x, slot.y)
+        return win
+
+    def batch(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        p, s = divmod(position, self.steps)
+        cur = self._cur
+        if cur is None or cur.job[0] != p or not cur.info.start <= s < cur.info.stop:
+            cur = self._advance(p, s)
+        pos = cur.info.positions(s)
+        return self.cast(cur.x[pos]), cur.y[pos]
+
+    def _advance(self, p: int, s: int) -> Slot:
+        start = window_of(s, self.steps, self.w)[0]
+        if self._cur is not None:
+            self._pre.release(self._cur)
+            self._cur = None
+        slot = self._pre.next() if self._pre is not None else None
+        if slot is None or slot.job[0] != p or slot.info.start != start:
+            # the first batch, or a jump (a resume): read ahead from here
+            self._stop_reader()
+            self._pre = Prefetcher(self._windows(p, start, self.rank), self._fill_window,
+                                   self._slots(self.slot_rows), opener=self._opener(self.d.path))
+            slot = self._pre.next()
+        self._cur = slot
+        return slot
+
+    def _stop_reader(self) -> None:
+        if self._pre is not None:
+            self._pre.close()
+        self._pre, self._cur = None, None
+
+    def val_batches(self):
+        a, b = self.val_bounds[self.rank]
+        if b <= a:
+            return
+        jobs = [(lo, min(b, lo + self.val_rows)) for lo in range(a, b, self.val_rows)]
+        pre = Prefetcher(jobs, lambda src, job, slot: src.read_range(*job, slot.x, slot.y),
+                         self._slots(min(self.val_rows, b - a), 2), name="hpc_rlx-val",
+                         opener=self._opener(self.d.val_path))
+        try:
+            while (slot := pre.next()) is not None:
+                n = slot.job[1] - slot.job[0]
+                for lo in range(0, n, EVAL_BATCH):
+                    yield self.cast(slot.x[lo:min(n, lo + EVAL_BATCH)]), slot.y[lo:min(n, lo + EVAL_BATCH)]
+                pre.release(slot)
+        finally:
+            pre.close()
+
+    def close(self, collective_ok: bool = True) -> None:
+        self._stop_reader()
+
