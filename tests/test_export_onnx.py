@@ -239,8 +239,7 @@ ROUND_TRIPS = [(ConvNet, "dynamo", True, False), (ConvNet, "torchscript", True, 
 ROUND_IDS = ["convnet-dynamo", "convnet-torchscript", "mlp-torchscript-folded", "mlp-dynamo-optimized",
              "tied-lm-torchscript-folded", "tied-lm-dynamo"]
 # TorchScript's constant folding turns a Linear on 3-D input into MatMul(x, onnx::MatMul_N), the
-# weight's transpose under no PyTorch name; the importer does not recognise it (yet)
-UNNAMED_FOLDED = {"mlp-torchscript-folded", "tied-lm-torchscript-folded"}
+# weight's transpose under no PyTorch name: the importer names it after the bias it is added to
 
 
 def _tied_names(module) -> set:
@@ -293,9 +292,7 @@ def test_an_imported_model_s_onnx_export_runs_like_hpc_rlx(tmp_path, cls, export
 
 
 @pytest.mark.parametrize("cls,exporter,train,optimize", [
-    pytest.param(*case, id=name, marks=[pytest.mark.xfail(reason="folded onnx::MatMul_N weights carry no "
-                                                          "PyTorch name", strict=False)] if name in UNNAMED_FOLDED else [])
-    for case, name in zip(ROUND_TRIPS, ROUND_IDS)])
+    pytest.param(*case, id=name) for case, name in zip(ROUND_TRIPS, ROUND_IDS)])
 def test_an_imported_model_s_state_dict_loads_into_pytorch(tmp_path, cls, exporter, train, optimize):
     from hpc_rlx.graph import Executor
     graph, params, module, _, out_sd = _trained_import(tmp_path, cls, exporter, train, optimize)
