@@ -221,7 +221,8 @@ def test_stream_windowed_policy_and_a_resume_mid_window(tmp_path, image_files):
     proc = train_job(2, tmp_path / "async_stream", base + fixed_k + ["data.cache=stream"])
     assert proc.returncode == 0, explain(proc)
     _assert_same_training(tmp_path / "async_memory", tmp_path / "async_stream")
-    # sync, stopped at step 23 of 51 (inside a window), resumed with stream from its checkpoint
+    # sync, stopped at step 23 of 53 (inside the window [21, 28)), resumed with stream from its
+    # checkpoint: the reader starts in the middle of a window
     ckpt = [x for x in base if x != "checkpoint=off"]
     proc = train_job(2, tmp_path / "whole", ckpt)
     assert proc.returncode == 0, explain(proc)
@@ -232,6 +233,7 @@ def test_stream_windowed_policy_and_a_resume_mid_window(tmp_path, image_files):
         assert proc.returncode == 0, explain(proc)
         proc = train_job(2, run, ckpt + stream)
         assert proc.returncode == 0, explain(proc)
+        assert json.loads((run / "summary.json").read_text())["resumed_from"], dist
         pa, pb = _params(tmp_path / "whole"), _params(run)
         assert all(np.array_equal(pa[k], pb[k]) for k in pa), dist
 
