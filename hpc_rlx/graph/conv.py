@@ -23,6 +23,8 @@ Dilation only spreads the kernel offsets.
 
 from __future__ import annotations
 
+import functools
+
 
 def out_size(n: int, k: int, s: int, p: int, d: int = 1) -> int:
     return (n + 2 * p - d * (k - 1) - 1) // s + 1
@@ -58,17 +60,21 @@ def _span(n_in, n_out, off, s):
 def _windows(in_hw, out_hw, kernel, stride, padding, dilation=(1, 1)):
     """Per kernel offset n (row-major): (n, output rows, output cols, input rows, input cols,
     kind) where kind is None (no output reads the image), "all" (every output position reads
-    the image) or "part"."""
-    (h, w), (ho, wo) = in_hw, out_hw
+    the image) or "part". Cached: a step asks for the same few geometries every time."""
+    return _windows_of(*map(int, (*in_hw, *out_hw, *kernel, *stride, *padding, *dilation)))
+
+
+@functools.lru_cache(maxsize=256)
+def _windows_of(h, w, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw):
     res = []
-    for i in range(kernel[0]):
-        orow, irow, rok = _span(h, ho, i * dilation[0] - padding[0], stride[0])
-        for j in range(kernel[1]):
-            ocol, icol, cok = _span(w, wo, j * dilation[1] - padding[1], stride[1])
+    for i in range(kh):
+        orow, irow, rok = _span(h, ho, i * dh - ph, sh)
+        for j in range(kw):
+            ocol, icol, cok = _span(w, wo, j * dw - pw, sw)
             full = orow.stop - orow.start == ho and ocol.stop - ocol.start == wo
             kind = None if not (rok and cok) else ("all" if full else "part")
-            res.append((i * kernel[1] + j, orow, ocol, irow, icol, kind))
-    return res
+            res.append((i * kw + j, orow, ocol, irow, icol, kind))
+    return tuple(res)
 
 
 def _covers_input(x_hw, orow, ocol, irow, icol, stride):
