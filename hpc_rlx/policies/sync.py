@@ -59,9 +59,8 @@ class SyncPolicy(Policy):
                 ctx.note_skip()
             elif total_n > 0:
                 bucket.payload_to_host()      # a CUDA-aware Allreduce leaves the sum on the GPU
-                bucket.payload /= total_n
                 with trace.span("optimizer", "optim"):
-                    ctx.apply_gradient(bucket.payload, ctx.lr_at(ctx.step))
+                    ctx.apply_gradient(bucket.payload, ctx.lr_at(ctx.step), grad_scale=1.0 / total_n)
                 ctx.apply_gradient_ok()
             ctx.state.step_taken(s + 1)
             if not skipped:     # a skipped step's loss may be NaN: keep it out of the epoch's means

@@ -322,10 +322,8 @@ class WindowedPolicy(Policy):
                     work.loss_sum += ls
                     work.correct += corr
                     ctx.bucket.payload_to_host()      # GPU-only lanes sum on the GPU
-                    grad = ctx.bucket.payload
-                    grad /= n
                     with trace.span("optimizer", "optim"):
-                        ctx.apply_gradient(grad, lr)
+                        ctx.apply_gradient(ctx.bucket.payload, lr, grad_scale=1.0 / n)
                     lanes.refresh_device_params()
             dt = time.perf_counter() - t
             # slowdown: (f - 1) x the whole step, slept once before the sync

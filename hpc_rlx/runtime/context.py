@@ -124,18 +124,24 @@ class Context:
             rates[off:off + int(np.prod(self.layout.shapes[name]))] = momentum[name]
         return rates
 
-    def apply_gradient(self, grad: np.ndarray, lr: float) -> float | None:
-        """Clip (optionally) and step the optimizer with a mean gradient; move the buffers
-        towards the mean statistics in the rest of ``grad``. Returns the gradient norm."""
+    def apply_gradient(self, grad: np.ndarray, lr: float, grad_scale: float = 1.0) -> float | None:
+        """Clip (optionally) and step the optimizer with the mean gradient ``grad_scale * grad``
+        (the sum and 1 / samples from the bucket: the optimizer folds the division into its own
+        passes); move the buffers towards the mean statistics in the rest of ``grad``, which
+        may be overwritten. Returns the gradient norm when clipping."""
         norm = None
         n = self.n_trainable
         clip = self.spec.optim["clip_grad_norm"]
         if clip:
+            if grad_scale != 1.0:
+                grad[:n] *= grad_scale
             norm = clip_grad_norm_(grad[:n], float(clip))
-        self.optimizer.step(self.params[:n], grad[:n], lr)
+            self.optimizer.step(self.params[:n], grad[:n], lr)
+        else:
+            self.optimizer.step(self.params[:n], grad[:n], lr, grad_scale=grad_scale)
         if self.buffer_rates is not None:
             buffers = self.params[n:]
-            buffers += self.buffer_rates * (grad[n:] - buffers)
+            buffers += self.buffer_rates * (grad[n:] * grad_scale - buffers)
         return norm
 
     def note_skip(self) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from hpc_rlx.errors import CheckpointError, ConfigError
+from hpc_rlx.runtime.blas import axpy, fusable, scal
 
 __all__ = [
     "SGD",
@@ -140,10 +141,41 @@ class SGD(_Optimizer):
         self._scratch = self._zeros()
         self._scratch2 = self._zeros() if nesterov else None
 
-    def step(self, params, grads, lr: float) -> None:
-        xp = self.xp
+    def step(self, params, grads, lr: float, grad_scale: float = 1.0) -> None:
+        """One step with the gradient ``grad_scale * grads`` (the runtime passes the summed
+        gradient and 1 / samples: the mean is never written out as its own pass). ``grads``
+        may be overwritten."""
         self._check_args(params, grads)
-        lr = float(lr)
+        lr, scale = float(lr), float(grad_scale)
+        if not self.nesterov and fusable(params, grads):
+            self._fused_step(params, grads, lr, scale)
+        else:
+            if scale != 1.0:
+                grads *= scale
+            self._plain_step(params, grads, lr)
+        self.step_count += 1
+
+    def _fused_step(self, params, grads, lr: float, scale: float) -> None:
+        """torch's update in BLAS passes: buf = m*buf + s*g + wd*p; p -= lr*buf (3-4 passes
+        where NumPy needs 5-6 and a scratch array)."""
+        if not self.momentum:
+            if self.weight_decay:
+                scal(1.0 - lr * self.weight_decay, params)
+            axpy(-lr * scale, grads, params)
+            return
+        buf = self._momentum_buffer
+        if self.step_count == 0:
+            # torch starts the buffer at the first gradient, not at zero
+            np.multiply(grads, scale, out=buf)
+        else:
+            scal(self.momentum, buf)
+            axpy(scale, grads, buf)
+        if self.weight_decay:
+            axpy(self.weight_decay, params, buf)
+        axpy(-lr, buf, params)
+
+    def _plain_step(self, params, grads, lr: float) -> None:
+        xp = self.xp
         d = grads
         if self.weight_decay:
             d = self._scratch
@@ -168,7 +200,6 @@ class SGD(_Optimizer):
                 d = buf
         xp.multiply(d, lr, out=self._scratch)
         params -= self._scratch
-        self.step_count += 1
 
 
 class AdamW(_Optimizer):
@@ -193,10 +224,13 @@ class AdamW(_Optimizer):
         self._exp_avg_sq = self._zeros()
         self._scratch = self._zeros()
 
-    def step(self, params, grads, lr: float) -> None:
+    def step(self, params, grads, lr: float, grad_scale: float = 1.0) -> None:
+        """One step with the gradient ``grad_scale * grads``; ``grads`` may be overwritten."""
         xp = self.xp
         self._check_args(params, grads)
         lr = float(lr)
+        if grad_scale != 1.0:
+            grads *= float(grad_scale)
         m, v, t = self._exp_avg, self._exp_avg_sq, self._scratch
         self.step_count += 1
         k = self.step_count
