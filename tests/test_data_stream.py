@@ -60,21 +60,31 @@ def test_window_steps_bounds():
 
 # ---- the reader ---------------------------------------------------------------------------------
 
-def _file(path: Path, n: int = 300, dtype=np.float32, shape=(3, 4), seed: int = 0) -> Path:
+def _file(path: Path, n: int = 300, dtype=np.float32, shape=(3, 4), seed: int = 0, layout: str = "contiguous") -> Path:
+    """layout: contiguous (read by pread), chunked (gzip, as `convert` writes: read by HDF5),
+    or big-endian (contiguous, but HDF5 must swap the bytes)."""
     rng = np.random.default_rng(seed)
+    x = rng.integers(0, 255, (n,) + shape) if np.dtype(dtype).kind == "u" else rng.standard_normal((n,) + shape)
+    x, y = x.astype(dtype), rng.integers(0, 5, n).astype(np.int64)
     with h5py.File(path, "w") as f:
-        x = rng.integers(0, 255, (n,) + shape) if np.dtype(dtype).kind == "u" else rng.standard_normal((n,) + shape)
-        f["x"] = x.astype(dtype)
-        f["y"] = rng.integers(0, 5, n).astype(np.int64)
+        if layout == "chunked":
+            f.create_dataset("x", data=x, chunks=(16,) + shape, compression="gzip", shuffle=True)
+            f.create_dataset("y", data=y, chunks=(64,), compression="gzip")
+        elif layout == "big-endian":
+            f["x"], f["y"] = x.astype(x.dtype.newbyteorder(">")), y.astype(">i8")
+        else:
+            f["x"], f["y"] = x, y
     return path
 
 
-def test_row_source_reads_sorted_rows_runs_and_ranges(tmp_path, monkeypatch):
-    path = _file(tmp_path / "d.h5")
+@pytest.mark.parametrize("layout", ["contiguous", "chunked", "big-endian"])
+def test_row_source_reads_sorted_rows_runs_and_ranges(tmp_path, monkeypatch, layout):
+    path = _file(tmp_path / "d.h5", layout=layout)
     with h5py.File(path, "r") as f:
         x, y = f["x"][()], f["y"][()]
     monkeypatch.setattr("hpc_rlx.data.stream._PIECE_BYTES", 7 * 56)      # several pieces
     src = RowSource(path, "x", "y")
+    assert (src._fd is not None) == (layout == "contiguous")
     rows = np.array([0, 1, 2, 3, 9, 10, 50, 51, 52, 53, 54, 55, 56, 57, 120, 299])
     bx, by = src.empty(40)
     src.read(rows, bx, by, at=3)
@@ -173,9 +183,10 @@ def _assert_same_training(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def image_files(tmp_path_factory):
-    """uint8 images (cast per batch) and a float64 file (cast while loading in memory mode)."""
+    """uint8 images (cast per batch; chunked and compressed: HDF5 reads them) and a float64
+    file (cast while loading in memory mode; contiguous: read with pread)."""
     d = tmp_path_factory.mktemp("stream")
-    return {"uint8": _file(d / "img.h5", n=460, dtype=np.uint8, shape=(1, 6, 6), seed=1),
+    return {"uint8": _file(d / "img.h5", n=460, dtype=np.uint8, shape=(1, 6, 6), seed=1, layout="chunked"),
             "float64": _file(d / "f64.h5", n=460, dtype=np.float64, shape=(1, 6, 6), seed=2)}
 
 
