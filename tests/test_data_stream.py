@@ -94,6 +94,16 @@ def test_row_source_reads_sorted_rows_runs_and_ranges(tmp_path, monkeypatch, lay
     src.close()
 
 
+def test_decode_factor_tells_compressed_chunks_from_plain_bytes(tmp_path):
+    plain = RowSource(_file(tmp_path / "a.h5"), "x", "y")
+    packed = RowSource(_file(tmp_path / "b.h5", layout="chunked"), "x", "y")   # chunks of 16 rows
+    assert plain.decode_factor(20, 300) == 1.0
+    assert packed.decode_factor(20, 300) > 10          # 20 rows spread over 19 chunks
+    assert packed.decode_factor(300, 300) == pytest.approx(1.0, abs=0.05)
+    plain.close()
+    packed.close()
+
+
 def test_read_rows_casts_through_a_bounded_buffer(tmp_path, monkeypatch):
     path = _file(tmp_path / "d.h5", dtype=np.float64)
     monkeypatch.setattr(hdf5, "_CAST_BYTES", 5 * 96)

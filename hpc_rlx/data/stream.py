@@ -101,6 +101,21 @@ class RowSource:
         except (OSError, ValueError, TypeError) as e:
             raise DataError(f"reading rows [{start}, {stop}) of {self.path!r} failed: {e}") from None
 
+    def decode_factor(self, window_rows: int, span_rows: int) -> float:
+        """Bytes HDF5 decodes per byte used when a window reads `window_rows` rows spread over
+        `span_rows`: 1 unless x is compressed in chunks, then the chunks a window touches
+        (a shuffled step draws from every part of the shard) over what it uses."""
+        try:
+            filtered = self.dx.chunks is not None and self.dx.id.get_create_plist().get_nfilters() > 0
+        except (AttributeError, OSError, ValueError):
+            return 1.0
+        if not filtered or window_rows <= 0:
+            return 1.0
+        per = int(self.dx.chunks[0])
+        chunks = max(1, -(-span_rows // per))
+        touched = chunks * (1.0 - (1.0 - 1.0 / chunks) ** window_rows)
+        return max(1.0, touched * min(per, span_rows) / window_rows)
+
     # Contiguous, unfiltered, native-order datasets are plain bytes at a known offset of the
     # file: one pread per run of neighbouring rows, which releases the GIL and costs a
     # syscall, where an HDF5 point selection costs microseconds per row under the GIL.

@@ -162,6 +162,8 @@ class StreamFeed(Feed):
         self.row_bytes = _row_bytes(x0.dtype, x0.shape[1:], y0)
         self._geometry(x0, y0)
         collective.agree(comm, self._scan_mine)
+        if self.rank == 0:
+            self._warn_if_compressed(self.slot_rows, self._n_rows(self.train_bounds))
 
     def _scan_mine(self) -> None:
         """The value checks of memory mode, block by block from the file (labels are small;
@@ -175,6 +177,20 @@ class StreamFeed(Feed):
                     scan_rows(src, a, b, self.num_classes, d.check_finite, self.vocab, SLOT_BYTES)
                 finally:
                     src.close()
+
+    def _warn_if_compressed(self, window_rows: int, span_rows: int) -> None:
+        """A shuffled window draws from every chunk of the shard: with compressed chunks each
+        window decodes most of the shard. Said once, with the way out."""
+        src = RowSource(self.d.path, self.d.x, self.d.y)
+        try:
+            factor = src.decode_factor(window_rows, span_rows)
+        finally:
+            src.close()
+        if factor > 4:
+            print(f"[hpc_rlx] data.cache=stream: {self.d.path}'s inputs are compressed in chunks, and "
+                  f"each window of {window_rows} shuffled rows decodes about {factor:.0f}x its size; "
+                  f"for streaming, rewrite the file contiguous (h5repack -l CONTI in.h5 out.h5), or use "
+                  f"data.cache=memory", flush=True)
 
     def _geometry(self, x0, y0) -> None:
         batch = self.plan.rank_batch(self.rank)

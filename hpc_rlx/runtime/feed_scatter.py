@@ -69,6 +69,8 @@ class ScatterStreamFeed(StreamFeed):
         self.buffer_bytes = ((RING if self.root else AHEAD + 1) * self.slot_rows
                              + 2 * self.val_rows * (self.world if self.root else 1)) * self.row_bytes
         collective.agree(comm, self._scan_all)
+        if self.root:
+            self._warn_if_compressed(self.slot_rows, self.plan.n_samples)
         self.types = (from_numpy_dtype(x0.dtype), from_numpy_dtype(y0.dtype))
         self.MPI = MPI
         self.dcomm = comm.Dup()       # data rounds never interleave with the training collectives
