@@ -96,3 +96,32 @@ def test_outputs_are_batch_last_and_any_input_layout_works():
                             (1, 1), (1, 1))
     assert np.allclose(gx, gl, rtol=1e-13, atol=1e-13)
     assert np.allclose(conv.conv2d_grad_b(np, g), g.sum(axis=(0, 2, 3)), rtol=1e-12)
+
+
+@pytest.mark.parametrize("attrs", [
+    {"padding": 2},                                   # wider than the kernel needs
+    {"padding": [2, 0], "stride": [1, 2]},
+    {"padding": 1, "dilation": 2},
+    {"padding": [0, 3], "stride": 1},
+    {"padding": 1, "stride": 3},                      # some inputs read by no offset
+])
+def test_conv_geometries_match_torch(attrs):
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    x, w, b = R.standard_normal((3, 4, 7, 6)), R.standard_normal((5, 4, 3, 3)), R.standard_normal(5)
+    s, p, d = (conv_pair(attrs.get(k, v)) for k, v in (("stride", 1), ("padding", 0), ("dilation", 1)))
+    y, cols = conv.conv2d_forward(np, x, w, b, s, p, d)
+    g = R.standard_normal(y.shape)
+    gx = conv.conv2d_grad_x(np, g, w, x.shape, s, p, d)
+    gw = conv.conv2d_grad_w(np, g, cols, w.shape)
+    tx, tw, tb = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    ref = F.conv2d(tx, tw, tb, stride=s, padding=p, dilation=d)
+    ref.backward(torch.from_numpy(g))
+    assert np.allclose(y, ref.detach().numpy(), rtol=1e-12, atol=1e-12)
+    assert np.allclose(gx, tx.grad.numpy(), rtol=1e-12, atol=1e-12)
+    assert np.allclose(gw, tw.grad.numpy(), rtol=1e-12, atol=1e-12)
+    assert np.allclose(conv.conv2d_grad_b(np, g), tb.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def conv_pair(v):
+    return (v, v) if isinstance(v, int) else tuple(v)

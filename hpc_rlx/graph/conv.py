@@ -169,8 +169,11 @@ def conv2d_grad_x(xp, g, w, x_shape, stride, padding, dilation=(1, 1), groups=1)
     wt = xp.ascontiguousarray(w.reshape(o, c, kernel[0] * kernel[1]).transpose(2, 1, 0))  # (kh*kw, C, O)
     wins = [t for t in _windows((h, wd), (ho, wo), kernel, stride, padding, dilation) if t[5] is not None]
     first = next((t for t in wins if _covers_input((h, wd), *t[1:5], stride)), None)
-    if first is not None:
+    if first is not None and (ho, wo) == (h, wd):
         gx = xp.matmul(wt[first[0]], gm).reshape(c, h, wd, b)
+    elif first is not None:  # padding wider than the kernel needs: the covering block is a crop
+        gx = xp.empty((c, h, wd, b), dtype=g.dtype)
+        gx[...] = xp.matmul(wt[first[0]], gm).reshape(c, ho, wo, b)[:, first[1], first[2]]
     else:
         gx = xp.zeros((c, h, wd, b), dtype=g.dtype)
     for n, orow, ocol, irow, icol, _ in wins:
