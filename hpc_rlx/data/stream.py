@@ -25,6 +25,36 @@ __all__ = ["RowSource", "Prefetcher", "Slot", "scan_rows"]
 # one h5py call reads at most this many bytes: the main thread waits at most about that long
 # for the GIL while the reader works
 _PIECE_BYTES = 1 << 20
+# raw reads: a gap up to this many bytes is read through (a syscall costs about as much as
+# copying 10-20 KiB from the page cache); spans read through gaps stay under _SPAN_BYTES
+_GAP_BYTES = 16 << 10
+_SPAN_BYTES = 1 << 20
+
+
+def _row_nbytes(out: np.ndarray) -> int:
+    return out.itemsize * int(np.prod(out.shape[1:], dtype=np.int64))
+
+
+def _spans(rows: np.ndarray, rb: int) -> list[tuple[int, int, bool]]:
+    """Sorted rows -> (a, b, gappy) spans for one pread each: neighbours join a span when the
+    gap between them is under _GAP_BYTES (reading through it is cheaper than a syscall) and
+    the span stays under _SPAN_BYTES (the scratch buffer)."""
+    gap_rows = _GAP_BYTES // max(1, rb)
+    span_rows = max(1, _SPAN_BYTES // max(1, rb))
+    cut = np.flatnonzero(np.diff(rows) - 1 > gap_rows) + 1
+    first = np.concatenate(([0], cut))
+    stop = np.concatenate((cut, [len(rows)]))
+    width = rows[stop - 1] - rows[first] + 1
+    out = []
+    for a, b, wd in zip(first.tolist(), stop.tolist(), width.tolist()):
+        if wd <= span_rows:
+            out.append((a, b, wd != b - a))
+            continue
+        while a < b:      # wider than the scratch buffer: cut where the span fills it
+            e = max(a + 1, min(b, a + int(np.searchsorted(rows[a:b], rows[a] + span_rows))))
+            out.append((a, e, int(rows[e - 1]) - int(rows[a]) + 1 != e - a))
+            a = e
+    return out
 
 
 def _raw_offset(d) -> int | None:
@@ -56,6 +86,7 @@ class RowSource:
                           + self.y_dtype.itemsize * int(np.prod(self.y_shape, dtype=np.int64)))
         self.piece = max(1, _PIECE_BYTES // max(1, self.row_bytes))
         self._fd = None
+        self._scratch = None
         self._raw = [_raw_offset(self.dx), _raw_offset(self.dy)]
         if None not in self._raw:
             self._fd = os.open(self.path, os.O_RDONLY)
@@ -69,10 +100,8 @@ class RowSource:
     def read(self, rows: np.ndarray, x_out: np.ndarray, y_out: np.ndarray, at: int = 0) -> None:
         """File rows `rows` (sorted, distinct) into x_out/y_out[at : at + len(rows)]."""
         if self._fd is not None and len(rows):
-            brk = np.flatnonzero(np.diff(rows) != 1) + 1
-            runs = list(zip(np.concatenate(([0], brk)).tolist(), np.concatenate((brk, [len(rows)])).tolist()))
             for off, out in zip(self._raw, (x_out, y_out)):
-                self._pread(off, rows, runs, out, at)
+                self._pread(off, rows, _spans(rows, _row_nbytes(out)), out, at)
             return
         try:
             for a in range(0, len(rows), self.piece):
@@ -90,7 +119,7 @@ class RowSource:
         if self._fd is not None and stop > start:
             rows = np.arange(start, stop)
             for off, out in zip(self._raw, (x_out, y_out)):
-                self._pread(off, rows, [(0, stop - start)], out, at)
+                self._pread(off, rows, [(0, stop - start, False)], out, at)
             return
         try:
             for a in range(start, stop, self.piece):
@@ -119,18 +148,30 @@ class RowSource:
     # Contiguous, unfiltered, native-order datasets are plain bytes at a known offset of the
     # file: one pread per run of neighbouring rows, which releases the GIL and costs a
     # syscall, where an HDF5 point selection costs microseconds per row under the GIL.
-    def _pread(self, off: int, rows: np.ndarray, runs, out: np.ndarray, at: int) -> None:
-        rb = out.itemsize * int(np.prod(out.shape[1:], dtype=np.int64))
+    def _pread(self, off: int, rows: np.ndarray, spans, out: np.ndarray, at: int) -> None:
+        """Rows into out[at:], one pread per span (a, b, gappy): rows[a:b] lie in the file
+        between rows[a] and rows[b-1]; a gappy span is read whole into the scratch buffer and
+        its rows picked out, cheaper than a syscall each when the gaps are small."""
+        rb = _row_nbytes(out)
         view = memoryview(out.reshape(-1).view(np.uint8))
-        for a, b in runs:
-            want = (b - a) * rb
+        for a, b, gappy in spans:
+            lo, hi = int(rows[a]), int(rows[b - 1]) + 1
+            if gappy:
+                if self._scratch is None:
+                    self._scratch = np.empty(_SPAN_BYTES, dtype=np.uint8)
+                dst = memoryview(self._scratch)[:(hi - lo) * rb]
+            else:
+                dst = view[(at + a) * rb:(at + b) * rb]
             try:
-                got = os.preadv(self._fd, [view[(at + a) * rb:(at + b) * rb]], off + int(rows[a]) * rb)
+                got = os.preadv(self._fd, [dst], off + lo * rb)
             except OSError as e:
                 raise DataError(f"reading rows of {self.path!r} failed: {e}") from None
-            if got != want:
-                raise DataError(f"short read of {self.path!r}: {got} of {want} bytes at row {int(rows[a])} "
+            if got != len(dst):
+                raise DataError(f"short read of {self.path!r}: {got} of {len(dst)} bytes at row {lo} "
                                 "(the file changed while training?)")
+            if gappy:
+                picked = self._scratch[:(hi - lo) * rb].reshape(hi - lo, rb)[rows[a:b] - lo]
+                out.reshape(len(out), -1).view(np.uint8)[at + a:at + b] = picked
 
     def _raw_matches(self) -> bool:
         """The raw path reads what HDF5 reads (checked once, on the first and last rows)."""
@@ -144,7 +185,7 @@ class RowSource:
             self.dy.read_direct(hy, source_sel=np.s_[r:r + 1], dest_sel=np.s_[i:i + 1])
         try:
             for off, out in zip(self._raw, (rx, ry)):
-                self._pread(off, rows, [(i, i + 1) for i in range(len(rows))], out, 0)
+                self._pread(off, rows, [(i, i + 1, False) for i in range(len(rows))], out, 0)
         except DataError:
             return False
         return hx.tobytes() == rx.tobytes() and hy.tobytes() == ry.tobytes()
