@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--limit-mb", type=int, default=320, help="memory limit of a streamed job, all ranks together")
     ap.add_argument("--ranks", default="1,2", help="comma-separated rank counts")
     ap.add_argument("--steps", type=int, default=300, help="training steps per job")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of the unlimited memory/stream pair (best kept)")
     ap.add_argument("--dir", default=None, help="where to write the file (default: a temp dir)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--keep", action="store_true", help="keep the file and the run directories")
@@ -124,22 +125,33 @@ def main() -> None:
 
         rows_out, results = [], {}
         for n in [int(r) for r in args.ranks.split(",")]:
-            plan = [("memory", [], False), ("stream read", ["data.cache=stream"], False),
-                    ("stream read", ["data.cache=stream"], True),
-                    ("stream scatter", ["data.cache=stream", "data.distribution=scatter"], True)]
+            # the unlimited pair alternates, best of the repeats (as timeit); the rest runs once
+            pair = [("memory", [], False), ("stream read", ["data.cache=stream"], False)]
+            plan = [p for rep in range(args.repeats) for p in (pair if rep % 2 == 0 else pair[::-1])]
+            plan += [("stream read", ["data.cache=stream"], True),
+                     ("stream scatter", ["data.cache=stream", "data.distribution=scatter"], True)]
             if n == 1:
                 plan.append(("memory", [], True))
-            for name, extra, limited in plan:
+            for i, (name, extra, limited) in enumerate(plan):
                 if limited and limit_note:
                     continue
-                run_dir = tmp / f"{name.replace(' ', '_')}_{n}{'_lim' if limited else ''}"
+                run_dir = tmp / f"{name.replace(' ', '_')}_{n}{'_lim' if limited else ''}_{i}"
                 if limited:
                     with MemoryLimit(args.limit_mb * MIB) as lim:
                         r = job(n, run_dir, big, args.steps, extra, lim, args.timeout)
                 else:
                     r = job(n, run_dir, big, args.steps, extra, None, args.timeout)
-                results[(name, n, limited)] = (r, run_dir)
-                same = same_params(tmp / f"memory_{n}", run_dir) if name != "memory" else None
+                r["dir"] = run_dir
+                best = results.get((name, n, limited))
+                if best is None or r.get("samples_per_s", 0) > best.get("samples_per_s", 0):
+                    results[(name, n, limited)] = r
+                if r["rc"] != 0 and not r["oom"]:
+                    print(f"{name} on {n} rank(s) failed:\n{r.get('tail', '')}")
+            for (name, m, limited), r in results.items():
+                if m != n:
+                    continue
+                ref = results.get(("memory", n, False))
+                same = same_params(ref["dir"], r["dir"]) if (name != "memory" and ref) else None
                 status = "ok" if r["rc"] == 0 else ("killed (OOM)" if r["oom"] else f"rc={r['rc']}")
                 rows_out.append([name, n, f"{args.limit_mb}" if limited else "-", status,
                                  r.get("peak", 0) / MIB if r["rc"] == 0 else None,
@@ -147,22 +159,19 @@ def main() -> None:
                                  r.get("buffers", 0) / MIB if r["rc"] == 0 else None,
                                  r.get("load_s"), r.get("samples_per_s"), r.get("val_loss"),
                                  {True: "yes", False: "NO", None: "-"}[same]])
-                if r["rc"] != 0 and not r["oom"]:
-                    print(f"{name} on {n} rank(s) failed:\n{r.get('tail', '')}")
         print()
         print(fmt_table(["mode", "ranks", "limit MiB", "status", "peak RSS/rank MiB", "cgroup peak MiB",
                          "buffers MiB", "load s", "samples/s", "val_loss", "== memory"], rows_out))
         for n in [int(r) for r in args.ranks.split(",")]:
             mem, stream = results.get(("memory", n, False)), results.get(("stream read", n, False))
-            if mem and stream and mem[0]["rc"] == 0 and stream[0]["rc"] == 0:
-                print(f"{n} rank(s): stream/memory throughput {stream[0]['samples_per_s'] / mem[0]['samples_per_s']:.3f}, "
-                      f"peak RSS {stream[0]['peak'] / MIB:.0f} vs {mem[0]['peak'] / MIB:.0f} MiB")
+            if mem and stream and mem["rc"] == 0 and stream["rc"] == 0:
+                print(f"{n} rank(s): stream/memory throughput {stream['samples_per_s'] / mem['samples_per_s']:.3f} "
+                      f"(best of {args.repeats}), peak RSS {stream['peak'] / MIB:.0f} vs {mem['peak'] / MIB:.0f} MiB")
 
         # memory mode against its data: the same 1-rank job on a tiny file is the baseline
         base = job(1, tmp / "tiny_1", tiny, args.steps, [], None, args.timeout)
-        mem = results.get(("memory", 1, False))
-        if mem and mem[0]["rc"] == 0 and base["rc"] == 0:
-            r = mem[0]
+        r = results.get(("memory", 1, False))
+        if r and r["rc"] == 0 and base["rc"] == 0:
             model = r["params"] * 4 * 3      # float32 parameters, their gradient bucket, momentum
             excess = r["peak"] - base["peak"]
             print(f"\nmemory mode, 1 rank: peak {r['peak'] / MIB:.0f} MiB, tiny-file job {base['peak'] / MIB:.0f} MiB, "
