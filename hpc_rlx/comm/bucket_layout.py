@@ -4,6 +4,11 @@
 [ payload (payload_size) | summed fields (one slot each) | per-rank fields (world_size slots each) ]
 ```
 
+With ``tail_first=True`` (``comm.overlap``: backward finishes the payload from its end, so the
+chunk that starts last, ``[0, c)``, must carry the tail) the tail comes first:
+``[ summed fields | per-rank fields | payload ]``. The layout is internal to one run's
+collectives; checkpoints store parameters by `graph.params.ParamLayout`, never by this.
+
 - The payload is the big part: the summed gradients (`policy=sync`), or the work-weighted
   parameters (the windowed policies, `policies.bucket.SyncLayout`).
 - A summed field is one number every rank adds to: sample count, loss sum, a weight.
@@ -30,10 +35,10 @@ STEP_FIELDS: tuple[str, ...] = ("samples", "loss_sum", "correct") + CONTROL_FLAG
 
 class BucketLayout:
     """Offsets of one fused bucket (see the module docstring). Tail offsets count from the
-    end of the payload; absolute ones (`*_offset`, `rank_span`) from the bucket's start."""
+    tail's start; absolute ones (`*_offset`, `rank_span`) from the bucket's start."""
 
     def __init__(self, payload_size: int, fields: Sequence[str] = (),
-                 rank_fields: Sequence[str] = (), world_size: int = 1):
+                 rank_fields: Sequence[str] = (), world_size: int = 1, tail_first: bool = False):
         names = tuple(fields) + tuple(rank_fields)
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate bucket fields: {list(names)}")
@@ -49,6 +54,17 @@ class BucketLayout:
         self.rank_fields_start = first          # tail offset of the first per-rank slot
         self.tail_size = first + len(self.rank_fields) * self.world_size
         self.size = self.payload_size + self.tail_size
+        self.tail_first = bool(tail_first)
+        self.tail_start = 0 if self.tail_first else self.payload_size       # absolute offsets
+        self.payload_start = self.tail_size if self.tail_first else 0
+
+    def payload_of(self, buffer):
+        """The payload view of a whole bucket array laid out by this layout."""
+        return buffer[self.payload_start: self.payload_start + self.payload_size]
+
+    def tail_of(self, buffer):
+        """The tail view of a whole bucket array laid out by this layout."""
+        return buffer[self.tail_start: self.tail_start + self.tail_size]
 
     # ---- offsets in the tail --------------------------------------------------------------
     def field_index(self, name: str) -> int:
@@ -60,10 +76,10 @@ class BucketLayout:
 
     # ---- offsets in the whole bucket ------------------------------------------------------
     def field_offset(self, name: str) -> int:
-        return self.payload_size + self._field_index[name]
+        return self.tail_start + self._field_index[name]
 
     def rank_span(self, name: str) -> slice:
-        start = self.payload_size + self._rank_start[name]
+        start = self.tail_start + self._rank_start[name]
         return slice(start, start + self.world_size)
 
     # ---- reading and writing a tail (host array) ------------------------------------------

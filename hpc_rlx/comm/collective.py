@@ -19,7 +19,8 @@ import numpy as np
 from hpc_rlx.comm import watchdog as _watchdog
 from hpc_rlx.comm.bucket_layout import BucketLayout
 from hpc_rlx.comm.job_abort import abort_job
-from hpc_rlx.comm.reduce import make_reduction
+from hpc_rlx.comm.overlap import OverlapPlan, OverlapStep
+from hpc_rlx.comm.reduce import HostSum, make_reduction
 from hpc_rlx.comm.topology import hostname, rank_span
 from hpc_rlx.comm.wire import normalize_wire
 from hpc_rlx.device import backend, cuda_mpi
@@ -165,10 +166,16 @@ class FusedBucket:
     bytes, float32 sums), staged through the host, or CUDA-aware directly on the device.
     """
 
+    overlap_progress = True     # comm.overlap: MPI Test calls from the executor's callback
+                                # (measured by bench/bench_overlap.py, which turns it off)
+
     def __init__(self, payload_size: int, tail_fields: Sequence[str], dtype, xp=np,
                  cap_mb: float = 16.0, deterministic: bool = False, wire_dtype: str | None = None,
-                 rank_fields: Sequence[str] = (), world_size: int = 1):
-        self.layout = BucketLayout(payload_size, tail_fields, rank_fields, world_size)
+                 rank_fields: Sequence[str] = (), world_size: int = 1,
+                 overlap: bool = False, overlap_chunk_mb: float = 1.0):
+        # comm.overlap: tail first, so the chunk started last (backward ends at the payload's
+        # start) carries the tail (`comm.overlap`)
+        self.layout = BucketLayout(payload_size, tail_fields, rank_fields, world_size, tail_first=overlap)
         self.payload_size = self.layout.payload_size
         self._set_host(xp.zeros(self.layout.size, dtype=dtype))
         itemsize = np.dtype(dtype).itemsize
@@ -185,6 +192,10 @@ class FusedBucket:
         self.device_is_newest = False   # the lanes or the Allreduce left the newest payload there
         self.choice = None              # cuda_mpi.PathChoice once lanes placed the bucket
         self.reduction = make_reduction(self.chunk_elems, deterministic, self.wire)
+        self.overlap = bool(overlap)
+        self.overlap_chunk_elems = max(1, int(overlap_chunk_mb * 1024 * 1024) // itemsize)
+        self._overlap_plan = None
+        self._overlap_step = None
 
     @classmethod
     def for_layout(cls, layout: BucketLayout, dtype, **options) -> "FusedBucket":
@@ -194,8 +205,8 @@ class FusedBucket:
 
     def _set_host(self, buf) -> None:
         self.buffer = buf
-        self.payload = buf[: self.payload_size]
-        self.tail = buf[self.payload_size:]
+        self.payload = self.layout.payload_of(buf)
+        self.tail = self.layout.tail_of(buf)
 
     def __getitem__(self, field: str):
         """A summed field as a float; a per-rank field as its slots (a view of the tail)."""
@@ -225,8 +236,8 @@ class FusedBucket:
         self._set_host(host)
         self.device = int(device)
         self.device_buffer = backend.device_zeros(host.shape[0], host.dtype, self.device)
-        self.device_payload = self.device_buffer[: self.payload_size]
-        self.device_tail = self.device_buffer[self.payload_size:]
+        self.device_payload = self.layout.payload_of(self.device_buffer)
+        self.device_tail = self.layout.tail_of(self.device_buffer)
         self.device_is_newest = False
         self.set_choice(choice)
 
@@ -260,8 +271,31 @@ class FusedBucket:
     def tail_to_host(self) -> None:
         backend.copy_to_host(self.tail, self.device_tail)
 
+    # ---- overlap with backward (`comm.overlap`, `hpc_rlx.comm.overlap`) ---------------------
+    def set_overlap_spans(self, spans: dict) -> None:
+        """{name: (lo, hi)}: where each parameter's (and buffer's) gradient sits in the payload."""
+        if self.overlap:
+            self._overlap_plan = OverlapPlan(self.layout, spans, self.overlap_chunk_elems)
+
+    @property
+    def overlaps(self) -> bool:
+        """Overlap is on and possible: a host bucket summed by MPI's own SUM (not ordered, not
+        the 16-bit wire, no GPU twin)."""
+        return self._overlap_plan is not None and type(self.reduction) is HostSum and self.device is None
+
+    def begin_overlap(self, comm):
+        """Start a step's overlap; returns the executor's ``on_grad_ready`` callback (None when
+        overlap is off). The next `allreduce` finishes what this started."""
+        if not self.overlaps:
+            return None
+        self._overlap_step = OverlapStep(self._overlap_plan, self.buffer, comm, _all_finite,
+                                         self.overlap_progress)
+        return self._overlap_step.ready
+
     def payload_finite(self) -> bool:
         """Whether every payload value is finite, checked where the newest payload lives."""
+        if self._overlap_step is not None:
+            return self._overlap_step.payload_finite()
         if self.device_is_newest:
             xp = backend.array_module(self.device_payload)
             with backend.use_device(self.device):
@@ -271,19 +305,28 @@ class FusedBucket:
     # ---- the collective -------------------------------------------------------------------
     @watched("fused-bucket Allreduce")
     def allreduce(self, comm) -> float:
-        """Sum the whole bucket over all ranks in place, by this bucket's reduction path.
-        Returns seconds spent."""
+        """Sum the whole bucket over all ranks in place, by this bucket's reduction path (or
+        finish the chunks `begin_overlap` started during backward). Returns seconds spent here:
+        with overlap, only the exposed part."""
         t0 = time.perf_counter()
         tr = trace.ACTIVE
         seq = tr.next_seq() if tr is not None else 0
-        done = self.reduction.run(self, comm, seq)
-        self.last_chunks = done.chunks
-        self.last_wire_bytes = done.wire_bytes
-        self.last_path = done.path
+        step, self._overlap_step = self._overlap_step, None
+        span_t0 = t0
+        if step is not None:
+            self.last_chunks = step.finish(seq)
+            self.last_wire_bytes = int(2 * (comm.size - 1) * self.buffer.nbytes // max(1, comm.size))
+            self.last_path = "host, overlapped"
+            span_t0 = min(t0, step.t_first or t0)   # the span starts with the first chunk, in backward
+        else:
+            done = self.reduction.run(self, comm, seq)
+            self.last_chunks = done.chunks
+            self.last_wire_bytes = done.wire_bytes
+            self.last_path = done.path
         t1 = time.perf_counter()
         if tr is not None:
-            tr.add("allreduce", "comm", trace.MAIN, t0, t1,
-                   {"seq": seq, "bytes": int(self.buffer.nbytes), "chunks": done.chunks, "path": done.path})
+            tr.add("allreduce", "comm", trace.MAIN, span_t0, t1, {"seq": seq, "bytes": int(self.buffer.nbytes),
+                                                             "chunks": self.last_chunks, "path": self.last_path})
         return t1 - t0
 
 

@@ -224,6 +224,11 @@ KEYS: tuple[Key, ...] = (
         number(0, above=True)),
     Key("comm.deterministic", bool, False, "fixed reduction order: bitwise-reproducible runs for a "
         "given world size"),
+    Key("comm.overlap", bool, False, "start each gradient chunk's Allreduce as soon as backward "
+        "finished it (policy sync, one CPU lane, host path; off under comm.deterministic, the "
+        "16-bit wire and GPU buckets)"),
+    Key("comm.overlap_chunk_mb", _NUMBER, 1, "chunk size of comm.overlap's non-blocking Allreduces",
+        number(0, above=True)),
     Key("comm.stall_warning_s", _NUMBER, 60, "stall watchdog: report ranks that have not reached a "
         "collective after this long; null = off",
         number(0, null=True, must="must be null (off) or a number of seconds >= 0")),

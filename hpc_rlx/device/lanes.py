@@ -54,8 +54,9 @@ class Lane:
     host_params: object = None  # for device lanes: the host flat params to mirror
     device_params: object = None
 
-    def compute(self, x, y, seed: int) -> tuple[int, float, float, float]:
-        """Sample-weighted gradient of this slice into grad_flat. Returns (n, loss_sum, correct, seconds)."""
+    def compute(self, x, y, seed: int, on_grad_ready=None) -> tuple[int, float, float, float]:
+        """Sample-weighted gradient of this slice into grad_flat. Returns (n, loss_sum, correct, seconds).
+        ``on_grad_ready(name)``: see `Executor.forward_backward` (every name, also for no samples)."""
         n = int(x.shape[0])
         t0 = time.perf_counter()
         # The worker thread stays on this lane's GPU (no with-block: see backend.select_device).
@@ -65,11 +66,15 @@ class Lane:
             # done before returning, like a busy lane's gradient: the main thread reads or
             # overwrites it next, maybe on another stream (per-thread default streams)
             backend.synchronize_device(self.device)
+            if on_grad_ready is not None:
+                for name in self.grad_views:
+                    on_grad_ready(name)
             return 0, 0.0, 0.0, 0.0
         xp = self.xp
         feeds = {"x": xp.asarray(x), "y": xp.asarray(y)}
         out = self.executor.forward_backward(self.param_views, self.grad_views, feeds,
-                                             train=True, seed=seed, grad_scale=float(n))
+                                             train=True, seed=seed, grad_scale=float(n),
+                                             on_grad_ready=on_grad_ready)
         backend.synchronize_device(self.device)
         t1 = time.perf_counter()
         dt = t1 - t0
@@ -191,8 +196,17 @@ class LaneSet:
             return split_by_throughput(n, [1.0] * len(self.lanes))
         return assign_samples(n, [ln.rate for ln in self.lanes], self.steps)
 
-    def step(self, x: np.ndarray, y: np.ndarray, seed: int) -> tuple[int, float, float, float]:
-        """Run one micro-batch over all lanes; leave the summed weighted gradient in the bucket."""
+    @property
+    def overlap_capable(self) -> bool:
+        """One CPU lane writing straight into the host bucket: a gradient that lane finished is
+        the rank's final one, so its chunk may start reducing during backward (`comm.overlap`).
+        With several lanes the peers' gradients are added after all finished: no overlap."""
+        return (len(self.lanes) == 1 and self.lanes[0].kind == "cpu" and self.bucket is not None
+                and self.lanes[0].grad_flat is self.bucket_payload)
+
+    def step(self, x: np.ndarray, y: np.ndarray, seed: int, on_grad_ready=None) -> tuple[int, float, float, float]:
+        """Run one micro-batch over all lanes; leave the summed weighted gradient in the bucket.
+        ``on_grad_ready(name)`` hears of each final gradient when `overlap_capable` (else never)."""
         self._ensure_fresh_params()
         counts = self.split(int(x.shape[0]))
         self.last_counts = counts
@@ -200,7 +214,8 @@ class LaneSet:
         jobs = [(ln, x[bounds[i]:bounds[i + 1]], y[bounds[i]:bounds[i + 1]], seed * 64 + i)
                 for i, ln in enumerate(self.lanes)]
         if self._pool is None:
-            results = [jobs[0][0].compute(*jobs[0][1:])]
+            ready = on_grad_ready if self.overlap_capable else None
+            results = [jobs[0][0].compute(*jobs[0][1:], on_grad_ready=ready)]
         else:
             results = list(self._pool.map(lambda j: j[0].compute(*j[1:]), jobs))
         self._combine({id(ln) for ln, c in zip(self.lanes, counts) if c > 0})

@@ -45,7 +45,7 @@ class _Step:
 
 
 class _BackStep:
-    __slots__ = ("slot", "attrs", "args", "grads")
+    __slots__ = ("slot", "attrs", "args", "grads", "done")
 
 
 class Executor:
@@ -136,6 +136,10 @@ class Executor:
             if rule.needs_ans:
                 kept.add(s)
             backward.append(bs)
+        # The last write of each parameter gradient: after that step ``on_grad_ready`` hears of it.
+        last = {pname: k for k, bs in enumerate(backward) for _, _, pname, _ in bs.grads if pname is not None}
+        for k, bs in enumerate(backward):
+            bs.done = [name for name, j in last.items() if j == k]
         self._backward = backward
         self._unreached_params = [name for s, name in param_of.items() if s not in first_write]
         self._first_node_slot = n_leaf
@@ -253,20 +257,25 @@ class Executor:
             for a in st.release:
                 env[a] = None
 
-    def forward_backward(self, param_views, grad_views, feeds, train=True, seed=None, grad_scale=1.0) -> dict:
+    def forward_backward(self, param_views, grad_views, feeds, train=True, seed=None, grad_scale=1.0,
+                         on_grad_ready=None) -> dict:
         """Overwrite ``grad_views`` with ``grad_scale * d(mean loss)/d(param)``; return the outputs as floats.
 
         ``train`` enables dropout, whose masks derive from ``seed`` and the node. Feeds, params and
         grads must already live on this executor's array module (and the same GPU).
+        ``on_grad_ready(name)``, if given, is called once per parameter and buffer as soon as its
+        slot of ``grad_views`` is final (buffers' statistics right after the forward pass, each
+        parameter after the last VJP that writes it), on the calling thread, so a caller can
+        start reducing finished gradients while backward still runs (``comm.overlap``).
         """
         device = self._check_arrays(param_views, "param_views")
         device = self._check_arrays(grad_views, "grad_views", device)
         env = [None] * self._nslots
         device = self._load(env, feeds, param_views, device)
         with backend.use_device(device):
-            return self._run_backward(env, grad_views, train, seed, grad_scale)
+            return self._run_backward(env, grad_views, train, seed, grad_scale, on_grad_ready)
 
-    def _run_backward(self, env, grad_views, train, seed, grad_scale) -> dict:
+    def _run_backward(self, env, grad_views, train, seed, grad_scale, ready=None) -> dict:
         xp = self.xp
         saved = [None] * self._nslots
         ctx = _Ctx(bool(train), seed, self.dtype)
@@ -278,6 +287,11 @@ class Executor:
         cot[self._loss_slot] = xp.asarray(grad_scale, dtype=self.dtype)
         for name in self._unreached_params:
             grad_views[name][...] = 0
+        if ready is not None:
+            for name, _ in self._buffer_slots:
+                ready(name)
+            for name in self._unreached_params:
+                ready(name)
         for bs in self._backward:
             g = cot[bs.slot]
             cot[bs.slot] = None
@@ -298,6 +312,9 @@ class Executor:
             # This node's output and saved state are read by no VJP still to come: drop them now.
             env[bs.slot] = saved[bs.slot] = None
             del g, args, ans, sv
+            if ready is not None:
+                for name in bs.done:
+                    ready(name)
         return {name: float(v) for name, v in results}
 
     def _write_statistics(self, env, ctx, grad_views, grad_scale) -> None:

@@ -3,7 +3,9 @@
 Per step every lane writes its sample-weighted gradient into the fused bucket, the policy
 writes the sample count, loss sum, correct count and control flags into the bucket's tail,
 one Allreduce sums all of it, and every rank divides by the global sample count and applies
-the same optimizer step.
+the same optimizer step. With ``comm.overlap=true`` (one CPU lane, host path) the chunks that
+backward finished start reducing during backward and the Allreduce finishes them
+(`hpc_rlx.comm.overlap`); the chunk with the tail is started last.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ class SyncPolicy(Policy):
             if tr is not None:
                 tr.add("data.batch", "data", trace.MAIN, t_step, t_data)
             loop.faults.at("step", ctx.step)
-            n, loss_sum, correct, compute = lanes.step(xb, yb, loop.dropout_seed())
+            # comm.overlap: chunks finished by backward start reducing during it (else None)
+            ready = bucket.begin_overlap(ctx.comm) if lanes.overlap_capable else None
+            n, loss_sum, correct, compute = lanes.step(xb, yb, loop.dropout_seed(), on_grad_ready=ready)
             loop.slowdown(compute)
             compute = time.perf_counter() - t_data
             bucket.zero_tail()

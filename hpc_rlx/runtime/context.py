@@ -50,7 +50,11 @@ class Context:
         self.bucket = collective.agree(comm, lambda: collective.FusedBucket(
             self.layout.size, STEP_FIELDS + tuple(spec.extras.get("tail", ())), self.dtype,
             cap_mb=float(spec.comm["bucket_cap_mb"]), deterministic=bool(spec.comm["deterministic"]),
-            wire_dtype=spec.comm["wire_dtype"]))
+            wire_dtype=spec.comm["wire_dtype"], overlap=bool(spec.comm["overlap"]),
+            overlap_chunk_mb=float(spec.comm["overlap_chunk_mb"])))
+        # comm.overlap: where each gradient sits, so a chunk can start once backward finished it
+        self.bucket.set_overlap_spans({name: (off, off + int(np.prod(self.layout.shapes[name], dtype=np.int64)))
+                                       for name, off in self.layout.offsets.items()})
         opt = dict(spec.optim)
         # The optimizer steps the trainable prefix; the buffers after it (batch-norm running
         # statistics) move towards the step's mean statistic, carried in the same bucket slots.
