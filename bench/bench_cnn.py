@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_cnn.py                       # 1 rank, 3 repeats, ~1 min
     .venv/bin/python bench/bench_cnn.py --ranks 1,2 --repeats 5 --steps 80
+    .venv/bin/python bench/bench_cnn.py --code /tmp/old       # hpc_rlx of another checkout
 
 The CNN of `bench_engine.py --only cnn`: 1x28x28 images, conv 3x3 16 -> ReLU -> max-pool 2 ->
 conv 3x3 32 -> ReLU -> max-pool 2 -> linear 128 -> ReLU -> linear 10, float32, SGD (lr 0.01,
@@ -32,8 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, REPO, fmt_table, hpc_throughput, machine_note, mpirun,  # noqa: E402
-                     one_thread_env, prepare_synthetic, result_line)
+from _common import (MPIRUN, PYTHON, REPO, fmt_table, hpc_throughput, machine_note,  # noqa: E402
+                     one_thread_env, prepare_synthetic, result_line, run)
 from bench_ddp import percentile  # noqa: E402
 
 SHAPE, CLASSES, BATCH, HIDDEN = (1, 28, 28), 10, 64, 128
@@ -56,14 +57,15 @@ def prepare_images(work: Path, samples: int) -> Path:
     return out
 
 
-def run_hpc(n: int, data: Path, epochs: int, workdir: Path) -> dict:
+def run_hpc(n: int, data: Path, epochs: int, workdir: Path, code: Path = REPO) -> dict:
     run_dir = workdir / f"hpc_n{n}_{time.monotonic_ns()}"
     args = ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "data=file", f"data.path={data}", "data.val_fraction=0",
             "model=cnn", "model.channels=[16,32]", "model.kernel=3", f"model.hidden={HIDDEN}", "model.pool=max",
             f"train.batch_size={BATCH * n}", f"train.epochs={epochs}", "train.threads_per_rank=1",
             "optim=sgd", f"optim.lr={LR}", f"optim.momentum={MOMENTUM}", "optim.schedule=constant",
             "checkpoint=off", "report.plots=false", "train.log_every_s=1000", "trace.enabled=true"]
-    mpirun(n, args, timeout=900, env=one_thread_env())
+    # python -m puts the working directory first on sys.path: run from the checkout measured
+    run([MPIRUN, "-n", str(n), PYTHON] + args, timeout=900, env=one_thread_env({"PYTHONPATH": str(code)}), cwd=code)
     out = hpc_throughput(run_dir, BATCH * n, skip_epochs=1)
     doc = json.loads((run_dir / "trace.json").read_text())
     steps_per_epoch = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["steps"]
@@ -133,20 +135,21 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3, help="epochs per run; the first is warm-up, not timed")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="where the data and runs go (default: a temp dir, removed)")
+    ap.add_argument("--code", default=str(REPO), help="the checkout whose hpc_rlx runs (default: this one)")
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="hpc_rlx_bench_cnn_"))
     work.mkdir(parents=True, exist_ok=True)
     samples = BATCH * args.steps
     data = prepare_images(work, samples)
-    print(f"# {machine_note()}")
+    print(f"# {machine_note()}; hpc_rlx from {args.code}")
     print(f"# CNN {SHAPE} conv16-conv32 (3x3, max-pool) fc{HIDDEN}, batch {BATCH}/rank, {samples} samples, "
           f"{args.epochs} epochs (first untimed), {args.repeats} repeat(s)")
     res: dict = {"torch": []} | {n: [] for n in ranks}
     for rep in range(args.repeats):
         order = ["torch"] + ranks if rep % 2 == 0 else ranks + ["torch"]
         for side in order:
-            r = run_torch(data, args.epochs) if side == "torch" else run_hpc(side, data, args.epochs, work)
+            r = run_torch(data, args.epochs) if side == "torch" else run_hpc(side, data, args.epochs, work, Path(args.code))
             res[side].append(r)
             name = "torch" if side == "torch" else f"hpc_rlx n={side}"
             print(f"  repeat {rep + 1} {name}: {r['samples_per_s']:,.0f} samples/s mean, "
