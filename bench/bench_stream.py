@@ -7,7 +7,8 @@ synthetic image file several times larger than the memory the streamed jobs may 
 The file holds uint8 images 3x32x32 (3 KiB a sample) and int64 labels, written under a temp
 dir and deleted at the end. Every job trains the same MLP for `--steps` steps of one epoch
 (train.max_steps; then the epoch's validation, 20% of the file, as the issue's job did), one
-BLAS thread per rank. Per run it prints the largest peak RSS of its ranks (summary.json's
+BLAS thread per rank (train.threads_per_rank=1: a 1-rank job would otherwise take both cores'
+threads, which stall badly on a loaded machine). Per run it prints the largest peak RSS of its ranks (summary.json's
 `peak_rss_bytes`, VmHWM), the cgroup's peak (every process of the job and the page cache it
 charged), samples/s (hpc_rlx's `samples_per_s`: samples over step wall time, which with
 stream includes any wait for the reader), the shard load time and whether the trained
@@ -61,9 +62,10 @@ def write_images(path: Path, rows: int, seed: int = 0) -> Path:
 
 
 def job(n: int, run_dir: Path, data: Path, steps: int, extra: list[str], limit: MemoryLimit | None,
-        timeout: float) -> dict:
+        timeout: float, hidden: int = 64) -> dict:
     cmd = [MPIRUN, "-n", str(n), PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "report.plots=false",
-           "data=file", f"data.path={data}", "model=mlp", "model.hidden=[64]", "train.batch_size=128",
+           "data=file", f"data.path={data}", "model=mlp", f"model.hidden=[{hidden}]", "train.batch_size=128",
+           "train.threads_per_rank=1",
            "train.epochs=1", f"train.max_steps={steps}", "checkpoint=off", "optim.lr=0.00001"] + extra
     t0 = time.perf_counter()
     proc = subprocess.run(limit.wrap(cmd) if limit else cmd, cwd=REPO, env=one_thread_env(),
@@ -101,6 +103,7 @@ def main() -> None:
     ap.add_argument("--ranks", default="1,2", help="comma-separated rank counts")
     ap.add_argument("--steps", type=int, default=300, help="training steps per job")
     ap.add_argument("--repeats", type=int, default=2, help="runs of the unlimited memory/stream pair (best kept)")
+    ap.add_argument("--hidden", type=int, default=64, help="the MLP's hidden width (a heavier step hides the reader)")
     ap.add_argument("--dir", default=None, help="where to write the file (default: a temp dir)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--keep", action="store_true", help="keep the file and the run directories")
@@ -138,9 +141,9 @@ def main() -> None:
                 run_dir = tmp / f"{name.replace(' ', '_')}_{n}{'_lim' if limited else ''}_{i}"
                 if limited:
                     with MemoryLimit(args.limit_mb * MIB) as lim:
-                        r = job(n, run_dir, big, args.steps, extra, lim, args.timeout)
+                        r = job(n, run_dir, big, args.steps, extra, lim, args.timeout, args.hidden)
                 else:
-                    r = job(n, run_dir, big, args.steps, extra, None, args.timeout)
+                    r = job(n, run_dir, big, args.steps, extra, None, args.timeout, args.hidden)
                 r["dir"] = run_dir
                 best = results.get((name, n, limited))
                 if best is None or r.get("samples_per_s", 0) > best.get("samples_per_s", 0):
@@ -169,7 +172,7 @@ def main() -> None:
                       f"(best of {args.repeats}), peak RSS {stream['peak'] / MIB:.0f} vs {mem['peak'] / MIB:.0f} MiB")
 
         # memory mode against its data: the same 1-rank job on a tiny file is the baseline
-        base = job(1, tmp / "tiny_1", tiny, args.steps, [], None, args.timeout)
+        base = job(1, tmp / "tiny_1", tiny, args.steps, [], None, args.timeout, args.hidden)
         r = results.get(("memory", 1, False))
         if r and r["rc"] == 0 and base["rc"] == 0:
             model = r["params"] * 4 * 3      # float32 parameters, their gradient bucket, momentum
