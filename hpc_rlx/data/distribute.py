@@ -9,7 +9,10 @@ Two modes, same result:
 
 Failures never leave ranks waiting in a collective: each possible failure point is followed by
 a small pickled ``bcast``/``allgather`` of the status, and then every rank raises the same
-:class:`~hpc_rlx.errors.DataError`.
+:class:`~hpc_rlx.errors.DataError`. This is ``comm.collective.agree`` specialised for reading:
+the message names the failing rank's host and, when the file is missing on some ranks only,
+says the path is not on a shared filesystem. Every collective here runs under the stall
+watchdog (``watched_call``), like the training loop's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
+from hpc_rlx.comm.collective import watched_call
 from hpc_rlx.data.hdf5 import describe, open_readonly, read_rows
 from hpc_rlx.errors import ConfigError, DataError, HpcRlxError
 
@@ -122,7 +126,7 @@ def _load_read(comm, path, x_name, y_name, bounds, x_dtype=None):
         x, y = read_rows(path, x_name, y_name, *bounds[comm.Get_rank()], x_dtype=x_dtype)
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
         status = (_message(e), isinstance(e, FileNotFoundError) or "does not exist" in str(e))
-    gathered = comm.allgather((status, _host()))
+    gathered = watched_call("data: read status (allgather)", comm.allgather, (status, _host()))
     statuses = [st[0] if st else None for st, _ in gathered]
     missing = [st is not None and st[1] for st, _ in gathered]
     # the file missing on some ranks only: the classic sign of a node-local path
@@ -159,7 +163,7 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype=None)
             )
         except Exception as e:  # noqa: BLE001
             status = _message(e)
-    status, meta = comm.bcast((status, meta), root=0)
+    status, meta = watched_call("data: rank 0's file description (bcast)", comm.bcast, (status, meta), root=0)
     _raise_if_failed([status], where)
     x_shape, x_dt, y_shape, y_dt = meta
     x_dt, y_dt = np.dtype(x_dt), np.dtype(y_dt)
@@ -170,7 +174,7 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype=None)
     y_elems = math.prod(y_shape)
 
     lens = [b - a for a, b in bounds]
-    my_start, my_len = bounds[rank][0], lens[rank]
+    my_len = lens[rank]
 
     # 2. every rank allocates; rank 0 also its reusable send buffers and the file handle
     f = None
@@ -191,7 +195,7 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype=None)
             f = open_readonly(path)
     except Exception as e:  # noqa: BLE001
         status = _message(e)
-    statuses = comm.allgather(status)
+    statuses = watched_call("data: receive buffers (allgather)", comm.allgather, status)
     if any(s is not None for s in statuses) and f is not None:
         f.close()
     _raise_if_failed(statuses, where)
@@ -219,7 +223,7 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype=None)
                             dy.read_direct(send_y, source_sel=np.s_[a : a + c], dest_sel=np.s_[o : o + c])
                 except Exception as e:  # noqa: BLE001
                     status = _message(e)
-            _raise_if_failed([comm.bcast(status, root=0)], where)
+            _raise_if_failed([watched_call("data: rank 0's read (bcast)", comm.bcast, status, root=0)], where)
 
             lo, hi = k * cap, k * cap + counts[rank]
             for send, out, elems, mt in ((send_x, out_x, x_elems, tx), (send_y, out_y, y_elems, ty)):
@@ -231,7 +235,8 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype=None)
                         [int(o) * elems for o in offs],
                         mt,
                     ]
-                comm.Scatterv(sendspec, [out[lo:hi].reshape(-1), mt], root=0)
+                watched_call("data: shard round (Scatterv)", comm.Scatterv, sendspec, [out[lo:hi].reshape(-1), mt],
+                             root=0)
     finally:
         if f is not None:
             f.close()
