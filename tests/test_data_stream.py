@@ -205,6 +205,7 @@ SMALL = ["data=file", "model=mlp", "model.hidden=[16]", "train.epochs=2", "train
 
 
 @pytest.mark.mpi
+@pytest.mark.openmpi         # Iscatterv rounds and the reader thread under both MPIs
 @pytest.mark.parametrize("n,kind", [(1, "float64"), (2, "uint8")])
 def test_stream_trains_bitwise_as_memory_with_read_and_scatter(tmp_path, image_files, n, kind):
     base = SMALL + [f"data.path={image_files[kind]}"]
