@@ -4,8 +4,11 @@ Rank 0's background thread reads each window's rows of all ranks (sorted, so ran
 the shards are contiguous and in rank order) into a ring of send buffers; the main threads
 hand them out with non-blocking `Iscatterv` on a communicator of their own, one round per
 window, the next round in flight while the current window trains. Every MPI call is on the
-main thread: MPI_THREAD_FUNNELED suffices under MPICH and Open MPI whatever mpi4py asked for;
-the reader thread only touches HDF5.
+main thread and the reader thread only touches HDF5, so MPI_THREAD_FUNNELED suffices: mpi4py
+asks for MPI_THREAD_MULTIPLE (MPICH 5.0 and Open MPI 5.0 grant it here), but builds that grant
+less, or pay for MULTIPLE with locks, are fine. Progress: MPICH advances a non-blocking
+collective only inside MPI calls; each step's Allreduce is one, so a round completes behind
+the window's steps.
 
 Rounds are collective, so every rank must ask for the same positions in the same order:
 true of policy=sync (every step a sync). The windowed policies' ranks walk their shards at
