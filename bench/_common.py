@@ -10,6 +10,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -120,3 +121,29 @@ def machine_note() -> str:
         cores = os.cpu_count()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return f"{platform.node()}: {cores} cores, load average {load:.2f}, python {platform.python_version()}"
+
+
+def timed_torch_epochs(model, opt, lossf, x, y, batch: int, steps: int, epochs: int, rows: int, gen):
+    """A plain PyTorch training loop timed per step: each epoch a fresh permutation of ``rows``
+    samples, ``steps`` steps of ``batch``. Returns (wall seconds per epoch, step seconds of the
+    epochs after the first, the last loss)."""
+    import torch
+    walls, step_times, loss = [], [], None
+    for ep in range(epochs):
+        perm = torch.randperm(rows, generator=gen)
+        wall = 0.0
+        for s in range(steps):
+            t0 = time.perf_counter()
+            idx = perm[s * batch:(s + 1) * batch]
+            xb, yb = x[idx], y[idx]
+            opt.zero_grad(set_to_none=True)
+            loss = lossf(model(xb), yb)
+            loss.backward()
+            opt.step()
+            dt = time.perf_counter() - t0
+            wall += dt
+            if ep > 0:
+                step_times.append(dt)
+        walls.append(wall)
+    return walls, step_times, loss
+

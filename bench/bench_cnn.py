@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (MPIRUN, PYTHON, REPO, fmt_table, hpc_throughput, machine_note,  # noqa: E402
-                     one_thread_env, prepare_synthetic, result_line, run)
+                     one_thread_env, prepare_synthetic, result_line, run, timed_torch_epochs)
 from bench_ddp import percentile  # noqa: E402
 
 SHAPE, CLASSES, BATCH, HIDDEN = (1, 28, 28), 10, 64, 128
@@ -96,23 +96,7 @@ def torch_worker(data: str, epochs: int) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     lossf = nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(1000)
-    walls, step_times = [], []
-    for ep in range(epochs):
-        perm = torch.randperm(steps * BATCH, generator=gen)
-        wall = 0.0
-        for s in range(steps):
-            t0 = time.perf_counter()
-            idx = perm[s * BATCH:(s + 1) * BATCH]
-            xb, yb = x[idx], y[idx]
-            opt.zero_grad(set_to_none=True)
-            loss = lossf(model(xb), yb)
-            loss.backward()
-            opt.step()
-            dt = time.perf_counter() - t0
-            wall += dt
-            if ep > 0:
-                step_times.append(dt)
-        walls.append(wall)
+    walls, step_times, loss = timed_torch_epochs(model, opt, lossf, x, y, BATCH, steps, epochs, steps * BATCH, gen)
     use = walls[1:] or walls
     step_times.sort()
     print("RESULT " + json.dumps({"samples_per_s": len(use) * steps * BATCH / sum(use),

@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (PYTHON, REPO, fmt_table, free_port, hpc_throughput, machine_note,  # noqa: E402
-                     median, mpirun, one_thread_env, prepare_synthetic, result_line)
+                     median, mpirun, one_thread_env, prepare_synthetic, result_line, timed_torch_epochs)
 
 HIDDEN = [1024, 1024]
 FEATURES, CLASSES, PER_RANK_BATCH = 784, 10, 128
@@ -113,23 +113,8 @@ def ddp_worker(rank: int, world: int, port: int, data: str, epochs: int) -> None
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     lossf = torch.nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(1000 + rank)
-    walls, step_times = [], []
-    for ep in range(epochs):
-        perm = torch.randperm(per_rank, generator=gen)
-        wall = 0.0
-        for s in range(steps):
-            t0 = time.perf_counter()
-            idx = perm[s * PER_RANK_BATCH:(s + 1) * PER_RANK_BATCH]
-            xb, yb = x[idx], y[idx]
-            opt.zero_grad(set_to_none=True)
-            loss = lossf(model(xb), yb)
-            loss.backward()
-            opt.step()
-            dt = time.perf_counter() - t0
-            wall += dt
-            if ep > 0:
-                step_times.append(dt)
-        walls.append(wall)
+    walls, step_times, loss = timed_torch_epochs(model, opt, lossf, x, y, PER_RANK_BATCH, steps, epochs,
+                                                 per_rank, gen)
     dist.barrier()
     if rank == 0:
         use = walls[1:] or walls
