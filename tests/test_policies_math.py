@@ -832,3 +832,12 @@ def test_stretch_to_epoch_avoids_a_short_last_window():
                 assert -(-left // w) <= max(1, left // k)
     with pytest.raises(ValueError):
         stretch_to_epoch(0, 10, 5)
+
+
+def test_an_untuned_interval_stays_at_the_anchor_whatever_it_measures():
+    tuned, fixed = IntervalController(k=25, max_anchor=25), IntervalController(k=25, max_anchor=25, tune=False)
+    for comm_ms, step_ms, divergence in [(1.0, 10.0, 0.0), (50.0, 1.0, 0.2), (0.1, 5.0, float("nan"))]:
+        tuned.observe(comm_ms, step_ms, divergence)
+        assert fixed.observe(comm_ms, step_ms, divergence) == 25
+    assert tuned.k != 25                        # the same measurements move a tuned K
+    assert fixed.metrics()["divergence_trips"] == 0 and fixed.comm_ms is not None

@@ -117,6 +117,13 @@ def test_async_keeps_comm_share_near_overhead_target(tmp_path):
     assert recs[-1]["train_loss"] < recs[0]["train_loss"]
 
 
+def test_async_with_tune_false_keeps_k_at_the_anchor(tmp_path, digits_h5):
+    """policy.tune=false: a fixed interval, as DiLoCo's H, without switching off each knob."""
+    recs = run_ok(2, tmp_path / "run", [f"data.path={digits_h5}", "checkpoint=off", "policy=async",
+                                        "policy.anchor=7", "policy.tune=false", "train.epochs=2"])
+    assert all(set(r["k_trace"]) == {7} for r in recs), [r["k_trace"] for r in recs]
+
+
 # ----------------------------------------------------------------- async: divergence guard
 
 def test_divergence_guard_shrinks_k_only_when_the_run_diverges(tmp_path, digits_h5):

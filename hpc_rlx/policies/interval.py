@@ -20,6 +20,9 @@ overhead rule cannot undo the cut at the next sync. The ceiling relaxes by 25% p
 whose divergence is below half the threshold, and holds in between (AIMD, as in congestion
 control). K never exceeds `max_anchor`.
 
+With `tune=False` K stays at the anchor: the costs are still measured and reported, nothing
+moves K (a fixed interval, as in DiLoCo's fixed H local steps).
+
 Inputs are the numbers every rank reads from the sync bucket (`SyncReport.comm_ms`,
 max of `ms_per_step`, `max_divergence`), so all ranks get the same K.
 """
@@ -38,7 +41,7 @@ CEILING_RECOVERY = 1.25
 
 class IntervalController:
     def __init__(self, k: int = 10, max_anchor: int = 200, overhead_target: float = 0.10,
-                 divergence_threshold: float | None = 0.05):
+                 divergence_threshold: float | None = 0.05, tune: bool = True):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"policy.anchor (initial K) must be an integer >= 1, got {k!r}")
         if isinstance(max_anchor, bool) or not isinstance(max_anchor, int) or max_anchor < 1:
@@ -49,6 +52,7 @@ class IntervalController:
                 isinstance(divergence_threshold, (int, float)) and divergence_threshold > 0):
             raise ConfigError("policy.divergence_threshold must be > 0 or null (guard off), "
                               f"got {divergence_threshold!r}")
+        self.tune = bool(tune)
         self.max_anchor = int(max_anchor)
         self.overhead_target = float(overhead_target)
         self.divergence_threshold = (None if divergence_threshold is None
@@ -89,6 +93,10 @@ class IntervalController:
             self.comm_hist = (self.comm_hist + [float(comm_ms)])[-HISTORY:]
         if valid_time(ms_per_step):
             self.step_hist = (self.step_hist + [float(ms_per_step)])[-HISTORY:]
+        if not self.tune:
+            if divergence is not None:
+                self.last_divergence = float(divergence)
+            return self.k
         tripped = self._guard(divergence)
         if not tripped:
             self._tune()

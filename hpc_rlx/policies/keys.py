@@ -38,6 +38,12 @@ def number_key(name: str, value, allow_none: bool = False) -> float | None:
     return float(value)
 
 
+def bool_key(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"policy.{name} must be true or false, got {value!r}")
+    return value
+
+
 def integer_key(name: str, value, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
