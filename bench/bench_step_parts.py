@@ -21,21 +21,8 @@ from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hpc_rlx.comm.collective import _all_finite, finite_blockwise  # noqa: E402
 from hpc_rlx.runtime.optim import SGD  # noqa: E402
-
-_BLOCK = 1 << 16
-
-
-def blockwise_finite(x: np.ndarray) -> bool:
-    """The check as it was: isfinite in cache-sized blocks into one small mask."""
-    mask = np.empty(min(x.size, _BLOCK), dtype=bool)
-    for lo in range(0, x.size, _BLOCK):
-        part = x[lo: lo + _BLOCK]
-        view = mask[: part.size]
-        np.isfinite(part, out=view)
-        if not view.all():
-            return False
-    return True
 
 
 def best_ms(fn, repeats: int, inner: int = 20) -> float:
@@ -81,8 +68,7 @@ def main(argv=None) -> None:
         base = best_ms(copy_only, args.repeats)
         old, fused = best_ms(old_sgd, args.repeats) - base, best_ms(new_sgd, args.repeats) - base
         print(f"  SGD momentum update   old {old:6.2f} ms  new {fused:6.2f} ms  new/old {fused / old:.2f}")
-        from hpc_rlx.comm.collective import _all_finite
-        a, b = best_ms(lambda: blockwise_finite(g), args.repeats), best_ms(lambda: _all_finite(g), args.repeats)
+        a, b = best_ms(lambda: finite_blockwise(g), args.repeats), best_ms(lambda: _all_finite(g), args.repeats)
         print(f"  non-finite check      old {a:6.2f} ms  new {b:6.2f} ms  new/old {b / a:.2f}")
 
 

@@ -119,7 +119,7 @@ class MemoryFeed(Feed):
             return x, y
         # load_shard agrees on read errors itself; the value checks are agreed here
         self.x, self.y = collective.agree(comm, _train)
-        self.row_bytes = _row_bytes(stored, self.x.shape[1:], self.y)
+        self.row_bytes = row_bytes(stored, self.x.shape[1:], self.y)
 
         def _val():
             if d.val_stop == d.val_start:
@@ -140,7 +140,7 @@ class MemoryFeed(Feed):
             yield self.cast(self.vx[lo:lo + EVAL_BATCH]), self.vy[lo:lo + EVAL_BATCH]
 
 
-def _row_bytes(x_dtype, x_shape, y: np.ndarray) -> int:
+def row_bytes(x_dtype, x_shape, y: np.ndarray) -> int:
     return (np.dtype(x_dtype).itemsize * int(np.prod(x_shape, dtype=np.int64))
             + y.dtype.itemsize * int(np.prod(y.shape[1:], dtype=np.int64)))
 
@@ -159,7 +159,7 @@ class StreamFeed(Feed):
         x0, y0 = load_shard(comm, "read", d.path, d.x, d.y, empty)
         if d.val_stop > d.val_start:
             load_shard(comm, "read", d.val_path, d.x, d.y, empty)
-        self.row_bytes = _row_bytes(x0.dtype, x0.shape[1:], y0)
+        self.row_bytes = row_bytes(x0.dtype, x0.shape[1:], y0)
         self._geometry(x0, y0)
         collective.agree(comm, self._scan_mine)
         if self.rank == 0:

@@ -28,7 +28,7 @@ from hpc_rlx.data.distribute import load_shard
 from hpc_rlx.data.plan import window_of, window_steps
 from hpc_rlx.data.stream import Prefetcher, RowSource, Slot, scan_rows
 from hpc_rlx.errors import DataError
-from hpc_rlx.runtime.feed import EVAL_BATCH, RING, SLOT_BYTES, StreamFeed
+from hpc_rlx.runtime.feed import EVAL_BATCH, RING, SLOT_BYTES, StreamFeed, row_bytes
 
 AHEAD = 1            # rounds in flight beyond the window in use
 _INT_MAX = 2**31 - 1  # MPI counts and displacements are C ints
@@ -54,8 +54,7 @@ class ScatterStreamFeed(StreamFeed):
         x0, y0 = load_shard(comm, "scatter", d.path, d.x, d.y, empty)
         if d.val_stop > d.val_start:
             load_shard(comm, "scatter", d.val_path, d.x, d.y, empty)
-        self.row_bytes = (x0.dtype.itemsize * math.prod(x0.shape[1:])
-                          + y0.dtype.itemsize * math.prod(y0.shape[1:]))
+        self.row_bytes = row_bytes(x0.dtype, x0.shape[1:], y0)
         self._geometry(x0, y0)
         # one window size for all: rank 0's send buffer holds the whole global batch's rows
         self.w = window_steps(self.steps, self.plan.global_batch * self.row_bytes, SLOT_BYTES)
