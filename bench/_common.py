@@ -147,3 +147,20 @@ def timed_torch_epochs(model, opt, lossf, x, y, batch: int, steps: int, epochs: 
         walls.append(wall)
     return walls, step_times, loss
 
+
+def p25_step_samples_per_s(run_dir: Path, global_batch: int) -> float:
+    """Samples/s from the 25th-percentile `step` span of rank 0's trace, warm-up epoch left out
+    (robust to other jobs on a shared machine)."""
+    doc = json.loads((run_dir / "trace.json").read_text())
+    steps_per_epoch = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["steps"]
+    durs = sorted(e["dur"] * 1e-6 for e in doc["traceEvents"] if e["ph"] == "X" and e["pid"] == 0
+                  and e["name"] == "step" and e["args"]["step"] >= steps_per_epoch)
+    return global_batch / percentile(durs, 25)
+
+
+def percentile(sorted_xs: list[float], q: float) -> float:
+    k = (len(sorted_xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (k - lo)
+

@@ -34,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (MPIRUN, PYTHON, REPO, fmt_table, hpc_throughput, machine_note,  # noqa: E402
-                     one_thread_env, prepare_synthetic, result_line, run, timed_torch_epochs)
-from bench_ddp import percentile  # noqa: E402
+                     one_thread_env, p25_step_samples_per_s, percentile, prepare_synthetic, result_line, run,
+                     timed_torch_epochs)
 
 SHAPE, CLASSES, BATCH, HIDDEN = (1, 28, 28), 10, 64, 128
 LR, MOMENTUM = 0.01, 0.9
@@ -67,11 +67,7 @@ def run_hpc(n: int, data: Path, epochs: int, workdir: Path, code: Path = REPO) -
     # python -m puts the working directory first on sys.path: run from the checkout measured
     run([MPIRUN, "-n", str(n), PYTHON] + args, timeout=900, env=one_thread_env({"PYTHONPATH": str(code)}), cwd=code)
     out = hpc_throughput(run_dir, BATCH * n, skip_epochs=1)
-    doc = json.loads((run_dir / "trace.json").read_text())
-    steps_per_epoch = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["steps"]
-    durs = sorted(e["dur"] * 1e-6 for e in doc["traceEvents"] if e["ph"] == "X" and e["pid"] == 0
-                  and e["name"] == "step" and e["args"]["step"] >= steps_per_epoch)
-    out["p25_samples_per_s"] = BATCH * n / percentile(durs, 25)
+    out["p25_samples_per_s"] = p25_step_samples_per_s(run_dir, BATCH * n)
     shutil.rmtree(run_dir, ignore_errors=True)
     return out
 

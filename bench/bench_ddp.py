@@ -40,7 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (PYTHON, REPO, fmt_table, free_port, hpc_throughput, machine_note,  # noqa: E402
-                     median, mpirun, one_thread_env, prepare_synthetic, result_line, timed_torch_epochs)
+                     median, mpirun, one_thread_env, p25_step_samples_per_s, percentile, prepare_synthetic,
+                     result_line, timed_torch_epochs)
 
 HIDDEN = [1024, 1024]
 FEATURES, CLASSES, PER_RANK_BATCH = 784, 10, 128
@@ -58,20 +59,9 @@ def run_hpc(n: int, data: Path, epochs: int, workdir: Path, extra: list[str] = (
             "checkpoint=off", "report.plots=false", "train.log_every_s=1000"] + list(extra)
     mpirun(n, args + ["trace.enabled=true"], timeout=900, env=one_thread_env())
     out = hpc_throughput(run_dir, PER_RANK_BATCH * n, skip_epochs=1)
-    doc = json.loads((run_dir / "trace.json").read_text())
-    steps_per_epoch = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["steps"]
-    durs = sorted(e["dur"] * 1e-6 for e in doc["traceEvents"] if e["ph"] == "X" and e["pid"] == 0
-                  and e["name"] == "step" and e["args"]["step"] >= steps_per_epoch)
-    out["p25_samples_per_s"] = PER_RANK_BATCH * n / percentile(durs, 25)
+    out["p25_samples_per_s"] = p25_step_samples_per_s(run_dir, PER_RANK_BATCH * n)
     shutil.rmtree(run_dir, ignore_errors=True)
     return out
-
-
-def percentile(sorted_xs: list[float], q: float) -> float:
-    k = (len(sorted_xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (k - lo)
 
 
 # ---- PyTorch DDP side -------------------------------------------------------------------------
