@@ -50,17 +50,11 @@ class SmallMlp(nn.Module):
 
 
 def export(module: nn.Module, path: Path, exporter: str = "dynamo", train: bool = True) -> Path:
+    """A digits-shaped (B, 1, 8, 8) export with a dynamic batch (tests/onnx_zoo.export)."""
+    from . import onnx_zoo
     torch.manual_seed(0)
-    module.train(train)
-    x = torch.randn(2, 1, 8, 8)
-    if exporter == "dynamo":
-        torch.onnx.export(module, (x,), str(path), dynamo=True, optimize=False, input_names=["x"],
-                          dynamic_shapes=({0: torch.export.Dim("batch")},))
-    else:
-        mode = torch.onnx.TrainingMode.TRAINING if train else torch.onnx.TrainingMode.EVAL
-        torch.onnx.export(module, (x,), str(path), dynamo=False, input_names=["x"], training=mode,
-                          dynamic_axes={"x": {0: "batch"}}, do_constant_folding=not train)
-    return path
+    return onnx_zoo.export(module, torch.randn(2, 1, 8, 8), path, exporter, "train" if train else "eval",
+                           optimize=False)
 
 
 def params_of(run_dir: Path) -> dict:
