@@ -164,21 +164,21 @@ class ToyPolicy(Policy):
     lr_scale = 0.5
 
     def run_epoch(self, loop: TrainingLoop, epoch: int, first_step: int) -> EpochTotals:
-        ctx, bucket = loop.ctx, loop.ctx.bucket
-        order = ctx.order(epoch)
+        worker, bucket = loop.worker, loop.worker.bucket
+        order = worker.order(epoch)
         totals = loop.epoch_totals()
-        for s in range(first_step, ctx.steps_per_epoch):
+        for s in range(first_step, worker.steps_per_epoch):
             idx = order.step_indices(s)
-            n, loss_sum, correct, compute = loop.lanes.step(ctx.x[idx], ctx.y[idx], loop.dropout_seed())
+            n, loss_sum, correct, compute = loop.lanes.step(worker.x[idx], worker.y[idx], loop.dropout_seed())
             bucket.zero_tail()
             bucket["samples"], bucket["loss_sum"], bucket["correct"] = n, loss_sum, correct
             loop.fill_flags(loss_sum)
-            comm_s = bucket.allreduce(ctx.comm)
+            comm_s = bucket.allreduce(worker.comm)
             flags = loop.read_flags()
             total_n = bucket["samples"]
             bucket.payload /= total_n
-            ctx.apply_gradient(bucket.payload, ctx.lr_at(ctx.step) * self.lr_scale)
-            ctx.state.step_taken(s + 1)
+            worker.apply_gradient(bucket.payload, worker.lr_at(worker.step) * self.lr_scale)
+            worker.state.step_taken(s + 1)
             totals.samples += total_n
             totals.loss_sum += bucket["loss_sum"]
             totals.correct += bucket["correct"]
@@ -358,7 +358,7 @@ POSITION = {"step", "epoch", "step_in_epoch", "skipped_steps", "consecutive_skip
 
 def test_only_the_train_state_writes_the_position():
     """Policies, the loop and resume advance it through TrainState's methods; nothing assigns
-    a context's step, epoch or position directly (they are read-only views)."""
+    a worker's step, epoch or position directly (they are read-only views)."""
     offenders = []
     for path in PKG.rglob("*.py"):
         if path.name == "train_state.py":
@@ -369,7 +369,7 @@ def test_only_the_train_state_writes_the_position():
             for t in targets:
                 for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
                     if isinstance(el, ast.Attribute) and el.attr in POSITION and \
-                            "ctx" in ast.unparse(el.value) + ("ctx" if path.name == "context.py" else ""):
+                            "worker" in ast.unparse(el.value) + ("worker" if path.name == "worker.py" else ""):
                         offenders.append(f"{path.name}:{node.lineno} {ast.unparse(el)}")
     assert not offenders, offenders
 

@@ -217,11 +217,11 @@ def test_a_checkpoint_of_non_finite_parameters_is_refused():
     from hpc_rlx.errors import CheckpointError
     from hpc_rlx.runtime.train import Run
 
-    fake = SimpleNamespace(ctx=SimpleNamespace(params=np.array([1.0, np.inf, np.nan], np.float32), step=7),
+    fake = SimpleNamespace(worker=SimpleNamespace(params=np.array([1.0, np.inf, np.nan], np.float32), step=7),
                            rank=1)
     with pytest.raises(CheckpointError, match=r"2 parameter value\(s\) on rank 1 are NaN/Inf at step 7"):
         Run._check_params_finite(fake)
-    Run._check_params_finite(SimpleNamespace(ctx=SimpleNamespace(params=np.ones(3), step=1), rank=0))
+    Run._check_params_finite(SimpleNamespace(worker=SimpleNamespace(params=np.ones(3), step=1), rank=0))
 
 
 # --------------------------------------------------------------------------------------

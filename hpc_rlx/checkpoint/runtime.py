@@ -71,13 +71,13 @@ class Resumed:
 
 
 class RuntimeCheckpoints:
-    """Checkpoints of one run. It sees the spec, the communicator, the rank's context (params,
+    """Checkpoints of one run. It sees the spec, the communicator, the rank's worker (params,
     optimizer, position), the policy (its state) and two callbacks, not the whole run."""
 
-    def __init__(self, spec, comm, ctx, policy, log: Callable[[str], None],
+    def __init__(self, spec, comm, worker, policy, log: Callable[[str], None],
                  epoch_totals: Callable[[], object]):
 
-        self.spec, self.comm, self.ctx, self.policy = spec, comm, ctx, policy
+        self.spec, self.comm, self.worker, self.policy = spec, comm, worker, policy
         self.is_root = comm.rank == 0
         self.log = log
         self._epoch_totals = epoch_totals    # the running totals of the epoch being trained
@@ -118,10 +118,10 @@ class RuntimeCheckpoints:
     def epoch_ended(self, metric: float | None) -> None:
         """Rank 0, at an epoch boundary after validation: remember the state if it is the best
         so far. A save at this same step writes it anyway, with its metric."""
-        step = self.ctx.step
+        step = self.worker.step
         if not (self.enabled and self.is_root) or not self.best.offer(step, metric):
             return
-        if self.saved_step == step or self.ctx.epoch >= int(self.spec.train["epochs"]):
+        if self.saved_step == step or self.worker.epoch >= int(self.spec.train["epochs"]):
             self._unsaved_best = None       # this epoch's own save, or the final one, holds it
             return
         state = self._state()
@@ -142,14 +142,14 @@ class RuntimeCheckpoints:
 
     # ---- what goes into a checkpoint ----------------------------------------------------
     def _plan(self) -> dict:
-        ctx, spec = self.ctx, self.spec
-        return {"n_samples": int(ctx.plan.n_samples), "global_batch": int(ctx.plan.global_batch),
-                "leftover": ctx.plan.leftover, "steps_per_epoch": int(ctx.steps_per_epoch),
+        worker, spec = self.worker, self.spec
+        return {"n_samples": int(worker.plan.n_samples), "global_batch": int(worker.plan.global_batch),
+                "leftover": worker.plan.leftover, "steps_per_epoch": int(worker.steps_per_epoch),
                 "seed": int(spec.train["seed"]), "shuffle": bool(spec.data.shuffle)}
 
     def _totals(self) -> dict | None:
         t = self._epoch_totals()
-        if not self.ctx.step_in_epoch or t is None:
+        if not self.worker.step_in_epoch or t is None:
             return None
         return {"samples": float(t.samples), "loss_sum": float(t.loss_sum),
                 "correct": float(t.correct), "steps": int(t.steps), "compute_s": float(t.compute_s),
@@ -157,9 +157,9 @@ class RuntimeCheckpoints:
 
     def _state(self):
 
-        ctx, spec = self.ctx, self.spec
-        opt = ctx.optimizer.state_dict()
-        arrays = {"params": np.asarray(ctx.params)}
+        worker, spec = self.worker, self.spec
+        opt = worker.optimizer.state_dict()
+        arrays = {"params": np.asarray(worker.params)}
         for k, v in opt["arrays"].items():
             arrays[f"opt/{k}"] = np.asarray(v)
         pstate = self.policy.state_dict()
@@ -167,22 +167,22 @@ class RuntimeCheckpoints:
             arrays[f"policy/{k}"] = np.asarray(v)
         per_rank = pstate.get("meta", {}).get("positions")
         if per_rank is None:   # policy=sync: every rank is at the same step of its rows
-            per_rank = [ctx.step_in_epoch] * self.comm.size
+            per_rank = [worker.step_in_epoch] * self.comm.size
         meta = {
-            **ctx.state.checkpoint_meta(),
+            **worker.state.checkpoint_meta(),
             "optimizer": {"name": spec.optim["name"], "scalars": opt["scalars"]},
             "policy": {"name": self.policy.name, "state": pstate.get("meta", {})},
             # Shuffling and dropout are pure functions of (seed, epoch, step, rank): the seed
             # and the position are the whole RNG state.
-            "rng": {"seed": int(spec.train["seed"]), "epoch": ctx.epoch, "step": ctx.step},
-            "shard_positions": {"scheme": "rows", "epoch": ctx.epoch, "step_in_epoch": ctx.step_in_epoch,
+            "rng": {"seed": int(spec.train["seed"]), "epoch": worker.epoch, "step": worker.step},
+            "shard_positions": {"scheme": "rows", "epoch": worker.epoch, "step_in_epoch": worker.step_in_epoch,
                                 "per_rank": per_rank},
             "plan": self._plan(),
-            "schedule_steps": ctx.schedule_steps,
+            "schedule_steps": worker.schedule_steps,
             "epoch_totals": self._totals(),
-            "history": ctx.history,
+            "history": worker.history,
             "world_size": self.comm.size,
-            "graph_fingerprint": ctx.graph.fingerprint(),
+            "graph_fingerprint": worker.graph.fingerprint(),
             "config_yaml": spec.config_yaml,
             # which training this is (hpc_rlx.config.fingerprint): decides which runs continue it
             "config_fingerprint": spec.extras.get("config_fingerprint"),
@@ -192,22 +192,22 @@ class RuntimeCheckpoints:
 
     # ---- save (collective: every rank calls it at the same step) -------------------------
     def save(self, reason: str, metric: float | None) -> None:
-        ctx = self.ctx
-        at = (ctx.step, ctx.epoch, ctx.step_in_epoch)
+        worker = self.worker
+        at = (worker.step, worker.epoch, worker.step_in_epoch)
         self.deferred = False
         if self._saved_at == at:
             return          # e.g. the final save right after an epoch save: same state
         t0 = time.perf_counter()
 
         def _write():
-            self._write_unsaved_best(ctx.step)
-            return str(self.manager.save(self._state(), step=ctx.step, metric_value=metric))
+            self._write_unsaved_best(worker.step)
+            return str(self.manager.save(self._state(), step=worker.step, metric_value=metric))
         # A failed write (disk full ...) raises the same CheckpointError on every rank; the
         # previous checkpoint and the `latest` pointer are then untouched.
         path = collective.root_computes(self.comm, _write)
-        self.saved_step, self._saved_at = ctx.step, at
+        self.saved_step, self._saved_at = worker.step, at
         self.cadence.restart()
-        self.log(f"checkpoint ({reason}) at step {ctx.step}: {path} "
+        self.log(f"checkpoint ({reason}) at step {worker.step}: {path} "
                 f"[{time.perf_counter() - t0:.2f}s]")
 
     # ---- resume -----------------------------------------------------------------------
@@ -249,8 +249,8 @@ class RuntimeCheckpoints:
     def _check(self, state) -> None:
         """Rank 0: refuse a checkpoint this run cannot continue exactly."""
 
-        ctx = self.ctx
-        check_compatible(state, ctx.graph.fingerprint())
+        worker = self.worker
+        check_compatible(state, worker.graph.fingerprint())
         meta, where = state.meta, state.path
         if meta.get("dtype", self.spec.train["dtype"]) != self.spec.train["dtype"]:
             raise CheckpointError(f"checkpoint {where} was written with train.dtype={meta.get('dtype')}, "
@@ -269,8 +269,8 @@ class RuntimeCheckpoints:
             raise CheckpointError(
                 f"checkpoint {where} stopped in the middle of an epoch under policy={policy}; "
                 f"resume it with policy={policy}, or from an end-of-epoch checkpoint")
-        if meta.get("schedule_steps") not in (None, ctx.schedule_steps):
-            self._warn(f"the LR schedule now spans {ctx.schedule_steps} steps (train.epochs x steps/epoch), "
+        if meta.get("schedule_steps") not in (None, worker.schedule_steps):
+            self._warn(f"the LR schedule now spans {worker.schedule_steps} steps (train.epochs x steps/epoch), "
                        f"checkpoint {where} was on one of {meta['schedule_steps']}: the learning-rate curve "
                        f"changes from here on; to stop early and resume exactly, keep train.epochs and use "
                        f"train.max_steps")
@@ -290,7 +290,7 @@ class RuntimeCheckpoints:
 
     def maybe_resume(self) -> Resumed | None:
         """Collective: rank 0 picks, reads and checks; everyone receives the arrays by Bcast."""
-        ctx, comm = self.ctx, self.comm
+        worker, comm = self.worker, self.comm
         holder = {}
 
         def _load():
@@ -314,31 +314,31 @@ class RuntimeCheckpoints:
         collective.agree(comm, lambda: self._apply(info, arrays))
         meta = info["meta"]
         self.resumed_config_yaml = meta.get("config_yaml")
-        where = (f"in epoch {ctx.epoch + 1} at step {ctx.step_in_epoch}/{ctx.steps_per_epoch}"
-                 if ctx.step_in_epoch else f"after epoch {ctx.epoch}")
+        where = (f"in epoch {worker.epoch + 1} at step {worker.step_in_epoch}/{worker.steps_per_epoch}"
+                 if worker.step_in_epoch else f"after epoch {worker.epoch}")
         ranks = (f"written on {meta['world_size']} ranks, shards re-planned for {comm.size}"
                  if int(meta["world_size"]) != comm.size else f"written on {comm.size} ranks")
-        self.log(f"resumed from {info['path']}: global step {ctx.step}, {where} ({ranks})")
-        return Resumed(info["path"], meta.get("epoch_totals") if ctx.step_in_epoch else None)
+        self.log(f"resumed from {info['path']}: global step {worker.step}, {where} ({ranks})")
+        return Resumed(info["path"], meta.get("epoch_totals") if worker.step_in_epoch else None)
 
     def _apply(self, info: dict, arrays: dict) -> None:
-        ctx = self.ctx
+        worker = self.worker
         meta = info["meta"]
         params = arrays["params"]
-        if params.shape != ctx.params.shape:
+        if params.shape != worker.params.shape:
             raise CheckpointError(f"checkpoint {info['path']} holds {params.size} parameters, "
-                                  f"the model has {ctx.params.size}")
-        ctx.params[...] = params
-        ctx.optimizer.load_state_dict({
+                                  f"the model has {worker.params.size}")
+        worker.params[...] = params
+        worker.optimizer.load_state_dict({
             "arrays": {k[4:]: v for k, v in arrays.items() if k.startswith("opt/")},
             "scalars": meta["optimizer"]["scalars"]})
         self.policy.load_state_dict({
             "arrays": {k[7:]: v for k, v in arrays.items() if k.startswith("policy/")},
             "meta": meta["policy"]["state"], "world_size": meta["world_size"]})
-        ctx.state.restore(meta, ctx.steps_per_epoch, info["path"])
-        ctx.history = list(meta.get("history", []))
-        self.saved_step = ctx.step
-        self._saved_at = (ctx.step, ctx.epoch, ctx.step_in_epoch)
+        worker.state.restore(meta, worker.steps_per_epoch, info["path"])
+        worker.history = list(meta.get("history", []))
+        self.saved_step = worker.step
+        self._saved_at = (worker.step, worker.epoch, worker.step_in_epoch)
 
     # ---- Slurm requeue ------------------------------------------------------------------
     def maybe_requeue(self) -> None:

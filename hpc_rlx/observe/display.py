@@ -36,38 +36,38 @@ class RunDisplay:
         self.step_log = StepLog(spec.run_dir, steps_per_epoch, self.t_start, board,
                                 resumed_step=resumed_step)
 
-    def epoch_start(self, ctx, policy, totals) -> None:
+    def epoch_start(self, worker, policy, totals) -> None:
         """An epoch (or the rest of a resumed one) starts: the clocks the ETAs run from."""
         if not self.is_root:
             return
         now = time.perf_counter()
-        frac = policy.epoch_fraction(ctx)
+        frac = policy.epoch_fraction(worker)
         self._epoch_clock = (now, frac)
         if self._run_clock is None:
             epochs = int(self.spec.train["epochs"])
-            self._run_clock = (now, run_fraction(ctx.epoch, frac, epochs, ctx.step, ctx.total_steps))
+            self._run_clock = (now, run_fraction(worker.epoch, frac, epochs, worker.step, worker.total_steps))
         if self.step_log is not None:
-            self.step_log.epoch_start(ctx.step, now, totals.samples, totals.loss_sum)
+            self.step_log.epoch_start(worker.step, now, totals.samples, totals.loss_sum)
 
-    def after_step(self, ctx, policy, totals) -> None:
+    def after_step(self, worker, policy, totals) -> None:
         """Rank 0 after a step: the step log and the progress display, from global totals."""
         if self.progress is None:
             return
         now = time.perf_counter()
         show, log = self.progress.due(now), self.step_log
-        if not show and (log is None or not log.due(ctx.step, now)):
+        if not show and (log is None or not log.due(worker.step, now)):
             return          # most steps: nothing to write or draw
-        frac = min(1.0, policy.epoch_fraction(ctx))
+        frac = min(1.0, policy.epoch_fraction(worker))
         if log is not None:
-            log.step(ctx.step, now, totals.samples, totals.loss_sum, ctx.epoch + frac, policy.current_lr(ctx))
+            log.step(worker.step, now, totals.samples, totals.loss_sum, worker.epoch + frac, policy.current_lr(worker))
         if not show:
             return
         epochs = int(self.spec.train["epochs"])
         self.progress.update(Snapshot(
-            epoch=ctx.epoch, epochs=epochs, epoch_fraction=frac,
-            run_fraction=run_fraction(ctx.epoch, frac, epochs, ctx.step, ctx.total_steps),
-            step=ctx.step, step_label=policy.step_label(ctx), epoch_samples=totals.samples,
-            samples_per_epoch=int(ctx.plan.samples_per_epoch),
+            epoch=worker.epoch, epochs=epochs, epoch_fraction=frac,
+            run_fraction=run_fraction(worker.epoch, frac, epochs, worker.step, worker.total_steps),
+            step=worker.step, step_label=policy.step_label(worker), epoch_samples=totals.samples,
+            samples_per_epoch=int(worker.plan.samples_per_epoch),
             loss=totals.loss_sum / totals.samples if totals.samples else None, now=now,
             epoch_t0=self._epoch_clock[0], epoch_f0=self._epoch_clock[1],
             run_t0=self._run_clock[0], run_f0=self._run_clock[1]))

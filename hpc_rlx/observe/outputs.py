@@ -33,8 +33,8 @@ def _keep_model_source(source: str, dest: Path) -> None:
 class RunOutputs:
     """Rank 0's files in the run directory."""
 
-    def __init__(self, spec, ctx, log, lane_names: list[str]):
-        self.spec, self.ctx, self.log, self.lane_names = spec, ctx, log, lane_names
+    def __init__(self, spec, worker, log, lane_names: list[str]):
+        self.spec, self.worker, self.log, self.lane_names = spec, worker, log, lane_names
         self.dir = Path(spec.run_dir)
 
     def start(self, resumed_from: str | None, resumed_config_yaml: str | None, world_size: int) -> None:
@@ -44,14 +44,14 @@ class RunOutputs:
             # config.yaml for the first run here; a later run keeps it and adds its own
             segment = segments.start_segment(
                 self.dir, self.spec.config_yaml, resumed_from=resumed_from,
-                resumed_config_yaml=resumed_config_yaml, start_step=self.ctx.step,
-                start_epoch=self.ctx.epoch, world_size=world_size)
+                resumed_config_yaml=resumed_config_yaml, start_step=self.worker.step,
+                start_epoch=self.worker.epoch, world_size=world_size)
         (self.dir / "graph.json").write_text(json.dumps(self.spec.graph, indent=1))
         source = self.spec.extras.get("model_source")
         if source:   # model=onnx: `python -m hpc_rlx.export` writes the trained weights into it
             _keep_model_source(source, self.dir / "model.source.onnx")
         if resumed_from:
-            self._trim_metrics(self.ctx.epoch)
+            self._trim_metrics(self.worker.epoch)
         self.metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
         if segment is not None:
             self.metrics.write(segments.dumps(segment) + "\n")
@@ -84,18 +84,18 @@ class RunOutputs:
 
     def finish(self, result: dict) -> None:
         self.metrics.close()
-        ctx = self.ctx
-        if not np.isfinite(ctx.params).all():
+        worker = self.worker
+        if not np.isfinite(worker.params).all():
             # Never hand out a NaN model: the newest checkpoint stays the last good state.
             self.log("warning: parameters are not finite; model.h5 was not written")
             self._write_summary(result)
             return
         tmp = self.dir / "model.h5.tmp"
         with h5py.File(tmp, "w") as f:
-            views = ctx.layout.views(ctx.params)
+            views = worker.layout.views(worker.params)
             for name, arr in views.items():
                 f.create_dataset(name, data=np.asarray(arr))
-            f.attrs["graph_fingerprint"] = ctx.graph.fingerprint()
+            f.attrs["graph_fingerprint"] = worker.graph.fingerprint()
             f.attrs["graph"] = json.dumps(self.spec.graph)
         os.replace(tmp, self.dir / "model.h5")
         self._write_summary(result)

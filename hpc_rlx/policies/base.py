@@ -35,7 +35,7 @@ class EpochTotals:
 class TrainingLoop(Protocol):
     """The part of the training loop a policy may use (and nothing more)."""
 
-    ctx: Any            # per-rank state: spec, comm, params, bucket, data, step/epoch position
+    worker: Any            # per-rank state: spec, comm, params, bucket, data, step/epoch position
     lanes: Any          # the compute lanes: `step(x, y, seed)`, `refresh_device_params()`
     rank: int
     is_root: bool
@@ -82,7 +82,7 @@ class Policy:
     name: str = ""
     defaults: Mapping[str, Any] = {}
     key_docs: Mapping[str, str] = {}
-    # Whether `ctx.step_in_epoch` counts global batches (every step a sync). Then a mid-epoch
+    # Whether `worker.step_in_epoch` counts global batches (every step a sync). Then a mid-epoch
     # position names the same batch after a resume, and a checkpoint due at the epoch's last
     # step waits for the epoch's validation, so a resume does not redo the epoch's end.
     steps_are_batches: bool = False
@@ -120,17 +120,17 @@ class Policy:
         pass
 
     # ---- what the loop shows and records -----------------------------------------------
-    def epoch_fraction(self, ctx) -> float:
+    def epoch_fraction(self, worker) -> float:
         """How much of the current epoch is trained (progress display, partial epochs)."""
-        return ctx.step_in_epoch / max(1, ctx.steps_per_epoch)
+        return worker.step_in_epoch / max(1, worker.steps_per_epoch)
 
-    def current_lr(self, ctx) -> float | None:
+    def current_lr(self, worker) -> float | None:
         """The learning rate of the step just taken."""
-        return ctx.lr_at(max(ctx.step - 1, 0))
+        return worker.lr_at(max(worker.step - 1, 0))
 
-    def step_label(self, ctx) -> str:
+    def step_label(self, worker) -> str:
         """The progress display's position within the epoch."""
-        return f"sync {ctx.step_in_epoch}"
+        return f"sync {worker.step_in_epoch}"
 
     def epoch_record(self, totals: EpochTotals) -> dict:
         """Keys this policy adds to the epoch's metrics record."""

@@ -22,8 +22,8 @@ class SyncPolicy(Policy):
     defaults = {}
     steps_are_batches = True
 
-    def step_label(self, ctx) -> str:
-        return f"step {ctx.step_in_epoch}/{ctx.steps_per_epoch}"
+    def step_label(self, worker) -> str:
+        return f"step {worker.step_in_epoch}/{worker.steps_per_epoch}"
 
     def epoch_record(self, totals: EpochTotals) -> dict:
         # The same record keys as the windowed policies: every step is a sync.
@@ -31,19 +31,19 @@ class SyncPolicy(Policy):
                     comm_share=(totals.comm_s / totals.compute_s) if totals.compute_s else None)
 
     def run_epoch(self, loop: TrainingLoop, epoch: int, first_step: int) -> EpochTotals:
-        ctx, lanes, bucket = loop.ctx, loop.lanes, loop.ctx.bucket
+        worker, lanes, bucket = loop.worker, loop.lanes, loop.worker.bucket
         totals = loop.epoch_totals()
-        for s in range(first_step, ctx.steps_per_epoch):
+        for s in range(first_step, worker.steps_per_epoch):
             t_step = time.perf_counter()
-            xb, yb = ctx.batch(epoch * ctx.steps_per_epoch + s)
+            xb, yb = worker.batch(epoch * worker.steps_per_epoch + s)
             t_data = time.perf_counter()
             totals.data_s += t_data - t_step
             tr = trace.ACTIVE       # spans reuse the loop's own clock reads
             if tr is not None:
                 tr.add("data.batch", "data", trace.MAIN, t_step, t_data)
-            loop.faults.at("step", ctx.step)
+            loop.faults.at("step", worker.step)
             # comm.overlap: chunks finished by backward start reducing during it (else None)
-            ready = bucket.begin_overlap(ctx.comm) if lanes.overlap_capable else None
+            ready = bucket.begin_overlap(worker.comm) if lanes.overlap_capable else None
             n, loss_sum, correct, compute = lanes.step(xb, yb, loop.dropout_seed(), on_grad_ready=ready)
             loop.slowdown(compute)
             compute = time.perf_counter() - t_data
@@ -52,7 +52,7 @@ class SyncPolicy(Policy):
             bucket["loss_sum"] = loss_sum
             bucket["correct"] = correct
             loop.fill_flags(loss_sum)
-            dt_comm = bucket.allreduce(ctx.comm)
+            dt_comm = bucket.allreduce(worker.comm)
             total_n = bucket["samples"]
             flags = loop.read_flags()
             if flags["nonfinite"] and loop.on_nonfinite == "stop":
@@ -60,13 +60,13 @@ class SyncPolicy(Policy):
                 break
             skipped = flags["nonfinite"]
             if skipped:
-                ctx.note_skip()
+                worker.note_skip()
             elif total_n > 0:
                 bucket.payload_to_host()      # a CUDA-aware Allreduce leaves the sum on the GPU
                 with trace.span("optimizer", "optim"):
-                    ctx.apply_gradient(bucket.payload, ctx.lr_at(ctx.step), grad_scale=1.0 / total_n)
-                ctx.apply_gradient_ok()
-            ctx.state.step_taken(s + 1)
+                    worker.apply_gradient(bucket.payload, worker.lr_at(worker.step), grad_scale=1.0 / total_n)
+                worker.apply_gradient_ok()
+            worker.state.step_taken(s + 1)
             if not skipped:     # a skipped step's loss may be NaN: keep it out of the epoch's means
                 totals.samples += total_n
                 totals.loss_sum += bucket["loss_sum"]
@@ -77,7 +77,7 @@ class SyncPolicy(Policy):
             t_end = time.perf_counter()
             totals.step_wall_s += t_end - t_step
             if tr is not None:
-                tr.add("step", "step", trace.MAIN, t_step, t_end, {"step": ctx.step})
+                tr.add("step", "step", trace.MAIN, t_step, t_end, {"step": worker.step})
             loop.after_step(n, loss_sum / max(n, 1), compute, dt_comm)
             if loop.should_stop_after_step(flags):
                 break

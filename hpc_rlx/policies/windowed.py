@@ -21,12 +21,12 @@ never wait on a collective the others will not issue.
 
 Epoch accounting: an epoch ends when the cluster has consumed the samples of one sync-policy
 epoch (`plan.samples_per_epoch`), counted from the reports; each rank walks its own shard in
-successive local passes (`ctx.batch(pass * steps + step)`), with a cursor per rank that every
+successive local passes (`worker.batch(pass * steps + step)`), with a cursor per rank that every
 rank tracks from the reported step counts. Fast ranks therefore see their shard more often
 than slow ranks within an epoch: the sample count is exact, per-sample coverage is not.
 
-Clocks: `ctx.step` counts syncs (checkpoint cadence and `train.max_steps` use it) and
-`ctx.step_in_epoch` the syncs of this epoch; the learning rate follows data progress in global
+Clocks: `worker.step` counts syncs (checkpoint cadence and `train.max_steps` use it) and
+`worker.step_in_epoch` the syncs of this epoch; the learning rate follows data progress in global
 batches, as with policy=sync, so both walk the same LR curve over an epoch.
 
 Checkpoints are only taken right after a sync, when every rank holds the same parameters;
@@ -193,16 +193,16 @@ class WindowedPolicy(Policy):
         self._log = EpochLog.from_state(log, self.world) if log and self.epoch_consumed else None
         self._pending = state
 
-    # ---- setup on first use (needs the context) -----------------------------------------
+    # ---- setup on first use (needs the worker) ------------------------------------------
     def _setup(self, run) -> None:
-        ctx = run.ctx
-        self.layout = SyncLayout(ctx.layout.size, self.world, FIELDS)
-        self.bucket = collective.FusedBucket.for_layout(self.layout.bucket, ctx.dtype,
-                                                 cap_mb=float(ctx.spec.comm["bucket_cap_mb"]),
-                                                 deterministic=bool(ctx.spec.comm["deterministic"]))
+        worker = run.worker
+        self.layout = SyncLayout(worker.layout.size, self.world, FIELDS)
+        self.bucket = collective.FusedBucket.for_layout(self.layout.bucket, worker.dtype,
+                                                 cap_mb=float(worker.spec.comm["bucket_cap_mb"]),
+                                                 deterministic=bool(worker.spec.comm["deterministic"]))
         self.buf = self.bucket.buffer
-        self.global_params = ctx.params.copy()   # the last agreed model (restore point)
-        self.outer.begin(ctx.params[:ctx.n_trainable])   # buffers: the plain average
+        self.global_params = worker.params.copy()   # the last agreed model (restore point)
+        self.outer.begin(worker.params[:worker.n_trainable])   # buffers: the plain average
         if self._pending is not None:
             arrays = self._pending.get("arrays") or {}
             outer_meta = dict((self._pending.get("meta") or {}).get("outer") or {})
@@ -210,32 +210,32 @@ class WindowedPolicy(Policy):
                 outer_meta.update(prev=arrays["outer_prev"], buf=arrays["outer_buf"])
                 self.outer.load_state_dict(outer_meta)
             self._pending = None
-        self.batches = [ctx.plan.rank_batch(r) for r in range(self.world)]
-        self.epoch_samples = int(ctx.plan.samples_per_epoch)
-        if self._adopt_position and ctx.step_in_epoch:
+        self.batches = [worker.plan.rank_batch(r) for r in range(self.world)]
+        self.epoch_samples = int(worker.plan.samples_per_epoch)
+        if self._adopt_position and worker.step_in_epoch:
             # a policy=sync checkpoint mid-epoch: every rank stopped at the same step of its
             # rows, each step having used a global batch (exact with data.leftover=drop)
             self.epoch_consumed = min(self.epoch_samples,
-                                      ctx.step_in_epoch * int(ctx.plan.global_batch))
-            self.cursors = [ctx.epoch * ctx.steps_per_epoch + ctx.step_in_epoch] * self.world
+                                      worker.step_in_epoch * int(worker.plan.global_batch))
+            self.cursors = [worker.epoch * worker.steps_per_epoch + worker.step_in_epoch] * self.world
         if self.cursors is None:
-            self.cursors = [ctx.epoch * ctx.steps_per_epoch] * self.world
-        self.slow = SlowdownInjector(self.slowdown_map.get(ctx.rank, 1.0))
+            self.cursors = [worker.epoch * worker.steps_per_epoch] * self.world
+        self.slow = SlowdownInjector(self.slowdown_map.get(worker.rank, 1.0))
         self._ready = True
 
-    def _lr_step(self, ctx) -> int:
+    def _lr_step(self, worker) -> int:
         """Data progress in global batches: the LR clock of policy=sync, whose schedule spans
         the configured epochs (max_steps, which counts syncs here, only stops early)."""
-        within = self.epoch_consumed * ctx.steps_per_epoch // max(1, self.epoch_samples)
-        return ctx.epoch * ctx.steps_per_epoch + int(within)
+        within = self.epoch_consumed * worker.steps_per_epoch // max(1, self.epoch_samples)
+        return worker.epoch * worker.steps_per_epoch + int(within)
 
-    def epoch_fraction(self, ctx) -> float:
+    def epoch_fraction(self, worker) -> float:
         """How much of the current epoch is trained: samples consumed over the epoch's."""
         if not self._ready:
-            return ctx.step_in_epoch / max(1, ctx.steps_per_epoch)
+            return worker.step_in_epoch / max(1, worker.steps_per_epoch)
         return self.epoch_consumed / max(1, self.epoch_samples)
 
-    def current_lr(self, ctx) -> float | None:
+    def current_lr(self, worker) -> float | None:
         """The learning rate of the last window (it follows data progress, see _lr_step)."""
         return self._lr
 
@@ -272,13 +272,13 @@ class WindowedPolicy(Policy):
     def _window(self, run: TrainingLoop, counts, trimmed: bool, totals: EpochTotals, log: EpochLog,
                 k: int) -> bool:
         """Local steps, then the sync. Returns True when the run must stop."""
-        ctx = run.ctx
-        lr = self._lr = ctx.lr_at(self._lr_step(ctx))
+        worker = run.worker
+        lr = self._lr = worker.lr_at(self._lr_step(worker))
         t_window = time.perf_counter()
         work = self._local_steps(run, counts[run.rank], lr, totals)
         if trace.ACTIVE is not None:
             trace.ACTIVE.add("window", "step", trace.MAIN, t_window, time.perf_counter(),
-                             {"steps": work.steps, "sync": ctx.step})
+                             {"steps": work.steps, "sync": worker.step})
         t_sync = time.perf_counter()
         synced = self._sync(run, work, lr)
         if synced is None:
@@ -291,7 +291,7 @@ class WindowedPolicy(Policy):
         self._synced = True
         if trace.ACTIVE is not None:
             trace.ACTIVE.add("sync", "comm", trace.MAIN, t_sync, t_sync + sync_s,
-                             {"sync": ctx.step + 1, "applied": report.applied})
+                             {"sync": worker.step + 1, "applied": report.applied})
         self._account(run, report, k, trimmed, totals, log)
         totals.compute_s += work.compute
         totals.comm_s += sync_s
@@ -301,16 +301,16 @@ class WindowedPolicy(Policy):
 
     def _local_steps(self, run: TrainingLoop, count: int, lr: float, totals: EpochTotals) -> LocalWork:
         """This rank's `count` local optimizer steps on its own shard (no communication)."""
-        ctx, lanes, rank = run.ctx, run.lanes, run.rank
-        seed = ctx.spec.train["seed"]
+        worker, lanes, rank = run.worker, run.lanes, run.rank
+        seed = worker.spec.train["seed"]
         work = LocalWork()
         cold_s = None
         position = self.cursors[rank]
         for _ in range(count):
             t = time.perf_counter()
-            run.faults.at("step", ctx.step)
+            run.faults.at("step", worker.step)
             with trace.span("data.batch", "data"):
-                xb, yb = ctx.batch(position + work.steps)
+                xb, yb = worker.batch(position + work.steps)
             totals.data_s += time.perf_counter() - t
             n, ls, corr, _ = lanes.step(xb, yb, dropout_seed(seed, position + work.steps, rank))
             work.steps += 1
@@ -321,9 +321,9 @@ class WindowedPolicy(Policy):
                 else:
                     work.loss_sum += ls
                     work.correct += corr
-                    ctx.bucket.payload_to_host()      # GPU-only lanes sum on the GPU
+                    worker.bucket.payload_to_host()      # GPU-only lanes sum on the GPU
                     with trace.span("optimizer", "optim"):
-                        ctx.apply_gradient(ctx.bucket.payload, lr, grad_scale=1.0 / n)
+                        worker.apply_gradient(worker.bucket.payload, lr, grad_scale=1.0 / n)
                     lanes.refresh_device_params()
             dt = time.perf_counter() - t
             # slowdown: (f - 1) x the whole step, slept once before the sync
@@ -348,32 +348,32 @@ class WindowedPolicy(Policy):
     def _sync(self, run: TrainingLoop, work: LocalWork, lr: float):
         """The one collective of the window, and the consensus it gives; None when the run
         stops on a non-finite window, else (report, flags)."""
-        ctx = run.ctx
-        bad = work.bad or not math.isfinite(float(np.sum(ctx.params, dtype=np.float64)))
+        worker = run.worker
+        bad = work.bad or not math.isfinite(float(np.sum(worker.params, dtype=np.float64)))
         weight = 0.0 if bad else work_weight(work.steps, self.gamma)
-        self.layout.pack(self.buf, ctx.params, weight, run.rank, {
+        self.layout.pack(self.buf, worker.params, weight, run.rank, {
             "steps": work.steps, "samples": work.samples, "compute_ms": work.measured * 1e3,
             "sync_ms": self._prev_sync_ms, "divergence": self._prev_div,
             "loss_sum": 0.0 if bad else work.loss_sum, "correct": 0.0 if bad else work.correct,
             **run.control_flags(nonfinite=bad),
         })
-        self.bucket.allreduce(ctx.comm)
+        self.bucket.allreduce(worker.comm)
         report = self.layout.read(self.buf)
         flags = self.bucket.flags()
         if flags["nonfinite"] and run.on_nonfinite == "stop":
             run.stop("nonfinite")
-            ctx.params[...] = self.global_params      # the last agreed model, not this rank's window
+            worker.params[...] = self.global_params      # the last agreed model, not this rank's window
             return None
-        self._prev_div = relative_divergence(ctx.params, self.buf, weight)
-        if self.layout.finish(self.buf, ctx.params):
-            self.outer.step(ctx.params[:ctx.n_trainable], inner_lr=lr if lr > 0 else ctx.base_lr)
-            self.global_params[...] = ctx.params
+        self._prev_div = relative_divergence(worker.params, self.buf, weight)
+        if self.layout.finish(self.buf, worker.params):
+            self.outer.step(worker.params[:worker.n_trainable], inner_lr=lr if lr > 0 else worker.base_lr)
+            self.global_params[...] = worker.params
             if self.outer.resets_inner:
-                ctx.optimizer.reset()
+                worker.optimizer.reset()
         else:
-            ctx.params[...] = self.global_params     # nobody worked: the model stays as it was
+            worker.params[...] = self.global_params     # nobody worked: the model stays as it was
         if bad:
-            ctx.optimizer.reset()                     # its state may hold the non-finite values
+            worker.optimizer.reset()                     # its state may hold the non-finite values
         run.lanes.refresh_device_params()
         return report, flags
 
@@ -381,17 +381,17 @@ class WindowedPolicy(Policy):
                  log: EpochLog) -> None:
         """What every rank learns from the reduced report: skips, cursors, the position, the
         epoch log, the controller, and the epoch's totals."""
-        ctx = run.ctx
+        worker = run.worker
         bad_ranks = int(np.count_nonzero(report["nonfinite"] > 0))
         if bad_ranks:
-            ctx.note_skip()          # counts, and stops after train.max_consecutive_skips in a row
+            worker.note_skip()          # counts, and stops after train.max_consecutive_skips in a row
         elif report.applied:
-            ctx.apply_gradient_ok()
+            worker.apply_gradient_ok()
         for r, s in enumerate(report.steps):
             self.cursors[r] += s
         consumed = report.total_samples
         self.epoch_consumed += consumed
-        ctx.state.step_taken()
+        worker.state.step_taken()
         log.add(report, k, bad_ranks)
         self._observe(report, trimmed)
         # A bad window's loss is left out, so its samples are too: the epoch's mean stays honest.

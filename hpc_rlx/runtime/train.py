@@ -31,7 +31,7 @@ from hpc_rlx.observe.progress import end_line
 from hpc_rlx.policies import slowdown_for_rank
 from hpc_rlx.policies.base import EpochTotals, dropout_seed
 from hpc_rlx.policies.registry import make_policy
-from hpc_rlx.runtime.context import Context
+from hpc_rlx.runtime.worker import Worker
 from hpc_rlx.runtime.faults import Faults
 from hpc_rlx.runtime.signals import SIGNALS
 
@@ -80,7 +80,7 @@ class Run:
         self._cpu_mark = time.process_time()
         # set up by execute(), in this order
         self.threads: int | None = None
-        self.ctx: Context | None = None
+        self.worker: Worker | None = None
         self.lanes = None
         self.stats: RankStats | None = None
         self.policy = None
@@ -94,14 +94,14 @@ class Run:
     def _check_params_finite(self) -> None:
         """Never checkpoint a NaN model (e.g. an overflow that train.on_nonfinite=skip kept
         skipping past): fail instead, and the last good checkpoint stays the newest."""
-        if not np.isfinite(self.ctx.params).all():
-            bad = int(np.count_nonzero(~np.isfinite(self.ctx.params)))
+        if not np.isfinite(self.worker.params).all():
+            bad = int(np.count_nonzero(~np.isfinite(self.worker.params)))
             raise CheckpointError(f"{bad} parameter value(s) on rank {self.rank} are NaN/Inf at step "
-                                  f"{self.ctx.step}: not writing a checkpoint; the newest one on disk "
+                                  f"{self.worker.step}: not writing a checkpoint; the newest one on disk "
                                   f"is the last good state (lower optim.lr or set optim.clip_grad_norm)")
 
     def dropout_seed(self) -> int:
-        return dropout_seed(self.spec.train["seed"], self.ctx.step, self.rank)
+        return dropout_seed(self.spec.train["seed"], self.worker.step, self.rank)
 
     def slowdown(self, compute_s: float) -> None:
         """debug.slowdown: honest extra wall time, so mixed hardware can be simulated."""
@@ -109,9 +109,9 @@ class Run:
 
     # ---- flags in the bucket ------------------------------------------------------------
     def fill_flags(self, loss_sum: float) -> None:
-        b = self.ctx.bucket
+        b = self.worker.bucket
         dbg = self.spec.debug
-        if dbg["nan_rank"] == self.rank and dbg["nan_step"] == self.ctx.step:
+        if dbg["nan_rank"] == self.rank and dbg["nan_step"] == self.worker.step:
             b.payload_to_host()             # GPU-only lanes left the gradient on the GPU
             b.payload[0] = float("nan")     # debug.nan_*: a non-finite gradient, on purpose
         bad = not math.isfinite(loss_sum) or not b.payload_finite()   # on the GPU for a device bucket
@@ -127,7 +127,7 @@ class Run:
         self.stop_reason = reason
 
     def read_flags(self) -> dict:
-        return self.ctx.bucket.flags()
+        return self.worker.bucket.flags()
 
     def after_step(self, n: int, loss: float, compute: float, comm_s: float) -> None:
         st = self.stats
@@ -138,21 +138,21 @@ class Run:
             if st.first_loss is None:
                 st.first_loss = loss
             st.last_loss = loss
-        self.display.after_step(self.ctx, self.policy, self.current_totals)
+        self.display.after_step(self.worker, self.policy, self.current_totals)
 
     def should_stop_after_step(self, flags: dict) -> bool:
-        ctx = self.ctx
+        worker = self.worker
         if flags["stop"]:
             self.stop_reason = "signal"
             return True
-        if flags["ckpt_due"] or self.checkpoints.steps_due(ctx.step):
-            if self.policy.steps_are_batches and ctx.step_in_epoch >= ctx.steps_per_epoch:
+        if flags["ckpt_due"] or self.checkpoints.steps_due(worker.step):
+            if self.policy.steps_are_batches and worker.step_in_epoch >= worker.steps_per_epoch:
                 # The epoch's last step: save once its validation is done (see execute), so a
                 # resume does not redo the epoch's end.
                 self.checkpoints.deferred = True
             else:
                 self.save_checkpoint(reason="cadence")
-        if ctx.total_steps and ctx.step >= ctx.total_steps:
+        if worker.total_steps and worker.step >= worker.total_steps:
             self.stop_reason = "max_steps"
             return True
         return False
@@ -173,7 +173,7 @@ class Run:
             t.compute_s, t.comm_s = float(carried.get("compute_s", 0.0)), float(carried.get("comm_s", 0.0))
             t.step_wall_s = float(carried.get("step_wall_s", 0.0))
         self.current_totals = t
-        self.display.epoch_start(self.ctx, self.policy, t)
+        self.display.epoch_start(self.worker, self.policy, t)
         return t
 
     def save_checkpoint(self, reason: str, metric: float | None = None) -> None:
@@ -186,9 +186,9 @@ class Run:
         self._add_checkpoint_time(time.perf_counter() - t0)
 
     def _add_checkpoint_time(self, dt: float) -> None:
-        st, ctx = self.stats, self.ctx
+        st, worker = self.stats, self.worker
         st.checkpoint_s += dt
-        if st.epochs and st.epochs[-1]["epoch"] == ctx.epoch:
+        if st.epochs and st.epochs[-1]["epoch"] == worker.epoch:
             # saved after the epoch's record was made (end of epoch): belongs to that epoch
             st.epochs[-1]["checkpoint_s"] += dt
             st.epochs[-1]["epoch_s"] += dt
@@ -206,18 +206,18 @@ class Run:
         tcfg = spec.extras["trace"]
         self.tracer = trace.start(comm, bool(tcfg["enabled"]), host=hostname(),
                                   max_events=tcfg["max_events"])
-        self.ctx = ctx = Context(spec, comm, log=self.log)
+        self.worker = worker = Worker(spec, comm, log=self.log)
         self.log(spec.extras.get("plan", ""))
         self._cpu_mark = time.process_time()
         with phase("data loading"), trace.span("data.load", "data",
                                                args={"distribution": spec.data.distribution}):
-            ctx.load_data()
+            worker.load_data()
         lanes_spec = collective.agree(comm, lambda: resolve_lanes(
             spec.device["kind"], int(spec.device["cpu_lanes"]), int(spec.device["gpus_per_rank"]),
             local_rank(comm)))
         # Lanes place the bucket (device twin or host) and pick its Allreduce path.
         self.lanes = collective.agree(comm, lambda: LaneSet(
-            ctx.graph, lanes_spec, spec.train["dtype"], ctx.params, ctx.bucket, ctx.layout,
+            worker.graph, lanes_spec, spec.train["dtype"], worker.params, worker.bucket, worker.layout,
             cuda_aware=spec.comm["cuda_aware"]))
         lane_note = collective.by_rank(comm, describe_lanes(lanes_spec))
         bucket_note = collective.by_rank(comm, self.lanes.bucket_path)
@@ -225,31 +225,31 @@ class Run:
         self.log(f"{bucket_note}")
         self.stats = RankStats(lanes=self.lanes.names, inventory=inventory(), threads=self.threads)
         self.policy = make_policy(spec)
-        self.checkpoints = RuntimeCheckpoints(spec, comm, ctx, self.policy, self.log,
+        self.checkpoints = RuntimeCheckpoints(spec, comm, worker, self.policy, self.log,
                                               lambda: self.current_totals)
         with phase("resume from a checkpoint"):
             resumed = self.checkpoints.maybe_resume()
         if resumed is not None:
             self.resumed_from, self.carried_totals = resumed.path, resumed.carried_totals
             self.lanes.refresh_device_params()     # device lanes hold a copy of the parameters
-        if ctx.total_steps and ctx.step >= ctx.total_steps:
+        if worker.total_steps and worker.step >= worker.total_steps:
             self.stop_reason = "max_steps"     # resumed at or past train.max_steps: no step to take
-        self.outputs = RunOutputs(spec, ctx, self.log, self.lanes.names) if self.is_root else None
+        self.outputs = RunOutputs(spec, worker, self.log, self.lanes.names) if self.is_root else None
         if self.outputs:
             self.outputs.start(self.resumed_from, self.checkpoints.resumed_config_yaml, comm.size)
-            self.display.open_step_log(ctx.steps_per_epoch, ctx.step if self.resumed_from else None)
+            self.display.open_step_log(worker.steps_per_epoch, worker.step if self.resumed_from else None)
         self.log(f"{comm.size} ranks, lanes on rank 0: {self.lanes.names}, "
-                 f"{ctx.layout.size} parameters, {ctx.steps_per_epoch} steps/epoch")
+                 f"{worker.layout.size} parameters, {worker.steps_per_epoch} steps/epoch")
         self.checkpoints.training_starts()
         self.stop_flag.training_started()     # Ctrl-C now stops at the next step, with a checkpoint
 
         epochs = int(spec.train["epochs"])
-        while ctx.epoch < epochs and self.stop_reason is None:
+        while worker.epoch < epochs and self.stop_reason is None:
             t_epoch = time.perf_counter()
-            first = ctx.step_in_epoch
+            first = worker.step_in_epoch
             with phase("a training step"):
-                totals = self.policy.run_epoch(self, ctx.epoch, first)
-            epoch_done = (self.stop_reason is None or ctx.step_in_epoch >= ctx.steps_per_epoch
+                totals = self.policy.run_epoch(self, worker.epoch, first)
+            epoch_done = (self.stop_reason is None or worker.step_in_epoch >= worker.steps_per_epoch
                           or totals.complete)
             if self.stop_reason == "nonfinite":
                 break
@@ -260,17 +260,17 @@ class Run:
                 metrics = self._end_epoch(totals, time.perf_counter() - t_epoch, partial=True)
             if epoch_done:
                 metrics = self._end_epoch(totals, time.perf_counter() - t_epoch)
-                ctx.state.epoch_ended()
-                epoch_due = self.checkpoints.epoch_due(ctx.epoch)
+                worker.state.epoch_ended()
+                epoch_due = self.checkpoints.epoch_due(worker.epoch)
                 if (epoch_due or self.checkpoints.deferred) and self.stop_reason is None:
                     self.save_checkpoint("epoch" if epoch_due else "cadence",
                                          metrics.get(spec.checkpoint["metric"]))
                 if self.stop_reason is None:    # else the final or preemption save follows here
                     self.checkpoints.epoch_ended(metrics.get(spec.checkpoint["metric"]))
                 if self.tracer is not None:
-                    self.tracer.add(f"epoch {ctx.epoch}", "epoch", trace.MAIN, t_epoch, time.perf_counter())
+                    self.tracer.add(f"epoch {worker.epoch}", "epoch", trace.MAIN, t_epoch, time.perf_counter())
             if self.stop_reason == "signal":
-                self.log(f"stop requested (signal) at step {ctx.step}: writing a checkpoint")
+                self.log(f"stop requested (signal) at step {worker.step}: writing a checkpoint")
                 self.save_checkpoint("preempt", metrics.get(spec.checkpoint["metric"]) if metrics else None)
         if self.stop_reason == "signal" and comm.allreduce(int(self.stop_flag.interrupted)):
             self.stop_reason = "interrupted"   # Ctrl-C reached some rank: exit 130, no requeue
@@ -279,7 +279,7 @@ class Run:
             self.save_checkpoint("final", self._last_metric())
         result = self._finish()
         if self.stop_reason == "interrupted" and self.is_root:
-            self.log(f"interrupted at step {ctx.step}; checkpoint "
+            self.log(f"interrupted at step {worker.step}; checkpoint "
                      f"{self.checkpoints.manager.path_for(self.checkpoints.saved_step)}; "
                      f"continue with hydra.run.dir={spec.run_dir}")
         if self.stop_reason == "signal":
@@ -289,48 +289,48 @@ class Run:
 
     def _last_metric(self) -> float | None:
         """The metric of the current parameters: only if they are those of the last validation."""
-        hist = self.ctx.history
-        if not hist or hist[-1].get("step") != self.ctx.step:
+        hist = self.worker.history
+        if not hist or hist[-1].get("step") != self.worker.step:
             return None
         return hist[-1].get(self.spec.checkpoint["metric"])
 
     def _end_epoch(self, totals: EpochTotals, wall: float, partial: bool = False) -> dict:
-        ctx = self.ctx
+        worker = self.worker
         t_eval = time.perf_counter()
         with phase("validation"), trace.span("evaluate", "eval"):
-            val = ctx.evaluate(self.lanes)
+            val = worker.evaluate(self.lanes)
         self._record_rank_epoch(totals, wall, time.perf_counter() - t_eval)
         train_loss = totals.loss_sum / totals.samples if totals.samples else None
         rec = {
-            "epoch": ctx.epoch + 1,
-            "step": ctx.step,
+            "epoch": worker.epoch + 1,
+            "step": worker.step,
             "train_loss": train_loss,
-            "train_accuracy": (totals.correct / (totals.samples * ctx.per_sample)) if totals.samples else None,
+            "train_accuracy": (totals.correct / (totals.samples * worker.per_sample)) if totals.samples else None,
             "val_loss": val["val_loss"],
             "val_accuracy": val["val_accuracy"],
-            "lr": ctx.lr_at(max(ctx.step - 1, 0)),
+            "lr": worker.lr_at(max(worker.step - 1, 0)),
             "samples_per_s": totals.samples / totals.step_wall_s if totals.step_wall_s else None,
             "compute_s": totals.compute_s,
             "comm_s": totals.comm_s,
-            "data_s": ctx.data_s if ctx.epoch == 0 else 0.0,
+            "data_s": worker.data_s if worker.epoch == 0 else 0.0,
             "epoch_s": wall,
             "steps": totals.steps,
-            "skipped_steps": ctx.skipped_steps,
+            "skipped_steps": worker.skipped_steps,
             "policy": self.policy.name,
         }
         rec.update(self.policy.epoch_record(totals))
-        if not ctx.has_accuracy:      # regression: no accuracy at all rather than a 0.0
+        if not worker.has_accuracy:      # regression: no accuracy at all rather than a 0.0
             rec.pop("train_accuracy", None)
             rec.pop("val_accuracy", None)
         if partial:
-            rec.update(partial=True, epoch_fraction=round(self.policy.epoch_fraction(ctx), 6))
+            rec.update(partial=True, epoch_fraction=round(self.policy.epoch_fraction(worker), 6))
         entry = {k: rec[k] for k in ("epoch", "step", "val_loss", "val_accuracy", "train_loss") if k in rec}
         if partial:
             # summary.json's final metrics, but not the history: a resume trains the epoch to its
             # end, and the best checkpoint is ranked by whole epochs only
             self.partial_metrics = dict(entry, partial=True)
         else:
-            ctx.history.append(entry)
+            worker.history.append(entry)
         if self.outputs:
             self.outputs.epoch(rec)
         self.display.epoch_end(rec, totals.comm_s, totals.steps, partial)
@@ -339,21 +339,21 @@ class Run:
     def _record_rank_epoch(self, totals: EpochTotals, wall: float, eval_s: float) -> None:
         """This rank's time split of the epoch; gathered with the rank stats at the end."""
         st = self.stats
-        load_s = self.ctx.data_s if not st.epochs else 0.0   # the shard load precedes epoch 1
+        load_s = self.worker.data_s if not st.epochs else 0.0   # the shard load precedes epoch 1
         ckpt, self._ckpt_pending_s = self._ckpt_pending_s, 0.0
         # CPU seconds of all this process's threads since the last record (MPI spin-waits
         # included): far below wall x threads means the rank did not get its cores
         cpu_now = time.process_time()
         cpu, self._cpu_mark = cpu_now - self._cpu_mark, cpu_now
         st.epochs.append({
-            "epoch": self.ctx.epoch + 1, "steps": totals.steps,
+            "epoch": self.worker.epoch + 1, "steps": totals.steps,
             "compute_s": totals.compute_s, "comm_s": totals.comm_s,
             "data_s": load_s + totals.data_s, "eval_s": eval_s, "checkpoint_s": ckpt,
             "epoch_s": load_s + wall + eval_s, "cpu_s": cpu,
         })
 
     def _finish(self) -> dict:
-        ctx, comm = self.ctx, self.comm
+        worker, comm = self.worker, self.comm
         st = self.stats
         trace_path = Path(self.spec.run_dir) / "trace.json"
         doc = trace.finish(comm, self.tracer, trace_path if self.is_root else None)
@@ -361,19 +361,19 @@ class Run:
             self.log(f"trace: {trace_path} ({len(doc['traceEvents'])} events; open in https://ui.perfetto.dev)")
         st.lane_samples = {ln.name: ln.samples for ln in self.lanes.lanes}
         st.lane_busy_s = {ln.name: ln.busy_s for ln in self.lanes.lanes}
-        st.data_s = ctx.data_s
-        ctx.feed.close()      # collective: data.cache=stream's rounds in flight complete
+        st.data_s = worker.data_s
+        worker.feed.close()      # collective: data.cache=stream's rounds in flight complete
         # peak_rss_bytes next to shard_bytes (the rank's rows as stored): what data costs
         mine = dict(st.__dict__, rank=self.rank, host=hostname(),
-                    wall_s=time.perf_counter() - self.t_start, **ctx.feed.report())
+                    wall_s=time.perf_counter() - self.t_start, **worker.feed.report())
         ranks = comm.gather(mine, root=0)
         self.lanes.close()
-        final = self.partial_metrics or (ctx.history[-1] if ctx.history else {})
+        final = self.partial_metrics or (worker.history[-1] if worker.history else {})
         result = {
             "status": self.stop_reason or "completed",
-            "epochs_completed": ctx.epoch,
-            "steps": ctx.step,
-            "skipped_steps": ctx.skipped_steps,
+            "epochs_completed": worker.epoch,
+            "steps": worker.step,
+            "skipped_steps": worker.skipped_steps,
             "final": final,
             "world_size": comm.size,
             "resumed_from": self.resumed_from,
@@ -388,7 +388,7 @@ class Run:
         if self.stop_reason == "nonfinite":
             # Decided from the bucket, so every rank raises this same error in the same step.
             raise collective.CollectiveError(kind="NonFiniteError", message=
-                f"non-finite loss or gradient at step {ctx.step} (train.on_nonfinite=stop); "
+                f"non-finite loss or gradient at step {worker.step} (train.on_nonfinite=stop); "
                 f"no checkpoint was written from that state; lower optim.lr, set optim.clip_grad_norm, "
                 f"or train.on_nonfinite=skip")
         return result
@@ -401,15 +401,15 @@ def train(spec: TrainSpec, comm) -> dict:
     run = Run(spec, comm)
 
     def position() -> int | None:
-        ctx = run.ctx
-        return None if ctx is None else ctx.step
+        worker = run.worker
+        return None if worker is None else worker.step
 
     with StallWatchdog.from_spec(spec, comm, position):
         try:
             return run.execute()
         except Exception as exc:
             run.close_displays()       # no half-drawn bar above the error message
-            feed = getattr(run.ctx, "feed", None)
+            feed = getattr(run.worker, "feed", None)
             if feed is not None:       # the reader thread stops; MPI only if every rank is here
                 feed.close(collective_ok=isinstance(exc, collective.CollectiveError))
             if getattr(exc, "step", None) is None and position() is not None:

@@ -19,7 +19,7 @@ from hpc_rlx.runtime.optim import clip_grad_norm_, make_optimizer, make_schedule
 from hpc_rlx.runtime.state import TrainState
 
 
-class Context:
+class Worker:
     """Everything one rank holds during training. Policies drive it through its methods."""
 
     def __init__(self, spec: TrainSpec, comm, log=print):
