@@ -48,6 +48,14 @@ class _BackStep:
     __slots__ = ("slot", "attrs", "args", "grads", "done")
 
 
+class StageRun:
+    """One micro-batch's forward through a pipeline stage, kept until its backward:
+    ``boundary`` (name -> the array the stage hands on; the executor's own, read-only) and
+    ``outputs`` (the last stage's loss and metrics as floats)."""
+
+    __slots__ = ("env", "saved", "ctx", "device", "boundary", "outputs")
+
+
 class Executor:
     """``Executor(graph, xp=numpy, dtype="float32")``; see ``forward_backward`` and ``evaluate``.
     ``rewrite=False`` runs the graph exactly as written (no ``rewrite.py`` rewrites)."""
@@ -78,7 +86,11 @@ class Executor:
             slot[g.nodes[idx].name] = n_leaf + k
         self._nslots = len(slot)
         self._outputs = [(out, slot[ref]) for out, ref in g.outputs.items()]
-        self._loss_slot = slot[g.outputs[g.loss_name]]
+        self._loss_slot = slot[g.outputs[g.loss_name]] if g.loss_name in g.outputs else None
+        # A pipeline stage: values it hands on (seeded with their gradients in backward) and
+        # the float values it receives (whose gradients backward returns).
+        self._bout = [(name, slot[name]) for name in g.boundary_outputs]
+        self._bin = [(name, slot[name]) for name in g.boundary_inputs if g.types[name].dtype == FLOAT]
         param_of = {slot[p.name]: p.name for p in g.params if p.trainable}
         self._buffer_slots = [(p.name, slot[p.name]) for p in g.params if not p.trainable]
         buffer_of = {s: name for name, s in self._buffer_slots}
@@ -92,17 +104,17 @@ class Executor:
         node_args = [[slot[r] for r in n.inputs] for n in nodes]
 
         # Only nodes some output depends on run at all.
-        live = {s for _, s in self._outputs}
+        live = {s for _, s in self._outputs + self._bout}
         for k in range(len(nodes) - 1, -1, -1):
             if node_slot[k] in live:
                 live.update(node_args[k])
 
         # Differentiable reach: which values get a cotangent from the loss.
-        requires = set(param_of)
+        requires = set(param_of) | {s for _, s in self._bin}
         for k, n in enumerate(nodes):
             if g.types[n.name].dtype == FLOAT and any(a in requires for a in node_args[k]):
                 requires.add(node_slot[k])
-        reached = {self._loss_slot} if self._loss_slot in requires else set()
+        reached = {s for s in [self._loss_slot] + [s for _, s in self._bout] if s in requires}
         for k in range(len(nodes) - 1, -1, -1):
             if node_slot[k] in reached:
                 reached.update(a for a in node_args[k] if a in requires)
@@ -148,7 +160,7 @@ class Executor:
 
     def _plan(self, nodes, node_slot, node_args, live, kept, saving, outputs=None):
         """Forward steps; each releases the values no later step (or the backward pass) reads."""
-        keep = set(kept) | {s for _, s in (self._outputs if outputs is None else outputs)}
+        keep = set(kept) | {s for _, s in (self._outputs + self._bout if outputs is None else outputs)}
         last_use = {}
         for k, args in enumerate(node_args):
             if node_slot[k] in live:
@@ -285,8 +297,16 @@ class Executor:
 
         cot = [None] * self._nslots
         cot[self._loss_slot] = xp.asarray(grad_scale, dtype=self.dtype)
-        for name in self._unreached_params:
-            grad_views[name][...] = 0
+        self._backward_pass(env, saved, cot, grad_views, ready, False)
+        return {name: float(v) for name, v in results}
+
+    def _backward_pass(self, env, saved, cot, grad_views, ready, accumulate) -> None:
+        """Run the planned VJPs from the seeded cotangents ``cot``; ``accumulate`` adds to
+        ``grad_views`` instead of overwriting them (a pipeline stage's micro-batches)."""
+        xp = self.xp
+        if not accumulate:
+            for name in self._unreached_params:
+                grad_views[name][...] = 0
         if ready is not None:
             for name, _ in self._buffer_slots:
                 ready(name)
@@ -302,7 +322,7 @@ class Executor:
                     r = fn(xp, g, args, ans, sv, bs.attrs, None)
                     c = cot[a]
                     cot[a] = r if c is None else c + r  # never in place: r or c may alias another value
-                elif first:
+                elif first and not accumulate:
                     dest = grad_views[pname]
                     r = fn(xp, g, args, ans, sv, bs.attrs, dest)
                     if r is not dest:
@@ -315,9 +335,8 @@ class Executor:
             if ready is not None:
                 for name in bs.done:
                     ready(name)
-        return {name: float(v) for name, v in results}
 
-    def _write_statistics(self, env, ctx, grad_views, grad_scale) -> None:
+    def _write_statistics(self, env, ctx, grad_views, grad_scale, accumulate=False) -> None:
         """Each buffer's slot of the gradient vector gets ``grad_scale`` times this step's
         statistic (its current value when no op emitted one, so the running update leaves it
         be); the runtime's sample-weighted sum then yields the mean statistic over lanes and ranks."""
@@ -326,7 +345,57 @@ class Executor:
         emitted = {self._emit_target[(i, pos)]: v for i, pos, v in ctx.emitted if (i, pos) in self._emit_target}
         for name, s in self._buffer_slots:
             dest = grad_views[name]
-            self.xp.multiply(emitted.get(name, env[s]), grad_scale, out=dest)
+            if accumulate:
+                dest += emitted.get(name, env[s]) * grad_scale
+            else:
+                self.xp.multiply(emitted.get(name, env[s]), grad_scale, out=dest)
+
+    # ------------------------------------------------------------------ pipeline stages
+
+    def stage_forward(self, param_views, feeds, train=True, seed=None) -> StageRun:
+        """A pipeline stage's training forward (``partition.StageGraph``): ``feeds`` hold the
+        graph inputs the stage reads and the boundary values it receives. Keeps what its
+        backward reads in the returned ``StageRun`` until ``stage_backward``."""
+        device = self._check_arrays(param_views, "param_views")
+        env = [None] * self._nslots
+        device = self._load(env, feeds, param_views, device)
+        run = StageRun()
+        run.env, run.saved, run.device = env, [None] * self._nslots, device
+        run.ctx = _Ctx(bool(train), seed, self.dtype)
+        with backend.use_device(device):
+            self._forward(self._train_plan, env, run.saved, run.ctx)
+        run.outputs = {name: float(env[s]) for name, s in self._outputs}
+        run.boundary = {name: env[s] for name, s in self._bout}
+        return run
+
+    def stage_backward(self, run: StageRun, grad_views, boundary_grads, grad_scale=1.0, accumulate=True) -> dict:
+        """Backward of ``run``, seeded with ``boundary_grads`` (name -> the gradient of each
+        float value the stage hands on) and, on the stage holding the loss, ``grad_scale`` on
+        the loss. Adds the parameter gradients (and buffers' statistics times ``grad_scale``)
+        to ``grad_views`` (overwrites them with ``accumulate=False``). Returns name -> the
+        gradient of each float boundary input (zeros where none reaches it); these may be the
+        very arrays passed in ``boundary_grads`` (a value carried through unchanged)."""
+        if run.env is None:
+            raise GraphError("stage_backward: this StageRun's backward already ran")
+        self._check_arrays(grad_views, "grad_views", run.device)
+        xp, env, cot = self.xp, run.env, [None] * self._nslots
+        if self._loss_slot is not None:
+            cot[self._loss_slot] = xp.asarray(grad_scale, dtype=self.dtype)
+        for name, s in self._bout:
+            if self._g.types[name].dtype != FLOAT:
+                continue
+            g = boundary_grads.get(name)
+            if g is None or g.shape != env[s].shape or g.dtype != self.dtype:
+                got = "nothing" if g is None else f"{g.dtype} {tuple(g.shape)}"
+                raise GraphError(f"stage_backward: the gradient of '{name}' must be {self.dtype} "
+                                 f"{tuple(env[s].shape)}, got {got}")
+            cot[s] = g
+        with backend.use_device(run.device):
+            self._write_statistics(env, run.ctx, grad_views, grad_scale, accumulate)
+            self._backward_pass(env, run.saved, cot, grad_views, None, accumulate)
+            grads = {name: cot[s] if cot[s] is not None else xp.zeros_like(env[s]) for name, s in self._bin}
+        run.env = run.saved = run.ctx = None
+        return grads
 
     def run(self, param_views, feeds, fetch, train=False, seed=None) -> dict:
         """Forward only; returns ``{name: array}`` for the graph nodes named in ``fetch`` (a

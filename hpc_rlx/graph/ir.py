@@ -123,6 +123,12 @@ class Graph:
     """A validated model graph. Build one with ``from_dict`` / ``from_json`` / ``from_file``
     or with the model builders; it is immutable afterwards."""
 
+    # A pipeline stage (``partition.StageGraph``) takes values of earlier stages as inputs and
+    # hands values to later ones; only the last stage has the loss. A whole graph has neither.
+    boundary_inputs: tuple = ()
+    boundary_outputs: tuple = ()
+    requires_loss = True
+
     def __init__(self, d: dict):
         """Validate the JSON-shaped dict ``d`` (prefer ``Graph.from_dict``)."""
         _check_keys(d, ["schema_version", "inputs", "params", "nodes", "outputs"], ["name", "meta"], "graph")
@@ -200,7 +206,7 @@ class Graph:
         if not isinstance(outputs, dict) or not all(isinstance(v, str) for v in outputs.values()):
             raise GraphError("graph: outputs must map output names to node names")
         self.outputs: dict[str, str] = dict(outputs)
-        if LOSS not in self.outputs:
+        if LOSS not in self.outputs and self.requires_loss:
             raise GraphError(f"graph: missing the '{LOSS}' output (outputs are {sorted(self.outputs) or 'empty'})")
         for out_name, ref in self.outputs.items():
             if not _NAME.match(out_name):

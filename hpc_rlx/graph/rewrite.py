@@ -26,7 +26,7 @@ def pool_before_relu(graph: Graph) -> tuple[Graph, frozenset]:
     for n in graph.nodes:
         for r in n.inputs:
             readers[r] = readers.get(r, 0) + 1
-    for r in graph.outputs.values():
+    for r in list(graph.outputs.values()) + list(graph.boundary_outputs):  # a stage hands these on
         readers[r] = readers.get(r, 0) + 1
     pairs = {}
     for pool in graph.nodes:
@@ -47,4 +47,4 @@ def pool_before_relu(graph: Graph) -> tuple[Graph, frozenset]:
         relu = pooled.get(node["name"])
         if relu is not None:  # the pool's slot: the ReLU of the pooled values
             d["nodes"][k] = {**node, "op": "relu", "inputs": [relu], "attrs": {}}
-    return Graph(d), frozenset(pairs)
+    return type(graph)(d), frozenset(pairs)  # a pipeline stage stays one
