@@ -4,6 +4,15 @@ speed moves training throughput, for hpc_rlx's sync, cadence and async policies 
 
     .venv/bin/python bench/bench_interconnect.py                       # unlimited, 10gbit, 1gbit
     .venv/bin/python bench/bench_interconnect.py --links 1gbit --repeats 2
+    .venv/bin/python bench/bench_interconnect.py --links 10gbit,1gbit --methods sync,overlap,ddp \
+        --repeats 3 --trace-dir /tmp/traces      # comm.overlap off vs on vs DDP, plus a trace
+
+Methods: `sync`, `cadence`, `async` (hpc_rlx policies), `overlap` (`policy=sync comm.overlap=true
+comm.overlap_chunk_mb=--chunk-mb`), `overlap-notest` (the same without the MPI Test calls
+between layers: bench_overlap.py's switch), `overlap-progress` (the same with MPICH's own
+progress thread, `MPIR_CVAR_ASYNC_PROGRESS=1`), `ddp`. Every repeat runs each method once,
+the order reversed every other repeat; the best repeat of each is reported. `--trace-dir`
+adds one untimed `overlap` run per link with `trace.enabled=true` and keeps its trace.json.
 
 One rank per node, node k pinned to core k (so the two ranks do not share a core), one BLAS
 thread per rank on both sides. MLP 784-1024-1024-10 (1.86 M parameters: a 7.4 MB float32
@@ -38,18 +47,32 @@ from tests.netns_cluster import EmulatedCluster, can_emulate  # noqa: E402
 MPIEXEC = str(Path(PYTHON).with_name("mpiexec"))
 
 
-def run_hpc(cluster, policy: str, data: Path, epochs: int, work: Path) -> dict:
-    run_dir = work / f"hpc_{policy}_{time.monotonic_ns()}"
-    args = [PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "data=synthetic", f"data.path={data}",
+OVERLAP = ("overlap", "overlap-notest", "overlap-progress")
+
+
+def run_hpc(cluster, method: str, data: Path, epochs: int, work: Path, chunk_mb: float = 1.0,
+            keep_trace: Path | None = None) -> dict:
+    run_dir = work / f"hpc_{method}_{time.monotonic_ns()}"
+    policy, extra, env = method, [], one_thread_env()
+    head = [PYTHON, "-m", "hpc_rlx"]
+    if method in OVERLAP:
+        policy, extra = "sync", ["comm.overlap=true", f"comm.overlap_chunk_mb={chunk_mb}"]
+    if method == "overlap-notest":
+        head = [PYTHON, str(Path(__file__).with_name("bench_overlap.py")), "--rank-without-test"]
+    if method == "overlap-progress":
+        env = dict(env, MPIR_CVAR_ASYNC_PROGRESS="1")
+    if keep_trace is not None:
+        extra.append("trace.enabled=true")
+    args = head + [f"hydra.run.dir={run_dir}", "data=synthetic", f"data.path={data}",
             "data.val_fraction=0", "model=mlp", f"model.hidden=[{','.join(map(str, HIDDEN))}]",
             f"train.batch_size={PER_RANK_BATCH * 2}", f"train.epochs={epochs}", "train.threads_per_rank=1",
             "optim=sgd", f"optim.lr={LR}", f"optim.momentum={MOMENTUM}", "optim.schedule=constant",
             f"policy={policy}", "checkpoint=off", "report.plots=false", "report.tensorboard=false",
-            "train.log_every_s=1000", "train.progress=lines"]
+            "train.log_every_s=1000", "train.progress=lines"] + extra
     cmd = cluster.mpich_cmd(MPIEXEC, {"node1": 1, "node2": 1}, args)
-    p = cluster.on("node1", cmd, timeout=1200, env=one_thread_env(), cwd=REPO)
+    p = cluster.on("node1", cmd, timeout=1200, env=env, cwd=REPO)
     if p.returncode != 0:
-        raise SystemExit(f"hpc_rlx policy={policy} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+        raise SystemExit(f"hpc_rlx {method} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
             if x.strip() and "event" not in json.loads(x)][1:]
     # epoch_s is the epoch's training wall (every policy); "steps" would count syncs under
@@ -57,6 +80,9 @@ def run_hpc(cluster, policy: str, data: Path, epochs: int, work: Path) -> dict:
     wall = sum(r["epoch_s"] for r in recs)
     out = {"samples_per_s": sum(r["samples_per_s"] * r["epoch_s"] for r in recs) / wall,
            "comm_share": sum(r["comm_s"] for r in recs) / wall}
+    if keep_trace is not None:
+        keep_trace.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(run_dir / "trace.json", keep_trace)
     shutil.rmtree(run_dir, ignore_errors=True)
     return out
 
@@ -131,6 +157,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="steps per epoch")
     ap.add_argument("--epochs", type=int, default=3, help="epochs per run; the first is warm-up, not timed")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--methods", default="sync,cadence,async,ddp", help="see the module docstring")
+    ap.add_argument("--chunk-mb", type=float, default=1.0, help="comm.overlap_chunk_mb of the overlap methods")
+    ap.add_argument("--trace-dir", type=Path, default=None,
+                    help="also one traced overlap run per link: DIR/trace_LINK.json")
     args = ap.parse_args()
     why = can_emulate()
     if why:
@@ -141,7 +171,7 @@ def main() -> None:
     print(f"# 2 emulated nodes x 1 rank, MLP {FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES}, batch "
           f"{PER_RANK_BATCH}/rank, {args.steps} steps/epoch, {args.epochs} epochs (first untimed), "
           f"best of {args.repeats}")
-    sides = ("sync", "cadence", "async", "ddp")
+    sides = tuple(args.methods.split(","))
     rows = []
     with EmulatedCluster(2, work / "cluster") as cluster:
         for link in args.links.split(","):
@@ -150,19 +180,24 @@ def main() -> None:
             for rep in range(args.repeats):
                 for side in (sides if rep % 2 == 0 else tuple(reversed(sides))):
                     r = (run_ddp(cluster, data, args.epochs, 29500 + rep) if side == "ddp"
-                         else run_hpc(cluster, side, data, args.epochs, work))
+                         else run_hpc(cluster, side, data, args.epochs, work, args.chunk_mb))
                     print(f"  {link} {side}: {r['samples_per_s']:,.0f} samples/s, comm share "
                           f"{100 * r['comm_share']:.0f}%", flush=True)
                     if side not in best or r["samples_per_s"] > best[side]["samples_per_s"]:
                         best[side] = r
-            ddp = best["ddp"]["samples_per_s"]
+            if args.trace_dir is not None:
+                r = run_hpc(cluster, "overlap", data, args.epochs, work, args.chunk_mb,
+                            keep_trace=args.trace_dir / f"trace_{link}.json")
+                print(f"  {link} overlap, traced (untimed): {r['samples_per_s']:,.0f} samples/s", flush=True)
+            ddp = best["ddp"]["samples_per_s"] if "ddp" in best else float("nan")
+            sync = best["sync"]["samples_per_s"] if "sync" in best else float("nan")
             for side in sides:
                 r = best[side]
                 rows.append([link, side, r["samples_per_s"], f"{100 * r['comm_share']:.0f}%",
-                             f"{r['samples_per_s'] / ddp:.2f}x"])
+                             f"{r['samples_per_s'] / ddp:.2f}x", f"{r['samples_per_s'] / sync:.2f}x"])
         cluster.limit_bandwidth(None)
     print()
-    print(fmt_table(["link", "method", "samples/s", "comm share", "vs DDP"], rows))
+    print(fmt_table(["link", "method", "samples/s", "comm share", "vs DDP", "vs sync"], rows))
     shutil.rmtree(work, ignore_errors=True)
 
 

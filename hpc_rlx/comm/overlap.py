@@ -74,6 +74,7 @@ class OverlapStep:
         self.requests, self.started, self.finite = [], [], True
         self.seen = set()
         self.tested = 0         # requests before this one are known complete
+        self.done_at = {}       # request index -> when a Test saw it complete
         self.t_first = None
 
     def ready(self, name: str) -> None:
@@ -89,6 +90,7 @@ class OverlapStep:
             self._start(self.next, check=True)
         if self.progress and self.tested < len(self.requests):
             if self.requests[self.tested].Test():
+                self.done_at[self.tested] = time.perf_counter()
                 self.tested += 1
 
     def _start(self, k: int, check: bool) -> None:
@@ -119,11 +121,18 @@ class OverlapStep:
         while self.next < self.plan.n:
             self._start(self.next, check=False)
         mpi = _mpi()
-        mpi.Request.Waitall(self.requests)
-        done = time.perf_counter()
         tr = trace.ACTIVE
-        if tr is not None:
-            for i, (t0, (lo, hi)) in enumerate(zip(self.started, self.plan.bounds)):
-                tr.add("chunk", "comm", trace.MAIN, t0, done,
-                       {"seq": seq, "i": i, "bytes": int((hi - lo) * self.buffer.itemsize), "overlap": True})
+        if tr is None:
+            mpi.Request.Waitall(self.requests)
+            return len(self.requests)
+        # traced: each chunk's span ends when it was seen complete (by a Test during backward,
+        # or here), so the trace shows which reductions finished under backward
+        ends = [self.done_at.get(i) for i in range(len(self.requests))]
+        pending = [i for i, t in enumerate(ends) if t is None]
+        while pending:
+            j = mpi.Request.Waitany([self.requests[i] for i in pending])
+            ends[pending.pop(j)] = time.perf_counter()
+        for i, (t0, t1, (lo, hi)) in enumerate(zip(self.started, ends, self.plan.bounds)):
+            tr.add("chunk", "comm", trace.MAIN, t0, t1,
+                   {"seq": seq, "i": i, "bytes": int((hi - lo) * self.buffer.itemsize), "overlap": True})
         return len(self.requests)
