@@ -20,7 +20,7 @@ from hpc_rlx.config.spec import validate_config
 from .conftest import REPO
 
 CONFIGS = Path(_CONFIG_DIR)
-FIXED = ("train", "comm", "report", "trace", "debug")
+FIXED = ("train", "comm", "parallel", "report", "trace", "debug")
 # config groups that are not sections: overlays of other sections, and Hydra's own
 OVERLAYS = ("experiment",)
 

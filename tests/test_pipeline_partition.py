@@ -201,3 +201,19 @@ def test_stage_backward_checks_the_gradients_it_is_given():
     ex.stage_backward(run, layout.views(grads), {"fc1": np.ones((3, 16))})
     with pytest.raises(GraphError, match="already ran"):
         ex.stage_backward(run, layout.views(grads), {"fc1": np.ones((3, 16))})
+
+
+def test_each_stage_initialises_its_parameters_as_the_whole_graph_does():
+    from hpc_rlx.graph.partition import load_graph
+    g = build_model("transformer_lm", **LM)
+    layout = ParamLayout(g)
+    whole = layout.views(init_params(g, np.empty(layout.size), seed=4))
+    for st in partition(g, 3):
+        again = load_graph(st.to_dict())
+        assert isinstance(again, StageGraph) and again.predictions_per_sample == 6
+        assert again.whole_outputs == ("loss", "correct")
+        lay = ParamLayout(again)
+        mine = lay.views(init_params(again, np.empty(lay.size), seed=4))
+        for p in again.params:
+            np.testing.assert_array_equal(mine[p.name], whole[p.name])
+    assert not isinstance(load_graph(g.to_dict()), StageGraph)

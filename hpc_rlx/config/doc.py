@@ -36,7 +36,7 @@ def _by_value(defaults: dict[str, object], options: tuple[str, ...]) -> str:
 
 
 # the order of the table's sections
-ORDER = ("train", "model", "data", "optim", "device", "comm", "report", "trace", "checkpoint",
+ORDER = ("train", "model", "data", "optim", "device", "comm", "parallel", "report", "trace", "checkpoint",
          "resume", "debug")
 
 

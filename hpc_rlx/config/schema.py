@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.observe.tensorboard_log import enabled as tensorboard_enabled
+from hpc_rlx.pipeline.grid import check_world
+from hpc_rlx.pipeline.schedule import SCHEDULES as _SCHEDULES
 from hpc_rlx.policies.config import validate_policy_config
 from hpc_rlx.policies.registry import POLICIES
 from hpc_rlx.policies.slowdown import parse_slowdown
@@ -97,6 +99,13 @@ def number(minimum: float, *, above: bool = False, null: bool = False, must: str
                  or (is_number(v) and (v > minimum if above else v >= minimum)), must)
 
 
+def _check_stages(v, world_size) -> None:
+    if not is_int(v) or v < 1:
+        raise ConfigError(f"parallel.pipeline_stages must be a positive integer, got {v!r}")
+    if world_size is not None:
+        check_world(world_size, v)
+
+
 def _stall_abort(v) -> bool:
     return v is None or v == "auto" or (is_number(v) and v > 0)
 
@@ -160,6 +169,7 @@ CACHES = ("memory", "stream")
 ON_NONFINITE = ("stop", "skip")
 CKPT_METRICS = ("val_loss", "val_accuracy")
 PROGRESS = ("auto", "bar", "lines")
+PIPELINE_SCHEDULES = tuple(_SCHEDULES)
 _BUILT = ("mlp", "cnn", "transformer_lm")
 _PREPARED = Options(digits="digits", synthetic="synthetic", text="text", file=None)
 _NUMBER = (int, float)
@@ -240,6 +250,17 @@ KEYS: tuple[Key, ...] = (
         "directly or through pinned host memory (checked by the lanes)"),
     Key("comm.wire_dtype", str, None, "`bfloat16` or `float16` on the wire, float32 sums; null = "
         "the compute dtype (checked by the bucket)"),
+    Key("parallel.pipeline_stages", int, 1, "pipeline stages S: the model split into S stages on "
+        "S ranks each, world size = replicas x S (1 = data parallel only)",
+        Via(_check_stages, "must be a positive integer dividing the world size")),
+    Key("parallel.microbatches", int, 4, "micro-batches per replica batch with pipeline stages "
+        "(fewer when the batch has fewer rows)", integer(1)),
+    Key("parallel.schedule", str, "1f1b", "`1f1b` (at most S micro-batches of activations alive per "
+        "stage) or `gpipe` (all M)", OneOf(*PIPELINE_SCHEDULES)),
+    Key("parallel.cut_points", list, None, "graph nodes after which a stage ends (S - 1 of them); "
+        "null = split balanced by parameter count",
+        Check(lambda v: v is None or (isinstance(v, list) and all(isinstance(c, str) for c in v)),
+              "must be null or a list of node names")),
     _selector("data", "name", DATASETS),
     Key("data.path", str, Options(digits="data/digits.h5", synthetic="data/synthetic.h5",
                                   text="data/text.h5", file="???"), "the training file (HDF5)"),
@@ -395,7 +416,7 @@ def _check_option_keys(section: str, values: Mapping[str, Any]) -> None:
 
 RULES: dict[str, Callable[[Mapping[str, Any]], None]] = {"device": _device_rule, "comm": _comm_rule}
 # the order sections are checked in (the first bad key found is the one reported)
-CHECK_ORDER = ("train", "report", "trace", "optim", "device", "comm", "data", "checkpoint",
+CHECK_ORDER = ("train", "report", "trace", "optim", "device", "comm", "parallel", "data", "checkpoint",
                "policy", "debug", "model")
 
 

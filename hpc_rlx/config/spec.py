@@ -24,6 +24,8 @@ from hpc_rlx.data.resolve import num_classes, prepare_missing_data
 from hpc_rlx.errors import ConfigError, DataError
 from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, init_params
 from hpc_rlx.graph.onnx_import import import_onnx
+from hpc_rlx.graph.partition import partition
+from hpc_rlx.pipeline.grid import check_world
 from hpc_rlx.policies.registry import POLICIES
 from hpc_rlx.runtime.optim import OPTIMIZER_KEYS, make_optimizer, make_schedule
 
@@ -64,6 +66,7 @@ class TrainSpec:
     world_size: int
     config_yaml: str = ""
     extras: dict = field(default_factory=dict)   # report/trace switches
+    parallel: dict = field(default_factory=lambda: {"pipeline_stages": 1})   # parallel.* (pipeline stages)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -140,6 +143,36 @@ def check_model_fits(graph, cfg: dict, world_size: int) -> None:
         raise ConfigError(f"the model has {n:,} parameters: about {need / 2**30:.1f} GiB of parameter-sized "
                           f"buffers per rank, more than the {avail / 2**30:.1f} GiB of memory available "
                           f"on this node; use a smaller model")
+
+
+def check_pipeline(cfg: dict, graph, world_size: int) -> int:
+    """With ``parallel.pipeline_stages`` S > 1: what the pipelined step supports so far, and the
+    split itself (cut points, values that cannot cross a cut). Returns the data-parallel
+    replicas (world size / S), the ranks the data is sharded over."""
+    par = cfg["parallel"]
+    S = int(par["pipeline_stages"])
+    if S == 1:
+        if par["cut_points"]:
+            raise ConfigError(f"parallel.cut_points={par['cut_points']} needs parallel.pipeline_stages > 1")
+        return world_size
+    check_world(world_size, S)
+    policy = cfg["policy"]["name"]
+    if policy != "sync":
+        raise ConfigError(f"parallel.pipeline_stages={S} runs with policy=sync only; policy={policy} "
+                          f"(local steps between syncs) is not designed for pipeline stages yet")
+    dev = cfg["device"]
+    if dev["kind"] != "cpu" or int(dev["cpu_lanes"]) != 1:
+        raise ConfigError(f"parallel.pipeline_stages={S} runs one CPU lane per rank for now "
+                          f"(device=cpu, device.cpu_lanes=1)")
+    if any(cfg["checkpoint"][k] for k in ("every_steps", "every_epochs", "every_minutes")):
+        raise ConfigError(f"parallel.pipeline_stages={S} writes no checkpoints yet: add checkpoint=off")
+    for stage in partition(graph, S, cut_points=par["cut_points"]):
+        for name in stage.boundary_inputs:
+            if stage.types[name].dtype != "float":
+                raise ConfigError(f"parallel: '{name}' ({stage.types[name].dtype}) would cross into stage "
+                                  f"{stage.index}; only floating-point values can cross a cut: move the "
+                                  f"cut (parallel.cut_points)")
+    return world_size // S
 
 
 def check_run_dir_writable(run_dir: str) -> None:
@@ -253,8 +286,9 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         hdf5.check_compatible(vinfo, **expect)   # not only at the first validation, an epoch later
 
     check_model_fits(graph, cfg, world_size)
+    replicas = check_pipeline(cfg, graph, world_size)
     # Fails here, on rank 0, with the same message every rank will print.
-    plan = plan_shards(n_train, cfg["train"]["batch_size"], world_size, d["leftover"])
+    plan = plan_shards(n_train, cfg["train"]["batch_size"], replicas, d["leftover"])
     if (d["cache"] == "stream" and d["distribution"] == "scatter"
             and not POLICIES[cfg["policy"]["name"]].steps_are_batches):
         # rank 0 streams rounds that every rank receives at the same step: lockstep policies only
@@ -262,7 +296,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
                           f"a sync (policy=sync); policy={cfg['policy']['name']} lets ranks step apart: "
                           f"use data.distribution=read with data.cache=stream")
     check_optimizer(cfg["optim"], cfg["train"]["dtype"], cfg["train"]["epochs"] * plan.steps_per_epoch)
-    check_lane_batch(cfg["device"], cfg["train"]["batch_size"], world_size)
+    check_lane_batch(cfg["device"], cfg["train"]["batch_size"], replicas)
 
     init_from = cfg["model"].get("init_from")
     if init_from:
@@ -282,7 +316,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         optim=dict(cfg["optim"]), policy=dict(cfg["policy"]), device=dict(cfg["device"]),
         comm=dict(cfg["comm"]), checkpoint=dict(cfg["checkpoint"]), debug=dict(cfg["debug"]),
         run_dir=str(run_dir), resume=str(cfg["resume"]), world_size=world_size,
-        config_yaml=config_yaml,
+        config_yaml=config_yaml, parallel=dict(cfg["parallel"]),
         extras={"report": dict(cfg["report"]), "trace": dict(cfg["trace"]),
                 "plan": plan.describe(), "config_fingerprint": fingerprint,
                 "model_source": source["path"] if source["kind"] == "onnx" else None})

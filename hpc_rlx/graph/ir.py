@@ -128,6 +128,7 @@ class Graph:
     boundary_inputs: tuple = ()
     boundary_outputs: tuple = ()
     requires_loss = True
+    param_seeds = None  # a stage: each parameter's index in the whole graph (its init stream)
 
     def __init__(self, d: dict):
         """Validate the JSON-shaped dict ``d`` (prefer ``Graph.from_dict``)."""

@@ -151,7 +151,8 @@ def init_params(graph, flat: np.ndarray, seed: int) -> np.ndarray:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     views = ParamLayout(graph).views(flat)
-    for i, p in enumerate(graph.params):
+    streams = graph.param_seeds or range(len(graph.params))  # a pipeline stage draws as the whole graph
+    for i, p in zip(streams, graph.params):
         rng = np.random.default_rng([int(seed), i])
         views[p.name][...] = draw_init(p.init, tuple(p.shape), rng)
     return flat

@@ -46,6 +46,9 @@ class StageGraph(Graph):
         super().__init__(d)
         self.boundary_inputs = tuple(stage["boundary_inputs"])
         self.boundary_outputs = tuple(stage["boundary_outputs"])
+        self.param_seeds = tuple(stage.get("param_seeds") or range(len(self.params)))
+        self.whole_outputs = tuple(stage.get("whole_outputs") or self.outputs)
+        self._per_sample = int(stage.get("predictions_per_sample") or 1)
         inputs = {s.name for s in self.inputs}
         nodes = {n.name for n in self.nodes}
         for name in self.boundary_inputs:
@@ -54,6 +57,11 @@ class StageGraph(Graph):
         for name in self.boundary_outputs:
             if name not in inputs and name not in nodes:
                 raise GraphError(f"stage graph: boundary output '{name}' is neither an input nor a node")
+
+    @property
+    def predictions_per_sample(self) -> int:
+        """The whole graph's (only the last stage has the loss it is read from)."""
+        return self._per_sample
 
     @property
     def feeds(self) -> list:
@@ -122,6 +130,12 @@ def _balanced_cuts(weights, crossing, allowed, stages) -> list:
         j = back[k][j]
         cuts.append(j - 1)
     return sorted(cuts)
+
+
+def load_graph(d: dict) -> Graph:
+    """A graph from its JSON form: a ``StageGraph`` when it is one stage of a split."""
+    meta = d.get("meta") if isinstance(d, dict) else None
+    return (StageGraph if isinstance(meta, dict) and "stage" in meta else Graph).from_dict(d)
 
 
 def partition(graph: Graph, stages: int | None = None, cut_points=None, cost=None) -> list:
@@ -218,11 +232,13 @@ def _build(g: Graph, nodes, cuts, stages) -> list:
     for i, n in enumerate(nodes):
         for r in n.inputs:
             last_read[r] = i
+    seeds = {p.name: i for i, p in enumerate(g.params)}
     result, carried = [], []
     for k in range(stages):
         lo, hi = bounds[k], bounds[k + 1]
         part = nodes[lo:hi]
         reads = {r for n in part for r in n.inputs}
+        params = [p["name"] for p in d["params"] if p["name"] in reads]
         passing = carried + [n.name for n in part]
         handed = [v for v in passing if last_read.get(v, -1) >= hi]
         inputs = [dict(s) for s in d["inputs"] if s["name"] in reads]
@@ -231,11 +247,14 @@ def _build(g: Graph, nodes, cuts, stages) -> list:
             "schema_version": d["schema_version"],
             "name": f"{g.name}.stage{k}",
             "inputs": inputs,
-            "params": [p for p in d["params"] if p["name"] in reads],
+            "params": [p for p in d["params"] if p["name"] in params],
             "nodes": [raw[n.name] for n in part],
             "outputs": dict(g.outputs) if k == stages - 1 else {},
             "meta": {"stage": {"index": k, "stages": stages, "boundary_inputs": list(carried),
-                               "boundary_outputs": handed}, "source": d["meta"]},
+                               "boundary_outputs": handed, "param_seeds": [seeds[p] for p in params],
+                               "whole_outputs": list(g.outputs),
+                               "predictions_per_sample": g.predictions_per_sample},
+                     "source": d["meta"]},
         }
         result.append(StageGraph(sd))
         carried = handed
