@@ -267,3 +267,36 @@ def test_bad_policy_settings_fail_once_on_every_rank(tmp_path, digits_h5, overri
     assert proc.returncode != 0
     assert fragment in proc.stderr, explain(proc)
     assert proc.stderr.count("hpc_rlx: error") == 1, explain(proc)
+
+
+# ----------------------------------------------------------------- one bucket
+
+LIVE_BUCKETS = Path(__file__).resolve().parent / "mpi_scripts" / "live_buckets.py"
+
+
+def _live(tmp: Path, data: Path, policy: str) -> dict:
+    import json
+
+    from .conftest import mpirun
+
+    out = tmp / f"{policy}.json"
+    proc = mpirun(2, [str(LIVE_BUCKETS), str(data), str(tmp / policy), str(out), f"policy={policy}",
+                      "train.epochs=1"], timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    return json.loads(out.read_text())
+
+
+def test_a_windowed_run_holds_one_parameter_sized_bucket(tmp_path, digits_h5):
+    """The windowed sync packs its weighted parameters and reports into the worker's bucket
+    (laid out with the policy's slots at start-up), not into a second parameter-sized one:
+    counted on the live objects of a real 2-rank run, against a sync run."""
+    sync = _live(tmp_path, digits_h5, "sync")
+    for policy in ("cadence", "async"):
+        win = _live(tmp_path, digits_h5, policy)
+        assert win["buckets"] == 1 and win["shared"] is True, win
+        longer = [shape for shape, _ in win["param_sized"] if shape[0] > win["params"] and len(shape) == 1]
+        assert len(longer) == 1, win             # the bucket: the parameters and a tail
+        flat = lambda rec: [s for s, _ in rec["param_sized"] if len(s) == 1]   # noqa: E731
+        # the only parameter-sized array a windowed run adds: its restore point (the last
+        # agreed model)
+        assert len(flat(win)) == len(flat(sync)) + 1, (win, sync)

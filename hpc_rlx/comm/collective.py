@@ -202,12 +202,6 @@ class FusedBucket:
         self._overlap_plan = None
         self._overlap_step = None
 
-    @classmethod
-    def for_layout(cls, layout: BucketLayout, dtype, **options) -> "FusedBucket":
-        """A bucket with `layout`'s payload, summed fields and per-rank fields."""
-        return cls(layout.payload_size, layout.fields, dtype, rank_fields=layout.rank_fields,
-                   world_size=layout.world_size, **options)
-
     def _set_host(self, buf) -> None:
         self.buffer = buf
         self.payload = self.layout.payload_of(buf)
@@ -249,6 +243,13 @@ class FusedBucket:
     def set_choice(self, choice) -> None:
         self.choice = choice
         self.reduction = make_reduction(self.chunk_elems, self.deterministic, self.wire, choice)
+
+    def exact_reduction(self):
+        """The path of a use that must sum the host array as it is, whatever the step's path
+        (16-bit wire, device twin): MPI's SUM, or the ordered sum under ``comm.deterministic``,
+        chunked as the bucket is. The windowed policies' sync picks it once, at its setup, and
+        hands it to every `allreduce`."""
+        return make_reduction(self.chunk_elems, self.deterministic, None)
 
     def describe(self) -> str:
         """Where the bucket lives and how it is reduced, in one line (logged at start-up)."""
@@ -309,10 +310,11 @@ class FusedBucket:
 
     # ---- the collective -------------------------------------------------------------------
     @watched("fused-bucket Allreduce")
-    def allreduce(self, comm) -> float:
-        """Sum the whole bucket over all ranks in place, by this bucket's reduction path (or
-        finish the chunks `begin_overlap` started during backward). Returns seconds spent here:
-        with overlap, only the exposed part."""
+    def allreduce(self, comm, reduction=None) -> float:
+        """Sum the whole bucket over all ranks in place, by this bucket's reduction path, or by
+        `reduction` (a path its caller chose once, e.g. `exact_reduction`), or finish the chunks
+        `begin_overlap` started during backward. Returns seconds spent here: with overlap, only
+        the exposed part."""
         t0 = time.perf_counter()
         tr = trace.ACTIVE
         seq = tr.next_seq() if tr is not None else 0
@@ -324,7 +326,7 @@ class FusedBucket:
             self.last_path = "host, overlapped"
             span_t0 = min(t0, step.t_first or t0)   # the span starts with the first chunk, in backward
         else:
-            done = self.reduction.run(self, comm, seq)
+            done = (self.reduction if reduction is None else reduction).run(self, comm, seq)
             self.last_chunks = done.chunks
             self.last_wire_bytes = done.wire_bytes
             self.last_path = done.path

@@ -9,7 +9,7 @@ injector. Every decision is a deterministic function of numbers that come out of
 fused Allreduce, so all ranks reach the same decision without an extra collective:
 
 - `consensus`: the work-weighted parameter average packed into / finished from the bucket.
-- `bucket`: the bucket layout, `[w*W ... | w | per-rank report slots]`, and its readout.
+- `bucket`: the sync's slots, `[w*W ... | w | per-rank report slots]`, in the worker's bucket, and their readout.
 - `elche`: the cadence scheduler (steps per rank per window, anchor tuning).
 - `interval`: the async interval controller (K from comm overhead, divergence guard).
 - `outer`: outer optimizers applied to the consensus (average, DiLoCo, SlowMo).

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
+from hpc_rlx.comm.bucket_layout import STEP_FIELDS
+
 from ..errors import ConfigError
 
 
@@ -86,6 +88,11 @@ class Policy:
     # position names the same batch after a resume, and a checkpoint due at the epoch's last
     # step waits for the epoch's validation, so a resume does not redo the epoch's end.
     steps_are_batches: bool = False
+    # The tail slots this policy writes in the fused bucket (`comm.bucket_layout`): summed
+    # fields, and per-rank fields of one slot per rank. The worker lays out its one bucket
+    # with them at start-up, after the payload.
+    bucket_fields: tuple[str, ...] = STEP_FIELDS
+    bucket_rank_fields: tuple[str, ...] = ()
 
     def __init__(self, spec):
         self.spec = spec

@@ -1,11 +1,15 @@
-"""Layout of a policy sync bucket and the readout every rank takes from it.
+"""The windowed policies' slots in the fused bucket, and the readout every rank takes from it.
 
 ```
-[ w_i*W_i (n_params) | w_i | steps[N] | samples[N] | compute_ms[N] | sync_ms[N] | divergence[N] ]
+[ w_i*W_i (n_params) | w_i | steps[N] | samples[N] | compute_ms[N] | sync_ms[N] | divergence[N] ... ]
 ```
 
 In `bucket_layout.BucketLayout` terms: the weighted parameters are the payload, the weight a
-summed field, and the report values per-rank fields.
+summed field (`SUMMED_FIELDS`), and the report values per-rank fields. A windowed policy
+declares these slots (`Policy.bucket_fields`, `Policy.bucket_rank_fields`) and the worker lays
+out its one bucket with them at start-up, so the sync reuses the bucket the local steps write
+their gradients into (`SyncLayout.inside`); a layout of its own (`SyncLayout(n, world)`) is
+for arrays the caller owns.
 
 Each rank writes its own report values at index `rank` of every per-rank field and zeros
 elsewhere, so the Allreduce(SUM) that averages the parameters also gathers every rank's
@@ -27,7 +31,10 @@ import numpy as np
 
 from hpc_rlx.comm.bucket_layout import BucketLayout
 
-from .consensus import finish_consensus, pack_consensus
+from .consensus import consensus_into, divergence_from, weigh_into
+
+SUMMED_FIELDS: tuple[str, ...] = ("weight",)
+"""The summed field of a sync: the rank's consensus weight (the SUM gives the total)."""
 
 REPORT_FIELDS: tuple[str, ...] = ("steps", "samples", "compute_ms", "sync_ms", "divergence")
 """Per-rank report slots, each `world_size` long.
@@ -127,31 +134,44 @@ class SyncReport:
 
 
 class SyncLayout:
-    """Offsets of one policy bucket (a `BucketLayout`: `bucket`), plus pack / finish / read.
+    """The sync's slots in a `BucketLayout` (`bucket`), plus pack / finish / read.
 
-    `pack` and `finish` do not allocate on the parameter path; the per-rank tail is staged in
-    a small host array owned by the layout.
+    `pack` and `finish` do not allocate on the parameter path; the tail is staged in a small
+    host array owned by the layout.
     """
 
     def __init__(self, n_params: int, world_size: int,
-                 fields: Sequence[str] = REPORT_FIELDS):
+                 fields: Sequence[str] = REPORT_FIELDS, layout: BucketLayout | None = None):
         if len(set(fields)) != len(fields):
             raise ValueError(f"duplicate report fields: {list(fields)}")
-        self.bucket = BucketLayout(n_params, ("weight",), fields, world_size)
-        self.n_params = self.bucket.payload_size
-        self.world_size = self.bucket.world_size
-        self.fields = self.bucket.rank_fields
-        self.weight_index = self.bucket.field_offset("weight")
-        self.tail_start = self.bucket.payload_size + self.bucket.rank_fields_start
-        self.size = self.bucket.size
-        self._tail = np.zeros(self.bucket.tail_size, dtype=np.float64)   # staged on the host
+        if layout is None:
+            layout = BucketLayout(n_params, SUMMED_FIELDS, fields, world_size)
+        missing = ([f for f in SUMMED_FIELDS if f not in layout.fields]
+                   + [f for f in fields if f not in layout.rank_fields])
+        if missing or layout.payload_size != n_params or layout.world_size != world_size:
+            raise ValueError(f"the bucket layout lacks the sync's slots {missing} or its size "
+                             f"({layout.payload_size} params, {layout.world_size} ranks) is not "
+                             f"{n_params} params, {world_size} ranks")
+        self.bucket = layout
+        self.n_params = layout.payload_size
+        self.world_size = layout.world_size
+        self.fields = tuple(fields)
+        self.size = layout.size
+        self._weight = layout.field_index("weight")
+        self._tail = np.zeros(layout.tail_size, dtype=np.float64)   # staged on the host
+
+    @classmethod
+    def inside(cls, layout: BucketLayout, fields: Sequence[str] = REPORT_FIELDS) -> "SyncLayout":
+        """The sync's slots in an existing bucket layout (the worker's one bucket)."""
+        return cls(layout.payload_size, layout.world_size, fields, layout)
 
     def field_slice(self, name: str) -> slice:
         return self.bucket.rank_span(name)
 
     def pack(self, bucket, params, weight: float, rank: int,
              report: Mapping[str, float]) -> None:
-        """Fill the whole bucket for this rank: weighted params, weight, own report slots."""
+        """Fill the whole bucket for this rank: weighted params, weight, own report slots
+        (every other tail slot zero)."""
         if bucket.shape[0] != self.size:
             raise ValueError(f"bucket has {bucket.shape[0]} slots, layout needs {self.size}")
         if not 0 <= rank < self.world_size:
@@ -159,19 +179,28 @@ class SyncLayout:
         unknown = set(report) - set(self.fields)
         if unknown:
             raise ValueError(f"unknown report fields {sorted(unknown)}; known: {list(self.fields)}")
-        pack_consensus(params, weight, bucket)
+        weigh_into(params, weight, self.bucket.payload_of(bucket))
         self._tail.fill(0.0)
+        self._tail[self._weight] = weight
         for name in self.fields:
             self.bucket.write(self._tail, name, float(report.get(name, 0.0)), rank)
-        _copy_into(bucket[self.tail_start:], self._tail[self.bucket.rank_fields_start:])
+        _copy_into(self.bucket.tail_of(bucket), self._tail)
+
+    def total_weight(self, bucket) -> float:
+        """The summed weight of a reduced bucket."""
+        return float(self.bucket.tail_of(bucket)[self._weight])
 
     def finish(self, bucket, out_params) -> bool:
         """Apply the consensus to `out_params` (see `consensus.finish_consensus`)."""
-        return finish_consensus(bucket[:self.tail_start], out_params)
+        return consensus_into(self.bucket.payload_of(bucket), self.total_weight(bucket), out_params)
+
+    def divergence(self, params, bucket, own_weight: float | None = None) -> float:
+        """This rank's `consensus.divergence_from` the consensus in the reduced bucket."""
+        return divergence_from(params, self.bucket.payload_of(bucket), self.total_weight(bucket),
+                               own_weight)
 
     def read(self, bucket) -> SyncReport:
         """The reduced bucket's summed weight and every rank's report (host float64)."""
-        tail = _to_host(bucket[self.weight_index:]).astype(np.float64)
-        values = {name: tail[1 + i * self.world_size: 1 + (i + 1) * self.world_size].copy()
-                  for i, name in enumerate(self.fields)}
-        return SyncReport(total_weight=float(tail[0]), values=values)
+        tail = _to_host(self.bucket.tail_of(bucket)).astype(np.float64)
+        values = {name: tail[self.bucket.rank_slice(name)].copy() for name in self.fields}
+        return SyncReport(total_weight=float(tail[self._weight]), values=values)

@@ -39,6 +39,18 @@ def _flat(a, what: str):
     return a
 
 
+def weigh_into(params, weight: float, payload) -> None:
+    """Write `weight * params` into `payload` (exact zeros for a zero weight), in place."""
+    params = _flat(params, "params")
+    if not (weight >= 0 and math.isfinite(weight)):
+        raise ValueError(f"consensus weight must be finite and >= 0, got {weight!r}")
+    if weight == 0:
+        # exact zeros: 0 * NaN from an idle rank's stale params must not poison the sum
+        payload.fill(0)
+    else:
+        np.multiply(params, weight, out=payload)
+
+
 def pack_consensus(params, weight: float, bucket) -> None:
     """Write `weight * params` into `bucket[:n]` and `weight` into `bucket[n]`, in place.
 
@@ -48,20 +60,22 @@ def pack_consensus(params, weight: float, bucket) -> None:
     n = params.size
     if bucket.shape[0] < n + 1:
         raise ValueError(f"bucket has {bucket.shape[0]} slots, needs at least {n + 1}")
-    if not (weight >= 0 and math.isfinite(weight)):
-        raise ValueError(f"consensus weight must be finite and >= 0, got {weight!r}")
-    head = bucket[:n]
-    if weight == 0:
-        # exact zeros: 0 * NaN from an idle rank's stale params must not poison the sum
-        head.fill(0)
-    else:
-        np.multiply(params, weight, out=head)
+    weigh_into(params, weight, bucket[:n])
     bucket[n] = weight
 
 
 def summed_weight(bucket, n_params: int) -> float:
     """The summed weight slot of a reduced bucket."""
     return float(bucket[n_params])
+
+
+def consensus_into(payload, total: float, out_params) -> bool:
+    """`out_params = payload / total` when `total > 0` (True); else False, `out_params` unchanged."""
+    out_params = _flat(out_params, "out_params")
+    if not total > 0:
+        return False
+    np.divide(payload, total, out=out_params)
+    return True
 
 
 def finish_consensus(bucket, out_params) -> bool:
@@ -73,16 +87,22 @@ def finish_consensus(bucket, out_params) -> bool:
     """
     out_params = _flat(out_params, "out_params")
     n = out_params.size
-    total = summed_weight(bucket, n)
-    if not total > 0:
-        return False
-    np.divide(bucket[:n], total, out=out_params)
-    return True
+    return consensus_into(bucket[:n], summed_weight(bucket, n), out_params)
 
 
 def relative_divergence(params, bucket, own_weight: float | None = None,
                         chunk: int = 1 << 20) -> float:
-    """`||W_i - W|| / ||W||` for this rank, with W the consensus still inside the bucket.
+    """`||W_i - W|| / ||W||` for this rank, with W the consensus still inside the bucket
+    (`bucket[:n] / bucket[n]`); see `divergence_from`."""
+    params = _flat(params, "params")
+    n = params.size
+    return divergence_from(params, bucket[:n], summed_weight(bucket, n), own_weight, chunk)
+
+
+def divergence_from(params, payload, total: float, own_weight: float | None = None,
+                    chunk: int = 1 << 20) -> float:
+    """`||W_i - W|| / ||W||` for this rank, with W = `payload / total` the consensus still in
+    the reduced bucket.
 
     Call it after the Allreduce and BEFORE `finish_consensus` overwrites `params`, so the
     pre-sync local params and the consensus are both available without a full copy (the
@@ -95,14 +115,13 @@ def relative_divergence(params, bucket, own_weight: float | None = None,
     """
     params = _flat(params, "params")
     n = params.size
-    total = summed_weight(bucket, n)
     if not total > 0 or own_weight == 0:
         return 0.0
     diff_sq = 0.0
     cons_sq = 0.0
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
-        cons = bucket[start:stop].astype(np.float64)
+        cons = payload[start:stop].astype(np.float64)
         cons /= total
         cons_sq += float(cons.dot(cons))
         cons -= params[start:stop]

@@ -4,7 +4,8 @@ This module holds what they share; `cadence.py` and `asynchronous.py` what diffe
 step-count controller, its config keys and what the epoch record shows).
 
 A window: every rank runs its share of local optimizer steps on its own shard (no
-communication), then all ranks issue ONE in-place Allreduce(SUM) of
+communication), then all ranks issue ONE in-place Allreduce(SUM) of the worker's bucket (the
+one the local steps write their gradients into, laid out with this policy's slots)
 
     [ w_i * W_i ... | w_i | steps | samples | compute_ms | sync_ms | divergence | loss_sum
       | correct | stop | nonfinite | ckpt_due ]      (each report field: one slot per rank)
@@ -51,8 +52,8 @@ from hpc_rlx.observe import trace
 
 from ..errors import ConfigError
 from .base import EpochTotals, Policy, TrainingLoop, dropout_seed
-from .bucket import REPORT_FIELDS, SyncLayout
-from .consensus import relative_divergence, work_weight
+from .bucket import REPORT_FIELDS, SUMMED_FIELDS, SyncLayout
+from .consensus import work_weight
 from .epochlog import EpochLog
 from .keys import SHARED_DEFAULTS, SHARED_DOCS, integer_key, number_key
 from .outer import make_outer
@@ -81,6 +82,8 @@ class WindowedPolicy(Policy):
 
     defaults = SHARED_DEFAULTS
     key_docs = SHARED_DOCS
+    bucket_fields = SUMMED_FIELDS
+    bucket_rank_fields = FIELDS
 
     @classmethod
     def check_config(cls, cfg: dict) -> dict:
@@ -196,10 +199,12 @@ class WindowedPolicy(Policy):
     # ---- setup on first use (needs the worker) ------------------------------------------
     def _setup(self, run) -> None:
         worker = run.worker
-        self.layout = SyncLayout(worker.layout.size, self.world, FIELDS)
-        self.bucket = collective.FusedBucket.for_layout(self.layout.bucket, worker.dtype,
-                                                 cap_mb=float(worker.spec.comm["bucket_cap_mb"]),
-                                                 deterministic=bool(worker.spec.comm["deterministic"]))
+        # The worker's one bucket, laid out with this policy's slots (`bucket_fields`,
+        # `bucket_rank_fields`): the local steps' gradients and the sync share it. The sync
+        # sums it exactly (never the step's 16-bit wire or device path), picked once here.
+        self.bucket = worker.bucket
+        self.layout = SyncLayout.inside(self.bucket.layout, FIELDS)
+        self.reduction = self.bucket.exact_reduction()
         self.buf = self.bucket.buffer
         self.global_params = worker.params.copy()   # the last agreed model (restore point)
         self.outer.begin(worker.params[:worker.n_trainable])   # buffers: the plain average
@@ -357,14 +362,14 @@ class WindowedPolicy(Policy):
             "loss_sum": 0.0 if bad else work.loss_sum, "correct": 0.0 if bad else work.correct,
             **run.control_flags(nonfinite=bad),
         })
-        self.bucket.allreduce(worker.comm)
+        self.bucket.allreduce(worker.comm, self.reduction)
         report = self.layout.read(self.buf)
         flags = self.bucket.flags()
         if flags["nonfinite"] and run.on_nonfinite == "stop":
             run.stop("nonfinite")
             worker.params[...] = self.global_params      # the last agreed model, not this rank's window
             return None
-        self._prev_div = relative_divergence(worker.params, self.buf, weight)
+        self._prev_div = self.layout.divergence(worker.params, self.buf, weight)
         if self.layout.finish(self.buf, worker.params):
             self.outer.step(worker.params[:worker.n_trainable], inner_lr=lr if lr > 0 else worker.base_lr)
             self.global_params[...] = worker.params

@@ -206,7 +206,9 @@ class Run:
         tcfg = spec.extras["trace"]
         self.tracer = trace.start(comm, bool(tcfg["enabled"]), host=hostname(),
                                   max_events=tcfg["max_events"])
-        self.worker = worker = Worker(spec, comm, log=self.log)
+        self.policy = make_policy(spec)
+        self.worker = worker = Worker(spec, comm, log=self.log, fields=self.policy.bucket_fields,
+                                      rank_fields=self.policy.bucket_rank_fields)
         self.log(spec.extras.get("plan", ""))
         self._cpu_mark = time.process_time()
         with phase("data loading"), trace.span("data.load", "data",
@@ -224,7 +226,6 @@ class Run:
         self.log(f"lanes: {lane_note}")
         self.log(f"{bucket_note}")
         self.stats = RankStats(lanes=self.lanes.names, inventory=inventory(), threads=self.threads)
-        self.policy = make_policy(spec)
         self.checkpoints = RuntimeCheckpoints(spec, comm, worker, self.policy, self.log,
                                               lambda: self.current_totals)
         with phase("resume from a checkpoint"):

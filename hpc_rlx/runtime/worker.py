@@ -22,7 +22,8 @@ from hpc_rlx.runtime.state import TrainState
 class Worker:
     """Everything one rank holds during training. Policies drive it through its methods."""
 
-    def __init__(self, spec: TrainSpec, comm, log=print):
+    def __init__(self, spec: TrainSpec, comm, log=print, fields: tuple[str, ...] = STEP_FIELDS,
+                 rank_fields: tuple[str, ...] = ()):
 
         self.spec, self.comm, self.log = spec, comm, log
         self.rank, self.world = comm.rank, comm.size
@@ -45,10 +46,12 @@ class Worker:
 
         self.plan = plan_shards(spec.data.n_train, spec.train["batch_size"], self.world, spec.data.leftover)
         self.steps_per_epoch = self.plan.steps_per_epoch
+        # The one parameter-sized bucket: gradients (or a windowed sync's weighted parameters),
+        # then the tail slots the policy declares (`Policy.bucket_fields`, `bucket_rank_fields`).
         # agreed: a bad comm.wire_dtype is one clear error on every rank
-        # summed fields: the step's (bucket_layout.STEP_FIELDS), then any a policy asks for
         self.bucket = collective.agree(comm, lambda: collective.FusedBucket(
-            self.layout.size, STEP_FIELDS + tuple(spec.extras.get("tail", ())), self.dtype,
+            self.layout.size, tuple(fields), self.dtype, rank_fields=tuple(rank_fields),
+            world_size=self.world,
             cap_mb=float(spec.comm["bucket_cap_mb"]), deterministic=bool(spec.comm["deterministic"]),
             wire_dtype=spec.comm["wire_dtype"], overlap=bool(spec.comm["overlap"]),
             overlap_chunk_mb=float(spec.comm["overlap_chunk_mb"])))
