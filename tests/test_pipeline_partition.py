@@ -211,7 +211,7 @@ def test_each_stage_initialises_its_parameters_as_the_whole_graph_does():
     for st in partition(g, 3):
         again = load_graph(st.to_dict())
         assert isinstance(again, StageGraph) and again.predictions_per_sample == 6
-        assert again.whole_outputs == ("loss", "correct")
+        assert again.result_names == ("loss", "correct")
         lay = ParamLayout(again)
         mine = lay.views(init_params(again, np.empty(lay.size), seed=4))
         for p in again.params:

@@ -157,7 +157,7 @@ def check_pipeline(cfg: dict, graph, world_size: int) -> int:
         return world_size
     check_world(world_size, S)
     policy = cfg["policy"]["name"]
-    if policy != "sync":
+    if not POLICIES[policy].steps_are_batches:     # the pipelined step is a synchronised step
         raise ConfigError(f"parallel.pipeline_stages={S} runs with policy=sync only; policy={policy} "
                           f"(local steps between syncs) is not designed for pipeline stages yet")
     dev = cfg["device"]

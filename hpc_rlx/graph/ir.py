@@ -373,6 +373,11 @@ class Graph:
         return LOSS
 
     @property
+    def result_names(self) -> tuple:
+        """The model's outputs (a pipeline stage: those of the whole graph it is part of)."""
+        return tuple(self.outputs)
+
+    @property
     def metric_names(self) -> list:
         return [k for k in self.outputs if k != LOSS]
 

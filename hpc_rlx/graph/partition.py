@@ -29,7 +29,7 @@ the boundary gradients back, gives the whole graph's loss and parameter gradient
 from __future__ import annotations
 
 from hpc_rlx.errors import ConfigError, GraphError
-from hpc_rlx.graph.ir import Graph
+from hpc_rlx.graph.ir import Graph, InputSpec
 from hpc_rlx.graph.shapes import known_prod
 
 
@@ -47,8 +47,11 @@ class StageGraph(Graph):
         self.boundary_inputs = tuple(stage["boundary_inputs"])
         self.boundary_outputs = tuple(stage["boundary_outputs"])
         self.param_seeds = tuple(stage.get("param_seeds") or range(len(self.params)))
-        self.whole_outputs = tuple(stage.get("whole_outputs") or self.outputs)
+        self._results = tuple(stage.get("whole_outputs") or self.outputs)
         self._per_sample = int(stage.get("predictions_per_sample") or 1)
+        self._classes = stage.get("num_classes")
+        self._whole_inputs = {i["name"]: InputSpec(i["name"], tuple(i["shape"]), i["dtype"])
+                              for i in stage.get("whole_inputs") or []}
         inputs = {s.name for s in self.inputs}
         nodes = {n.name for n in self.nodes}
         for name in self.boundary_inputs:
@@ -57,6 +60,18 @@ class StageGraph(Graph):
         for name in self.boundary_outputs:
             if name not in inputs and name not in nodes:
                 raise GraphError(f"stage graph: boundary output '{name}' is neither an input nor a node")
+
+    @property
+    def result_names(self) -> tuple:
+        return self._results
+
+    @property
+    def num_classes(self):
+        return self._classes
+
+    def input(self, name: str):
+        """An input of the whole graph (what the data feeds), whether or not this stage reads it."""
+        return self._whole_inputs[name] if name in self._whole_inputs else super().input(name)
 
     @property
     def predictions_per_sample(self) -> int:
@@ -253,7 +268,8 @@ def _build(g: Graph, nodes, cuts, stages) -> list:
             "meta": {"stage": {"index": k, "stages": stages, "boundary_inputs": list(carried),
                                "boundary_outputs": handed, "param_seeds": [seeds[p] for p in params],
                                "whole_outputs": list(g.outputs),
-                               "predictions_per_sample": g.predictions_per_sample},
+                               "predictions_per_sample": g.predictions_per_sample,
+                               "num_classes": g.num_classes, "whole_inputs": d["inputs"]},
                      "source": d["meta"]},
         }
         result.append(StageGraph(sd))

@@ -12,6 +12,7 @@ import numpy as np
 
 from hpc_rlx.comm import watchdog
 from hpc_rlx.config import segments
+from hpc_rlx.graph import Graph
 from hpc_rlx.observe.plots import write_plots
 
 
@@ -82,7 +83,9 @@ class RunOutputs:
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
 
-    def finish(self, result: dict) -> None:
+    def finish(self, result: dict, params=None) -> None:
+        """``params``: (name, array) pairs to write as the model, in order (a pipelined run
+        hands them over one stage at a time); default this rank's parameters."""
         self.metrics.close()
         worker = self.worker
         if not np.isfinite(worker.params).all():
@@ -92,10 +95,10 @@ class RunOutputs:
             return
         tmp = self.dir / "model.h5.tmp"
         with h5py.File(tmp, "w") as f:
-            views = worker.layout.views(worker.params)
-            for name, arr in views.items():
+            pairs = worker.layout.views(worker.params).items() if params is None else params
+            for name, arr in pairs:
                 f.create_dataset(name, data=np.asarray(arr))
-            f.attrs["graph_fingerprint"] = worker.graph.fingerprint()
+            f.attrs["graph_fingerprint"] = Graph.from_dict(self.spec.graph).fingerprint()  # the whole model's
             f.attrs["graph"] = json.dumps(self.spec.graph)
         os.replace(tmp, self.dir / "model.h5")
         self._write_summary(result)

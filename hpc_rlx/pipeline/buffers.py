@@ -4,9 +4,7 @@ A forward message from stage s to s+1 holds stage s's boundary outputs, one afte
 each in its graph shape with the batch dimension set to the micro-batch's rows. The backward
 message from s+1 to s holds the gradients of the same values in the same places, after a
 small tail (``TAIL``): the micro-batch's loss sum and correct count (computed by the last
-stage, passed down), and two flags -- ``nonfinite`` (a stage above saw NaN/Inf in its
-gradients, set on the last micro-batch's message) and ``stop`` (a stage above was asked to
-stop by a signal). Every stage knows every micro-batch's rows (the replica's batch is split
+stage, passed down with the gradients). Every stage knows every micro-batch's rows (the replica's batch is split
 the same way on each), so a message's length is known to both ends; buffers are allocated
 for the largest micro-batch, and shapes are never sent.
 
@@ -22,7 +20,7 @@ import numpy as np
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.graph.shapes import FLOAT
 
-TAIL = ("loss_sum", "correct", "nonfinite", "stop")
+TAIL = ("loss_sum", "correct")
 
 
 def _elems(shape, rows: int) -> int:

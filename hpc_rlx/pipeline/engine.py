@@ -21,12 +21,8 @@ and ranks sum today (partial batches included).
 
 What travels with the gradients (``buffers.TAIL``): the last stage writes each micro-batch's
 loss sum and correct count into the backward message, and every stage passes them down, so
-every stage ends the step with its replica's loss. ``nonfinite`` rides on the last
-micro-batch's message: a stage sets it when its own finished gradients hold NaN/Inf (checked
-after its last backward, before that message leaves) or the stage above set it; ``stop``
-(a signal reached a stage above) rides on every message. So stage 0 ends the step knowing
-every stage of its replica; ``upstream`` holds what came from above for the step's bucket
-(``PipelineBucket``), which carries it to the other replicas and back up the pipeline.
+every stage ends the step with its replica's loss and no collective is needed for it. The
+control flags cannot travel this way (see ``lanes.PipelineBucket``).
 """
 
 from __future__ import annotations
@@ -39,8 +35,6 @@ from hpc_rlx.graph import Executor
 from hpc_rlx.observe import trace
 from hpc_rlx.pipeline.buffers import TAIL, BoundaryLayout, micro_sizes
 from hpc_rlx.pipeline.schedule import build, simulate
-
-_NONFINITE, _STOP = TAIL.index("nonfinite"), TAIL.index("stop")
 
 
 class StageEngine:
@@ -67,7 +61,6 @@ class StageEngine:
         self.send_f = self.f_out.allocate(k, self.dtype) if self.f_out else []
         self.recv_b = self.b_in.allocate(k, self.dtype) if self.b_in else []
         self._plans: dict[int, list] = {}
-        self.upstream = {"nonfinite": False, "stop": False}
         self.busy_s = 0.0
         self.wait_s = 0.0
 
@@ -90,7 +83,7 @@ class StageEngine:
             trace.ACTIVE.add(what, "pipeline", trace.MAIN, t0, t1, {"micro": m})
 
     # ---- training ------------------------------------------------------------------------
-    def step(self, param_views, grad_flat, grad_views, feeds: dict, seed: int, stop: bool):
+    def step(self, param_views, grad_flat, grad_views, feeds: dict, seed: int):
         """Forward and backward of this replica's batch ``feeds`` through this stage; the
         sample-weighted gradient sum lands in ``grad_flat``. Returns (rows, loss_sum, correct)
         of the replica's batch (the loss as the last stage computed it)."""
@@ -100,9 +93,7 @@ class StageEngine:
         offs = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
         grad_flat[...] = 0
         acc = np.zeros(len(TAIL))
-        acc[_STOP] = 1.0 if stop else 0.0
         if not sizes:
-            self.upstream = {"nonfinite": False, "stop": False}
             return 0, 0.0, 0.0
         rf, rb, sf, sb = {}, {}, [None] * K, [None] * K
 
@@ -144,8 +135,6 @@ class StageEngine:
                 buf = self.recv_b[m % K]
                 seeds = self.b_in.views(buf, r)
                 loss_m, correct_m = float(buf[0]), float(buf[1])
-                acc[_NONFINITE] = max(acc[_NONFINITE], buf[_NONFINITE])
-                acc[_STOP] = max(acc[_STOP], buf[_STOP])
             else:
                 seeds = {}
                 loss_m, correct_m = own.pop(m)
@@ -154,19 +143,16 @@ class StageEngine:
             t0 = time.perf_counter()
             grads_in = self.ex.stage_backward(runs.pop(m), grad_views, seeds, grad_scale=float(r), accumulate=True)
             self._span("backward", t0, m)
-            if i == len(plan) - 1 and not np.isfinite(grad_flat).all():
-                acc[_NONFINITE] = 1.0
             if self.b_out:
                 k = m % K
                 self._wait(sb[k], "send gradients", m)
                 out = self.send_b[k]
                 self.b_out.pack(out, r, grads_in)
-                out[:len(TAIL)] = (loss_m, correct_m, acc[_NONFINITE], acc[_STOP])
+                out[:len(TAIL)] = (loss_m, correct_m)
                 sb[k] = pipe.Isend(out[:self.b_out.size(r)], dest=s - 1, tag=2 * m + 1)
             post(m + K)
         for req in sf + sb:
             self._wait(req, "send drain", -1)
-        self.upstream = {"nonfinite": bool(acc[_NONFINITE] > 0), "stop": bool(acc[_STOP] > 0)}
         return n, float(acc[0]), float(acc[1])
 
     def _span(self, what: str, t0: float, m: int) -> None:

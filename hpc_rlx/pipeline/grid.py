@@ -6,7 +6,7 @@ world rank 0 is stage 0 of replica 0, the rank that draws progress and writes th
 
 ``split(world, S)`` (MPI) makes the two communicators with ``Comm.Split``:
 - ``pipe``: the S stages of this rank's replica, ranked by stage (activations, their
-  gradients, and the step's agreed tail, broadcast from stage 0);
+  gradients, the step's control flags, validation sums from the last stage);
 - ``data``: the D replicas of this rank's stage, ranked by replica (the stage's fused
   gradient Allreduce, its data shard: replica r reads what data-parallel rank r of D would).
 """

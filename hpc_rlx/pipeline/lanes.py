@@ -8,17 +8,19 @@ One step, policy ``sync``, on a rank of stage s:
    sample-weighted gradients land in the bucket's payload; it returns the replica's rows, loss
    sum and correct count (the last stage's, passed down with the gradients).
 2. The policy writes the tail (samples, loss sum, correct, this rank's flags) as today.
-3. ``PipelineBucket.allreduce``: the flags that came down the pipeline are raised in the tail
-   (stage 0 then holds every flag of its replica), one fused Allreduce sums gradients and tail
-   over the stage's replicas (the data-parallel communicator of the stage), then stage 0's
-   reduced tail is broadcast up each pipeline (``Bcast`` on the pipeline communicator, a few
-   numbers). This Bcast is the one message per step beyond the activations, their gradients
-   and the stage's Allreduce: stage 0 is the only stage that has heard every stage (flags
-   travel down with the gradients), and the stages above it have sent their last message
-   before stage 0's own checks (its gradients' finiteness, rank 0's checkpoint clock) are
-   known. After it every rank holds the same tail, so stop, skip-non-finite and
-   checkpoint-due are decided the same way on every rank in the same step, and the samples,
-   loss and accuracy every rank reads are the job's.
+3. ``PipelineBucket.allreduce``: one fused Allreduce sums the stage's gradients and the tail
+   over the stage's replicas (the stage's data-parallel communicator). The samples, loss sum
+   and correct count are then the job's on every rank: every stage of a replica has the same
+   rows, and the loss came down with the gradients (``engine``). The control flags (stop,
+   non-finite, checkpoint due) are then agreed among the stage's replicas only; one more
+   collective, an Allreduce of those three numbers over the pipeline communicator, makes
+   them every rank's. That is the one message per step beyond the activations, their
+   gradients and the stage's Allreduce, and it cannot ride on them: each rank's own checks
+   -- its finished gradients' finiteness, a signal, rank 0's checkpoint clock -- are known
+   only after its last message of the step left (its last backward produced that message
+   and its gradients together), so the neighbours have nothing more of it to read in this
+   step. After it stop, skip-non-finite and checkpoint-due are decided the same way on every
+   rank in the same step.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 
 import numpy as np
 
+from hpc_rlx.comm.bucket_layout import CONTROL_FLAGS
 from hpc_rlx.observe import trace
 
 
@@ -40,13 +43,12 @@ class _StageLane:
 class PipelineLanes:
     overlap_capable = False
 
-    def __init__(self, engine, params_flat, layout, bucket, stop_raised=lambda: False):
+    def __init__(self, engine, params_flat, layout, bucket):
         self.engine, self.layout = engine, layout
         self.params = params_flat
         self.param_views = layout.views(params_flat)
         self.bucket = bucket
         self.grad_views = layout.views(bucket.payload)
-        self.stop_raised = stop_raised
         name = f"cpu0 (stage {engine.stage}/{engine.stages})"
         self.lanes = [_StageLane(name)]
         self.names = [name]
@@ -57,7 +59,7 @@ class PipelineLanes:
         t0 = time.perf_counter()
         feeds = {"x": x, "y": y}
         n, loss_sum, correct = self.engine.step(self.param_views, self.bucket.payload, self.grad_views,
-                                                feeds, seed, self.stop_raised())
+                                                feeds, seed)
         dt = time.perf_counter() - t0
         ln = self.lanes[0]
         ln.samples += n
@@ -67,7 +69,12 @@ class PipelineLanes:
         return n, loss_sum, correct, dt
 
     def evaluate(self, x, y, batch: int = 1024):
-        return self.engine.evaluate(self.param_views, {"x": x, "y": y})
+        """(loss_sum, correct) of a validation batch on every stage: the last stage's sums,
+        broadcast along the pipeline (the caller then sums over the replicas)."""
+        loss_sum, correct = self.engine.evaluate(self.param_views, {"x": x, "y": y})
+        buf = np.array([loss_sum, correct], dtype=np.float64)
+        self.engine.pipe.Bcast(buf, root=self.engine.stages - 1)
+        return float(buf[0]), float(buf[1])
 
     def refresh_device_params(self) -> None:
         pass
@@ -80,8 +87,10 @@ class PipelineBucket:
     """The stage's fused bucket, reduced over the stage's replicas, its tail then agreed along
     the pipeline (see the module docstring). Everything else is the wrapped bucket's."""
 
-    def __init__(self, bucket, comms, engine):
-        self._bucket, self._comms, self._engine = bucket, comms, engine
+    def __init__(self, bucket, comms):
+        self._bucket, self._comms = bucket, comms
+        self._flags = np.zeros(len(CONTROL_FLAGS), dtype=np.float64)
+        self._agreed = np.zeros_like(self._flags)
 
     def __getattr__(self, name):
         return getattr(self._bucket, name)
@@ -94,20 +103,14 @@ class PipelineBucket:
 
     def allreduce(self, comm=None, reduction=None) -> float:
         b = self._bucket
-        for flag, raised in self._engine.upstream.items():
-            if raised:
-                b[flag] = max(b[flag], 1.0)
         dt = b.allreduce(self._comms.data, reduction)
         t0 = time.perf_counter()
-        self._comms.pipe.Bcast(b.tail, root=0)
+        for i, flag in enumerate(CONTROL_FLAGS):
+            self._flags[i] = b[flag]
+        self._comms.pipe.Allreduce(self._flags, self._agreed)     # summed: raised anywhere = > 0
+        for i, flag in enumerate(CONTROL_FLAGS):
+            b[flag] = float(self._agreed[i])
         t1 = time.perf_counter()
         if trace.ACTIVE is not None:
-            trace.ACTIVE.add("tail bcast", "comm", trace.MAIN, t0, t1)
+            trace.ACTIVE.add("flags allreduce", "comm", trace.MAIN, t0, t1)
         return dt + (t1 - t0)
-
-
-def gather_evaluation(comms, buf: np.ndarray) -> np.ndarray:
-    """Validation sums live on the last stage: after the stage's Allreduce, every rank takes
-    the last stage's (one Bcast on the pipeline communicator)."""
-    comms.pipe.Bcast(buf, root=comms.stages - 1)
-    return buf

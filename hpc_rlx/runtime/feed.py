@@ -63,7 +63,7 @@ class Feed:
         self.rank, self.world = comm.rank, comm.size
         self.plan, self.steps = plan, plan.steps_per_epoch
         self.dtype = np.dtype(spec.train["dtype"])
-        x_in = next(i for i in graph.inputs if i.name == "x")
+        x_in = graph.input("x")     # a pipeline stage answers for the whole model
         # integer data feeding a float model (uint8 images) stays as stored; each batch is cast
         self.float_input = x_in.dtype == FLOAT
         self.num_classes = getattr(graph, "num_classes", None)

@@ -31,6 +31,7 @@ from hpc_rlx.observe.progress import end_line
 from hpc_rlx.policies import slowdown_for_rank
 from hpc_rlx.policies.base import EpochTotals, dropout_seed
 from hpc_rlx.policies.registry import make_policy
+from hpc_rlx.runtime import pipelined
 from hpc_rlx.runtime.worker import Worker
 from hpc_rlx.runtime.faults import Faults
 from hpc_rlx.runtime.signals import SIGNALS
@@ -80,6 +81,7 @@ class Run:
         self._cpu_mark = time.process_time()
         # set up by execute(), in this order
         self.threads: int | None = None
+        self.place = None       # pipelined.RankPlace: this rank's stage, if pipelined
         self.worker: Worker | None = None
         self.lanes = None
         self.stats: RankStats | None = None
@@ -207,7 +209,9 @@ class Run:
         self.tracer = trace.start(comm, bool(tcfg["enabled"]), host=hostname(),
                                   max_events=tcfg["max_events"])
         self.policy = make_policy(spec)
-        self.worker = worker = Worker(spec, comm, log=self.log, fields=self.policy.bucket_fields,
+        # a pipelined rank's Worker holds its stage, among the stage's replicas (else: as given)
+        self.place = place = pipelined.for_rank(spec, comm)
+        self.worker = worker = Worker(place.spec, place.comm, log=self.log, fields=self.policy.bucket_fields,
                                       rank_fields=self.policy.bucket_rank_fields)
         self.log(spec.extras.get("plan", ""))
         self._cpu_mark = time.process_time()
@@ -218,7 +222,8 @@ class Run:
             spec.device["kind"], int(spec.device["cpu_lanes"]), int(spec.device["gpus_per_rank"]),
             local_rank(comm)))
         # Lanes place the bucket (device twin or host) and pick its Allreduce path.
-        self.lanes = collective.agree(comm, lambda: LaneSet(
+        self.lanes = pipelined.lanes(place, worker) if place.comms \
+            else collective.agree(comm, lambda: LaneSet(
             worker.graph, lanes_spec, spec.train["dtype"], worker.params, worker.bucket, worker.layout,
             cuda_aware=spec.comm["cuda_aware"]))
         lane_note = collective.by_rank(comm, describe_lanes(lanes_spec))
@@ -368,6 +373,7 @@ class Run:
         mine = dict(st.__dict__, rank=self.rank, host=hostname(),
                     wall_s=time.perf_counter() - self.t_start, **worker.feed.report())
         ranks = comm.gather(mine, root=0)
+        pipelined.send_final_params(self.place, worker)
         self.lanes.close()
         final = self.partial_metrics or (worker.history[-1] if worker.history else {})
         result = {
@@ -383,7 +389,10 @@ class Run:
         }
         if self.is_root:
             self.close_displays()
-            self.outputs.finish(result)
+            params = pipelined.final_params(self.place, worker, self.spec.graph)
+            self.outputs.finish(result, params)
+            for _ in params:    # what finish did not write (a non-finite model): received all the same
+                pass
             if self.stop_reason not in ("nonfinite", "interrupted"):   # those end with their own line
                 self.log(end_line(result["status"], mine["wall_s"], final, self.spec.run_dir))
         if self.stop_reason == "nonfinite":

@@ -11,7 +11,8 @@ from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import STEP_FIELDS
 from hpc_rlx.config.spec import TrainSpec, initial_parameters, optimizer_kwargs, schedule_kwargs
 from hpc_rlx.data.plan import EpochOrder, plan_shards
-from hpc_rlx.graph import Graph, ParamLayout
+from hpc_rlx.graph import ParamLayout
+from hpc_rlx.graph.partition import load_graph
 from hpc_rlx.runtime.faults import maybe_fail
 from hpc_rlx.runtime.feed import EVAL_BATCH, Feed, MemoryFeed, StreamFeed
 from hpc_rlx.runtime.feed_scatter import ScatterStreamFeed
@@ -28,11 +29,11 @@ class Worker:
         self.spec, self.comm, self.log = spec, comm, log
         self.rank, self.world = comm.rank, comm.size
         self.dtype = np.dtype(spec.train["dtype"])
-        self.graph = Graph.from_dict(spec.graph)
+        self.graph = load_graph(spec.graph)      # a pipelined rank: its stage (runtime/pipelined.py)
         self.layout = ParamLayout(self.graph)
         self.per_sample = max(1, int(getattr(self.graph, "predictions_per_sample", 1)))
         # a regression loss (mse) has no `correct` output: there is no accuracy to report
-        self.has_accuracy = "correct" in self.graph.outputs
+        self.has_accuracy = "correct" in self.graph.result_names
         self.EpochOrder = EpochOrder
 
         # Initial weights: rank 0 materialises them, everyone receives them by buffer Bcast.

@@ -48,7 +48,7 @@ def main():
         pv[p.name][...] = rv[p.name]
     D, B, lr = comms.grid.replicas, job["batch"], 0.05
     engine = StageEngine(st, comms, job["schedule"], job["micro"], -(-B // D), "float64")
-    bucket = PipelineBucket(FusedBucket(layout.size, STEP_FIELDS, np.float64), comms, engine)
+    bucket = PipelineBucket(FusedBucket(layout.size, STEP_FIELDS, np.float64), comms)
     lanes = PipelineLanes(engine, params, layout, bucket)
     ex = Executor(g, np, "float64")
     rgrad = np.empty(full.size)
