@@ -127,3 +127,26 @@ def test_pipeline_config_errors_fail_cleanly_on_every_rank(tmp_path, digits_h5, 
     assert fragment in proc.stderr, explain(proc)
     assert proc.stderr.count("hpc_rlx: error") == 1, explain(proc)
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_each_stage_holds_its_share_and_traces_its_micro_batches(tmp_path, digits_h5):
+    import json
+    run = tmp_path / "mem"
+    proc = train_job(2, run, [f"data.path={digits_h5}", "checkpoint=off", "train.epochs=1", "train.max_steps=5",
+                              "model.hidden=[64,64,64,64]", "optim=adamw", "trace.enabled=true",
+                              "parallel.pipeline_stages=2", "parallel.microbatches=3"])
+    assert proc.returncode == 0, explain(proc)
+    ranks = json.loads((run / "summary.json").read_text())["ranks"]
+    whole = (64 * 64 + 64) * 4 + 64 * 10 + 10              # parameters of the whole model
+    assert sum(r["param_bytes"] for r in ranks) == whole * 4  # float32
+    for r in ranks:                                          # balanced: each about half
+        assert abs(r["param_bytes"] - whole * 4 / 2) <= 0.2 * whole * 4 / 2, r
+        # AdamW: two moments and one scratch per parameter
+        assert abs(r["optimizer_bytes"] - 3 * r["param_bytes"]) <= 0.01 * r["param_bytes"], r
+    events = json.loads((run / "trace.json").read_text())["traceEvents"]
+    for stage in (0, 1):
+        fwd = [e for e in events if e.get("name") == "forward" and e.get("ph") == "X"
+               and e.get("args", {}).get("micro") is not None and e.get("pid") == stage]
+        assert sorted({e["args"]["micro"] for e in fwd}) == [0, 1, 2], stage
+    names = {e.get("name") for e in events}
+    assert {"recv activations", "recv gradients", "backward", "flags allreduce"} <= names

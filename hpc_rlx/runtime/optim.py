@@ -124,6 +124,10 @@ class _Optimizer:
             getattr(self, "_" + n)[...] = self.xp.asarray(np.asarray(arrays[n], dtype=self.dtype))
         self.step_count = int(step)
 
+    def nbytes(self) -> int:
+        """Bytes of the arrays this optimizer holds: its state and its scratch buffers."""
+        return sum(int(v.nbytes) for v in vars(self).values() if hasattr(v, "nbytes") and hasattr(v, "shape"))
+
     def reset(self) -> None:
         """Forget all state: the next step behaves like the first one."""
         for n in self._array_names:

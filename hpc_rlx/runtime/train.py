@@ -371,7 +371,9 @@ class Run:
         worker.feed.close()      # collective: data.cache=stream's rounds in flight complete
         # peak_rss_bytes next to shard_bytes (the rank's rows as stored): what data costs
         mine = dict(st.__dict__, rank=self.rank, host=hostname(),
-                    wall_s=time.perf_counter() - self.t_start, **worker.feed.report())
+                    wall_s=time.perf_counter() - self.t_start, **worker.feed.report(),
+                    # what this rank holds of the model (a pipelined rank: its stage's share)
+                    param_bytes=int(worker.params.nbytes), optimizer_bytes=worker.optimizer.nbytes())
         ranks = comm.gather(mine, root=0)
         pipelined.send_final_params(self.place, worker)
         self.lanes.close()
