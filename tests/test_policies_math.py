@@ -452,7 +452,7 @@ def test_average_outer_is_the_consensus():
 
 def test_diloco_matches_hand_computed_nesterov():
     o = DiLoCo(lr=0.7, momentum=0.9)
-    assert o.resets_inner
+    assert not o.resets_inner
     o.begin(np.array([1.0, 2.0]))
     w = np.array([0.5, 2.5])
     o.step(w)
@@ -548,6 +548,31 @@ def test_outer_state_roundtrip_and_order_errors(name):
         bad = make_outer(name)
         bad.begin(np.zeros(5))
         bad.load_state_dict(a.state_dict())
+
+
+def test_diloco_defaults_and_reset_inner():
+    # the defaults follow bench/bench_diloco.py's measurements: lr 0.7, momentum 0.5, inner
+    # state kept across syncs
+    o = make_outer("diloco")
+    assert (o.lr, o.momentum, o.nesterov, o.resets_inner) == (0.7, 0.5, True, False)
+    assert make_outer("diloco", reset_inner=True).resets_inner
+    assert make_outer("average", reset_inner=True).resets_inner
+    assert not make_outer("slowmo").resets_inner
+    with pytest.raises(ConfigError, match="policy.reset_inner must be true or false, got 1"):
+        make_outer("diloco", reset_inner=1)
+    # one outer step with the defaults: g = 1, v = 1, W = 1 - 0.7 * (1 + 0.5)
+    o.begin(np.array([1.0]))
+    w = np.array([0.0])
+    o.step(w)
+    assert w[0] == pytest.approx(1.0 - 0.7 * 1.5, rel=1e-14)
+
+
+def test_outer_from_config_reads_the_policy_keys():
+    from hpc_rlx.policies.outer import outer_from_config
+
+    o = outer_from_config({"outer": "diloco", "outer_lr": 0.5, "outer_momentum": None,
+                           "reset_inner": True})
+    assert (o.name, o.lr, o.momentum, o.resets_inner) == ("diloco", 0.5, 0.5, True)
 
 
 def test_make_outer_errors():
@@ -719,6 +744,8 @@ def test_policy_config_defaults_and_normalisation():
     ({"name": "cadence", "outer_lr": 0.5}, "policy.outer=average takes no parameters"),
     ({"name": "async", "outer": "diloco", "outer_momentum": 1.0}, "policy.outer_momentum must be in [0, 1)"),
     ({"name": "async", "outer": "slowmo", "outer_lr": True}, "policy.outer_lr must be a number, got True"),
+    ({"name": "async", "outer": "diloco", "reset_inner": "yes"},
+     "policy.reset_inner must be true or false, got 'yes'"),
 ])
 def test_policy_config_errors_name_key_and_value(cfg, words):
     from hpc_rlx.policies import validate_policy_config

@@ -4,6 +4,7 @@ policy's `check_config` uses (pure: no MPI)."""
 from __future__ import annotations
 
 from ..errors import ConfigError
+from .outer import outer_from_config
 
 SHARED_DEFAULTS = {
     "anchor": 10,
@@ -13,17 +14,31 @@ SHARED_DEFAULTS = {
     "outer": "average",
     "outer_lr": None,
     "outer_momentum": None,
+    "reset_inner": False,
 }
 SHARED_DOCS = {
     "anchor": "initial local steps per sync (cadence: of the slowest rank; async: K)",
     "max_anchor": "upper bound of the anchor",
     "overhead_target": "target sync time / compute time that the anchor is tuned to",
     "gamma": "consensus weight of a rank = (its local steps) ** gamma; 0 = plain mean",
-    "outer": "`average`, `diloco` (outer Nesterov, inner state reset) or `slowmo` (slow momentum, "
-             "inner state kept)",
+    "outer": "`average`, `diloco` (outer Nesterov momentum on the pseudo-gradient) or `slowmo` "
+             "(slow momentum)",
     "outer_lr": "outer step size; null = the method's default (diloco 0.7, slowmo 1.0)",
-    "outer_momentum": "outer momentum; null = the method's default (diloco 0.9, slowmo 0.5)",
+    "outer_momentum": "outer momentum; null = the method's default (diloco 0.5, measured: "
+                      "bench/README.md; slowmo 0.5)",
+    "reset_inner": "true: reset every rank's inner optimizer state after each sync; false keeps "
+                   "it, as the DiLoCo paper's workers do",
 }
+
+
+def check_outer_keys(cfg: dict) -> dict:
+    """The outer optimizer's keys, checked (the ranges by building it once)."""
+    out = {"outer": cfg["outer"],
+           "outer_lr": number_key("outer_lr", cfg["outer_lr"], allow_none=True),
+           "outer_momentum": number_key("outer_momentum", cfg["outer_momentum"], allow_none=True),
+           "reset_inner": bool_key("reset_inner", cfg["reset_inner"])}
+    outer_from_config(out)
+    return out
 
 
 def round_or_none(x, digits: int = 5):

@@ -55,8 +55,8 @@ from .base import EpochTotals, Policy, TrainingLoop, dropout_seed
 from .bucket import REPORT_FIELDS, SUMMED_FIELDS, SyncLayout
 from .consensus import work_weight
 from .epochlog import EpochLog
-from .keys import SHARED_DEFAULTS, SHARED_DOCS, integer_key, number_key
-from .outer import make_outer
+from .keys import SHARED_DEFAULTS, SHARED_DOCS, check_outer_keys, integer_key, number_key
+from .outer import outer_from_config
 from .slowdown import SlowdownInjector, parse_slowdown
 from .smoothing import RecentMin
 from .window import plan_window
@@ -92,13 +92,10 @@ class WindowedPolicy(Policy):
         out["max_anchor"] = integer_key("max_anchor", cfg["max_anchor"])
         out["overhead_target"] = number_key("overhead_target", cfg["overhead_target"])
         out["gamma"] = number_key("gamma", cfg["gamma"])
-        out["outer"] = cfg["outer"]
-        out["outer_lr"] = number_key("outer_lr", cfg["outer_lr"], allow_none=True)
-        out["outer_momentum"] = number_key("outer_momentum", cfg["outer_momentum"], allow_none=True)
+        out.update(check_outer_keys(cfg))
         out.update(cls.check_own_keys(cfg))
         # The objects that enforce the ranges; built once here only for their checks.
         work_weight(1, out["gamma"])
-        make_outer(out["outer"], out["outer_lr"], out["outer_momentum"])
         cls.build_controller(out, world_size=1)
         return out
 
@@ -113,8 +110,7 @@ class WindowedPolicy(Policy):
         try:
             self.cfg = self.complete_config(spec.policy)
             self.controller = self.build_controller(self.cfg, self.world)
-            self.outer = make_outer(self.cfg["outer"], self.cfg["outer_lr"],
-                                    self.cfg["outer_momentum"])
+            self.outer = outer_from_config(self.cfg)
             self.slowdown_map = parse_slowdown(spec.debug["slowdown"], self.world)
         except ConfigError as e:
             # Every rank checks the same broadcast spec, so every rank fails here with this
