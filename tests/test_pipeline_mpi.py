@@ -64,3 +64,13 @@ def test_cut_points_carry_the_residual_stream(tmp_path):
 
 def test_more_micro_batches_than_rows(tmp_path):
     run_pipeline(tmp_path, 2, model="mlp", args=MLP, stages=2, micro=8, schedule="1f1b", batch=5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("micro", [1, 4, 8])
+@pytest.mark.parametrize("stages,replicas", [(2, 1), (2, 2), (4, 1), (4, 2)])
+@pytest.mark.parametrize("model,args", [("mlp", MLP), ("cnn", CNN), ("transformer_lm", LM)])
+def test_full_matrix(tmp_path, model, args, stages, replicas, micro, schedule):
+    run_pipeline(tmp_path, stages * replicas, model=model, args=args, stages=stages, micro=micro,
+                 schedule=schedule, batch=12, steps=3)

@@ -114,11 +114,15 @@ def test_a_nan_on_either_stage_stops_every_rank_in_that_step(tmp_path, digits_h5
     (3, ["parallel.pipeline_stages=2"], "parallel.pipeline_stages=2 does not divide the 3 ranks"),
     (2, ["parallel.pipeline_stages=2", "parallel.microbatches=0"], "parallel.microbatches must be a positive integer"),
     (2, ["parallel.pipeline_stages=2", "parallel.cut_points=[nope]"], "cut point 'nope' is not a node"),
-    (2, ["parallel.pipeline_stages=2", "parallel.cut_points=[xent]"], "outside the last stage"),
+    pytest.param(2, ["parallel.pipeline_stages=2", "parallel.cut_points=[xent]"], "outside the last stage",
+                 marks=pytest.mark.slow),
     (2, ["parallel.pipeline_stages=2", "policy=cadence"], "runs with policy=sync only; policy=cadence"),
-    (2, ["parallel.pipeline_stages=2", "policy=async"], "runs with policy=sync only; policy=async"),
-    (2, ["parallel.pipeline_stages=2", "checkpoint=default"], "writes no checkpoints yet"),
-    (2, ["parallel.schedule=zigzag"], "parallel.schedule='zigzag' is not one of"),
+    pytest.param(2, ["parallel.pipeline_stages=2", "policy=async"], "runs with policy=sync only; policy=async",
+                 marks=pytest.mark.slow),
+    pytest.param(2, ["parallel.pipeline_stages=2", "checkpoint=default"], "writes no checkpoints yet",
+                 marks=pytest.mark.slow),
+    pytest.param(2, ["parallel.schedule=zigzag"], "parallel.schedule='zigzag' is not one of",
+                 marks=pytest.mark.slow),
 ])
 def test_pipeline_config_errors_fail_cleanly_on_every_rank(tmp_path, digits_h5, n, overrides, fragment):
     run = tmp_path / "run"
