@@ -23,6 +23,11 @@ the best repeat is reported (as timeit does).
 
 Scaling efficiency = throughput at n / (n x throughput at 1). More ranks than cores means
 the ranks share cores: efficiency then measures the machine, not the library.
+
+`--overlap` adds a third side at n > 1: hpc_rlx with `comm.overlap=true` (its efficiency
+against the 1-rank hpc_rlx figure). `--engine` adds, in every repeat, the bare engine step of
+bench_engine.py (forward, backward and a plain SGD update on a fixed batch, in this process,
+one BLAS thread) and prints the 1-rank full path's step time over it.
 """
 
 from __future__ import annotations
@@ -62,6 +67,31 @@ def run_hpc(n: int, data: Path, epochs: int, workdir: Path, extra: list[str] = (
     out["p25_samples_per_s"] = p25_step_samples_per_s(run_dir, PER_RANK_BATCH * n)
     shutil.rmtree(run_dir, ignore_errors=True)
     return out
+
+
+def engine_step_ms(steps: int = 24) -> float:
+    """bench_engine.py's bare MLP step (its engine contender), best of 3 runs of ``steps``."""
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    from bench_engine import engine_step_fn
+    from hpc_rlx.graph import build_model
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((PER_RANK_BATCH, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, PER_RANK_BATCH)
+    g = build_model("mlp", input_shape=(FEATURES,), num_classes=CLASSES, hidden=HIDDEN, activation="relu")
+    step = engine_step_fn(g, {"x": x, "y": y})
+    best = float("inf")
+    with threadpool_limits(limits=1):
+        for i in range(3):
+            step(i)
+        for r in range(3):
+            t0 = time.perf_counter()
+            for i in range(steps):
+                step(i)
+            best = min(best, (time.perf_counter() - t0) / steps)
+    return 1e3 * best
 
 
 # ---- PyTorch DDP side -------------------------------------------------------------------------
@@ -147,6 +177,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3, help="epochs per run; the first is warm-up, not timed")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--workdir", default=None, help="where the data and runs go (default: a temp dir, removed)")
+    ap.add_argument("--overlap", action="store_true", help="also hpc_rlx with comm.overlap=true at n > 1")
+    ap.add_argument("--engine", action="store_true", help="also the bare engine step (bench_engine.py)")
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="hpc_rlx_bench_ddp_"))
@@ -156,12 +188,17 @@ def main() -> None:
     print(f"# {machine_note()}")
     print(f"# MLP {FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES}, batch {PER_RANK_BATCH}/rank, "
           f"{samples} samples, {args.epochs} epochs (first untimed), {args.repeats} repeat(s)")
-    results: dict[int, dict[str, list]] = {n: {"hpc": [], "ddp": []} for n in ranks}
+    results: dict[int, dict[str, list]] = {n: {"hpc": [], "ddp": [], "overlap": []} for n in ranks}
+    engine_ms: list[float] = []
     for rep in range(args.repeats):
+        if args.engine:
+            engine_ms.append(engine_step_ms())
+            print(f"  repeat {rep + 1} bare engine step: {engine_ms[-1]:.2f} ms", flush=True)
         for n in ranks:
-            order = ("hpc", "ddp") if rep % 2 == 0 else ("ddp", "hpc")
-            for side in order:
-                r = run_hpc(n, data, args.epochs, work) if side == "hpc" else run_ddp(n, data, args.epochs)
+            sides = ("hpc", "overlap", "ddp") if args.overlap and n > 1 else ("hpc", "ddp")
+            for side in (sides if rep % 2 == 0 else tuple(reversed(sides))):
+                r = (run_ddp(n, data, args.epochs) if side == "ddp"
+                     else run_hpc(n, data, args.epochs, work, ["comm.overlap=true"] if side == "overlap" else []))
                 results[n][side].append(r)
                 print(f"  repeat {rep + 1} n={n} {side}: {r['samples_per_s']:,.0f} samples/s mean, "
                       f"{r['p25_samples_per_s']:,.0f} p25 ({r['step_ms']:.1f} ms/step)", flush=True)
@@ -180,6 +217,15 @@ def main() -> None:
         print(f"\nsamples/s from the {title}, best of {args.repeats}:")
         print(fmt_table(["ranks", "hpc_rlx", "DDP-gloo", "hpc_rlx/DDP", "eff hpc_rlx", "eff DDP",
                          "hpc_rlx comm share"], rows))
+        over = [(n, max(v[key] for v in results[n]["overlap"])) for n in ranks if results[n]["overlap"]]
+        if over:
+            print(fmt_table(["ranks", "hpc_rlx overlap", "/DDP", "/overlap off", "eff"],
+                            [[n, o, f"{o / best[n]['ddp']:.2f}x", f"{o / best[n]['hpc']:.3f}x",
+                              o / (n * best[base]["hpc"]) if base else None] for n, o in over]))
+    if engine_ms and 1 in ranks:
+        full = min(v["step_ms"] for v in results[1]["hpc"])
+        print(f"\n1-rank full path step {full:.2f} ms (best repeat) / bare engine step {min(engine_ms):.2f} ms "
+              f"(best; repeats {', '.join(f'{e:.2f}' for e in engine_ms)}) = {full / min(engine_ms):.2f}x")
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
 
