@@ -18,7 +18,8 @@ README's config table is generated from it (`hpc_rlx.config.doc`).
 
 Adding a key: one `Key(...)` line here, the key in its YAML file, and the regenerated README
 table. Code reads it through the validated, completed section (`complete`), never with a
-default of its own.
+default of its own; a TrainSpec's sections refuse any key not declared here
+(`config/section.py`).
 """
 
 from __future__ import annotations

@@ -12,12 +12,14 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import h5py
 import numpy as np
 
 from hpc_rlx.config import schema as schema
 from hpc_rlx.config.rundirs import fingerprint_of
+from hpc_rlx.config.section import SECTIONS, section
 from hpc_rlx.data import hdf5
 from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.data.resolve import num_classes, prepare_missing_data
@@ -54,22 +56,30 @@ class TrainSpec:
     graph: dict                  # the model graph IR (hpc_rlx.graph JSON form)
     param_source: dict           # {"kind": "seed", "seed": s} or {"kind": "file", "path": p}
     data: DataPlan
-    train: dict
-    optim: dict
-    policy: dict
-    device: dict
-    comm: dict
-    checkpoint: dict
-    debug: dict
+    train: Mapping               # the config sections (config/section.py: read-only, declared keys)
+    optim: Mapping
+    policy: Mapping
+    device: Mapping
+    comm: Mapping
+    checkpoint: Mapping
+    debug: Mapping
     run_dir: str
     resume: str
     world_size: int
     config_yaml: str = ""
     extras: dict = field(default_factory=dict)   # report/trace switches
-    parallel: dict = field(default_factory=lambda: {"pipeline_stages": 1})   # parallel.* (pipeline stages)
+    parallel: Mapping = field(default_factory=lambda: {"pipeline_stages": 1})   # parallel.* (pipeline stages)
+
+    def __post_init__(self):
+        # config sections: read-only, only their declared keys (config/section.py)
+        for name in SECTIONS:
+            setattr(self, name, section(name, getattr(self, name)))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)            # a Section is copied whole: back to its plain JSON form
+        for name in SECTIONS:
+            d[name] = dict(d[name])
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainSpec":
@@ -91,9 +101,8 @@ def validate_config(cfg: dict, world_size: int | None = None) -> dict:
 def check_lane_batch(dev: dict, global_batch: int, world_size: int) -> None:
     """Every lane needs at least one sample per step, or the ranks x lanes asked for are not
     all used. Checked where the lane count is known before the run (device=cpu / cuda)."""
-    kind = dev.get("kind")
-    key = {"cpu": "cpu_lanes", "cuda": "gpus_per_rank"}.get(kind)
-    lanes = dev.get(key) if key else None
+    key = {"cpu": "cpu_lanes", "cuda": "gpus_per_rank"}.get(dev["kind"])
+    lanes = dev[key] if key else None
     if not isinstance(lanes, int) or lanes <= 1:
         return
     per_rank = global_batch // world_size
@@ -259,7 +268,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     prepare_missing_data(d)
     info = hdf5.describe(d["path"], d["x"], d["y"])
 
-    if d.get("val_path"):
+    if d["val_path"]:
         vinfo = hdf5.describe(d["val_path"], d["x"], d["y"])
         n_train, val_path, val_start, val_stop = info.n, d["val_path"], 0, vinfo.n
     else:
@@ -282,7 +291,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
                   label_kind="class" if y_in.dtype == "int64" else "float",
                   label_shape=tuple(y_in.shape[1:]))
     hdf5.check_compatible(info, **expect)
-    if d.get("val_path"):
+    if d["val_path"]:
         hdf5.check_compatible(vinfo, **expect)   # not only at the first validation, an epoch later
 
     check_model_fits(graph, cfg, world_size)
@@ -298,7 +307,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     check_optimizer(cfg["optim"], cfg["train"]["dtype"], cfg["train"]["epochs"] * plan.steps_per_epoch)
     check_lane_batch(cfg["device"], cfg["train"]["batch_size"], replicas)
 
-    init_from = cfg["model"].get("init_from")
+    init_from = cfg["model"]["init_from"]
     if init_from:
         source = {"kind": "file", "path": init_from}
     elif cfg["model"]["name"] == "onnx":

@@ -99,8 +99,8 @@ def config_dict(spec) -> dict:
     except yaml.YAMLError:
         cfg = {}
     if not isinstance(cfg, dict) or not cfg:
-        cfg = {"train": spec.train, "optim": spec.optim, "policy": spec.policy, "device": spec.device,
-               "comm": spec.comm}
+        cfg = {"train": dict(spec.train), "optim": dict(spec.optim), "policy": dict(spec.policy),
+               "device": dict(spec.device), "comm": dict(spec.comm)}
     return cfg
 
 
