@@ -199,6 +199,8 @@ def test_stage_backward_checks_the_gradients_it_is_given():
     with pytest.raises(GraphError, match="the gradient of 'fc1' must be float64 \\(3, 16\\), got nothing"):
         ex.stage_backward(run, layout.views(grads), {})
     ex.stage_backward(run, layout.views(grads), {"fc1": np.ones((3, 16))})
+    with pytest.raises(GraphError, match="this graph has no loss"):
+        ex.forward_backward(layout.views(params), layout.views(grads), {"x": R.standard_normal((3, 20))})
     with pytest.raises(GraphError, match="already ran"):
         ex.stage_backward(run, layout.views(grads), {"fc1": np.ones((3, 16))})
 

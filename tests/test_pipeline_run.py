@@ -86,9 +86,13 @@ def test_transformer_lm_two_stages(tmp_path):
     assert_same_training(tmp_path / "one", tmp_path / "two")
 
 
-def test_two_stages_two_replicas(tmp_path, digits_h5, reference):
-    # 24 rows over 2 replicas, 4 micro-batches of 3
-    proc = train_job(4, tmp_path / "s2d2", BASE + [f"data.path={digits_h5}", "parallel.pipeline_stages=2"])
+@pytest.mark.parametrize("data", [
+    [],
+    pytest.param(["data.cache=stream", "data.distribution=scatter"], marks=pytest.mark.slow),
+])
+def test_two_stages_two_replicas(tmp_path, digits_h5, reference, data):
+    # 24 rows over 2 replicas, 4 micro-batches of 3; each stage's replicas load (or stream) their shards
+    proc = train_job(4, tmp_path / "s2d2", BASE + data + [f"data.path={digits_h5}", "parallel.pipeline_stages=2"])
     assert proc.returncode == 0, explain(proc)
     assert_same_training(reference["mlp"], tmp_path / "s2d2")
 

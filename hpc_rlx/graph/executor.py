@@ -280,6 +280,9 @@ class Executor:
         parameter after the last VJP that writes it), on the calling thread, so a caller can
         start reducing finished gradients while backward still runs (``comm.overlap``).
         """
+        if self._loss_slot is None:
+            raise GraphError("forward_backward: this graph has no loss (a pipeline stage before the last: "
+                             "use stage_forward and stage_backward)")
         device = self._check_arrays(param_views, "param_views")
         device = self._check_arrays(grad_views, "grad_views", device)
         env = [None] * self._nslots
