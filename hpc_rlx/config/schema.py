@@ -24,10 +24,10 @@ default of its own; a TrainSpec's sections refuse any key not declared here
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
+from hpc_rlx.checks import Check, OneOf, Via, integer, is_int, is_number, number
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.observe.tensorboard_log import enabled as tensorboard_enabled
 from hpc_rlx.pipeline.grid import check_world
@@ -36,73 +36,12 @@ from hpc_rlx.policies.config import validate_policy_config
 from hpc_rlx.policies.registry import POLICIES
 from hpc_rlx.policies.slowdown import parse_slowdown
 
-# ---------------------------------------------------------------------------------------------
-# The checkers: a test of one value and the message that names the key and the value
-# ---------------------------------------------------------------------------------------------
-
-
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_number(v) -> bool:
-    """A finite real number (bools, strings, NaN and Inf are not)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-class Check:
-    """`test(value)` or ConfigError `<key> <must>, got <value!r>`. Type-safe on purpose: any
-    value a command line can produce fails the test, never raises a TypeError."""
-
-    def __init__(self, test: Callable[[Any], bool], must: str):
-        self.test, self.must = test, must
-
-    def __call__(self, label: str, value, world_size: int | None = None) -> None:
-        if not self.test(value):
-            raise ConfigError(self.message(label, value))
-
-    def message(self, label: str, value) -> str:
-        return f"{label} {self.must}, got {value!r}"
-
-
-class OneOf(Check):
-    def __init__(self, *choices):
-        super().__init__(lambda v: v in choices, f"is one of {choices}")
-        self.choices = choices
-
-    def message(self, label: str, value) -> str:
-        return f"{label}={value!r} is not one of {self.choices}"
-
-
-class Via(Check):
-    """A check that lives with the code that interprets the value: `fn(value, world_size)`
-    raises ConfigError itself."""
-
-    def __init__(self, fn: Callable[[Any, int | None], Any], must: str):
-        super().__init__(lambda v: True, must)
-        self.fn = fn
-
-    def __call__(self, label: str, value, world_size: int | None = None) -> None:
-        self.fn(value, world_size)
-
-
-def integer(minimum: int, *, null: bool = False, must: str | None = None) -> Check:
-    if must is None:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        must = f"must be null or {what}" if null else f"must be {what}"
-    return Check(lambda v: (null and v is None) or (is_int(v) and v >= minimum), must)
-
-
-def number(minimum: float, *, above: bool = False, null: bool = False, must: str | None = None) -> Check:
-    if must is None:
-        must = f"must be {'null or ' if null else ''}{'>' if above else '>='} {minimum:g}"
-    return Check(lambda v: (null and v is None)
-                 or (is_number(v) and (v > minimum if above else v >= minimum)), must)
+# The checkers are `hpc_rlx.checks` (one family for the whole package): a test of one value
+# and the message that names the key and the value. Here: the checks of two keys only.
 
 
 def _check_stages(v, world_size) -> None:
-    if not is_int(v) or v < 1:
-        raise ConfigError(f"parallel.pipeline_stages must be a positive integer, got {v!r}")
+    integer(1)("parallel.pipeline_stages", v)
     if world_size is not None:
         check_world(world_size, v)
 

@@ -11,6 +11,7 @@ import inspect
 import math
 from math import prod
 
+from hpc_rlx.checks import Check, checked, is_int
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.graph.builder import GraphBuilder
 from hpc_rlx.graph.ir import Graph
@@ -21,37 +22,38 @@ ZEROS = {"scheme": "zeros"}
 ONES = {"scheme": "ones"}
 
 
+_POSITIVE_INT = Check(lambda v: is_int(v) and v >= 1, "must be a positive int")
+_INT_OR_ZERO = Check(lambda v: is_int(v) and v >= 0, "must be an int >= 0")
+_PROBABILITY = Check(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v < 1.0,
+                     "must be in [0, 1)")
+_BOOL = Check(lambda v: isinstance(v, bool), "must be true or false")
+
+
 def _pos_int(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{what} must be a positive int, got {value!r}")
-    return value
+    return checked(_POSITIVE_INT, what, value)
 
 
 def _int_list(value, what: str, allow_empty: bool = True) -> list:
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         value = [value]
-    if not isinstance(value, (list, tuple)) or (not value and not allow_empty):
-        raise ConfigError(f"{what} must be a list of positive ints, got {value!r}")
+    Check(lambda v: isinstance(v, (list, tuple)) and (bool(v) or allow_empty),
+          "must be a list of positive ints")(what, value)
     return [_pos_int(v, what) for v in value]
 
 
 def _shape(value, what: str, ndim: int | None = None) -> list:
     dims = _int_list(value, what, allow_empty=False)
-    if ndim is not None and len(dims) != ndim:
-        raise ConfigError(f"{what} must have {ndim} dims, got {value!r}")
+    if ndim is not None:
+        Check(lambda v: len(dims) == ndim, f"must have {ndim} dims")(what, value)
     return dims
 
 
 def _prob(value, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ConfigError(f"{what} must be in [0, 1), got {value!r}")
-    return float(value)
+    return float(checked(_PROBABILITY, what, value))
 
 
 def _choice(value, what: str, allowed) -> str:
-    if value not in allowed:
-        raise ConfigError(f"{what} must be one of {list(allowed)}, got {value!r}")
-    return value
+    return checked(Check(lambda v: v in allowed, f"must be one of {list(allowed)}"), what, value)
 
 
 def _weight_init(activation: str, fan_in: int, fan_out: int) -> dict:
@@ -113,8 +115,7 @@ def cnn(input_shape, num_classes=10, channels=(16, 32), kernel=3, hidden=64, poo
     num_classes = _pos_int(num_classes, "num_classes")
     channels = _int_list(channels, "channels")
     k = _pos_int(kernel, "kernel")
-    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 0:
-        raise ConfigError(f"hidden must be an int >= 0, got {hidden!r}")
+    _INT_OR_ZERO("hidden", hidden)
     pool = _choice(pool, "pool", ("max", "avg", "none"))
     activation = _choice(activation, "activation", ACTIVATIONS)
     p = _prob(dropout, "dropout")
@@ -160,8 +161,7 @@ def transformer_lm(vocab_size, seq_len, d_model=64, n_heads=4, n_layers=2, d_ff=
     L = _pos_int(n_layers, "n_layers")
     F = _pos_int(d_ff, "d_ff")
     p = _prob(dropout, "dropout")
-    if not isinstance(tie_embeddings, bool):
-        raise ConfigError(f"tie_embeddings must be true or false, got {tie_embeddings!r}")
+    _BOOL("tie_embeddings", tie_embeddings)
     if D % H:
         raise ConfigError(f"d_model={D} must be divisible by n_heads={H}")
     Dh = D // H

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from ..errors import ConfigError
+from hpc_rlx.checks import Check
 
 
 def work_weight(n_steps: int, gamma: float = 1.0) -> float:
@@ -26,8 +26,7 @@ def work_weight(n_steps: int, gamma: float = 1.0) -> float:
     """
     if n_steps < 0:
         raise ValueError(f"n_steps must be >= 0, got {n_steps}")
-    if not (math.isfinite(gamma) and gamma >= 0):
-        raise ConfigError(f"policy.gamma must be a finite number >= 0, got {gamma!r}")
+    Check(lambda v: math.isfinite(v) and v >= 0, "must be a finite number >= 0")("policy.gamma", gamma)
     if n_steps == 0:
         return 0.0
     return float(n_steps) ** float(gamma)

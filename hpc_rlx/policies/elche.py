@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from hpc_rlx.checks import OPEN_UNIT, at_least
+
 from ..errors import ConfigError
 from .smoothing import adaptive_ema, round_half_up, valid_time
 
@@ -40,8 +42,7 @@ class ElcheScheduler:
         _check_int("policy.max_anchor", max_anchor, 1)
         if anchor > max_anchor:
             raise ConfigError(f"policy.anchor ({anchor}) must be <= policy.max_anchor ({max_anchor})")
-        if not (isinstance(overhead_target, (int, float)) and 0 < overhead_target < 1):
-            raise ConfigError(f"policy.overhead_target must be in (0, 1), got {overhead_target!r}")
+        OPEN_UNIT("policy.overhead_target", overhead_target)
         if max_batch_diff is not None:
             _check_int("policy.max_batch_diff", max_batch_diff, 0)
         if not 0 <= hysteresis < 1:
@@ -149,5 +150,4 @@ class ElcheScheduler:
 
 
 def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    at_least(minimum)(name, value)

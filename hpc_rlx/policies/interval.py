@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import math
 
-from ..errors import ConfigError
+from hpc_rlx.checks import OPEN_UNIT, Check, at_least
+
 from .smoothing import valid_time
 
 SHRINK_DEADBAND = 0.05
@@ -42,16 +43,11 @@ CEILING_RECOVERY = 1.25
 class IntervalController:
     def __init__(self, k: int = 10, max_anchor: int = 200, overhead_target: float = 0.10,
                  divergence_threshold: float | None = 0.05, tune: bool = True):
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ConfigError(f"policy.anchor (initial K) must be an integer >= 1, got {k!r}")
-        if isinstance(max_anchor, bool) or not isinstance(max_anchor, int) or max_anchor < 1:
-            raise ConfigError(f"policy.max_anchor must be an integer >= 1, got {max_anchor!r}")
-        if not (isinstance(overhead_target, (int, float)) and 0 < overhead_target < 1):
-            raise ConfigError(f"policy.overhead_target must be in (0, 1), got {overhead_target!r}")
-        if divergence_threshold is not None and not (
-                isinstance(divergence_threshold, (int, float)) and divergence_threshold > 0):
-            raise ConfigError("policy.divergence_threshold must be > 0 or null (guard off), "
-                              f"got {divergence_threshold!r}")
+        at_least(1)("policy.anchor (initial K)", k)
+        at_least(1)("policy.max_anchor", max_anchor)
+        OPEN_UNIT("policy.overhead_target", overhead_target)
+        Check(lambda v: v is None or (isinstance(v, (int, float)) and v > 0),
+              "must be > 0 or null (guard off)")("policy.divergence_threshold", divergence_threshold)
         self.tune = bool(tune)
         self.max_anchor = int(max_anchor)
         self.overhead_target = float(overhead_target)

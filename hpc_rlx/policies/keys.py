@@ -1,9 +1,10 @@
-"""The windowed policies' shared `policy.*` keys, their docs, and the value checkers every
-policy's `check_config` uses (pure: no MPI)."""
+"""The windowed policies' shared `policy.*` keys, their docs, and the `policy.*` readers every
+policy's `check_config` uses, on the package's checkers (`hpc_rlx.checks`; pure: no MPI)."""
 
 from __future__ import annotations
 
-from ..errors import ConfigError
+from hpc_rlx.checks import Check, checked, is_int
+
 from .outer import outer_from_config
 
 SHARED_DEFAULTS = {
@@ -45,18 +46,19 @@ def round_or_none(x, digits: int = 5):
     return None if x is None else round(float(x), digits)
 
 
+_NUMBER = Check(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "must be a number")
+_BOOL = Check(lambda v: isinstance(v, bool), "must be true or false")
+_INTEGER = Check(is_int, "must be an integer")
+
+
 def number_key(name: str, value, allow_none: bool = False) -> float | None:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"policy.{name} must be a number, got {value!r}")
-    return float(value)
+    return float(checked(_NUMBER, f"policy.{name}", value))
 
 
 def bool_key(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"policy.{name} must be true or false, got {value!r}")
-    return value
+    return checked(_BOOL, f"policy.{name}", value)
 
 
 def integer_key(name: str, value, allow_none: bool = False) -> int | None:
@@ -65,6 +67,4 @@ def integer_key(name: str, value, allow_none: bool = False) -> int | None:
     # Hydra hands `anchor: 10.0` through as a float; accept integral floats, refuse 2.5
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"policy.{name} must be an integer, got {value!r}")
-    return value
+    return checked(_INTEGER, f"policy.{name}", value)

@@ -15,11 +15,11 @@ and main memory sees each array about once per step, with the same bits as whole
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Callable
 
 import numpy as np
 
+from hpc_rlx.checks import Check, checked, is_integral, is_real
 from hpc_rlx.errors import CheckpointError, ConfigError
 from hpc_rlx.runtime.blas import axpy, fusable, scal
 
@@ -51,21 +51,24 @@ def _blocks(size: int, itemsize: int) -> list[tuple[int, int]]:
     return [(lo, min(size, lo + b)) for lo in range(0, size, b)]
 
 
-def _is_real(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+# the range checks of the optimizers and schedules (`hpc_rlx.checks`), labelled "<where>: <name>"
+_IN_UNIT = Check(lambda v: is_real(v) and 0.0 <= float(v) < 1.0, "must be a number in [0, 1)")
+_NONNEG = Check(lambda v: is_real(v) and math.isfinite(float(v)) and float(v) >= 0.0,
+                "must be a finite number >= 0")
+_POSITIVE = Check(lambda v: is_real(v) and math.isfinite(float(v)) and float(v) > 0.0,
+                  "must be a finite number > 0")
+_COUNT = Check(lambda v: is_integral(v) and v >= 0, "must be an integer >= 0")
+_AT_LEAST_ONE = Check(lambda v: is_integral(v) and v >= 1, "must be an integer >= 1")
+_BOOL = Check(lambda v: isinstance(v, bool), "must be true or false")
 
 
 def _check_in_unit(name: str, v, where: str) -> float:
     """``v`` in [0, 1): the range of momentum and Adam betas."""
-    if not _is_real(v) or not (0.0 <= float(v) < 1.0):
-        raise ConfigError(f"{where}: {name} must be a number in [0, 1), got {v!r}")
-    return float(v)
+    return float(checked(_IN_UNIT, f"{where}: {name}", v))
 
 
 def _check_nonneg(name: str, v, where: str) -> float:
-    if not _is_real(v) or not math.isfinite(float(v)) or float(v) < 0.0:
-        raise ConfigError(f"{where}: {name} must be a finite number >= 0, got {v!r}")
-    return float(v)
+    return float(checked(_NONNEG, f"{where}: {name}", v))
 
 
 class _Optimizer:
@@ -75,8 +78,7 @@ class _Optimizer:
     _array_names: tuple[str, ...] = ()
 
     def __init__(self, size: int, xp, dtype):
-        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
-            raise ConfigError(f"{self.name}: parameter count must be an integer >= 0, got {size!r}")
+        _COUNT(f"{self.name}: parameter count", size)
         self.size = int(size)
         self.xp = xp
         self.dtype = np.dtype(dtype)
@@ -118,7 +120,7 @@ class _Optimizer:
                     f"{self.name} optimizer state array {n!r} has shape {a.shape}, the model has "
                     f"{self.size} parameters"
                 )
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        if not (is_integral(step) and step >= 0):
             raise CheckpointError(f"{self.name} optimizer state has a bad step count {step!r}")
         for n in self._array_names:
             getattr(self, "_" + n)[...] = self.xp.asarray(np.asarray(arrays[n], dtype=self.dtype))
@@ -144,8 +146,7 @@ class SGD(_Optimizer):
         super().__init__(size, xp, dtype)
         self.momentum = _check_in_unit("momentum", momentum, "sgd")
         self.weight_decay = _check_nonneg("weight_decay", weight_decay, "sgd")
-        if not isinstance(nesterov, bool):
-            raise ConfigError(f"sgd: nesterov must be true or false, got {nesterov!r}")
+        _BOOL("sgd: nesterov", nesterov)
         if nesterov and self.momentum == 0.0:
             raise ConfigError("sgd: nesterov=true needs momentum > 0, got momentum=0")
         self.nesterov = nesterov
@@ -236,8 +237,7 @@ class AdamW(_Optimizer):
             raise ConfigError(f"adamw: betas must be a pair of numbers, got {betas!r}") from None
         self.beta1 = _check_in_unit("betas[0]", b1, "adamw")
         self.beta2 = _check_in_unit("betas[1]", b2, "adamw")
-        if not _is_real(eps) or not math.isfinite(float(eps)) or float(eps) <= 0.0:
-            raise ConfigError(f"adamw: eps must be a finite number > 0, got {eps!r}")
+        _POSITIVE("adamw: eps", eps)
         self.eps = float(eps)
         self.weight_decay = _check_nonneg("weight_decay", weight_decay, "adamw")
         self._exp_avg = self._zeros()
@@ -340,8 +340,8 @@ def clip_grad_norm_(grads_flat, max_norm: float) -> float:
     Like torch.nn.utils.clip_grad_norm_ (coefficient ``max_norm / (norm + 1e-6)``), except that a
     non-finite norm leaves the gradients untouched: the caller sees it and can skip the step.
     """
-    if not _is_real(max_norm) or not float(max_norm) > 0.0:
-        raise ConfigError(f"gradient clipping max_norm must be a number > 0, got {max_norm!r}")
+    Check(lambda v: is_real(v) and float(v) > 0.0, "must be a number > 0")("gradient clipping max_norm",
+                                                                          max_norm)
     # dot of a 1-D array with itself: no full-size temporary, one reduction on either backend
     norm = math.sqrt(float(grads_flat.dot(grads_flat))) if grads_flat.size else 0.0
     if math.isfinite(norm) and norm > max_norm:
@@ -365,7 +365,7 @@ class Schedule:
         self.min_lr = min_lr
 
     def __call__(self, step: int) -> float:
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        if not (is_integral(step) and step >= 0):
             raise ValueError(f"schedule step must be an integer >= 0, got {step!r}")
         w = self.warmup_steps
         if step < w:
@@ -412,8 +412,7 @@ def make_schedule(
     base_lr = _check_nonneg("base_lr", base_lr, where)
     min_lr = _check_nonneg("min_lr", min_lr, where)
     for label, v in (("total_steps", total_steps), ("warmup_steps", warmup_steps)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
-            raise ConfigError(f"{where}: {label} must be an integer >= 0, got {v!r}")
+        _COUNT(f"{where}: {label}", v)
     total_steps, warmup_steps = int(total_steps), int(warmup_steps)
     if total_steps < 1:
         raise ConfigError(f"{where}: total_steps must be >= 1, got {total_steps}")
@@ -429,16 +428,10 @@ def make_schedule(
     if name != "constant" and min_lr > base_lr:
         raise ConfigError(f"{where}: min_lr ({min_lr}) is above base_lr ({base_lr})")
     if name == "step":
-        if (
-            step_size is None
-            or isinstance(step_size, bool)
-            or not isinstance(step_size, numbers.Integral)
-            or step_size < 1
-        ):
-            raise ConfigError(f"{where}: step_size must be an integer >= 1, got {step_size!r}")
+        _AT_LEAST_ONE(f"{where}: step_size", step_size)
         step_size = int(step_size)
-        if not _is_real(gamma) or not (0.0 < float(gamma) <= 1.0):
-            raise ConfigError(f"{where}: gamma must be a number in (0, 1], got {gamma!r}")
+        Check(lambda v: is_real(v) and 0.0 < float(v) <= 1.0, "must be a number in (0, 1]")(f"{where}: gamma",
+                                                                                         gamma)
     return Schedule(name, base_lr, total_steps, warmup_steps, step_size, float(gamma), min_lr)
 
 
@@ -447,7 +440,6 @@ def scaled_lr(lr: float, world_size: int, ratio: float) -> float:
 
     ``ratio=1`` is the classic linear rule, ``ratio=0`` turns scaling off.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
-        raise ConfigError(f"world size must be an integer >= 1, got {world_size!r}")
+    _AT_LEAST_ONE("world size", world_size)
     ratio = _check_nonneg("lr scale ratio", ratio, "lr scaling")
     return float(lr) * (1.0 + (world_size - 1) * ratio)
