@@ -136,9 +136,10 @@ def check_optimizer(opt: dict, dtype: str, schedule_steps: int) -> None:
         raise ConfigError(f"optim: {e}") from e
 
 
-def check_model_fits(graph, cfg: dict, world_size: int) -> None:
+def check_model_fits(graph, cfg: dict, world_size: int, what: str = "the model") -> None:
     """Refuse, once and clearly, a model whose parameter-sized buffers cannot fit in this node's
-    memory (instead of every rank dying in its own allocation)."""
+    memory (instead of every rank dying in its own allocation). With pipeline stages, ``graph``
+    is the largest stage: what one rank holds."""
     n = ParamLayout(graph).size
     itemsize = np.dtype(cfg["train"]["dtype"]).itemsize
     # params, gradient bucket, init buffer (float64), optimizer state, one per extra CPU lane
@@ -149,21 +150,22 @@ def check_model_fits(graph, cfg: dict, world_size: int) -> None:
     except (ValueError, OSError, AttributeError):
         return
     if need > avail:
-        raise ConfigError(f"the model has {n:,} parameters: about {need / 2**30:.1f} GiB of parameter-sized "
+        raise ConfigError(f"{what} has {n:,} parameters: about {need / 2**30:.1f} GiB of parameter-sized "
                           f"buffers per rank, more than the {avail / 2**30:.1f} GiB of memory available "
                           f"on this node; use a smaller model")
 
 
-def check_pipeline(cfg: dict, graph, world_size: int) -> int:
+def check_pipeline(cfg: dict, graph, world_size: int) -> tuple:
     """With ``parallel.pipeline_stages`` S > 1: what the pipelined step supports so far, and the
     split itself (cut points, values that cannot cross a cut). Returns the data-parallel
-    replicas (world size / S), the ranks the data is sharded over."""
+    replicas (world size / S), the ranks the data is sharded over, and the graph one rank
+    holds at most (the largest stage)."""
     par = cfg["parallel"]
     S = int(par["pipeline_stages"])
     if S == 1:
         if par["cut_points"]:
             raise ConfigError(f"parallel.cut_points={par['cut_points']} needs parallel.pipeline_stages > 1")
-        return world_size
+        return world_size, graph
     check_world(world_size, S)
     policy = cfg["policy"]["name"]
     if not POLICIES[policy].steps_are_batches:     # the pipelined step is a synchronised step
@@ -175,13 +177,14 @@ def check_pipeline(cfg: dict, graph, world_size: int) -> int:
                           f"(device=cpu, device.cpu_lanes=1)")
     if any(cfg["checkpoint"][k] for k in ("every_steps", "every_epochs", "every_minutes")):
         raise ConfigError(f"parallel.pipeline_stages={S} writes no checkpoints yet: add checkpoint=off")
-    for stage in partition(graph, S, cut_points=par["cut_points"]):
+    stages = partition(graph, S, cut_points=par["cut_points"])
+    for stage in stages:
         for name in stage.boundary_inputs:
             if stage.types[name].dtype != "float":
                 raise ConfigError(f"parallel: '{name}' ({stage.types[name].dtype}) would cross into stage "
                                   f"{stage.index}; only floating-point values can cross a cut: move the "
                                   f"cut (parallel.cut_points)")
-    return world_size // S
+    return world_size // S, max(stages, key=lambda st: ParamLayout(st).size)
 
 
 def check_run_dir_writable(run_dir: str) -> None:
@@ -294,8 +297,9 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     if d["val_path"]:
         hdf5.check_compatible(vinfo, **expect)   # not only at the first validation, an epoch later
 
-    check_model_fits(graph, cfg, world_size)
-    replicas = check_pipeline(cfg, graph, world_size)
+    replicas, held = check_pipeline(cfg, graph, world_size)
+    check_model_fits(held, cfg, world_size, "the model" if held is graph else
+                     f"the largest of its {cfg['parallel']['pipeline_stages']} pipeline stages")
     # Fails here, on rank 0, with the same message every rank will print.
     plan = plan_shards(n_train, cfg["train"]["batch_size"], replicas, d["leftover"])
     if (d["cache"] == "stream" and d["distribution"] == "scatter"
