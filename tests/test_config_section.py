@@ -68,3 +68,13 @@ def test_the_json_form_is_the_plain_dicts_and_round_trips():
     again = TrainSpec.from_dict(json.loads(spec.to_json()))
     assert again.to_json() == spec.to_json()
     assert again.optim["lr"] == 0.1 and isinstance(again.policy, Section)
+
+
+def test_every_schema_section_the_spec_carries_as_a_field_is_typed():
+    """A new config section that becomes a TrainSpec field (as `parallel` did) is listed in
+    `config.section.SECTIONS`, so it refuses undeclared keys like the others."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(TrainSpec)}
+    carried = {s for s in schema.SECTIONS if s in fields} - {"data"}     # data: the DataPlan
+    assert carried | {"policy"} == set(SECTIONS)
