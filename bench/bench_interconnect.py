@@ -10,7 +10,8 @@ speed moves training throughput, for hpc_rlx's sync, cadence and async policies 
 Methods: `sync`, `cadence`, `async` (hpc_rlx policies), `overlap` (`policy=sync comm.overlap=true
 comm.overlap_chunk_mb=--chunk-mb`), `overlap-notest` (the same without the MPI Test calls
 between layers: bench_overlap.py's switch), `overlap-progress` (the same with MPICH's own
-progress thread, `MPIR_CVAR_ASYNC_PROGRESS=1`), `ddp`. Every repeat runs each method once,
+progress thread, `MPIR_CVAR_ASYNC_PROGRESS=1`), `ddp`; `overlap@4` (any overlap method with
+`@MiB`) sets that method's chunk size, so several sizes can alternate in one run. Every repeat runs each method once,
 the order reversed every other repeat; the best repeat of each is reported. `--trace-dir`
 adds one untimed `overlap` run per link with `trace.enabled=true` and keeps its trace.json.
 
@@ -52,9 +53,11 @@ OVERLAP = ("overlap", "overlap-notest", "overlap-progress")
 
 def run_hpc(cluster, method: str, data: Path, epochs: int, work: Path, chunk_mb: float = 1.0,
             keep_trace: Path | None = None) -> dict:
-    run_dir = work / f"hpc_{method}_{time.monotonic_ns()}"
     policy, extra, env = method, [], one_thread_env()
     head = [PYTHON, "-m", "hpc_rlx"]
+    if "@" in method:                   # overlap@4: that method with 4 MiB chunks
+        method, chunk_mb = method.split("@")[0], float(method.split("@")[1])
+    run_dir = work / f"hpc_{method}_{time.monotonic_ns()}"
     if method in OVERLAP:
         policy, extra = "sync", ["comm.overlap=true", f"comm.overlap_chunk_mb={chunk_mb}"]
     if method == "overlap-notest":
