@@ -1,8 +1,10 @@
-"""`policy.reset_inner` under real mpirun: the inner optimizer state is kept across syncs
-unless asked (the DiLoCo paper's workers keep theirs; `bench/README.md` measures both)."""
+"""The outer optimizer's keys under real mpirun: `policy.reset_inner` (the inner optimizer
+state is kept across syncs unless asked, as the DiLoCo paper's workers keep theirs) and
+`policy.outer_warmup` (`bench/README.md` measures both)."""
 
 from __future__ import annotations
 
+import h5py
 import numpy as np
 import pytest
 
@@ -38,3 +40,20 @@ def test_inner_state_is_kept_across_syncs_unless_reset_inner(tmp_path, digits_h5
         {k: float(np.abs(v).max()) for k, v in reset["opt"].items()}
     # and it changes the training: the windows after the first start from different moments
     assert not np.array_equal(kept["params"], reset["params"])
+
+
+def test_outer_warmup_syncs_are_plain_averaging(tmp_path, digits_h5):
+    # every sync of the run inside the warm-up: diloco's model equals outer=average's, bitwise
+    base = [f"data.path={digits_h5}", "checkpoint=off", "policy=async", "policy.tune=false",
+            "policy.anchor=8", "train.epochs=1", "optim=adamw", "optim.lr=0.003"]
+    runs = {"average": base + ["policy.outer=average"],
+            "warm": base + ["policy.outer=diloco", "policy.outer_warmup=1000"]}
+    params = {}
+    for name, overrides in runs.items():
+        proc = train_job(2, tmp_path / name, overrides, timeout=180)
+        assert proc.returncode == 0, explain(proc)
+        with h5py.File(tmp_path / name / "model.h5", "r") as f:
+            params[name] = {k: f[k][...] for k in f.keys()}
+    assert params["warm"].keys() == params["average"].keys()
+    for k in params["average"]:
+        assert np.array_equal(params["warm"][k], params["average"][k]), k

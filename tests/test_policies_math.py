@@ -451,7 +451,7 @@ def test_average_outer_is_the_consensus():
 
 
 def test_diloco_matches_hand_computed_nesterov():
-    o = DiLoCo(lr=0.7, momentum=0.9)
+    o = DiLoCo(lr=0.7, momentum=0.9, warmup=0)
     assert not o.resets_inner
     o.begin(np.array([1.0, 2.0]))
     w = np.array([0.5, 2.5])
@@ -468,7 +468,7 @@ def test_diloco_matches_torch_sgd_nesterov_oracle():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(16)
     w0 = rng.normal(size=64)
-    ours = DiLoCo(lr=0.7, momentum=0.9)
+    ours = DiLoCo(lr=0.7, momentum=0.9, warmup=0)
     ours.begin(w0.copy())
     p = torch.nn.Parameter(torch.tensor(w0))
     opt = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
@@ -483,7 +483,7 @@ def test_diloco_matches_torch_sgd_nesterov_oracle():
 
 def test_diloco_without_momentum_and_unit_lr_is_plain_averaging():
     rng = np.random.default_rng(17)
-    o = DiLoCo(lr=1.0, momentum=0.0)
+    o = DiLoCo(lr=1.0, momentum=0.0, warmup=0)
     o.begin(rng.normal(size=10))
     for _ in range(3):
         c = rng.normal(size=10)
@@ -493,7 +493,7 @@ def test_diloco_without_momentum_and_unit_lr_is_plain_averaging():
 
 
 def test_diloco_plain_momentum_variant():
-    o = DiLoCo(lr=0.5, momentum=0.9, nesterov=False)
+    o = DiLoCo(lr=0.5, momentum=0.9, nesterov=False, warmup=0)
     o.begin(np.array([1.0]))
     w = np.array([0.0])
     o.step(w)  # v = 1; W = 1 - 0.5
@@ -551,28 +551,60 @@ def test_outer_state_roundtrip_and_order_errors(name):
 
 
 def test_diloco_defaults_and_reset_inner():
-    # the defaults follow bench/bench_diloco.py's measurements: lr 0.7, momentum 0.5, inner
-    # state kept across syncs
+    # the paper's lr 0.7 and momentum 0.9; the warm-up of 9 syncs and the inner state kept
+    # across syncs follow bench/bench_diloco.py's measurements
     o = make_outer("diloco")
-    assert (o.lr, o.momentum, o.nesterov, o.resets_inner) == (0.7, 0.5, True, False)
+    assert (o.lr, o.momentum, o.nesterov, o.warmup, o.resets_inner) == (0.7, 0.9, True, 9, False)
+    assert make_outer("slowmo").warmup == 0
     assert make_outer("diloco", reset_inner=True).resets_inner
     assert make_outer("average", reset_inner=True).resets_inner
     assert not make_outer("slowmo").resets_inner
     with pytest.raises(ConfigError, match="policy.reset_inner must be true or false, got 1"):
         make_outer("diloco", reset_inner=1)
-    # one outer step with the defaults: g = 1, v = 1, W = 1 - 0.7 * (1 + 0.5)
+    # one outer step without the warm-up: g = 1, v = 1, W = 1 - 0.7 * (1 + 0.9)
+    o = make_outer("diloco", warmup=0)
     o.begin(np.array([1.0]))
     w = np.array([0.0])
     o.step(w)
-    assert w[0] == pytest.approx(1.0 - 0.7 * 1.5, rel=1e-14)
+    assert w[0] == pytest.approx(1.0 - 0.7 * 1.9, rel=1e-14)
 
 
 def test_outer_from_config_reads_the_policy_keys():
     from hpc_rlx.policies.outer import outer_from_config
 
     o = outer_from_config({"outer": "diloco", "outer_lr": 0.5, "outer_momentum": None,
-                           "reset_inner": True})
-    assert (o.name, o.lr, o.momentum, o.resets_inner) == ("diloco", 0.5, 0.5, True)
+                           "outer_warmup": 3, "reset_inner": True})
+    assert (o.name, o.lr, o.momentum, o.warmup, o.resets_inner) == ("diloco", 0.5, 0.9, 3, True)
+
+
+@pytest.mark.parametrize("name", ["diloco", "slowmo"])
+def test_outer_warmup_averages_first_then_runs_from_a_fresh_momentum(name):
+    # warm-up syncs leave the consensus as it is and start no momentum: after them the outer
+    # optimizer equals one that begins at the last warm-up consensus
+    rng = np.random.default_rng(20)
+    w0 = rng.normal(size=8)
+    warm = make_outer(name, warmup=2)
+    warm.begin(w0.copy())
+    consensus = [w0 + rng.normal(scale=0.1, size=8) for _ in range(5)]
+    for c in consensus[:2]:
+        w = c.copy()
+        warm.step(w, inner_lr=0.1)
+        assert np.array_equal(w, c)
+    fresh = make_outer(name, warmup=0)
+    fresh.begin(consensus[1].copy())
+    for c in consensus[2:]:
+        wa, wb = c.copy(), c.copy()
+        warm.step(wa, inner_lr=0.1)
+        fresh.step(wb, inner_lr=0.1)
+        assert np.array_equal(wa, wb)
+    assert not np.array_equal(wa, consensus[-1])       # the momentum acts after the warm-up
+    # the count of syncs seen travels with the state: a resumed run does not warm up again
+    again = make_outer(name, warmup=2)
+    again.begin(np.zeros(8))
+    again.load_state_dict(warm.state_dict())
+    assert again.done == 5
+    with pytest.raises(ConfigError, match="policy.outer_warmup must be an integer >= 0, got -1"):
+        make_outer(name, warmup=-1)
 
 
 def test_make_outer_errors():
@@ -746,6 +778,9 @@ def test_policy_config_defaults_and_normalisation():
     ({"name": "async", "outer": "slowmo", "outer_lr": True}, "policy.outer_lr must be a number, got True"),
     ({"name": "async", "outer": "diloco", "reset_inner": "yes"},
      "policy.reset_inner must be true or false, got 'yes'"),
+    ({"name": "async", "outer_warmup": 3}, "policy.outer=average takes no parameters"),
+    ({"name": "async", "outer": "diloco", "outer_warmup": 1.5},
+     "policy.outer_warmup must be an integer, got 1.5"),
 ])
 def test_policy_config_errors_name_key_and_value(cfg, words):
     from hpc_rlx.policies import validate_policy_config

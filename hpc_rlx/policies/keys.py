@@ -15,6 +15,7 @@ SHARED_DEFAULTS = {
     "outer": "average",
     "outer_lr": None,
     "outer_momentum": None,
+    "outer_warmup": None,
     "reset_inner": False,
 }
 SHARED_DOCS = {
@@ -25,8 +26,9 @@ SHARED_DOCS = {
     "outer": "`average`, `diloco` (outer Nesterov momentum on the pseudo-gradient) or `slowmo` "
              "(slow momentum)",
     "outer_lr": "outer step size; null = the method's default (diloco 0.7, slowmo 1.0)",
-    "outer_momentum": "outer momentum; null = the method's default (diloco 0.5, measured: "
-                      "bench/README.md; slowmo 0.5)",
+    "outer_momentum": "outer momentum; null = the method's default (diloco 0.9, slowmo 0.5)",
+    "outer_warmup": "syncs of plain averaging before the outer momentum starts; null = the "
+                    "method's default (diloco 9, measured: bench/README.md; slowmo 0)",
     "reset_inner": "true: reset every rank's inner optimizer state after each sync; false keeps "
                    "it, as the DiLoCo paper's workers do",
 }
@@ -37,6 +39,7 @@ def check_outer_keys(cfg: dict) -> dict:
     out = {"outer": cfg["outer"],
            "outer_lr": number_key("outer_lr", cfg["outer_lr"], allow_none=True),
            "outer_momentum": number_key("outer_momentum", cfg["outer_momentum"], allow_none=True),
+           "outer_warmup": integer_key("outer_warmup", cfg["outer_warmup"], allow_none=True),
            "reset_inner": bool_key("reset_inner", cfg["reset_inner"])}
     outer_from_config(out)
     return out

@@ -4,13 +4,17 @@
 
 - `average`: the consensus itself.
 - `diloco`: Nesterov momentum on the pseudo-gradient `g = W_prev - W`
-  (`v = mu*v + g; W_new = W_prev - lr*(g + mu*v)`), defaults lr 0.7, mu 0.5. The paper
-  (Douillard et al., 2023) uses mu 0.9 over hundreds of outer steps of 500 inner steps; with
-  tens of outer steps of 25 inner steps (`experiment=lm`, `bench/bench_diloco.py`) 0.9
-  overshoots (val loss 1.477 against 1.381 with 0.5, sync 1.379), so the default is 0.5.
+  (`v = mu*v + g; W_new = W_prev - lr*(g + mu*v)`), defaults lr 0.7, mu 0.9 (the DiLoCo
+  paper, Douillard et al., 2023), after a warm-up of 9 syncs of plain averaging. The paper
+  starts its workers from a pretrained model; from a random one, the momentum amplifies the
+  large early pseudo-gradients, and the run never recovers (`experiment=lm`, 2 ranks, K=25:
+  val loss 1.477 without the warm-up, 1.380 with it, sync 1.379; `bench/README.md`).
 - `slowmo`: slow momentum on the same pseudo-gradient, in the paper's inner-LR units:
   `u = beta*u + g/gamma; W_new = W_prev - alpha*gamma*u` with `gamma` the inner LR at the
-  sync (1 when not given), defaults alpha 1.0, beta 0.5.
+  sync (1 when not given), defaults alpha 1.0, beta 0.5, no warm-up.
+
+`warmup` (`policy.outer_warmup`): the first syncs take the consensus as it is and start no
+momentum; the count of syncs seen is part of the state (a resumed run does not warm up again).
 
 Every rank keeps its own inner optimizer state (AdamW moments, momentum) across syncs, as the
 DiLoCo paper's workers do; `reset_inner=True` (`policy.reset_inner`) sets `resets_inner`,
@@ -57,13 +61,17 @@ class OuterAverage(OuterOptimizer):
 
 
 class _MomentumOuter(OuterOptimizer):
-    def __init__(self, lr: float, momentum: float):
+    def __init__(self, lr: float, momentum: float, warmup: int = 0):
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ConfigError(f"policy.outer_warmup must be an integer >= 0, got {warmup!r}")
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
             raise ConfigError(f"policy.outer_lr must be a finite number > 0, got {lr!r}")
         if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
             raise ConfigError(f"policy.outer_momentum must be in [0, 1), got {momentum!r}")
         self.lr = float(lr)
         self.momentum = float(momentum)
+        self.warmup = warmup
+        self.done = 0           # syncs seen: the first `warmup` take the consensus as it is
         self.prev = None
         self.buf = None
 
@@ -72,12 +80,26 @@ class _MomentumOuter(OuterOptimizer):
         self.buf = params.copy()
         self.buf.fill(0)
 
-    def _pseudo_grad_into(self, params) -> None:
+    def step(self, params, inner_lr: float | None = None) -> None:
+        self.done += 1
+        if self.done <= self.warmup:
+            self._check(params)
+            self.prev[...] = params             # the consensus is the new global model
+            return
+        self._outer_step(params, inner_lr)
+
+    def _outer_step(self, params, inner_lr: float | None) -> None:
+        raise NotImplementedError
+
+    def _check(self, params) -> None:
         if self.prev is None:
             raise RuntimeError(f"outer optimizer '{self.name}': call begin(params) before step()")
         if params.shape != self.prev.shape:
             raise ValueError(f"params shape {tuple(params.shape)} != outer state "
                              f"{tuple(self.prev.shape)}")
+
+    def _pseudo_grad_into(self, params) -> None:
+        self._check(params)
         np.subtract(self.prev, params, out=params)  # params now holds g = W_prev - W
 
     def _descend(self, params, scale: float) -> None:
@@ -88,7 +110,7 @@ class _MomentumOuter(OuterOptimizer):
         params[...] = self.prev
 
     def state_dict(self) -> dict:
-        return {"name": self.name, "lr": self.lr, "momentum": self.momentum,
+        return {"name": self.name, "lr": self.lr, "momentum": self.momentum, "done": self.done,
                 "prev": _host_copy(self.prev), "buf": _host_copy(self.buf)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -96,6 +118,7 @@ class _MomentumOuter(OuterOptimizer):
         if self.prev is None:
             raise RuntimeError(f"outer optimizer '{self.name}': call begin(params) before "
                                "load_state_dict() so the state lands on the right device")
+        self.done = int(state.get("done", 0))
         for key in ("prev", "buf"):
             src = np.asarray(state[key])
             dst = getattr(self, key)
@@ -107,11 +130,12 @@ class _MomentumOuter(OuterOptimizer):
 class DiLoCo(_MomentumOuter):
     name = "diloco"
 
-    def __init__(self, lr: float = 0.7, momentum: float = 0.5, nesterov: bool = True):
-        super().__init__(lr, momentum)
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
+                 warmup: int = 9):
+        super().__init__(lr, momentum, warmup)
         self.nesterov = bool(nesterov)
 
-    def step(self, params, inner_lr: float | None = None) -> None:
+    def _outer_step(self, params, inner_lr: float | None) -> None:
         self._pseudo_grad_into(params)          # params = g
         self.buf *= self.momentum
         self.buf += params                      # v = mu*v + g
@@ -126,10 +150,10 @@ class DiLoCo(_MomentumOuter):
 class SlowMo(_MomentumOuter):
     name = "slowmo"
 
-    def __init__(self, lr: float = 1.0, momentum: float = 0.5):
-        super().__init__(lr, momentum)
+    def __init__(self, lr: float = 1.0, momentum: float = 0.5, warmup: int = 0):
+        super().__init__(lr, momentum, warmup)
 
-    def step(self, params, inner_lr: float | None = None) -> None:
+    def _outer_step(self, params, inner_lr: float | None) -> None:
         gamma = 1.0 if inner_lr is None else float(inner_lr)
         if not (math.isfinite(gamma) and gamma > 0):
             raise ValueError(f"inner_lr must be finite and > 0, got {inner_lr!r}")
@@ -144,20 +168,25 @@ OUTERS = {"average": OuterAverage, "diloco": DiLoCo, "slowmo": SlowMo}
 
 
 def make_outer(name: str, lr: float | None = None, momentum: float | None = None,
-               reset_inner: bool = False, **extra) -> OuterOptimizer:
-    """Build `policy.outer` by name; lr / momentum of None take the method's defaults;
-    `reset_inner`: the loop resets the inner optimizer's state after every sync."""
+               reset_inner: bool = False, warmup: int | None = None, **extra) -> OuterOptimizer:
+    """Build `policy.outer` by name; lr / momentum / warmup of None take the method's defaults;
+    `reset_inner`: the loop resets the inner optimizer's state after every sync; `warmup`:
+    the first syncs that take the consensus as it is, before the outer momentum starts."""
     if name not in OUTERS:
         raise ConfigError(f"policy.outer must be one of {sorted(OUTERS)}, got {name!r}")
     if not isinstance(reset_inner, bool):
         raise ConfigError(f"policy.reset_inner must be true or false, got {reset_inner!r}")
     if name == "average":
         given = {k: v for k, v in dict(extra, lr=lr, momentum=momentum).items() if v is not None}
+        if warmup:
+            given["outer_warmup"] = warmup
         if given:
             raise ConfigError(f"policy.outer=average takes no parameters, got {given}")
         outer = OuterAverage()
     else:
         kwargs = dict(extra)
+        if warmup is not None:
+            kwargs["warmup"] = warmup
         if lr is not None:
             kwargs["lr"] = lr
         if momentum is not None:
@@ -172,9 +201,9 @@ def make_outer(name: str, lr: float | None = None, momentum: float | None = None
 
 def outer_from_config(cfg) -> OuterOptimizer:
     """The outer optimizer of a `policy.*` config (keys `outer`, `outer_lr`, `outer_momentum`,
-    `reset_inner`)."""
+    `outer_warmup`, `reset_inner`)."""
     return make_outer(cfg["outer"], cfg["outer_lr"], cfg["outer_momentum"],
-                      reset_inner=cfg["reset_inner"])
+                      reset_inner=cfg["reset_inner"], warmup=cfg["outer_warmup"])
 
 
 def _check_name(name: str, state: dict) -> None:
