@@ -104,7 +104,7 @@ def test_four_stages_two_replicas_on_eight_ranks(tmp_path, digits_h5, reference)
     assert_same_training(reference["mlp"], tmp_path / "s4d2")
 
 
-@pytest.mark.parametrize("nan_rank", [0, 1])
+@pytest.mark.parametrize("nan_rank", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_a_nan_on_either_stage_stops_every_rank_in_that_step(tmp_path, digits_h5, nan_rank):
     run = tmp_path / "nan"
     proc = train_job(2, run, BASE + [f"data.path={digits_h5}", "parallel.pipeline_stages=2",
