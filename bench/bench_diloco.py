@@ -11,8 +11,8 @@ K is fixed with `policy.tune=false policy.anchor=K`: each rank runs K local step
 
 - syncs/ep: synchronisations (Allreduces) in the last epoch (sync: one per step);
 - fewer: sync's syncs per epoch over the row's;
-- val_loss: validation loss after the last epoch, one run per row (repeats of an async row
-  agreed within 0.004; the seed moves it more than that: `--seed`, see `bench/README.md`);
+- val_loss: validation loss after the last epoch, one run per row (a run repeats bitwise on
+  one code version; the seed moves it by more than the 2% goal: `--seed`, `bench/README.md`);
 - vs_sync: val_loss / sync's val_loss (the goal: <= 1.02 at >= 20x fewer syncs);
 - wall_s: the job's wall time (on a shared machine, only a rough guide).
 
