@@ -94,6 +94,29 @@ def numpy_mlp_step_fn(sizes, x, y):
     return step
 
 
+def gemm_floor_step_fn(sizes, x):
+    """Only the matrix products of the MLP step (forward, weight and input gradients), in
+    NumPy: no bias, activation, loss or update. No engine's step can take less time than this
+    on this BLAS, so it bounds how far ahead of PyTorch any CPU engine can be."""
+    rng = np.random.default_rng(0)
+    ws = [rng.standard_normal((a, b)).astype(np.float32) for a, b in zip(sizes, sizes[1:])]
+    outs = [np.empty((x.shape[0], b), np.float32) for b in sizes[1:]]
+    gws = [np.empty_like(w) for w in ws]
+    gxs = [np.empty((x.shape[0], a), np.float32) for a in sizes[:-1]]
+
+    def step(i):
+        h = x
+        for w, out in zip(ws, outs):
+            h = np.matmul(h, w, out=out)
+        g = outs[-1]
+        for k in range(len(ws) - 1, -1, -1):
+            np.matmul((outs[k - 1] if k else x).T, g, out=gws[k])
+            if k:
+                g = np.matmul(g, ws[k].T, out=gxs[k])
+
+    return step
+
+
 def timed(step, steps, start):
     """(wall seconds, process CPU seconds) per step over ``steps`` steps."""
     w0, c0 = time.perf_counter(), time.process_time()
@@ -132,6 +155,7 @@ def mlp_case():
         "engine": engine_step_fn(g, {"x": x, "y": y}),
         "torch": torch_step_fn(model, torch.from_numpy(x), torch.from_numpy(y)),
         "numpy-by-hand": numpy_mlp_step_fn(sizes, x, y),
+        "gemm-floor": gemm_floor_step_fn(sizes, x),
     }
 
 
@@ -257,6 +281,10 @@ def report(title, t):
     e = t["engine"]
     print(f"  ratio engine/torch = {e[0] / base[0]:.2f} (best wall), {e[1] / base[1]:.2f} (median wall), "
           f"{e[2] / base[2]:.2f} (best cpu)")
+    if "gemm-floor" in t:
+        f = t["gemm-floor"]
+        print(f"  GEMM floor: torch {base[0] / f[0]:.2f}x, engine {e[0] / f[0]:.2f}x of it (best wall); "
+              f"the most any engine can be ahead of this torch step: {base[0] / f[0]:.2f}x")
 
 if __name__ == "__main__":
     main()
