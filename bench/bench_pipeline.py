@@ -8,7 +8,8 @@ Every job trains the same LM (synthetic tokens written under a temp dir, float32
 thread per rank, with the trace on. Per job it prints samples/s (hpc_rlx's `samples_per_s`
 over the second epoch), each rank's `param_bytes` and `optimizer_bytes` (summary.json) and
 peak RSS, and per stage the measured bubble: 1 - (the stage's forward and backward span time)
-/ (its pipeline step span time), over the second epoch's steps, next to the schedule's
+/ (its pipeline step span time), over the second epoch's steps (`observe/pipeline_bubble.py`, what
+`python -m hpc_rlx.report` prints), next to the schedule's
 (S-1)/(M+S-1) for equal stage times. On a 2-core machine S <= 2 is all that measures the
 pipeline rather than oversubscription.
 """
@@ -25,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import fmt_table, hpc_throughput, machine_note, mpirun, one_thread_env  # noqa: E402
 
+from hpc_rlx.observe.pipeline_bubble import stage_bubbles  # noqa: E402
+
 
 def write_tokens(path: Path, rows: int, seq: int, vocab: int) -> Path:
     import h5py
@@ -37,22 +40,11 @@ def write_tokens(path: Path, rows: int, seq: int, vocab: int) -> Path:
     return path
 
 
-def measured_bubble(trace_path: Path, stages: int, skip_steps: int) -> list:
-    """Per stage (rank pid < stages: the first replica), 1 - compute / step over the steps
-    after the first ``skip_steps``."""
-    events = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("ph") == "X"]
-    out = []
-    for pid in range(stages):
-        steps = sorted((e for e in events if e["pid"] == pid and e["name"] == "pipeline step"), key=lambda e: e["ts"])
-        steps = steps[skip_steps:]
-        if not steps:
-            out.append(None)
-            continue
-        t0 = steps[0]["ts"]
-        busy = sum(e["dur"] for e in events if e["pid"] == pid and e["name"] in ("forward", "backward")
-                   and e["ts"] >= t0)
-        out.append(1.0 - busy / sum(e["dur"] for e in steps))
-    return out
+def measured_bubble(trace_path: Path, skip_steps: int) -> list:
+    """Per stage: the bubble over the steps after the first ``skip_steps`` (the report's
+    measurement, ``observe/pipeline_bubble.py``), averaged over the stage's replicas."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    return [r["bubble"] for r in stage_bubbles(events, skip_steps)]
 
 
 def main() -> None:
@@ -87,7 +79,7 @@ def main() -> None:
                     mpirun(S, base + extra, timeout=1200, env=one_thread_env())
                     tput = hpc_throughput(run, args.batch)
                     ranks = json.loads((run / "summary.json").read_text())["ranks"]
-                    bubble = measured_bubble(run / "trace.json", S, args.steps) if S > 1 else []
+                    bubble = measured_bubble(run / "trace.json", args.steps) if S > 1 else []
                     theory = (S - 1) / (M + S - 1)
                     rows.append([S, M if S > 1 else "-", sched, round(tput["samples_per_s"], 1),
                                  " / ".join(f"{r['param_bytes'] / 2**20:.2f}" for r in ranks),

@@ -39,6 +39,7 @@ from hpc_rlx.observe.run_files import (
     sweep_rows,
     varied_overrides,
 )
+from hpc_rlx.observe.pipeline_bubble import stage_bubbles
 from hpc_rlx.observe.sweep import render
 from hpc_rlx.observe.trace import summarize
 
@@ -137,18 +138,36 @@ def trace_lines(path: Path, max_ranks: int = 8) -> list[str]:
     except (OSError, json.JSONDecodeError) as e:
         return [f"  (trace unreadable: {e})"]
     per = trace_per_step(doc)
+    bubble = bubble_lines(doc)
     if not per:
         # policies without per-step spans (cadence, async): totals per span name instead
         tot = sorted(summarize(doc).items(), key=lambda kv: -kv[1])
         tot = [(k, v) for k, v in tot if not k.startswith("epoch ")][:8]
-        return ["  seconds, all ranks: " + "  ".join(f"{k} {v:.3f}" for k, v in tot)] if tot else []
+        return (["  seconds, all ranks: " + "  ".join(f"{k} {v:.3f}" for k, v in tot)] if tot else []) + bubble
     out = ["  ms per step  " + " ".join(f"{k:>16}" for k in STEP_SPANS)]
     for r in sorted(per)[:max_ranks]:
         out.append(f"  rank {r:<6} " + " ".join(f"{per[r].get(k, 0.0):>16.3f}" for k in STEP_SPANS))
     if len(per) > max_ranks:
         out.append(f"  ... {len(per) - max_ranks} more ranks")
-    return out
+    return out + bubble
 
+
+def bubble_lines(doc: dict) -> list[str]:
+    """The pipeline's bubble per stage (a pipelined run's trace), the first step left out as
+    warm-up when there are more."""
+    events = doc.get("traceEvents", [])
+    steps = sum(1 for e in events if e.get("ph") == "X" and e.get("name") == "pipeline step" and e.get("pid") == 0)
+    rows = stage_bubbles(events, skip_steps=1 if steps > 1 else 0)
+    if not rows:
+        return []
+    out = [f"  pipeline bubble per stage ({rows[0]['stages']} stages, {rows[0]['micro']} micro-batches, "
+           f"{rows[0]['steps']} steps{', the first left out' if steps > 1 else ''}; times per replica):",
+           f"  {'stage':>5} {'ranks':<10} {'step s':>9} {'busy s':>9} {'bubble':>7} {'send/recv wait':>14} "
+           f"{'(S-1)/(M+S-1)':>13}"]
+    for r in rows:
+        out.append(f"  {r['stage']:>5} {rank_span(r['ranks'])[:10]:<10} {r['step_s']:>9.3f} {r['busy_s']:>9.3f} "
+                   f"{r['bubble']:>7.3f} {r['wait_s']:>8.3f} s {r['wait_fraction']:>4.0%} {r['theory']:>13.3f}")
+    return out
 
 
 def sweep_text(sweep_dir: Path, rows: list[dict]) -> str:
