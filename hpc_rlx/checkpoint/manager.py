@@ -43,6 +43,7 @@ from hpc_rlx.checkpoint.retention import (
     record,
     usable_value,
 )
+from hpc_rlx.checkpoint.staged_file import StagedArrays, write_staged
 from hpc_rlx.errors import CheckpointError, ConfigError
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
@@ -115,7 +116,9 @@ class CheckpointManager:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"checkpoint step must be an integer >= 0, got {step!r}")
-        arrays = hf._check_arrays(state.arrays)
+        # StagedArrays: written piece by piece (a pipelined run's stages), same file
+        staged = state.arrays if isinstance(state.arrays, StagedArrays) else None
+        arrays = staged if staged is not None else hf._check_arrays(state.arrays)
         meta = hf._normalise_meta(state.meta)
         if not isinstance(meta, dict):
             raise TypeError(f"checkpoint meta must be a dict, got {type(meta).__name__}")
@@ -132,22 +135,27 @@ class CheckpointManager:
             "previous_uid": self._previous_uid, "hpc_rlx_version": __version__,
             "retention": {"metric": self.metric, "mode": self.mode, "keep_last": self.keep_last,
                           "history": [[s, v] for s, v in history]},
-            "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays.items()],
+            "arrays": staged.rows() if staged is not None
+            else [[name, a.dtype.str, list(a.shape)] for name, a in arrays.items()],
         }
         manifest_bytes, meta_bytes = _dump(manifest), _dump(meta)
-        checksum = hf._checksum(manifest_bytes, meta_bytes, arrays)
+        checksum = None if staged is not None else hf._checksum(manifest_bytes, meta_bytes, arrays)
 
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"could not create checkpoint directory {self.directory}: {e}") from e
         self._remove_stale_temps()
-        need = sum(a.nbytes for a in arrays.values()) + len(manifest_bytes) + len(meta_bytes)
+        need = (staged.nbytes if staged is not None else sum(a.nbytes for a in arrays.values())) \
+            + len(manifest_bytes) + len(meta_bytes)
         self._check_space(final, need + hf._SLACK_BYTES)
 
         tmp = hf._temp_name(final)
         try:
-            hf._write_h5(tmp, manifest_bytes, meta_bytes, arrays, checksum)
+            if staged is not None:
+                write_staged(tmp, manifest_bytes, meta_bytes, staged)
+            else:
+                hf._write_h5(tmp, manifest_bytes, meta_bytes, arrays, checksum)
             hf._fsync_file(tmp)
             if self.verify_writes:
                 verify_checkpoint(tmp)

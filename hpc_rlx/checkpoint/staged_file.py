@@ -1,0 +1,83 @@
+"""A checkpoint file written piece by piece: the arrays' datasets are created at full size, a
+callback fills them slice by slice, and the checksum is then computed by reading them back in
+blocks. The file is the same as ``h5file`` writes (same layout, same checksum), so every
+reader takes it; only the writer never needs a whole array in memory. No MPI here: the
+caller's ``fill`` may receive the slices from other ranks (``checkpoint/stages.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from hpc_rlx.checkpoint import h5file as hf
+
+# the checksum reads the datasets back in blocks of this size (the writer's memory bound)
+BLOCK_BYTES = 4 << 20
+
+
+@dataclass
+class StagedArrays:
+    """What a ``CheckpointState`` holds instead of its arrays when they are written in pieces.
+
+    specs: name -> (dtype, shape), in the file's (and the checksum's) order.
+    fill: called with name -> the (empty, full-size) h5py dataset; it writes every element.
+    """
+    specs: dict
+    fill: Callable[[dict], None]
+
+    def rows(self) -> list:
+        return [[name, np.dtype(dt).str, list(shape)] for name, (dt, shape) in self.specs.items()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+                   for dt, shape in self.specs.values())
+
+
+def _hash_blocks(h, ds) -> None:
+    """Feed a 1-D (or 0-d) dataset into the checksum, BLOCK_BYTES at a time."""
+    nbytes = int(np.prod(ds.shape, dtype=np.int64)) * ds.dtype.itemsize
+    h.update(nbytes.to_bytes(8, "little"))
+    if ds.ndim == 0:
+        h.update(hf._raw(hf._read_array(ds)))
+        return
+    rows = max(1, BLOCK_BYTES // max(1, nbytes // max(1, ds.shape[0])))
+    for start in range(0, ds.shape[0], rows):
+        h.update(hf._raw(np.ascontiguousarray(ds[start:start + rows])))
+
+
+def write_staged(path: Path, manifest: bytes, meta: bytes, staged: StagedArrays) -> None:
+    """``h5file._write_h5`` for piece-by-piece arrays; the checksum attribute comes last."""
+    text = h5py.string_dtype("utf-8")
+    guarded = hf._GuardedFile(path)
+    try:
+        f = h5py.File(guarded, "w")
+        try:
+            f.attrs["format"] = hf.FORMAT
+            f.attrs["format_version"] = hf.FORMAT_VERSION
+            f.create_dataset("manifest", data=manifest.decode("utf-8"), dtype=text)
+            f.create_dataset("meta", data=meta.decode("utf-8"), dtype=text)
+            group = f.create_group("arrays")
+            datasets = {name: group.create_dataset(name, shape=tuple(shape), dtype=np.dtype(dt))
+                        for name, (dt, shape) in staged.specs.items()}
+            staged.fill(datasets)
+            f.flush()
+            guarded.raise_recorded()    # a failed write (disk full): no reading back garbage
+            h = hashlib.sha256()
+            hf._feed(h, manifest)
+            hf._feed(h, meta)
+            for name in staged.specs:
+                _hash_blocks(h, datasets[name])
+            f.attrs["checksum"] = "sha256:" + h.hexdigest()
+            f.flush()
+        finally:
+            f.close()
+        guarded.raise_recorded()
+    finally:
+        guarded.close()
