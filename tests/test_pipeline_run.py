@@ -123,8 +123,6 @@ def test_a_nan_on_either_stage_stops_every_rank_in_that_step(tmp_path, digits_h5
     (2, ["parallel.pipeline_stages=2", "policy=cadence"], "runs with policy=sync only; policy=cadence"),
     pytest.param(2, ["parallel.pipeline_stages=2", "policy=async"], "runs with policy=sync only; policy=async",
                  marks=pytest.mark.slow),
-    pytest.param(2, ["parallel.pipeline_stages=2", "checkpoint=default"], "writes no checkpoints yet",
-                 marks=pytest.mark.slow),
     pytest.param(2, ["parallel.schedule=zigzag"], "parallel.schedule='zigzag' is not one of",
                  marks=pytest.mark.slow),
 ])

@@ -32,6 +32,7 @@ from hpc_rlx.checkpoint import (
     read_checkpoint,
 )
 from hpc_rlx.checkpoint.cadence import BestWatch, Cadence
+from hpc_rlx.checkpoint.stages import StagedCheckpoint
 from hpc_rlx.comm import collective
 from hpc_rlx.errors import CheckpointError
 from hpc_rlx.policies.registry import POLICIES
@@ -72,12 +73,19 @@ class Resumed:
 
 class RuntimeCheckpoints:
     """Checkpoints of one run. It sees the spec, the communicator, the rank's worker (params,
-    optimizer, position), the policy (its state) and two callbacks, not the whole run."""
+    optimizer, position), the policy (its state) and two callbacks, not the whole run.
+
+    pipeline: a pipelined rank's ``PipelineComms`` (its worker holds one stage): the file is
+    still the whole model's, moved one stage at a time (``checkpoint/stages.py``)."""
 
     def __init__(self, spec, comm, worker, policy, log: Callable[[str], None],
-                 epoch_totals: Callable[[], object]):
+                 epoch_totals: Callable[[], object], pipeline=None):
 
         self.spec, self.comm, self.worker, self.policy = spec, comm, worker, policy
+        self.staged = None if pipeline is None else StagedCheckpoint(
+            spec.graph, pipeline, comm, spec.parallel.get("cut_points"))
+        # the whole model's fingerprint, whichever share of it this rank holds
+        self.fingerprint = worker.graph.fingerprint() if self.staged is None else self.staged.fingerprint
         self.is_root = comm.rank == 0
         self.log = log
         self._epoch_totals = epoch_totals    # the running totals of the epoch being trained
@@ -121,7 +129,10 @@ class RuntimeCheckpoints:
         step = self.worker.step
         if not (self.enabled and self.is_root) or not self.best.offer(step, metric):
             return
-        if self.saved_step == step or self.worker.epoch >= int(self.spec.train["epochs"]):
+        if (self.saved_step == step or self.worker.epoch >= int(self.spec.train["epochs"])
+                or self.staged is not None):
+            # a pipelined rank 0 holds one stage, so no copy of the model: its best is the best
+            # of the checkpoints written
             self._unsaved_best = None       # this epoch's own save, or the final one, holds it
             return
         state = self._state()
@@ -155,16 +166,21 @@ class RuntimeCheckpoints:
                 "correct": float(t.correct), "steps": int(t.steps), "compute_s": float(t.compute_s),
                 "comm_s": float(t.comm_s), "step_wall_s": float(t.step_wall_s)}
 
-    def _state(self):
+    def _state(self, opt: dict | None = None, staged=None):
 
         worker, spec = self.worker, self.spec
-        opt = worker.optimizer.state_dict()
+        opt = opt or worker.optimizer.state_dict()
         arrays = {"params": np.asarray(worker.params)}
         for k, v in opt["arrays"].items():
             arrays[f"opt/{k}"] = np.asarray(v)
         pstate = self.policy.state_dict()
         for k, v in pstate.get("arrays", {}).items():
             arrays[f"policy/{k}"] = np.asarray(v)
+        if staged is not None:
+            if pstate.get("arrays"):
+                raise CheckpointError(f"policy={self.policy.name} keeps state arrays; a pipelined "
+                                      f"checkpoint holds none")
+            arrays = staged     # rank 0's stage, then the others as they arrive
         per_rank = pstate.get("meta", {}).get("positions")
         if per_rank is None:   # policy=sync: every rank is at the same step of its rows
             per_rank = [worker.step_in_epoch] * self.comm.size
@@ -182,7 +198,7 @@ class RuntimeCheckpoints:
             "epoch_totals": self._totals(),
             "history": worker.history,
             "world_size": self.comm.size,
-            "graph_fingerprint": worker.graph.fingerprint(),
+            "graph_fingerprint": self.fingerprint,
             "config_yaml": spec.config_yaml,
             # which training this is (hpc_rlx.config.fingerprint): decides which runs continue it
             "config_fingerprint": spec.extras.get("config_fingerprint"),
@@ -199,16 +215,29 @@ class RuntimeCheckpoints:
             return          # e.g. the final save right after an epoch save: same state
         t0 = time.perf_counter()
 
+        opt = staged = drain = None
+        if self.staged is not None:
+            opt = worker.optimizer.state_dict()
+            self.staged.send(worker.params, opt["arrays"])    # replica 0 of stages > 0
+            if self.is_root:
+                staged, drain = self.staged.staged(np.asarray(worker.params), opt["arrays"])
+
         def _write():
-            self._write_unsaved_best(worker.step)
-            return str(self.manager.save(self._state(), step=worker.step, metric_value=metric))
+            try:
+                self._write_unsaved_best(worker.step)
+                return str(self.manager.save(self._state(opt, staged), step=worker.step, metric_value=metric))
+            finally:
+                if drain is not None:
+                    drain()    # the stages a failed save did not receive: no sender waits
         # A failed write (disk full ...) raises the same CheckpointError on every rank; the
         # previous checkpoint and the `latest` pointer are then untouched.
         path = collective.root_computes(self.comm, _write)
         self.saved_step, self._saved_at = worker.step, at
         self.cadence.restart()
+        held = (f", stages received one at a time: at most {self.staged.held_bytes} bytes held"
+                if self.staged is not None and self.is_root else "")
         self.log(f"checkpoint ({reason}) at step {worker.step}: {path} "
-                f"[{time.perf_counter() - t0:.2f}s]")
+                f"[{time.perf_counter() - t0:.2f}s{held}]")
 
     # ---- resume -----------------------------------------------------------------------
     def _warn(self, message: str) -> None:
@@ -250,7 +279,9 @@ class RuntimeCheckpoints:
         """Rank 0: refuse a checkpoint this run cannot continue exactly."""
 
         worker = self.worker
-        check_compatible(state, worker.graph.fingerprint())
+        check_compatible(state, self.fingerprint)
+        if self.staged is not None:
+            self.staged.check(state.arrays, worker.optimizer.state_dict()["arrays"], state.path)
         meta, where = state.meta, state.path
         if meta.get("dtype", self.spec.train["dtype"]) != self.spec.train["dtype"]:
             raise CheckpointError(f"checkpoint {where} was written with train.dtype={meta.get('dtype')}, "
@@ -308,7 +339,11 @@ class RuntimeCheckpoints:
         info = collective.root_computes(comm, _load)
         if info is None:
             return None
-        arrays = bcast_arrays(comm, holder["state"].arrays if comm.rank == 0 else None, info["shapes"])
+        whole = holder["state"].arrays if comm.rank == 0 else None
+        if self.staged is None:
+            arrays = bcast_arrays(comm, whole, info["shapes"])
+        else:   # each stage its share, by name (sync keeps no policy arrays)
+            arrays = self.staged.scatter(whole, worker.optimizer.state_dict()["arrays"], worker.params.dtype)
         holder.clear()
         # Every rank holds the same data, so these checks fail everywhere or nowhere.
         collective.agree(comm, lambda: self._apply(info, arrays))

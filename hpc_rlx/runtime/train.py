@@ -179,10 +179,6 @@ class Run:
         return t
 
     def save_checkpoint(self, reason: str, metric: float | None = None) -> None:
-        if self.place is not None and self.place.comms is not None:
-            # every stage would write its own parameters as the model: not until stage-wise saves exist
-            self.log(f"no {reason} checkpoint: a pipelined run writes none yet")
-            return
         with phase("checkpointing"):
             self.faults.at("checkpoint")
             collective.agree(self.comm, self._check_params_finite)
@@ -236,7 +232,7 @@ class Run:
         self.log(f"{bucket_note}")
         self.stats = RankStats(lanes=self.lanes.names, inventory=inventory(), threads=self.threads)
         self.checkpoints = RuntimeCheckpoints(spec, comm, worker, self.policy, self.log,
-                                              lambda: self.current_totals)
+                                              lambda: self.current_totals, pipeline=place.comms)
         with phase("resume from a checkpoint"):
             resumed = self.checkpoints.maybe_resume()
         if resumed is not None:
