@@ -367,15 +367,17 @@ def _info(manifest: dict) -> dict:
     return {k: v for k, v in manifest.items() if k != "arrays"}
 
 
-def read_checkpoint(path) -> CheckpointState:
+def read_checkpoint(path, arrays: bool = True) -> CheckpointState:
     """Load a checkpoint after verifying its checksum; CheckpointError naming the file if it is
-    missing, not HDF5, partial, corrupt or of another format version."""
-    manifest, meta_bytes, arrays = _read(path, keep_arrays=True)
+    missing, not HDF5, partial, corrupt or of another format version. arrays=False: verify it
+    without keeping its arrays (``info["arrays"]`` lists them; read slices from the file)."""
+    manifest, meta_bytes, kept = _read(path, keep_arrays=arrays)
     try:
         meta = json.loads(meta_bytes)
     except ValueError as e:  # unreachable unless the checksum collides; keep the message clear anyway
         raise CheckpointError(f"checkpoint {path} has unreadable meta: {e}") from e
-    return CheckpointState(arrays=arrays, meta=meta, path=Path(path), info=_info(manifest))
+    info = _info(manifest) if arrays else dict(_info(manifest), arrays=manifest["arrays"])
+    return CheckpointState(arrays=kept, meta=meta, path=Path(path), info=info)
 
 
 def read_meta(path) -> dict:

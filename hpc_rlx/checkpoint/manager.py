@@ -255,11 +255,12 @@ class CheckpointManager:
                 warn(f"skipping checkpoint {path}: {e}")
         return None
 
-    def load_latest(self, warn: Warn = _warn_stderr) -> CheckpointState | None:
-        """Like `latest_valid`, but returns the loaded state (each file is read once)."""
+    def load_latest(self, warn: Warn = _warn_stderr, arrays: bool = True) -> CheckpointState | None:
+        """Like `latest_valid`, but returns the loaded state (each file is read once; arrays=False:
+        verified, its arrays left in the file, see `read_checkpoint`)."""
         for path in self._resume_order():
             try:
-                return read_checkpoint(path)
+                return read_checkpoint(path, arrays=arrays)
             except CheckpointError as e:
                 warn(f"skipping checkpoint {path}: {e}")
         return None

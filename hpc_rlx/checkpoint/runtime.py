@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -32,6 +33,7 @@ from hpc_rlx.checkpoint import (
     read_checkpoint,
 )
 from hpc_rlx.checkpoint.cadence import BestWatch, Cadence
+from hpc_rlx.checkpoint.staged_file import open_arrays
 from hpc_rlx.checkpoint.stages import StagedCheckpoint
 from hpc_rlx.comm import collective
 from hpc_rlx.errors import CheckpointError
@@ -250,7 +252,7 @@ class RuntimeCheckpoints:
         if choice.lower() in _NO_RESUME:
             return None
         if choice == "auto":
-            state = self.manager.load_latest(warn=self._warn)
+            state = self.manager.load_latest(warn=self._warn, arrays=self.staged is None)
             present = self.manager.steps()
             log.debug("resume=auto: checkpoint steps in %s: %s; resuming %s", self.directory,
                       present, None if state is None else state.path)
@@ -267,13 +269,14 @@ class RuntimeCheckpoints:
         if path.is_dir():
             # a run directory or its checkpoints/ directory: the newest valid checkpoint there
             where = checkpoints_dir(path) if checkpoints_dir(path).is_dir() else path
-            state = CheckpointManager(where).load_latest(warn=self._warn)
+            state = CheckpointManager(where).load_latest(warn=self._warn, arrays=self.staged is None)
             if state is None:
                 raise CheckpointError(f"resume={choice}: no readable checkpoint (ckpt-<step>.h5) in {where}")
             return state
         if not path.exists():
             raise CheckpointError(f"resume={choice}: no such checkpoint file or directory")
-        return read_checkpoint(path)
+        # a pipelined rank 0 leaves the arrays in the (verified) file: it reads one stage at a time
+        return read_checkpoint(path, arrays=self.staged is None)
 
     def _check(self, state) -> None:
         """Rank 0: refuse a checkpoint this run cannot continue exactly."""
@@ -281,7 +284,8 @@ class RuntimeCheckpoints:
         worker = self.worker
         check_compatible(state, self.fingerprint)
         if self.staged is not None:
-            self.staged.check(state.arrays, worker.optimizer.state_dict()["arrays"], state.path)
+            self.staged.check({name: tuple(shape) for name, _, shape in state.info["arrays"]},
+                              worker.optimizer.state_dict()["arrays"], state.path)
         meta, where = state.meta, state.path
         if meta.get("dtype", self.spec.train["dtype"]) != self.spec.train["dtype"]:
             raise CheckpointError(f"checkpoint {where} was written with train.dtype={meta.get('dtype')}, "
@@ -320,7 +324,12 @@ class RuntimeCheckpoints:
                            f"({', '.join(sorted(changed))}); continuing from its epoch boundary")
 
     def maybe_resume(self) -> Resumed | None:
-        """Collective: rank 0 picks, reads and checks; everyone receives the arrays by Bcast."""
+        """Collective: rank 0 picks, reads and checks; everyone receives the arrays by Bcast (a
+        pipelined rank: its stage's share, which rank 0 reads from the file stage by stage)."""
+        with ExitStack() as files:
+            return self._resume(files)
+
+    def _resume(self, files: ExitStack) -> Resumed | None:
         worker, comm = self.worker, self.comm
         holder = {}
 
@@ -334,16 +343,18 @@ class RuntimeCheckpoints:
             self.manager.restore_history(state, warn=self._warn)
             self.best.seed(self.manager.best_step, self.manager.best_value)
             holder["state"] = state
+            if self.staged is not None:     # opened here, so a failure is every rank's error
+                holder["file"] = files.enter_context(open_arrays(state.path))
             shapes = {k: (list(v.shape), v.dtype.str) for k, v in state.arrays.items()}
             return {"path": str(state.path), "meta": state.meta, "shapes": shapes}
         info = collective.root_computes(comm, _load)
         if info is None:
             return None
-        whole = holder["state"].arrays if comm.rank == 0 else None
         if self.staged is None:
-            arrays = bcast_arrays(comm, whole, info["shapes"])
-        else:   # each stage its share, by name (sync keeps no policy arrays)
-            arrays = self.staged.scatter(whole, worker.optimizer.state_dict()["arrays"], worker.params.dtype)
+            arrays = bcast_arrays(comm, holder["state"].arrays if comm.rank == 0 else None, info["shapes"])
+        else:   # each stage its share, by name, read from the file (sync keeps no policy arrays)
+            arrays = self.staged.scatter(holder.get("file"), worker.optimizer.state_dict()["arrays"],
+                                         worker.params.dtype)
         holder.clear()
         # Every rank holds the same data, so these checks fail everywhere or nowhere.
         collective.agree(comm, lambda: self._apply(info, arrays))

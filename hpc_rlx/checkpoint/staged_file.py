@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,3 +82,13 @@ def write_staged(path: Path, manifest: bytes, meta: bytes, staged: StagedArrays)
         guarded.raise_recorded()
     finally:
         guarded.close()
+
+
+@contextmanager
+def open_arrays(path):
+    """name -> h5py dataset of a checkpoint's arrays, read only (slices are read on demand);
+    verify the file first (``read_checkpoint(path, arrays=False)``)."""
+    with h5py.File(path, "r", locking=False) as f:
+        out = {}
+        f["arrays"].visititems(lambda name, obj: out.__setitem__(name, obj) if isinstance(obj, h5py.Dataset) else None)
+        yield out

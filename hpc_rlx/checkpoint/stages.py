@@ -109,20 +109,21 @@ class StagedCheckpoint:
         return StagedArrays(specs, fill), drain
 
     # ---- resume -------------------------------------------------------------------------
-    def check(self, arrays: dict, opt_names, where) -> None:
-        """Rank 0: the checkpoint's arrays fit the whole model and this run's optimizer."""
-        params = arrays.get("params")
-        if params is None or params.shape != (self.whole.size,):
-            raise CheckpointError(f"checkpoint {where} holds {0 if params is None else params.size} "
+    def check(self, shapes: dict, opt_names, where) -> None:
+        """Rank 0: the checkpoint's arrays (name -> shape) fit the whole model and this run's
+        optimizer."""
+        params = shapes.get("params")
+        if params != (self.whole.size,):
+            raise CheckpointError(f"checkpoint {where} holds {0 if params is None else prod(params)} "
                                   f"parameters, the model has {self.whole.size}")
-        missing = [n for n in opt_names if f"opt/{n}" not in arrays]
+        missing = [n for n in opt_names if f"opt/{n}" not in shapes]
         if missing:
             raise CheckpointError(f"checkpoint {where} lacks optimizer state {missing}; was it saved "
                                   f"by another optimizer?")
         for n in opt_names:
-            if arrays[f"opt/{n}"].shape != (self.whole.trainable_size,):
+            if shapes[f"opt/{n}"] != (self.whole.trainable_size,):
                 raise CheckpointError(f"checkpoint {where}: optimizer state {n!r} has shape "
-                                      f"{arrays[f'opt/{n}'].shape}, the model has "
+                                      f"{shapes[f'opt/{n}']}, the model has "
                                       f"{self.whole.trainable_size} trainable parameters")
 
     def _cut(self, arrays: dict, k: int, names, dtype) -> list:
@@ -140,7 +141,8 @@ class StagedCheckpoint:
 
     def scatter(self, arrays: dict | None, opt_names, dtype) -> dict:
         """Collective over the world: this rank's stage's ``params`` and ``opt/<name>`` arrays,
-        cut on rank 0 from the whole ``arrays`` (None elsewhere) and sent stage by stage."""
+        cut on rank 0 from the whole ``arrays`` (None elsewhere; NumPy arrays or the file's
+        datasets, read slice by slice) and sent stage by stage."""
         names, grid = sorted(opt_names), self.comms.grid
         mine = None
         if self.world.rank == 0:
