@@ -35,17 +35,21 @@ from hpc_rlx.graph import Executor
 from hpc_rlx.observe import trace
 from hpc_rlx.pipeline.buffers import TAIL, BoundaryLayout, micro_sizes
 from hpc_rlx.pipeline.schedule import build, simulate
+from hpc_rlx.pipeline.stage_lanes import StageLanes
 
 
 class StageEngine:
     """Runs stage ``comms.stage`` of ``stage_graph`` (a ``partition.StageGraph``)."""
 
-    def __init__(self, stage_graph, comms, schedule: str, micro: int, max_rows: int, dtype):
+    def __init__(self, stage_graph, comms, schedule: str, micro: int, max_rows: int, dtype, lanes: int = 1):
         self.g, self.comms = stage_graph, comms
         self.pipe = comms.pipe
         self.stage, self.stages = comms.stage, comms.stages
         self.schedule, self.micro = schedule, int(micro)
         self.ex = Executor(stage_graph, np, dtype)
+        # CPU lanes: each micro-batch's rows split over them, one executor each (see StageLanes)
+        self.lanes = StageLanes([self.ex] + [Executor(stage_graph, np, dtype) for _ in range(int(lanes) - 1)],
+                                stage_graph)
         self.dtype = self.ex.dtype
         self.rows = -(-int(max_rows) // self.micro)       # the largest micro-batch
         self.slots = max(1, simulate(build(schedule, self.stages, self.micro)).peak_alive[self.stage])
@@ -83,15 +87,19 @@ class StageEngine:
             trace.ACTIVE.add(what, "pipeline", trace.MAIN, t0, t1, {"micro": m})
 
     # ---- training ------------------------------------------------------------------------
-    def step(self, param_views, grad_flat, grad_views, feeds: dict, seed: int):
+    def step(self, param_views, grad_flat, grad_views, feeds: dict, seed: int, peers=()):
         """Forward and backward of this replica's batch ``feeds`` through this stage; the
         sample-weighted gradient sum lands in ``grad_flat``. Returns (rows, loss_sum, correct)
-        of the replica's batch (the loss as the last stage computed it)."""
+        of the replica's batch (the loss as the last stage computed it). ``peers``: for each
+        lane after the first, its own (flat gradient, views), added into ``grad_flat`` at the end."""
         s, S, pipe, K = self.stage, self.stages, self.pipe, self.slots
         n = int(next(iter(feeds.values())).shape[0])
         sizes = micro_sizes(n, self.micro)
         offs = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
         grad_flat[...] = 0
+        for flat, _ in peers:
+            flat[...] = 0
+        lane_grads = [grad_views] + [v for _, v in peers]
         acc = np.zeros(len(TAIL))
         if not sizes:
             return 0, 0.0, 0.0
@@ -119,16 +127,16 @@ class StageEngine:
                     self._wait(rf.pop(m), "recv activations", m)
                     f.update(self.f_in.views(self.recv_f[m % K], r))
                 t0 = time.perf_counter()
-                run = self.ex.stage_forward(param_views, f, train=True, seed=(seed * 1_000_003 + s) * 4099 + m)
+                run = self.lanes.forward(param_views, f, r, (seed * 1_000_003 + s) * 4099 + m)
                 self._span("forward", t0, m)
                 runs[m] = run
                 if self.f_out:
                     k = m % K
                     self._wait(sf[k], "send activations", m)
-                    self.f_out.pack(self.send_f[k], r, run.boundary)
+                    self.lanes.gather(self.f_out.views(self.send_f[k], r), run, "boundary")
                     sf[k] = pipe.Isend(self.send_f[k][:self.f_out.size(r)], dest=s + 1, tag=2 * m)
                 else:
-                    own[m] = (run.outputs["loss"] * r, float(run.outputs.get("correct", 0.0)))
+                    own[m] = self.lanes.loss(run)
                 continue
             if self.b_in:
                 self._wait(rb.pop(m), "recv gradients", m)
@@ -141,18 +149,20 @@ class StageEngine:
             acc[0] += loss_m
             acc[1] += correct_m
             t0 = time.perf_counter()
-            grads_in = self.ex.stage_backward(runs.pop(m), grad_views, seeds, grad_scale=float(r), accumulate=True)
+            grads_in = self.lanes.backward(runs.pop(m), lane_grads, seeds)
             self._span("backward", t0, m)
             if self.b_out:
                 k = m % K
                 self._wait(sb[k], "send gradients", m)
                 out = self.send_b[k]
-                self.b_out.pack(out, r, grads_in)
+                self.lanes.gather(self.b_out.views(out, r), grads_in)
                 out[:len(TAIL)] = (loss_m, correct_m)
                 sb[k] = pipe.Isend(out[:self.b_out.size(r)], dest=s - 1, tag=2 * m + 1)
             post(m + K)
         for req in sf + sb:
             self._wait(req, "send drain", -1)
+        for flat, _ in peers:
+            grad_flat += flat
         return n, float(acc[0]), float(acc[1])
 
     def _span(self, what: str, t0: float, m: int) -> None:

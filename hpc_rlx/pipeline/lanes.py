@@ -49,17 +49,21 @@ class PipelineLanes:
         self.param_views = layout.views(params_flat)
         self.bucket = bucket
         self.grad_views = layout.views(bucket.payload)
-        name = f"cpu0 (stage {engine.stage}/{engine.stages})"
+        k = len(engine.lanes)
+        name = f"cpu{'0' if k == 1 else f'0-{k - 1}'} (stage {engine.stage}/{engine.stages})"
         self.lanes = [_StageLane(name)]
         self.names = [name]
+        # lanes after the first: a gradient buffer each, added into the bucket after the step
+        self._peers = [(buf, layout.views(buf)) for buf in (np.zeros_like(bucket.payload) for _ in range(k - 1))]
         self.bucket_path = (f"pipeline stage {engine.stage} of {engine.stages}, {engine.schedule}, "
-                            f"{engine.micro} micro-batches, {engine.slots} buffer slot(s) per direction")
+                            f"{engine.micro} micro-batches, {engine.slots} buffer slot(s) per direction"
+                            + (f", {k} CPU lanes splitting each micro-batch" if k > 1 else ""))
 
     def step(self, x, y, seed: int, on_grad_ready=None):
         t0 = time.perf_counter()
         feeds = {"x": x, "y": y}
         n, loss_sum, correct = self.engine.step(self.param_views, self.bucket.payload, self.grad_views,
-                                                feeds, seed)
+                                                feeds, seed, self._peers)
         dt = time.perf_counter() - t0
         ln = self.lanes[0]
         ln.samples += n
@@ -80,7 +84,7 @@ class PipelineLanes:
         pass
 
     def close(self) -> None:
-        pass
+        self.engine.lanes.close()
 
 
 class PipelineBucket:

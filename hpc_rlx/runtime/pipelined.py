@@ -58,7 +58,7 @@ def lanes(place: RankPlace, worker) -> PipelineLanes:
     spec, plan = place.spec, worker.plan
     max_rows = max(plan.rank_batch(r) for r in range(plan.world_size))
     engine = StageEngine(worker.graph, place.comms, spec.parallel["schedule"], int(spec.parallel["microbatches"]),
-                         max_rows, spec.train["dtype"])
+                         max_rows, spec.train["dtype"], lanes=int(spec.device["cpu_lanes"]))
     worker.bucket = PipelineBucket(worker.bucket, place.comms)
     return PipelineLanes(engine, worker.params, worker.layout, worker.bucket)
 
