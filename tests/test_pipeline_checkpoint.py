@@ -10,6 +10,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -18,7 +20,10 @@ import pytest
 
 from hpc_rlx.checkpoint import read_checkpoint
 
-from .conftest import explain, train_job
+from hpc_rlx.checkpoint import verify_checkpoint
+
+from .conftest import explain, mpirun, train_job
+from .test_checkpoint_mpi import LIMITED
 from .test_interrupt import LiveJob, assert_no_traceback
 
 pytestmark = pytest.mark.mpi
@@ -69,7 +74,7 @@ def resume(runs, source: str, dest: Path, n: int, overrides: list[str], digits_h
     assert_close(model(runs["ref"]), model(dest))
 
 
-def test_a_pipelined_checkpoint_is_the_data_parallel_file(runs):
+def test_a_pipelined_checkpoint_is_the_data_parallel_file(runs, tmp_path):
     """read_checkpoint verifies it; its arrays are the straight run's at that step (the whole
     model, in the whole graph's order); only rank 0's log reports what it held."""
     pipe, ref = read_checkpoint(latest(runs["pipe7"])), read_checkpoint(latest(runs["ref7"]))
@@ -88,6 +93,11 @@ def test_a_pipelined_checkpoint_is_the_data_parallel_file(runs):
     whole = ref.arrays["params"].nbytes + ref.arrays["opt/momentum_buffer"].nbytes
     stage1 = 2 * 8 * (32 * 16 + 16 + 16 * 10 + 10)   # stage 1: the last two layers, params + momentum
     assert set(held.values()) == {stage1} and stage1 < whole / 3
+    # the exporter reads it as any checkpoint
+    out = tmp_path / "pipe7.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "hpc_rlx.export", str(runs["pipe7"]), "--checkpoint", "latest",
+                           "--state-dict", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and out.is_file(), explain(proc)
 
 
 def test_pipelined_checkpoint_resumes_on_one_rank(runs, tmp_path, digits_h5):
@@ -116,6 +126,24 @@ def test_a_checkpoint_of_another_model_is_refused_on_every_rank(runs, tmp_path, 
     assert proc.returncode != 0
     assert "different model graph" in proc.stderr, explain(proc)
     assert proc.stderr.count("hpc_rlx: error") == 1, explain(proc)
+
+
+def test_a_failing_write_of_a_pipelined_save_keeps_the_previous_checkpoint(runs, tmp_path, digits_h5):
+    """A full disk (RLIMIT_FSIZE) while rank 0 writes the stages: one clear error on every
+    rank, no hang (stage 1 is still received), the previous checkpoint and `latest` untouched."""
+    run = tmp_path / "full"
+    shutil.copytree(runs["pipe7"], run)
+    previous = latest(run)
+    before = previous.read_bytes()
+    args = ["-c", LIMITED.format(previous.stat().st_size // 2), f"hydra.run.dir={run}", "report.plots=false",
+            "resume=auto", "train.max_steps=10", "checkpoint.every_steps=3", f"data.path={digits_h5}"] + BASE + PIPE2
+    proc = mpirun(2, args, timeout=90)
+    assert proc.returncode == 2, explain(proc)
+    assert "could not write checkpoint" in proc.stderr and "disk full" in proc.stderr, explain(proc)
+    assert proc.stderr.count("hpc_rlx: error") == 1, explain(proc)
+    assert previous.read_bytes() == before and latest(run) == previous
+    verify_checkpoint(previous)
+    assert not [p.name for p in (run / "checkpoints").iterdir() if ".tmp-" in p.name]
 
 
 @pytest.mark.slow
