@@ -151,7 +151,7 @@ def test_sigterm_to_one_stage_checkpoints_and_resume_auto_ends_the_same(runs, tm
     """Preemption of a pipelined run: SIGTERM to the last stage's rank; every rank stops at the
     same step with a checkpoint, exits 0, and resume=auto ends where the straight run ends."""
     run = tmp_path / "preempted"
-    slow = ["debug.slowdown={0: 3000, 1: 3000}", "report.plots=false"]
+    slow = ["debug.slowdown={0: 50, 1: 50}", "report.plots=false"]
     job = LiveJob(2, run, BASE + PIPE2 + slow + [f"data.path={digits_h5}"])
     job.wait_for("[hpc_rlx] epoch 1", timeout=180)
     pids = job.rank_pids()

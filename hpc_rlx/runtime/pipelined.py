@@ -14,13 +14,14 @@ only in what they are given:
 
 With S = 1 ``for_rank`` returns the spec and communicator unchanged and nothing here runs.
 
-Not yet: checkpoints. A pipelined run is refused unless ``checkpoint=off``, and ``Run`` skips
-the save a signal asks for (each stage's first replica would write its own stage as the
-model). The plan: rank 0 writes today's format (the whole model's flat ``params`` and
-``opt/*`` arrays by ``ParamLayout`` of the whole graph), filling each array stage by stage as
-``final_params`` does for model.h5 (a stage's parameters are named, so the whole layout's
-offsets place them); resume reads the whole-model arrays on rank 0 and sends each stage its
-parameters and optimizer state by name, so a checkpoint moves between S = 1 and any S.
+Checkpoints (``checkpoint/stages.py``, set up by ``RuntimeCheckpoints(pipeline=place.comms)``)
+are the data-parallel file: the whole model's flat ``params`` and ``opt/*`` arrays in the whole
+graph's ``ParamLayout`` order. Rank 0 writes them one stage at a time, as ``final_params`` does
+for model.h5 (a stage's parameters are named, so the whole layout's offsets place them):
+replica 0 of each later stage sends its parameters and optimizer state, which rank 0 writes
+into the file's datasets as they arrive. Resume reads each stage's share from the verified file
+on rank 0 and sends it to every replica of that stage, so a checkpoint moves between S = 1 and
+any S and D.
 """
 
 from __future__ import annotations
