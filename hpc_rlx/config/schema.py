@@ -198,9 +198,12 @@ KEYS: tuple[Key, ...] = (
     Key("parallel.schedule", str, "1f1b", "`1f1b` (at most S micro-batches of activations alive per "
         "stage) or `gpipe` (all M)", OneOf(*PIPELINE_SCHEDULES)),
     Key("parallel.cut_points", list, None, "graph nodes after which a stage ends (S - 1 of them); "
-        "null = split balanced by parameter count",
+        "null = split balanced (`parallel.balance`)",
         Check(lambda v: v is None or (isinstance(v, list) and all(isinstance(c, str) for c in v)),
               "must be null or a list of node names")),
+    Key("parallel.balance", str, "time", "without cut points: `time` (rank 0 balances the stages by "
+        "parameter count plus each node's measured forward + backward time, scaled to weigh as much) "
+        "or `params` (parameter count only)", OneOf("time", "params")),
     _selector("data", "name", DATASETS),
     Key("data.path", str, Options(digits="data/digits.h5", synthetic="data/synthetic.h5",
                                   text="data/text.h5", file="???"), "the training file (HDF5)"),

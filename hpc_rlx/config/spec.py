@@ -23,9 +23,10 @@ from hpc_rlx.config.section import SECTIONS, section
 from hpc_rlx.data import hdf5
 from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.data.resolve import num_classes, prepare_missing_data
-from hpc_rlx.errors import ConfigError, DataError
+from hpc_rlx.errors import ConfigError, DataError, phase
 from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, init_params
 from hpc_rlx.graph.onnx_import import import_onnx
+from hpc_rlx.graph.node_timing import node_times, time_cost
 from hpc_rlx.graph.partition import partition
 from hpc_rlx.pipeline.grid import check_world
 from hpc_rlx.policies.registry import POLICIES
@@ -155,6 +156,24 @@ def check_model_fits(graph, cfg: dict, world_size: int, what: str = "the model")
                           f"on this node; use a smaller model")
 
 
+def measured_cut_points(graph, stages: int, cfg: dict, replicas: int) -> list:
+    """Rank 0, once: the cut points of the split balanced by parameter count and each node's
+    forward + backward time, measured on a micro-batch of the run's shape (at most 64 rows).
+    They go into the spec (``parallel.cut_points``), so every rank builds the same stages and
+    none measures again."""
+    par = cfg["parallel"]
+    rows = -(-int(cfg["train"]["batch_size"]) // (replicas * int(par["microbatches"])))
+    with phase("measuring each node's time for the pipeline split"):
+        times = node_times(graph, max(1, min(64, rows)), cfg["train"]["dtype"])
+    parts = partition(graph, stages, cost=time_cost(times, graph))
+    cuts = [part.nodes[-1].name for part in parts[:-1]]
+    shares = [f"{sum(times.get(n.name, 0.0) for n in p.nodes) * 1e3:.3f} ms, {ParamLayout(p).size:,} params"
+              for p in parts]
+    print(f"[hpc_rlx] pipeline split by parameters and measured time: parallel.cut_points={cuts} "
+          f"(per stage: {'; '.join(shares)})", flush=True)   # rank 0 only (build_spec)
+    return cuts
+
+
 def check_pipeline(cfg: dict, graph, world_size: int) -> tuple:
     """With ``parallel.pipeline_stages`` S > 1: what the pipelined step supports so far, and the
     split itself (cut points, values that cannot cross a cut). Returns the data-parallel
@@ -175,6 +194,8 @@ def check_pipeline(cfg: dict, graph, world_size: int) -> tuple:
     if dev["kind"] != "cpu":
         raise ConfigError(f"parallel.pipeline_stages={S} runs on CPU lanes only for now (device=cpu, "
                           f"device.cpu_lanes=N), got device={dev['kind']}")
+    if par["cut_points"] is None and par.get("balance") == "time":   # validated configs hold the key
+        par["cut_points"] = measured_cut_points(graph, S, cfg, world_size // S)
     stages = partition(graph, S, cut_points=par["cut_points"])
     for stage in stages:
         for name in stage.boundary_inputs:
