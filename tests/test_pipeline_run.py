@@ -140,7 +140,8 @@ def test_each_stage_holds_its_share_and_traces_its_micro_batches(tmp_path, digit
     run = tmp_path / "mem"
     proc = train_job(2, run, [f"data.path={digits_h5}", "checkpoint=off", "train.epochs=1", "train.max_steps=5",
                               "model.hidden=[64,64,64,64]", "optim=adamw", "trace.enabled=true",
-                              "parallel.pipeline_stages=2", "parallel.microbatches=3"])
+                              "parallel.pipeline_stages=2", "parallel.microbatches=3",
+                              "parallel.balance=params"])    # the memory split (time would move it)
     assert proc.returncode == 0, explain(proc)
     ranks = json.loads((run / "summary.json").read_text())["ranks"]
     whole = (64 * 64 + 64) * 4 + 64 * 10 + 10              # parameters of the whole model
