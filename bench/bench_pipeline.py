@@ -117,7 +117,8 @@ def budget_rows(args, tmp: Path, data: Path, vocab: int) -> list:
 def _train(run: Path, S: int, layers: int, data: Path, args, d_model: int) -> dict:
     extra = [f"hydra.run.dir={run}"]
     if S > 1:
-        extra += [f"parallel.pipeline_stages={S}", f"parallel.microbatches={args.budget_micro}"]
+        extra += [f"parallel.pipeline_stages={S}", f"parallel.microbatches={args.budget_micro}",
+                  "parallel.balance=params"]     # the split largest_stage_params predicts
     t0 = time.perf_counter()
     mpirun(S, lm_overrides(data, layers, d_model, args.budget_batch, args.budget_steps, 1) + extra,
            timeout=1800, env=one_thread_env())
