@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from hpc_rlx.comm.collective import watched_call
 from hpc_rlx.graph import Executor
 from hpc_rlx.observe import trace
 from hpc_rlx.pipeline.buffers import TAIL, BoundaryLayout, micro_sizes
@@ -80,7 +81,7 @@ class StageEngine:
         if req is None:
             return
         t0 = time.perf_counter()
-        req.Wait()
+        watched_call(what, req.Wait)    # the stall watchdog sees a stage waiting on its neighbour
         t1 = time.perf_counter()
         self.wait_s += t1 - t0
         if trace.ACTIVE is not None:

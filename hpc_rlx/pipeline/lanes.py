@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from hpc_rlx.comm.bucket_layout import CONTROL_FLAGS
+from hpc_rlx.comm.collective import watched_call
 from hpc_rlx.observe import trace
 
 
@@ -111,7 +112,8 @@ class PipelineBucket:
         t0 = time.perf_counter()
         for i, flag in enumerate(CONTROL_FLAGS):
             self._flags[i] = b[flag]
-        self._comms.pipe.Allreduce(self._flags, self._agreed)     # summed: raised anywhere = > 0
+        # summed: raised anywhere = > 0
+        watched_call("flags allreduce", self._comms.pipe.Allreduce, self._flags, self._agreed)
         for i, flag in enumerate(CONTROL_FLAGS):
             b[flag] = float(self._agreed[i])
         t1 = time.perf_counter()
