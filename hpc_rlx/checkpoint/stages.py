@@ -144,10 +144,18 @@ class StagedCheckpoint:
         cut on rank 0 from the whole ``arrays`` (None elsewhere; NumPy arrays or the file's
         datasets, read slice by slice) and sent stage by stage."""
         names, grid = sorted(opt_names), self.comms.grid
-        mine = None
+        mine, failure = None, None
         if self.world.rank == 0:
             for k in range(grid.stages):
-                pieces = self._cut(arrays, k, names, dtype)
+                try:
+                    pieces = None if failure else self._cut(arrays, k, names, dtype)
+                except (OSError, ValueError, KeyError) as e:   # a slice the file cannot give
+                    failure = f"reading stage {k}'s share of the checkpoint failed: {e}"
+                if failure:
+                    # Every receiver still gets its messages, so nobody waits; the error
+                    # reaches every rank below.
+                    lay = self.layouts[k]
+                    pieces = [np.zeros(lay.size, dtype)] + [np.zeros(lay.trainable_size, dtype) for _ in names]
                 for r in range(grid.replicas):
                     dest = grid.rank_of(r, k)
                     if dest == 0:
@@ -160,4 +168,7 @@ class StagedCheckpoint:
             mine = [np.empty(lay.size, dtype=dtype)] + [np.empty(lay.trainable_size, dtype=dtype) for _ in names]
             for a in mine:
                 self.world.Recv(a, source=0, tag=_RESUME_TAG)
+        failure = self.world.bcast(failure, root=0)
+        if failure:
+            raise CheckpointError(failure)
         return {"params": mine[0], **{f"opt/{n}": a for n, a in zip(names, mine[1:])}}
