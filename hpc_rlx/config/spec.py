@@ -177,7 +177,7 @@ def measured_cut_points(graph, stages: int, cfg: dict, replicas: int) -> list:
 def check_pipeline(cfg: dict, graph, world_size: int) -> tuple:
     """With ``parallel.pipeline_stages`` S > 1: what the pipelined step supports so far, and the
     split itself (cut points, values that cannot cross a cut). Returns the data-parallel
-    replicas (world size / S), the ranks the data is sharded over, and the graph one rank
+    replicas (world size / S: the ranks the data is sharded over) and the graph one rank
     holds at most (the largest stage)."""
     par = cfg["parallel"]
     S = int(par["pipeline_stages"])
