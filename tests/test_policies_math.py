@@ -14,9 +14,9 @@ from hypothesis import given, settings, strategies as st
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.policies import (
     DiLoCo, ElcheScheduler, IntervalController, OuterAverage, SlowMo, SlowdownInjector,
-    SyncLayout, finish_consensus, make_outer, pack_consensus, parse_slowdown, plan_window,
-    relative_divergence, slowdown_for_rank, work_weight,
+    SyncLayout, make_outer, parse_slowdown, plan_window, slowdown_for_rank, work_weight,
 )
+from hpc_rlx.policies.consensus import divergence_from
 from hpc_rlx.policies.smoothing import adaptive_ema
 
 
@@ -27,17 +27,18 @@ def allreduce_sum(buckets):
 
 
 def run_consensus(params_per_rank, steps, gamma=1.0, dtype=np.float64):
-    n = params_per_rank[0].size
+    """The windowed policies' sync path: `SyncLayout.pack`, the SUM, `SyncLayout.finish`."""
+    layout = SyncLayout(params_per_rank[0].size, len(params_per_rank))
     buckets = []
-    for W, s in zip(params_per_rank, steps):
-        b = np.full(n + 1, 123.0, dtype=dtype)  # garbage must be overwritten
-        pack_consensus(W.astype(dtype), work_weight(s, gamma), b)
+    for rank, (W, s) in enumerate(zip(params_per_rank, steps)):
+        b = np.full(layout.size, 123.0, dtype=dtype)  # garbage must be overwritten
+        layout.pack(b, W.astype(dtype), work_weight(s, gamma), rank, {})
         buckets.append(b)
     reduced = allreduce_sum(buckets)
     outs, applied = [], []
     for W, b in zip(params_per_rank, reduced):
         out = W.astype(dtype).copy()
-        applied.append(finish_consensus(b, out))
+        applied.append(layout.finish(b, out))
         outs.append(out)
     return outs, applied
 
@@ -92,16 +93,19 @@ def test_single_mover_gets_its_own_params():
 
 def test_pack_writes_into_the_callers_bucket_without_allocating():
     n = 1 << 20
+    layout = SyncLayout(n, 1)
     params = np.ones(n, dtype=np.float32)
-    backing = np.zeros(n + 8, dtype=np.float32)
-    bucket = backing[2: n + 3]  # a view: the writes must land in `backing`
+    backing = np.zeros(layout.size + 4, dtype=np.float32)
+    bucket = backing[2: layout.size + 2]  # a view: the writes must land in `backing`
     tracemalloc.start()
-    pack_consensus(params, 3.0, bucket)
-    finish_consensus(bucket, params)
+    layout.pack(bucket, params, 3.0, 0, {})
+    layout.finish(bucket, params)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < params.nbytes // 10
-    assert backing[2] == 3.0 and backing[n + 2] == 3.0 and backing[1] == 0 and backing[n + 3] == 0
+    assert backing[2] == 3.0 and backing[n + 1] == 3.0  # first and last weighted parameter
+    assert layout.total_weight(bucket) == 3.0
+    assert backing[1] == 0 and backing[layout.size + 2] == 0
     assert np.all(params == 1.0)
 
 
@@ -117,10 +121,11 @@ def test_work_weight():
 
 
 def test_pack_rejects_short_bucket_and_bad_weight():
+    layout = SyncLayout(4, 1)
     with pytest.raises(ValueError, match="slots"):
-        pack_consensus(np.ones(4), 1.0, np.zeros(4))
+        layout.pack(np.zeros(4), np.ones(4), 1.0, 0, {})
     with pytest.raises(ValueError, match="weight"):
-        pack_consensus(np.ones(4), math.nan, np.zeros(5))
+        layout.pack(np.zeros(layout.size), np.ones(4), math.nan, 0, {})
 
 
 @settings(max_examples=40, deadline=None)
@@ -138,22 +143,25 @@ def test_consensus_matches_weighted_average_property(steps, gamma, seed):
         np.testing.assert_allclose(outs[0], expected, rtol=1e-10, atol=1e-12)
 
 
-def test_relative_divergence_matches_direct_formula():
+def test_divergence_matches_direct_formula():
     rng = np.random.default_rng(4)
     steps = [3, 1]
     params = [rng.normal(size=300) for _ in steps]
+    layout = SyncLayout(300, len(steps))
     buckets = []
-    for W, s in zip(params, steps):
-        b = np.zeros(301)
-        pack_consensus(W, work_weight(s), b)
+    for rank, (W, s) in enumerate(zip(params, steps)):
+        b = np.zeros(layout.size)
+        layout.pack(b, W, work_weight(s), rank, {})
         buckets.append(b)
     reduced = allreduce_sum(buckets)
     cons = (3 * params[0] + params[1]) / 4
     for W, b in zip(params, reduced):
-        got = relative_divergence(W, b, chunk=64)  # several chunks, with a ragged last one
         want = np.linalg.norm(W - cons) / np.linalg.norm(cons)
-        assert got == pytest.approx(want, rel=1e-12)
-    assert relative_divergence(params[0], reduced[0], own_weight=0.0) == 0.0
+        assert layout.divergence(W, b) == pytest.approx(want, rel=1e-12)
+        # several chunks, with a ragged last one
+        chunked = divergence_from(W, layout.bucket.payload_of(b), layout.total_weight(b), chunk=64)
+        assert chunked == pytest.approx(want, rel=1e-12)
+    assert layout.divergence(params[0], reduced[0], own_weight=0.0) == 0.0
 
 
 # ----------------------------------------------------------------------------- bucket layout
@@ -726,7 +734,7 @@ def run_async_quadratic(lr, syncs=12, world=2, dim=6):
                 buckets.append(b)
             decided = []
             for r, b in enumerate(allreduce_sum(buckets)):
-                last_div[r] = relative_divergence(params[r], b, own_weight=work_weight(k))
+                last_div[r] = layout.divergence(params[r], b, own_weight=work_weight(k))
                 layout.finish(b, params[r])
                 rep = layout.read(b)
                 decided.append(ctrls[r].observe(rep.comm_ms, rep.slowest_ms_per_step,

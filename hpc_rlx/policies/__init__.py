@@ -8,7 +8,8 @@ Their pure math, which touches no MPI, files or clocks beyond `time.sleep` in th
 injector. Every decision is a deterministic function of numbers that come out of the one
 fused Allreduce, so all ranks reach the same decision without an extra collective:
 
-- `consensus`: the work-weighted parameter average packed into / finished from the bucket.
+- `consensus`: the work-weighted parameter average (weigh, divide, divergence), on the
+  payload and weight slot `bucket.SyncLayout` hands it.
 - `bucket`: the sync's slots, `[w*W ... | w | per-rank report slots]`, in the worker's bucket, and their readout.
 - `elche`: the cadence scheduler (steps per rank per window, anchor tuning).
 - `interval`: the async interval controller (K from comm overhead, divergence guard).
@@ -22,7 +23,7 @@ fused Allreduce, so all ranks reach the same decision without an extra collectiv
 
 from .bucket import REPORT_FIELDS, SyncLayout, SyncReport
 from .config import POLICY_NAMES, build_controller, validate_policy_config
-from .consensus import finish_consensus, pack_consensus, relative_divergence, work_weight
+from .consensus import work_weight
 from .elche import ElcheScheduler
 from .epochlog import EpochLog
 from .interval import IntervalController
@@ -34,7 +35,7 @@ from .window import plan_window, stretch_to_epoch
 __all__ = [
     "REPORT_FIELDS", "SyncLayout", "SyncReport",
     "POLICY_NAMES", "build_controller", "validate_policy_config", "EpochLog", "RecentMin",
-    "finish_consensus", "pack_consensus", "relative_divergence", "work_weight",
+    "work_weight",
     "ElcheScheduler", "IntervalController",
     "DiLoCo", "OuterAverage", "OuterOptimizer", "SlowMo", "make_outer",
     "SlowdownInjector", "parse_slowdown", "slowdown_for_rank",

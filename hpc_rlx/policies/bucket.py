@@ -43,7 +43,7 @@ REPORT_FIELDS: tuple[str, ...] = ("steps", "samples", "compute_ms", "sync_ms", "
 - samples: training samples it consumed in that window (epoch accounting).
 - compute_ms: wall time of those steps, slowdown included, waiting excluded.
 - sync_ms: wall time this rank spent in the PREVIOUS sync's Allreduce (0 on the first).
-- divergence: this rank's `relative_divergence` at the PREVIOUS sync (0 on the first).
+- divergence: this rank's `SyncLayout.divergence` at the PREVIOUS sync (0 on the first).
 """
 
 
@@ -191,7 +191,8 @@ class SyncLayout:
         return float(self.bucket.tail_of(bucket)[self._weight])
 
     def finish(self, bucket, out_params) -> bool:
-        """Apply the consensus to `out_params` (see `consensus.finish_consensus`)."""
+        """Apply the consensus to `out_params` (`consensus.consensus_into`); False when every
+        rank was idle (`out_params` unchanged)."""
         return consensus_into(self.bucket.payload_of(bucket), self.total_weight(bucket), out_params)
 
     def divergence(self, params, bucket, own_weight: float | None = None) -> float:

@@ -1,9 +1,9 @@
 """Work-weighted parameter consensus carried by one Allreduce(SUM).
 
-Each rank writes `[w_i * W_i ..., w_i]` into the bucket; after the SUM every rank holds
-`[sum w_i W_i ..., sum w_i]` and the consensus is the first part divided by the last slot.
-Because the skip decision (summed weight == 0) is read from the reduced bucket itself, it is
-identical on every rank.
+Each rank writes `w_i * W_i` into the bucket's payload and `w_i` into its summed weight slot
+(`bucket.SyncLayout` places both); after the SUM every rank holds `sum w_i W_i` and `sum w_i`,
+and the consensus is the first divided by the second. Because the skip decision (summed
+weight == 0) is read from the reduced bucket itself, it is identical on every rank.
 
 Arrays may be NumPy or CuPy: only array methods and NumPy ufuncs with `out=` are used, which
 CuPy dispatches to the device, so this module never imports CuPy.
@@ -50,24 +50,6 @@ def weigh_into(params, weight: float, payload) -> None:
         np.multiply(params, weight, out=payload)
 
 
-def pack_consensus(params, weight: float, bucket) -> None:
-    """Write `weight * params` into `bucket[:n]` and `weight` into `bucket[n]`, in place.
-
-    `bucket` may be longer than `n + 1` (other slots follow); they are left alone.
-    """
-    params = _flat(params, "params")
-    n = params.size
-    if bucket.shape[0] < n + 1:
-        raise ValueError(f"bucket has {bucket.shape[0]} slots, needs at least {n + 1}")
-    weigh_into(params, weight, bucket[:n])
-    bucket[n] = weight
-
-
-def summed_weight(bucket, n_params: int) -> float:
-    """The summed weight slot of a reduced bucket."""
-    return float(bucket[n_params])
-
-
 def consensus_into(payload, total: float, out_params) -> bool:
     """`out_params = payload / total` when `total > 0` (True); else False, `out_params` unchanged."""
     out_params = _flat(out_params, "out_params")
@@ -77,33 +59,12 @@ def consensus_into(payload, total: float, out_params) -> bool:
     return True
 
 
-def finish_consensus(bucket, out_params) -> bool:
-    """After the Allreduce(SUM): `out_params = bucket[:n] / bucket[n]`.
-
-    Returns True when the consensus was applied, False when the summed weight is 0 (every
-    rank idle), in which case `out_params` is left unchanged. `out_params` may be the rank's
-    own params array.
-    """
-    out_params = _flat(out_params, "out_params")
-    n = out_params.size
-    return consensus_into(bucket[:n], summed_weight(bucket, n), out_params)
-
-
-def relative_divergence(params, bucket, own_weight: float | None = None,
-                        chunk: int = 1 << 20) -> float:
-    """`||W_i - W|| / ||W||` for this rank, with W the consensus still inside the bucket
-    (`bucket[:n] / bucket[n]`); see `divergence_from`."""
-    params = _flat(params, "params")
-    n = params.size
-    return divergence_from(params, bucket[:n], summed_weight(bucket, n), own_weight, chunk)
-
-
 def divergence_from(params, payload, total: float, own_weight: float | None = None,
                     chunk: int = 1 << 20) -> float:
     """`||W_i - W|| / ||W||` for this rank, with W = `payload / total` the consensus still in
     the reduced bucket.
 
-    Call it after the Allreduce and BEFORE `finish_consensus` overwrites `params`, so the
+    Call it after the Allreduce and BEFORE `consensus_into` overwrites `params`, so the
     pre-sync local params and the consensus are both available without a full copy (the
     work is done in float64 chunks of `chunk` elements). A rank that did no work
     (`own_weight == 0`) or a sync where every rank was idle reports 0.0: nothing diverged.
