@@ -224,7 +224,8 @@ def test_each_stage_initialises_its_parameters_as_the_whole_graph_does():
 def test_rank_zero_sizes_a_pipelined_run_by_its_largest_stage():
     from hpc_rlx.config.spec import check_pipeline
     g = build_model("mlp", input_shape=(64,), num_classes=10, hidden=[64, 64, 64, 64])
-    cfg = {"parallel": {"pipeline_stages": 2, "cut_points": None}, "policy": {"name": "sync"},
+    cfg = {"parallel": {"pipeline_stages": 2, "cut_points": None, "balance": "params"},
+           "policy": {"name": "sync"},
            "device": {"kind": "cpu", "cpu_lanes": 1},
            "checkpoint": {"every_steps": None, "every_epochs": None, "every_minutes": None}}
     replicas, held = check_pipeline(cfg, g, 4)

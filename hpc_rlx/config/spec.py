@@ -194,7 +194,7 @@ def check_pipeline(cfg: dict, graph, world_size: int) -> tuple:
     if dev["kind"] != "cpu":
         raise ConfigError(f"parallel.pipeline_stages={S} runs on CPU lanes only for now (device=cpu, "
                           f"device.cpu_lanes=N), got device={dev['kind']}")
-    if par["cut_points"] is None and par.get("balance") == "time":   # validated configs hold the key
+    if par["cut_points"] is None and par["balance"] == "time":
         par["cut_points"] = measured_cut_points(graph, S, cfg, world_size // S)
     stages = partition(graph, S, cut_points=par["cut_points"])
     for stage in stages:
