@@ -217,19 +217,26 @@ class _GuardedFile:
         self._f.close()
 
 
+def _write_header(f: h5py.File, manifest: bytes, meta: bytes) -> h5py.Group:
+    """The format attributes, manifest and meta of a new file; returns its empty ``arrays``
+    group. The checksum attribute is the caller's: known before the arrays are written
+    (``_write_h5``) or only after they are read back (``staged_file``)."""
+    text = h5py.string_dtype("utf-8")
+    f.attrs["format"] = FORMAT
+    f.attrs["format_version"] = FORMAT_VERSION
+    f.create_dataset("manifest", data=manifest.decode("utf-8"), dtype=text)
+    f.create_dataset("meta", data=meta.decode("utf-8"), dtype=text)
+    return f.create_group("arrays")
+
+
 def _write_h5(path: Path, manifest: bytes, meta: bytes, arrays: dict[str, np.ndarray],
               checksum: str) -> None:
-    text = h5py.string_dtype("utf-8")
     guarded = _GuardedFile(path)
     try:
         f = h5py.File(guarded, "w")
         try:
-            f.attrs["format"] = FORMAT
-            f.attrs["format_version"] = FORMAT_VERSION
+            group = _write_header(f, manifest, meta)
             f.attrs["checksum"] = checksum
-            f.create_dataset("manifest", data=manifest.decode("utf-8"), dtype=text)
-            f.create_dataset("meta", data=meta.decode("utf-8"), dtype=text)
-            group = f.create_group("arrays")
             for name, a in arrays.items():
                 group.create_dataset(name, data=a)
             f.flush()

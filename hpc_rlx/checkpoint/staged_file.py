@@ -55,16 +55,11 @@ def _hash_blocks(h, ds) -> None:
 
 def write_staged(path: Path, manifest: bytes, meta: bytes, staged: StagedArrays) -> None:
     """``h5file._write_h5`` for piece-by-piece arrays; the checksum attribute comes last."""
-    text = h5py.string_dtype("utf-8")
     guarded = hf._GuardedFile(path)
     try:
         f = h5py.File(guarded, "w")
         try:
-            f.attrs["format"] = hf.FORMAT
-            f.attrs["format_version"] = hf.FORMAT_VERSION
-            f.create_dataset("manifest", data=manifest.decode("utf-8"), dtype=text)
-            f.create_dataset("meta", data=meta.decode("utf-8"), dtype=text)
-            group = f.create_group("arrays")
+            group = hf._write_header(f, manifest, meta)
             datasets = {name: group.create_dataset(name, shape=tuple(shape), dtype=np.dtype(dt))
                         for name, (dt, shape) in staged.specs.items()}
             staged.fill(datasets)
