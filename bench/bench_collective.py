@@ -10,6 +10,8 @@ For each gradient size (float32), with the same bytes laid out as 8 layers (a we
   raw chunked    the same, in chunks of comm.bucket_cap_mb (a bare loop of Allreduce calls)
   bucket         hpc_rlx: FusedBucket.allreduce with the default cap (what a training step runs)
   bucket 1 call  FusedBucket with chunking off (comm.bucket_cap_mb=1e6)
+  bucket shm     FusedBucket in the node's shared memory (comm.shared_memory=true, the default
+                 for CPU lanes): each rank sums its 1/N part in place, then copies the others
   per tensor     one Allreduce(IN_PLACE) per parameter tensor
   pack+copy      copy the tensors into a flat buffer, one Allreduce, copy back (a framework
                  whose gradients do not live in the communication buffer)
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, fmt_table, machine_note, mpirun, one_thread_env  # noqa: E402
 
 LAYERS, BIAS = 8, 1024
-VARIANTS = ("raw 1 call", "raw chunked", "bucket", "bucket 1 call", "per tensor", "pack+copy")
+VARIANTS = ("raw 1 call", "raw chunked", "bucket", "bucket 1 call", "bucket shm", "per tensor", "pack+copy")
 
 
 def default_cap_mb() -> float:
@@ -64,6 +66,10 @@ def child(sizes_mb: list[float], repeats: int | None, cap_mb: float) -> None:
         bucket.payload[...] = flat
         bucket1 = FusedBucket(n, tail, np.float32, cap_mb=1e6)
         bucket1.payload[...] = flat
+        shared = FusedBucket(n, tail, np.float32, cap_mb=cap_mb)
+        if not shared.share_node_memory(comm, cpu_only=True):
+            raise SystemExit("bucket shm: the ranks cannot share a node's memory here")
+        shared.payload[...] = flat
         chunk = bucket.chunk_elems
 
         def raw1():
@@ -89,7 +95,8 @@ def child(sizes_mb: list[float], repeats: int | None, cap_mb: float) -> None:
                 lo += t.size
 
         fns = {"raw 1 call": raw1, "raw chunked": rawc, "bucket": lambda: bucket.allreduce(comm),
-               "bucket 1 call": lambda: bucket1.allreduce(comm), "per tensor": per_tensor, "pack+copy": pack}
+               "bucket 1 call": lambda: bucket1.allreduce(comm), "bucket shm": lambda: shared.allreduce(comm),
+               "per tensor": per_tensor, "pack+copy": pack}
         reps = repeats or max(5, min(40, int(160 / mb)))
         times = {k: [] for k in VARIANTS}
         t = np.zeros(1)
@@ -108,8 +115,9 @@ def child(sizes_mb: list[float], repeats: int | None, cap_mb: float) -> None:
                 comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
                 times[name].append(t[0])
             # sums grow without bound; keep the values finite and realistic
-            for arr in [flat, packed, bucket.buffer, bucket1.buffer] + tensors:
+            for arr in [flat, packed, bucket.buffer, bucket1.buffer, shared.buffer] + tensors:
                 arr *= 1.0 / comm.size
+        shared.release_node_memory()
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         rows.append((mb, bucket.last_chunks, reps, med))
     if comm.rank == 0:
@@ -140,9 +148,10 @@ def main() -> None:
         worst = max(worst, b / r1)
         table.append([f"{mb:g}", chunks, reps] + [med[k] for k in VARIANTS] +
                      [f"{b / r1:.2f}", f"{b / rc:.2f}", f"{med['per tensor'] / b:.2f}",
-                      f"{mb / 1024 / (b / 1e3):.2f}"])
+                      f"{med['bucket shm'] / b:.2f}", f"{mb / 1024 / (b / 1e3):.2f}"])
     print(fmt_table(["MiB", "chunks", "reps"] + [f"{k} ms" for k in VARIANTS] +
-                    ["bucket/raw1", "bucket/rawchunk", "per-tensor/bucket", "bucket GiB/s"], table))
+                    ["bucket/raw1", "bucket/rawchunk", "per-tensor/bucket", "shm/bucket", "bucket GiB/s"],
+                    table))
     print(f"worst bucket / raw-1-call ratio: {worst:.2f} (target <= 1.15)")
 
 

@@ -25,7 +25,8 @@ Scaling efficiency = throughput at n / (n x throughput at 1). More ranks than co
 the ranks share cores: efficiency then measures the machine, not the library.
 
 `--overlap` adds a third side at n > 1: hpc_rlx with `comm.overlap=true` (its efficiency
-against the 1-rank hpc_rlx figure). `--engine` adds, in every repeat, the bare engine step of
+against the 1-rank hpc_rlx figure); `--mpi-sum` one with `comm.shared_memory=false` (MPI's
+Allreduce instead of the node's shared memory). `--engine` adds, in every repeat, the bare engine step of
 bench_engine.py (forward, backward and a plain SGD update on a fixed batch, in this process,
 one BLAS thread) and prints the 1-rank full path's step time over it.
 """
@@ -178,6 +179,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--workdir", default=None, help="where the data and runs go (default: a temp dir, removed)")
     ap.add_argument("--overlap", action="store_true", help="also hpc_rlx with comm.overlap=true at n > 1")
+    ap.add_argument("--mpi-sum", action="store_true",
+                    help="also hpc_rlx with comm.shared_memory=false (MPI's Allreduce) at n > 1")
     ap.add_argument("--engine", action="store_true", help="also the bare engine step (bench_engine.py)")
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -188,17 +191,20 @@ def main() -> None:
     print(f"# {machine_note()}")
     print(f"# MLP {FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES}, batch {PER_RANK_BATCH}/rank, "
           f"{samples} samples, {args.epochs} epochs (first untimed), {args.repeats} repeat(s)")
-    results: dict[int, dict[str, list]] = {n: {"hpc": [], "ddp": [], "overlap": []} for n in ranks}
+    extra_sides = {"overlap": ["comm.overlap=true"], "mpi-sum": ["comm.shared_memory=false"]}
+    wanted = [s for s, on in (("overlap", args.overlap), ("mpi-sum", args.mpi_sum)) if on]
+    results: dict[int, dict[str, list]] = {n: {"hpc": [], "ddp": [], **{s: [] for s in extra_sides}}
+                                           for n in ranks}
     engine_ms: list[float] = []
     for rep in range(args.repeats):
         if args.engine:
             engine_ms.append(engine_step_ms())
             print(f"  repeat {rep + 1} bare engine step: {engine_ms[-1]:.2f} ms", flush=True)
         for n in ranks:
-            sides = ("hpc", "overlap", "ddp") if args.overlap and n > 1 else ("hpc", "ddp")
+            sides = ("hpc", *wanted, "ddp") if n > 1 else ("hpc", "ddp")
             for side in (sides if rep % 2 == 0 else tuple(reversed(sides))):
                 r = (run_ddp(n, data, args.epochs) if side == "ddp"
-                     else run_hpc(n, data, args.epochs, work, ["comm.overlap=true"] if side == "overlap" else []))
+                     else run_hpc(n, data, args.epochs, work, extra_sides.get(side, [])))
                 results[n][side].append(r)
                 print(f"  repeat {rep + 1} n={n} {side}: {r['samples_per_s']:,.0f} samples/s mean, "
                       f"{r['p25_samples_per_s']:,.0f} p25 ({r['step_ms']:.1f} ms/step)", flush=True)
@@ -217,11 +223,12 @@ def main() -> None:
         print(f"\nsamples/s from the {title}, best of {args.repeats}:")
         print(fmt_table(["ranks", "hpc_rlx", "DDP-gloo", "hpc_rlx/DDP", "eff hpc_rlx", "eff DDP",
                          "hpc_rlx comm share"], rows))
-        over = [(n, max(v[key] for v in results[n]["overlap"])) for n in ranks if results[n]["overlap"]]
-        if over:
-            print(fmt_table(["ranks", "hpc_rlx overlap", "/DDP", "/overlap off", "eff"],
-                            [[n, o, f"{o / best[n]['ddp']:.2f}x", f"{o / best[n]['hpc']:.3f}x",
-                              o / (n * best[base]["hpc"]) if base else None] for n, o in over]))
+        for side in wanted:
+            other = [(n, max(v[key] for v in results[n][side])) for n in ranks if results[n][side]]
+            if other:
+                print(fmt_table(["ranks", f"hpc_rlx {side}", "/DDP", "/hpc_rlx default", "eff"],
+                                [[n, o, f"{o / best[n]['ddp']:.2f}x", f"{o / best[n]['hpc']:.3f}x",
+                                  o / (n * best[base]["hpc"]) if base else None] for n, o in other]))
     if engine_ms and 1 in ranks:
         full = min(v["step_ms"] for v in results[1]["hpc"])
         print(f"\n1-rank full path step {full:.2f} ms (best repeat) / bare engine step {min(engine_ms):.2f} ms "

@@ -12,6 +12,7 @@ files. The Hydra task is a thin wrapper: the work is `hpc_rlx.runtime.train.trai
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -211,6 +212,10 @@ def main() -> None:
     from hpc_rlx.runtime.signals import INTERRUPT_EXIT, SIGNALS
     SIGNALS.install()   # first: a Ctrl-C while MPI and Hydra start exits quietly (see signals.py)
 
+    # Open MPI: the bucket's node window (comm.shared_memory) is one-sided memory, which osc/sm
+    # serves; the osc/ucx component prints an error on every rank while it probes a machine
+    # without UCX devices (the pip wheel on a plain host). A site's own setting wins.
+    os.environ.setdefault("OMPI_MCA_osc", "^ucx")
     from mpi4py import MPI
     from omegaconf import OmegaConf
 

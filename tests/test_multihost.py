@@ -97,10 +97,17 @@ def test_training_across_two_and_three_nodes_equals_one_node(cluster, shared_h5,
     ref = tmp_path / "one-node"
     p = train(cluster, {"node1": 1}, ref, base)
     assert p.returncode == 0, explain(p)
-    for hosts in ({"node1": 1, "node2": 1}, {"node1": 2, "node2": 2}, {"node1": 1, "node2": 1, "node3": 1}):
+    # how the bucket is summed (comm.shared_memory): within each node in shared memory, then
+    # across nodes, where every node has the same number (> 1) of ranks; MPI's Allreduce else
+    paths = {"node1x1_node2x1": "path host", "node1x1_node2x1_node3x1": "path host",
+             "node1x2_node2x2": "path node shared memory (2 ranks per node), MPI across 2 nodes",
+             "node1x2_node2x1": "path host"}
+    for hosts in ({"node1": 1, "node2": 1}, {"node1": 2, "node2": 2}, {"node1": 1, "node2": 1, "node3": 1},
+                  {"node1": 2, "node2": 1}):
         name = "_".join(f"{h}x{n}" for h, n in hosts.items())
         p = train(cluster, hosts, tmp_path / name, base)
         assert p.returncode == 0, f"{name}: " + explain(p)
+        assert paths[name] in p.stdout, f"{name}: " + explain(p)
         diff = max_rel_diff(params(ref), params(tmp_path / name))
         assert diff <= 1e-10, f"{name}: max relative parameter difference {diff:.3e}"
 

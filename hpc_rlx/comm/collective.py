@@ -19,6 +19,7 @@ import numpy as np
 from hpc_rlx.comm import watchdog as _watchdog
 from hpc_rlx.comm.bucket_layout import BucketLayout
 from hpc_rlx.comm.job_abort import abort_job
+from hpc_rlx.comm.node_memory import NodeSharedSum
 from hpc_rlx.comm.overlap import OverlapPlan, OverlapStep
 from hpc_rlx.comm.reduce import HostSum, make_reduction
 from hpc_rlx.comm.topology import hostname, rank_span
@@ -242,19 +243,48 @@ class FusedBucket:
 
     def set_choice(self, choice) -> None:
         self.choice = choice
+        if isinstance(self.reduction, NodeSharedSum) and choice.path == cuda_mpi.HOST:
+            return          # already in the node's shared memory: the host path, summed there
         self.reduction = make_reduction(self.chunk_elems, self.deterministic, self.wire, choice)
 
     def exact_reduction(self):
         """The path of a use that must sum the host array as it is, whatever the step's path
         (16-bit wire, device twin): MPI's SUM, or the ordered sum under ``comm.deterministic``,
-        chunked as the bucket is. The windowed policies' sync picks it once, at its setup, and
-        hands it to every `allreduce`."""
+        chunked as the bucket is, or the node's shared memory when the bucket lives there. The
+        windowed policies' sync picks it once, at its setup, and hands it to every `allreduce`."""
+        if isinstance(self.reduction, NodeSharedSum):
+            return self.reduction
         return make_reduction(self.chunk_elems, self.deterministic, None)
+
+    def share_node_memory(self, comm, cpu_only: bool) -> bool:
+        """Collective: move the bucket into the node's shared window and sum it there
+        (`hpc_rlx.comm.node_memory`) when every rank can; True where it did (on every rank).
+        Only for a host bucket summed by MPI's SUM (not ordered, not the 16-bit wire, not
+        overlapped), and before anyone keeps a view of `buffer` or `payload`."""
+        plain = type(self.reduction) is HostSum and self.device is None and not self.overlap
+        shared = NodeSharedSum.create(comm, self.buffer.shape[0], self.buffer.dtype,
+                                      self.chunk_elems, cpu_only and plain)
+        if shared is None:
+            return False
+        shared.segment[...] = self.buffer
+        self._set_host(shared.segment)
+        self.reduction = shared
+        return True
+
+    def release_node_memory(self) -> None:
+        """Collective over the node (every rank at the end of a run): free the shared window;
+        the bucket gets a private copy of its last values."""
+        if isinstance(self.reduction, NodeSharedSum):
+            shared, self.reduction = self.reduction, make_reduction(self.chunk_elems, self.deterministic, None)
+            self._set_host(self.buffer.copy())
+            shared.free()
 
     def describe(self) -> str:
         """Where the bucket lives and how it is reduced, in one line (logged at start-up)."""
         where = "host" if self.device is None else f"GPU {self.device}"
         path = self.choice.describe() if self.choice is not None else "host"
+        if isinstance(self.reduction, NodeSharedSum):
+            path = self.reduction.path
         wire = f", wire {self.wire} (float32 sums; tail uncompressed)" if self.wire else ""
         return f"bucket on {where}, path {path}{wire}"
 

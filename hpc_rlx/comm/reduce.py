@@ -7,9 +7,11 @@
 | `WireSum`       | ``comm.wire_dtype`` set and more than one rank        | 16-bit words, float32 sums at segment owners (see `hpc_rlx.comm.wire`) |
 | `StagedSum`     | GPU-only lanes, MPI not CUDA-aware (or ordered, wire) | payload down to pinned host memory, then one of the above |
 | `CudaDirectSum` | GPU-only lanes, CUDA-aware MPI                        | Allreduce on the device buffer itself |
+| `NodeSharedSum` | ``comm.shared_memory`` (CPU lanes, > 1 rank per node) | each rank sums its part of the node's shared window, MPI across nodes (`hpc_rlx.comm.node_memory`) |
 
 `make_reduction` picks one from the settings and the lanes' `cuda_mpi.PathChoice`; the bucket
-keeps it for the whole run. Every path cuts the bucket into chunks of at most
+keeps it for the whole run (`FusedBucket.share_node_memory` swaps in `NodeSharedSum` before the
+lanes are built). Every path cuts the bucket into chunks of at most
 ``comm.bucket_cap_mb``: MPICH slows down sharply on single messages above 32 MiB.
 
 A path's ``run(bucket, comm, seq)`` returns a `Reduced`: chunks, bytes this rank sent, and the

@@ -179,6 +179,10 @@ KEYS: tuple[Key, ...] = (
         "16-bit wire and GPU buckets)"),
     Key("comm.overlap_chunk_mb", _NUMBER, 1, "chunk size of comm.overlap's non-blocking Allreduces",
         number(0, above=True)),
+    Key("comm.shared_memory", bool, True, "sum the bucket within each node in memory its ranks "
+        "share (one shared window per node), then across nodes by MPI; used where every rank has "
+        "CPU lanes only, every node the same number of ranks (> 1) and /dev/shm room, and neither "
+        "comm.deterministic, comm.wire_dtype nor comm.overlap is set; false = MPI's Allreduce"),
     Key("comm.stall_warning_s", _NUMBER, 60, "stall watchdog: report ranks that have not reached a "
         "collective after this long; null = off",
         number(0, null=True, must="must be null (off) or a number of seconds >= 0")),

@@ -221,6 +221,8 @@ class Run:
         lanes_spec = collective.agree(comm, lambda: resolve_lanes(
             spec.device["kind"], int(spec.device["cpu_lanes"]), int(spec.device["gpus_per_rank"]),
             local_rank(comm)))
+        if spec.comm["shared_memory"] and not place.comms:   # before the lanes take views of it
+            worker.bucket.share_node_memory(comm, cpu_only=all(kind == "cpu" for kind, _ in lanes_spec))
         # Lanes place the bucket (device twin or host) and pick its Allreduce path.
         self.lanes = pipelined.lanes(place, worker) if place.comms \
             else collective.agree(comm, lambda: LaneSet(
@@ -377,6 +379,7 @@ class Run:
         ranks = comm.gather(mine, root=0)
         pipelined.send_final_params(self.place, worker)
         self.lanes.close()
+        worker.bucket.release_node_memory()
         final = self.partial_metrics or (worker.history[-1] if worker.history else {})
         result = {
             "status": self.stop_reason or "completed",
