@@ -203,7 +203,7 @@ class RuntimeCheckpoints:
             "graph_fingerprint": self.fingerprint,
             "config_yaml": spec.config_yaml,
             # which training this is (hpc_rlx.config.fingerprint): decides which runs continue it
-            "config_fingerprint": spec.extras.get("config_fingerprint"),
+            "config_fingerprint": spec.config_fingerprint,
             "dtype": spec.train["dtype"],
         }
         return CheckpointState(arrays=arrays, meta=meta)

@@ -17,7 +17,7 @@ from hpc_rlx.config import schema
 from hpc_rlx.policies.registry import POLICIES
 
 SECTIONS: tuple[str, ...] = ("train", "optim", "policy", "device", "comm", "checkpoint", "debug",
-                             "parallel")
+                             "parallel", "report", "trace")
 """The TrainSpec fields that are config sections."""
 
 

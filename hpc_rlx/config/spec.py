@@ -64,12 +64,16 @@ class TrainSpec:
     comm: Mapping
     checkpoint: Mapping
     debug: Mapping
+    report: Mapping              # report.* (plots, TensorBoard) and trace.* (the timeline)
+    trace: Mapping
     run_dir: str
     resume: str
     world_size: int
     config_yaml: str = ""
-    extras: dict = field(default_factory=dict)   # report/trace switches
     parallel: Mapping = field(default_factory=lambda: {"pipeline_stages": 1})   # parallel.* (pipeline stages)
+    plan: str = ""                          # the shard plan in words, logged at start-up
+    config_fingerprint: str | None = None   # which training this is (config/fingerprint.py)
+    model_source: str | None = None         # model=onnx: the file the trained weights go back into
 
     def __post_init__(self):
         # config sections: read-only, only their declared keys (config/section.py)
@@ -347,11 +351,11 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         graph=graph.to_dict(), param_source=source, data=data_plan, train=dict(cfg["train"]),
         optim=dict(cfg["optim"]), policy=dict(cfg["policy"]), device=dict(cfg["device"]),
         comm=dict(cfg["comm"]), checkpoint=dict(cfg["checkpoint"]), debug=dict(cfg["debug"]),
+        report=dict(cfg["report"]), trace=dict(cfg["trace"]),
         run_dir=str(run_dir), resume=str(cfg["resume"]), world_size=world_size,
-        config_yaml=config_yaml, parallel=dict(cfg["parallel"]),
-        extras={"report": dict(cfg["report"]), "trace": dict(cfg["trace"]),
-                "plan": plan.describe(), "config_fingerprint": fingerprint,
-                "model_source": source["path"] if source["kind"] == "onnx" else None})
+        config_yaml=config_yaml, parallel=dict(cfg["parallel"]), plan=plan.describe(),
+        config_fingerprint=fingerprint,
+        model_source=source["path"] if source["kind"] == "onnx" else None)
 
 
 def initial_parameters(spec: TrainSpec, graph, layout) -> np.ndarray:

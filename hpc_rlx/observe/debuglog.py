@@ -28,7 +28,7 @@ def spec_summary(spec) -> str:
     """One line of what rank 0 ships: where, how many ranks, which training (fingerprints)."""
     graph = spec.graph or {}
     return (f"spec: run_dir={spec.run_dir} world_size={spec.world_size} "
-            f"config_fingerprint={spec.extras.get('config_fingerprint')} "
+            f"config_fingerprint={spec.config_fingerprint} "
             f"graph nodes={len(graph.get('nodes', []))} data={spec.data.path} "
             f"rows={spec.data.n_train} optim={spec.optim['name']} lr={spec.optim['lr']} "
             f"policy={spec.policy['name']} resume={spec.resume} checkpoint={spec.checkpoint}")

@@ -30,7 +30,7 @@ class RunDisplay:
         """Rank 0: steps.jsonl, and the TensorBoard event files when report.tensorboard is on."""
         spec = self.spec
         board = None
-        if tensorboard_log.enabled(spec.extras["report"]["tensorboard"]):
+        if tensorboard_log.enabled(spec.report["tensorboard"]):
             board = tensorboard_log.TensorBoardLog(spec.run_dir, tensorboard_log.flat_hparams(
                 config_dict(spec), spec.world_size))
         self.step_log = StepLog(spec.run_dir, steps_per_epoch, self.t_start, board,

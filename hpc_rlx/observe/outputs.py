@@ -48,7 +48,7 @@ class RunOutputs:
                 resumed_config_yaml=resumed_config_yaml, start_step=self.worker.step,
                 start_epoch=self.worker.epoch, world_size=world_size)
         (self.dir / "graph.json").write_text(json.dumps(self.spec.graph, indent=1))
-        source = self.spec.extras.get("model_source")
+        source = self.spec.model_source
         if source:   # model=onnx: `python -m hpc_rlx.export` writes the trained weights into it
             _keep_model_source(source, self.dir / "model.source.onnx")
         if resumed_from:
@@ -113,7 +113,7 @@ class RunOutputs:
         with open(self.dir / "summary.json.tmp", "w") as f:
             json.dump(summary, f, indent=1, default=_json_default)
         os.replace(self.dir / "summary.json.tmp", self.dir / "summary.json")
-        if self.spec.extras["report"]["plots"]:
+        if self.spec.report["plots"]:
             try:
                 write_plots(self.dir)     # matplotlib loads here, on first use
             except ImportError:

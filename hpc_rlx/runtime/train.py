@@ -205,15 +205,14 @@ class Run:
         self.faults.at("startup")
         self.threads = limit_threads(comm, spec.train["threads_per_rank"],
                                      lanes=thread_lanes(spec.device["cpu_lanes"]))
-        tcfg = spec.extras["trace"]
-        self.tracer = trace.start(comm, bool(tcfg["enabled"]), host=hostname(),
-                                  max_events=tcfg["max_events"])
+        self.tracer = trace.start(comm, bool(spec.trace["enabled"]), host=hostname(),
+                                  max_events=spec.trace["max_events"])
         self.policy = make_policy(spec)
         # a pipelined rank's Worker holds its stage, among the stage's replicas (else: as given)
         self.place = place = pipelined.for_rank(spec, comm)
         self.worker = worker = Worker(place.spec, place.comm, log=self.log, fields=self.policy.bucket_fields,
                                       rank_fields=self.policy.bucket_rank_fields)
-        self.log(spec.extras.get("plan", ""))
+        self.log(spec.plan)
         self._cpu_mark = time.process_time()
         with phase("data loading"), trace.span("data.load", "data",
                                                args={"distribution": spec.data.distribution}):
