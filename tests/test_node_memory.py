@@ -60,6 +60,8 @@ def test_the_shared_sum_is_the_sum_on_every_rank_step_after_step(tmp_path, ranks
         assert tail["loss_sum"] == pytest.approx(sum(0.5 * (r + step) for r in range(ranks)))
         assert tail["rate"] == [10.0 + r for r in range(ranks)]
     assert got["kept_after_release"], got
+    # one shared bucket per process at a time: sharing another moves the first back to MPI
+    assert got["first_left_for_the_second"] and got["first_still_sums"], got
 
 
 def _params(run: Path) -> dict:
@@ -74,13 +76,17 @@ def _path_line(proc) -> str:
 @pytest.mark.mpi
 def test_training_uses_it_by_default_and_ends_where_mpi_does(tmp_path, digits_h5):
     base = ["train.epochs=2", "checkpoint=off", f"data.path={digits_h5}"]
-    on = train_job(2, tmp_path / "on", base)
+    on = train_job(2, tmp_path / "on", base + ["trace.enabled=true"])
     off = train_job(2, tmp_path / "off", base + ["comm.shared_memory=false"])
     assert on.returncode == 0 and off.returncode == 0, explain(on) + explain(off)
     assert "node shared memory (2 ranks)" in _path_line(on), _path_line(on)
     assert "node shared memory" not in _path_line(off), _path_line(off)
     a, b = _params(tmp_path / "on"), _params(tmp_path / "off")
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)   # float32, bitwise
+    # the trace names the path of every step's sum
+    events = json.loads((tmp_path / "on" / "trace.json").read_text())["traceEvents"]
+    paths = {e["args"]["path"] for e in events if e.get("name") == "allreduce" and e.get("ph") == "X"}
+    assert paths == {"node shared memory (2 ranks)"}, paths
 
 
 @pytest.mark.mpi

@@ -277,8 +277,9 @@ def test_skewed_clocks_are_aligned_and_waits_attributed(tmp_path):
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_training_run_writes_one_merged_trace(tmp_path, digits_h5, chunks):
     run = tmp_path / "run"
-    # 1210 parameters + 6 tail slots: one chunk by default, 3 with a 2 kB cap
-    cap = [] if chunks == 1 else ["comm.bucket_cap_mb=0.002"]
+    # 1210 parameters + 6 tail slots: one chunk by default, 3 with a 2 kB cap (MPI's Allreduce:
+    # the node's shared memory sums without chunks on one node)
+    cap = [] if chunks == 1 else ["comm.bucket_cap_mb=0.002", "comm.shared_memory=false"]
     proc = train_job(2, run, [f"data.path={digits_h5}", "train.epochs=2", "trace.enabled=true",
                               "checkpoint.every_steps=10", "model.hidden=[16]"] + cap)
     assert proc.returncode == 0, explain(proc)

@@ -12,6 +12,7 @@ import functools
 import math
 import time
 import traceback
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -269,15 +270,23 @@ class FusedBucket:
         shared.segment[...] = self.buffer
         self._set_host(shared.segment)
         self.reduction = shared
+        shared.before_free = weakref.WeakMethod(self._leave_node_memory)
         return True
 
-    def release_node_memory(self) -> None:
-        """Collective over the node (every rank at the end of a run): free the shared window;
-        the bucket gets a private copy of its last values."""
+    def _leave_node_memory(self) -> None:
+        """Back to a private buffer with the last values and MPI's Allreduce (the window is
+        about to be freed)."""
         if isinstance(self.reduction, NodeSharedSum):
-            shared, self.reduction = self.reduction, make_reduction(self.chunk_elems, self.deterministic, None)
+            self.reduction = make_reduction(self.chunk_elems, self.deterministic, None)
             self._set_host(self.buffer.copy())
-            shared.free()
+
+    def release_node_memory(self) -> None:
+        """Collective over the node: free the shared window now, the bucket keeping a private
+        copy of its last values. A run leaves its window to the next window's setup (one per
+        process at a time: sharing another bucket releases this one) or to MPI_Finalize, so
+        views of the bucket taken during the run stay valid; see `node_memory`."""
+        if isinstance(self.reduction, NodeSharedSum):
+            self.reduction.free()
 
     def describe(self) -> str:
         """Where the bucket lives and how it is reduced, in one line (logged at start-up)."""

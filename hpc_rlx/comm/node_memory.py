@@ -58,15 +58,24 @@ def shm_room_for(node_bytes: int, shm_dir: str = SHM_DIR) -> bool:
     return node_bytes * SHM_HEADROOM <= st.f_bavail * st.f_frsize
 
 
+# Windows still open in this process. A run's window outlives the run (views of the bucket,
+# such as a windowed policy's, stay valid); the next `create` frees the ones before it, so a
+# sweep of many runs in one process holds at most one at a time. MPI_Finalize takes the last.
+_OPEN: list[NodeSharedSum] = []
+
+
 class NodeSharedSum:
     """A reduction path (see `hpc_rlx.comm.reduce`) over a node's shared window. Build it with
     `NodeSharedSum.create` (collective), then hand `segment` to the bucket as its buffer."""
 
-    def __init__(self, node, cross, window, segments: list[np.ndarray], chunk_elems: int):
+    def __init__(self, node, cross, window, memories: list, size: int, dtype, chunk_elems: int):
         self.node, self.cross, self.window = node, cross, window
-        self.segments = segments
-        self.segment = segments[node.rank]
-        self.parts = owned_parts(self.segment.shape[0], node.size)
+        # the other ranks' segments as raw memory, viewed as arrays only while summing: this
+        # rank holds one bucket-sized array, its own
+        self._memories, self._size, self._dtype = memories, int(size), np.dtype(dtype)
+        self.segment = self._view(node.rank)
+        self.parts = owned_parts(self._size, node.size)
+        self.before_free = None      # a weak callback: the bucket moves off the segment first
         self.chunk_elems = int(chunk_elems)
         nodes = cross.size
         self.path = (f"node shared memory ({node.size} ranks)" if nodes == 1 else
@@ -86,6 +95,7 @@ class NodeSharedSum:
         """Collective over ``comm``: the node's window of one ``size``-element segment per rank,
         or None on every rank when some rank cannot share (see `eligible`)."""
         mpi = _mpi()
+        cls.free_open()
         node = comm.Split_type(mpi.COMM_TYPE_SHARED, key=comm.rank)
         itemsize = np.dtype(dtype).itemsize
         if not cls.eligible(comm, node.size, cpu_only, size * itemsize * node.size):
@@ -97,16 +107,32 @@ class NodeSharedSum:
         info.Set("alloc_shared_noncontig", "true")   # each segment on its owner's NUMA node
         window = mpi.Win.Allocate_shared(size * itemsize, itemsize, info=info, comm=node)
         info.Free()
-        segments = []
-        for r in range(node.size):
-            memory, _ = window.Shared_query(r)
-            segments.append(np.frombuffer(memory, dtype=dtype, count=size))
-        segments[node.rank][...] = 0
+        memories = [window.Shared_query(r)[0] for r in range(node.size)]
+        shared = cls(node, cross, window, memories, size, dtype, chunk_elems)
+        shared.segment[...] = 0
         node.Barrier()
-        return cls(node, cross, window, segments, chunk_elems)
+        _OPEN.append(shared)
+        return shared
+
+    def _view(self, rank: int) -> np.ndarray:
+        return np.frombuffer(self._memories[rank], dtype=self._dtype, count=self._size)
+
+    @staticmethod
+    def free_open() -> None:
+        """Collective: free every window this process still holds (each rank holds the same
+        ones: every rank of a job creates one, or none)."""
+        while _OPEN:
+            _OPEN.pop().free()
 
     def free(self) -> None:
-        """Collective over the node: release the window and the communicators."""
+        """Collective over the node: release the window and the communicators. Views of the
+        segment (the bucket's) must not be used after this."""
+        if self in _OPEN:
+            _OPEN.remove(self)
+        leave = self.before_free() if self.before_free is not None else None
+        if leave is not None:
+            leave()
+        self._memories = []
         self.window.Free()
         self.cross.Free()
         self.node.Free()
@@ -119,7 +145,8 @@ class NodeSharedSum:
         lo, hi = self.parts[me]
         node.Barrier()
         own = self.segment[lo:hi]
-        for r, seg in enumerate(self.segments):      # rank order: the same sum every step
+        peers = [self._view(r) for r in range(node.size)]
+        for r, seg in enumerate(peers):               # rank order: the same sum every step
             if r != me:
                 own += seg[lo:hi]
         chunks = 1
@@ -129,7 +156,7 @@ class NodeSharedSum:
         node.Barrier()
         for r, (a, b) in enumerate(self.parts):
             if r != me:
-                self.segment[a:b] = self.segments[r][a:b]
+                self.segment[a:b] = peers[r][a:b]
         node.Barrier()
         return Reduced(chunks, sent, self.path)
 

@@ -378,7 +378,6 @@ class Run:
         ranks = comm.gather(mine, root=0)
         pipelined.send_final_params(self.place, worker)
         self.lanes.close()
-        worker.bucket.release_node_memory()
         final = self.partial_metrics or (worker.history[-1] if worker.history else {})
         result = {
             "status": self.stop_reason or "completed",

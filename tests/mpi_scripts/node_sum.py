@@ -49,9 +49,19 @@ for step in range(steps):
                   "rate": [float(v) for v in shared["rate"]]})
 path = shared.reduction.path if active else "mpi"
 last = shared.buffer.copy()
-shared.release_node_memory()
-kept = bool(np.array_equal(shared.buffer, last))
+# a second shared bucket in the same process: the first leaves the node's memory, keeping its
+# values, and sums by MPI from then on
+second = FusedBucket(64, fields, np.float32)
+second.share_node_memory(comm, cpu_only=True)
+first_left = shared.reduction.path == "host" and bool(np.array_equal(shared.buffer, last))
+shared.payload[...] = 1.0
+shared.allreduce(comm)
+first_sums = bool(np.all(shared.payload == comm.size))
+last = second.buffer.copy()
+second.release_node_memory()
+kept = bool(np.array_equal(second.buffer, last)) and second.reduction.path == "host"
 if comm.rank == 0:
     with open(out, "w") as f:
         json.dump({"active": active, "path": path, "max_rel_err": worst, "same_on_every_rank": same,
-                   "equal_to_mpi": equal_mpi, "tails": tails, "kept_after_release": kept}, f)
+                   "equal_to_mpi": equal_mpi, "tails": tails, "kept_after_release": kept,
+                   "first_left_for_the_second": first_left, "first_still_sums": first_sums}, f)
