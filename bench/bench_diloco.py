@@ -42,7 +42,9 @@ ROWS = {
     "diloco-reset-k100": (100, OLD + ["policy.reset_inner=true"]),
     "diloco-m05": (25, ["policy.outer=diloco", "policy.outer_lr=0.7", "policy.outer_momentum=0.5",
                         "policy.outer_warmup=0"]),
+    "diloco-w9": (25, ["policy.outer=diloco", "policy.outer_warmup=9"]),
     "diloco": (25, ["policy.outer=diloco"]),                  # the defaults
+    "diloco-k23": (23, ["policy.outer=diloco"]),              # 9 syncs per epoch, as K=25
     "diloco-k100": (100, ["policy.outer=diloco"]),
 }
 LABELS = {
@@ -52,7 +54,9 @@ LABELS = {
     "diloco-kept": "K=25 diloco 0.7/0.9, inner kept",
     "diloco-reset-k100": "K=100 diloco 0.7/0.9, inner reset (old default)",
     "diloco-m05": "K=25 diloco 0.7/0.5, inner kept, no warm-up",
+    "diloco-w9": "K=25 diloco, warm-up 9 (old default)",
     "diloco": "K=25 diloco, defaults",
+    "diloco-k23": "K=23 diloco, defaults",
     "diloco-k100": "K=100 diloco, defaults",
 }
 __doc__ += "".join(f"\n- {name}: {LABELS[name]}" for name in ROWS) + "\n"

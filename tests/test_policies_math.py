@@ -559,10 +559,10 @@ def test_outer_state_roundtrip_and_order_errors(name):
 
 
 def test_diloco_defaults_and_reset_inner():
-    # the paper's lr 0.7 and momentum 0.9; the warm-up of 9 syncs and the inner state kept
+    # the paper's lr 0.7 and momentum 0.9; the warm-up of 18 syncs and the inner state kept
     # across syncs follow bench/bench_diloco.py's measurements
     o = make_outer("diloco")
-    assert (o.lr, o.momentum, o.nesterov, o.warmup, o.resets_inner) == (0.7, 0.9, True, 9, False)
+    assert (o.lr, o.momentum, o.nesterov, o.warmup, o.resets_inner) == (0.7, 0.9, True, 18, False)
     assert make_outer("slowmo").warmup == 0
     assert make_outer("diloco", reset_inner=True).resets_inner
     assert make_outer("average", reset_inner=True).resets_inner

@@ -28,7 +28,7 @@ SHARED_DOCS = {
     "outer_lr": "outer step size; null = the method's default (diloco 0.7, slowmo 1.0)",
     "outer_momentum": "outer momentum; null = the method's default (diloco 0.9, slowmo 0.5)",
     "outer_warmup": "syncs of plain averaging before the outer momentum starts; null = the "
-                    "method's default (diloco 9, measured: bench/README.md; slowmo 0)",
+                    "method's default (diloco 18, measured: bench/README.md; slowmo 0)",
     "reset_inner": "true: reset every rank's inner optimizer state after each sync; false keeps "
                    "it, as the DiLoCo paper's workers do",
 }

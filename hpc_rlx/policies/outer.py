@@ -5,10 +5,11 @@
 - `average`: the consensus itself.
 - `diloco`: Nesterov momentum on the pseudo-gradient `g = W_prev - W`
   (`v = mu*v + g; W_new = W_prev - lr*(g + mu*v)`), defaults lr 0.7, mu 0.9 (the DiLoCo
-  paper, Douillard et al., 2023), after a warm-up of 9 syncs of plain averaging. The paper
+  paper, Douillard et al., 2023), after a warm-up of 18 syncs of plain averaging. The paper
   starts its workers from a pretrained model; from a random one, the momentum amplifies the
-  large early pseudo-gradients, and the run never recovers (`experiment=lm`, 2 ranks, K=25:
-  val loss 1.477 without the warm-up, 1.380 with it, sync 1.379; `bench/README.md`).
+  large early pseudo-gradients, and the run never recovers (`experiment=lm`, 2 ranks, K=25,
+  seed 3: val loss 1.477 without the warm-up, 1.381 after 9 syncs, 1.351 after 18, sync 1.379;
+  4 ranks 1.447 / 1.431, sync 1.379; `bench/README.md`).
 - `slowmo`: slow momentum on the same pseudo-gradient, in the paper's inner-LR units:
   `u = beta*u + g/gamma; W_new = W_prev - alpha*gamma*u` with `gamma` the inner LR at the
   sync (1 when not given), defaults alpha 1.0, beta 0.5, no warm-up.
@@ -131,7 +132,7 @@ class DiLoCo(_MomentumOuter):
     name = "diloco"
 
     def __init__(self, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
-                 warmup: int = 9):
+                 warmup: int = 18):
         super().__init__(lr, momentum, warmup)
         self.nesterov = bool(nesterov)
 
