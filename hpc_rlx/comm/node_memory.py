@@ -14,9 +14,9 @@ write their gradients where every rank of the node can read them. One sum is the
 6. node barrier: no rank's next step overwrites its segment while another still copies.
 
 Within one node every value is computed once, by its owner, in a fixed order, so all ranks hold
-the same bits (and a run repeats bitwise for a given placement). Measured against MPICH's and
-Open MPI's shared-memory Allreduce of the 7.1 MiB MLP bucket on 2 ranks: about half the time
-(`bench/bench_collective.py`, `bench/README.md`).
+the same bits (and a run repeats bitwise for a given placement). Against MPICH's Allreduce on 2
+ranks of one node: 0.34-0.77x its time for 1-32 MiB buckets, about equal at 64 MiB, where both
+are bound by memory bandwidth (`bench/bench_collective.py`, `bench/README.md`).
 
 Only where every rank can take part (`eligible`): a host bucket on CPU-only lanes, every node
 with the same number of ranks, room in ``/dev/shm`` for the node's segments. Elsewhere the
