@@ -9,7 +9,9 @@ optional Nesterov) and ``torch.optim.AdamW`` (decoupled weight decay, bias corre
 step. Full-size scratch buffers are allocated once, at construction, so a step allocates nothing
 of the parameters' size. On NumPy the fused updates (BLAS scal/axpy, ufuncs with ``out=``) run
 block by block (``BLOCK_BYTES`` of each array), so an update's passes stay in the core's cache
-and main memory sees each array about once per step, with the same bits as whole-array passes.
+and main memory sees each array about once per step, with the same bits as whole-array passes
+on one BLAS thread (with several, OpenBLAS splits each axpy among them, and the elements at
+its seams may round differently by one unit in the last place, blocked or not).
 """
 
 from __future__ import annotations
