@@ -26,20 +26,13 @@ bucket keeps MPI's Allreduce (`reduce.HostSum`).
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 
-from hpc_rlx.comm.reduce import Reduced, ring_bytes
-from hpc_rlx.observe import trace
+from hpc_rlx.comm.reduce import HostSum, Reduced, _mpi
 
 SHM_DIR = "/dev/shm"
 SHM_HEADROOM = 1.25      # the node's segments must fit /dev/shm's free space with this margin
-
-
-def _mpi():
-    from mpi4py import MPI
-    return MPI
 
 
 def owned_parts(n: int, ranks: int) -> list[tuple[int, int]]:
@@ -76,7 +69,7 @@ class NodeSharedSum:
         self.segment = self._view(node.rank)
         self.parts = owned_parts(self._size, node.size)
         self.before_free = None      # a weak callback: the bucket moves off the segment first
-        self.chunk_elems = int(chunk_elems)
+        self.across_nodes = HostSum(chunk_elems)    # this rank's part, chunked, over `cross`
         nodes = cross.size
         self.path = (f"node shared memory ({node.size} ranks)" if nodes == 1 else
                      f"node shared memory ({node.size} ranks per node), MPI across {nodes} nodes")
@@ -149,28 +142,13 @@ class NodeSharedSum:
         for r, seg in enumerate(peers):               # rank order: the same sum every step
             if r != me:
                 own += seg[lo:hi]
-        chunks = 1
-        sent = 0
+        chunks, sent = 1, 0
         if self.cross.size > 1:
-            chunks, sent = self._across_nodes(own, seq)
+            done = self.across_nodes.sum_array(self.cross, own, seq)
+            chunks, sent = done.chunks, done.wire_bytes
         node.Barrier()
         for r, (a, b) in enumerate(self.parts):
             if r != me:
                 self.segment[a:b] = peers[r][a:b]
         node.Barrier()
         return Reduced(chunks, sent, self.path)
-
-    def _across_nodes(self, own: np.ndarray, seq: int) -> tuple[int, int]:
-        """This rank's part, summed with the same part of every other node, in place."""
-        mpi = _mpi()
-        tracer = trace.ACTIVE
-        chunks = 0
-        for lo in range(0, max(1, own.shape[0]), self.chunk_elems):
-            part = own[lo: lo + self.chunk_elems]
-            started = time.perf_counter()
-            self.cross.Allreduce(mpi.IN_PLACE, part, op=mpi.SUM)
-            if tracer is not None:
-                tracer.add("chunk", "comm", trace.MAIN, started, time.perf_counter(),
-                           {"seq": seq, "i": chunks, "bytes": int(part.nbytes), "across": "nodes"})
-            chunks += 1
-        return chunks, ring_bytes(self.cross, own.nbytes)
