@@ -98,10 +98,14 @@ def test_training_across_two_and_three_nodes_equals_one_node(cluster, shared_h5,
     p = train(cluster, {"node1": 1}, ref, base)
     assert p.returncode == 0, explain(p)
     # how the bucket is summed (comm.shared_memory): within each node in shared memory, then
-    # across nodes, where every node has the same number (> 1) of ranks; MPI's Allreduce else
-    paths = {"node1x1_node2x1": "path host", "node1x1_node2x1_node3x1": "path host",
+    # across nodes, where every node has the same number (> 1) of ranks; MPI's Allreduce else,
+    # and the start-up line says why
+    paths = {"node1x1_node2x1": "path host (no GPU lane on this rank); shared-memory sum off: "
+                                "one rank on its node",
+             "node1x1_node2x1_node3x1": "shared-memory sum off: one rank on its node",
              "node1x2_node2x2": "path node shared memory (2 ranks per node), MPI across 2 nodes",
-             "node1x2_node2x1": "path host"}
+             "node1x2_node2x1": "path host (no GPU lane on this rank); shared-memory sum off: "
+                                "rank 2: one rank on its node"}
     for hosts in ({"node1": 1, "node2": 1}, {"node1": 2, "node2": 2}, {"node1": 1, "node2": 1, "node3": 1},
                   {"node1": 2, "node2": 1}):
         name = "_".join(f"{h}x{n}" for h, n in hosts.items())

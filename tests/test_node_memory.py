@@ -10,15 +10,18 @@ settings that keep MPI's Allreduce. Across emulated nodes: `tests/test_multihost
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
-from hpc_rlx.comm.node_memory import owned_parts, shm_room_for
+from hpc_rlx.comm.node_memory import owned_parts, shm_room_for, shm_shortfall
 
-from .conftest import explain, mpirun, train_job
+from .conftest import explain, launch_cmd, mpi_env, mpirun, train_job
 
 NODE_SUM = Path(__file__).resolve().parent / "mpi_scripts" / "node_sum.py"
 EQUIV = ["train.dtype=float64", "train.epochs=2", "train.batch_size=24", "data.leftover=partial",
@@ -38,6 +41,38 @@ def test_room_in_dev_shm_is_measured_not_assumed(tmp_path):
     assert shm_room_for(1024, str(tmp_path))
     assert not shm_room_for(1 << 62, str(tmp_path))            # more than any disk holds
     assert shm_room_for(1 << 62, str(tmp_path / "missing"))    # nothing to measure: MPI decides
+    why = shm_shortfall(1 << 62, str(tmp_path))
+    assert why.startswith(f"{tmp_path} has ") and "MiB free" in why and "25% headroom" in why, why
+
+
+def _own_dev_shm_job(size: str, run: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    """A 2-rank training job in its own mount namespace, over a real tmpfs of ``size`` mounted
+    on /dev/shm: what a container's small /dev/shm looks like to MPI and to hpc_rlx."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        why = "a private /dev/shm needs root and unshare(1)"
+        if os.environ.get("HPC_RLX_REQUIRE_NETNS") == "1":
+            pytest.fail(f"HPC_RLX_REQUIRE_NETNS=1 but {why}")
+        pytest.skip(why)
+    job = launch_cmd(2, ["-m", "hpc_rlx", f"hydra.run.dir={run}", "report.plots=false"] + overrides)
+    cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+           f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$@"', "sh"] + job
+    return subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.mpi
+def test_a_dev_shm_too_small_for_the_bucket_falls_back_to_mpi_and_says_why(tmp_path, digits_h5):
+    # 1.1 M float32 parameters: 8.6 MiB of segments for 2 ranks, 10.7 MiB with the headroom
+    args = ["train.epochs=1", "checkpoint=off", f"data.path={digits_h5}", "model.hidden=[1024,1024]"]
+    small = _own_dev_shm_job("6m", tmp_path / "small", args)
+    assert small.returncode == 0, explain(small)        # no SIGBUS: the window was never made
+    line = _path_line(small)
+    assert "node shared memory" not in line and "shared-memory sum off: /dev/shm has" in line, line
+    assert "MiB free, the node's segments need 10.7 MiB" in line, line
+    roomy = _own_dev_shm_job("64m", tmp_path / "roomy", args)
+    assert roomy.returncode == 0, explain(roomy)
+    assert "path node shared memory (2 ranks)" in _path_line(roomy), _path_line(roomy)
+    a, b = _params(tmp_path / "small"), _params(tmp_path / "roomy")
+    assert all(np.array_equal(a[k], b[k]) for k in a)    # either path, the same float32 model
 
 
 @pytest.mark.mpi
@@ -113,6 +148,7 @@ def test_the_settings_that_keep_mpi_allreduce(tmp_path, digits_h5, extra, why):
     proc = train_job(2, tmp_path / "run", ["train.epochs=1", "checkpoint=off", f"data.path={digits_h5}"] + extra)
     assert proc.returncode == 0, explain(proc)
     assert "node shared memory" not in _path_line(proc), f"{why}: {_path_line(proc)}"
+    assert f"shared-memory sum off: {extra[0]}" in _path_line(proc), _path_line(proc)
 
 
 @pytest.mark.mpi
@@ -120,4 +156,5 @@ def test_one_rank_has_nothing_to_share(tmp_path, digits_h5):
     proc = train_job(1, tmp_path / "run", ["train.epochs=1", "checkpoint=off", f"data.path={digits_h5}"])
     assert proc.returncode == 0, explain(proc)
     assert "node shared memory" not in _path_line(proc), _path_line(proc)
+    assert "shared-memory sum off" not in _path_line(proc), _path_line(proc)     # nothing to say
 

@@ -200,6 +200,7 @@ class FusedBucket:
         self.choice = None              # cuda_mpi.PathChoice once lanes placed the bucket
         self.reduction = make_reduction(self.chunk_elems, deterministic, self.wire)
         self.overlap = bool(overlap)
+        self.shared_memory_off: str | None = None   # why comm.shared_memory could not be used
         self.overlap_chunk_elems = max(1, int(overlap_chunk_mb * 1024 * 1024) // itemsize)
         self._overlap_plan = None
         self._overlap_step = None
@@ -262,9 +263,15 @@ class FusedBucket:
         (`hpc_rlx.comm.node_memory`) when every rank can; True where it did (on every rank).
         Only for a host bucket summed by MPI's SUM (not ordered, not the 16-bit wire, not
         overlapped), and before anyone keeps a view of `buffer` or `payload`."""
-        plain = type(self.reduction) is HostSum and self.device is None and not self.overlap
-        shared = NodeSharedSum.create(comm, self.buffer.shape[0], self.buffer.dtype,
-                                      self.chunk_elems, cpu_only and plain)
+        if comm.size == 1:
+            return False                 # nothing to share, nothing to report
+        why_not = ("a GPU lane" if not cpu_only or self.device is not None else
+                   "comm.deterministic=true" if self.deterministic else
+                   f"comm.wire_dtype={self.wire}" if self.wire else
+                   "comm.overlap=true" if self.overlap else
+                   None if type(self.reduction) is HostSum else "a reduction other than MPI's SUM")
+        shared, self.shared_memory_off = NodeSharedSum.create(
+            comm, self.buffer.shape[0], self.buffer.dtype, self.chunk_elems, why_not)
         if shared is None:
             return False
         shared.segment[...] = self.buffer
@@ -295,7 +302,8 @@ class FusedBucket:
         if isinstance(self.reduction, NodeSharedSum):
             path = self.reduction.path
         wire = f", wire {self.wire} (float32 sums; tail uncompressed)" if self.wire else ""
-        return f"bucket on {where}, path {path}{wire}"
+        off = f"; shared-memory sum off: {self.shared_memory_off}" if self.shared_memory_off else ""
+        return f"bucket on {where}, path {path}{wire}{off}"
 
     # ---- explicit transfers between the host arrays and the device twin ----------------------
     def mark_device_fresh(self) -> None:

@@ -18,9 +18,9 @@ the same bits (and a run repeats bitwise for a given placement). Against MPICH's
 ranks of one node: 0.34-0.77x its time for 1-32 MiB buckets, about equal at 64 MiB, where both
 are bound by memory bandwidth (`bench/bench_collective.py`, `bench/README.md`).
 
-Only where every rank can take part (`eligible`): a host bucket on CPU-only lanes, every node
+Only where every rank can take part (`refusal`): a host bucket on CPU-only lanes, every node
 with the same number of ranks, room in ``/dev/shm`` for the node's segments. Elsewhere the
-bucket keeps MPI's Allreduce (`reduce.HostSum`).
+bucket keeps MPI's Allreduce (`reduce.HostSum`), and the start-up line says why.
 """
 
 from __future__ import annotations
@@ -44,11 +44,22 @@ def shm_room_for(node_bytes: int, shm_dir: str = SHM_DIR) -> bool:
     """Whether ``node_bytes`` (every segment of the node) fits the free space of ``shm_dir``.
     A container's /dev/shm is often 64 MiB: a window larger than it would die of SIGBUS on
     first touch instead of failing to allocate."""
+    return shm_shortfall(node_bytes, shm_dir) is None
+
+
+def shm_shortfall(node_bytes: int, shm_dir: str = SHM_DIR) -> str | None:
+    """None where ``node_bytes`` fits ``shm_dir`` with the headroom, else why not, in words."""
     try:
         st = os.statvfs(shm_dir)
     except OSError:
-        return True          # no /dev/shm to measure: the MPI library places the window itself
-    return node_bytes * SHM_HEADROOM <= st.f_bavail * st.f_frsize
+        return None          # no /dev/shm to measure: the MPI library places the window itself
+    free = st.f_bavail * st.f_frsize
+    if node_bytes * SHM_HEADROOM <= free:
+        return None
+    mib = 1024 * 1024
+    return (f"{shm_dir} has {free / mib:.1f} MiB free, the node's segments need "
+            f"{node_bytes * SHM_HEADROOM / mib:.1f} MiB ({node_bytes / mib:.1f} MiB and "
+            f"{SHM_HEADROOM - 1:.0%} headroom)")
 
 
 # Windows still open in this process. A run's window outlives the run (views of the bucket,
@@ -76,24 +87,35 @@ class NodeSharedSum:
 
     # ---- setup ---------------------------------------------------------------------------
     @staticmethod
-    def eligible(comm, node_ranks: int, cpu_only: bool, node_bytes: int) -> bool:
-        """Collective: every rank CPU-only, more than one rank on every node, the same number
-        on each, and room for the node's segments, on every rank (else nobody uses it)."""
-        ok = cpu_only and node_ranks > 1 and shm_room_for(node_bytes)
-        counts = comm.allgather((bool(ok), int(node_ranks)))
-        return all(flag for flag, _ in counts) and len({n for _, n in counts}) == 1
+    def refusal(comm, node_ranks: int, why_not: str | None, node_bytes: int) -> str | None:
+        """Collective: None where every rank can share (CPU-only, more than one rank on every
+        node, the same number on each, room for the node's segments), else why not, the same
+        words on every rank (the first rank's reason, with its number unless all agree)."""
+        why = why_not or ("one rank on its node" if node_ranks == 1 else shm_shortfall(node_bytes))
+        views = comm.allgather((why, int(node_ranks)))
+        reasons = [reason for reason, _ in views]
+        for rank, reason in enumerate(reasons):
+            if reason:
+                return reason if len(set(reasons)) == 1 else f"rank {rank}: {reason}"
+        counts = sorted({n for _, n in views})
+        if len(counts) > 1:
+            return f"nodes hold different numbers of ranks ({', '.join(map(str, counts))})"
+        return None
 
     @classmethod
-    def create(cls, comm, size: int, dtype, chunk_elems: int, cpu_only: bool) -> NodeSharedSum | None:
-        """Collective over ``comm``: the node's window of one ``size``-element segment per rank,
-        or None on every rank when some rank cannot share (see `eligible`)."""
+    def create(cls, comm, size: int, dtype, chunk_elems: int,
+               why_not: str | None = None) -> tuple[NodeSharedSum | None, str | None]:
+        """Collective over ``comm``: (the node's window of one ``size``-element segment per
+        rank, None), or (None, why not) on every rank when some rank cannot share (see
+        `refusal`; ``why_not``: this rank's own reason, e.g. a GPU lane)."""
         mpi = _mpi()
         cls.free_open()
         node = comm.Split_type(mpi.COMM_TYPE_SHARED, key=comm.rank)
         itemsize = np.dtype(dtype).itemsize
-        if not cls.eligible(comm, node.size, cpu_only, size * itemsize * node.size):
+        why = cls.refusal(comm, node.size, why_not, size * itemsize * node.size)
+        if why is not None:
             node.Free()
-            return None
+            return None, why
         # ranks with the same index on their node: they sum the same part across nodes
         cross = comm.Split(color=node.rank, key=comm.rank)
         info = mpi.Info.Create()
@@ -105,7 +127,7 @@ class NodeSharedSum:
         shared.segment[...] = 0
         node.Barrier()
         _OPEN.append(shared)
-        return shared
+        return shared, None
 
     def _view(self, rank: int) -> np.ndarray:
         return np.frombuffer(self._memories[rank], dtype=self._dtype, count=self._size)

@@ -182,7 +182,8 @@ KEYS: tuple[Key, ...] = (
     Key("comm.shared_memory", bool, True, "sum the bucket within each node in memory its ranks "
         "share (one shared window per node), then across nodes by MPI; used where every rank has "
         "CPU lanes only, every node the same number of ranks (> 1) and /dev/shm room, and neither "
-        "comm.deterministic, comm.wire_dtype nor comm.overlap is set; false = MPI's Allreduce"),
+        "comm.deterministic, comm.wire_dtype nor comm.overlap is set (else the start-up line says "
+        "which did not hold); false = MPI's Allreduce"),
     Key("comm.stall_warning_s", _NUMBER, 60, "stall watchdog: report ranks that have not reached a "
         "collective after this long; null = off",
         number(0, null=True, must="must be null (off) or a number of seconds >= 0")),
