@@ -28,7 +28,12 @@ the ranks share cores: efficiency then measures the machine, not the library.
 against the 1-rank hpc_rlx figure); `--mpi-sum` one with `comm.shared_memory=false` (MPI's
 Allreduce instead of the node's shared memory). `--engine` adds, in every repeat, the bare engine step of
 bench_engine.py (forward, backward and a plain SGD update on a fixed batch, in this process,
-one BLAS thread) and prints the 1-rank full path's step time over it.
+one BLAS thread) and prints the 1-rank full path's step time over it. `--ceiling` measures, in
+every repeat, what this machine allows any data-parallel library at n ranks: the same bare
+engine step run by n independent processes at once (no communication, no data), each one's
+step time against one process alone, in time slots that alternate between the two. Two GEMM-bound processes share the machine's memory
+bandwidth and caches (and, on a VM, maybe a physical core), so this efficiency is the ceiling
+for the scaling efficiency columns; the table prints each side's efficiency over it.
 """
 
 from __future__ import annotations
@@ -95,6 +100,53 @@ def engine_step_ms(steps: int = 24) -> float:
     return 1e3 * best
 
 
+def ceiling_efficiency(n: int, pairs: int = 8, slot_s: float = 1.5, timeout: float = 300) -> tuple[float, float, float]:
+    """The machine's ceiling at ``n`` ranks: ``n`` processes run the bare engine step in time
+    slots that alternate between one process alone and all ``n`` at once, so that the host's
+    drifting speed hits both sides alike. Returns (median over slot pairs of alone / together,
+    median step ms alone, median step ms together)."""
+    start_at = time.time() + 5.0                          # after every process has imported
+    outs = run_workers([["--engine-worker", str(i), str(2 * pairs), repr(slot_s), repr(start_at)]
+                        for i in range(n)], timeout, f"{n} engine workers")
+    slots = [result_line(out)["slot_ms"] for out in outs]         # per worker: ms per slot or None
+    alone = [slots[0][k] for k in range(0, 2 * pairs, 2)]
+    together = [median([w[k] for w in slots]) for k in range(1, 2 * pairs, 2)]
+    return median([a / t for a, t in zip(alone, together)]), median(alone), median(together)
+
+
+def engine_worker(index: int, nslots: int, slot_s: float, start_at: float) -> list[float | None]:
+    """One process of `ceiling_efficiency`: in even slots only worker 0 steps, in odd slots all
+    do; returns the mean step time (ms) of each slot it stepped in (None where it slept)."""
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    from bench_engine import engine_step_fn
+    from hpc_rlx.graph import build_model
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((PER_RANK_BATCH, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, PER_RANK_BATCH)
+    g = build_model("mlp", input_shape=(FEATURES,), num_classes=CLASSES, hidden=HIDDEN, activation="relu")
+    step = engine_step_fn(g, {"x": x, "y": y})
+    out: list[float | None] = []
+    with threadpool_limits(limits=1):
+        for i in range(3):
+            step(i)
+        for k in range(nslots):
+            lo, hi = start_at + k * slot_s, start_at + (k + 1) * slot_s
+            time.sleep(max(0.0, lo - time.time()))
+            if k % 2 == 0 and index > 0:
+                out.append(None)
+                continue
+            # step while the slot lasts, leaving a margin so the slots never overlap
+            t0, done = time.perf_counter(), 0
+            while time.time() < hi - 0.15 * slot_s:
+                step(done)
+                done += 1
+            out.append(1e3 * (time.perf_counter() - t0) / max(done, 1))
+    return out
+
+
 # ---- PyTorch DDP side -------------------------------------------------------------------------
 
 def torch_mlp_and_shard(rank: int, world: int, data: str):
@@ -147,12 +199,12 @@ def ddp_worker(rank: int, world: int, port: int, data: str, epochs: int) -> None
     dist.destroy_process_group()
 
 
-def run_ddp(n: int, data: Path, epochs: int, timeout: float = 900) -> dict:
-    port = free_port()
-    env = one_thread_env()
-    procs = [subprocess.Popen([PYTHON, __file__, "--ddp-worker", str(r), str(n), str(port), str(data), str(epochs)],
-                              env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(n)]
+def run_workers(worker_args: list[list[str]], timeout: float, what: str) -> list[str]:
+    """Run this script once per entry of ``worker_args``, all at once, one BLAS thread each;
+    their standard outputs, or the benchmark stops with the failure."""
+    procs = [subprocess.Popen([PYTHON, __file__, *args], env=one_thread_env(), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args in worker_args]
     outs = []
     deadline = time.monotonic() + timeout
     try:
@@ -161,11 +213,18 @@ def run_ddp(n: int, data: Path, epochs: int, timeout: float = 900) -> dict:
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        raise SystemExit(f"DDP with {n} processes timed out after {timeout}s")
+        raise SystemExit(f"{what} timed out after {timeout}s")
     for p, (out, err) in zip(procs, outs):
         if p.returncode != 0:
-            raise SystemExit(f"DDP worker failed (rc={p.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
-    return result_line(outs[0][0])
+            raise SystemExit(f"{what}: a process failed (rc={p.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
+    return [out for out, _ in outs]
+
+
+def run_ddp(n: int, data: Path, epochs: int, timeout: float = 900) -> dict:
+    port = free_port()
+    outs = run_workers([["--ddp-worker", str(r), str(n), str(port), str(data), str(epochs)] for r in range(n)],
+                       timeout, f"DDP with {n} processes")
+    return result_line(outs[0])
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -182,6 +241,8 @@ def main() -> None:
     ap.add_argument("--mpi-sum", action="store_true",
                     help="also hpc_rlx with comm.shared_memory=false (MPI's Allreduce) at n > 1")
     ap.add_argument("--engine", action="store_true", help="also the bare engine step (bench_engine.py)")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also the machine's ceiling: n bare engine steps at once, no communication")
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="hpc_rlx_bench_ddp_"))
@@ -196,7 +257,13 @@ def main() -> None:
     results: dict[int, dict[str, list]] = {n: {"hpc": [], "ddp": [], **{s: [] for s in extra_sides}}
                                            for n in ranks}
     engine_ms: list[float] = []
+    ceiling: dict[int, list[float]] = {n: [] for n in ranks if n > 1}
     for rep in range(args.repeats):
+        for n in ceiling:
+            eff, alone, together = ceiling_efficiency(n)
+            ceiling[n].append(eff)
+            print(f"  repeat {rep + 1} bare engine step alone {alone:.2f} ms, {n} at once {together:.2f} ms "
+                  f"each (medians over alternating slots): ceiling efficiency {eff:.3f}", flush=True)
         if args.engine:
             engine_ms.append(engine_step_ms())
             print(f"  repeat {rep + 1} bare engine step: {engine_ms[-1]:.2f} ms", flush=True)
@@ -229,6 +296,17 @@ def main() -> None:
                 print(fmt_table(["ranks", f"hpc_rlx {side}", "/DDP", "/hpc_rlx default", "eff"],
                                 [[n, o, f"{o / best[n]['ddp']:.2f}x", f"{o / best[n]['hpc']:.3f}x",
                                   o / (n * best[base]["hpc"]) if base else None] for n, o in other]))
+    if ceiling and base:
+        rows = []
+        one = {s: max(v["samples_per_s"] for v in results[base][s]) for s in ("hpc", "ddp")}
+        for n, effs in ceiling.items():
+            top = median(effs)
+            h = max(v["samples_per_s"] for v in results[n]["hpc"]) / (n * one["hpc"])
+            d = max(v["samples_per_s"] for v in results[n]["ddp"]) / (n * one["ddp"])
+            rows.append([n, top, h, f"{h / top:.2f}", d, f"{d / top:.2f}"])
+        print(f"\nthe machine's ceiling (n bare engine steps at once, median of {args.repeats}) against the "
+              "best mean-step efficiencies:")
+        print(fmt_table(["ranks", "ceiling eff", "eff hpc_rlx", "of ceiling", "eff DDP", "of ceiling"], rows))
     if engine_ms and 1 in ranks:
         full = min(v["step_ms"] for v in results[1]["hpc"])
         print(f"\n1-rank full path step {full:.2f} ms (best repeat) / bare engine step {min(engine_ms):.2f} ms "
@@ -241,5 +319,8 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--ddp-worker":
         r, w, port, data, epochs = sys.argv[2:7]
         ddp_worker(int(r), int(w), int(port), data, int(epochs))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--engine-worker":
+        slot_ms = engine_worker(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))
+        print("RESULT " + json.dumps({"slot_ms": slot_ms}))
     else:
         main()
