@@ -45,6 +45,20 @@ def train_job(n: int, run_dir: Path, overrides: list[str], timeout: float = 180,
                   timeout=timeout, env=env)
 
 
+def with_private_dev_shm(size: str, cmd: list[str]) -> list[str]:
+    """``cmd`` in its own mount namespace over a real tmpfs of ``size`` on /dev/shm: what a
+    container's small /dev/shm looks like to MPI and to hpc_rlx. Skips the test where that
+    cannot be made (not root, no unshare); with HPC_RLX_REQUIRE_NETNS=1 (CI) it fails instead."""
+    import shutil
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        why = "a private /dev/shm needs root and unshare(1)"
+        if os.environ.get("HPC_RLX_REQUIRE_NETNS") == "1":
+            pytest.fail(f"HPC_RLX_REQUIRE_NETNS=1 but {why}")
+        pytest.skip(why)
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c",
+            f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$@"', "sh"] + cmd
+
+
 def explain(proc: subprocess.CompletedProcess) -> str:
     return f"rc={proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
 

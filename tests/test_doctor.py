@@ -10,9 +10,10 @@ import subprocess
 import h5py
 import pytest
 
+from hpc_rlx.comm.node_memory import largest_shared_bucket, shm_free_bytes
 from hpc_rlx.doctor import check as doctor, probe as doctor_probe
 
-from .conftest import MPI_IMPL, REPO, explain, launch_cmd, mpirun
+from .conftest import MPI_IMPL, REPO, explain, launch_cmd, mpi_env, mpirun, with_private_dev_shm
 
 # how the report names each MPI's library and launcher
 EXPECTED_LIBRARY = {"mpich": "library       MPICH Version: ", "openmpi": "library       Open MPI v5."}
@@ -47,6 +48,23 @@ def cluster(hosts: dict, threads=1, env=None):
 
 def test_balanced_job_has_no_warnings():
     assert doctor.analyse(cluster({"n1": 2, "n2": 2})) == []
+
+
+def test_a_small_dev_shm_is_reported_with_the_largest_bucket_it_sums():
+    small = cluster({"n1": 8, "n2": 8})
+    for r in small:
+        r["cores"] = list(range(8))
+        r["shm_free"] = (64 if r["host"] == "n1" else 16384) * 1024 * 1024
+    w = doctor.analyse(small)
+    # n1: 64 MiB / 1.25 headroom / 8 ranks = 6.4 MiB a rank; n2's 16 GiB is plenty
+    assert len(w) == 1 and w[0].startswith("n1: /dev/shm has 64 MiB free"), w
+    assert "buckets of at most 6.4 MiB a rank (1.7 M float32 parameters) with 8 ranks" in w[0], w
+    text = doctor.format_report(small, w)
+    assert "/dev/shm      n1: 64 MiB free: comm.shared_memory sums buckets up to 6 MiB a rank with 8" in text
+    assert "/dev/shm      n2: 16,384 MiB free" in text
+    # one rank on a node has nothing to share: no warning whatever /dev/shm holds
+    alone = [rec(0, 1, cores=(0,), shm_free=1024 * 1024)]
+    assert doctor.analyse(alone) == []
 
 
 def test_more_ranks_than_cores_is_reported_with_the_numbers():
@@ -245,10 +263,26 @@ def test_doctor_under_mpirun_reports_world_hosts_and_versions(tmp_path):
     assert "writable on every rank: yes" in out and "shared by all ranks: yes" in out
     assert "CUDA-aware" in out
     cores = len(os.sched_getaffinity(0))
-    if cores >= 2:
+    free = shm_free_bytes()
+    if cores >= 2 and (free is None or largest_shared_bucket(free, 2) >= doctor.SHM_WARN_BUCKET):
         assert "No problems found." in out, out
+    elif cores >= 2:      # a container's small /dev/shm: that is the one warning
+        assert "Warnings (1)" in out and "/dev/shm has" in out, out
     # the probe files are cleaned up
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".hpc_rlx_doctor")] == []
+
+
+@pytest.mark.mpi
+def test_doctor_measures_the_real_dev_shm_it_runs_over(tmp_path):
+    cmd = with_private_dev_shm("24m", launch_cmd(2, ["-m", "hpc_rlx.doctor", "--run-dir", str(tmp_path / "runs")]))
+    proc = subprocess.run(cmd, env=mpi_env(_env(OMP_NUM_THREADS="1")), capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    # the tmpfs is 24 MiB, less what the MPI library keeps there for itself
+    line = next(line for line in proc.stdout.splitlines() if line.strip().startswith("/dev/shm"))
+    free = int(line.split(":")[1].split()[0].replace(",", ""))
+    assert 12 <= free <= 24, line
+    assert f"! {socket.gethostname().split('.')[0]}: /dev/shm has {free} MiB free" in proc.stdout, proc.stdout
 
 
 @pytest.mark.mpi

@@ -10,8 +10,6 @@ settings that keep MPI's Allreduce. Across emulated nodes: `tests/test_multihost
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import pytest
 
 from hpc_rlx.comm.node_memory import owned_parts, shm_room_for, shm_shortfall
 
-from .conftest import explain, launch_cmd, mpi_env, mpirun, train_job
+from .conftest import explain, launch_cmd, mpi_env, mpirun, train_job, with_private_dev_shm
 
 NODE_SUM = Path(__file__).resolve().parent / "mpi_scripts" / "node_sum.py"
 EQUIV = ["train.dtype=float64", "train.epochs=2", "train.batch_size=24", "data.leftover=partial",
@@ -46,17 +44,10 @@ def test_room_in_dev_shm_is_measured_not_assumed(tmp_path):
 
 
 def _own_dev_shm_job(size: str, run: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    """A 2-rank training job in its own mount namespace, over a real tmpfs of ``size`` mounted
-    on /dev/shm: what a container's small /dev/shm looks like to MPI and to hpc_rlx."""
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        why = "a private /dev/shm needs root and unshare(1)"
-        if os.environ.get("HPC_RLX_REQUIRE_NETNS") == "1":
-            pytest.fail(f"HPC_RLX_REQUIRE_NETNS=1 but {why}")
-        pytest.skip(why)
+    """A 2-rank training job over a real tmpfs of ``size`` on /dev/shm."""
     job = launch_cmd(2, ["-m", "hpc_rlx", f"hydra.run.dir={run}", "report.plots=false"] + overrides)
-    cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
-           f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$@"', "sh"] + job
-    return subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=180)
+    return subprocess.run(with_private_dev_shm(size, job), env=mpi_env(), capture_output=True, text=True,
+                          timeout=180)
 
 
 @pytest.mark.mpi

@@ -47,13 +47,26 @@ def shm_room_for(node_bytes: int, shm_dir: str = SHM_DIR) -> bool:
     return shm_shortfall(node_bytes, shm_dir) is None
 
 
-def shm_shortfall(node_bytes: int, shm_dir: str = SHM_DIR) -> str | None:
-    """None where ``node_bytes`` fits ``shm_dir`` with the headroom, else why not, in words."""
+def largest_shared_bucket(free_bytes: int, node_ranks: int) -> int:
+    """The largest bucket (bytes per rank) the node's shared-memory sum takes with
+    ``free_bytes`` free in /dev/shm and ``node_ranks`` ranks on the node (pure)."""
+    return int(free_bytes / SHM_HEADROOM / max(1, node_ranks))
+
+
+def shm_free_bytes(shm_dir: str = SHM_DIR) -> int | None:
+    """Free bytes in ``shm_dir``, or None where it cannot be measured."""
     try:
         st = os.statvfs(shm_dir)
     except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def shm_shortfall(node_bytes: int, shm_dir: str = SHM_DIR) -> str | None:
+    """None where ``node_bytes`` fits ``shm_dir`` with the headroom, else why not, in words."""
+    free = shm_free_bytes(shm_dir)
+    if free is None:
         return None          # no /dev/shm to measure: the MPI library places the window itself
-    free = st.f_bavail * st.f_frsize
     if node_bytes * SHM_HEADROOM <= free:
         return None
     mib = 1024 * 1024

@@ -24,6 +24,7 @@ import uuid
 from collections import defaultdict
 from pathlib import Path
 
+from hpc_rlx.comm.node_memory import SHM_DIR, largest_shared_bucket
 from hpc_rlx.comm.topology import node_layout, rank_span
 from hpc_rlx.device.cuda_mpi import doctor_summary
 from hpc_rlx.doctor.config import split_run_dir, training_settings
@@ -40,6 +41,18 @@ from hpc_rlx.doctor.threads import THREAD_ENV, host_train_threads, settings_note
 # ==================================================================================================
 # Analysis and report (pure: plain dicts in, strings out)
 # ==================================================================================================
+
+MIB = 1024 * 1024
+# below this largest shared bucket a rank, typical models' sums fall back to MPI's Allreduce
+SHM_WARN_BUCKET = 64 * MIB
+
+
+def shm_fit(recs: list[dict]) -> tuple[int, int] | None:
+    """(free bytes in /dev/shm, the largest bucket a rank the node's shared-memory sum takes)
+    for one node's records, or None where /dev/shm was not measured."""
+    free = recs[0].get("shm_free")
+    return None if free is None else (free, largest_shared_bucket(free, len(recs)))
+
 
 def by_host(records: list[dict]) -> dict[str, list[dict]]:
     hosts: dict[str, list[dict]] = defaultdict(list)
@@ -69,6 +82,14 @@ def analyse(records: list[dict], *, shared: dict | None = None, cwd_files: dict 
         if n > 1 and all(len(r["cores"]) == 1 for r in recs) and cores < n:
             warnings.append(f"{host}: ranks are pinned to the same core(s) {sorted(union)}: "
                             "check the launcher's binding options (--cpu-bind / -bind-to).")
+        fit = shm_fit(recs)
+        if n > 1 and fit is not None and fit[1] < SHM_WARN_BUCKET:
+            warnings.append(
+                f"{host}: {SHM_DIR} has {fit[0] / MIB:.0f} MiB free, so the sum in the node's shared "
+                f"memory (comm.shared_memory) takes buckets of at most {fit[1] / MIB:.1f} MiB a rank "
+                f"({fit[1] // 4 / 1e6:.1f} M float32 parameters) with {n} ranks here; larger models "
+                "use MPI's Allreduce (slower). Give the job a larger /dev/shm (a container's "
+                "--shm-size) or fewer ranks per node.")
         cpt = recs[0]["env"].get("SLURM_CPUS_PER_TASK")
         if cpt and cpt.isdigit() and max(threads) > int(cpt):
             warnings.append(f"{host}: Slurm gave each task {cpt} CPUs but BLAS runs {max(threads)} "
@@ -123,6 +144,14 @@ def analyse(records: list[dict], *, shared: dict | None = None, cwd_files: dict 
         warnings.append("slurm/train.sh writes its log to logs/, which does not exist here: "
                         "Slurm would fail the job at launch without any log. Run: mkdir -p logs")
     return warnings
+
+
+def _shm_line(host: str, recs: list[dict]) -> str:
+    fit = shm_fit(recs)
+    if fit is None:
+        return f"  {SHM_DIR:<13} {host}: not measured"
+    return (f"  {SHM_DIR:<13} {host}: {fit[0] / MIB:,.0f} MiB free: comm.shared_memory sums buckets "
+            f"up to {fit[1] / MIB:,.0f} MiB a rank with {len(recs)} rank(s) here")
 
 
 def launcher(env: dict, size: int) -> str:
@@ -187,7 +216,8 @@ def format_report(records: list[dict], warnings: list[str], *, shared: dict | No
               f"  train thr     the BLAS threads each rank trains with ({settings_note(settings)})",
               f"  BLAS          {blas}; {r0['blas_threads']} thread(s) in this process before training's "
               f"limit; thread variables: {env}",
-              f"  GPUs          {r0.get('gpus_how', '')}{_gpu_check_note(records)}", ""]
+              f"  GPUs          {r0.get('gpus_how', '')}{_gpu_check_note(records)}"]
+    lines += [_shm_line(host, recs) for host, recs in sorted(hosts.items())] + [""]
     lines += ["Software",
               f"  Python {r0.get('python', '?')} ({r0.get('executable', '?')})",
               f"  NumPy {r0.get('numpy', '?')}, h5py {r0.get('h5py', '?')}, HDF5 {r0.get('hdf5', '?')} "

@@ -17,6 +17,7 @@ import numpy
 from threadpoolctl import threadpool_info
 
 import hpc_rlx
+from hpc_rlx.comm.node_memory import shm_free_bytes
 from hpc_rlx.device import backend
 from hpc_rlx.device.cuda_mpi import query_cuda_support
 from hpc_rlx.device.lane_plan import assign_gpus
@@ -150,6 +151,7 @@ def collect_local(rank: int, size: int, run_dir: Path) -> dict:
     rec["blas"] = pools if isinstance(pools, list) else []
     rec["blas_threads"] = max([p["threads"] for p in rec["blas"]] or [1])
     rec["gpus"], rec["gpus_how"] = safe_call(visible_gpus, (None, "probe failed"))
+    rec["shm_free"] = safe_call(shm_free_bytes, None)
     sw = safe_call(software, {})
     rec.update(sw if isinstance(sw, dict) else {})
     base = nearest_existing(run_dir)
