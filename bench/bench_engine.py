@@ -5,7 +5,8 @@
 
 Prints per-step times and the ratio engine / PyTorch for the MLP 784-1024-1024-10 at batch
 128 (the target is <= 1.0), a small CNN and the transformer LM, all float32. A hand-written
-NumPy step of the same MLP is printed as a reference point for this machine. The engines take
+NumPy step of the same MLP is printed as a reference point for this machine, and the step's
+matrix products alone, on NumPy's BLAS (`gemm-floor`) and on PyTorch's (`torch-gemms`). The engines take
 turns inside every repeat so a noisy, shared machine slows both alike. Reported per step: the
 best and median wall-clock repeat, and the best process-CPU-time repeat (which time spent
 waiting for a core on a busy machine does not inflate).
@@ -94,25 +95,31 @@ def numpy_mlp_step_fn(sizes, x, y):
     return step
 
 
-def gemm_floor_step_fn(sizes, x):
+def gemm_floor_step_fn(sizes, x, torch=None):
     """Only the matrix products of the MLP step (forward, weight and input gradients), in
     NumPy: no bias, activation, loss or update. No engine's step can take less time than this
-    on this BLAS, so it bounds how far ahead of PyTorch any CPU engine can be."""
+    on this BLAS, so it bounds how far ahead of PyTorch any CPU engine can be. With ``torch``
+    (the module), the same products in PyTorch, on its own BLAS (MKL in the x86 wheels)."""
     rng = np.random.default_rng(0)
     ws = [rng.standard_normal((a, b)).astype(np.float32) for a, b in zip(sizes, sizes[1:])]
-    outs = [np.empty((x.shape[0], b), np.float32) for b in sizes[1:]]
-    gws = [np.empty_like(w) for w in ws]
-    gxs = [np.empty((x.shape[0], a), np.float32) for a in sizes[:-1]]
+    if torch is None:
+        empty, matmul = (lambda shape: np.empty(shape, np.float32)), np.matmul
+    else:
+        x, ws = torch.from_numpy(x), [torch.from_numpy(w) for w in ws]
+        empty, matmul = torch.empty, torch.matmul
+    outs = [empty((x.shape[0], b)) for b in sizes[1:]]
+    gws = [empty(tuple(w.shape)) for w in ws]
+    gxs = [empty((x.shape[0], a)) for a in sizes[:-1]]
 
     def step(i):
         h = x
         for w, out in zip(ws, outs):
-            h = np.matmul(h, w, out=out)
+            h = matmul(h, w, out=out)
         g = outs[-1]
         for k in range(len(ws) - 1, -1, -1):
-            np.matmul((outs[k - 1] if k else x).T, g, out=gws[k])
+            matmul((outs[k - 1] if k else x).T, g, out=gws[k])
             if k:
-                g = np.matmul(g, ws[k].T, out=gxs[k])
+                g = matmul(g, ws[k].T, out=gxs[k])
 
     return step
 
@@ -156,6 +163,7 @@ def mlp_case():
         "torch": torch_step_fn(model, torch.from_numpy(x), torch.from_numpy(y)),
         "numpy-by-hand": numpy_mlp_step_fn(sizes, x, y),
         "gemm-floor": gemm_floor_step_fn(sizes, x),
+        "torch-gemms": gemm_floor_step_fn(sizes, x, torch),
     }
 
 
@@ -285,6 +293,10 @@ def report(title, t):
         f = t["gemm-floor"]
         print(f"  GEMM floor: torch {base[0] / f[0]:.2f}x, engine {e[0] / f[0]:.2f}x of it (best wall); "
               f"the most any engine can be ahead of this torch step: {base[0] / f[0]:.2f}x")
+    if "torch-gemms" in t and "gemm-floor" in t:
+        tg, f = t["torch-gemms"], t["gemm-floor"]
+        print(f"  the same matrix products in PyTorch take {tg[0] / f[0]:.2f}x (best wall), "
+              f"{tg[1] / f[1]:.2f}x (median) the time of NumPy's BLAS")
 
 if __name__ == "__main__":
     main()
