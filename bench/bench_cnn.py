@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_cnn.py                       # 1 rank, 3 repeats, ~1 min
     .venv/bin/python bench/bench_cnn.py --ranks 1,2 --repeats 5 --steps 80
     .venv/bin/python bench/bench_cnn.py --code /tmp/old       # hpc_rlx of another checkout
+    .venv/bin/python bench/bench_cnn.py --mkl                 # also with device.cpu_blas=mkl
 
 The CNN of `bench_engine.py --only cnn`: 1x28x28 images, conv 3x3 16 -> ReLU -> max-pool 2 ->
 conv 3x3 32 -> ReLU -> max-pool 2 -> linear 128 -> ReLU -> linear 10, float32, SGD (lr 0.01,
@@ -57,13 +58,13 @@ def prepare_images(work: Path, samples: int) -> Path:
     return out
 
 
-def run_hpc(n: int, data: Path, epochs: int, workdir: Path, code: Path = REPO) -> dict:
+def run_hpc(n: int, data: Path, epochs: int, workdir: Path, code: Path = REPO, extra: tuple = ()) -> dict:
     run_dir = workdir / f"hpc_n{n}_{time.monotonic_ns()}"
     args = ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "data=file", f"data.path={data}", "data.val_fraction=0",
             "model=cnn", "model.channels=[16,32]", "model.kernel=3", f"model.hidden={HIDDEN}", "model.pool=max",
             f"train.batch_size={BATCH * n}", f"train.epochs={epochs}", "train.threads_per_rank=1",
             "optim=sgd", f"optim.lr={LR}", f"optim.momentum={MOMENTUM}", "optim.schedule=constant",
-            "checkpoint=off", "report.plots=false", "train.log_every_s=1000", "trace.enabled=true"]
+            "checkpoint=off", "report.plots=false", "train.log_every_s=1000", "trace.enabled=true", *extra]
     # python -m puts the working directory first on sys.path: run from the checkout measured
     run([MPIRUN, "-n", str(n), PYTHON] + args, timeout=900, env=one_thread_env({"PYTHONPATH": str(code)}), cwd=code)
     out = hpc_throughput(run_dir, BATCH * n, skip_epochs=1)
@@ -116,6 +117,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="where the data and runs go (default: a temp dir, removed)")
     ap.add_argument("--code", default=str(REPO), help="the checkout whose hpc_rlx runs (default: this one)")
+    ap.add_argument("--mkl", action="store_true",
+                    help="also hpc_rlx with device.cpu_blas=mkl (MKL's GEMMs; needs pip install mkl)")
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="hpc_rlx_bench_cnn_"))
@@ -125,20 +128,22 @@ def main() -> None:
     print(f"# {machine_note()}; hpc_rlx from {args.code}")
     print(f"# CNN {SHAPE} conv16-conv32 (3x3, max-pool) fc{HIDDEN}, batch {BATCH}/rank, {samples} samples, "
           f"{args.epochs} epochs (first untimed), {args.repeats} repeat(s)")
-    res: dict = {"torch": []} | {n: [] for n in ranks}
+    sides = [(n, ()) for n in ranks] + ([(n, ("device.cpu_blas=mkl",)) for n in ranks] if args.mkl else [])
+    res: dict = {"torch": []} | {side: [] for side in sides}
     for rep in range(args.repeats):
-        order = ["torch"] + ranks if rep % 2 == 0 else ranks + ["torch"]
+        order = ["torch"] + sides if rep % 2 == 0 else sides + ["torch"]
         for side in order:
-            r = run_torch(data, args.epochs) if side == "torch" else run_hpc(side, data, args.epochs, work, Path(args.code))
+            r = (run_torch(data, args.epochs) if side == "torch"
+                 else run_hpc(side[0], data, args.epochs, work, Path(args.code), side[1]))
             res[side].append(r)
-            name = "torch" if side == "torch" else f"hpc_rlx n={side}"
+            name = "torch" if side == "torch" else f"hpc_rlx n={side[0]}{' mkl' if side[1] else ''}"
             print(f"  repeat {rep + 1} {name}: {r['samples_per_s']:,.0f} samples/s mean, "
                   f"{r['p25_samples_per_s']:,.0f} p25 ({r['step_ms']:.2f} ms/step)", flush=True)
     tb = {k: max(v[k] for v in res["torch"]) for k in ("samples_per_s", "p25_samples_per_s")}
     rows = []
-    for n in ranks:
-        h = {k: max(v[k] for v in res[n]) for k in ("samples_per_s", "p25_samples_per_s")}
-        rows.append([n, h["samples_per_s"], tb["samples_per_s"], f"{h['samples_per_s'] / tb['samples_per_s']:.2f}x",
+    for side in sides:
+        h = {k: max(v[k] for v in res[side]) for k in ("samples_per_s", "p25_samples_per_s")}
+        rows.append([f"{side[0]}{' mkl' if side[1] else ''}", h["samples_per_s"], tb["samples_per_s"], f"{h['samples_per_s'] / tb['samples_per_s']:.2f}x",
                      h["p25_samples_per_s"], tb["p25_samples_per_s"],
                      f"{h['p25_samples_per_s'] / tb['p25_samples_per_s']:.2f}x"])
     print(f"\nsamples/s, best of {args.repeats} (PyTorch: one process, 1 rank):")

@@ -26,7 +26,8 @@ the ranks share cores: efficiency then measures the machine, not the library.
 
 `--overlap` adds a third side at n > 1: hpc_rlx with `comm.overlap=true` (its efficiency
 against the 1-rank hpc_rlx figure); `--mpi-sum` one with `comm.shared_memory=false` (MPI's
-Allreduce instead of the node's shared memory). `--engine` adds, in every repeat, the bare engine step of
+Allreduce instead of the node's shared memory); `--mkl` one with `device.cpu_blas=mkl` (the CPU
+lanes' matrix products on Intel MKL, as PyTorch's are), at every n. `--engine` adds, in every repeat, the bare engine step of
 bench_engine.py (forward, backward and a plain SGD update on a fixed batch, in this process,
 one BLAS thread) and prints the 1-rank full path's step time over it. `--ceiling` measures, in
 every repeat, what this machine allows any data-parallel library at n ranks: the same bare
@@ -240,6 +241,8 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true", help="also hpc_rlx with comm.overlap=true at n > 1")
     ap.add_argument("--mpi-sum", action="store_true",
                     help="also hpc_rlx with comm.shared_memory=false (MPI's Allreduce) at n > 1")
+    ap.add_argument("--mkl", action="store_true",
+                    help="also hpc_rlx with device.cpu_blas=mkl (MKL's GEMMs; needs pip install mkl), at every n")
     ap.add_argument("--engine", action="store_true", help="also the bare engine step (bench_engine.py)")
     ap.add_argument("--ceiling", action="store_true",
                     help="also the machine's ceiling: n bare engine steps at once, no communication")
@@ -252,12 +255,14 @@ def main() -> None:
     print(f"# {machine_note()}")
     print(f"# MLP {FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES}, batch {PER_RANK_BATCH}/rank, "
           f"{samples} samples, {args.epochs} epochs (first untimed), {args.repeats} repeat(s)")
-    extra_sides = {"overlap": ["comm.overlap=true"], "mpi-sum": ["comm.shared_memory=false"]}
-    wanted = [s for s, on in (("overlap", args.overlap), ("mpi-sum", args.mpi_sum)) if on]
+    extra_sides = {"overlap": ["comm.overlap=true"], "mpi-sum": ["comm.shared_memory=false"],
+                   "mkl": ["device.cpu_blas=mkl"]}
+    wanted = [s for s, on in (("overlap", args.overlap), ("mpi-sum", args.mpi_sum), ("mkl", args.mkl)) if on]
+    at_one_rank = [s for s in wanted if s == "mkl"]      # the others change only the collective
     results: dict[int, dict[str, list]] = {n: {"hpc": [], "ddp": [], **{s: [] for s in extra_sides}}
                                            for n in ranks}
     engine_ms: list[float] = []
-    ceiling: dict[int, list[float]] = {n: [] for n in ranks if n > 1}
+    ceiling: dict[int, list[float]] = {n: [] for n in ranks if n > 1} if args.ceiling else {}
     for rep in range(args.repeats):
         for n in ceiling:
             eff, alone, together = ceiling_efficiency(n)
@@ -268,7 +273,7 @@ def main() -> None:
             engine_ms.append(engine_step_ms())
             print(f"  repeat {rep + 1} bare engine step: {engine_ms[-1]:.2f} ms", flush=True)
         for n in ranks:
-            sides = ("hpc", *wanted, "ddp") if n > 1 else ("hpc", "ddp")
+            sides = ("hpc", *wanted, "ddp") if n > 1 else ("hpc", *at_one_rank, "ddp")
             for side in (sides if rep % 2 == 0 else tuple(reversed(sides))):
                 r = (run_ddp(n, data, args.epochs) if side == "ddp"
                      else run_hpc(n, data, args.epochs, work, extra_sides.get(side, [])))
@@ -292,10 +297,12 @@ def main() -> None:
                          "hpc_rlx comm share"], rows))
         for side in wanted:
             other = [(n, max(v[key] for v in results[n][side])) for n in ranks if results[n][side]]
+            # efficiency against the side's own one-rank figure where it ran at one rank
+            one = dict(other).get(1) or (best[base]["hpc"] if base else None)
             if other:
                 print(fmt_table(["ranks", f"hpc_rlx {side}", "/DDP", "/hpc_rlx default", "eff"],
                                 [[n, o, f"{o / best[n]['ddp']:.2f}x", f"{o / best[n]['hpc']:.3f}x",
-                                  o / (n * best[base]["hpc"]) if base else None] for n, o in other]))
+                                  o / (n * one) if one else None] for n, o in other]))
     if ceiling and base:
         rows = []
         one = {s: max(v["samples_per_s"] for v in results[base][s]) for s in ("hpc", "ddp")}

@@ -6,7 +6,8 @@
 Prints per-step times and the ratio engine / PyTorch for the MLP 784-1024-1024-10 at batch
 128 (the target is <= 1.0), a small CNN and the transformer LM, all float32. A hand-written
 NumPy step of the same MLP is printed as a reference point for this machine, and the step's
-matrix products alone, on NumPy's BLAS (`gemm-floor`) and on PyTorch's (`torch-gemms`). The engines take
+matrix products alone, on NumPy's BLAS (`gemm-floor`) and on PyTorch's (`torch-gemms`);
+`engine-mkl` is the engine with `device.cpu_blas=mkl` (where the mkl wheel is installed). The engines take
 turns inside every repeat so a noisy, shared machine slows both alike. Reported per step: the
 best and median wall-clock repeat, and the best process-CPU-time repeat (which time spent
 waiting for a core on a busy machine does not inflate).
@@ -25,12 +26,23 @@ from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hpc_rlx.device.host_blas import host_array_module  # noqa: E402
+from hpc_rlx.errors import ConfigError  # noqa: E402
 from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params  # noqa: E402
+
+
+def with_mkl(contenders: dict, graph, feeds) -> dict:
+    """Adds `engine-mkl` (the engine with device.cpu_blas=mkl's GEMMs) where MKL loads."""
+    try:
+        contenders["engine-mkl"] = engine_step_fn(graph, feeds, xp=host_array_module("mkl", 1))
+    except ConfigError as exc:
+        print(f"  (no engine-mkl: {exc})")
+    return contenders
 
 LR = 1e-3
 
 
-def engine_step_fn(graph, feeds, seed=0, initial=None):
+def engine_step_fn(graph, feeds, seed=0, initial=None, xp=np):
     layout = ParamLayout(graph)
     params = np.empty(layout.size, np.float32)
     grads = np.empty(layout.size, np.float32)
@@ -39,7 +51,7 @@ def engine_step_fn(graph, feeds, seed=0, initial=None):
     else:
         layout.pack(initial, params)
     pv, gv = layout.views(params), layout.views(grads)
-    ex = Executor(graph, np, "float32")
+    ex = Executor(graph, xp, "float32")
     scratch = np.empty_like(grads)
 
     def step(i):
@@ -158,13 +170,13 @@ def mlp_case():
     model = torch.nn.Sequential(
         torch.nn.Linear(784, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)
     )
-    return "MLP 784-1024-1024-10, batch 128", {
+    return "MLP 784-1024-1024-10, batch 128", with_mkl({
         "engine": engine_step_fn(g, {"x": x, "y": y}),
         "torch": torch_step_fn(model, torch.from_numpy(x), torch.from_numpy(y)),
         "numpy-by-hand": numpy_mlp_step_fn(sizes, x, y),
         "gemm-floor": gemm_floor_step_fn(sizes, x),
         "torch-gemms": gemm_floor_step_fn(sizes, x, torch),
-    }
+    }, g, {"x": x, "y": y})
 
 
 def cnn_case():
@@ -180,10 +192,10 @@ def cnn_case():
         torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
         torch.nn.Flatten(), torch.nn.Linear(32 * 7 * 7, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10),
     )
-    return "CNN 1x28x28 conv16-conv32 (3x3, max-pool) fc128, batch 64", {
+    return "CNN 1x28x28 conv16-conv32 (3x3, max-pool) fc128, batch 64", with_mkl({
         "engine": engine_step_fn(g, {"x": x, "y": y}),
         "torch": torch_step_fn(model, torch.from_numpy(x), torch.from_numpy(y)),
-    }
+    }, g, {"x": x, "y": y})
 
 
 def lm_case():
@@ -289,6 +301,10 @@ def report(title, t):
     e = t["engine"]
     print(f"  ratio engine/torch = {e[0] / base[0]:.2f} (best wall), {e[1] / base[1]:.2f} (median wall), "
           f"{e[2] / base[2]:.2f} (best cpu)")
+    if "engine-mkl" in t:
+        m = t["engine-mkl"]
+        print(f"  ratio engine-mkl/torch = {m[0] / base[0]:.2f} (best wall), {m[1] / base[1]:.2f} (median wall), "
+              f"{m[2] / base[2]:.2f} (best cpu)")
     if "gemm-floor" in t:
         f = t["gemm-floor"]
         print(f"  GEMM floor: torch {base[0] / f[0]:.2f}x, engine {e[0] / f[0]:.2f}x of it (best wall); "

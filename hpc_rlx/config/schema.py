@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 from hpc_rlx.checks import Check, OneOf, Via, integer, is_int, is_number, number
+from hpc_rlx.device.host_blas import CPU_BLAS
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.observe.tensorboard_log import enabled as tensorboard_enabled
 from hpc_rlx.pipeline.grid import check_world
@@ -170,6 +171,9 @@ KEYS: tuple[Key, ...] = (
         integer(0)),
     Key("device.gpus_per_rank", int, every(DEVICES, 1), "GPU (CuPy) lanes per rank for cuda/all "
         "(checked by the lanes)"),
+    Key("device.cpu_blas", str, every(DEVICES, "numpy"), "the CPU lanes' matrix products: `numpy` "
+        "(NumPy's BLAS) or `mkl` (Intel MKL's GEMM through ctypes: pip install mkl; 2-D float "
+        "products only, the rest stays NumPy's)", OneOf(*CPU_BLAS)),
     Key("comm.bucket_cap_mb", _NUMBER, 16, "Allreduce chunk size (MPICH slows ~3× at 32 MiB messages)",
         number(0, above=True)),
     Key("comm.deterministic", bool, False, "fixed reduction order: bitwise-reproducible runs for a "

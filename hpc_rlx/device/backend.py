@@ -287,6 +287,12 @@ def keep_host_memory() -> bool:
         return _host_tuned
 
 
+def is_host(xp) -> bool:
+    """Whether ``xp`` computes on the host: NumPy, or NumPy with another BLAS's matrix
+    products (`host_blas.HostArrays`, which sets ``host_module``)."""
+    return xp is np or getattr(xp, "host_module", False) is True
+
+
 def scatter_add(xp, target, indices, values) -> None:
     """``target[indices[k]] += values[k]`` with repeated indices accumulated (embedding VJP).
 
@@ -294,7 +300,7 @@ def scatter_add(xp, target, indices, values) -> None:
     """
     if len(indices) == 0:
         return
-    if xp is np:
+    if is_host(xp):
         # Sort once and sum runs of equal ids: several times faster than np.add.at on rows,
         # and the summation order is fixed, so results are reproducible.
         order = np.argsort(indices, kind="stable")
@@ -309,7 +315,7 @@ def scatter_add(xp, target, indices, values) -> None:
 
 def erf(xp, x):
     """The error function of ``x`` on ``xp``'s device (neither NumPy nor CuPy has one)."""
-    if xp is np:
+    if is_host(xp):
         try:
             from scipy.special import erf as host_erf  # optional: only graphs with erf need it
         except ImportError as exc:
@@ -328,6 +334,6 @@ def derive_seed(*parts: int) -> int:
 
 def uniform(xp, seed: int, shape, dtype):
     """Uniform [0, 1) samples of ``dtype`` generated directly on ``xp``'s device."""
-    if xp is np:
+    if is_host(xp):
         return np.random.default_rng(seed).random(shape, dtype=dtype)
     return xp.random.RandomState(seed % (2**63)).random_sample(shape, dtype=dtype)

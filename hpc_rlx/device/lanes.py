@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpc_rlx.device import backend, cuda_mpi
+from hpc_rlx.device.host_blas import host_array_module
 from hpc_rlx.device.lane_plan import assign_samples, split_by_throughput
 from hpc_rlx.graph import Executor
 from hpc_rlx.observe import trace
@@ -100,7 +101,9 @@ class LaneSet:
 
     ``bucket`` is the ``comm.FusedBucket`` the gradients go to (or, for host-only callers, a
     plain payload array). ``cuda_aware`` is ``comm.cuda_aware`` (auto | true | false); with GPU
-    lanes only, it decides whether the Allreduce runs on the device bucket.
+    lanes only, it decides whether the Allreduce runs on the device bucket. ``cpu_blas`` is
+    ``device.cpu_blas``: the CPU lanes' matrix products on NumPy's BLAS or MKL's
+    (`host_blas`), with ``cpu_threads`` threads.
 
     With GPU lanes, the thread that builds the LaneSet (and later calls ``step``, the bucket's
     Allreduce ...) gets the first GPU lane's device as its current device, for good.
@@ -112,8 +115,11 @@ class LaneSet:
         return super().__new__(cls)
 
     def __init__(self, graph, lanes_spec: list[tuple[str, int]], dtype: str, params_flat: np.ndarray,
-                 bucket, layout, cuda_aware="auto", query_cuda_support=None):
+                 bucket, layout, cuda_aware="auto", query_cuda_support=None, cpu_blas="numpy",
+                 cpu_threads=1):
         self.layout = layout
+        # the CPU lanes' array module: NumPy, or NumPy with MKL's GEMMs (device.cpu_blas)
+        self.host_xp = host_array_module(cpu_blas, cpu_threads) if any(k == "cpu" for k, _ in lanes_spec) else np
         self.host_params = params_flat
         self.bucket = None if isinstance(bucket, np.ndarray) else bucket
         self._place_bucket(cuda_aware, query_cuda_support)
@@ -152,7 +158,7 @@ class LaneSet:
         a buffer of its own."""
         host = self.host_params
         if kind == "cpu":
-            xp, device, device_params, params = np, None, None, host
+            xp, device, device_params, params = self.host_xp, None, None, host
             grad = np.zeros_like(host) if grad is None else grad
         else:
             xp, device = backend.get_xp("cuda", device=idx), idx

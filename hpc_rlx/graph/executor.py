@@ -70,7 +70,7 @@ class Executor:
         self.dtype = np.dtype(_DTYPES[name])
         self.layout = ParamLayout(graph)
         self._array_type = xp.ndarray
-        if xp is np:
+        if backend.is_host(xp):
             backend.keep_host_memory()  # steps re-allocate the same buffers: keep them mapped
 
         # What runs is the graph after exact rewrites (``rewrite.py``); ``self.graph`` stays
@@ -188,7 +188,7 @@ class Executor:
 
     def _device(self, a, what: str, device):
         """The GPU id ``a`` lives on (None on the host); raises if it differs from ``device``."""
-        if self.xp is np:
+        if backend.is_host(self.xp):
             return None
         dev = a.device.id
         if device is not None and dev != device:

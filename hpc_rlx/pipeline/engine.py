@@ -42,14 +42,15 @@ from hpc_rlx.pipeline.stage_lanes import StageLanes
 class StageEngine:
     """Runs stage ``comms.stage`` of ``stage_graph`` (a ``partition.StageGraph``)."""
 
-    def __init__(self, stage_graph, comms, schedule: str, micro: int, max_rows: int, dtype, lanes: int = 1):
+    def __init__(self, stage_graph, comms, schedule: str, micro: int, max_rows: int, dtype, lanes: int = 1,
+                 xp=np):
         self.g, self.comms = stage_graph, comms
         self.pipe = comms.pipe
         self.stage, self.stages = comms.stage, comms.stages
         self.schedule, self.micro = schedule, int(micro)
-        self.ex = Executor(stage_graph, np, dtype)
+        self.ex = Executor(stage_graph, xp, dtype)       # xp: NumPy, or NumPy with MKL's GEMMs
         # CPU lanes: each micro-batch's rows split over them, one executor each (see StageLanes)
-        self.lanes = StageLanes([self.ex] + [Executor(stage_graph, np, dtype) for _ in range(int(lanes) - 1)],
+        self.lanes = StageLanes([self.ex] + [Executor(stage_graph, xp, dtype) for _ in range(int(lanes) - 1)],
                                 stage_graph)
         self.dtype = self.ex.dtype
         self.rows = -(-int(max_rows) // self.micro)       # the largest micro-batch

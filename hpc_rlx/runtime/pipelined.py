@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from hpc_rlx.device.host_blas import host_array_module
 from hpc_rlx.graph import Graph, ParamLayout
 from hpc_rlx.graph.partition import partition
 from hpc_rlx.pipeline.engine import StageEngine
@@ -54,12 +55,13 @@ def for_rank(spec, world) -> RankPlace:
     return RankPlace(replace(spec, graph=parts[comms.stage].to_dict()), comms.data, comms)
 
 
-def lanes(place: RankPlace, worker) -> PipelineLanes:
+def lanes(place: RankPlace, worker, cpu_threads: int = 1) -> PipelineLanes:
     """The pipelined lanes of ``worker``; wraps its bucket (see the module docstring)."""
     spec, plan = place.spec, worker.plan
     max_rows = max(plan.rank_batch(r) for r in range(plan.world_size))
     engine = StageEngine(worker.graph, place.comms, spec.parallel["schedule"], int(spec.parallel["microbatches"]),
-                         max_rows, spec.train["dtype"], lanes=int(spec.device["cpu_lanes"]))
+                         max_rows, spec.train["dtype"], lanes=int(spec.device["cpu_lanes"]),
+                         xp=host_array_module(spec.device["cpu_blas"], cpu_threads))
     worker.bucket = PipelineBucket(worker.bucket, place.comms)
     return PipelineLanes(engine, worker.params, worker.layout, worker.bucket)
 

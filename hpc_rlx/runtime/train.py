@@ -20,6 +20,7 @@ from hpc_rlx.comm.bucket_layout import flag_values
 from hpc_rlx.comm.topology import hostname, local_rank
 from hpc_rlx.comm.watchdog import StallWatchdog
 from hpc_rlx.config.spec import TrainSpec
+from hpc_rlx.device.host_blas import blas_note
 from hpc_rlx.device.lane_plan import describe_lanes, inventory, resolve_lanes
 from hpc_rlx.device.lanes import LaneSet
 from hpc_rlx.device.threads import limit_threads, thread_lanes
@@ -223,11 +224,12 @@ class Run:
         if spec.comm["shared_memory"] and not place.comms:   # before the lanes take views of it
             worker.bucket.share_node_memory(comm, cpu_only=all(kind == "cpu" for kind, _ in lanes_spec))
         # Lanes place the bucket (device twin or host) and pick its Allreduce path.
-        self.lanes = pipelined.lanes(place, worker) if place.comms \
+        self.lanes = pipelined.lanes(place, worker, self.threads) if place.comms \
             else collective.agree(comm, lambda: LaneSet(
             worker.graph, lanes_spec, spec.train["dtype"], worker.params, worker.bucket, worker.layout,
-            cuda_aware=spec.comm["cuda_aware"]))
-        lane_note = collective.by_rank(comm, describe_lanes(lanes_spec))
+            cuda_aware=spec.comm["cuda_aware"], cpu_blas=spec.device["cpu_blas"], cpu_threads=self.threads))
+        lane_note = collective.by_rank(comm, describe_lanes(lanes_spec) + blas_note(spec.device["cpu_blas"],
+                                                                                  self.threads, lanes_spec))
         bucket_note = collective.by_rank(comm, self.lanes.bucket_path)
         self.log(f"lanes: {lane_note}")
         self.log(f"{bucket_note}")
