@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpc_rlx.comm.node_memory import owned_parts, shm_room_for, shm_shortfall
+from hpc_rlx.comm.node_memory import owned_parts, shm_shortfall
 
 from .conftest import explain, launch_cmd, mpi_env, mpirun, train_job, with_private_dev_shm
 
@@ -36,10 +36,9 @@ def test_the_parts_tile_the_bucket_and_differ_by_at_most_one(n, ranks):
 
 
 def test_room_in_dev_shm_is_measured_not_assumed(tmp_path):
-    assert shm_room_for(1024, str(tmp_path))
-    assert not shm_room_for(1 << 62, str(tmp_path))            # more than any disk holds
-    assert shm_room_for(1 << 62, str(tmp_path / "missing"))    # nothing to measure: MPI decides
-    why = shm_shortfall(1 << 62, str(tmp_path))
+    assert shm_shortfall(1024, str(tmp_path)) is None
+    assert shm_shortfall(1 << 62, str(tmp_path / "missing")) is None    # nothing to measure: MPI decides
+    why = shm_shortfall(1 << 62, str(tmp_path))                          # more than any disk holds
     assert why.startswith(f"{tmp_path} has ") and "MiB free" in why and "25% headroom" in why, why
 
 

@@ -40,13 +40,6 @@ def owned_parts(n: int, ranks: int) -> list[tuple[int, int]]:
     return [(r * n // ranks, (r + 1) * n // ranks) for r in range(ranks)]
 
 
-def shm_room_for(node_bytes: int, shm_dir: str = SHM_DIR) -> bool:
-    """Whether ``node_bytes`` (every segment of the node) fits the free space of ``shm_dir``.
-    A container's /dev/shm is often 64 MiB: a window larger than it would die of SIGBUS on
-    first touch instead of failing to allocate."""
-    return shm_shortfall(node_bytes, shm_dir) is None
-
-
 def largest_shared_bucket(free_bytes: int, node_ranks: int) -> int:
     """The largest bucket (bytes per rank) the node's shared-memory sum takes with
     ``free_bytes`` free in /dev/shm and ``node_ranks`` ranks on the node (pure)."""
@@ -63,7 +56,9 @@ def shm_free_bytes(shm_dir: str = SHM_DIR) -> int | None:
 
 
 def shm_shortfall(node_bytes: int, shm_dir: str = SHM_DIR) -> str | None:
-    """None where ``node_bytes`` fits ``shm_dir`` with the headroom, else why not, in words."""
+    """None where ``node_bytes`` (every segment of the node) fits the free space of ``shm_dir``
+    with the headroom, else why not, in words. A container's /dev/shm is often 64 MiB: a window
+    larger than it would die of SIGBUS on first touch instead of failing to allocate."""
     free = shm_free_bytes(shm_dir)
     if free is None:
         return None          # no /dev/shm to measure: the MPI library places the window itself

@@ -50,8 +50,6 @@ class MklGemm:
     """MKL's GEMM for one process, with its threads set once (MKL's own thread pool, not
     threadpoolctl's: the sequential layer for one thread starts no OpenMP runtime)."""
 
-    name = "mkl"
-
     def __init__(self, threads: int = 1):
         errors = []
         for path in _mkl_candidates():
@@ -81,19 +79,19 @@ class MklGemm:
 
     def matmul(self, a, b, out=None):
         """``a @ b`` (into ``out`` when given), on MKL where the operands allow, else NumPy's."""
-        ta, lda = _operand(a)
+        ta, lda = _operand(a)              # 0 unless a 2-D float matrix MKL can read as is
         tb, ldb = _operand(b)
-        fn = self._gemm.get(a.dtype) if ta and tb and b.ndim == 2 and a.ndim == 2 else None
-        m, k = a.shape if a.ndim == 2 else (0, 0)
-        n = b.shape[1] if b.ndim == 2 else 0
-        if (fn is None or b.dtype != a.dtype or b.shape[0] != k or 0 in (m, k, n)
-                or not (out is None or (out.shape == (m, n) and out.dtype == a.dtype
-                                        and out.flags.c_contiguous and out.flags.writeable))):
+        fn = self._gemm.get(a.dtype) if ta and tb and a.dtype == b.dtype else None
+        if fn is not None:
+            (m, k), n = a.shape, b.shape[1]
+            fits = (b.shape[0] == k and 0 not in (m, k, n) and
+                    (out is None or (out.shape == (m, n) and out.dtype == a.dtype and out.flags.c_contiguous
+                                     and out.flags.writeable and not np.shares_memory(out, a)
+                                     and not np.shares_memory(out, b))))
+        if fn is None or not fits:        # NumPy's, which also buffers an aliased output itself
             return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)
         if out is None:
             out = np.empty((m, n), dtype=a.dtype)
-        elif _overlaps(out, a) or _overlaps(out, b):
-            return np.matmul(a, b, out=out)          # NumPy buffers an aliased output itself
         fn(_ROW_MAJOR, ta, tb, m, n, k, 1.0, a.ctypes.data, lda, b.ctypes.data, ldb, 0.0, out.ctypes.data, n)
         return out
 
@@ -109,9 +107,6 @@ def _operand(a) -> tuple[int, int]:
         return _TRANS, max(1, a.shape[0])
     return 0, 0
 
-
-def _overlaps(x, y) -> bool:
-    return bool(np.shares_memory(x, y))
 
 
 class HostArrays:
