@@ -21,6 +21,10 @@ events per step). DDP runs with its defaults (25 MB buckets, allreduce overlappe
 backward). The two sides alternate within every repeat, so background load hits both alike;
 the best repeat is reported (as timeit does).
 
+At one rank a third side runs: the plain PyTorch loop (one process, no process group, no DDP
+wrapper), the baseline the one-rank ratio is quoted against; DDP at world size 1 still copies
+its gradient buckets through gloo every step.
+
 Scaling efficiency = throughput at n / (n x throughput at 1). More ranks than cores means
 the ranks share cores: efficiency then measures the machine, not the library.
 
@@ -175,21 +179,27 @@ def torch_mlp_and_shard(rank: int, world: int, data: str):
 
 
 def ddp_worker(rank: int, world: int, port: int, data: str, epochs: int) -> None:
+    """One DDP process; ``port`` 0: the plain loop instead (one process, no process group, no
+    DDP wrapper), the issue's one-rank baseline. DDP at world size 1 still copies its buckets
+    through gloo every step, which a plain loop does not."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    plain = port == 0
+    if not plain:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     module, x, y, steps, per_rank = torch_mlp_and_shard(rank, world, data)
     batch_global = PER_RANK_BATCH * world
-    model = DDP(module)
+    model = module if plain else DDP(module)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     lossf = torch.nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(1000 + rank)
     walls, step_times, loss = timed_torch_epochs(model, opt, lossf, x, y, PER_RANK_BATCH, steps, epochs,
                                                  per_rank, gen)
-    dist.barrier()
+    if not plain:
+        dist.barrier()
     if rank == 0:
         use = walls[1:] or walls
         step_times.sort()
@@ -197,7 +207,8 @@ def ddp_worker(rank: int, world: int, port: int, data: str, epochs: int) -> None
                                       "p25_samples_per_s": batch_global / percentile(step_times or [1.0], 25),
                                       "steps": len(use) * steps, "step_ms": 1e3 * sum(use) / (len(use) * steps),
                                       "loss": float(loss)}))
-    dist.destroy_process_group()
+    if not plain:
+        dist.destroy_process_group()
 
 
 def run_workers(worker_args: list[list[str]], timeout: float, what: str) -> list[str]:
@@ -221,8 +232,8 @@ def run_workers(worker_args: list[list[str]], timeout: float, what: str) -> list
     return [out for out, _ in outs]
 
 
-def run_ddp(n: int, data: Path, epochs: int, timeout: float = 900) -> dict:
-    port = free_port()
+def run_ddp(n: int, data: Path, epochs: int, timeout: float = 900, plain: bool = False) -> dict:
+    port = 0 if plain else free_port()
     outs = run_workers([["--ddp-worker", str(r), str(n), str(port), str(data), str(epochs)] for r in range(n)],
                        timeout, f"DDP with {n} processes")
     return result_line(outs[0])
@@ -259,7 +270,7 @@ def main() -> None:
                    "mkl": ["device.cpu_blas=mkl"]}
     wanted = [s for s, on in (("overlap", args.overlap), ("mpi-sum", args.mpi_sum), ("mkl", args.mkl)) if on]
     at_one_rank = [s for s in wanted if s == "mkl"]      # the others change only the collective
-    results: dict[int, dict[str, list]] = {n: {"hpc": [], "ddp": [], **{s: [] for s in extra_sides}}
+    results: dict[int, dict[str, list]] = {n: {"hpc": [], "ddp": [], "torch": [], **{s: [] for s in extra_sides}}
                                            for n in ranks}
     engine_ms: list[float] = []
     ceiling: dict[int, list[float]] = {n: [] for n in ranks if n > 1} if args.ceiling else {}
@@ -273,9 +284,11 @@ def main() -> None:
             engine_ms.append(engine_step_ms())
             print(f"  repeat {rep + 1} bare engine step: {engine_ms[-1]:.2f} ms", flush=True)
         for n in ranks:
-            sides = ("hpc", *wanted, "ddp") if n > 1 else ("hpc", *at_one_rank, "ddp")
+            # one rank: also the plain PyTorch loop, the baseline the one-rank figure is quoted against
+            sides = ("hpc", *wanted, "ddp") if n > 1 else ("hpc", *at_one_rank, "torch", "ddp")
             for side in (sides if rep % 2 == 0 else tuple(reversed(sides))):
                 r = (run_ddp(n, data, args.epochs) if side == "ddp"
+                     else run_ddp(n, data, args.epochs, plain=True) if side == "torch"
                      else run_hpc(n, data, args.epochs, work, extra_sides.get(side, [])))
                 results[n][side].append(r)
                 print(f"  repeat {rep + 1} n={n} {side}: {r['samples_per_s']:,.0f} samples/s mean, "
@@ -303,6 +316,17 @@ def main() -> None:
                 print(fmt_table(["ranks", f"hpc_rlx {side}", "/DDP", "/hpc_rlx default", "eff"],
                                 [[n, o, f"{o / best[n]['ddp']:.2f}x", f"{o / best[n]['hpc']:.3f}x",
                                   o / (n * one) if one else None] for n, o in other]))
+    if 1 in ranks:
+        rows = []
+        for key in ("samples_per_s", "p25_samples_per_s"):
+            torch_best = max(v[key] for v in results[1]["torch"])
+            for side in ("hpc", *at_one_rank, "ddp"):
+                best_side = max(v[key] for v in results[1][side])
+                rows.append([key.replace("_samples_per_s", "").replace("samples_per_s", "mean"),
+                             {"hpc": "hpc_rlx", "ddp": "DDP-gloo, 1 process"}.get(side, f"hpc_rlx {side}"),
+                             best_side, torch_best, f"{best_side / torch_best:.2f}x"])
+        print(f"\n1 rank against a plain PyTorch loop (no process group, no DDP), best of {args.repeats}:")
+        print(fmt_table(["step time", "side", "samples/s", "PyTorch loop", "side/PyTorch"], rows))
     if ceiling and base:
         rows = []
         one = {s: max(v["samples_per_s"] for v in results[base][s]) for s in ("hpc", "ddp")}
