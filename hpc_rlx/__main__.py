@@ -24,21 +24,16 @@ from hpc_rlx.config import CONFIG_DIR as _CONFIG_DIR   # ./configs links there
 def _run_id(comm) -> str:
     """One run id for all ranks: under Slurm the job's directory or a fresh one of the job
     (hpc_rlx.config.rundirs: only the same training continues a directory), else rank 0's clock."""
-    rid = None
-    if comm.rank == 0:
-        from hpc_rlx.config.rundirs import slurm_run_id
-        rid = slurm_run_id(sys.argv[1:])
-        if rid is None:
-            base = time.strftime("%Y-%m-%d_%H-%M-%S")
-            rid, k = base, 1
-            # Two jobs started in the same second must not share (and resume from) one dir.
-            while Path("outputs", rid).exists() or Path("multirun", rid).exists():
-                rid, k = f"{base}-{k}", k + 1
     global _FRESH_ROOT
-    fresh = None
+    rid = fresh = None
     if comm.rank == 0:
-        from hpc_rlx.config.rundirs import new_run_root
-        fresh = new_run_root(sys.argv[1:], rid)   # before anything creates it
+        from hpc_rlx.config.rundirs import claim_timestamp_dir, new_run_root, slurm_run_id
+        argv = sys.argv[1:]
+        rid = slurm_run_id(argv)
+        if rid is None:
+            rid, fresh = claim_timestamp_dir(argv, time.strftime("%Y-%m-%d_%H-%M-%S"))
+        else:
+            fresh = new_run_root(argv, rid)   # before anything creates it
     rid, _FRESH_ROOT = comm.bcast((rid, fresh), root=0)
     return rid
 
@@ -97,7 +92,8 @@ def _error_exit(comm, exc: BaseException, where: str) -> None:
     at = "" if step is None else f" at step {step}"
     if isinstance(exc, CollectiveError) or (isinstance(exc, HpcRlxError) and getattr(exc, "agreed", False)):
         origin = getattr(exc, "origin", 0)
-        host = getattr(exc, "host", None)
+        # an error decided from the bucket names no host: rank 0, which prints, is the origin
+        host = getattr(exc, "host", None) or (hostname() if origin == 0 else None)
         _all_ranks_done_with_run_dir(comm)
         if comm.rank == 0:
             _remove_unused_run_dir()
@@ -137,6 +133,7 @@ def run_job(cfg, comm) -> float | None:
     """Compose the spec on rank 0, ship it, train. Returns the final val_loss (for sweeps)."""
     where = "startup"
     multirun = False
+    lock = None
     try:
         # Inside the try: a rank that cannot even import or read its Hydra state must take the
         # job down, not leave the others waiting in the spec broadcast.
@@ -144,7 +141,10 @@ def run_job(cfg, comm) -> float | None:
         from omegaconf import OmegaConf
 
         from hpc_rlx.comm import collective
+        from hpc_rlx.comm.topology import hostname
+        from hpc_rlx.config.overrides import unset_values
         from hpc_rlx.config.spec import TrainSpec, build_spec
+        from hpc_rlx.observe.run_lock import RunDirLock
         from hpc_rlx.runtime.faults import maybe_fail
         from hpc_rlx.runtime.train import train
 
@@ -158,10 +158,15 @@ def run_job(cfg, comm) -> float | None:
             debuglog.configure(hc.verbose)
 
         def _spec():
+            nonlocal lock
             added = _added_keys(hc.overrides.task)
             if added:
                 raise ConfigError(f"unknown config key(s) {', '.join(added)}: hpc_rlx rejects keys it "
                                   f"does not read (see configs/config.yaml and configs/<group>/)")
+            unset = unset_values(cfg)     # checked before Hydra too, but not for a sweep's points
+            if unset:
+                raise ConfigError(unset)
+            lock = RunDirLock.acquire(run_dir, hostname())   # before this job writes anything there
             container = OmegaConf.to_container(cfg, resolve=True)
             return build_spec(container, run_dir, comm.size,
                               config_yaml=OmegaConf.to_yaml(cfg, resolve=True)).to_dict()
@@ -182,6 +187,9 @@ def run_job(cfg, comm) -> float | None:
             return None
         _error_exit(comm, exc, where)
         raise
+    finally:
+        if lock is not None:
+            lock.release()    # a sweep's next point, or this directory's next job, may take it
     if result.get("status") == "interrupted":
         from hpc_rlx.runtime.signals import INTERRUPT_EXIT
         raise SystemExit(INTERRUPT_EXIT)     # Ctrl-C: the checkpoint is written; a sweep stops too
@@ -223,6 +231,7 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     SIGNALS.install(comm.rank, comm)    # a Ctrl-C that came while MPI started exits here
     rid = _run_id(comm)
+    SIGNALS.before_exit = _remove_unused_run_dir     # a Ctrl-C before training leaves no directory
     if not OmegaConf.has_resolver("rlx_run_id"):
         OmegaConf.register_new_resolver("rlx_run_id", lambda: rid)
     problem = config_problem(sys.argv[1:]) if comm.rank == 0 else None

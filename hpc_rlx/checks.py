@@ -90,6 +90,10 @@ def number(minimum: float, *, above: bool = False, null: bool = False, must: str
                  or (is_number(v) and (v > minimum if above else v >= minimum)), must)
 
 
+BOOL = Check(lambda v: isinstance(v, bool), "must be true or false")
+"""A YAML boolean: `no`, `yes`, `0` or `"false"` would be a string or a number, and a string
+passed on as truthy would turn a switch on."""
+
 OPEN_UNIT = Check(lambda v: isinstance(v, (int, float)) and 0 < v < 1, "must be in (0, 1)")
 """A number strictly between 0 and 1 (a target share)."""
 

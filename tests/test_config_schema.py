@@ -158,3 +158,30 @@ def test_the_readme_holds_the_generated_config_table():
                                                    and k.name == schema.GROUPS[k.section][0])}
     declared |= {f"policy.{k}" for cls in POLICIES.values() for k in cls.defaults}
     assert documented == declared, (sorted(documented - declared), sorted(declared - documented))
+
+
+def test_bool_keys_take_only_true_or_false():
+    """`report.plots=no` is the string 'no', which Python reads as true: refused, for every
+    bool key, with the message that names the key."""
+    from hpc_rlx.config.schema import KEYS
+    bools = [k for k in KEYS if k.type is bool]
+    assert {"report.plots", "trace.enabled", "data.shuffle", "comm.deterministic"} <= {k.path for k in bools}
+    for key in bools:
+        for option in key.options() or [None]:
+            key.validate(key.default_for(option))
+            key.validate(not key.default_for(option))
+        for bad in ("no", "yes", "false", 0, 2, None):
+            with pytest.raises(ConfigError, match=rf"^{key.label or key.path} must be true or false, got "):
+                key.validate(bad)
+
+
+def test_unset_values_name_the_key_and_the_group_option():
+    from omegaconf import OmegaConf
+
+    from hpc_rlx.config.overrides import unset_values
+    cfg = OmegaConf.create({"data": {"name": "file", "path": "???"}, "model": {"name": "mlp"},
+                            "hydra": {"job": {"num": "???"}}})
+    assert unset_values(cfg) == ("data=file needs data.path=<value> (the training file (HDF5)): "
+                                 "set it on the command line")
+    cfg.data.path = "mine.h5"
+    assert unset_values(cfg) is None

@@ -274,3 +274,58 @@ def test_key_suggestions_search_the_whole_tree_then_other_options():
     assert suggest_keys("train.epochz", known, other) == ["'train.epochs'"]
     assert suggest_keys("model.d_modl", known, other) == ["'model.d_model' (with model=transformer_lm)"]
     assert suggest_keys("zzz.qqq", known, other) == []
+
+
+# ---- first-use audit: unset data.path, yes/no for booleans, NaN in the data -------------
+
+def test_data_file_without_a_path_names_the_key(tmp_path):
+    proc = mpirun(2, ["-m", "hpc_rlx", "data=file"], cwd=tmp_path, timeout=90)
+    assert proc.returncode == 2, explain(proc)
+    errors = _error_lines(proc)
+    assert len(errors) == 1 and "data=file needs data.path=<value>" in errors[0], explain(proc)
+    assert "???" not in proc.stderr, explain(proc)
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_word_for_a_boolean_is_refused(tmp_path):
+    proc = train_job(2, tmp_path / "run", ["report.plots=no", "data.shuffle=maybe"] + SMALL, timeout=90)
+    assert proc.returncode == 2, explain(proc)
+    errors = _error_lines(proc)
+    assert len(errors) == 1 and "must be true or false, got '" in errors[0], explain(proc)
+    assert not (tmp_path / "run").exists()
+
+
+def _with_nan(tmp_path, name, row):
+    x, y = _classification(rows=120)
+    x[row, 2] = np.nan
+    return _write(tmp_path / name, x, y, attrs={"num_classes": 5})
+
+
+def test_nan_in_a_training_row_points_at_the_data(tmp_path):
+    path = _with_nan(tmp_path, "nan.h5", 3)
+    proc = train_job(2, tmp_path / "run", ["data=file", f"data.path={path}", "data.shuffle=false"] + SMALL,
+                     timeout=90)
+    assert proc.returncode == 2, explain(proc)
+    (error,) = _error_lines(proc)
+    assert "(NonFiniteError, reported by rank 0 on " in error, explain(proc)
+    assert "non-finite loss or gradient" in error and "data.check_finite=true" in error, explain(proc)
+    # following that advice names the row, and does not advise turning the check off again
+    proc = train_job(2, tmp_path / "run2", ["data=file", f"data.path={path}", "data.check_finite=true"] + SMALL,
+                     timeout=90)
+    assert proc.returncode == 2, explain(proc)
+    (error,) = _error_lines(proc)
+    assert "input row 3 contains a non-finite value" in error and "check_finite=false" not in error, explain(proc)
+
+
+def test_nan_in_a_validation_row_is_an_error_not_a_nan_metric(tmp_path):
+    path = _with_nan(tmp_path, "nanval.h5", 117)      # in the 20 % validation tail
+    proc = train_job(2, tmp_path / "run", ["data=file", f"data.path={path}"] + SMALL, timeout=90)
+    assert proc.returncode == 2, explain(proc)
+    (error,) = _error_lines(proc)
+    assert "validation loss is nan at epoch 1 while the training loss is finite" in error, explain(proc)
+    assert f"rows 96-119 of {path}" in error and "data.check_finite=true" in error, explain(proc)
+    # train.on_nonfinite=skip: a warning, and the run goes on
+    proc = train_job(2, tmp_path / "run2", ["data=file", f"data.path={path}", "train.on_nonfinite=skip"] + SMALL,
+                     timeout=90)
+    assert proc.returncode == 0, explain(proc)
+    assert proc.stdout.count("warning: validation loss is nan") == 1, explain(proc)

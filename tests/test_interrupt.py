@@ -246,6 +246,57 @@ def test_ctrl_c_during_startup_exits_quietly(tmp_path, digits_h5):
     assert not (run_dir / "checkpoints").exists()
 
 
+# Rank 0 holds in data loading (in Python, so its handler runs) until interrupted or 30 s, and
+# says so in a file: a Ctrl-C after Hydra has created the run directory, before training.
+HOLD_RANK_0_IN_DATA_LOADING = """\
+import os, sys, threading, time
+from pathlib import Path
+
+def _patch():
+    while "hpc_rlx.runtime.worker" not in sys.modules:
+        time.sleep(0.001)
+    worker = sys.modules["hpc_rlx.runtime.worker"]
+    while not hasattr(worker, "Worker"):
+        time.sleep(0.001)
+    load = worker.Worker.load_data
+    def held(self, *a, **k):
+        Path(os.environ["HOLD_MARKER"]).write_text("holding")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        return load(self, *a, **k)
+    worker.Worker.load_data = held
+
+if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "0":
+    threading.Thread(target=_patch, daemon=True).start()
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(MPI_IMPL == "openmpi", reason="prterun answers Ctrl-C with SIGTERM/SIGKILL to the ranks")
+def test_ctrl_c_before_training_leaves_no_run_directory(tmp_path, digits_h5):
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(HOLD_RANK_0_IN_DATA_LOADING)
+    marker = tmp_path / "holding"
+    run_dir = tmp_path / "runs" / "new"
+    job = LiveJob(2, run_dir, LONG_RUN + [f"data.path={digits_h5}"],
+                  env={"PYTHONPATH": str(hold), "HOLD_MARKER": str(marker)})
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        if time.monotonic() > deadline or job.proc.poll() is not None:
+            job.kill()
+            pytest.fail("rank 0 never reached data loading\n" + job.explain())
+        time.sleep(0.02)
+    assert run_dir.is_dir(), "Hydra creates the run directory before data loading"
+    job.ctrl_c()
+    rc = job.wait(timeout=60)
+    assert rc == INTERRUPT_EXIT, job.explain()
+    assert job.stderr.count("hpc_rlx: interrupted before training started") == 1, job.explain()
+    assert_no_traceback(job)
+    assert not (tmp_path / "runs").exists(), sorted(str(p) for p in (tmp_path / "runs").rglob("*"))
+
+
 # Rank 0 holds just before MPI starts on it (the import of mpi4py.MPI) until it has been
 # interrupted, or 30 s: a Ctrl-C that reaches it while the other rank is already in MPI_Init.
 HOLD_RANK_0_BEFORE_MPI = """\

@@ -420,4 +420,4 @@ def check_compatible(state: CheckpointState, graph_fingerprint: str) -> None:
         raise CheckpointError(
             f"checkpoint {where} was written for a different model graph (checkpoint graph {have}, "
             f"current graph {graph_fingerprint}); resume with the model config it was trained with, "
-            f"or use resume=none or a new run directory")
+            f"or train the new model in a new run directory (hydra.run.dir=...)")

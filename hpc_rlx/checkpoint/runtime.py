@@ -250,6 +250,7 @@ class RuntimeCheckpoints:
 
         choice = str(self.spec.resume).strip()
         if choice.lower() in _NO_RESUME:
+            self._refuse_to_start_over(choice)
             return None
         if choice == "auto":
             state = self.manager.load_latest(warn=self._warn, arrays=self.staged is None)
@@ -262,8 +263,8 @@ class RuntimeCheckpoints:
                 names = ", ".join(self.manager.path_for(s).name for s in present)
                 raise CheckpointError(
                     f"resume=auto: none of the checkpoints in {self.directory} can be read ({names}); "
-                    f"see the warnings above. Use resume=PATH for a specific file, or resume=none "
-                    f"to start over in this directory")
+                    f"see the warnings above. Use resume=PATH for a specific file, or start over in "
+                    f"a new hydra.run.dir")
             return state
         path = Path(choice).expanduser()
         if path.is_dir():
@@ -277,6 +278,19 @@ class RuntimeCheckpoints:
             raise CheckpointError(f"resume={choice}: no such checkpoint file or directory")
         # a pipelined rank 0 leaves the arrays in the (verified) file: it reads one stage at a time
         return read_checkpoint(path, arrays=self.staged is None)
+
+    def _refuse_to_start_over(self, choice: str) -> None:
+        """resume=none starts from step 0, so it would overwrite the checkpoints, model.h5 and
+        metrics of a training already in this directory: refused, whatever that training was."""
+        run_dir = Path(self.spec.run_dir)
+        held = [f"{self.directory.name}/{self.manager.path_for(s).name}" for s in self.manager.steps()[-1:]]
+        held += ["model.h5"] if (run_dir / "model.h5").is_file() else []
+        if not held:
+            return
+        raise CheckpointError(
+            f"resume={choice} starts over, but run directory {run_dir} already holds a training "
+            f"({', '.join(held)}), which it would overwrite. Start over in a new directory "
+            f"(hydra.run.dir=...), or leave out resume={choice} to continue that training")
 
     def _check(self, state) -> None:
         """Rank 0: refuse a checkpoint this run cannot continue exactly."""

@@ -54,6 +54,12 @@ def config_problem(argv: list[str]) -> str | None:
             if "/" not in key and not key.startswith("hydra"):
                 return _unknown_key(key, plain, _compose, added=a)
     try:
+        unset = unset_values(cfg)
+    except Exception:  # noqa: BLE001 - the spec's own checks report what is left
+        unset = None
+    if unset:
+        return unset
+    try:
         run_dir = str(cfg.hydra.run.dir)
     except Exception:  # noqa: BLE001
         return None
@@ -62,6 +68,26 @@ def config_problem(argv: list[str]) -> str | None:
     except Exception as e:  # noqa: BLE001
         return f"{e} (set hydra.run.dir to a writable directory)"
     return None
+
+
+def unset_values(cfg) -> str | None:
+    """Keys the chosen group options leave for the user (`???`, e.g. `data.path` of
+    `data=file`) and the command line did not set, or None."""
+    from hpc_rlx.config.schema import BY_PATH, GROUPS
+    missing = sorted(k for section in cfg if section != "hydra"
+                     and OmegaConf.is_config(cfg[section]) for k in OmegaConf.missing_keys(cfg[section]))
+    if not missing:
+        return None
+    wants = []
+    for path in missing:
+        group, _, _ = path.partition(".")
+        selector = GROUPS.get(group, (None,))[0]
+        option = OmegaConf.select(cfg, f"{group}.{selector}", default=None) if selector else None
+        declared = BY_PATH.get(path)
+        what = f" ({declared.doc})" if declared is not None else ""
+        wants.append(f"{group}={option} needs {path}=<value>{what}" if option
+                     else f"{path} needs a value{what}")
+    return "; ".join(wants) + ": set it on the command line"
 
 
 def _first_lines(text: str, n: int = 6) -> str:

@@ -29,6 +29,7 @@ from hpc_rlx.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 RUNS_ROOT = "outputs"        # hydra.run.dir's default is outputs/${rlx_run_id:}
+SWEEPS_ROOT = "multirun"     # hydra.sweep.dir's default is multirun/${rlx_run_id:}
 LAST_CHOICE: str | None = None   # why slurm_run_id chose what it did (for hpc_rlx's debug log)
 
 
@@ -144,7 +145,11 @@ def new_run_root(argv: list[str], rid: str) -> Path | None:
     directory (e.g. outputs/ on a fresh checkout), or None if it exists or this is a sweep."""
     if any(a.startswith("-") for a in argv):
         return None
-    path = Path(explicit_run_dir(argv) or f"{RUNS_ROOT}/{rid}").expanduser().absolute()
+    return _outermost_new(Path(explicit_run_dir(argv) or f"{RUNS_ROOT}/{rid}").expanduser().absolute())
+
+
+def _outermost_new(path: Path) -> Path | None:
+    """The outermost of `path` and its parents that does not exist yet (None: `path` exists)."""
     if path.exists():
         return None
     while not path.parent.exists() and path.parent != path:
@@ -152,13 +157,40 @@ def new_run_root(argv: list[str], rid: str) -> Path | None:
     return path
 
 
-# What startup writes before training: Hydra's job log (<job name>.log) and the write probe.
-_STARTUP_FILES = (".log",)
+def claim_timestamp_dir(argv: list[str], base: str) -> tuple[str, Path | None]:
+    """Rank 0 outside Slurm: the run id `base` (rank 0's clock), or `base-<k>` if another run
+    has it, and the outermost directory this run created (see `new_run_root`).
+
+    The run directory is created here with an exclusive mkdir, so two runs started in the same
+    second get two directories: a check followed by a later create would let both pass.
+    A sweep claims its multirun/ directory the same way; a named hydra.run.dir claims nothing
+    (its lock, `hpc_rlx.observe.run_lock`, keeps two jobs out of it)."""
+    sweep = any(a in ("-m", "--multirun") for a in argv)
+    named_sweep = any(a.split("=", 1)[0].lstrip("+") == "hydra.sweep.dir" for a in argv)
+    if sweep and named_sweep or not sweep and (explicit_run_dir(argv) or any(a.startswith("-") for a in argv)):
+        return base, new_run_root(argv, base)
+    parent = Path(SWEEPS_ROOT if sweep else RUNS_ROOT).absolute()
+    created = _outermost_new(parent)
+    k, rid = 1, base
+    while True:
+        try:
+            (parent / rid).mkdir(parents=True)
+            break
+        except FileExistsError:
+            rid, k = f"{base}-{k}", k + 1
+        except OSError:      # unwritable: Hydra reports it with the path
+            return rid, None
+    return rid, created or parent / rid
+
+
+# What startup writes before training: Hydra's job log (<job name>.log), the write probe and
+# the run directory's lock file.
+_STARTUP_FILES = (".log", ".lock")
 
 
 def remove_unused_run_dir(root: Path | None) -> bool:
     """A run that failed before training leaves no directory behind: remove `root` (from
-    `new_run_root`) if it holds nothing but startup's log files. Never raises."""
+    `new_run_root`) if it holds nothing but startup's files. Never raises."""
     if root is None or not root.is_dir():
         return False
     try:

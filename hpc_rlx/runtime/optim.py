@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hpc_rlx.checks import Check, checked, is_integral, is_real
+from hpc_rlx.checks import BOOL, Check, checked, is_integral, is_real
 from hpc_rlx.errors import CheckpointError, ConfigError
 from hpc_rlx.runtime.blas import axpy, fusable, scal
 
@@ -61,7 +61,6 @@ _POSITIVE = Check(lambda v: is_real(v) and math.isfinite(float(v)) and float(v) 
                   "must be a finite number > 0")
 _COUNT = Check(lambda v: is_integral(v) and v >= 0, "must be an integer >= 0")
 _AT_LEAST_ONE = Check(lambda v: is_integral(v) and v >= 1, "must be an integer >= 1")
-_BOOL = Check(lambda v: isinstance(v, bool), "must be true or false")
 
 
 def _check_in_unit(name: str, v, where: str) -> float:
@@ -148,7 +147,7 @@ class SGD(_Optimizer):
         super().__init__(size, xp, dtype)
         self.momentum = _check_in_unit("momentum", momentum, "sgd")
         self.weight_decay = _check_nonneg("weight_decay", weight_decay, "sgd")
-        _BOOL("sgd: nesterov", nesterov)
+        BOOL("sgd: nesterov", nesterov)
         if nesterov and self.momentum == 0.0:
             raise ConfigError("sgd: nesterov=true needs momentum > 0, got momentum=0")
         self.nesterov = nesterov

@@ -62,6 +62,9 @@ class Signals:
         self.comm = None                        # set once MPI has started on this rank
         self.exit_pending = False               # an exit asked for while MPI was starting
         self.installed = False
+        # Rank 0's clean-up for an exit before training: remove the run directory this run
+        # created (a run that never trained leaves none behind). Must not raise or block.
+        self.before_exit = None
 
     # ---- decisions (pure) ----------------------------------------------------------------
     def on_signal(self, signum: int) -> str:
@@ -147,6 +150,11 @@ class Signals:
                 os.write(2, (self.exit_message() + "\n").encode())
             except OSError:
                 pass
+            if not self.training and self.before_exit is not None:
+                try:
+                    self.before_exit()
+                except Exception:  # noqa: BLE001 - the exit itself must happen
+                    pass
         if self.training:
             # Every rank is past MPI_Init and running Python: a rank that exits after MPI
             # started ends the job under any launcher, and it must leave before the launcher

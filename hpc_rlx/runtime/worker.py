@@ -163,7 +163,8 @@ class Worker:
                 kind="NonFiniteError",
                 message=f"{in_a_row} consecutive steps had NaN/Inf gradients or loss "
                         f"(train.on_nonfinite=skip, train.max_consecutive_skips={limit}) at step "
-                        f"{self.step}; the model is not training: lower optim.lr or set optim.clip_grad_norm")
+                        f"{self.step}; the model is not training: lower optim.lr or set optim.clip_grad_norm "
+                        f"(or, if the data may hold NaN or Inf, data.check_finite=true names the row)")
 
     def apply_gradient_ok(self) -> None:
         self.state.step_applied()
