@@ -216,6 +216,10 @@ def _record_failed_point(comm, exc: BaseException) -> None:
         (out / "summary.json").write_text(json.dumps({"status": "failed", "error": message}, indent=1))
 
 
+# Hydra flags that print something and exit without running a job.
+PRINT_ONLY_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
+
+
 def main() -> None:
     from hpc_rlx.runtime.signals import INTERRUPT_EXIT, SIGNALS
     SIGNALS.install()   # first: a Ctrl-C while MPI and Hydra start exits quietly (see signals.py)
@@ -230,6 +234,8 @@ def main() -> None:
     from hpc_rlx.config.overrides import config_problem
     comm = MPI.COMM_WORLD
     SIGNALS.install(comm.rank, comm)    # a Ctrl-C that came while MPI started exits here
+    if comm.rank != 0 and any(a.split("=", 1)[0] in PRINT_ONLY_FLAGS for a in sys.argv[1:]):
+        return      # --help and the like print and exit: once, from rank 0
     rid = _run_id(comm)
     SIGNALS.before_exit = _remove_unused_run_dir     # a Ctrl-C before training leaves no directory
     if not OmegaConf.has_resolver("rlx_run_id"):

@@ -185,3 +185,29 @@ def test_unset_values_name_the_key_and_the_group_option():
                                  "set it on the command line")
     cfg.data.path = "mine.h5"
     assert unset_values(cfg) is None
+
+
+@pytest.mark.parametrize("section, override, message", [
+    ("model", {"dropout": 1.5}, "model.dropout must be in [0, 1), got 1.5"),
+    ("model", {"hidden": [128, "abc"]}, "model.hidden must be a positive int, got 'abc'"),
+    ("model", {"activation": "Relu"}, "model.activation must be one of ['relu', 'gelu', 'tanh', 'sigmoid'], got 'Relu'"),
+    ("optim", {"momentum": 2}, "optim.momentum must be a number in [0, 1), got 2"),
+    ("optim", {"schedule": "linear"}, "optim.schedule='linear' is not one of ['constant', 'step', 'cosine']"),
+    ("optim", {"schedule": "step", "gamma": 5}, "optim.gamma must be a number in (0, 1], got 5"),
+    ("optim", {"betas": [1, 2]}, "optim.betas[0] must be a number in [0, 1), got 1"),
+])
+def test_builder_and_optimizer_errors_name_the_config_key(section, override, message):
+    """The builders and optimizers name their own parameters (library API); from a config the
+    message names the key to change."""
+    from hpc_rlx.config.spec import check_optimizer, with_config_keys
+    from hpc_rlx.graph import build_model
+    if section == "model":
+        kwargs = {"hidden": [8], **override}
+        build = lambda: build_model("mlp", input_shape=(4,), num_classes=3, **kwargs)  # noqa: E731
+        with pytest.raises(ConfigError) as e:
+            with_config_keys("model", schema.BUILDER_KEYS["mlp"], build)
+    else:
+        opt = {**schema.defaults("optim", "adamw" if "betas" in override else "sgd"), **override}
+        with pytest.raises(ConfigError) as e:
+            check_optimizer(opt, "float32", 100)
+    assert str(e.value) == message

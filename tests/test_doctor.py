@@ -193,6 +193,21 @@ def test_missing_logs_dir_next_to_train_sh():
     assert doctor.analyse(recs, cwd_files={"train_sh": True, "logs": True}) == []
 
 
+def test_a_data_file_missing_on_some_ranks_is_named_with_them():
+    recs = cluster({"n1": 2, "n2": 2})
+    for r in recs:
+        r["data_files"] = {"/scratch/d.h5": None if r["host"] == "n1" else "does not exist"}
+    read = {"data_distribution": "read", "data_files": ["/scratch/d.h5"]}
+    (w,) = doctor.data_file_warnings(recs, read)
+    assert w.startswith("data file /scratch/d.h5 does not exist on ranks 2-3 (n2): the run would stop")
+    assert "data.distribution=scatter" in w
+    # with scatter only rank 0 reads the file, and it has it
+    assert doctor.data_file_warnings(recs, {**read, "data_distribution": "scatter"}) == []
+    for r in recs:
+        r["data_files"] = {"/scratch/d.h5": None}
+    assert doctor.data_file_warnings(recs, read) == []
+
+
 def test_rank_span():
     assert doctor.rank_span([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
 
@@ -340,6 +355,21 @@ def test_doctor_takes_training_overrides_and_warns_about_threads_per_rank(tmp_pa
     assert bad.returncode == 2, explain(bad)
     assert bad.stderr.count("unknown config key 'train.thread_per_rank'") == 1, explain(bad)
     assert "did you mean 'train.threads_per_rank'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.mpi
+def test_doctor_checks_the_training_data_file(tmp_path):
+    missing = _doctor(2, ["data=file", f"data.path={tmp_path / 'nope.h5'}"], tmp_path, _without_thread_vars())
+    assert missing.returncode == 0, explain(missing)
+    assert f"! data file {tmp_path / 'nope.h5'} does not exist: the run would stop" in missing.stdout
+    assert "No problems found" not in missing.stdout
+    not_hdf5 = tmp_path / "notes.h5"
+    not_hdf5.write_text("not HDF5")
+    bad = _doctor(2, ["data=file", f"data.path={not_hdf5}"], tmp_path, _without_thread_vars())
+    assert f"! data file {not_hdf5} cannot be opened as HDF5" in bad.stdout, explain(bad)
+    unset = _doctor(2, ["data=file"], tmp_path, _without_thread_vars())
+    assert unset.returncode == 2, explain(unset)
+    assert unset.stderr.count("data=file needs data.path=<value>") == 1, explain(unset)
 
 
 @pytest.mark.mpi

@@ -298,16 +298,16 @@ def test_bad_input_is_one_clear_error(case: Case, inputs, request, tmp_path):
     assert "Traceback" not in proc.stderr and "aborting all" not in proc.stderr, explain(proc)
     assert elapsed < TIMEOUT
 
-    # nothing written, nothing damaged (Hydra's empty log file aside)
+    # nothing written, nothing damaged (Hydra's empty log file and the run lock aside)
     after = _hash_tree(run)
     for name, digest in before.items():
         assert after.get(name) == digest, f"{case.id}: {name} was changed or removed"
-    allowed = ("__main__.log", *case.extra_files_ok)        # names or glob patterns
+    allowed = ("hpc_rlx.log", ".hpc_rlx.lock", *case.extra_files_ok)        # names or glob patterns
     new = sorted(f for f in set(after) - set(before) if not any(fnmatch.fnmatch(f, a) for a in allowed))
     assert not new, f"{case.id}: files written: {new}"
     assert not list(run.glob("**/*.tmp")), f"{case.id}: temporary files left behind"
-    if (run / "__main__.log").exists():
-        assert (run / "__main__.log").stat().st_size == 0
+    if (run / "hpc_rlx.log").exists():
+        assert (run / "hpc_rlx.log").stat().st_size == 0
 
 
 def test_every_issue_case_is_in_the_table():

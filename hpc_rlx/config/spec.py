@@ -30,7 +30,7 @@ from hpc_rlx.graph.node_timing import node_times, time_cost
 from hpc_rlx.graph.partition import partition
 from hpc_rlx.pipeline.grid import check_world
 from hpc_rlx.policies.registry import POLICIES
-from hpc_rlx.runtime.optim import OPTIMIZER_KEYS, make_optimizer, make_schedule
+from hpc_rlx.runtime.optim import OPTIMIZER_KEYS, SCHEDULES, make_optimizer, make_schedule
 
 
 @dataclass
@@ -134,11 +134,31 @@ def schedule_kwargs(opt: dict) -> dict:
 def check_optimizer(opt: dict, dtype: str, schedule_steps: int) -> None:
     """Build the optimizer and schedule once on rank 0, so bad values are one clear startup
     error instead of a failure on every rank later."""
+    if opt["schedule"] not in SCHEDULES:
+        raise ConfigError(f"optim.schedule={opt['schedule']!r} is not one of {list(SCHEDULES)}")
     try:
-        make_optimizer(opt["name"], 1, np, np.dtype(dtype), **optimizer_kwargs(opt))
-        make_schedule(opt["schedule"], float(opt["lr"]), schedule_steps, **schedule_kwargs(opt))
+        with_config_keys("optim", optimizer_kwargs(opt), lambda: make_optimizer(
+            opt["name"], 1, np, np.dtype(dtype), **optimizer_kwargs(opt)), prefix=f"{opt['name']}: ")
+        with_config_keys("optim", schedule_kwargs(opt), lambda: make_schedule(
+            opt["schedule"], float(opt["lr"]), schedule_steps, **schedule_kwargs(opt)),
+            prefix=f"lr schedule {opt['schedule']!r}: ")
     except (TypeError, ValueError) as e:
         raise ConfigError(f"optim: {e}") from e
+
+
+def with_config_keys(section: str, keys, build, prefix: str = ""):
+    """`build()`, its ConfigError about one of `keys` restated with the config key: the
+    builders and optimizers are library code and name their own parameters (`dropout must be
+    in [0, 1)`); from a config the user needs `model.dropout`."""
+    try:
+        return build()
+    except ConfigError as e:
+        text = str(e)
+        for key in sorted(keys, key=len, reverse=True):
+            for start in (f"{prefix}{key} ", f"{prefix}{key}=", f"{prefix}{key}[", f"{key} "):
+                if text.startswith(start):
+                    raise ConfigError(f"{section}.{key}{text[len(start) - 1:]}") from None
+        raise
 
 
 def check_model_fits(graph, cfg: dict, world_size: int, what: str = "the model") -> None:
@@ -269,7 +289,7 @@ def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes
         kwargs.update(input_shape=tuple(sample_shape), num_classes=num_classes)
     else:    # a sequence model: the classes are its vocabulary
         kwargs.update(vocab_size=num_classes, seq_len=int(sample_shape[0]))
-    return build_model(name, **kwargs)
+    return with_config_keys("model", schema.BUILDER_KEYS[name], lambda: build_model(name, **kwargs))
 
 
 def _num_classes(model_cfg: dict, info, n_train: int) -> int | None:
@@ -291,6 +311,10 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     cfg = completed
     check_run_dir_writable(run_dir)
     d = cfg["data"]
+    # data.path='~/x.h5' means the home directory, as in a shell
+    for section, key in (("data", "path"), ("data", "val_path"), ("model", "path")):
+        if isinstance(cfg[section].get(key), str):
+            cfg[section][key] = os.path.expanduser(cfg[section][key])
     prepare_missing_data(d)
     info = hdf5.describe(d["path"], d["x"], d["y"])
 
@@ -353,7 +377,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         comm=dict(cfg["comm"]), checkpoint=dict(cfg["checkpoint"]), debug=dict(cfg["debug"]),
         report=dict(cfg["report"]), trace=dict(cfg["trace"]),
         run_dir=str(run_dir), resume=str(cfg["resume"]), world_size=world_size,
-        config_yaml=config_yaml, parallel=dict(cfg["parallel"]), plan=plan.describe(),
+        config_yaml=config_yaml, parallel=dict(cfg["parallel"]), plan=plan.describe(int(cfg["parallel"]["pipeline_stages"])),
         config_fingerprint=fingerprint,
         model_source=source["path"] if source["kind"] == "onnx" else None)
 

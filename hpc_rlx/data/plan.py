@@ -64,12 +64,15 @@ class ShardPlan:
         first, stop = self.rank_rows[rank]
         return stop - first
 
-    def describe(self) -> str:
+    def describe(self, stages: int = 1) -> str:
+        """`stages` > 1: each shard feeds a pipeline of that many ranks (a data-parallel replica)."""
+        on = (f"on {self.world_size} ranks" if stages == 1 else
+              f"on {self.world_size} replica(s) of {stages} pipeline stages ({self.world_size * stages} ranks)")
         extra = (f"{self.dropped} leftover samples sit out each epoch (a different random set every "
                  f"epoch)" if self.leftover == "drop"
                  else f"{self.n_samples % self.global_batch} leftover samples used in partial batches")
         return (f"{self.n_samples} training samples, global batch {self.global_batch}, "
-                f"{self.steps_per_epoch} steps/epoch on {self.world_size} ranks; {extra}")
+                f"{self.steps_per_epoch} steps/epoch {on}; {extra}")
 
 
 def plan_shards(n_samples: int, global_batch: int, world_size: int, leftover: str = "drop") -> ShardPlan:

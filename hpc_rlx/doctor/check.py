@@ -31,6 +31,7 @@ from hpc_rlx.doctor.config import split_run_dir, training_settings
 from hpc_rlx.doctor.probe import (
     SOFTWARE_KEYS,
     collect_local,
+    data_file_problem,
     gpu_check,
     mpi_facts,
     nearest_existing,
@@ -127,6 +128,7 @@ def analyse(records: list[dict], *, shared: dict | None = None, cwd_files: dict 
             warnings.append(f"{r['host']} has {r['gpus']} GPU(s) but this MPI is not CUDA-aware: "
                             "gradients will be copied through host memory each step (slower).")
             break
+    warnings += data_file_warnings(records, settings)
     # run directory
     bad = [r for r in records if not r["run_dir"]["writable"]]
     if bad:
@@ -184,6 +186,26 @@ def _gpu_check_note(records: list[dict]) -> str:
     if not bad:
         return f"; kernel, GEMM and pinned copy ok on the GPU of each of {len(checked)} rank(s)"
     return f"; {len(bad)} of {len(checked)} rank(s) cannot run on their GPU (see the warnings)"
+
+
+def data_file_warnings(records: list[dict], settings: dict | None) -> list[str]:
+    """The training data must open on every rank that reads it: all of them with
+    data.distribution=read, rank 0 alone with scatter."""
+    scatter = (settings or {}).get("data_distribution") == "scatter"
+    readers = [r for r in records if not scatter or r["rank"] == 0]
+    by_problem = defaultdict(list)
+    for r in readers:
+        for path, problem in (r.get("data_files") or {}).items():
+            if problem:
+                by_problem[(path, problem)].append(r)
+    out = []
+    for (path, problem), recs in sorted(by_problem.items()):
+        where = "" if len(recs) == len(readers) else \
+            f" on ranks {rank_span([r['rank'] for r in recs])} ({', '.join(sorted({r['host'] for r in recs}))})"
+        fix = ("" if scatter or len(recs) == len(readers) else
+               "; put it on storage every node sees, or data.distribution=scatter (rank 0 reads and sends)")
+        out.append(f"data file {path} {problem}{where}: the run would stop at data loading{fix}.")
+    return out
 
 
 def format_report(records: list[dict], warnings: list[str], *, shared: dict | None = None,
@@ -322,6 +344,8 @@ def main(argv=None) -> int:
             print(f"hpc_rlx doctor: error (ConfigError): {settings['error']}", file=sys.stderr)
         return 2
     rec = collect_local(comm.rank, comm.size, run_dir)
+    rec["data_files"] = {p: safe_call(lambda p=p: data_file_problem(p), "could not be checked")
+                         for p in settings.get("data_files", [])}
     rec.update(safe_call(lambda: mpi_facts(comm), {}))
     layout = safe_call(lambda: node_layout(comm), (0, 1))
     local, rec["ranks_on_node"] = layout if isinstance(layout, tuple) else (0, None)

@@ -3,6 +3,8 @@ as `python -m hpc_rlx`, reduced to the settings the doctor checks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -21,8 +23,13 @@ def training_settings(overrides: list[str]) -> dict:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name="hpc_rlx"):
         cfg = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
     cfg = validate_config(cfg)
+    data = cfg["data"]
+    # the files every reading rank opens; a dataset that is prepared on first use is not checked
+    files = [] if data.get("prepare") else [p for p in (data["path"], data.get("val_path")) if p]
     return {"threads_per_rank": cfg["train"]["threads_per_rank"],
-            "cpu_lanes": cfg["device"]["cpu_lanes"]}
+            "cpu_lanes": cfg["device"]["cpu_lanes"],
+            "data_files": [str(Path(p).expanduser()) for p in files],
+            "data_distribution": data["distribution"]}
 
 
 def split_run_dir(overrides: list[str]) -> tuple[list[str], str | None]:

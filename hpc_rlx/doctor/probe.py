@@ -101,6 +101,18 @@ def nearest_existing(path: Path) -> Path:
     return path
 
 
+def data_file_problem(path: str) -> str | None:
+    """None if `path` opens as HDF5 here, else why not (in words)."""
+    if not Path(path).exists():
+        return "does not exist"
+    try:
+        import h5py
+        with h5py.File(path, "r"):
+            return None
+    except OSError as exc:
+        return f"cannot be opened as HDF5 ({exc})"
+
+
 def writable(directory: Path) -> tuple[bool, str]:
     try:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".hpc_rlx_doctor_"):

@@ -78,7 +78,7 @@ class RunDisplay:
             self.step_log.epoch(rec)
         if self.progress is not None:
             self.progress.end_epoch()
-        acc = f"  val_acc {fmt(rec['val_accuracy'])}" if "val_accuracy" in rec else ""
+        acc = f"  val_accuracy {fmt(rec['val_accuracy'])}" if "val_accuracy" in rec else ""
         part = f" (partial: {steps} steps)" if partial else ""
         self.log(f"epoch {rec['epoch']}/{self.spec.train['epochs']}{part}  train_loss {fmt(rec['train_loss'])}  "
                  f"val_loss {fmt(rec['val_loss'])}{acc}  "
