@@ -234,14 +234,22 @@ def main() -> None:
     from hpc_rlx.config.overrides import config_problem
     comm = MPI.COMM_WORLD
     SIGNALS.install(comm.rank, comm)    # a Ctrl-C that came while MPI started exits here
-    if comm.rank != 0 and any(a.split("=", 1)[0] in PRINT_ONLY_FLAGS for a in sys.argv[1:]):
-        return      # --help and the like print and exit: once, from rank 0
-    rid = _run_id(comm)
+    print_only = any(a.split("=", 1)[0] in PRINT_ONLY_FLAGS for a in sys.argv[1:])
+    if print_only:
+        # --help and the like print and exit: once, from rank 0, with no collective and no
+        # run directory (every rank sees the same command line, so all take this branch)
+        if comm.rank != 0:
+            return
+        rid = time.strftime("%Y-%m-%d_%H-%M-%S")
+    else:
+        rid = _run_id(comm)
     SIGNALS.before_exit = _remove_unused_run_dir     # a Ctrl-C before training leaves no directory
     if not OmegaConf.has_resolver("rlx_run_id"):
         OmegaConf.register_new_resolver("rlx_run_id", lambda: rid)
-    problem = config_problem(sys.argv[1:]) if comm.rank == 0 else None
-    problem = comm.bcast(problem, root=0)
+    problem = None
+    if not print_only:
+        problem = config_problem(sys.argv[1:]) if comm.rank == 0 else None
+        problem = comm.bcast(problem, root=0)
     if problem:
         if comm.rank == 0:
             _remove_unused_run_dir()

@@ -329,3 +329,11 @@ def test_nan_in_a_validation_row_is_an_error_not_a_nan_metric(tmp_path):
                      timeout=90)
     assert proc.returncode == 0, explain(proc)
     assert proc.stdout.count("warning: validation loss is nan") == 1, explain(proc)
+
+
+def test_help_is_printed_once_with_a_usage_line(tmp_path):
+    proc = mpirun(2, ["-m", "hpc_rlx", "--help"], cwd=tmp_path, timeout=90)
+    assert proc.returncode == 0, explain(proc)
+    assert proc.stdout.count("Usage: mpirun -n N python -m hpc_rlx") == 1, explain(proc)
+    assert "== Configuration groups ==" in proc.stdout and "is powered by Hydra" not in proc.stdout
+    assert not (tmp_path / "outputs").exists()
