@@ -13,6 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hpc_rlx.config import CONFIG_DIR
 from hpc_rlx.config.hints import flatten_keys, group_option_keys, suggest_keys
+from hpc_rlx.config.schema import BY_PATH, GROUPS
 from hpc_rlx.config.spec import check_run_dir_writable
 
 
@@ -73,7 +74,6 @@ def config_problem(argv: list[str]) -> str | None:
 def unset_values(cfg) -> str | None:
     """Keys the chosen group options leave for the user (`???`, e.g. `data.path` of
     `data=file`) and the command line did not set, or None."""
-    from hpc_rlx.config.schema import BY_PATH, GROUPS
     missing = sorted(k for section in cfg if section != "hydra"
                      and OmegaConf.is_config(cfg[section]) for k in OmegaConf.missing_keys(cfg[section]))
     if not missing:

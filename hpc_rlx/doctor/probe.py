@@ -106,7 +106,6 @@ def data_file_problem(path: str) -> str | None:
     if not Path(path).exists():
         return "does not exist"
     try:
-        import h5py
         with h5py.File(path, "r"):
             return None
     except OSError as exc:

@@ -70,7 +70,6 @@ class Run:
         self.stop_flag = SIGNALS     # a signal only sets a flag, carried in the next step's bucket
         self.stop_reason: str | None = None
         self.resumed_from: str | None = None
-        self._warned_val_nonfinite = False
         self.carried_totals: dict | None = None     # a mid-epoch checkpoint's running totals
         self.current_totals: EpochTotals | None = None
         self.t_start = time.perf_counter()
@@ -304,21 +303,6 @@ class Run:
             return None
         return hist[-1].get(self.spec.checkpoint["metric"])
 
-    def _check_validation_finite(self, val_loss, train_loss) -> None:
-        """A non-finite validation loss after a finite training loss: the parameters trained
-        (a non-finite step stops or is skipped), so the validation rows hold NaN/Inf. Both
-        numbers come from Allreduces, so every rank decides the same."""
-        if val_loss is None or math.isfinite(val_loss) or train_loss is None or not math.isfinite(train_loss):
-            return
-        what = (f"validation loss is {val_loss} at epoch {self.worker.epoch + 1} while the training "
-                f"loss is finite ({train_loss:.4g}): the validation rows ({_validation_rows(self.spec)}) "
-                f"likely hold NaN or Inf; data.check_finite=true names the first such row at load time")
-        if self.spec.train["on_nonfinite"] == "stop":
-            raise collective.CollectiveError(kind="NonFiniteError", message=what)
-        if not self._warned_val_nonfinite:
-            self._warned_val_nonfinite = True
-            self.log(f"warning: {what}")
-
     def _end_epoch(self, totals: EpochTotals, wall: float, partial: bool = False) -> dict:
         worker = self.worker
         t_eval = time.perf_counter()
@@ -326,7 +310,7 @@ class Run:
             val = worker.evaluate(self.lanes)
         self._record_rank_epoch(totals, wall, time.perf_counter() - t_eval)
         train_loss = totals.loss_sum / totals.samples if totals.samples else None
-        self._check_validation_finite(val["val_loss"], train_loss)
+        worker.check_validation_finite(val["val_loss"], train_loss)
         rec = {
             "epoch": worker.epoch + 1,
             "step": worker.step,
@@ -425,11 +409,6 @@ class Run:
                 f"data.check_finite=true names the first such row at load time; else lower optim.lr, "
                 f"set optim.clip_grad_norm, or train.on_nonfinite=skip")
         return result
-
-
-def _validation_rows(spec: TrainSpec) -> str:
-    d = spec.data
-    return f"rows {d.val_start}-{d.val_stop - 1} of {d.val_path}"
 
 
 def train(spec: TrainSpec, comm) -> dict:

@@ -3,6 +3,7 @@ data shard and validation slice, and the fused bucket. Policies drive it through
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -34,6 +35,7 @@ class Worker:
         self.per_sample = max(1, int(getattr(self.graph, "predictions_per_sample", 1)))
         # a regression loss (mse) has no `correct` output: there is no accuracy to report
         self.has_accuracy = "correct" in self.graph.result_names
+        self._warned_val_nonfinite = False
         self.EpochOrder = EpochOrder
 
         # Initial weights: rank 0 materialises them, everyone receives them by buffer Bcast.
@@ -165,6 +167,23 @@ class Worker:
                         f"(train.on_nonfinite=skip, train.max_consecutive_skips={limit}) at step "
                         f"{self.step}; the model is not training: lower optim.lr or set optim.clip_grad_norm "
                         f"(or, if the data may hold NaN or Inf, data.check_finite=true names the row)")
+
+    def check_validation_finite(self, val_loss, train_loss) -> None:
+        """A non-finite validation loss after a finite training loss: the parameters trained
+        (a non-finite step stops or is skipped), so the validation rows hold NaN or Inf. Both
+        numbers come from Allreduces, so every rank decides the same."""
+        if val_loss is None or math.isfinite(val_loss) or train_loss is None or not math.isfinite(train_loss):
+            return
+        d = self.spec.data
+        what = (f"validation loss is {val_loss} at epoch {self.epoch + 1} while the training loss is "
+                f"finite ({train_loss:.4g}): the validation rows (rows {d.val_start}-{d.val_stop - 1} of "
+                f"{d.val_path}) likely hold NaN or Inf; data.check_finite=true names the first such "
+                f"row at load time")
+        if self.spec.train["on_nonfinite"] == "stop":
+            raise collective.CollectiveError(kind="NonFiniteError", message=what)
+        if not self._warned_val_nonfinite:
+            self._warned_val_nonfinite = True
+            self.log(f"warning: {what}")
 
     def apply_gradient_ok(self) -> None:
         self.state.step_applied()
