@@ -108,6 +108,7 @@ def _error_exit(comm, exc: BaseException, where: str) -> None:
             else:
                 sys.stderr.write(f"hpc_rlx: error ({kind}, reported by {who}): {text}\n")
             sys.stderr.flush()
+            _log_in_run_dir(f"hpc_rlx: error ({kind}, reported by {who}): {text}")
         sys.stdout.flush()
         raise SystemExit(2)
     if isinstance(exc, HpcRlxError):
@@ -119,6 +120,19 @@ def _error_exit(comm, exc: BaseException, where: str) -> None:
     abort(comm, f"hpc_rlx: rank {comm.rank} on {hostname()} failed during {phase_of(exc, where)}"
                 f"{at}: {cause}{detail}\n"
                 f"hpc_rlx: aborting all {comm.size} ranks", code=1)
+
+
+def _log_in_run_dir(line: str) -> None:
+    """The error line in the run directory's log too, if the directory is kept."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        from hpc_rlx.observe.display import append_run_log
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # noqa: BLE001 - before Hydra: there is no run directory yet
+        return
+    if run_dir.is_dir():
+        append_run_log(run_dir, line)
 
 
 _FAILED_POINTS: list[str] = []     # sweep points that failed with an agreed error

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -246,48 +247,56 @@ def test_ctrl_c_during_startup_exits_quietly(tmp_path, digits_h5):
     assert not (run_dir / "checkpoints").exists()
 
 
-# Rank 0 holds in data loading (in Python, so its handler runs) until interrupted or 30 s, and
-# says so in a file: a Ctrl-C after Hydra has created the run directory, before training.
-HOLD_RANK_0_IN_DATA_LOADING = """\
+# Rank 0 holds at the start of a method (in Python, so its handler runs) for up to 30 s and
+# says so in a file: a Ctrl-C at a chosen point of the start-up. HOLD_AT="module:Class.method".
+HOLD_RANK_0_AT = """\
 import os, sys, threading, time
 from pathlib import Path
 
 def _patch():
-    while "hpc_rlx.runtime.worker" not in sys.modules:
+    module_name, _, attr = os.environ["HOLD_AT"].partition(":")
+    cls_name, _, method = attr.partition(".")
+    while module_name not in sys.modules or not hasattr(sys.modules[module_name], cls_name):
         time.sleep(0.001)
-    worker = sys.modules["hpc_rlx.runtime.worker"]
-    while not hasattr(worker, "Worker"):
-        time.sleep(0.001)
-    load = worker.Worker.load_data
+    cls = getattr(sys.modules[module_name], cls_name)
+    original = getattr(cls, method)
     def held(self, *a, **k):
         Path(os.environ["HOLD_MARKER"]).write_text("holding")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             time.sleep(0.01)
-        return load(self, *a, **k)
-    worker.Worker.load_data = held
+        return original(self, *a, **k)
+    setattr(cls, method, held)
 
 if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "0":
     threading.Thread(target=_patch, daemon=True).start()
 """
 
 
-@pytest.mark.mpi
-@pytest.mark.skipif(MPI_IMPL == "openmpi", reason="prterun answers Ctrl-C with SIGTERM/SIGKILL to the ranks")
-def test_ctrl_c_before_training_leaves_no_run_directory(tmp_path, digits_h5):
+def _job_held_at(tmp_path, run_dir, where: str, overrides: list[str]) -> LiveJob:
+    """A job whose rank 0 holds at `where`; returns once it is holding there."""
     hold = tmp_path / "hold"
-    hold.mkdir()
-    (hold / "sitecustomize.py").write_text(HOLD_RANK_0_IN_DATA_LOADING)
+    hold.mkdir(exist_ok=True)
+    (hold / "sitecustomize.py").write_text(HOLD_RANK_0_AT)
     marker = tmp_path / "holding"
-    run_dir = tmp_path / "runs" / "new"
-    job = LiveJob(2, run_dir, LONG_RUN + [f"data.path={digits_h5}"],
-                  env={"PYTHONPATH": str(hold), "HOLD_MARKER": str(marker)})
+    marker.unlink(missing_ok=True)
+    job = LiveJob(2, run_dir, overrides, env={"PYTHONPATH": str(hold), "HOLD_MARKER": str(marker),
+                                              "HOLD_AT": where})
     deadline = time.monotonic() + 60
     while not marker.exists():
         if time.monotonic() > deadline or job.proc.poll() is not None:
             job.kill()
-            pytest.fail("rank 0 never reached data loading\n" + job.explain())
+            pytest.fail(f"rank 0 never reached {where}\n" + job.explain())
         time.sleep(0.02)
+    return job
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(MPI_IMPL == "openmpi", reason="prterun answers Ctrl-C with SIGTERM/SIGKILL to the ranks")
+def test_ctrl_c_before_training_leaves_no_run_directory(tmp_path, digits_h5):
+    run_dir = tmp_path / "runs" / "new"
+    job = _job_held_at(tmp_path, run_dir, "hpc_rlx.runtime.worker:Worker.load_data",
+                       LONG_RUN + [f"data.path={digits_h5}"])
     assert run_dir.is_dir(), "Hydra creates the run directory before data loading"
     job.ctrl_c()
     rc = job.wait(timeout=60)
@@ -295,6 +304,28 @@ def test_ctrl_c_before_training_leaves_no_run_directory(tmp_path, digits_h5):
     assert job.stderr.count("hpc_rlx: interrupted before training started") == 1, job.explain()
     assert_no_traceback(job)
     assert not (tmp_path / "runs").exists(), sorted(str(p) for p in (tmp_path / "runs").rglob("*"))
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(MPI_IMPL == "openmpi", reason="prterun answers Ctrl-C with SIGTERM/SIGKILL to the ranks")
+def test_ctrl_c_while_a_resume_writes_its_segment_leaves_a_whole_segment(tmp_path, digits_h5):
+    """Rank 0 has written the resumed segment's config and is about to record it in
+    metrics.jsonl: a Ctrl-C there stops at the next step with a checkpoint, so the directory
+    holds whole segments only."""
+    run_dir = tmp_path / "run"
+    first = train_job(2, run_dir, [f"data.path={digits_h5}", "train.epochs=1"], timeout=120)
+    assert first.returncode == 0, explain(first)
+    job = _job_held_at(tmp_path, run_dir, "hpc_rlx.observe.outputs:RunOutputs._trim_metrics",
+                       ["report.plots=false", "train.epochs=50", f"data.path={digits_h5}"])
+    assert (run_dir / "config.segment-2.yaml").is_file()
+    job.ctrl_c()
+    rc = job.wait(timeout=90)
+    assert rc == INTERRUPT_EXIT, job.explain()
+    assert INTERRUPTED.search(job.stdout), job.explain()
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["segment"] for e in events if e.get("event") == "segment"] == [2], events
+    again = train_job(2, run_dir, [f"data.path={digits_h5}", "train.epochs=2"], timeout=120)
+    assert again.returncode == 0 and "segment 3 of this run directory" in again.stdout, explain(again)
 
 
 # Rank 0 holds just before MPI starts on it (the import of mpi4py.MPI) until it has been

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,12 +151,16 @@ def test_resume_none_is_refused_where_a_training_is(tmp_path, digits_h5):
     assert a.returncode == 0, explain(a)
     before = _digest(run)
     assert "checkpoints/latest" in before and "model.h5" in before
+    log = (run / "hpc_rlx.log").read_text().splitlines()     # what rank 0 printed, timestamped
+    assert any(re.fullmatch(r"\[[-0-9 :]+\] \[hpc_rlx\] epoch 1/1  train_loss .*", ln) for ln in log), log
+    assert "[hpc_rlx] completed in" in log[-1], log
     b = train_job(2, run, ["model=cnn", "report.plots=false", f"data.path={digits_h5}", "train.epochs=1",
                            "resume=none", "checkpoint.every_epochs=1"], timeout=120)
     assert b.returncode == 2, explain(b)
     errors = [ln for ln in b.stderr.splitlines() if ln.startswith("hpc_rlx: error")]
     assert len(errors) == 1, explain(b)
     assert "resume=none starts over" in errors[0] and "hydra.run.dir" in errors[0], explain(b)
+    assert errors[0] in (run / "hpc_rlx.log").read_text().splitlines()[-1]
     assert _digest(run) == before, "the first training's files changed"
     # the advice works: a new directory trains from scratch
     c = train_job(2, tmp_path / "new", ["model=cnn", "report.plots=false", f"data.path={digits_h5}",

@@ -280,17 +280,17 @@ class RuntimeCheckpoints:
         return read_checkpoint(path, arrays=self.staged is None)
 
     def _refuse_to_start_over(self, choice: str) -> None:
-        """resume=none starts from step 0, so it would overwrite the checkpoints, model.h5 and
-        metrics of a training already in this directory: refused, whatever that training was."""
-        run_dir = Path(self.spec.run_dir)
-        held = [f"{self.directory.name}/{self.manager.path_for(s).name}" for s in self.manager.steps()[-1:]]
-        held += ["model.h5"] if (run_dir / "model.h5").is_file() else []
-        if not held:
+        """resume=none starts from step 0, so it would overwrite the checkpoints (and `latest`)
+        of a training in this directory, which resume=auto would continue: refused. A directory
+        without checkpoints has nothing to continue; a run there starts a new segment either way."""
+        steps = self.manager.steps()
+        if not steps:
             return
         raise CheckpointError(
-            f"resume={choice} starts over, but run directory {run_dir} already holds a training "
-            f"({', '.join(held)}), which it would overwrite. Start over in a new directory "
-            f"(hydra.run.dir=...), or leave out resume={choice} to continue that training")
+            f"resume={choice} starts over, but run directory {self.spec.run_dir} already holds a "
+            f"training ({self.directory.name}/{self.manager.path_for(steps[-1]).name}), whose "
+            f"checkpoints it would overwrite. Start over in a new directory (hydra.run.dir=...), "
+            f"or leave out resume={choice} to continue that training")
 
     def _check(self, state) -> None:
         """Rank 0: refuse a checkpoint this run cannot continue exactly."""

@@ -313,7 +313,7 @@ def check_values(x: np.ndarray, y: np.ndarray, num_classes, check_finite: bool, 
                 bad_vals = x[r][~np.isfinite(x[r])]
                 raise DataError(
                     f"input row {first_row + r} contains a non-finite value ({bad_vals.flat[0]}); "
-                    "drop or repair that row in the file (training on it gives NaN losses)"
+                    "drop or repair that row in the file (a NaN or Inf input makes the loss NaN)"
                 )
 
 

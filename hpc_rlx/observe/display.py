@@ -4,12 +4,28 @@ TensorBoard event files. Every rank holds one; only rank 0's shows or writes any
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import yaml
 
 from hpc_rlx.observe import tensorboard_log
 from hpc_rlx.observe.progress import Snapshot, make_progress, run_fraction
 from hpc_rlx.observe.step_log import StepLog
+
+
+# Rank 0's log in the run directory: Hydra's job log (hydra.job.name is hpc_rlx in
+# configs/config.yaml), which gets Python `logging` records, and every line the run prints.
+RUN_LOG = "hpc_rlx.log"
+
+
+def append_run_log(run_dir: str | Path, line: str) -> None:
+    """One timestamped line in the run directory's log; a directory that is gone (a run removed
+    before training) or unwritable costs the log line, never the run."""
+    try:
+        with open(Path(run_dir) / RUN_LOG, "a") as f:
+            f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
+    except OSError:
+        pass
 
 
 class RunDisplay:
@@ -21,10 +37,13 @@ class RunDisplay:
         self._epoch_clock = self._run_clock = None     # (time, fraction) where they started
 
     def log(self, msg: str) -> None:
+        if not self.is_root:
+            return
         if self.progress is not None:
             self.progress.print(f"[hpc_rlx] {msg}")     # above the bar, if there is one
-        elif self.is_root:
+        else:
             print(f"[hpc_rlx] {msg}", flush=True)
+        append_run_log(self.spec.run_dir, f"[hpc_rlx] {msg}")
 
     def open_step_log(self, steps_per_epoch: int, resumed_step: int | None) -> None:
         """Rank 0: steps.jsonl, and the TensorBoard event files when report.tensorboard is on."""

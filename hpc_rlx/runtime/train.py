@@ -243,6 +243,12 @@ class Run:
             self.lanes.refresh_device_params()     # device lanes hold a copy of the parameters
         if worker.total_steps and worker.step >= worker.total_steps:
             self.stop_reason = "max_steps"     # resumed at or past train.max_steps: no step to take
+        if self.resumed_from and worker.epoch >= int(spec.train["epochs"]):
+            self.log(f"the checkpoint is at epoch {worker.epoch}, train.epochs={spec.train['epochs']}: "
+                     f"nothing to train (raise train.epochs to train on)")
+        # Ctrl-C now stops at the next step, with a checkpoint: from here on the run writes its
+        # segment (config, metrics records), which an exit on the spot would leave half-made.
+        self.stop_flag.training_started()
         self.outputs = RunOutputs(spec, worker, self.log, self.lanes.names) if self.is_root else None
         if self.outputs:
             self.outputs.start(self.resumed_from, self.checkpoints.resumed_config_yaml, comm.size)
@@ -250,7 +256,6 @@ class Run:
         self.log(f"{comm.size} ranks, lanes on rank 0: {self.lanes.names}, "
                  f"{worker.layout.size} parameters, {worker.steps_per_epoch} steps/epoch")
         self.checkpoints.training_starts()
-        self.stop_flag.training_started()     # Ctrl-C now stops at the next step, with a checkpoint
 
         epochs = int(spec.train["epochs"])
         while worker.epoch < epochs and self.stop_reason is None:
