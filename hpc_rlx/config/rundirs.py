@@ -166,8 +166,11 @@ def claim_timestamp_dir(argv: list[str], base: str) -> tuple[str, Path | None]:
     A sweep claims its multirun/ directory the same way; a named hydra.run.dir claims nothing
     (its lock, `hpc_rlx.observe.run_lock`, keeps two jobs out of it)."""
     sweep = any(a in ("-m", "--multirun") for a in argv)
-    named_sweep = any(a.split("=", 1)[0].lstrip("+") == "hydra.sweep.dir" for a in argv)
-    if sweep and named_sweep or not sweep and (explicit_run_dir(argv) or any(a.startswith("-") for a in argv)):
+    if sweep:
+        named = any(a.split("=", 1)[0].lstrip("+") == "hydra.sweep.dir" for a in argv)
+    else:   # other flags (--help, --cfg) run no job
+        named = explicit_run_dir(argv) is not None or any(a.startswith("-") for a in argv)
+    if named:
         return base, new_run_root(argv, base)
     parent = Path(SWEEPS_ROOT if sweep else RUNS_ROOT).absolute()
     created = _outermost_new(parent)

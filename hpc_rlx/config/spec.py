@@ -99,8 +99,13 @@ class TrainSpec:
 def validate_config(cfg: dict, world_size: int | None = None) -> dict:
     """Check every key of a composed config against its declaration (`config.schema`) and
     return the config completed with the declared defaults. Every message names the key and
-    the value; any value a command line can produce gives a ConfigError, never a TypeError."""
-    return schema.validate(cfg, world_size)
+    the value; any value a command line can produce gives a ConfigError, never a TypeError.
+    File paths come back with `~` expanded, as a shell would (`data.path='~/x.h5'`)."""
+    completed = schema.validate(cfg, world_size)
+    for section, key in (("data", "path"), ("data", "val_path"), ("model", "path")):
+        if isinstance(completed[section].get(key), str):
+            completed[section][key] = os.path.expanduser(completed[section][key])
+    return completed
 
 
 def check_lane_batch(dev: dict, global_batch: int, world_size: int) -> None:
@@ -311,10 +316,6 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     cfg = completed
     check_run_dir_writable(run_dir)
     d = cfg["data"]
-    # data.path='~/x.h5' means the home directory, as in a shell
-    for section, key in (("data", "path"), ("data", "val_path"), ("model", "path")):
-        if isinstance(cfg[section].get(key), str):
-            cfg[section][key] = os.path.expanduser(cfg[section][key])
     prepare_missing_data(d)
     info = hdf5.describe(d["path"], d["x"], d["y"])
 

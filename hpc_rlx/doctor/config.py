@@ -3,8 +3,6 @@ as `python -m hpc_rlx`, reduced to the settings the doctor checks."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -28,7 +26,7 @@ def training_settings(overrides: list[str]) -> dict:
     files = [] if data.get("prepare") else [p for p in (data["path"], data.get("val_path")) if p]
     return {"threads_per_rank": cfg["train"]["threads_per_rank"],
             "cpu_lanes": cfg["device"]["cpu_lanes"],
-            "data_files": [str(Path(p).expanduser()) for p in files],
+            "data_files": files,
             "data_distribution": data["distribution"]}
 
 

@@ -30,8 +30,8 @@ _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 class RunDirLock:
     """Held by rank 0 while a run trains in `run_dir`; `release()` (or process exit) frees it."""
 
-    def __init__(self, run_dir: Path, fd: int | None):
-        self.run_dir, self._fd = run_dir, fd
+    def __init__(self, fd: int | None):
+        self._fd = fd      # None: a file system without flock, nothing held
 
     @classmethod
     def acquire(cls, run_dir: str | Path, host: str) -> "RunDirLock":
@@ -54,12 +54,12 @@ class RunDirLock:
                 raise
             log.debug("run directory lock: %s does not support flock (%s); running unlocked", path, e)
             os.close(fd)
-            return cls(run_dir, None)
+            return cls(None)
         record = json.dumps({"host": host, "pid": os.getpid(),
                              "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, record + b"\n", 0)
-        return cls(run_dir, fd)
+        return cls(fd)
 
     def release(self) -> None:
         if self._fd is not None:
