@@ -242,14 +242,14 @@ def lm_case():
 
 
 def zoo_cases(batch=32):
-    """The ONNX zoo of tests/onnx_zoo.py, exported by torch (dynamo, training form) and imported:
+    """The ONNX zoo of tests/support/onnx_zoo.py, exported by torch (dynamo, training form) and imported:
     the engine steps the imported graph, PyTorch the module it came from."""
     import tempfile
 
     import torch
 
     from hpc_rlx.graph.onnx_import import import_onnx
-    from tests import onnx_zoo
+    from tests.support import onnx_zoo
 
     for name in ("lenet", "resnet", "mobilenet", "vit", "gpt", "mixer"):
         module = onnx_zoo.make(name)

@@ -1,4 +1,4 @@
-"""Across 2 emulated nodes (network namespaces, tests/netns_cluster.py; needs root): how the link
+"""Across 2 emulated nodes (network namespaces, tests/support/netns_cluster.py; needs root): how the link
 speed moves training throughput, for hpc_rlx's sync, cadence and async policies and PyTorch DDP
 (gloo) on the same model, data and link.
 
@@ -43,7 +43,7 @@ from _common import (PYTHON, REPO, fmt_table, machine_note, one_thread_env,  # n
                      prepare_synthetic, result_line)
 from bench_ddp import CLASSES, FEATURES, HIDDEN, LR, MOMENTUM, PER_RANK_BATCH, torch_mlp_and_shard  # noqa: E402
 
-from tests.netns_cluster import EmulatedCluster, can_emulate  # noqa: E402
+from tests.support.netns_cluster import EmulatedCluster, can_emulate  # noqa: E402
 
 MPIEXEC = str(Path(PYTHON).with_name("mpiexec"))
 

@@ -14,7 +14,7 @@ charged), samples/s (hpc_rlx's `samples_per_s`: samples over step wall time, whi
 stream includes any wait for the reader), the shard load time and whether the trained
 parameters equal memory mode's bitwise.
 
-Limited runs go into a child cgroup with a memory limit (tests/memory_limit.py: cgroup v2
+Limited runs go into a child cgroup with a memory limit (tests/support/memory_limit.py: cgroup v2
 `memory.max`, or v1 `memory.limit_in_bytes`; root only); without one they are left out, with
 the reason. Memory mode under the limit is run once to show that the limit holds (killed).
 The file was just written, so reads come from the page cache (charged to this script, not to

@@ -152,7 +152,7 @@ if [ -n "${INSTALL_ONLY:-}" ]; then
 fi
 run_section doctor 60 "$MPIRUN" -n 2 "$PY" -m hpc_rlx.doctor
 run_section gradcheck 240 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu \
-    tests/test_graph_gpu.py tests/test_backend.py tests/test_gpu_lanes.py
+    tests/unit/graph/test_gpu.py tests/unit/device/test_backend.py tests/mpi/device/test_gpu_lanes.py
 # tests that skip (no CuPy, one GPU for a 2-GPU test) are not a pass: say so in the summary
 last=$((${#STATES[@]} - 1))
 skipped=$(grep -Eo '[0-9]+ skipped' "$WORK/gradcheck.log" | tail -n 1 || true)

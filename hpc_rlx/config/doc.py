@@ -2,7 +2,7 @@
 
     python -m hpc_rlx.config.doc        # prints the table, between its markers
 
-`tests/test_config_schema.py` fails when README.md does not hold exactly this text.
+`tests/unit/config/test_schema.py` fails when README.md does not hold exactly this text.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every config key, declared once: its type, default, one-line doc and check.
 
 The YAML files in `configs/` are what Hydra composes and what users read; this table is what
-the code reads. `tests/test_config_schema.py` holds the two together (every YAML key is
+the code reads. `tests/unit/config/test_schema.py` holds the two together (every YAML key is
 declared here with the same default, every key declared here is in the YAML), and the
 README's config table is generated from it (`hpc_rlx.config.doc`).
 

@@ -265,7 +265,7 @@ class AdamW(_Optimizer):
             m = b1*m + (1-b1)*s*g;   v = b2*v + (1-b2)*s^2*g^2
             p -= (step_size*c2) * m / (sqrt(v) + eps*c2)     (c2 = sqrt of bias correction 2)
         the same value as torch's m / (sqrt(v)/c2 + eps) * step_size, rounded differently
-        (a few ulp: tests/test_lean_step.py)."""
+        (a few ulp: tests/unit/runtime/test_lean_step.py)."""
         k = self.step_count
         c2 = math.sqrt(1.0 - self.beta2**k)
         decay = 1.0 - lr * self.weight_decay

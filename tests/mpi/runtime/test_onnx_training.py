@@ -1,0 +1,253 @@
+"""Training an ONNX file under real mpirun: a PyTorch model exported with both exporters trains
+on ranks that have no PyTorch, 2 ranks equal 1 rank in float64, batch-norm running statistics
+are averaged over ranks and lanes, and a bad file fails the same way on every rank."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.support.jobs import explain, read_metrics, train_job
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnx")
+pytest.importorskip("onnxscript")
+nn = torch.nn
+
+pytestmark = pytest.mark.mpi
+
+EQUIV = ["train.dtype=float64", "train.epochs=2", "train.batch_size=24", "data.leftover=partial",
+         "optim.lr=0.05", "checkpoint=off", "data.shuffle=false"]
+
+
+class SmallBatchNormNet(nn.Module):
+    """Convolution, batch norm, dropout and a linear head on 1x8x8 digits."""
+
+    def __init__(self, dropout: float = 0.1):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(dropout)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = nn.functional.max_pool2d(torch.relu(self.bn(self.conv(x))), 2)
+        return self.fc(self.drop(torch.flatten(x, 1)))
+
+
+class SmallMlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc2(nn.functional.gelu(self.fc1(torch.flatten(x, 1))))
+
+
+def export(module: nn.Module, path: Path, exporter: str = "dynamo", train: bool = True) -> Path:
+    """A digits-shaped (B, 1, 8, 8) export with a dynamic batch (tests/onnx_zoo.export)."""
+    from tests.support import onnx_zoo
+    torch.manual_seed(0)
+    return onnx_zoo.export(module, torch.randn(2, 1, 8, 8), path, exporter, "train" if train else "eval",
+                           optimize=False)
+
+
+def params_of(run_dir: Path) -> dict:
+    with h5py.File(run_dir / "model.h5", "r") as f:
+        return {k: f[k][...] for k in f.keys()}
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.abs(a[k] - b[k]).max() / max(np.abs(a[k]).max(), 1e-300)) for k in a)
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_a_pytorch_model_with_batch_norm_trains_on_two_ranks(tmp_path, digits_h5, exporter):
+    onnx_file = export(SmallBatchNormNet(), tmp_path / "net.onnx", exporter)
+    run = tmp_path / "run"
+    proc = train_job(2, run, [f"data.path={digits_h5}", "model=onnx", f"model.path={onnx_file}",
+                              "train.epochs=4", "optim.lr=0.1"], timeout=240)
+    assert proc.returncode == 0, explain(proc)
+    metrics = read_metrics(run)
+    assert metrics[-1]["val_accuracy"] >= 0.85, metrics[-1]
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+    # the source file rides along for the exporter, self-contained (dynamo keeps the weights in
+    # a net.onnx.data beside the file); the running statistics trained and are saved
+    import onnx
+    from onnx import numpy_helper
+    kept = onnx.load(str(run / "model.source.onnx"), load_external_data=False).graph.initializer
+    assert not any(t.external_data for t in kept)
+    original = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(onnx_file)).graph.initializer}
+    assert {t.name: numpy_helper.to_array(t).tolist() for t in kept} == \
+        {k: v.tolist() for k, v in original.items()}
+    params = params_of(run)
+    assert {"bn.running_mean", "bn.running_var", "bn.weight", "conv.weight"} <= set(params)
+    assert np.abs(params["bn.running_mean"]).max() > 0.01            # moved from its initial zeros
+    assert not np.allclose(params["bn.running_var"], 1.0)
+
+
+def test_two_ranks_equal_one_rank_in_float64(tmp_path, digits_h5):
+    onnx_file = export(SmallMlp(), tmp_path / "mlp.onnx")
+    base = EQUIV + [f"data.path={digits_h5}", "model=onnx", f"model.path={onnx_file}"]
+    for name, n in (("w1", 1), ("w2", 2)):
+        proc = train_job(n, tmp_path / name, base)
+        assert proc.returncode == 0, f"{name}: " + explain(proc)
+    assert max_rel_diff(params_of(tmp_path / "w1"), params_of(tmp_path / "w2")) <= 1e-10
+
+
+def test_batch_norm_statistics_of_two_ranks_equal_two_lanes_of_one_rank(tmp_path, digits_h5):
+    """Each lane normalises with its own batch statistics (as DDP without SyncBN); the running
+    statistics are the sample-weighted mean over lanes and ranks, so 2 ranks x 1 lane equal
+    1 rank x 2 lanes that see the same micro-batches (a fixed split: comm.deterministic)."""
+    onnx_file = export(SmallBatchNormNet(dropout=0.0), tmp_path / "bn.onnx", "torchscript")
+    # leftover=drop: a partial last step would be split 10/10 over lanes but 12/8 over ranks
+    base = EQUIV + [f"data.path={digits_h5}", "model=onnx", f"model.path={onnx_file}",
+                    "comm.deterministic=true", "data.leftover=drop"]
+    runs = {"w2": (2, []), "w1_lanes2": (1, ["device.cpu_lanes=2"])}
+    for name, (n, extra) in runs.items():
+        proc = train_job(n, tmp_path / name, base + extra)
+        assert proc.returncode == 0, f"{name}: " + explain(proc)
+    a, b = params_of(tmp_path / "w2"), params_of(tmp_path / "w1_lanes2")
+    assert max_rel_diff(a, b) <= 1e-10
+    # and they differ from one lane of one rank: the statistics really are per lane
+    proc = train_job(1, tmp_path / "w1", base)
+    assert proc.returncode == 0, explain(proc)
+    assert max_rel_diff(a, params_of(tmp_path / "w1")) > 1e-6
+
+
+def test_an_unsupported_op_is_one_error_on_every_rank(tmp_path, digits_h5):
+    import onnx
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1, 8, 8])
+    node = helper.make_node("Hardmax", ["x"], ["y"], name="the_hardmax")
+    model = helper.make_model(helper.make_graph([node], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "bad.onnx"
+    onnx.save(model, str(path))
+    proc = train_job(2, tmp_path / "run", [f"data.path={digits_h5}", "model=onnx", f"model.path={path}"],
+                     timeout=120)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "Hardmax" in out and "the_hardmax" in out, explain(proc)
+    assert "Gemm" in out          # the list of supported ops
+    assert "Traceback" not in out, explain(proc)
+
+
+def test_a_malformed_file_is_one_clear_error(tmp_path, digits_h5):
+    path = tmp_path / "junk.onnx"
+    path.write_bytes(b"this is not a protobuf" * 10)
+    proc = train_job(2, tmp_path / "run", [f"data.path={digits_h5}", "model=onnx", f"model.path={path}"],
+                     timeout=120)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "junk.onnx" in out and "Traceback" not in out, explain(proc)
+    assert not (tmp_path / "run" / "model.h5").exists()
+
+
+def test_summary_and_graph_name_the_onnx_parameters(tmp_path, digits_h5):
+    onnx_file = export(SmallMlp(), tmp_path / "mlp.onnx", "torchscript", train=False)
+    run = tmp_path / "run"
+    proc = train_job(1, run, [f"data.path={digits_h5}", "model=onnx", f"model.path={onnx_file}",
+                              "train.epochs=1"], timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    graph = json.loads((run / "graph.json").read_text())
+    names = {p["name"] for p in graph["params"]}
+    assert {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"} <= names
+    assert graph["meta"]["onnx"]["params"]
+
+
+# ---------------------------------------------------------------------------- the model zoo
+
+def _zoo_data(path: Path, name: str, rows: int = 96) -> Path:
+    """A learnable dataset shaped for zoo model `name`: image classes from a fixed random linear
+    map of the pixels; for the language models, the next token is the current one plus 1."""
+    from tests.support.onnx_zoo import ZOO
+    _, shape, vocab = ZOO[name]
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        if vocab:
+            x = rng.integers(0, vocab, (rows, *shape)).astype(np.int64)
+            f["x"], f["y"] = x, (x + 1) % vocab
+            f.attrs["num_classes"] = vocab
+        else:
+            x = rng.standard_normal((rows, *shape)).astype(np.float32)
+            w = rng.standard_normal((int(np.prod(shape)), 10))
+            f["x"], f["y"] = x, np.argmax(x.reshape(rows, -1) @ w, axis=1).astype(np.int64)
+            f.attrs["num_classes"] = 10
+    return path
+
+
+def _zoo_file(tmp_path: Path, name: str, exporter: str = "dynamo") -> Path:
+    from tests.support import onnx_zoo
+    module = onnx_zoo.make(name)
+    for m in module.modules():          # dropout off: ranks and lanes draw different masks
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return onnx_zoo.export(module, onnx_zoo.sample_input(name, 2), tmp_path / f"{name}.onnx", exporter,
+                           "train", optimize=False)
+
+
+ZOO_NAMES = ["lenet", "resnet", "mobilenet", "vit", "gpt", "gpt_untied", "mixer"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_zoo_model_trains_on_two_ranks_and_equals_one_rank_in_float64(tmp_path, name):
+    from tests.support import onnx_zoo
+    onnx_file = _zoo_file(tmp_path, name)
+    data = _zoo_data(tmp_path / "data.h5", name)
+    common = [f"data.path={data}", "model=onnx", f"model.path={onnx_file}", "data.val_fraction=0.25",
+              "train.batch_size=8", "data.leftover=drop", "checkpoint=off"]
+    run = tmp_path / "train"
+    proc = train_job(2, run, common + ["train.epochs=3", "optim=adamw", "optim.lr=0.003"], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    metrics = read_metrics(run)
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"], metrics
+
+    # float64: 2 ranks equal 1 rank; with batch norm, 1 rank with 2 lanes that see the same
+    # micro-batches (each lane normalises with its own statistics)
+    exact = common + ["train.dtype=float64", "train.epochs=1", "optim.lr=0.05", "data.shuffle=false",
+                      "comm.deterministic=true"]
+    one_rank = ["device.cpu_lanes=2"] if onnx_zoo.has_batch_norm(onnx_zoo.make(name)) else []
+    for tag, n, extra in (("w2", 2, []), ("w1", 1, one_rank)):
+        proc = train_job(n, tmp_path / tag, exact + extra, timeout=300)
+        assert proc.returncode == 0, f"{tag}: " + explain(proc)
+    assert max_rel_diff(params_of(tmp_path / "w2"), params_of(tmp_path / "w1")) <= 1e-10
+
+
+def test_running_statistics_resume_exactly_and_on_another_world_size(tmp_path, digits_h5):
+    """Buffers ride in the checkpoint's parameter vector: a run stopped mid-epoch and resumed
+    ends bitwise where the straight run ends, running statistics included; resuming on another
+    world size continues from them (float64 sums in another order: equal to 1e-10)."""
+    onnx_file = export(SmallBatchNormNet(dropout=0.0), tmp_path / "bn.onnx", "torchscript")
+    base = [f"data.path={digits_h5}", "model=onnx", f"model.path={onnx_file}", "train.dtype=float64",
+            "comm.deterministic=true", "train.epochs=2", "train.batch_size=32", "checkpoint.every_epochs=1"]
+    straight = tmp_path / "straight"
+    proc = train_job(2, straight, base)
+    assert proc.returncode == 0, explain(proc)
+    steps = int(re.search(r"(\d+) steps/epoch", proc.stdout).group(1))
+
+    split = tmp_path / "split"
+    proc = train_job(2, split, base + [f"train.max_steps={steps + steps // 2}"])
+    assert proc.returncode == 0, explain(proc)
+    proc = train_job(2, split, base)
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, explain(proc)
+    a, b = params_of(straight), params_of(split)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+    assert not np.allclose(a["bn.running_mean"], 0.0)
+
+    # 1 rank x 2 lanes resumes the 2-rank checkpoint: the same micro-batches, the same statistics
+    other = tmp_path / "other"
+    proc = train_job(2, other, base + [f"train.max_steps={steps + steps // 2}"])
+    assert proc.returncode == 0, explain(proc)
+    proc = train_job(1, other, base + ["device.cpu_lanes=2"])
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, explain(proc)
+    assert max_rel_diff(a, params_of(other)) <= 1e-10

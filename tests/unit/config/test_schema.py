@@ -1,0 +1,213 @@
+"""The config schema (`hpc_rlx.config.schema`) against the YAML groups and the README: every
+key is declared once, with the default its YAML file gives it, and documented in the README's
+generated table; every option of every config group composes and validates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from hpc_rlx.config import schema as schema
+from hpc_rlx.__main__ import _CONFIG_DIR
+from hpc_rlx.config.doc import TABLE_BEGIN, TABLE_END, config_table
+from hpc_rlx.errors import ConfigError
+from hpc_rlx.policies.registry import POLICIES
+from hpc_rlx.config.spec import validate_config
+
+from tests.support.jobs import REPO
+
+CONFIGS = Path(_CONFIG_DIR)
+FIXED = ("train", "comm", "parallel", "report", "trace", "debug")
+# config groups that are not sections: overlays of other sections, and Hydra's own
+OVERLAYS = ("experiment",)
+
+
+def _yaml(path: Path) -> dict:
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    data.pop("defaults", None)
+    return data
+
+
+def _group_dirs() -> list[str]:
+    return sorted(p.name for p in CONFIGS.iterdir() if p.is_dir() and p.name != "hydra")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+def _same(a, b) -> bool:
+    """Equal and of one type: `10` and `10.0` are different defaults, `true` and `1` too."""
+    return type(a) is type(b) and a == b
+
+
+def test_config_yaml_sections_match_the_schema():
+    top = _yaml(CONFIGS / "config.yaml")
+    top.pop("hydra")
+    for section in FIXED:
+        declared = schema.defaults(section)
+        assert list(top[section]) == list(declared), section
+        for name, value in top[section].items():
+            assert _same(value, declared[name]), (f"{section}.{name}", value, declared[name])
+    for path in schema.TOP_LEVEL:
+        assert _same(top[path], schema.BY_PATH[path].default), path
+    assert set(top) == set(FIXED) | set(schema.TOP_LEVEL), sorted(top)
+
+
+@pytest.mark.parametrize("group", [g for g in _group_dirs() if g not in OVERLAYS])
+def test_every_group_option_matches_the_schema(group):
+    assert tuple(sorted(schema.GROUPS[group][1])) == tuple(_options(group)), group
+    for option in _options(group):
+        values = _yaml(CONFIGS / group / f"{option}.yaml")
+        declared = schema.defaults(group, option)
+        assert set(values) == set(declared), (f"{group}={option}", sorted(values), sorted(declared))
+        for name, value in values.items():
+            assert _same(value, declared[name]), (f"{group}={option}: {group}.{name}", value, declared[name])
+
+
+def test_every_group_of_the_config_dir_is_known():
+    assert set(_group_dirs()) == set(schema.GROUPS) | set(OVERLAYS)
+    assert set(schema.GROUPS["policy"][1]) == set(POLICIES)
+    # the options config.yaml selects are the ones the schema completes with
+    chosen = [d for d in OmegaConf.load(CONFIGS / "config.yaml").defaults if isinstance(d, dict)]
+    for entry in chosen:
+        (group, option), = entry.items()
+        if group in schema.GROUPS:
+            assert schema.GROUPS[group][2] == option, group
+
+
+def test_overlay_keys_are_declared():
+    for option in _options("experiment"):
+        values = _yaml(CONFIGS / "experiment" / f"{option}.yaml")
+        for section, keys in values.items():
+            for name in keys:
+                assert f"{section}.{name}" in schema.BY_PATH, f"experiment={option}: {section}.{name}"
+
+
+def test_declared_defaults_have_their_types():
+    for key in schema.KEYS:
+        values = key.default.values() if isinstance(key.default, schema.Options) else [key.default]
+        for value in values:
+            assert value is None or value == "???" or isinstance(value, key.type), (key.path, value)
+            if value is not None and value != "???" and key.check is not None:
+                key.validate(value, 4)            # a default passes its own check
+
+
+def _compose(overrides: list[str]) -> dict:
+    if not OmegaConf.has_resolver("rlx_run_id"):
+        OmegaConf.register_new_resolver("rlx_run_id", lambda: "schema")
+    with initialize_config_dir(config_dir=_CONFIG_DIR, version_base="1.3", job_name="schema"):
+        return OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
+
+
+ALL_OPTIONS = [(g, o) for g in _group_dirs() for o in _options(g)]
+
+
+@pytest.mark.parametrize("group,option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
+def test_every_option_of_every_group_composes_and_validates(group, option):
+    overrides = [f"{group}={option}"]
+    # keys the YAML leaves for the user to set (`???`): a value as a user would give it
+    if (group, option) == ("model", "graph"):
+        overrides.append("model.path=g.json")
+    if (group, option) == ("data", "file"):
+        overrides.append("data.path=d.h5")
+    cfg = _compose(overrides)
+    completed = validate_config(cfg, world_size=2)
+    if group in schema.GROUPS and group != "policy":
+        assert completed[group] == cfg[group]         # composed configs are complete already
+    for section in schema.SECTIONS:
+        option = schema.option_of(section, cfg[section]) if section in schema.GROUPS else None
+        assert set(completed[section]) == {k.name for k in schema.keys_of(section, option)}, section
+
+
+def test_validation_fails_on_a_bad_value_of_each_checked_key():
+    cfg = _compose([])
+    for key in schema.KEYS:
+        if key.check is None or key.section not in cfg or key.name not in cfg[key.section]:
+            continue
+        bad = dict(cfg, **{key.section: dict(cfg[key.section], **{key.name: [object()]})})
+        with pytest.raises(ConfigError, match=key.label or key.path):
+            validate_config(bad, world_size=2)
+
+
+def test_a_hand_made_config_is_completed_with_the_declared_defaults():
+    cfg = _compose([])
+    for section in ("train", "comm", "debug", "trace", "report"):
+        cfg[section] = {}
+    del cfg["optim"]["min_lr"]
+    done = validate_config(cfg)
+    assert done["train"] == schema.defaults("train") and done["comm"]["stall_abort_s"] == "auto"
+    assert done["optim"]["min_lr"] == schema.defaults("optim", "sgd")["min_lr"]
+
+
+def test_a_group_section_renamed_to_another_option_is_refused():
+    with pytest.raises(ConfigError, match=r"optim.name='adamw' does not take \['momentum', 'nesterov'\]"):
+        validate_config(_compose(["optim.name=adamw"]))
+
+
+def test_the_readme_holds_the_generated_config_table():
+    readme = (REPO / "README.md").read_text()
+    assert TABLE_BEGIN + config_table() + TABLE_END in readme, \
+        "README.md's config table differs from the schema: python -m hpc_rlx.config.doc prints it"
+    table = readme.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0]
+    documented = {row.split("`")[1] for row in table.splitlines()[2:]}
+    declared = {k.path for k in schema.KEYS if not (k.section in schema.GROUPS
+                                                   and k.name == schema.GROUPS[k.section][0])}
+    declared |= {f"policy.{k}" for cls in POLICIES.values() for k in cls.defaults}
+    assert documented == declared, (sorted(documented - declared), sorted(declared - documented))
+
+
+def test_bool_keys_take_only_true_or_false():
+    """`report.plots=no` is the string 'no', which Python reads as true: refused, for every
+    bool key, with the message that names the key."""
+    from hpc_rlx.config.schema import KEYS
+    bools = [k for k in KEYS if k.type is bool]
+    assert {"report.plots", "trace.enabled", "data.shuffle", "comm.deterministic"} <= {k.path for k in bools}
+    for key in bools:
+        for option in key.options() or [None]:
+            key.validate(key.default_for(option))
+            key.validate(not key.default_for(option))
+        for bad in ("no", "yes", "false", 0, 2, None):
+            with pytest.raises(ConfigError, match=rf"^{key.label or key.path} must be true or false, got "):
+                key.validate(bad)
+
+
+def test_unset_values_name_the_key_and_the_group_option():
+    from omegaconf import OmegaConf
+
+    from hpc_rlx.config.overrides import unset_values
+    cfg = OmegaConf.create({"data": {"name": "file", "path": "???"}, "model": {"name": "mlp"},
+                            "hydra": {"job": {"num": "???"}}})
+    assert unset_values(cfg) == ("data=file needs data.path=<value> (the training file (HDF5)): "
+                                 "set it on the command line")
+    cfg.data.path = "mine.h5"
+    assert unset_values(cfg) is None
+
+
+@pytest.mark.parametrize("section, override, message", [
+    ("model", {"dropout": 1.5}, "model.dropout must be in [0, 1), got 1.5"),
+    ("model", {"hidden": [128, "abc"]}, "model.hidden must be a positive int, got 'abc'"),
+    ("model", {"activation": "Relu"}, "model.activation must be one of ['relu', 'gelu', 'tanh', 'sigmoid'], got 'Relu'"),
+    ("optim", {"momentum": 2}, "optim.momentum must be a number in [0, 1), got 2"),
+    ("optim", {"schedule": "linear"}, "optim.schedule='linear' is not one of ['constant', 'step', 'cosine']"),
+    ("optim", {"schedule": "step", "gamma": 5}, "optim.gamma must be a number in (0, 1], got 5"),
+    ("optim", {"betas": [1, 2]}, "optim.betas[0] must be a number in [0, 1), got 1"),
+])
+def test_builder_and_optimizer_errors_name_the_config_key(section, override, message):
+    """The builders and optimizers name their own parameters (library API); from a config the
+    message names the key to change."""
+    from hpc_rlx.config.spec import check_optimizer, with_config_keys
+    from hpc_rlx.graph import build_model
+    if section == "model":
+        kwargs = {"hidden": [8], **override}
+        build = lambda: build_model("mlp", input_shape=(4,), num_classes=3, **kwargs)  # noqa: E731
+        with pytest.raises(ConfigError) as e:
+            with_config_keys("model", schema.BUILDER_KEYS["mlp"], build)
+    else:
+        opt = {**schema.defaults("optim", "adamw" if "betas" in override else "sgd"), **override}
+        with pytest.raises(ConfigError) as e:
+            check_optimizer(opt, "float32", 100)
+    assert str(e.value) == message

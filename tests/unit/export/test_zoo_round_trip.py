@@ -1,0 +1,114 @@
+"""Export round trips over the model zoo (tests/support/onnx_zoo.py): each model exported by PyTorch,
+imported, 'trained' (every parameter and running statistic moved), then exported by
+`python -m hpc_rlx.export`: ONNX Runtime on the written file and PyTorch on the loaded state
+dict both give hpc_rlx's inference forward."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpc_rlx.errors import GraphError
+from hpc_rlx.export.command import main
+from hpc_rlx.export.onnx_source import SOURCE_FILE
+from hpc_rlx.graph import Executor
+
+from tests.mpi.export.test_export import TOL, fake_run, ort_run, rel_err
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+st = pytest.importorskip("safetensors.torch")
+onnx_import = pytest.importorskip("hpc_rlx.graph.onnx_import")
+
+from tests.support import onnx_zoo as zoo  # noqa: E402
+
+CASES = [(m, e, mode) for m in zoo.ZOO for e in ("dynamo", "torchscript") for mode in ("train", "eval")]
+# the default suite: batch norm (both exporters), a tied head and attention, folded weights; the rest is slow
+FAST = {("resnet", "dynamo", "train", "plain"), ("mobilenet", "torchscript", "train", "plain"),
+        ("gpt", "torchscript", "train", "plain"), ("gpt", "dynamo", "eval", "optimized")}
+PARAMS = [pytest.param(*c, form, id="-".join(c + (form,)),
+                       marks=[] if c + (form,) in FAST else [pytest.mark.slow])
+          for c in CASES for form in ("plain", "optimized")]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(module constructor, source file bytes, ImportedModel) per case, made once. "plain": no
+    graph optimisation (dynamo optimize=False, no TorchScript constant folding), as the README
+    asks for; "optimized": the exporters' defaults (folded weights, batch norm fused)."""
+    cache = {}
+
+    def get(name, exporter, mode, form):
+        key = (name, exporter, mode, form)
+        if key not in cache:
+            module = zoo.make(name)
+            path = tmp_path_factory.mktemp("zoo") / f"{name}_{exporter}_{mode}_{form}.onnx"
+            zoo.export(module, zoo.sample_input(name, 3, seed=1), path, exporter, mode, optimize=form == "optimized")
+            try:
+                imported = onnx_import.import_onnx(path)
+            except GraphError as e:  # which files import is tests/unit/graph/test_onnx_import.py's subject
+                imported = e
+            # the run directory holds one self-contained file (external data read back in)
+            cache[key] = (zoo.ZOO[name][0], onnx.load(str(path)).SerializeToString(), imported)
+        if isinstance(cache[key][2], GraphError):
+            pytest.skip(f"import_onnx refuses this file: {str(cache[key][2])[:200]}")
+        return cache[key]
+
+    return get
+
+
+def _trained_run(tmp_path, imported, source: bytes):
+    graph = imported.graph
+    rng = np.random.default_rng(7)
+    params = {}
+    for p in graph.params:
+        value = imported.initial[p.name] * (1 + 0.1 * rng.standard_normal(p.shape)) + 0.02 * rng.standard_normal(p.shape)
+        if not p.trainable and "var" in p.name:
+            value = np.abs(value) + 0.1
+        params[p.name] = value.astype(np.float32)
+    run = tmp_path / "run"
+    fake_run(run, graph, params)
+    (run / SOURCE_FILE).write_bytes(source)
+    return run, params
+
+
+def _tied_names(module) -> set:
+    by_tensor: dict = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        by_tensor.setdefault(id(t), []).append(name)
+    return {n for names in by_tensor.values() if len(names) > 1 for n in names}
+
+
+@pytest.mark.parametrize("name, exporter, mode, form", PARAMS)
+def test_zoo_model_round_trips_through_export(tmp_path, exported, name, exporter, mode, form):
+    make, source, imported = exported(name, exporter, mode, form)
+    run, params = _trained_run(tmp_path, imported, source)
+    out_onnx, out_sd = tmp_path / "m.onnx", tmp_path / "m.safetensors"
+    assert main([str(run), "--onnx", str(out_onnx), "--state-dict", str(out_sd)]) == 0
+    graph, meta = imported.graph, imported.graph.meta["onnx"]
+    node = meta["output_node"]
+    ex = Executor(graph, np, "float32")
+
+    def ours(x):
+        x = x.numpy()
+        return ex.run(params, {"x": x if x.dtype == np.int64 else x.astype(np.float32)}, [node])[node]
+
+    for batch in (1, 4):
+        x = zoo.sample_input(name, batch, seed=batch)
+        got = ort_run(out_onnx, {meta["input"]: x.numpy() if x.dtype == torch.int64 else x.numpy().astype(np.float32)})
+        assert rel_err(got, ours(x)) <= TOL, "ONNX Runtime"
+    if form == "optimized":
+        return  # weights the exporter folded or fused have no PyTorch name to load under (README)
+
+    fresh = make()
+    result = fresh.load_state_dict(st.load_file(str(out_sd)), strict=False)
+    assert result.unexpected_keys == [], f"import warnings: {imported.warnings}"
+    float_state = {k for k, v in fresh.state_dict().items() if v.dtype.is_floating_point}
+    allowed = _tied_names(fresh) | {k for k in fresh.state_dict() if k not in float_state}  # e.g. a bool mask
+    missing = [k for k in result.missing_keys if k not in allowed and not k.endswith("num_batches_tracked")]
+    assert missing == [], f"the state dict lacks {missing} (import warnings: {imported.warnings})"
+    x = zoo.sample_input(name, 4, seed=4)
+    with torch.no_grad():
+        got = fresh.eval()(x).numpy()
+    assert rel_err(got, ours(x)) <= TOL, "PyTorch with the loaded state dict"

@@ -1,0 +1,461 @@
+"""ONNX import: the zoo of tests/support/onnx_zoo.py exported by both PyTorch exporters in both modes
+imports to a graph whose forward matches ONNX Runtime and PyTorch, and whose loss gradients
+match PyTorch autograd on the original module; plus the import's errors and special forms.
+
+Relative errors are max|ours - reference| / max|reference|: <= 1e-5 in float32, <= 1e-10 in
+float64 (a float32 file imported, then run in float64 with the same weights against
+module.double()).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from hpc_rlx.errors import GraphError
+from hpc_rlx.graph import Executor, Graph, ParamLayout
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+torch = pytest.importorskip("torch")
+
+from hpc_rlx.graph.onnx_import import ONNX_OPS, import_onnx  # noqa: E402
+
+from tests.support import onnx_zoo as zoo  # noqa: E402
+
+F = torch.nn.functional
+# float64 checks the math; float32 only that nothing is lost beyond rounding, which depends on the
+# CPU's BLAS kernels (MobileNet's stem gradient, the sum over every layer below the loss, was
+# 1.2e-5 from PyTorch's on an AMD EPYC against under 1e-5 on an Intel Xeon)
+TOL = {"float32": 3e-5, "float64": 1e-10}
+BATCH = 4
+CASES = [(m, e, mode) for m in zoo.ZOO for e in ("dynamo", "torchscript") for mode in ("train", "eval")]
+# The default suite: every model with the quick TorchScript exporter, and the dynamo exporter on
+# the models whose import needs the most (batch-norm metadata, folded transposes, attention).
+FAST = {c for c in CASES if c[1] == "torchscript"} | {("mobilenet", "dynamo", "train"), ("vit", "dynamo", "eval"),
+                                                       ("gpt", "dynamo", "train")}
+
+
+def _cases(dtypes=(None,)):
+    out = []
+    for c in CASES:
+        for dt in dtypes:
+            slow = c not in FAST or dt == "float64" and c[0] not in ("resnet", "gpt")
+            out.append(pytest.param(*c, *([dt] if dt else []), marks=[pytest.mark.slow] if slow else [],
+                                    id="-".join(c + ((dt,) if dt else ()))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(module, path, ImportedModel) per case, exported once. Batch norm stays apart from the
+    convolutions only without the exporters' graph optimisations (dynamo's optimize, TorchScript's
+    constant folding in eval mode): a fused batch norm has no PyTorch parameters to compare
+    gradients with one by one (see test_fused_batch_norm_trains_as_a_fixed_scale_and_shift)."""
+    cache = {}
+
+    def get(name, exporter, mode):
+        key = (name, exporter, mode)
+        if key not in cache:
+            module = zoo.make(name)
+            path = tmp_path_factory.mktemp("onnx") / f"{name}_{exporter}_{mode}.onnx"
+            optimize = not zoo.has_batch_norm(module)
+            zoo.export(module, zoo.sample_input(name, 3, seed=1), path, exporter, mode, optimize)
+            cache[key] = (module, path, import_onnx(path))
+        return cache[key]
+
+    return get
+
+
+def rel(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert ours.shape == ref.shape
+    return float(np.abs(ours - ref).max() / max(np.abs(ref).max(), 1e-300))
+
+
+def without_dropout(g: Graph) -> Graph:
+    """The graph with every dropout at p=0: the masks are ours, PyTorch's differ."""
+    d = g.to_dict()
+    for n in d["nodes"]:
+        if n["op"] == "dropout":
+            n["attrs"]["p"] = 0.0
+    return Graph.from_dict(d)
+
+
+def param_views(imported, g: Graph, dtype: str):
+    layout = ParamLayout(g)
+    flat = np.zeros(layout.size, dtype)
+    layout.pack({k: v.astype(dtype) for k, v in imported.initial.items()}, flat)
+    return layout, flat
+
+
+def feed(x, dtype):
+    return x.numpy() if x.dtype == torch.int64 else x.numpy().astype(dtype)
+
+
+def ours_forward(imported, x, train: bool, dtype="float32"):
+    g = without_dropout(imported.graph)
+    layout, flat = param_views(imported, g, dtype)
+    node = g.meta["onnx"]["output_node"]
+    return Executor(g, np, dtype).run(layout.views(flat), {"x": feed(x, dtype)}, [node], train=train, seed=0)[node]
+
+
+def torch_module(module, train: bool, dtype=torch.float32):
+    """A copy in the given mode, dropout off (its masks are PyTorch's own)."""
+    m = copy.deepcopy(module).to(dtype)
+    for sub in m.modules():
+        if isinstance(sub, torch.nn.Dropout):
+            sub.p = 0.0
+    return m.train(train)
+
+
+def trains_like_module_train(imported, mode: str) -> bool:
+    """Whether training the import matches module.train(): a training-mode export whose batch
+    norm and dropout the import kept in their training form. Otherwise (an eval export, or
+    batch norm fused into the convolutions) the import trains like module.eval()."""
+    return mode == "train" and imported.graph.meta["onnx"]["form"] == "training"
+
+
+def ort_batch_stats(path) -> bool:
+    """Whether ONNX Runtime normalises with batch statistics: a BatchNormalization node in
+    training mode (TorchScript's training-form export)."""
+    model = onnx.load(str(path))
+    return any(n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute)
+               for n in model.graph.node)
+
+
+@pytest.mark.parametrize("name, exporter, mode", _cases())
+def test_forward_matches_onnxruntime_and_pytorch(exported, name, exporter, mode):
+    module, path, imported = exported(name, exporter, mode)
+    x = zoo.sample_input(name, BATCH, seed=2)
+    ours_eval = ours_forward(imported, x, train=False)
+    ours_train = ours_forward(imported, x, train=True)
+    ref_ort = ort.InferenceSession(str(path)).run(None, {"x": x.numpy()})[0]
+    # ONNX Runtime runs the file as written. A TorchScript training-form file marks batch norm
+    # training_mode=1: ORT normalises with the batch statistics, as our training forward does.
+    # The dynamo exporter writes a training batch norm as an inference node: ORT uses the
+    # running statistics, as our evaluation forward does. ORT's Dropout leaves the values as
+    # they are, which is our forward with dropout off.
+    assert rel(ours_train if ort_batch_stats(path) else ours_eval, ref_ort) <= TOL["float32"]
+    with torch.no_grad():
+        assert rel(ours_eval, torch_module(module, False)(x).numpy()) <= TOL["float32"]
+        if trains_like_module_train(imported, mode):
+            assert rel(ours_train, torch_module(module, True)(x).numpy()) <= TOL["float32"]
+
+
+def _match(imported, module) -> dict:
+    """IR parameter -> (PyTorch parameter name, transposed?), found by value (the zoo's values
+    are distinct)."""
+    found = {}
+    named = dict(module.named_parameters())
+    for ir, value in imported.initial.items():
+        v = value.astype(np.float32)
+        for tname, p in named.items():
+            t = p.detach().numpy()
+            if t.shape == v.shape and np.array_equal(t, v):
+                found[ir] = (tname, False)
+            elif v.ndim == 2 and t.shape == v.shape[::-1] and np.array_equal(t, v.T):
+                found[ir] = (tname, True)
+    return found
+
+
+def _buffer_updates(imported, g, layout, gflat, module_before, module_after, tol):
+    """The running statistics our batch norm emitted, applied with its momentum, equal the
+    buffers PyTorch's training forward left behind."""
+    buffers_before = {k: v.detach().numpy() for k, v in module_before.named_buffers() if v.is_floating_point()}
+    buffers_after = dict(module_after.named_buffers())
+    momentum = g.buffer_momentum()
+    grads = layout.views(gflat)
+    for b in g.buffers:
+        start = imported.initial[b.name]
+        tname = next(k for k, v in buffers_before.items() if np.array_equal(v, start.astype(np.float32)))
+        updated = start + momentum[b.name] * (grads[b.name] - start)
+        assert rel(updated, buffers_after[tname].detach().numpy()) <= tol, b.name
+
+
+def check_gradients(module, imported, name: str, train: bool, dtype: str) -> None:
+    """The import's loss and gradients against PyTorch autograd on ``module`` with the same
+    weights and batch (module.train() when ``train``, else module.eval(); dropout off), and
+    in training the batch-norm statistics it emits against PyTorch's running-buffer update."""
+    g = without_dropout(imported.graph)
+    x = zoo.sample_input(name, BATCH, seed=3)
+    classes = g.types[g.meta["onnx"]["output_node"]].shape[-1]
+    y_shape = tuple(d or BATCH for d in g.input("y").shape)
+    y = torch.randint(0, classes, y_shape, generator=torch.Generator().manual_seed(4))
+
+    layout, flat = param_views(imported, g, dtype)
+    gflat = np.zeros_like(flat)
+    out = Executor(g, np, dtype).forward_backward(layout.views(flat), layout.views(gflat),
+                                                  {"x": feed(x, dtype), "y": y.numpy()}, train=True, seed=0)
+    tm = torch_module(module, train, torch.float64 if dtype == "float64" else torch.float32)
+    before = copy.deepcopy(tm)
+    logits = tm(x if x.dtype == torch.int64 else x.to(next(tm.parameters()).dtype))
+    loss = F.cross_entropy(logits.reshape(-1, classes), y.reshape(-1))
+    loss.backward()
+    tol = TOL[dtype]
+    assert out["loss"] == pytest.approx(loss.item(), rel=tol)
+
+    match, grads = _match(imported, module), layout.views(gflat)
+    trainable = {p.name for p in g.params if p.trainable}
+    assert trainable <= set(match), f"parameters with no PyTorch counterpart: {sorted(trainable - set(match))}"
+    summed = {}
+    for ir in trainable:
+        tname, transposed = match[ir]
+        summed[tname] = summed.get(tname, 0) + (grads[ir].T if transposed else grads[ir])
+    named = dict(tm.named_parameters())
+    total = np.sqrt(sum(np.linalg.norm(p.grad.numpy()) ** 2 for p in named.values()))
+    for tname, ours in summed.items():
+        ref = named[tname].grad.numpy()
+        if np.linalg.norm(ref) < 1e-6 * total:
+            # analytically zero (attention's key bias: softmax ignores a shift per query), so
+            # both sides are rounding noise and only their size compares
+            assert np.linalg.norm(ours) <= tol * total, tname
+        else:
+            assert rel(ours, ref) <= tol, tname
+    missing = sorted(set(named) - set(summed))
+    assert not missing, f"PyTorch parameters the import lost: {missing}"
+    if train and g.buffers:
+        _buffer_updates(imported, g, layout, gflat, before, tm, tol)
+
+
+@pytest.mark.parametrize("name, exporter, mode, dtype", _cases(("float32", "float64")))
+def test_gradients_match_pytorch(exported, name, exporter, mode, dtype):
+    module, path, imported = exported(name, exporter, mode)
+    check_gradients(module, imported, name, trains_like_module_train(imported, mode), dtype)
+
+
+# ---------------------------------------------------------------- special forms and metadata
+
+
+@pytest.mark.parametrize("name", ["mobilenet", "gpt"])
+def test_opset_13_files_import(tmp_path, name):
+    """Opset 13: layer norm decomposed into primitives, training batch norm marked by its
+    statistics outputs (training_mode came in opset 14)."""
+    module = zoo.make(name)
+    path = zoo.export(module, zoo.sample_input(name, 3, seed=1), tmp_path / "m.onnx", "torchscript", "train", opset=13)
+    imported = import_onnx(path)
+    assert imported.graph.meta["onnx"]["opset"] == 13 and imported.graph.meta["onnx"]["form"] == "training"
+    xb = zoo.sample_input(name, BATCH, seed=2)
+    ref = ort.InferenceSession(str(path)).run(None, {"x": xb.numpy()})[0]
+    assert rel(ours_forward(imported, xb, train=True), ref) <= TOL["float32"]
+    with torch.no_grad():
+        assert rel(ours_forward(imported, xb, train=True), torch_module(module, True)(xb).numpy()) <= TOL["float32"]
+    check_gradients(module, imported, name, True, "float64")
+
+
+def test_dynamo_folded_transposes_keep_the_pytorch_names_and_layouts(exported):
+    module, path, imported = exported("gpt", "dynamo", "train")
+    meta, g = imported.graph.meta["onnx"], imported.graph
+    assert meta["exporter"] == "dynamo"
+    shapes = {p.name: p.shape for p in g.params}
+    for name, p in module.named_parameters():
+        if name.endswith(("qkv.weight", "fc1.weight", "fc2.weight", "proj.weight")):
+            assert meta["params"][name].startswith("val_") and name in meta["transposed"]
+            assert shapes[name] == tuple(p.shape) and meta["torch_names"][name] == name
+    # the tied head: the optimizer stored tok.weight.t() as its own initializer
+    assert list(meta["tied"].values()) == ["tok.weight"]
+    assert sum(1 for p in g.params if p.shape == (32, 32) and p.name.startswith("tok")) == 1
+
+
+def test_torchscript_folded_weights_are_traced_to_their_modules(exported):
+    module, path, imported = exported("gpt", "torchscript", "eval")
+    meta = imported.graph.meta["onnx"]
+    assert meta["params"]["blocks.0.qkv.weight"].startswith("onnx::MatMul_")
+    assert "blocks.0.qkv.weight" in meta["transposed"]
+    assert list(meta["tied"].values()) == ["tok.weight"]  # x @ tok.weight.t(), found by value
+    assert all(p.name.replace("_", "").replace(".", "").replace("-", "").isalnum() for p in imported.graph.params)
+
+
+def test_an_inference_export_trains_frozen_with_one_warning(exported):
+    module, path, imported = exported("mobilenet", "torchscript", "eval")
+    g = imported.graph
+    assert g.meta["onnx"]["form"] == "inference"
+    assert [n.attrs["training"] for n in g.nodes if n.op == "batch_norm"] == [False] * 3
+    assert not any(n.op == "dropout" for n in g.nodes)
+    (warning,) = imported.warnings
+    assert "running statistics" in warning and "dropout" in warning and "bn1" in warning
+    stats = {f"{m}.running_{s}" for m in ("stem.1", "bn1", "bn2") for s in ("mean", "var")}
+    assert {p.name for p in g.buffers} == stats
+
+
+def test_training_batch_norm_from_dynamo_metadata(exported):
+    module, path, imported = exported("mobilenet", "dynamo", "train")
+    bns = [n for n in imported.graph.nodes if n.op == "batch_norm"]
+    assert [(n.attrs["training"], n.attrs["momentum"], n.attrs["eps"]) for n in bns] == [(True, 0.1, 1e-5)] * 3
+    assert [n.attrs["p"] for n in imported.graph.nodes if n.op == "dropout"] == [0.1]
+    assert imported.graph.buffer_momentum() == {b.name: 0.1 for b in imported.graph.buffers}
+
+
+def test_initializers_merged_by_the_dynamo_optimizer_are_reported(tmp_path):
+    """Freshly initialised layer norms have equal weights (ones): optimize=True keeps one."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8),
+                                 torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    imported = import_onnx(zoo.export(module, torch.randn(3, 4), tmp_path / "m.onnx", "dynamo", "train"))
+    (warning,) = [w for w in imported.warnings if "merged" in w]
+    assert "'3.weight'" in warning and "optimize=False" in warning
+
+
+def _conv_bn_pairs(module):
+    mods = dict(module.named_modules())
+    names = list(mods)
+    return [(mods[a], mods[b]) for a, b in zip(names, names[1:])
+            if isinstance(mods[a], torch.nn.Conv2d) and isinstance(mods[b], torch.nn.BatchNorm2d)]
+
+
+def _close(value, fused) -> bool:
+    return value.shape == fused.shape and np.allclose(value, fused, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("exporter, mode", [("dynamo", "train"), ("dynamo", "eval"), ("torchscript", "eval")])
+def test_fused_batch_norm_trains_as_a_fixed_scale_and_shift(tmp_path, exporter, mode):
+    """The exporters' optimisations fold batch norm into the convolution before it: the
+    import warns, trains it like module.eval(), and the fused weight W*s and shift b - mean*s
+    (s = gamma / sqrt(var + eps)) get the gradients PyTorch gives W / s and the bias."""
+    module = zoo.make("resnet")
+    path = zoo.export(module, zoo.sample_input("resnet", 3, seed=1), tmp_path / "r.onnx", exporter, mode)
+    imported = import_onnx(path)
+    assert imported.graph.meta["onnx"]["form"] == "inference"
+    assert any("fused" in w and "=False" in w for w in imported.warnings)
+    x = zoo.sample_input("resnet", BATCH, seed=2)
+    ref = ort.InferenceSession(str(path)).run(None, {"x": x.numpy()})[0]
+    assert rel(ours_forward(imported, x, train=False), ref) <= TOL["float32"]
+
+    g = imported.graph
+    y = torch.randint(0, 10, (BATCH,), generator=torch.Generator().manual_seed(4))
+    layout, flat = param_views(imported, g, "float64")
+    gflat = np.zeros_like(flat)
+    Executor(g, np, "float64").forward_backward(layout.views(flat), layout.views(gflat),
+                                                {"x": x.numpy().astype(np.float64), "y": y.numpy()}, seed=0)
+    grads = layout.views(gflat)
+    tm = torch_module(module, False, torch.float64)
+    F.cross_entropy(tm(x.double()), y).backward()
+    # the file holds the fused values rounded to float32: a float32-sized tolerance
+    for conv, bn in _conv_bn_pairs(tm):
+        s = (bn.weight / torch.sqrt(bn.running_var + bn.eps)).detach()
+        fused_w = (conv.weight * s[:, None, None, None]).detach().numpy()
+        fused_b = (bn.bias - bn.running_mean * s).detach().numpy()
+        (w_ir,) = [k for k, v in imported.initial.items() if _close(v, fused_w)]
+        (b_ir,) = [k for k, v in imported.initial.items() if _close(v, fused_b)]
+        assert rel(grads[w_ir], (conv.weight.grad / s[:, None, None, None]).numpy()) <= 1e-5
+        assert rel(grads[b_ir], bn.bias.grad.numpy()) <= 1e-5
+
+
+# ---------------------------------------------------------------- loss heads
+
+
+def _tiny(nodes, inputs, outputs, inits=(), opset=17) -> bytes:
+    """A hand-written ONNX model's bytes."""
+    from onnx import helper
+
+    graph = helper.make_graph(nodes, "tiny", inputs, outputs, initializer=list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]).SerializeToString()
+
+
+def _info(name, shape, elem=1):
+    return onnx.helper.make_tensor_value_info(name, elem, shape)
+
+
+def _linear_model(opset=17) -> bytes:
+    """logits = x @ W with x (batch, 3), W (3, 2)."""
+    w = onnx.numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(3, 2) / 7, "w")
+    return _tiny([onnx.helper.make_node("MatMul", ["x", "w"], ["logits"], name="mm")],
+                 [_info("x", ["batch", 3])], [_info("logits", ["batch", 2])], [w], opset)
+
+
+def test_loss_heads_follow_the_labels():
+    g = import_onnx(_linear_model()).graph
+    assert g.input("y").shape == (None,) and g.input("y").dtype == "int64" and set(g.outputs) == {"loss", "correct"}
+    for kwargs in ({"loss": "mse"}, {"label_dtype": "float"}):
+        g = import_onnx(_linear_model(), **kwargs).graph
+        assert g.input("y").shape == (None, 2) and g.input("y").dtype == "float" and set(g.outputs) == {"loss"}
+        assert g.node(g.outputs["loss"]).op == "mse"
+    with pytest.raises(GraphError, match="integer class labels"):
+        import_onnx(_linear_model(), loss="cross_entropy", label_dtype="float")
+    with pytest.raises(GraphError, match=r"labels are \(3,\) per sample"):
+        import_onnx(_linear_model(), label_shape=[3])
+
+
+def test_a_graph_with_its_own_loss_trains_as_it_is():
+    """Two inputs (x, y) and a float scalar output: that output is the loss."""
+    h = onnx.helper
+    w_value = np.arange(6, dtype=np.float32).reshape(3, 2) / 7
+    nodes = [h.make_node("MatMul", ["x", "w"], ["pred"]), h.make_node("Sub", ["pred", "target"], ["d"]),
+             h.make_node("Mul", ["d", "d"], ["sq"]), h.make_node("ReduceMean", ["sq"], ["mse"], keepdims=0)]
+    model = _tiny(nodes, [_info("x", ["batch", 3]), _info("target", ["batch", 2])],
+                  [_info("mse", []), _info("pred", ["batch", 2])], [onnx.numpy_helper.from_array(w_value, "w")])
+    imported = import_onnx(model)
+    g = imported.graph
+    assert set(g.outputs) == {"loss"} and g.input("y").shape == (None, 2) and g.meta["onnx"]["output"] == "pred"
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((5, 3)), rng.standard_normal((5, 2))
+    layout, flat = param_views(imported, g, "float64")
+    gflat = np.zeros_like(flat)
+    out = Executor(g, np, "float64").forward_backward(layout.views(flat), layout.views(gflat), {"x": x, "y": y})
+    d = x @ w_value - y
+    assert out["loss"] == pytest.approx((d * d).mean(), rel=1e-12)
+    assert rel(layout.views(gflat)["w"], 2 * x.T @ d / d.size) <= 1e-12
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_an_unsupported_op_is_named_with_its_node_and_the_supported_ops():
+    h = onnx.helper
+    model = _tiny([h.make_node("Relu", ["x"], ["r"]), h.make_node("HardSwish", ["r"], ["out"], name="act_7")],
+                  [_info("x", ["batch", 3])], [_info("out", ["batch", 3])])
+    with pytest.raises(GraphError) as err:
+        import_onnx(model)
+    assert str(err.value) == (f"ONNX node 'act_7': op type 'HardSwish' is not supported; supported ops: "
+                              f"{', '.join(sorted(ONNX_OPS))}")
+
+
+def test_malformed_files_and_unsupported_opsets_fail_clearly(tmp_path):
+    with pytest.raises(GraphError, match="ONNX bytes is not a valid ONNX model"):
+        import_onnx(b"\x08\x07garbage that is no protobuf \xff\xff")
+    with pytest.raises(GraphError, match="no such file"):
+        import_onnx(tmp_path / "missing.onnx")
+    with pytest.raises(GraphError, match="opset 12; hpc_rlx imports opsets 13 to"):
+        import_onnx(_linear_model(opset=12))
+    newest = onnx.defs.onnx_opset_version()
+    assert import_onnx(_linear_model(opset=newest)).graph.meta["onnx"]["opset"] == newest
+    with pytest.raises(GraphError, match=f"opset {newest + 1}"):
+        import_onnx(_linear_model(opset=newest + 1))
+
+
+def test_shapes_that_cannot_be_made_static_fail_clearly():
+    h = onnx.helper
+    two_rows = onnx.numpy_helper.from_array(np.array([2, -1], np.int64), "two_rows")
+    mixes = _tiny([h.make_node("Reshape", ["x", "two_rows"], ["out"], name="rows")],
+                  [_info("x", ["batch", 4])], [_info("out", [2, "n"])], [two_rows])
+    with pytest.raises(GraphError, match=r"ONNX node 'rows' \(Reshape\): .*mixes samples.*cannot be made static"):
+        import_onnx(mixes)
+    zero, one = (onnx.numpy_helper.from_array(np.array(v, np.int64), n) for v, n in ((0, "zero"), (1, "one")))
+    axes = onnx.numpy_helper.from_array(np.array([1], np.int64), "axes")
+    counts = _tiny([h.make_node("Shape", ["x"], ["s"]), h.make_node("Gather", ["s", "zero"], ["b"]),
+                    h.make_node("Range", ["zero", "b", "one"], ["r"]), h.make_node("Cast", ["r"], ["rf"], to=1),
+                    h.make_node("Unsqueeze", ["rf", "axes"], ["col"]),
+                    h.make_node("Add", ["x", "col"], ["out"], name="add")],
+                   [_info("x", ["batch", 4])], [_info("out", ["batch", 4])], [zero, one, axes])
+    with pytest.raises(GraphError, match=r"ONNX node 'add' \(Add\): dynamic shape .* cannot be made static"):
+        import_onnx(counts)
+    seq = _tiny([h.make_node("Relu", ["x"], ["out"])], [_info("x", ["batch", "seq"])], [_info("out", ["batch", "seq"])])
+    with pytest.raises(GraphError, match="dim 1 is 'seq': only the batch dim"):
+        import_onnx(seq)
+
+
+@pytest.mark.parametrize("name", ["gpt", "vit"])
+def test_dynamo_files_without_its_optimizer_import(tmp_path, name):
+    """dynamo with optimize=False writes torch.split as SplitToSequence + SequenceAt and x[:, 0]
+    as a whole-batch Slice followed by a Gather: both import, and match ONNX Runtime."""
+    module = zoo.make(name)
+    path = zoo.export(module, zoo.sample_input(name, 2), tmp_path / f"{name}.onnx", "dynamo", "eval",
+                      optimize=False)
+    ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert ("SplitToSequence" in ops) if name == "gpt" else ("Slice" in ops)
+    imported = import_onnx(path)
+    x = zoo.sample_input(name, 3, seed=4)
+    session = ort.InferenceSession(str(path))
+    ref = session.run(None, {session.get_inputs()[0].name: feed(x, "float32")})[0]
+    assert rel(ours_forward(imported, x, train=False), ref) <= 1e-5
