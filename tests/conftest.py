@@ -7,6 +7,7 @@ Layout: `unit/<package>/` runs in one process without MPI; `mpi/<package>/` laun
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,14 @@ from tests.support import mpi_launch
 TESTS = Path(__file__).resolve().parent
 # a test under these folders needs MPI, whatever its own marks say
 MPI_FOLDERS = ("mpi", "cluster")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): most tests spend their time waiting on subprocesses
+    (mpirun jobs, a Slurm cluster, timeouts), so two workers per core keep the cores busy; past
+    that the ranks of concurrent jobs only take turns."""
+    cores = len(os.sched_getaffinity(0))
+    return max(2, min(2 * cores, 8))
 
 
 def pytest_collection_modifyitems(config, items):

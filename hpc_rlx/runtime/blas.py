@@ -11,9 +11,33 @@ plain NumPy/CuPy expression.
 
 from __future__ import annotations
 
-import numpy as np
-from scipy.linalg import blas as _blas
+import glob
+import importlib.machinery
+import importlib.util
+import os
 
+import numpy as np
+
+
+def _load_fblas():
+    """SciPy's compiled BLAS wrappers (``scipy.linalg._fblas``) without ``import scipy.linalg``,
+    which executes the whole of scipy.linalg and its array-API shims: about half a second of
+    every rank's start-up for four routines. Any surprise in SciPy's layout falls back to the
+    public module."""
+    try:
+        scipy_dir = os.path.dirname(importlib.util.find_spec("scipy").origin)
+        (path,) = glob.glob(os.path.join(scipy_dir, "linalg", "_fblas.*"))
+        loader = importlib.machinery.ExtensionFileLoader("scipy.linalg._fblas", path)
+        module = importlib.util.module_from_spec(
+            importlib.util.spec_from_file_location("scipy.linalg._fblas", path, loader=loader))
+        loader.exec_module(module)
+        return module
+    except Exception:  # noqa: BLE001 - the public import is always right, only slower
+        from scipy.linalg import blas
+        return blas
+
+
+_blas = _load_fblas()
 _AXPY = {np.dtype(np.float32): _blas.saxpy, np.dtype(np.float64): _blas.daxpy}
 _SCAL = {np.dtype(np.float32): _blas.sscal, np.dtype(np.float64): _blas.dscal}
 

@@ -22,7 +22,7 @@ from tests.support.jobs import REPO, write_small_classification
 from tests.support.mpi_launch import MPI_IMPL, MPIRUN, PYTHON
 from tests.support.netns_cluster import SCRATCH, EmulatedCluster, can_emulate
 
-pytestmark = [pytest.mark.mpi, pytest.mark.multihost, pytest.mark.openmpi]
+pytestmark = [pytest.mark.mpi, pytest.mark.multihost, pytest.mark.openmpi, pytest.mark.xdist_group("multihost")]
 
 MPI_NAME = {"mpich": "MPICH", "openmpi": "Open MPI"}[MPI_IMPL]
 

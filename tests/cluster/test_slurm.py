@@ -24,6 +24,9 @@ from hydra_plugins.hpc_rlx_slurm import slurm_jobs
 from tests.support.jobs import REPO, read_metrics
 from tests.support.slurm_cluster import ClusterUnavailable, SlurmCluster, require_slurm
 
+# the module's cluster fixture is built once, on one pytest-xdist worker
+pytestmark = pytest.mark.xdist_group("slurm")
+
 TRAIN_SH = REPO / "slurm" / "train.sh"
 VENV = Path(sys.executable).parent.parent
 SMALL = ["train.batch_size=64", "model.hidden=[32]", "report.plots=false"]

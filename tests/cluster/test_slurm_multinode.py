@@ -25,6 +25,9 @@ from tests.support.netns_cluster import EmulatedCluster, can_emulate
 from tests.support.slurm_cluster import ClusterUnavailable, check_prerequisites, require_slurm
 from tests.support.slurm_multinode import MultiNodeSlurm, cgroup_mounts, remount_script
 
+# the module's cluster fixture is built once, on one pytest-xdist worker
+pytestmark = pytest.mark.xdist_group("slurm-multinode")
+
 
 TRAIN_SH = REPO / "slurm" / "train.sh"
 # the PMI each MPI speaks, and how its library names itself; slurm/train.sh must find it by itself

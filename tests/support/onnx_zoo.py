@@ -10,11 +10,15 @@ distinct values also let a test find each imported parameter's PyTorch counterpa
 
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from tests.support.shared import exclusive
 
 
 class LeNet5(nn.Module):
@@ -245,13 +249,38 @@ def export(module: nn.Module, example: torch.Tensor, path, exporter: str, mode: 
                               output_names=["logits"], dynamic_axes={"x": {0: "batch"}}, training=training,
                               do_constant_folding=mode != "train" and optimize,
                               **({"opset_version": opset} if opset else {}))
+    module.load_state_dict(state)
+    return hold_file_buffers(module, path)
+
+
+def hold_file_buffers(module: nn.Module, path):
+    """Set ``module``'s buffers (batch norm's running statistics) to the values the ONNX file at
+    ``path`` holds, where the file has them; returns ``path``."""
     import onnx
     from onnx import numpy_helper
 
     written = {t.name: t for t in onnx.load(str(path)).graph.initializer}
-    buffers = dict(module.named_buffers())
-    for key, value in state.items():
-        if key in buffers and key in written and tuple(written[key].dims) == tuple(value.shape):
-            value.copy_(torch.from_numpy(numpy_helper.to_array(written[key]).copy()))
-    module.load_state_dict(state)
+    with torch.no_grad():
+        for key, value in module.named_buffers():
+            if key in written and tuple(written[key].dims) == tuple(value.shape):
+                value.copy_(torch.from_numpy(numpy_helper.to_array(written[key]).copy()))
     return path
+
+
+def export_zoo_model(name: str, cache_dir, exporter: str, mode: str, optimize: bool = True,
+                     batch: int = 3, seed: int = 1) -> tuple[nn.Module, Path]:
+    """``make(name)`` exported as ``export`` does it with ``sample_input(name, batch, seed)``,
+    through a file cache in ``cache_dir`` that the test modules and pytest-xdist workers of one
+    run share (see ``tests.support.shared.run_dir``): a dynamo export takes seconds, and the same
+    file serves the import, training and export tests. Returns the module (holding the file's
+    buffers, as after ``export``) and the file."""
+    module = make(name)
+    path = Path(cache_dir) / f"{name}-{exporter}-{mode}-{'opt' if optimize else 'plain'}-b{batch}s{seed}.onnx"
+    with exclusive(path.with_suffix(".lock")):
+        if path.exists():
+            module.train(mode == "train")
+            return module, hold_file_buffers(module, path)
+        partial = path.with_suffix(".partial.onnx")
+        export(module, sample_input(name, batch, seed=seed), partial, exporter, mode, optimize)
+        os.replace(partial, path)
+    return module, path

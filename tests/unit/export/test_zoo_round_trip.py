@@ -22,6 +22,7 @@ st = pytest.importorskip("safetensors.torch")
 onnx_import = pytest.importorskip("hpc_rlx.graph.onnx_import")
 
 from tests.support import onnx_zoo as zoo  # noqa: E402
+from tests.support.shared import run_dir  # noqa: E402
 
 CASES = [(m, e, mode) for m in zoo.ZOO for e in ("dynamo", "torchscript") for mode in ("train", "eval")]
 # the default suite: batch norm (both exporters), a tied head and attention, folded weights; the rest is slow
@@ -37,14 +38,12 @@ def exported(tmp_path_factory):
     """(module constructor, source file bytes, ImportedModel) per case, made once. "plain": no
     graph optimisation (dynamo optimize=False, no TorchScript constant folding), as the README
     asks for; "optimized": the exporters' defaults (folded weights, batch norm fused)."""
-    cache = {}
+    cache, files = {}, run_dir(tmp_path_factory, "onnx-zoo")
 
     def get(name, exporter, mode, form):
         key = (name, exporter, mode, form)
         if key not in cache:
-            module = zoo.make(name)
-            path = tmp_path_factory.mktemp("zoo") / f"{name}_{exporter}_{mode}_{form}.onnx"
-            zoo.export(module, zoo.sample_input(name, 3, seed=1), path, exporter, mode, optimize=form == "optimized")
+            _, path = zoo.export_zoo_model(name, files, exporter, mode, optimize=form == "optimized")
             try:
                 imported = onnx_import.import_onnx(path)
             except GraphError as e:  # which files import is tests/unit/graph/test_onnx_import.py's subject

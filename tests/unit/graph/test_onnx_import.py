@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 from hpc_rlx.graph.onnx_import import ONNX_OPS, import_onnx  # noqa: E402
 
 from tests.support import onnx_zoo as zoo  # noqa: E402
+from tests.support.shared import run_dir  # noqa: E402
 
 F = torch.nn.functional
 # float64 checks the math; float32 only that nothing is lost beyond rounding, which depends on the
@@ -54,15 +55,13 @@ def exported(tmp_path_factory):
     convolutions only without the exporters' graph optimisations (dynamo's optimize, TorchScript's
     constant folding in eval mode): a fused batch norm has no PyTorch parameters to compare
     gradients with one by one (see test_fused_batch_norm_trains_as_a_fixed_scale_and_shift)."""
-    cache = {}
+    cache, files = {}, run_dir(tmp_path_factory, "onnx-zoo")
 
     def get(name, exporter, mode):
         key = (name, exporter, mode)
         if key not in cache:
-            module = zoo.make(name)
-            path = tmp_path_factory.mktemp("onnx") / f"{name}_{exporter}_{mode}.onnx"
-            optimize = not zoo.has_batch_norm(module)
-            zoo.export(module, zoo.sample_input(name, 3, seed=1), path, exporter, mode, optimize)
+            optimize = not zoo.has_batch_norm(zoo.make(name))
+            module, path = zoo.export_zoo_model(name, files, exporter, mode, optimize)
             cache[key] = (module, path, import_onnx(path))
         return cache[key]
 
