@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import csv
 import os
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -153,6 +155,10 @@ def _attrs(f, src: str, classes: int | None, extra: dict) -> None:
 def _convert_npz(src, out, label, x_name, dtype, regression, num_classes) -> Converted:
     try:
         archive = np.load(src, allow_pickle=False)
+    except zipfile.BadZipFile as e:
+        # a zip archive cut short (a download or copy) has lost its central directory
+        raise DataError(f"{src!r} is not a readable .npz file ({e}): it is damaged or cut "
+                        "short; copy or download it again") from None
     except (OSError, ValueError, EOFError) as e:
         raise DataError(f"{src!r} is not a readable .npz file: {e}") from None
     if not hasattr(archive, "files"):
@@ -200,6 +206,10 @@ def _convert_npz(src, out, label, x_name, dtype, regression, num_classes) -> Con
 def _load_member(archive, name: str, src: str) -> np.ndarray:
     try:
         return np.asarray(archive[name])
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
+        # a damaged member: bad CRC, a broken compressed stream, bytes missing
+        raise DataError(f"array {name!r} in {src!r} is corrupt ({e}): the file was damaged, "
+                        "e.g. in a download or copy; copy or download it again") from None
     except ValueError as e:   # object arrays need pickle, which is never enabled here
         raise DataError(f"array {name!r} in {src!r} cannot be read without pickle ({e}); "
                         "save it as a numeric array") from None

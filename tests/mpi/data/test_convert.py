@@ -4,6 +4,7 @@ Real files in, real HDF5 files out, and a real training job on a converted file.
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import h5py
@@ -193,6 +194,28 @@ def test_npz_errors(tmp_path):
     with pytest.raises(DataError, match=r"is not a readable \.npz file"):
         cv.convert(tmp_path / "fake.npz", tmp_path / "o.h5", "y")
     assert not (tmp_path / "o.h5").exists()
+
+
+def test_damaged_npz_is_one_error_line_and_keeps_the_output(tmp_path):
+    """An archive cut short (no zip directory) and one with a corrupt member (bad CRC): one
+    `error:` line each, exit 1, and the existing output, even with --force, is left as it was."""
+    x, y = _table(rows=40)
+    np.savez(tmp_path / "good.npz", x=x, y=y)
+    whole = (tmp_path / "good.npz").read_bytes()
+    (tmp_path / "truncated.npz").write_bytes(whole[:len(whole) // 2])
+    damaged = bytearray(whole)
+    damaged[100] ^= 0xFF          # inside the first member's data: its CRC no longer matches
+    (tmp_path / "corrupt.npz").write_bytes(bytes(damaged))
+    out = tmp_path / "o.h5"
+    out.write_bytes(b"an earlier conversion")
+    for name, message in (("truncated.npz", r"is not a readable \.npz file \(File is not a zip file\)"),
+                          ("corrupt.npz", r"array 'x' in .* is corrupt \(Bad CRC-32")):
+        proc = cli(tmp_path / name, "--label", "y", "--out", out, "--force")
+        assert proc.returncode == 1, explain(proc)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), explain(proc)
+        assert re.search(message, lines[0]) and "again" in lines[0], lines[0]
+        assert out.read_bytes() == b"an earlier conversion"
 
 
 # ---- the command line and training on the result --------------------------------------------
