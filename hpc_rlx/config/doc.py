@@ -1,8 +1,8 @@
-"""The README's config table, generated from the declarations of `config.schema`.
+"""The config table of docs/config.md, generated from the declarations of `config.schema`.
 
     python -m hpc_rlx.config.doc        # prints the table, between its markers
 
-`tests/unit/config/test_schema.py` fails when README.md does not hold exactly this text.
+`tests/docs/test_config_reference.py` fails when docs/config.md does not hold exactly this text.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ ORDER = ("train", "model", "data", "optim", "device", "comm", "parallel", "repor
 
 
 def config_table() -> str:
-    """The README's config table: one row per key, by section, then `policy.*`."""
+    """docs/config.md's config table: one row per key, by section, then `policy.*`."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for key in sorted(KEYS, key=lambda k: ORDER.index(k.section)):
         if key.section in GROUPS and key.name == GROUPS[key.section][0]:

@@ -3,7 +3,7 @@
 The YAML files in `configs/` are what Hydra composes and what users read; this table is what
 the code reads. `tests/unit/config/test_schema.py` holds the two together (every YAML key is
 declared here with the same default, every key declared here is in the YAML), and the
-README's config table is generated from it (`hpc_rlx.config.doc`).
+config table of docs/config.md is generated from it (`hpc_rlx.config.doc`).
 
 - Sections with one shape (`train`, `comm`, `report`, `trace`, `debug`, `resume`) declare a
   default per key.
@@ -16,8 +16,8 @@ README's config table is generated from it (`hpc_rlx.config.doc`).
 - `policy.*` keys are declared by each policy class (`Policy.defaults`, `Policy.key_docs`,
   `Policy.check_config`) and only referred to here.
 
-Adding a key: one `Key(...)` line here, the key in its YAML file, and the regenerated README
-table. Code reads it through the validated, completed section (`complete`), never with a
+Adding a key: one `Key(...)` line here, the key in its YAML file, and the regenerated table
+of docs/config.md. Code reads it through the validated, completed section (`complete`), never with a
 default of its own; a TrainSpec's sections refuse any key not declared here
 (`config/section.py`).
 """
@@ -94,7 +94,7 @@ class Key:
             check(self.label or self.path, value, world_size)
 
 
-# group -> (the key that names the option, its options in the order the README lists them,
+# group -> (the key that names the option, its options in the order docs/config.md lists them,
 # the option config.yaml selects)
 GROUPS: dict[str, tuple[str | None, tuple[str, ...], str]] = {
     "model": ("name", ("mlp", "cnn", "transformer_lm", "graph", "onnx"), "mlp"),
@@ -195,7 +195,7 @@ KEYS: tuple[Key, ...] = (
         number(0, null=True, must="must be null (off) or a number of seconds >= 0")),
     Key("comm.stall_abort_s", (str, int, float), "auto", "`auto` aborts a job that is stuck (no rank "
         "alive and busy outside a collective) after 600 s, a number aborts after that long whatever "
-        "the other ranks do, `null` never (RELIABILITY.md)",
+        "the other ranks do, `null` never (docs/reliability.md)",
         Check(_stall_abort, "must be auto, null (never) or a number of seconds > 0")),
     Key("comm.cuda_aware", (str, bool), "auto", "`auto`, `true` or `false`: all-reduce the GPU bucket "
         "directly or through pinned host memory (checked by the lanes)"),
@@ -276,7 +276,7 @@ KEYS: tuple[Key, ...] = (
         "file's or label dataset's `num_classes`/`vocab_size` attribute, else the training labels' "
         "largest value + 1"),
     Key("model.path", str, Options(graph="???", onnx="???"), "the graph JSON file (`graph`) or ONNX "
-        "file (`onnx`; see README: \"Bring your PyTorch model\")"),
+        "file (`onnx`; see docs/pytorch.md)"),
     Key("model.loss", str, Options(onnx="auto"), "`auto` (cross-entropy for integer labels, MSE for "
         "float targets, or the file's own scalar loss), `cross_entropy` or `mse`",
         OneOf("auto", "cross_entropy", "mse")),

@@ -4,7 +4,7 @@
 - `mkl`: Intel MKL's ``cblas_sgemm`` / ``cblas_dgemm`` through ctypes, from the `mkl` wheel
   (`pip install mkl`, or the `mkl` extra of hpc_rlx) or a site's ``libmkl_rt`` on the library
   path. On the Intel Xeon this was measured on, MKL's one-thread products of the MLP step
-  took 0.73-0.81x the time of OpenBLAS's (`bench/bench_engine.py`, `bench/README.md`).
+  took 0.73-0.82x the time of OpenBLAS's (`bench/bench_engine.py`, `bench/README.md`).
 
 Only a 2-D product of two float32 (or two float64) matrices, each contiguous or the transpose
 of a contiguous one (what the engine's linear and convolution GEMMs pass), goes to MKL; every

@@ -76,7 +76,7 @@ class Policy:
     """Base of every policy. Subclasses set `name` and `defaults` and implement `run_epoch`.
 
     Class level (no MPI): `defaults` are the `policy.*` keys the policy takes with their
-    default values, `key_docs` one line of documentation each (the README's config table);
+    default values, `key_docs` one line of documentation each (docs/config.md's table);
     `check_config` normalises and checks them (raising ConfigError).
     Instance level: `run_epoch` trains one epoch through a `TrainingLoop`.
     """

@@ -1,6 +1,6 @@
-"""The config schema (`hpc_rlx.config.schema`) against the YAML groups and the README: every
-key is declared once, with the default its YAML file gives it, and documented in the README's
-generated table; every option of every config group composes and validates."""
+"""The config schema (`hpc_rlx.config.schema`) against the YAML groups: every key is declared
+once, with the default its YAML file gives it; every option of every config group composes and
+validates. docs/config.md's generated table: tests/docs/test_config_reference.py."""
 
 from __future__ import annotations
 
@@ -12,12 +12,10 @@ from omegaconf import OmegaConf
 
 from hpc_rlx.config import schema as schema
 from hpc_rlx.__main__ import _CONFIG_DIR
-from hpc_rlx.config.doc import TABLE_BEGIN, TABLE_END, config_table
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.policies.registry import POLICIES
 from hpc_rlx.config.spec import validate_config
 
-from tests.support.jobs import REPO
 
 CONFIGS = Path(_CONFIG_DIR)
 FIXED = ("train", "comm", "parallel", "report", "trace", "debug")
@@ -146,18 +144,6 @@ def test_a_hand_made_config_is_completed_with_the_declared_defaults():
 def test_a_group_section_renamed_to_another_option_is_refused():
     with pytest.raises(ConfigError, match=r"optim.name='adamw' does not take \['momentum', 'nesterov'\]"):
         validate_config(_compose(["optim.name=adamw"]))
-
-
-def test_the_readme_holds_the_generated_config_table():
-    readme = (REPO / "README.md").read_text()
-    assert TABLE_BEGIN + config_table() + TABLE_END in readme, \
-        "README.md's config table differs from the schema: python -m hpc_rlx.config.doc prints it"
-    table = readme.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0]
-    documented = {row.split("`")[1] for row in table.splitlines()[2:]}
-    declared = {k.path for k in schema.KEYS if not (k.section in schema.GROUPS
-                                                   and k.name == schema.GROUPS[k.section][0])}
-    declared |= {f"policy.{k}" for cls in POLICIES.values() for k in cls.defaults}
-    assert documented == declared, (sorted(documented - declared), sorted(declared - documented))
 
 
 def test_bool_keys_take_only_true_or_false():
