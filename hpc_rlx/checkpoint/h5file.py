@@ -33,6 +33,7 @@ import h5py
 import numpy as np
 
 from hpc_rlx import __version__
+from hpc_rlx.checkpoint.graph_match import different_graph
 from hpc_rlx.errors import CheckpointError
 
 FORMAT = "hpc_rlx-checkpoint"
@@ -417,7 +418,4 @@ def check_compatible(state: CheckpointState, graph_fingerprint: str) -> None:
         raise CheckpointError(f"checkpoint {where} records no model graph fingerprint, so it cannot "
                               f"be matched to the current model (fingerprint {graph_fingerprint})")
     if have != graph_fingerprint:
-        raise CheckpointError(
-            f"checkpoint {where} was written for a different model graph (checkpoint graph {have}, "
-            f"current graph {graph_fingerprint}); resume with the model config it was trained with, "
-            f"or train the new model in a new run directory (hydra.run.dir=...)")
+        raise different_graph(f"checkpoint {where}", "checkpoint", have, graph_fingerprint, "resume")

@@ -33,6 +33,7 @@ from hpc_rlx.checkpoint import (
     read_checkpoint,
 )
 from hpc_rlx.checkpoint.cadence import BestWatch, Cadence
+from hpc_rlx.checkpoint.graph_match import check_run_dir_graph
 from hpc_rlx.checkpoint.staged_file import open_arrays
 from hpc_rlx.checkpoint.stages import StagedCheckpoint
 from hpc_rlx.comm import collective
@@ -349,9 +350,13 @@ class RuntimeCheckpoints:
 
         def _load():
             state = self._read_choice()
+            if state is not None:
+                self._check(state)
+            # with or without checkpoints, the run directory's graph.json is the model its
+            # model.h5 and metrics belong to
+            check_run_dir_graph(self.spec.run_dir, self.fingerprint)
             if state is None:
                 return None
-            self._check(state)
             # Best tracking from the recorded history, later checkpoints moved aside: only
             # now that the checkpoint has been accepted.
             self.manager.restore_history(state, warn=self._warn)

@@ -5,6 +5,7 @@ training. Real mpirun jobs; the lock is a real flock held by a real process."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import signal
@@ -20,7 +21,8 @@ from hpc_rlx.config.rundirs import claim_timestamp_dir
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.observe.run_lock import LOCK_NAME, RunDirLock
 
-from tests.support.jobs import PYTHON, REPO, explain, launch_cmd, mpi_env, read_metrics, train_job
+from tests.support.jobs import (PYTHON, REPO, explain, launch_cmd, mpi_env, read_metrics, train_job,
+                                write_small_classification)
 
 SMALL = ["model.hidden=[16]", "report.plots=false", "train.batch_size=64"]
 
@@ -166,3 +168,34 @@ def test_resume_none_is_refused_where_a_training_is(tmp_path, digits_h5):
     c = train_job(2, tmp_path / "new", ["model=cnn", "report.plots=false", f"data.path={digits_h5}",
                                         "train.epochs=1", "resume=none"], timeout=120)
     assert c.returncode == 0, explain(c)
+
+
+# ---------------------------------------------------------------------------- another model
+
+@pytest.mark.mpi
+def test_another_model_in_a_run_directory_without_checkpoints_is_refused(tmp_path):
+    """checkpoint=off leaves no checkpoint to compare, but graph.json says which model the
+    directory's model.h5, config.yaml and metrics belong to: another graph is refused with the
+    checkpoint case's message, the same graph is a new segment."""
+    data = write_small_classification(tmp_path / "wine.h5", rows=96, seed=3)
+    run = tmp_path / "run"
+    base = ["model=mlp", "data=file", f"data.path={data}", "model.num_classes=3", "train.epochs=1",
+            "checkpoint=off", "train.batch_size=32"]
+    a = train_job(2, run, base + ["model.hidden=[16]"], timeout=120)
+    assert a.returncode == 0, explain(a)
+    before = _digest(run)
+    assert "model.h5" in before and "graph.json" in before
+    b = train_job(2, run, base + ["model.hidden=[32]"], timeout=120)
+    assert b.returncode == 2, explain(b)
+    errors = [ln for ln in b.stderr.splitlines() if ln.startswith("hpc_rlx: error")]
+    assert len(errors) == 1 and "Traceback" not in b.stderr, explain(b)
+    assert f"run directory {run} was written for a different model graph (graph.json graph " in errors[0]
+    assert "hydra.run.dir=" in errors[0], errors[0]
+    assert _digest(run) == before, "the first model's files changed"
+    # the same model again: a new segment of the directory, as before
+    c = train_job(2, run, base + ["model.hidden=[16]"], timeout=120)
+    assert c.returncode == 0, explain(c)
+    assert (run / "config.segment-2.yaml").is_file(), explain(c)
+    assert _digest(run)["config.yaml"] == before["config.yaml"]
+    events = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e.get("segment") for e in events if e.get("event") == "segment"] == [2], events
