@@ -185,6 +185,14 @@ def sweep_text(sweep_dir: Path, rows: list[dict]) -> str:
     return head + "\n" + common + render(compact)
 
 
+def _plots_not_written(e: OSError, where) -> None:
+    """The summary is printed already: a run directory one cannot write (a colleague's run, an
+    archive, a read-only mount) loses only its plots, with where else they can go."""
+    print(f"hpc_rlx.report: warning: plots not written: {e.filename or where}: "
+          f"{e.strerror or e}; write them elsewhere with --out DIR, or print the summary "
+          f"alone with --no-plots", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hpc_rlx.report",
                                 description="Plots and a text summary of a run or sweep directory.")
@@ -207,6 +215,8 @@ def main(argv=None) -> int:
                 made = write_plots(path, args.out)
             except ImportError:
                 print("plots: skipped, matplotlib is not installed (pip install 'hpc_rlx[report]')")
+            except OSError as e:
+                _plots_not_written(e, args.out or path)
             else:
                 if args.points and is_sweep_dir(path):
                     for r in sweep_rows(path):
@@ -214,6 +224,8 @@ def main(argv=None) -> int:
                             made += write_plots(path / r["point"])
                         except HpcRlxError as e:
                             print(f"point {r['point']}: {e}")
+                        except OSError as e:
+                            _plots_not_written(e, path / r["point"])
                 print("plots: " + (", ".join(str(m) for m in made) if made else "nothing to plot"))
     except HpcRlxError as e:
         print(f"hpc_rlx.report: error: {e}", file=sys.stderr)

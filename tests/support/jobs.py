@@ -50,14 +50,27 @@ def with_private_dev_shm(size: str, cmd: list[str]) -> list[str]:
     """``cmd`` in its own mount namespace over a real tmpfs of ``size`` on /dev/shm: what a
     container's small /dev/shm looks like to MPI and to hpc_rlx. Skips the test where that
     cannot be made (not root, no unshare); with HPC_RLX_REQUIRE_NETNS=1 (CI) it fails instead."""
+    _need_mount_namespace("a private /dev/shm needs root and unshare(1)")
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c",
+            f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$@"', "sh"] + cmd
+
+
+def _need_mount_namespace(why: str) -> None:
+    """Skip where a private mount namespace cannot be made; with HPC_RLX_REQUIRE_NETNS=1 (CI) fail."""
     import shutil
     if os.geteuid() != 0 or not shutil.which("unshare"):
-        why = "a private /dev/shm needs root and unshare(1)"
         if os.environ.get("HPC_RLX_REQUIRE_NETNS") == "1":
             pytest.fail(f"HPC_RLX_REQUIRE_NETNS=1 but {why}")
         pytest.skip(why)
+
+
+def with_read_only(path: Path, cmd: list[str]) -> list[str]:
+    """``cmd`` in its own mount namespace where ``path`` is a read-only bind mount of itself:
+    a colleague's run or an archive as its reader sees it. Root ignores mode bits, so a chmod
+    would not stop a write; a read-only mount does. Nothing leaks to the host's mounts."""
+    _need_mount_namespace("a read-only mount needs root and unshare(1)")
     return ["unshare", "-m", "--propagation", "private", "sh", "-c",
-            f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$@"', "sh"] + cmd
+            'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"', str(path)] + cmd
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:

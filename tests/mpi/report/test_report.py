@@ -13,7 +13,7 @@ import pytest
 from hpc_rlx.report import text as report
 from hpc_rlx.errors import HpcRlxError
 
-from tests.support.jobs import REPO, explain, mpirun, read_metrics
+from tests.support.jobs import REPO, explain, mpirun, read_metrics, with_read_only
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -197,6 +197,29 @@ def test_cli_on_run_and_sweep_and_errors(tmp_path):
     proc = subprocess.run(cmd + [str(tmp_path / "nope")], capture_output=True, text=True, timeout=60,
                           cwd=REPO, env=env)
     assert proc.returncode == 1 and str(tmp_path / "nope") in proc.stderr
+
+
+def test_a_run_directory_one_cannot_write_still_gets_its_summary(tmp_path):
+    """A read-only mount (an archive, a colleague's run): the summary, then one warning line
+    that names where the plots could not go and the flags that choose another place; exit 0
+    and the directory as it was. --out, as the warning says, writes them elsewhere."""
+    run = make_run(tmp_path / "r")
+    before = sorted(p.name for p in run.iterdir())
+    cmd = [sys.executable, "-m", "hpc_rlx.report", str(run)]
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    proc = subprocess.run(with_read_only(run, cmd), capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert proc.returncode == 0, explain(proc)
+    assert "rank 2 is the slowest" in proc.stdout, explain(proc)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, explain(proc)
+    assert lines[0].startswith("hpc_rlx.report: warning: plots not written: ") and str(run / "plots") in lines[0]
+    assert "--out DIR" in lines[0] and "--no-plots" in lines[0], lines[0]
+    assert sorted(p.name for p in run.iterdir()) == before
+    out = tmp_path / "elsewhere"
+    proc = subprocess.run(with_read_only(run, cmd + ["--out", str(out)]), capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=env)
+    assert proc.returncode == 0 and not proc.stderr.strip(), explain(proc)
+    assert (out / "curves.png").is_file()
 
 
 # ---- a real run ------------------------------------------------------------------------------
