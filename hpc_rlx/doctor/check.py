@@ -33,6 +33,7 @@ from hpc_rlx.doctor.probe import (
     collect_local,
     data_file_problem,
     gpu_check,
+    lane_problem,
     mpi_facts,
     nearest_existing,
     safe_call,
@@ -123,6 +124,7 @@ def analyse(records: list[dict], *, shared: dict | None = None, cwd_files: dict 
             f"{rank_span([f['rank'] for f in failed])}): {r['gpu_check']['problem']}. CuPy sees the "
             "GPU but not its CUDA libraries: load the CUDA module, or pip install "
             "'cupy-cuda12x[ctk]' (cupy-cuda13x[ctk] for CUDA 13).")
+    warnings += lane_warnings(records)
     for r in records:
         if r.get("gpus") and r.get("cuda_aware") == "no":
             warnings.append(f"{r['host']} has {r['gpus']} GPU(s) but this MPI is not CUDA-aware: "
@@ -186,6 +188,17 @@ def _gpu_check_note(records: list[dict]) -> str:
     if not bad:
         return f"; kernel, GEMM and pinned copy ok on the GPU of each of {len(checked)} rank(s)"
     return f"; {len(bad)} of {len(checked)} rank(s) cannot run on their GPU (see the warnings)"
+
+
+def lane_warnings(records: list[dict]) -> list[str]:
+    """Ranks whose lanes cannot start under the run's device settings, one line per reason."""
+    by_problem = defaultdict(list)
+    for r in records:
+        if r.get("lanes_problem"):
+            by_problem[r["lanes_problem"]].append(r)
+    return [f"the run would stop at start-up on ranks {rank_span([r['rank'] for r in recs])} "
+            f"({', '.join(sorted({r['host'] for r in recs}))}): {problem}"
+            for problem, recs in sorted(by_problem.items())]
 
 
 def data_file_warnings(records: list[dict], settings: dict | None) -> list[str]:
@@ -350,6 +363,7 @@ def main(argv=None) -> int:
     layout = safe_call(lambda: node_layout(comm), (0, 1))
     local, rec["ranks_on_node"] = layout if isinstance(layout, tuple) else (0, None)
     rec["gpu_check"] = safe_call(lambda: gpu_check(local), None)
+    rec["lanes_problem"] = safe_call(lambda: lane_problem(settings, local), "")
     records = comm.gather(rec, root=0)
     shared = _check_shared(comm, nearest_existing(run_dir)) if comm.size > 1 else None
     if comm.rank != 0:

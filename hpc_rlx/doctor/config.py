@@ -13,7 +13,7 @@ from hpc_rlx.errors import ConfigError
 
 
 def training_settings(overrides: list[str]) -> dict:
-    """The thread-related training settings for these config overrides, composed and validated
+    """The training settings the doctor checks (threads, devices, data) for these config overrides, composed and validated
     as `python -m hpc_rlx OVERRIDES` would; ConfigError with the training run's message."""
     problem = config_problem(overrides)   # the entry point's own message for a bad override
     if problem:
@@ -26,6 +26,9 @@ def training_settings(overrides: list[str]) -> dict:
     files = [] if data.get("prepare") else [p for p in (data["path"], data.get("val_path")) if p]
     return {"threads_per_rank": cfg["train"]["threads_per_rank"],
             "cpu_lanes": cfg["device"]["cpu_lanes"],
+            # what each rank's lanes will be: device=cuda on a rank without a GPU stops the run
+            "device_kind": cfg["device"]["kind"],
+            "gpus_per_rank": cfg["device"]["gpus_per_rank"],
             "data_files": files,
             "data_distribution": data["distribution"]}
 

@@ -20,8 +20,9 @@ import hpc_rlx
 from hpc_rlx.comm.node_memory import shm_free_bytes
 from hpc_rlx.device import backend
 from hpc_rlx.device.cuda_mpi import query_cuda_support
-from hpc_rlx.device.lane_plan import assign_gpus
+from hpc_rlx.device.lane_plan import assign_gpus, resolve_lanes
 from hpc_rlx.doctor.threads import THREAD_ENV
+from hpc_rlx.errors import HpcRlxError
 
 SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_CPUS_PER_TASK", "SLURM_JOB_NODELIST",
              "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_MPI_TYPE", "SLURM_RESTART_COUNT")
@@ -92,6 +93,20 @@ def gpu_check(local_rank: int) -> dict | None:
         return None
     index = assign_gpus(backend.gpu_count(), 1, local_rank)[0]
     return {"index": index, "physical": backend.physical_gpu(index), "problem": backend.smoke_test(index)}
+
+
+def lane_problem(settings: dict, local_rank: int) -> str | None:
+    """Why this rank's lanes could not start under the run's device settings (device=cuda on a
+    rank without a GPU), in training's own words; None when they would. The same decision
+    training takes at start-up (`resolve_lanes`), so the doctor finds what the run will hit."""
+    if "device_kind" not in settings:
+        return None
+    try:
+        resolve_lanes(settings["device_kind"], int(settings["cpu_lanes"]),
+                      settings["gpus_per_rank"], local_rank)
+    except HpcRlxError as exc:
+        return str(exc)
+    return None
 
 
 def nearest_existing(path: Path) -> Path:

@@ -372,6 +372,31 @@ def test_doctor_checks_the_training_data_file(tmp_path):
     assert unset.stderr.count("data=file needs data.path=<value>") == 1, explain(unset)
 
 
+def test_ranks_whose_lanes_cannot_start_are_named_once_per_reason():
+    recs = cluster({"n1": 2, "n2": 2})
+    for r in recs:
+        r["lanes_problem"] = "device=cuda but no GPU is usable on this rank (no GPU)" if r["host"] == "n2" else None
+    (warning,) = doctor.analyse(recs)
+    assert warning.startswith("the run would stop at start-up on ranks 2-3 (n2): device=cuda but no GPU")
+
+
+@pytest.mark.mpi
+def test_doctor_finds_that_device_cuda_has_no_gpu_here(tmp_path):
+    """Training with device=cuda on a machine without a GPU stops at start-up with a
+    DeviceError: the doctor, given the same override, says so instead of 'No problems found.'"""
+    from hpc_rlx.device import backend
+    if backend.gpu_count():
+        pytest.skip("this machine has a GPU: device=cuda can start here")
+    proc = _doctor(2, ["device=cuda"], tmp_path, _without_thread_vars())
+    assert proc.returncode == 0, explain(proc)
+    assert "No problems found" not in proc.stdout, proc.stdout
+    lines = [ln for ln in proc.stdout.splitlines() if "device=cuda but no GPU is usable" in ln]
+    assert len(lines) == 1 and lines[0].startswith("  ! the run would stop at start-up on ranks 0-1 ("), proc.stdout
+    assert "use device=cpu" in lines[0] and "Traceback" not in proc.stderr
+    strict = _doctor(2, ["device=cuda", "--strict"], tmp_path, _without_thread_vars())
+    assert strict.returncode == 1, explain(strict)
+
+
 @pytest.mark.mpi
 def test_doctor_strict_fails_on_an_unwritable_run_dir(tmp_path):
     # /proc refuses new files even to root
