@@ -17,6 +17,13 @@ from typing import Any, Callable
 from hpc_rlx.errors import ConfigError
 
 
+# Every integer setting ends up in a 64-bit slot somewhere (NumPy, HDF5 attributes, TensorBoard's
+# hyper-parameters); a larger Python int passes a range check and fails later, far from the key.
+INT64_MAX = 2**63 - 1
+INT64_MIN = -2**63
+TOO_LARGE = f"must be at most 2**63 - 1 ({INT64_MAX})"
+
+
 def is_int(v) -> bool:
     """A Python int that is not a bool."""
     return isinstance(v, int) and not isinstance(v, bool)
@@ -74,12 +81,30 @@ class Via(Check):
         self.fn(value, world_size)
 
 
+def fits_int64(v) -> bool:
+    """Anything but an int outside a signed 64-bit integer's range."""
+    return not is_int(v) or INT64_MIN <= v <= INT64_MAX
+
+
+class _Integer(Check):
+    """An int check whose message for a too-large int names the bound, not the minimum."""
+
+    def message(self, label: str, value) -> str:
+        if is_int(value) and value > INT64_MAX:
+            return f"{label} {TOO_LARGE}, got {value!r}"
+        return super().message(label, value)
+
+
+INT64 = _Integer(fits_int64, f"must be at least -2**63 ({INT64_MIN})")
+"""Any key: an int value a 64-bit slot holds (the schema checks every key with it)."""
+
+
 def integer(minimum: int, *, null: bool = False, must: str | None = None) -> Check:
-    """An int >= `minimum` (or None with `null`)."""
+    """An int >= `minimum` and <= 2**63 - 1 (or None with `null`)."""
     if must is None:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         must = f"must be null or {what}" if null else f"must be {what}"
-    return Check(lambda v: (null and v is None) or (is_int(v) and v >= minimum), must)
+    return _Integer(lambda v: (null and v is None) or (is_int(v) and minimum <= v <= INT64_MAX), must)
 
 
 def number(minimum: float, *, above: bool = False, null: bool = False, must: str | None = None) -> Check:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from hpc_rlx.checks import BOOL, Check, OneOf, Via, integer, is_int, is_number, number
+from hpc_rlx.checks import BOOL, INT64, Check, OneOf, Via, integer, is_int, is_number, number
 from hpc_rlx.device.host_blas import CPU_BLAS
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.observe.tensorboard_log import enabled as tensorboard_enabled
@@ -88,6 +88,7 @@ class Key:
         return self.default[option] if isinstance(self.default, Options) else self.default
 
     def validate(self, value, world_size: int | None = None) -> None:
+        INT64(self.label or self.path, value)    # every key, its own check or none
         # a bool key without a check of its own still takes true or false only
         check = BOOL if self.check is None and self.type is bool else self.check
         if check is not None:

@@ -3,7 +3,7 @@ policy's `check_config` uses, on the package's checkers (`hpc_rlx.checks`; pure:
 
 from __future__ import annotations
 
-from hpc_rlx.checks import Check, checked, is_int
+from hpc_rlx.checks import INT64_MIN, Check, checked, integer
 
 from .outer import outer_from_config
 
@@ -51,7 +51,7 @@ def round_or_none(x, digits: int = 5):
 
 _NUMBER = Check(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "must be a number")
 _BOOL = Check(lambda v: isinstance(v, bool), "must be true or false")
-_INTEGER = Check(is_int, "must be an integer")
+_INTEGER = integer(INT64_MIN, must="must be an integer")
 
 
 def number_key(name: str, value, allow_none: bool = False) -> float | None:

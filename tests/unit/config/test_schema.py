@@ -4,6 +4,7 @@ validates. docs/config.md's generated table: tests/docs/test_config_reference.py
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,26 @@ def test_bool_keys_take_only_true_or_false():
         for bad in ("no", "yes", "false", 0, 2, None):
             with pytest.raises(ConfigError, match=rf"^{key.label or key.path} must be true or false, got "):
                 key.validate(bad)
+
+
+def test_integer_keys_are_bounded_at_2_63_minus_1():
+    """A Python int past 64 bits passed every range check, then crashed the run at step 0 (in
+    TensorBoard's hyper-parameter log): every key refuses it, with the bound in the message."""
+    from hpc_rlx.checks import INT64_MAX
+    from hpc_rlx.config.schema import KEYS
+    too_large = INT64_MAX + 1
+    for key in KEYS:
+        if key.type is str:
+            continue
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key.label or key.path)} must be at most "
+                                              rf"2\*\*63 - 1 \({INT64_MAX}\), got {too_large}$"):
+            key.validate(too_large)
+    for override in ("train.seed", "train.max_steps", "policy.anchor"):
+        overrides = [f"{override}=99999999999999999999"] + (["policy=cadence"] if "policy" in override else [])
+        with pytest.raises(ConfigError, match=rf"^{override} must be at most 2\*\*63 - 1 .*, got 99999999999999999999$"):
+            validate_config(_compose(overrides))
+    # the bound itself is a value
+    validate_config(_compose([f"train.seed={INT64_MAX}", f"train.max_steps={INT64_MAX}"]))
 
 
 def test_unset_values_name_the_key_and_the_group_option():
