@@ -50,6 +50,7 @@ class DataPlan:
     x_dtype: str
     y_dtype: str
     cache: str = "memory"        # memory | stream (runtime/feed.py)
+    y_shape: list = field(default_factory=list)   # per-sample label shape: a shard's size in memory
 
 
 @dataclass
@@ -371,7 +372,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         val_start=val_start, val_stop=val_stop, distribution=d["distribution"],
         leftover=d["leftover"], shuffle=bool(d["shuffle"]), check_finite=bool(d["check_finite"]),
         sample_shape=list(info.x_shape), x_dtype=str(info.x_dtype), y_dtype=str(info.y_dtype),
-        cache=d["cache"])
+        cache=d["cache"], y_shape=list(info.y_shape))
     return TrainSpec(
         graph=graph.to_dict(), param_source=source, data=data_plan, train=dict(cfg["train"]),
         optim=dict(cfg["optim"]), policy=dict(cfg["policy"]), device=dict(cfg["device"]),

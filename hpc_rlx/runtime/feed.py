@@ -18,10 +18,13 @@ import resource
 import numpy as np
 
 from hpc_rlx.comm import collective
+from hpc_rlx.comm.topology import hostname, ranks_per_node
 from hpc_rlx.data.distribute import load_shard
 from hpc_rlx.data.hdf5 import check_values
+from hpc_rlx.data.memory_room import rank_room, shard_problem
 from hpc_rlx.data.plan import EpochOrder, window_of, window_steps
 from hpc_rlx.data.stream import Prefetcher, RowSource, Slot, scan_rows
+from hpc_rlx.errors import DataError
 from hpc_rlx.graph.shapes import FLOAT
 
 CACHES = ("memory", "stream")
@@ -111,6 +114,10 @@ class MemoryFeed(Feed):
         d, comm = self.d, self.comm
         stored = np.dtype(d.x_dtype)
         want = self.dtype if (self.float_input and stored.kind == "f" and stored != self.dtype) else None
+        # before any read: a shard over the rank's memory is killed by the kernel mid-read, with
+        # no message; the same error on every rank instead
+        on_node = ranks_per_node(comm)
+        collective.agree(comm, lambda: self._check_room(want or stored, on_node))
 
         def _train():
             x, y = load_shard(comm, d.distribution, d.path, d.x, d.y, self.train_bounds, x_dtype=want)
@@ -129,6 +136,17 @@ class MemoryFeed(Feed):
                          vocab=self.vocab)
             return x, y
         self.vx, self.vy = collective.agree(comm, _val)
+
+    def _check_room(self, x_dtype: np.dtype, on_node: int) -> None:
+        """DataError where this rank's shard and validation slice, as held, exceed its room."""
+        d = self.d
+        per_row = (x_dtype.itemsize * int(np.prod(d.sample_shape, dtype=np.int64))
+                   + np.dtype(d.y_dtype).itemsize * int(np.prod(d.y_shape, dtype=np.int64)))
+        train, val = self._n_rows(self.train_bounds), self._n_rows(self.val_bounds)
+        rows = f"{train:,} training" + (f" and {val:,} validation" if val else "") + f" rows of {per_row:,} bytes"
+        problem = shard_problem((train + val) * per_row, rank_room(on_node, hostname()), rows, d.path)
+        if problem:
+            raise DataError(problem)
 
     def batch(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         p, s = divmod(position, self.steps)

@@ -1,7 +1,8 @@
 """`data.cache=stream`: the window math, the reader and its ring (no MPI), and real mpirun jobs
 that train bitwise as `data.cache=memory` does (read and scatter, 1 and 2 ranks, shuffled,
 uneven rows, integer images cast per batch, a float64 file in a float32 run), a resume in the
-middle of a window, and a run under a cgroup memory limit below the file's size."""
+middle of a window, and a run under a cgroup memory limit below the file's size (which
+data.cache=memory refuses: tests/mpi/data/test_shard_memory.py)."""
 
 from __future__ import annotations
 
@@ -300,5 +301,6 @@ def test_stream_trains_under_a_memory_limit_below_the_file_size(tmp_path):
     assert proc.returncode == 0, explain(proc)
     assert proc.peak is None or proc.peak <= limit
     _assert_same_training(tmp_path / "memory", tmp_path / "stream")
-    proc = limited("memory_limited", [])      # the limit holds: memory mode cannot load the file
-    assert proc.returncode != 0 and proc.oom, explain(proc)
+    proc = limited("memory_limited", [])      # the limit holds: memory mode is refused before it reads
+    assert proc.returncode == 2 and not proc.oom, explain(proc)
+    assert "data.cache=stream trains the same file" in proc.stderr, explain(proc)
