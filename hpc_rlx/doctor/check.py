@@ -8,7 +8,8 @@
 
 Every rank collects its own facts (host, cores it may use, BLAS threads, GPUs, run directory);
 rank 0 gathers them and prints one report with plain-word warnings. Exit status: 0, or 1 with
---strict when there is any warning. The doctor only reads, except for one short-lived probe file
+--strict when there is any warning, or 2 (with one error line) when training with these settings
+would stop at start-up (device=cuda on a rank without a usable GPU). The doctor only reads, except for one short-lived probe file
 per rank in the run directory (or its nearest existing parent), removed before it exits.
 """
 
@@ -379,6 +380,11 @@ def main(argv=None) -> int:
     else:
         print(format_report(records, warnings, shared=shared, settings=settings), end="")
     sys.stdout.flush()
+    stopping = lane_warnings(records)
+    if stopping:
+        # what training would stop on at start-up is an error, not advice: one line, exit 2
+        print(f"hpc_rlx doctor: error (DeviceError): {stopping[0]}", file=sys.stderr)
+        return 2
     return 1 if (args.strict and warnings) else 0
 
 
