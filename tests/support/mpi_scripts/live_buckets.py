@@ -23,7 +23,7 @@ from hpc_rlx.comm.collective import FusedBucket
 from hpc_rlx.config.spec import build_spec
 from hpc_rlx.runtime.train import Run
 
-CONFIGS = Path(__file__).resolve().parents[2] / "hpc_rlx" / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "hpc_rlx" / "configs"
 
 
 def owner(a: np.ndarray):
