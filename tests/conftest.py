@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import mpi_launch
+from tests.support.shared import exclusive, run_dir
 
 TESTS = Path(__file__).resolve().parent
 # a test under these folders needs MPI, whatever its own marks say
@@ -47,8 +48,11 @@ def pytest_runtest_call(item):
 
 @pytest.fixture(scope="session")
 def digits_h5(tmp_path_factory) -> Path:
-    """The real default dataset, prepared once per test session."""
+    """The real default dataset, prepared once per test run and shared by the xdist workers
+    (tests read it; a test that changes data makes its own file)."""
     from hpc_rlx.data.prepare import ensure_prepared
-    path = tmp_path_factory.mktemp("data") / "digits.h5"
-    ensure_prepared(str(path), "digits")
+    folder = run_dir(tmp_path_factory, "data")
+    path = folder / "digits.h5"
+    with exclusive(folder / "digits.lock"):
+        ensure_prepared(str(path), "digits")
     return path

@@ -26,7 +26,8 @@ from tests.support.jobs import explain, mpirun, train_job
 from tests.mpi.checkpoint.test_resume import LIMITED
 from tests.mpi.runtime.test_interrupt import LiveJob, assert_no_traceback
 
-pytestmark = pytest.mark.mpi
+# the module's fixture runs its jobs once: its tests keep to one pytest-xdist worker
+pytestmark = [pytest.mark.mpi, pytest.mark.xdist_group("pipelined-checkpoints")]
 
 BASE = ["train.dtype=float64", "train.epochs=2", "train.batch_size=24", "data.leftover=partial",
         "model.hidden=[32,16]", "optim.lr=0.05", "optim.momentum=0.9"]

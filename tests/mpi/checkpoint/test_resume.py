@@ -29,7 +29,8 @@ from hpc_rlx.checkpoint import read_checkpoint, verify_checkpoint
 
 from tests.support.jobs import REPO, explain, launch_cmd, mpi_env, mpirun, rank_pids, read_metrics, train_job
 
-pytestmark = pytest.mark.mpi
+# the module's fixture runs its jobs once: its tests keep to one pytest-xdist worker
+pytestmark = [pytest.mark.mpi, pytest.mark.xdist_group("resume-reference")]
 
 EPOCHS = 4
 

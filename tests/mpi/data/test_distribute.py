@@ -16,6 +16,9 @@ from hpc_rlx.errors import ConfigError, DataError
 
 from tests.support.jobs import launch_cmd
 
+# the module's fixture runs its jobs once: its tests keep to one pytest-xdist worker
+pytestmark = pytest.mark.xdist_group("distribute-jobs")
+
 REPO = Path(__file__).resolve().parents[3]
 HOST = socket.gethostname().split(".")[0]   # a read failure names the failing rank's host
 SCRIPT = REPO / "tests" / "support" / "mpi_scripts" / "data_load_shard.py"

@@ -149,7 +149,9 @@ def test_mpirun_at_a_terminal_shows_a_bar_redrawn_a_few_times_a_second(tmp_path)
     # long enough for the bar to redraw
     cmd = launch_cmd(2, ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "data=file", f"data.path={data}", *LONG,
                          "debug.slowdown={0:20.0,1:20.0}"])
-    rc, out, times = _read_pty(cmd, mpi_env(), timeout=180)
+    # the ranks' output is a pipe, so the bar is $COLUMNS wide: wide enough that none is cut
+    # at its edge (the pattern below reads it whole), whatever the caller's COLUMNS
+    rc, out, times = _read_pty(cmd, mpi_env({"COLUMNS": "200"}), timeout=180)
     text = out.decode(errors="replace")
     assert rc == 0, text[-3000:]
     draws = re.findall(r"\repoch (\d)/2 +(\d+)%\|[^|]*\| [0-9:]+<[0-9:?]+ +[0-9.]+k? samples/s, "
@@ -161,7 +163,7 @@ def test_mpirun_at_a_terminal_shows_a_bar_redrawn_a_few_times_a_second(tmp_path)
         assert re.search(r"^\[hpc_rlx\] epoch 1/2 +\d+% \(step", text, flags=re.M), text[-2000:]
         return
     assert draws, f"no progress bar in the terminal output:\n{text[-3000:]}"
-    assert {d[0] for d in draws} == {"1", "2"}
+    assert {d[0] for d in draws} == {"1", "2"}, repr(text[-1500:])
     assert all(len(d[2].replace(".", "").lstrip("0")) <= 4 for d in draws), draws   # 4 significant digits
     # at most BAR_REDRAWS_PER_S a second (plus the first draw of each epoch)
     span = max(1.0, times[-1] - times[0])

@@ -14,7 +14,8 @@ import pytest
 
 from tests.support.jobs import explain, read_metrics, train_job
 
-pytestmark = pytest.mark.mpi
+# the module's fixture runs its jobs once: its tests keep to one pytest-xdist worker
+pytestmark = [pytest.mark.mpi, pytest.mark.xdist_group("pipeline-reference")]
 
 BASE = ["train.dtype=float64", "train.epochs=2", "train.batch_size=24", "data.leftover=partial",
         "model.hidden=[32,16]", "optim.lr=0.05", "checkpoint=off"]

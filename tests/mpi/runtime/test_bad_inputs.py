@@ -23,7 +23,8 @@ import pytest
 
 from tests.support.jobs import REPO, explain, launch_cmd, mpi_env, train_job
 
-pytestmark = pytest.mark.mpi
+# the module's fixture runs its jobs once: its tests keep to one pytest-xdist worker
+pytestmark = [pytest.mark.mpi, pytest.mark.xdist_group("bad-inputs-source")]
 
 N, FEATURES, CLASSES = 120, 6, 3
 TIMEOUT = 60

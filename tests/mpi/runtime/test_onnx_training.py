@@ -194,7 +194,9 @@ def _zoo_file(tmp_path: Path, name: str, exporter: str = "dynamo") -> Path:
                            "train", optimize=False)
 
 
-ZOO_NAMES = ["lenet", "resnet", "mobilenet", "vit", "gpt", "gpt_untied", "mixer"]
+# gpt_untied is left to the import and export tests: it trains the same ops as gpt but for the
+# tied embedding, and untied linear layers train in vit and mixer
+ZOO_NAMES = ["lenet", "resnet", "mobilenet", "vit", "gpt", "mixer"]
 
 
 @pytest.mark.slow
@@ -206,7 +208,7 @@ def test_zoo_model_trains_on_two_ranks_and_equals_one_rank_in_float64(tmp_path, 
     common = [f"data.path={data}", "model=onnx", f"model.path={onnx_file}", "data.val_fraction=0.25",
               "train.batch_size=8", "data.leftover=drop", "checkpoint=off"]
     run = tmp_path / "train"
-    proc = train_job(2, run, common + ["train.epochs=3", "optim=adamw", "optim.lr=0.003"], timeout=300)
+    proc = train_job(2, run, common + ["train.epochs=2", "optim=adamw", "optim.lr=0.003"], timeout=300)
     assert proc.returncode == 0, explain(proc)
     metrics = read_metrics(run)
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"], metrics
