@@ -245,6 +245,7 @@ def main() -> None:
     from mpi4py import MPI
     from omegaconf import OmegaConf
 
+    from hpc_rlx.comm import idle_wait
     from hpc_rlx.config.overrides import config_problem
     comm = MPI.COMM_WORLD
     SIGNALS.install(comm.rank, comm)    # a Ctrl-C that came while MPI started exits here
@@ -263,7 +264,7 @@ def main() -> None:
     problem = None
     if not print_only:
         problem = config_problem(sys.argv[1:]) if comm.rank == 0 else None
-        problem = comm.bcast(problem, root=0)
+        problem = idle_wait.bcast(comm, problem, root=0)   # the others sleep while rank 0 composes
     if problem:
         if comm.rank == 0:
             _remove_unused_run_dir()

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from hpc_rlx.comm import idle_wait
 from hpc_rlx.comm import watchdog as _watchdog
 from hpc_rlx.comm.bucket_layout import BucketLayout
 from hpc_rlx.comm.job_abort import abort_job
@@ -93,7 +94,7 @@ def agree(comm, fn: Callable[[], Any]) -> Any:
         result, exc = fn(), None
     except Exception as e:  # noqa: BLE001 - re-raised collectively below
         result, exc = None, e
-    statuses = watched_call("error agreement (allgather)", comm.allgather, _status(exc))
+    statuses = watched_call("error agreement (allgather)", idle_wait.allgather, comm, _status(exc))
     for rank, st in enumerate(statuses):
         if st is not None:
             raise CollectiveError(st[1], kind=st[0], origin=rank, host=st[2]) from exc
@@ -108,7 +109,7 @@ def root_computes(comm, fn: Callable[[], Any], root: int = 0) -> Any:
             payload = ("ok", fn())
         except Exception as e:  # noqa: BLE001
             payload = ("err", _status(e))
-    payload = watched_call(f"broadcast of rank {root}'s result", comm.bcast, payload, root=root)
+    payload = watched_call(f"broadcast of rank {root}'s result", idle_wait.bcast, comm, payload, root=root)
     if payload[0] == "err":
         kind, message, host = payload[1]
         raise CollectiveError(message, kind=kind, origin=root, host=host)

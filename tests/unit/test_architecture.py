@@ -410,7 +410,7 @@ LAZY_IMPORTS = {
     "numpy": "doctor: loads the BLAS before threadpoolctl looks",
     "onnx": "optional (onnx extra): only rank 0 of a model=onnx run and the exporter read ONNX",
     "onnxruntime": "optional: the exporter's check of the file it wrote",
-    "scipy": "erf for exact GELU on NumPy, loaded by the first erf",
+    "scipy": "erf for exact GELU on NumPy, loaded by the first erf; runtime/blas falls back to scipy.linalg",
 }
 
 
