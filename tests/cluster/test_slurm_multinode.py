@@ -25,8 +25,9 @@ from tests.support.netns_cluster import EmulatedCluster, can_emulate
 from tests.support.slurm_cluster import ClusterUnavailable, check_prerequisites, require_slurm
 from tests.support.slurm_multinode import MultiNodeSlurm, cgroup_mounts, remount_script
 
-# the module's cluster fixture is built once, on one pytest-xdist worker
-pytestmark = pytest.mark.xdist_group("slurm-multinode")
+# its cluster fixture is built once, on one pytest-xdist worker, which also runs test_slurm.py:
+# two Slurm clusters starting at once on a loaded machine left sbatch unable to reach a controller
+pytestmark = pytest.mark.xdist_group("slurm")
 
 
 TRAIN_SH = REPO / "slurm" / "train.sh"
