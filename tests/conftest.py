@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import mpi_launch
-from tests.support.shared import exclusive, run_dir
+from tests.support.shared import MachineShare, exclusive, run_dir
 
 TESTS = Path(__file__).resolve().parent
 # a test under these folders needs MPI, whatever its own marks say
@@ -33,6 +33,19 @@ def pytest_collection_modifyitems(config, items):
         parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
         if parts and parts[0] in MPI_FOLDERS:
             item.add_marker(pytest.mark.mpi)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # Under xdist, a `timing` test (its asserts compare wall times) runs while no other worker
+    # runs a test: on a 2-core machine four workers' jobs would skew what it measures.
+    run_uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run_uid:
+        yield
+        return
+    share = MachineShare(Path(os.environ.get("TMPDIR", "/tmp")) / f"hpc_rlx-tests-{run_uid}")
+    with share.hold(alone=item.get_closest_marker("timing") is not None):
+        yield
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -119,7 +119,12 @@ def submit(cluster: MultiNodeSlurm, cwd: Path, venv: Path, args: list[str]) -> s
 
 
 def job_fields(cluster: MultiNodeSlurm, job_id: str) -> dict:
-    res = client(cluster, ["scontrol", "show", "job", "-o", job_id], Path("/"))
+    """The job's fields, or {} when the controller did not answer in time (a loaded machine);
+    the caller polls again until its own deadline."""
+    try:
+        res = cluster.client(["scontrol", "show", "job", "-o", job_id], cwd=Path("/"), timeout=30)
+    except subprocess.TimeoutExpired:
+        return {}
     return slurm_jobs.parse_scontrol(res.stdout)
 
 
@@ -133,9 +138,14 @@ def wait_until(predicate, timeout: float, what: str, cluster: MultiNodeSlurm, sh
 
 
 def wait_job(cluster: MultiNodeSlurm, cwd: Path, job_id: str, timeout: float) -> dict:
-    wait_until(lambda: job_fields(cluster, job_id).get("JobState") in slurm_jobs.TERMINAL, timeout,
-               f"job {job_id} to finish", cluster, lambda: log_of(cwd, job_id))
-    return job_fields(cluster, job_id)
+    last: dict = {}
+
+    def ended() -> bool:
+        last.clear()
+        last.update(job_fields(cluster, job_id))
+        return last.get("JobState") in slurm_jobs.TERMINAL
+    wait_until(ended, timeout, f"job {job_id} to finish", cluster, lambda: log_of(cwd, job_id))
+    return dict(last)
 
 
 def metric_lines(run_dir: Path) -> int:

@@ -30,3 +30,30 @@ def exclusive(lock_path: Path):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class MachineShare:
+    """Lets a test that measures wall time run with no other xdist worker's test beside it.
+
+    Every test holds a shared flock on `<folder>/machine.lock` while it runs; a `timing` test
+    holds it exclusively. A second lock, the turnstile, gives the timing test priority: it takes
+    the turnstile before waiting, and every other test passes through the turnstile before taking
+    its shared lock, so no new test starts while a timing test waits for the running ones."""
+
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        self._turnstile = folder / "turnstile.lock"
+        self._machine = folder / "machine.lock"
+
+    @contextlib.contextmanager
+    def hold(self, alone: bool):
+        with open(self._turnstile, "a") as turnstile, open(self._machine, "a") as machine:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            finally:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+            try:
+                yield
+            finally:
+                fcntl.flock(machine, fcntl.LOCK_UN)

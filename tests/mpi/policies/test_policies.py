@@ -1,8 +1,9 @@
 """`policy=cadence` and `policy=async` end to end, under real mpirun on the digits dataset.
 
-Timing-based checks run on a shared 2-core machine: their bounds are wide, and the
-cadence-versus-sync comparison gets up to three attempts (a burst of load from other jobs
-during one of the two runs skews one attempt); it fails when every attempt misses.
+Timing-based checks carry the `timing` marker: under pytest-xdist no other test runs beside
+them. Their bounds are still wide, and the cadence-versus-sync comparison gets up to three
+attempts (a burst of load during one of the two runs skews one attempt); it fails when every
+attempt misses.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def _cadence_vs_sync(tmp: Path, data: Path) -> tuple[list[str], dict]:
     return problems, {"ratio": ratio, "speedup": t_sync / t_cad, "cad": cad}
 
 
+@pytest.mark.timing
 def test_cadence_beats_sync_with_a_three_times_slower_rank(tmp_path, digits_h5):
     attempts = []
     for attempt in range(3):
@@ -98,6 +100,7 @@ def test_cadence_beats_sync_with_a_three_times_slower_rank(tmp_path, digits_h5):
 
 # ----------------------------------------------------------------- async: comm share
 
+@pytest.mark.timing
 def test_async_keeps_comm_share_near_overhead_target(tmp_path):
     from hpc_rlx.data.prepare import prepare_synthetic
 
