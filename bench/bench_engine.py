@@ -248,7 +248,7 @@ def zoo_cases(batch=32):
 
     import torch
 
-    from hpc_rlx.graph.onnx_import import import_onnx
+    from hpc_rlx.graph.onnx.importer import import_onnx
     from tests.support import onnx_zoo
 
     for name in ("lenet", "resnet", "mobilenet", "vit", "gpt", "mixer"):

@@ -99,18 +99,26 @@ def _unknown_key(key: str, argv: list[str], compose, added: str | None = None) -
     """'unknown config key' with the closest real keys, from a config composed without it."""
     override = added or next((a for a in argv if a.split("=", 1)[0].lstrip("+~") == key), key)
     known: list[str] = []
+    choices: dict = {}
     try:
         rest = [a for a in argv if a.split("=", 1)[0].lstrip("+~") != key]
         cfg = compose(rest)
         flat = OmegaConf.to_container(cfg, resolve=False)
-        flat.pop("hydra", None)
+        choices = flat.pop("hydra", {}).get("runtime", {}).get("choices", {})
         known = flatten_keys(flat)
     except Exception:  # noqa: BLE001 - suggestions are a bonus
         pass
     try:
-        close = suggest_keys(key, known, group_option_keys(CONFIG_DIR))
+        other_options = group_option_keys(CONFIG_DIR)
+        close = suggest_keys(key, known, other_options)
     except Exception:  # noqa: BLE001
-        close = []
+        other_options, close = {}, []
+    if key in other_options and key not in known:
+        # the key is right, the selected option lacks it (model.num_classes with model=onnx)
+        group = key.split(".", 1)[0]
+        selected = f"{group}={choices[group]}" if choices.get(group) else f"the {group} selected now"
+        return (f"config key {key!r} (from {override!r}) is not read with {selected}, "
+                f"only with {' or '.join(other_options[key])}")
     hint = f"; did you mean {' or '.join(close)}?" if close else "."
     return (f"unknown config key {key!r} (from {override!r}){hint} "
             f"hpc_rlx rejects keys it does not read: see configs/config.yaml and configs/<group>/")

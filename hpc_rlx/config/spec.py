@@ -25,7 +25,7 @@ from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.data.resolve import num_classes, prepare_missing_data
 from hpc_rlx.errors import ConfigError, DataError, phase
 from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, init_params
-from hpc_rlx.graph.onnx_import import import_onnx
+from hpc_rlx.graph.onnx.importer import import_onnx
 from hpc_rlx.graph.node_timing import node_times, time_cost
 from hpc_rlx.graph.partition import partition
 from hpc_rlx.pipeline.grid import check_world

@@ -288,10 +288,22 @@ def _blocks(a: np.ndarray):
         yield s, a[s:s + block]
 
 
+@dataclass(frozen=True)
+class TokenVocab:
+    """The ids a token input may hold: [0, size), the rows of the embedding table `table`."""
+    size: int
+    table: str | None = None
+
+    def out_of_range(self, token: int, row: int) -> str:
+        where = f" of the embedding '{self.table}'" if self.table else ""
+        return (f"input token id {token} at row {row} is outside the vocabulary [0, {self.size}){where}: "
+                "the data was tokenized for another vocabulary than the model's")
+
+
 def check_values(x: np.ndarray, y: np.ndarray, num_classes, check_finite: bool, first_row: int = 0,
-                 vocab: int | None = None) -> None:
+                 vocab: TokenVocab | None = None) -> None:
     """Reject out-of-range class labels, (optionally) non-finite inputs and, with ``vocab``,
-    integer inputs outside [0, vocab) (token ids that index an embedding).
+    integer inputs outside its range (token ids that index an embedding).
 
     ``first_row`` is the global index of row 0 of this shard, so messages name the row in the
     file. ``num_classes=None`` skips the label check (regression targets).
@@ -300,11 +312,10 @@ def check_values(x: np.ndarray, y: np.ndarray, num_classes, check_finite: bool, 
         _check_labels(y, num_classes, first_row)
     if vocab is not None and x.dtype.kind in "iu" and x.size:
         for s, xb in _blocks(x):
-            bad = (xb < 0) | (xb >= vocab)
+            bad = (xb < 0) | (xb >= vocab.size)
             if bad.any():
                 row = int(np.flatnonzero(bad.reshape(len(xb), -1).any(axis=1))[0])
-                raise DataError(f"input token id {int(xb[row][bad[row]].flat[0])} at row "
-                                f"{first_row + s + row} is outside the vocabulary [0, {vocab})")
+                raise DataError(vocab.out_of_range(int(xb[row][bad[row]].flat[0]), first_row + s + row))
     if check_finite and x.dtype.kind == "f" and x.size:
         for s, xb in _blocks(x):
             ok = np.isfinite(xb).reshape(len(xb), -1).all(axis=1)

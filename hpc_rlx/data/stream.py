@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import numpy as np
 from h5py import h5d
 
-from hpc_rlx.data.hdf5 import _open, check_values
+from hpc_rlx.data.hdf5 import TokenVocab, _open, check_values
 from hpc_rlx.errors import DataError
 
 __all__ = ["RowSource", "Prefetcher", "Slot", "scan_rows"]
@@ -274,7 +274,7 @@ class Prefetcher:
 
 
 def scan_rows(source: RowSource, start: int, stop: int, num_classes, check_finite: bool,
-              vocab: int | None, block_bytes: int) -> None:
+              vocab: TokenVocab | None, block_bytes: int) -> None:
     """check_values over file rows [start, stop), read in blocks of about block_bytes; x is
     read only when a check needs it (labels alone are small)."""
     need_x = ((check_finite and source.x_dtype.kind == "f")

@@ -27,16 +27,7 @@ import re
 from dataclasses import dataclass
 
 from hpc_rlx.errors import GraphError
-from hpc_rlx.graph import ops as _ops  # noqa: F401  (registers the built-in ops)
-from hpc_rlx.graph import ops_loss as _ops_loss  # noqa: F401
-from hpc_rlx.graph import ops_math as _ops_math  # noqa: F401
-from hpc_rlx.graph import ops_norm as _ops_norm  # noqa: F401
-from hpc_rlx.graph import ops_shape as _ops_shape  # noqa: F401
-from hpc_rlx.graph import ops_spatial as _ops_spatial  # noqa: F401
-from hpc_rlx.graph import vjps as _vjps  # noqa: F401  (registers their VJPs)
-from hpc_rlx.graph import vjps_math as _vjps_math  # noqa: F401
-from hpc_rlx.graph import vjps_norm as _vjps_norm  # noqa: F401
-from hpc_rlx.graph import vjps_shape as _vjps_shape  # noqa: F401
+from hpc_rlx.graph import ops as _ops  # noqa: F401  (registers the built-in ops and their VJPs)
 from hpc_rlx.graph.params import check_init
 from hpc_rlx.graph.registry import OPS
 from hpc_rlx.graph.shapes import DTYPES, FLOAT, INT, ShapeError, TensorType, fmt_shape, known_prod
@@ -117,6 +108,11 @@ def _json_copy(value, where):
         return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise _err(where, f"is not plain JSON ({exc})") from None
+
+
+# Ops whose output holds the same ids as their first input, only moved or copied.
+ID_MOVING_OPS = frozenset({"reshape", "transpose", "slice", "flatten", "concat", "expand", "cast",
+                           "gather"})
 
 
 class Graph:
@@ -424,6 +420,23 @@ class Graph:
         if node.op == "softmax_cross_entropy":
             return self.types[node.inputs[0]].shape[-1]
         return None
+
+    @property
+    def token_vocab(self):
+        """(rows, table name) of the smallest embedding table that the input `x` indexes directly
+        (through ops that only move ids, never compute on them), else None. Position tables that
+        ids reach through arithmetic (position ids built from a mask) do not bound the token ids."""
+        reached, found = {"x"}, None
+        for node in (self.nodes[i] for i in self.order):
+            if not any(r in reached for r in node.inputs):
+                continue
+            if node.op == "embedding" and node.inputs[0] in reached:
+                rows = self.types[node.inputs[1]].shape[0]
+                if found is None or rows < found[0]:
+                    found = (rows, node.inputs[1])
+            elif node.op in ID_MOVING_OPS and node.inputs[0] in reached:
+                reached.add(node.name)
+        return found
 
     @property
     def predictions_per_sample(self) -> int:

@@ -50,6 +50,7 @@ class StageGraph(Graph):
         self._results = tuple(stage.get("whole_outputs") or self.outputs)
         self._per_sample = int(stage.get("predictions_per_sample") or 1)
         self._classes = stage.get("num_classes")
+        self._vocab = stage.get("token_vocab")
         self._whole_inputs = {i["name"]: InputSpec(i["name"], tuple(i["shape"]), i["dtype"])
                               for i in stage.get("whole_inputs") or []}
         inputs = {s.name for s in self.inputs}
@@ -68,6 +69,10 @@ class StageGraph(Graph):
     @property
     def num_classes(self):
         return self._classes
+
+    @property
+    def token_vocab(self):
+        return self._vocab
 
     def input(self, name: str):
         """An input of the whole graph (what the data feeds), whether or not this stage reads it."""
@@ -269,7 +274,8 @@ def _build(g: Graph, nodes, cuts, stages) -> list:
                                "boundary_outputs": handed, "param_seeds": [seeds[p] for p in params],
                                "whole_outputs": list(g.outputs),
                                "predictions_per_sample": g.predictions_per_sample,
-                               "num_classes": g.num_classes, "whole_inputs": d["inputs"]},
+                               "num_classes": g.num_classes, "token_vocab": g.token_vocab,
+                               "whole_inputs": d["inputs"]},
                      "source": d["meta"]},
         }
         result.append(StageGraph(sd))

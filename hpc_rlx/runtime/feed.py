@@ -20,7 +20,7 @@ import numpy as np
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.topology import hostname, ranks_per_node
 from hpc_rlx.data.distribute import load_shard
-from hpc_rlx.data.hdf5 import check_values
+from hpc_rlx.data.hdf5 import TokenVocab, check_values
 from hpc_rlx.data.memory_room import rank_room, shard_problem
 from hpc_rlx.data.plan import EpochOrder, window_of, window_steps
 from hpc_rlx.data.stream import Prefetcher, RowSource, Slot, scan_rows
@@ -70,8 +70,10 @@ class Feed:
         # integer data feeding a float model (uint8 images) stays as stored; each batch is cast
         self.float_input = x_in.dtype == FLOAT
         self.num_classes = getattr(graph, "num_classes", None)
-        # token ids index an embedding: out-of-range ids would be used silently
-        self.vocab = None if self.float_input else self.num_classes
+        # token ids index an embedding: out-of-range ids would be used silently. The vocabulary
+        # is the embedding table's size, not the head's classes (a token classifier has both).
+        token = None if self.float_input else graph.token_vocab
+        self.vocab = TokenVocab(*token) if token else None
         self.seed, self.shuffle = int(spec.train["seed"]), bool(self.d.shuffle)
         self.train_bounds = plan.all_bounds()
         self.val_bounds = even_bounds(self.d.val_start, self.d.val_stop, self.world)

@@ -399,11 +399,8 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, tmp_path, trigger
     assert sig.returncode == 0, sig.stderr
 
     # a requeued job may start again after the cluster's cred_expire (10 s here, 120 s by default)
-    wait_until(lambda: job_fields(slurm, job).get("JobState") in slurm_jobs.TERMINAL, 240,
-               f"job {job} to be requeued and finish", slurm, show)
-
+    fields = wait_job(slurm, tmp_path, job, 240)
     log = show()
-    fields = job_fields(slurm, job)
     assert fields["JobState"] == "COMPLETED", log
     assert fields["Restarts"] == "1", f"the job was not requeued exactly once\n{log}"
     assert "stop requested (signal)" in log and "checkpoint (preempt)" in log, log

@@ -270,14 +270,14 @@ def _train_copy(copy: Path, tmp_path: Path, overrides: list[str]):
 
 @pytest.mark.mpi
 def test_a_new_op_is_one_file_and_one_registry_line(tmp_path):
-    """In a copy of the package: `graph/ops_square.py` and its import beside the built-in ops,
+    """In a copy of the package: `graph/ops/square.py` and its import beside the built-in ops,
     then an MLP graph file whose activations are `square` trains (and the engine's gradient
     check passes on the new op)."""
     copy = _copy_package(tmp_path)
-    (copy / "hpc_rlx" / "graph" / "ops_square.py").write_text(textwrap.dedent(SQUARE_OP))
-    anchor = "from hpc_rlx.graph import ops_spatial as _ops_spatial  # noqa: F401\n"
-    _add_line_after(copy / "hpc_rlx" / "graph" / "ir.py", anchor,
-                    "from hpc_rlx.graph import ops_square as _ops_square  # noqa: F401\n")
+    (copy / "hpc_rlx" / "graph" / "ops" / "square.py").write_text(textwrap.dedent(SQUARE_OP))
+    anchor = "from hpc_rlx.graph.ops import shape  # noqa: F401\n"
+    _add_line_after(copy / "hpc_rlx" / "graph" / "ops" / "__init__.py", anchor,
+                    "from hpc_rlx.graph.ops import square  # noqa: F401\n")
     graph = tmp_path / "net.json"
     check = subprocess.run(
         [sys.executable, "-c", "import sys, numpy as np; from hpc_rlx.graph import build_model; "
@@ -293,7 +293,7 @@ def test_a_new_op_is_one_file_and_one_registry_line(tmp_path):
     assert '"square"' in (run_dir / "graph.json").read_text()
     epochs = read_metrics(run_dir)
     assert len(epochs) == 3 and epochs[-1]["train_loss"] < epochs[0]["train_loss"], epochs
-    assert not (PKG / "graph" / "ops_square.py").exists()
+    assert not (PKG / "graph" / "ops" / "square.py").exists()
 
 
 @pytest.mark.mpi

@@ -105,6 +105,18 @@ def test_key_of_another_group_option_names_the_option(tmp_path):
     assert "'optim.betas' (with optim=adamw)" in proc.stderr, explain(proc)
 
 
+def test_a_right_key_for_an_option_not_selected_names_both_options(tmp_path):
+    """model.num_classes with model=onnx: the key is right, the option lacks it; no suggestion
+    that repeats the key."""
+    proc = mpirun(1, ["-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}", "model=onnx",
+                      "model.num_classes=128"], timeout=60)
+    assert proc.returncode == 2, explain(proc)
+    errors = _error_lines(proc)
+    assert len(errors) == 1 and "did you mean" not in errors[0], explain(proc)
+    assert ("config key 'model.num_classes' (from 'model.num_classes=128') is not read with model=onnx, "
+            "only with model=cnn or model=mlp or model=transformer_lm") in errors[0], explain(proc)
+
+
 def test_other_dataset_names_get_one_message_with_both_overrides(tmp_path):
     x, y = _classification()
     path = _write(tmp_path / "mine.h5", x, y, attrs={"num_classes": 5}, x_name="data", y_name="label")

@@ -169,10 +169,12 @@ def test_scan_rows_finds_what_check_values_finds(tmp_path):
 def test_token_ids_are_checked_in_blocks(monkeypatch):
     monkeypatch.setattr(hdf5, "_SCAN_ELEMS", 8)
     x = np.arange(40, dtype=np.int64).reshape(10, 4) % 7
-    check_values(x, np.zeros((10, 4), np.int64), 7, False, vocab=7)
+    vocab = hdf5.TokenVocab(7, "tok.weight")
+    check_values(x, np.zeros((10, 4), np.int64), 7, False, vocab=vocab)
     x[6, 2] = 7
-    with pytest.raises(DataError, match=r"input token id 7 at row 16 is outside the vocabulary \[0, 7\)"):
-        check_values(x, np.zeros((10, 4), np.int64), 7, False, first_row=10, vocab=7)
+    with pytest.raises(DataError, match=r"input token id 7 at row 16 is outside the vocabulary \[0, 7\) "
+                                        r"of the embedding 'tok.weight'"):
+        check_values(x, np.zeros((10, 4), np.int64), 7, False, first_row=10, vocab=vocab)
 
 
 # ---- real jobs: stream trains bitwise as memory ------------------------------------------------

@@ -3,7 +3,7 @@ inference form, and the state dict under PyTorch's names, both checked against P
 
 The first tests write graph.meta["onnx"] themselves (the importer's map from parameters to the
 file's initializers), so they check the exporter alone; the round trips at the end go through
-the importer (hpc_rlx.graph.onnx_import) and compare with hpc_rlx's own forward."""
+the importer (hpc_rlx.graph.onnx.importer) and compare with hpc_rlx's own forward."""
 
 from __future__ import annotations
 
@@ -253,7 +253,7 @@ def _tied_names(module) -> set:
 def _trained_import(tmp_path, cls, exporter, train, optimize):
     """import_onnx, 'train' (perturb every parameter and running statistic), export both files.
     Returns (graph, params, module, ONNX path, safetensors path)."""
-    onnx_import = pytest.importorskip("hpc_rlx.graph.onnx_import")
+    onnx_import = pytest.importorskip("hpc_rlx.graph.onnx.importer")
     torch.manual_seed(0)
     module = cls()
     data = _export_any(module, exporter, train, optimize)
@@ -338,7 +338,7 @@ def test_an_onnx_model_trained_under_mpirun_exports_and_loads_back(tmp_path, dig
     from hpc_rlx.graph import Executor
 
     from tests.support.jobs import PYTHON, REPO, explain, mpi_env, train_job
-    pytest.importorskip("hpc_rlx.graph.onnx_import")
+    pytest.importorskip("hpc_rlx.graph.onnx.importer")
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
                         nn.Flatten(), nn.Dropout(0.1), nn.Linear(8 * 4 * 4, 10))

@@ -253,3 +253,42 @@ def test_running_statistics_resume_exactly_and_on_another_world_size(tmp_path, d
     proc = train_job(1, other, base + ["device.cpu_lanes=2"])
     assert proc.returncode == 0 and "resumed from" in proc.stdout, explain(proc)
     assert max_rel_diff(a, params_of(other)) <= 1e-10
+
+
+class TokenClassifier(nn.Module):
+    """A 1,000-token embedding, mean-pooled, and a 10-class head: the vocabulary is not the classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.head = nn.Embedding(1000, 16), nn.Linear(16, 10)
+
+    def forward(self, ids):
+        return self.head(self.tokens(ids).mean(dim=1))
+
+
+def test_a_token_classifier_takes_ids_up_to_its_embedding_size(tmp_path):
+    """The ids are checked against the embedding's rows (1,000), not against the 10 classes; an
+    id past the embedding is one error naming the embedding table."""
+    from tests.support import onnx_zoo
+    torch.manual_seed(0)
+    onnx_file = onnx_zoo.export(TokenClassifier(), torch.randint(0, 1000, (2, 12)), tmp_path / "tok.onnx",
+                                "dynamo", "train", optimize=False)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 1000, (160, 12)).astype(np.int64)
+    data = tmp_path / "tokens.h5"
+    with h5py.File(data, "w") as f:
+        f["x"], f["y"] = x, (x[:, 0] % 10).astype(np.int64)      # the class is in the first token
+    common = [f"data.path={data}", "model=onnx", f"model.path={onnx_file}", "train.batch_size=16",
+              "checkpoint=off", "optim=adamw", "optim.lr=0.01"]
+    proc = train_job(2, tmp_path / "run", common + ["train.epochs=3"], timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"], metrics
+
+    with h5py.File(data, "a") as f:
+        f["x"][5, 3] = 1000
+    proc = train_job(2, tmp_path / "bad", common + ["train.epochs=1"], timeout=180)
+    assert proc.returncode == 2, explain(proc)
+    assert proc.stderr.count("hpc_rlx: error") == 1, explain(proc)
+    assert re.search(r"input token id 1000 at row 5 is outside the vocabulary \[0, 1000\) of the "
+                     r"embedding '[^']*tokens[^']*'", proc.stderr), explain(proc)

@@ -90,7 +90,7 @@ def test_cupy_imported_only_in_backend():
 
 def test_graph_engine_imports_no_mpi_hdf5_hydra():
     banned = {"mpi4py", "h5py", "hydra", "omegaconf", "torch"}
-    files = [PKG / "device" / "backend.py", *sorted((PKG / "graph").glob("*.py"))]
+    files = [PKG / "device" / "backend.py", *sorted((PKG / "graph").rglob("*.py"))]
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):

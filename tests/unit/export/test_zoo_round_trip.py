@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 st = pytest.importorskip("safetensors.torch")
-onnx_import = pytest.importorskip("hpc_rlx.graph.onnx_import")
+onnx_import = pytest.importorskip("hpc_rlx.graph.onnx.importer")
 
 from tests.support import onnx_zoo as zoo  # noqa: E402
 from tests.support.shared import run_dir  # noqa: E402

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hpc_rlx.graph import Executor, GraphBuilder, ParamLayout, build_model, init_params
-from hpc_rlx.graph import conv
+from hpc_rlx.graph.ops import conv, pool
 from hpc_rlx.graph.rewrite import pool_before_relu
 
 R = np.random.default_rng(11)
@@ -68,10 +68,10 @@ def test_max_pool_ties_go_to_the_first_maximum_as_in_torch():
     F = torch.nn.functional
     x = R.integers(0, 3, (3, 4, 8, 6)).astype(np.float64)  # many equal values per window
     for kernel, stride, padding, dilation in [(2, 2, 0, 1), (3, 2, 1, 1), (3, 1, 1, 2), (2, 1, 0, 1)]:
-        out, index = conv.max_pool_forward(np, x, (kernel, kernel), (stride, stride), (padding, padding), True,
+        out, index = pool.max_pool_forward(np, x, (kernel, kernel), (stride, stride), (padding, padding), True,
                                            (dilation, dilation))
         g = R.standard_normal(out.shape)
-        gx = conv.max_pool_grad(np, g, index, x.shape, (kernel, kernel), (stride, stride), (padding, padding),
+        gx = pool.max_pool_grad(np, g, index, x.shape, (kernel, kernel), (stride, stride), (padding, padding),
                                 (dilation, dilation))
         t = torch.tensor(x, requires_grad=True)
         ref = F.max_pool2d(t, kernel, stride, padding, dilation=dilation)

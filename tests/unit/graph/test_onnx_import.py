@@ -21,7 +21,7 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
 
-from hpc_rlx.graph.onnx_import import ONNX_OPS, import_onnx  # noqa: E402
+from hpc_rlx.graph.onnx.importer import ONNX_OPS, import_onnx  # noqa: E402
 
 from tests.support import onnx_zoo as zoo  # noqa: E402
 from tests.support.shared import run_dir  # noqa: E402

@@ -234,7 +234,7 @@ ONNX_SLICES = [  # (dim, start, end, step) and the indices ONNX's reference pick
 
 @pytest.mark.parametrize("dim,start,end,step,expect", ONNX_SLICES)
 def test_slice_follows_onnx_clamping(dim, start, end, step, expect):
-    from hpc_rlx.graph.ops_shape import slice_bounds, slice_index
+    from hpc_rlx.graph.ops.shape import slice_bounds, slice_index
 
     assert slice_bounds(start, end, step, dim)[3] == len(expect)
     x = np.arange(dim)

@@ -1,5 +1,5 @@
 """ONNX -> IR for shape ops: reshapes, transposes, joins, cuts, picks, broadcasts and
-reductions (see ``onnx_map_math`` for the mapping convention).
+reductions (see ``map_math`` for the mapping convention).
 
 Reshape-like ops compute the ONNX output shape at both trace batches (``TRACE_BATCHES``) and
 let ``reshape_groups`` decide where the batch goes; shape inputs must be folded values.
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpc_rlx.graph import onnx_fold as fold
-from hpc_rlx.graph.onnx_emit import Tensor, dims_at, flat, reshape_groups, shape_group_error, single
-from hpc_rlx.graph.onnx_fold import TRACE_BATCHES, Folded, FoldError, ints
+from hpc_rlx.graph.onnx import fold
+from hpc_rlx.graph.onnx.emit import Tensor, dims_at, flat, reshape_groups, shape_group_error, single
+from hpc_rlx.graph.onnx.fold import TRACE_BATCHES, Folded, FoldError, ints
 from hpc_rlx.graph.shapes import INT
 
 

@@ -1,17 +1,20 @@
-"""Joining, cutting, picking and broadcasting: ``concat``, ``slice``, ``gather`` and ``expand``
-(type rules and forwards; see ``ops`` for the conventions, ``vjps_shape`` for the VJPs). Index
-arguments follow ONNX: negative values count from the end, slice bounds are clamped.
+"""Reshaping, joining, cutting, picking and broadcasting: ``flatten``, ``reshape``, ``transpose``,
+``concat``, ``slice``, ``gather`` and ``expand`` (conventions in ``hpc_rlx.graph.ops``). Index
+attributes follow ONNX: negative values count from the end, slice bounds are clamped.
 """
 
 from __future__ import annotations
 
-from hpc_rlx.graph.registry import REQUIRED, defop
+from hpc_rlx.device import backend
+from hpc_rlx.graph.ops.common import unbroadcast
+from hpc_rlx.graph.registry import REQUIRED, defop, defvjp
 from hpc_rlx.graph.shapes import (
     ShapeError,
     TensorType,
     axis_index,
     broadcast,
     fmt_shape,
+    known_prod,
     require_int,
 )
 
@@ -33,6 +36,98 @@ def _int_list(value, name, allow_none=False):
     if not isinstance(value, (list, tuple)):
         raise ShapeError(f"attribute '{name}' must be a list of ints, got {value!r}")
     return tuple(_int(v, name) for v in value)
+
+
+# ---------------------------------------------------------------- flatten, reshape, transpose
+
+
+def _flatten_type(types, a):
+    x = types[0]
+    if x.ndim < 1:
+        raise ShapeError("cannot flatten a scalar")
+    if None in x.shape[1:]:
+        raise ShapeError("only the leading (batch) dim may be unknown")
+    return TensorType((x.shape[0], known_prod(x.shape[1:])), x.dtype)
+
+
+@defop("flatten", _flatten_type, (1, 1))
+def flatten(xp, args, a, ctx):
+    x = args[0]
+    return x.reshape(x.shape[0], -1), (x.shape if ctx.need_saved else None)
+
+
+defvjp("flatten", lambda xp, g, args, ans, shape, a, out: g.reshape(shape), needs_args=())
+
+
+def _reshape_check(a):
+    s = a["shape"]
+    if not isinstance(s, (list, tuple)) or not all(
+        d is None or (isinstance(d, int) and not isinstance(d, bool) and (d >= 1 or d == -1)) for d in s
+    ):
+        raise ShapeError(f"attribute 'shape' must list positive ints, -1 or null, got {s!r}")
+    if sum(d == -1 for d in s) > 1:
+        raise ShapeError(f"attribute 'shape' may hold at most one -1, got {s!r}")
+    if any(d is None for d in s[1:]):
+        raise ShapeError(f"only the first entry of 'shape' may be null (the batch dim), got {s!r}")
+    return {"shape": tuple(s)}
+
+
+def _reshape_type(types, a):
+    x, target = types[0], a["shape"]
+    if None in x.shape[1:]:
+        raise ShapeError("only the leading (batch) dim may be unknown")
+    batched = len(x.shape) > 0 and x.shape[0] is None
+    if batched != (len(target) > 0 and target[0] is None):
+        raise ShapeError(f"reshape of {fmt_shape(x.shape)} to {list(target)}: the batch dim must stay first (null)")
+    size = known_prod(x.shape)
+    fixed = known_prod(d for d in target if d not in (None, -1))
+    if -1 in target:
+        if size % fixed:
+            raise ShapeError(f"cannot reshape {fmt_shape(x.shape)} to {list(target)}")
+        target = tuple(size // fixed if d == -1 else d for d in target)
+    elif fixed != size:
+        raise ShapeError(f"cannot reshape {fmt_shape(x.shape)} ({size} per sample) to {list(target)}")
+    return TensorType(tuple(target), x.dtype)
+
+
+@defop("reshape", _reshape_type, (1, 1), attrs={"shape": REQUIRED}, check=_reshape_check)
+def reshape(xp, args, a, ctx):
+    x = args[0]
+    target = tuple(x.shape[0] if d is None else d for d in a["shape"])
+    return x.reshape(target), (x.shape if ctx.need_saved else None)
+
+
+defvjp("reshape", lambda xp, g, args, ans, shape, a, out: g.reshape(shape), needs_args=())
+
+
+def _transpose_check(a):
+    axes = a["axes"]
+    if not isinstance(axes, (list, tuple)) or sorted(axes) != list(range(len(axes))):
+        raise ShapeError(f"attribute 'axes' must be a permutation of 0..n-1, got {axes!r}")
+    return {"axes": tuple(axes)}
+
+
+def _transpose_type(types, a):
+    x, axes = types[0], a["axes"]
+    if len(axes) != x.ndim:
+        raise ShapeError(f"axes {list(axes)} do not match the {x.ndim} dims of {fmt_shape(x.shape)}")
+    return TensorType(tuple(x.shape[i] for i in axes), x.dtype)
+
+
+@defop("transpose", _transpose_type, (1, 1), attrs={"axes": REQUIRED}, check=_transpose_check)
+def transpose(xp, args, a, ctx):
+    return args[0].transpose(a["axes"]), None
+
+
+def _transpose_x(xp, g, args, ans, s, a, out):
+    axes = a["axes"]
+    inverse = [0] * len(axes)
+    for i, ax in enumerate(axes):
+        inverse[ax] = i
+    return g.transpose(inverse)
+
+
+defvjp("transpose", _transpose_x, needs_args=())
 
 
 # ---------------------------------------------------------------- concat
@@ -69,6 +164,18 @@ def concat(xp, args, a, ctx):
         bounds.append((at, at + x.shape[ax]))
         at += x.shape[ax]
     return out, (ax, bounds)
+
+
+def _concat_part(position):
+    def vjp(xp, g, args, ans, saved, a, out):
+        ax, bounds = saved
+        lo, hi = bounds[position]
+        return g[(slice(None),) * ax + (slice(lo, hi),)]
+
+    return vjp
+
+
+defvjp("concat", *(_concat_part(i) for i in range(MAX_CONCAT)), needs_args=())
 
 
 # ---------------------------------------------------------------- slice
@@ -142,6 +249,15 @@ def slice_(xp, args, a, ctx):
     return x[slice_index(a, x.shape)], (x.shape if ctx.need_saved else None)
 
 
+def _slice_x(xp, g, args, ans, shape, a, out):
+    gx = xp.zeros(shape, dtype=g.dtype)
+    gx[slice_index(a, shape)] = g
+    return gx
+
+
+defvjp("slice", _slice_x, needs_args=())
+
+
 # ---------------------------------------------------------------- gather
 
 
@@ -164,6 +280,24 @@ def gather(xp, args, a, ctx):
     ax = a["axis"] % data.ndim
     idx = wrap_indices(xp, idx, data.shape[ax])
     return xp.take(data, idx, axis=ax), ((idx, data.shape) if ctx.need_saved else None)
+
+
+def _gather_data(xp, g, args, ans, saved, a, out):
+    """Scatter-add ``g`` back onto the gathered rows: repeated indices accumulate."""
+    idx, shape = saved
+    ax = a["axis"] % len(shape)
+    rows = shape[ax]
+    # Bring the gathered axis to the front on both sides: target (rows, rest), values (n, rest).
+    lead = tuple(range(ax, ax + idx.ndim))
+    gm = xp.moveaxis(g, lead, tuple(range(idx.ndim)))  # a scalar index moves nothing
+    rest = shape[:ax] + shape[ax + 1 :]
+    target = xp.zeros((rows,) + rest, dtype=g.dtype)
+    width = target.size // rows if rows else 0
+    backend.scatter_add(xp, target.reshape(rows, width), idx.reshape(-1), gm.reshape(-1, width))
+    return xp.moveaxis(target, 0, ax)
+
+
+defvjp("gather", _gather_data, None, needs_args=())
 
 
 # ---------------------------------------------------------------- expand
@@ -202,3 +336,5 @@ def _broadcast_runtime(shape, target):
     t = (1,) * (n - len(target)) + tuple(1 if d is None else d for d in target)
     return tuple(d if e == 1 else e for d, e in zip(s, t))
 
+
+defvjp("expand", lambda xp, g, args, ans, shape, a, out: unbroadcast(xp, g, shape), needs_args=())

@@ -12,7 +12,7 @@ fed ``x``, the second ``y``) and a float scalar output, which must be the mean o
 from __future__ import annotations
 
 from hpc_rlx.errors import GraphError
-from hpc_rlx.graph.onnx_emit import Emitter, Tensor
+from hpc_rlx.graph.onnx.emit import Emitter, Tensor
 from hpc_rlx.graph.shapes import FLOAT, INT, fmt_shape
 
 LOSSES = ("auto", "cross_entropy", "mse")

@@ -1,16 +1,16 @@
 """Import an ONNX file (opsets 13 and newer, as PyTorch's exporters write them) as a trainable
 IR graph.
 
-    from hpc_rlx.graph.onnx_import import import_onnx
+    from hpc_rlx.graph.onnx.importer import import_onnx
     imported = import_onnx("model.onnx")            # or the file's bytes
     imported.graph      # a Graph with inputs x (the model input) and y (the labels), a loss head
     imported.initial    # {IR parameter or buffer name: float64 value}
     imported.warnings   # what the import could not keep as the file says (see below)
 
 The walk visits the ONNX nodes in order. Every op type has one entry in ``ONNX_OPS``, its only
-home: a NumPy evaluator (``onnx_fold``) used when all of a node's inputs are known without the
+home: a NumPy evaluator (``fold``) used when all of a node's inputs are known without the
 data (constants, and shapes: the batch size enters as two trace sizes), and a mapping to IR ops
-(``onnx_map_*``) used otherwise. The batch dimension of the model input is the IR's batch (null); other dimensions
+(``map_*``) used otherwise. The batch dimension of the model input is the IR's batch (null); other dimensions
 must be static.
 
 ``graph.meta["onnx"]``: ``opset``, ``exporter`` ("dynamo", "torchscript" or "other"),
@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpc_rlx.errors import GraphError
-from hpc_rlx.graph import onnx_fold as f
-from hpc_rlx.graph import onnx_loss
-from hpc_rlx.graph import onnx_map_math as m
-from hpc_rlx.graph import onnx_map_nn as nn
-from hpc_rlx.graph import onnx_map_shape as s
+from hpc_rlx.graph.onnx import fold as f
+from hpc_rlx.graph.onnx import loss as loss_head
+from hpc_rlx.graph.onnx import map_math as m
+from hpc_rlx.graph.onnx import map_nn as nn
+from hpc_rlx.graph.onnx import map_shape as s
 from hpc_rlx.graph.ir import Graph
-from hpc_rlx.graph.onnx_emit import Emitter, Tensor, dims_at, sanitise
-from hpc_rlx.graph.onnx_fold import TRACE_BATCHES, Folded, FoldError, evaluate
-from hpc_rlx.graph.onnx_params import exporter_of, load_model, opset_of, plan_initializers
+from hpc_rlx.graph.onnx.emit import Emitter, Tensor, dims_at, sanitise
+from hpc_rlx.graph.onnx.fold import TRACE_BATCHES, Folded, FoldError, evaluate
+from hpc_rlx.graph.onnx.params import exporter_of, load_model, opset_of, plan_initializers
 from hpc_rlx.graph.shapes import FLOAT, INT
 
 
@@ -296,11 +296,11 @@ def _prune(d: dict) -> dict:
 def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, label_shape=None) -> ImportedModel:
     """The trainable IR graph of an ONNX file (a path or its bytes).
 
-    ``loss``: "auto", "cross_entropy" or "mse" (see ``onnx_loss``); ``label_dtype`` ("int64"
+    ``loss``: "auto", "cross_entropy" or "mse" (see ``onnx.loss``); ``label_dtype`` ("int64"
     or "float") and ``label_shape`` (one sample's label dims) describe the labels when known.
     A graph with two data inputs and a float scalar output is trained on that output as is.
     """
-    onnx_loss.check_loss_args(loss, label_dtype, label_shape)
+    loss_head.check_loss_args(loss, label_dtype, label_shape)
     model = load_model(source)
     warnings: list = []
     meta = {"opset": opset_of(model), "exporter": exporter_of(model), "params": {}, "transposed": {},
@@ -324,7 +324,7 @@ def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, labe
     if len(inputs) == 2:
         if loss != "auto":
             raise GraphError(f"the ONNX graph computes its own loss (two inputs), so it takes loss=auto, not {loss!r}")
-        loss_t, out = onnx_loss.own_loss([env[o.name] for o in graph.output])
+        loss_t, out = loss_head.own_loss([env[o.name] for o in graph.output])
         outputs = {"loss": loss_t.name}
         out_name = next(o.name for o in graph.output if env[o.name] is out)
     else:
@@ -336,7 +336,7 @@ def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, labe
         if len(graph.output) > 1:
             warnings.append(f"the ONNX graph has {len(graph.output)} outputs: the first, {out_name!r}, is the model "
                             f"output; {[o.name for o in graph.output[1:]]} are not used")
-        outputs = onnx_loss.attach(em, out, loss, label_dtype, label_shape)
+        outputs = loss_head.attach(em, out, loss, label_dtype, label_shape)
     for name, ref in outputs.items():
         em.b.output(name, ref)
     form = _form_warnings(em, plan, warnings)

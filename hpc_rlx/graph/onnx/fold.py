@@ -8,7 +8,7 @@ multiple of it. The two sizes are large primes so that no model dimension is mis
 
 Each evaluator runs one ONNX op on NumPy arrays: ``fn(inputs, attrs) -> array`` or a list of
 arrays (one per output); ``inputs`` holds None for an omitted optional input. The import table
-(``onnx_import.ONNX_OPS``) names each op's evaluator.
+(``importer.ONNX_OPS``) names each op's evaluator.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import numpy as np
 
 from hpc_rlx.errors import GraphError
 from hpc_rlx.graph.builder import GraphBuilder
-from hpc_rlx.graph.onnx_fold import TRACE_BATCHES, Folded
+from hpc_rlx.graph.onnx.fold import TRACE_BATCHES, Folded
 from hpc_rlx.graph.shapes import FLOAT, INT, fmt_shape
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)

@@ -2,15 +2,15 @@
 
 Each mapping is ``fn(em, ins, attrs, n_outputs) -> [value per output]``: ``em`` the
 ``Emitter``, ``ins`` the input values (``Tensor``, ``Folded`` or None for an omitted optional
-input). The import table (``onnx_import.ONNX_OPS``) names one mapping per op type.
+input). The import table (``importer.ONNX_OPS``) names one mapping per op type.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from hpc_rlx.graph.onnx_emit import FLOAT32_MAX, Tensor, decimal32, folded_scalar
-from hpc_rlx.graph.onnx_fold import ONNX_DTYPES, Folded
+from hpc_rlx.graph.onnx.emit import FLOAT32_MAX, Tensor, decimal32, folded_scalar
+from hpc_rlx.graph.onnx.fold import ONNX_DTYPES, Folded
 from hpc_rlx.graph.shapes import FLOAT, INT
 
 # scores a mask sets at or below this count as hidden (PyTorch writes -inf, some models -1e4)

@@ -1,5 +1,5 @@
 """ONNX -> IR for the network layers: convolution, pooling, normalisation and dropout (see
-``onnx_map_math`` for the mapping convention).
+``map_math`` for the mapping convention).
 
 Batch norm and dropout come in two forms. A training-form export (TorchScript with
 ``training=TrainingMode.TRAINING``) marks them: BatchNormalization ``training_mode=1``, Dropout
@@ -16,10 +16,10 @@ import math
 
 import numpy as np
 
-from hpc_rlx.graph.onnx_emit import Tensor, decimal32, folded_scalar
-from hpc_rlx.graph.onnx_fold import Folded
-from hpc_rlx.graph.onnx_map_math import float_tensor
-from hpc_rlx.graph.onnx_params import fx_batch_norm
+from hpc_rlx.graph.onnx.emit import Tensor, decimal32, folded_scalar
+from hpc_rlx.graph.onnx.fold import Folded
+from hpc_rlx.graph.onnx.map_math import float_tensor
+from hpc_rlx.graph.onnx.params import fx_batch_norm
 
 
 def torch_momentum(onnx_momentum: float) -> float:

@@ -1,8 +1,9 @@
-"""Loss and metric ops: type rules and forwards (see ``ops`` for the conventions)."""
+"""Losses and metrics: ``softmax_cross_entropy``, ``mse`` and ``correct_count`` (conventions in
+``hpc_rlx.graph.ops``; metrics have no VJP)."""
 
 from __future__ import annotations
 
-from hpc_rlx.graph.registry import defop
+from hpc_rlx.graph.registry import defop, defvjp
 from hpc_rlx.graph.shapes import (
     FLOAT,
     INT,
@@ -13,7 +14,6 @@ from hpc_rlx.graph.shapes import (
     require_int,
 )
 
-# ---------------------------------------------------------------- losses and metrics
 
 def _labels_type(types, what):
     logits, labels = types
@@ -50,6 +50,17 @@ def softmax_cross_entropy(xp, args, a, ctx):
     return loss, saved
 
 
+def _ce_logits(xp, g, args, ans, saved, a, out):
+    probs, labels, shape = saved
+    n = probs.shape[0]
+    probs[xp.arange(n), labels] -= 1.0  # the saved buffer is private to this node: reuse it
+    probs *= g * (1.0 / n)
+    return probs.reshape(shape)
+
+
+defvjp("softmax_cross_entropy", _ce_logits, None, needs_args=())
+
+
 def _mse_type(types, a):
     p, t = types
     require_float(p, "prediction")
@@ -63,6 +74,14 @@ def _mse_type(types, a):
 def mse(xp, args, a, ctx):
     d = args[0] - args[1]
     return xp.asarray((d * d).sum() * (1.0 / d.size)), (d if ctx.need_saved else None)
+
+
+defvjp(
+    "mse",
+    lambda xp, g, args, ans, d, a, out: d * (g * (2.0 / d.size)),
+    lambda xp, g, args, ans, d, a, out: d * (g * (-2.0 / d.size)),
+    needs_args=(),
+)
 
 
 def _correct_type(types, a):

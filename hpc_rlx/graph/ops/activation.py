@@ -1,0 +1,109 @@
+"""Activations: ``relu``, ``leaky_relu``, ``tanh``, ``sigmoid`` and ``gelu`` (conventions in
+``hpc_rlx.graph.ops``)."""
+
+from __future__ import annotations
+
+import math
+
+from hpc_rlx.device import backend
+from hpc_rlx.graph.ops.common import finite_number, same_float
+from hpc_rlx.graph.registry import defop, defvjp
+from hpc_rlx.graph.shapes import ShapeError
+
+GELU_C = math.sqrt(2.0 / math.pi)
+SQRT_HALF = math.sqrt(0.5)
+INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+@defop("relu", same_float, (1, 1))
+def relu(xp, args, a, ctx):
+    return xp.maximum(args[0], 0.0), None
+
+
+defvjp("relu", lambda xp, g, args, ans, s, a, out: g * (ans > 0), needs_args=(), needs_ans=True)
+
+
+@defop("leaky_relu", same_float, (1, 1), attrs={"alpha": 0.01},
+       check=lambda a: {"alpha": finite_number(a["alpha"], "alpha")})
+def leaky_relu(xp, args, a, ctx):
+    x = args[0]
+    return xp.where(x > 0, x, x * a["alpha"]), None
+
+
+# The slope at 0 is alpha's side, as in PyTorch.
+defvjp("leaky_relu", lambda xp, g, args, ans, s, a, out: xp.where(args[0] > 0, g, g * a["alpha"]))
+
+
+@defop("tanh", same_float, (1, 1))
+def tanh(xp, args, a, ctx):
+    return xp.tanh(args[0]), None
+
+
+defvjp("tanh", lambda xp, g, args, ans, s, a, out: g * (1.0 - ans * ans), needs_args=(), needs_ans=True)
+
+
+@defop("sigmoid", same_float, (1, 1))
+def sigmoid(xp, args, a, ctx):
+    x = args[0]
+    e = xp.exp(-xp.abs(x))  # never overflows
+    out = 1.0 / (1.0 + e)
+    return xp.where(x >= 0, out, e * out), None
+
+
+defvjp("sigmoid", lambda xp, g, args, ans, s, a, out: g * (ans * (1.0 - ans)), needs_args=(), needs_ans=True)
+
+
+def _check_gelu(a):
+    if a["approximate"] not in ("tanh", "none"):
+        raise ShapeError(f"gelu supports approximate='tanh' or 'none', got {a['approximate']!r}")
+    return a
+
+
+@defop("gelu", same_float, (1, 1), attrs={"approximate": "tanh"}, check=_check_gelu)
+def gelu(xp, args, a, ctx):
+    # "tanh": the GPT-2 form (PyTorch approximate="tanh"); "none": the exact x * Phi(x).
+    # Either way the saved t is the bracket in 0.5 x (1 + t), which the VJP reuses.
+    x = args[0]
+    if a["approximate"] == "none":
+        t = backend.erf(xp, x * SQRT_HALF)
+    else:
+        t = x * x  # built in place: one temporary instead of one per operator
+        t *= x
+        t *= 0.044715
+        t += x
+        t *= GELU_C
+        xp.tanh(t, out=t)
+    out = t + 1.0
+    out *= x
+    out *= 0.5
+    return out, (t if ctx.need_saved else None)
+
+
+def _gelu_x(xp, g, args, ans, t, a, out):
+    x = args[0]
+    if a["approximate"] == "none":
+        # d/dx 0.5 x (1 + erf(x / sqrt 2)) = 0.5 (1 + t) + x exp(-x^2 / 2) / sqrt(2 pi)
+        d = x * x
+        d *= -0.5
+        xp.exp(d, out=d)
+        d *= x
+        d *= INV_SQRT_2PI
+        d += 0.5 * (t + 1.0)
+        d *= g
+        return d
+    # d/dx 0.5 x (1 + t) = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2), in place
+    inner = x * x
+    inner *= 3.0 * 0.044715 * GELU_C
+    inner += GELU_C
+    d = t * t
+    xp.subtract(1.0, d, out=d)
+    d *= x
+    d *= inner
+    d += t
+    d += 1.0
+    d *= 0.5
+    d *= g
+    return d
+
+
+defvjp("gelu", _gelu_x)

@@ -1,0 +1,215 @@
+"""Normalisations: ``layer_norm``, ``batch_norm``, ``softmax`` and ``log_softmax`` (conventions
+in ``hpc_rlx.graph.ops``)."""
+
+from __future__ import annotations
+
+from hpc_rlx.graph.ops.common import int_attr, sum_to
+from hpc_rlx.graph.registry import defop, defvjp
+from hpc_rlx.graph.shapes import ShapeError, axis_index, fmt_shape, require_float
+
+RUNNING_MEAN, RUNNING_VAR = 3, 4  # batch_norm's buffer arguments
+
+
+# ---------------------------------------------------------------- layer norm
+
+
+def _eps_check(a):
+    eps = a["eps"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ShapeError(f"attribute 'eps' must be a positive number, got {eps!r}")
+    return {"eps": float(eps)}
+
+
+def _layer_norm_type(types, a):
+    x = types[0]
+    require_float(x, "input")
+    if x.ndim < 1 or x.shape[-1] is None:
+        raise ShapeError(f"layer_norm needs a known last dim, got {fmt_shape(x.shape)}")
+    for t, what in zip(types[1:], ("gamma", "beta")):
+        require_float(t, what)
+        if t.shape != (x.shape[-1],):
+            raise ShapeError(f"{what} shape {fmt_shape(t.shape)} must be ({x.shape[-1]},)")
+    return x
+
+
+@defop("layer_norm", _layer_norm_type, (3, 3), attrs={"eps": 1e-5}, check=_eps_check,
+       arg_names=("x", "gamma", "beta"))
+def layer_norm(xp, args, a, ctx):
+    x, gamma, beta = args
+    xc = x - x.mean(axis=-1, keepdims=True)
+    var = (xc * xc).mean(axis=-1, keepdims=True)
+    rstd = 1.0 / xp.sqrt(var + a["eps"])
+    xhat = xc
+    xhat *= rstd
+    out = xhat * gamma
+    out += beta
+    return out, ((xhat, rstd) if ctx.need_saved else None)
+
+
+def _layer_norm_x(xp, g, args, ans, saved, a, out):
+    xhat, rstd = saved
+    gx = g * args[1]
+    m1 = gx.mean(axis=-1, keepdims=True)
+    m2 = (gx * xhat).mean(axis=-1, keepdims=True)
+    gx -= m1
+    gx -= xhat * m2
+    gx *= rstd
+    return gx
+
+
+def _layer_norm_gamma(xp, g, args, ans, saved, a, out):
+    gx = g * saved[0]
+    return sum_to(xp, gx.reshape(-1, gx.shape[-1]), 0, out)
+
+
+def _layer_norm_beta(xp, g, args, ans, saved, a, out):
+    return sum_to(xp, g.reshape(-1, g.shape[-1]), 0, out)
+
+
+defvjp("layer_norm", _layer_norm_x, _layer_norm_gamma, _layer_norm_beta, needs_args=(1,))
+
+
+# ---------------------------------------------------------------- batch norm
+
+
+def _bn_check(a):
+    eps, momentum, training = a["eps"], a["momentum"], a["training"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ShapeError(f"attribute 'eps' must be a positive number, got {eps!r}")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
+        raise ShapeError(f"attribute 'momentum' must be a number in [0, 1], got {momentum!r}")
+    if not isinstance(training, bool):
+        raise ShapeError(f"attribute 'training' must be true or false, got {training!r}")
+    return {"eps": float(eps), "momentum": float(momentum), "training": training}
+
+
+def _bn_type(types, a):
+    x = types[0]
+    require_float(x, "input")
+    if x.ndim < 2 or x.shape[1] is None:
+        raise ShapeError(f"batch_norm needs (B, C, ...) input with a known C, got {fmt_shape(x.shape)}")
+    for t, what in zip(types[1:], ("scale", "bias", "running_mean", "running_var")):
+        require_float(t, what)
+        if t.shape != (x.shape[1],):
+            raise ShapeError(f"{what} shape {fmt_shape(t.shape)} must be ({x.shape[1]},)")
+    return x
+
+
+def channel_axes(x):
+    """Every axis but the channel axis 1: what batch norm reduces over."""
+    return (0,) + tuple(range(2, x.ndim))
+
+
+def per_channel(v, ndim):
+    """A (C,) vector shaped to broadcast against (B, C, ...)."""
+    return v.reshape((1, -1) + (1,) * (ndim - 2))
+
+
+@defop("batch_norm", _bn_type, (5, 5), attrs={"eps": 1e-5, "momentum": 0.1, "training": True}, check=_bn_check,
+       arg_names=("x", "scale", "bias", "running_mean", "running_var"))
+def batch_norm(xp, args, a, ctx):
+    """Training (``training`` and ``ctx.train``): normalise with the batch statistics (biased
+    variance, as PyTorch) and publish the batch mean and unbiased variance for the running
+    buffers. Otherwise normalise with the running statistics."""
+    x, scale, bias, running_mean, running_var = args
+    nd = x.ndim
+    batch_stats = a["training"] and ctx.train
+    if batch_stats:
+        axes = channel_axes(x)
+        mean = x.mean(axis=axes)
+        xc = x - per_channel(mean, nd)
+        var = (xc * xc).mean(axis=axes)
+        count = x.size // x.shape[1]
+        emit = getattr(ctx, "emit", None)
+        if emit is not None:
+            emit(RUNNING_MEAN, mean)
+            emit(RUNNING_VAR, var * (count / (count - 1)) if count > 1 else var)
+    else:
+        mean, var = running_mean, running_var
+        if not ctx.need_saved:  # inference: one fused scale and shift
+            k = scale / xp.sqrt(var + a["eps"])
+            out = x * per_channel(k, nd)
+            out += per_channel(bias - mean * k, nd)
+            return out, None
+        xc = x - per_channel(mean, nd)
+    rstd = 1.0 / xp.sqrt(var + a["eps"])
+    xhat = xc
+    xhat *= per_channel(rstd, nd)
+    out = xhat * per_channel(scale, nd)
+    out += per_channel(bias, nd)
+    return out, ((xhat, rstd, batch_stats) if ctx.need_saved else None)
+
+
+def _bn_x(xp, g, args, ans, saved, a, out):
+    xhat, rstd, batch_stats = saved
+    nd = g.ndim
+    k = per_channel(args[1] * rstd, nd)  # scale / std
+    if not batch_stats:  # the running statistics are constants
+        return g * k
+    # The batch mean and variance depend on x too: the layer_norm rule, over the batch axes.
+    axes = channel_axes(g)
+    count = g.size // g.shape[1]
+    gx = g - per_channel(g.sum(axis=axes) * (1.0 / count), nd)
+    gx -= xhat * per_channel((g * xhat).sum(axis=axes) * (1.0 / count), nd)
+    gx *= k
+    return gx
+
+
+def _bn_scale(xp, g, args, ans, saved, a, out):
+    return sum_to(xp, g * saved[0], channel_axes(g), out)
+
+
+def _bn_bias(xp, g, args, ans, saved, a, out):
+    return sum_to(xp, g, channel_axes(g), out)
+
+
+# The running statistics are buffers: never differentiated.
+defvjp("batch_norm", _bn_x, _bn_scale, _bn_bias, None, None, needs_args=(1,))
+
+
+# ---------------------------------------------------------------- softmax
+
+
+def _softmax_type(types, a):
+    require_float(types[0], "input")
+    axis_index(a["axis"], types[0].ndim)
+    return types[0]
+
+
+@defop("softmax", _softmax_type, (1, 1), attrs={"axis": -1}, check=int_attr("axis"))
+def softmax(xp, args, a, ctx):
+    x, ax = args[0], a["axis"]
+    e = x - x.max(axis=ax, keepdims=True)
+    xp.exp(e, out=e)
+    e /= e.sum(axis=ax, keepdims=True)
+    return e, None
+
+
+def _softmax_x(xp, g, args, ans, s, a, out):
+    gx = g * ans
+    dot = gx.sum(axis=a["axis"], keepdims=True)
+    gx = g - dot
+    gx *= ans
+    return gx
+
+
+defvjp("softmax", _softmax_x, needs_args=(), needs_ans=True)
+
+
+@defop("log_softmax", _softmax_type, (1, 1), attrs={"axis": -1}, check=int_attr("axis"))
+def log_softmax(xp, args, a, ctx):
+    x, ax = args[0], a["axis"]
+    out = x - x.max(axis=ax, keepdims=True)
+    lse = xp.exp(out).sum(axis=ax, keepdims=True)
+    out -= xp.log(lse)
+    return out, None
+
+
+def _log_softmax_x(xp, g, args, ans, s, a, out):
+    gx = xp.exp(ans)
+    gx *= g.sum(axis=a["axis"], keepdims=True)
+    xp.subtract(g, gx, out=gx)
+    return gx
+
+
+defvjp("log_softmax", _log_softmax_x, needs_args=(), needs_ans=True)
