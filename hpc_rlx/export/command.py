@@ -1,11 +1,13 @@
 """`python -m hpc_rlx.export RUN_DIR [--onnx OUT.onnx] [--state-dict OUT.safetensors]
 [--checkpoint latest|best|PATH]`: a run's trained model as an inference ONNX file and/or a
-safetensors state dict. Errors are one line on stderr and exit status 2."""
+safetensors state dict. `python -m hpc_rlx.export --check MODEL.onnx`: whether a file imports
+for training, before a job is submitted. Errors go to stderr with exit status 2."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 
 import numpy as np
 
@@ -16,6 +18,7 @@ from hpc_rlx.export.onnx_writer import optional_onnx, require_onnx, save_model
 from hpc_rlx.export.safetensors_file import write_safetensors
 from hpc_rlx.export.trained import TrainedModel, load_trained, model_output
 from hpc_rlx.export.verify import check_with_runtime
+from hpc_rlx.graph.onnx.importer import import_onnx
 
 PROG = "python -m hpc_rlx.export"
 EXIT_ERROR = 2
@@ -65,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description="Export a run's trained model: an inference ONNX file (ONNX Runtime, "
         "any ONNX consumer) and/or a safetensors state dict (PyTorch load_state_dict).")
-    p.add_argument("run_dir", help="the run directory (model.h5, graph.json, checkpoints/)")
+    p.add_argument("run_dir", nargs="?", help="the run directory (model.h5, graph.json, checkpoints/)")
+    p.add_argument("--check", metavar="MODEL.onnx", help="import this ONNX file as model=onnx would and "
+                   "say what it holds, or every node it cannot import; no run directory needed")
     p.add_argument("--onnx", metavar="OUT.onnx", help="write the inference ONNX model here")
     p.add_argument("--state-dict", metavar="OUT.safetensors", help="write the parameters and "
                    "batch-norm running statistics here (float32, the original model's names)")
@@ -78,9 +83,38 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_onnx_file(path) -> list[str]:
+    """What `--check` prints for an ONNX file that imports (raises GraphError otherwise)."""
+    imported = import_onnx(path)
+    g, meta = imported.graph, imported.graph.meta["onnx"]
+    ops = Counter(n.op for n in g.nodes)
+    x = g.input("x")
+    lines = [f"{path}: imports for training ({meta['exporter']} exporter, opset {meta['opset']}, "
+             f"{meta['form']} form)",
+             f"input {meta['input']!r}: {x.dtype} {list(x.shape)} (null: the batch); "
+             f"{g.num_params:,} trainable parameters in {sum(p.trainable for p in g.params)} tensors",
+             "ops: " + ", ".join(f"{op} x{k}" for op, k in sorted(ops.items()))]
+    lines += [f"warning: {w}" for w in imported.warnings]
+    return lines
+
+
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.check:
+        if args.run_dir or args.onnx or args.state_dict:
+            print(f"{PROG}: error: --check takes the ONNX file alone", file=sys.stderr)
+            return EXIT_ERROR
+        try:
+            require_onnx()
+            print("\n".join(check_onnx_file(args.check)))
+        except HpcRlxError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return EXIT_ERROR
+        return 0
+    if not args.run_dir:
+        print(f"{PROG}: error: give the run directory to export from (or --check MODEL.onnx)", file=sys.stderr)
+        return EXIT_ERROR
     if not args.onnx and not args.state_dict:
         print(f"{PROG}: error: nothing to write: give --onnx OUT.onnx and/or --state-dict OUT.safetensors",
               file=sys.stderr)

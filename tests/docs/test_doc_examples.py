@@ -47,6 +47,8 @@ RUNS = {
         ("docs/policies.md", "mpirun -n 2 python -m hpc_rlx policy=cadence 'debug.slowdown={1: 3.0}'")],
     "test_pytorch_model_through_onnx_and_back": [
         ("docs/pytorch.md", ".venv/bin/python net.py")],
+    "test_a_hugging_face_model_through_onnx_and_back": [
+        ("docs/pytorch.md", ".venv/bin/python hf_bert.py")],
     "test_export_a_trained_run": [
         ("docs/pytorch.md", ".venv/bin/mpirun -n 2 .venv/bin/python -m hpc_rlx hydra.run.dir=runs/mlp")],
     "test_a_graph_written_with_graph_builder": [
@@ -208,6 +210,26 @@ def test_pytorch_model_through_onnx_and_back(workdir):
     assert report == "<All keys matched successfully>" or (
         "unexpected_keys=[]" in report
         and re.search(r"missing_keys=\[('[\w.]*num_batches_tracked',? ?)*\]", report)), report
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_hugging_face_model_through_onnx_and_back(workdir):
+    """hf_bert.py and tokens.py from the page, the page's commands, then loading the trained
+    weights back into the transformers model: every key matches."""
+    for module in ("torch", "onnx", "onnxscript", "safetensors", "transformers"):
+        pytest.importorskip(module)
+    for first_line, name in (
+            ("# hf_bert.py: BERT from its config class (random weights; from_pretrained exports the same way)",
+             "hf_bert.py"),
+            ("# tokens.py: token ids and their labels in HDF5 (a tokenizer's output goes here)", "tokens.py"),
+            ("# back in transformers: the trained BERT", "load_back.py")):
+        write_block("docs/pytorch.md", first_line, workdir / name)
+    proc = run_commands(page_commands("test_a_hugging_face_model_through_onnx_and_back")
+                        + [".venv/bin/python load_back.py"], workdir)
+    assert "bert.onnx: imports for training" in proc.stdout, proc.stdout
+    completed(workdir / "runs" / "bert")
+    assert proc.stdout.strip().splitlines()[-1] == "<All keys matched successfully>", proc.stdout[-2000:]
 
 
 @pytest.mark.mpi

@@ -207,12 +207,20 @@ def randomize(module: nn.Module, seed: int = 0) -> nn.Module:
     return module
 
 
+def entry(name: str) -> tuple:
+    """ZOO's entry, or tests/support/hf_zoo.py's for a Hugging Face model (imported only then)."""
+    if name in ZOO:
+        return ZOO[name]
+    from tests.support.hf_zoo import HF_ZOO
+    return HF_ZOO[name]
+
+
 def make(name: str, seed: int = 0) -> nn.Module:
-    return randomize(ZOO[name][0](), seed)
+    return randomize(entry(name)[0](), seed)
 
 
 def sample_input(name: str, batch: int, seed: int = 0) -> torch.Tensor:
-    _, shape, vocab = ZOO[name]
+    _, shape, vocab = entry(name)
     g = torch.Generator().manual_seed(seed)
     if vocab:
         return torch.randint(0, vocab, (batch, *shape), generator=g)
@@ -221,6 +229,13 @@ def sample_input(name: str, batch: int, seed: int = 0) -> torch.Tensor:
 
 def has_batch_norm(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+def exports_by_mode(module: nn.Module) -> bool:
+    """Whether module.train() and module.eval() can export different graphs: batch norm,
+    dropout, or attention (whose PyTorch forward takes other paths in eval mode)."""
+    kinds = (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.MultiheadAttention)
+    return any(isinstance(m, kinds) for m in module.modules())
 
 
 def export(module: nn.Module, example: torch.Tensor, path, exporter: str, mode: str, optimize: bool = True,
@@ -275,7 +290,10 @@ def export_zoo_model(name: str, cache_dir, exporter: str, mode: str, optimize: b
     file serves the import, training and export tests. Returns the module (holding the file's
     buffers, as after ``export``) and the file."""
     module = make(name)
-    path = Path(cache_dir) / f"{name}-{exporter}-{mode}-{'opt' if optimize else 'plain'}-b{batch}s{seed}.onnx"
+    # dynamo exports a model without mode-dependent layers to one graph in both modes: one file
+    # serves both (TorchScript's flags differ by mode: constant folding in eval)
+    file_mode = "any" if exporter == "dynamo" and not exports_by_mode(module) else mode
+    path = Path(cache_dir) / f"{name}-{exporter}-{file_mode}-{'opt' if optimize else 'plain'}-b{batch}s{seed}.onnx"
     with exclusive(path.with_suffix(".lock")):
         if path.exists():
             module.train(mode == "train")

@@ -18,6 +18,7 @@ import numpy as np
 from hpc_rlx.errors import GraphError
 from hpc_rlx.graph.builder import GraphBuilder
 from hpc_rlx.graph.onnx.fold import TRACE_BATCHES, Folded
+from hpc_rlx.graph.onnx.scopes import module_of
 from hpc_rlx.graph.shapes import FLOAT, INT, fmt_shape
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -155,7 +156,9 @@ class Emitter:
         self.base = sanitise(first_output or node_name or op_type)
 
     def fail(self, msg: str) -> GraphError:
-        return GraphError(f"ONNX node '{self.node}' ({self.op_type}): {msg}")
+        module = module_of(self.proto) if self.proto is not None else None
+        where = f" in {module}" if module else ""
+        return GraphError(f"ONNX node '{self.node}' ({self.op_type}){where}: {msg}")
 
     def unique(self, name: str) -> str:
         name = sanitise(name)

@@ -181,6 +181,13 @@ def gather(ins, at):
     return np.take(data, idx, axis=axis)
 
 
+def gather_elements(ins, at):
+    data, idx = ins
+    axis = at.get("axis", 0) % max(data.ndim, 1)
+    idx = np.where(idx < 0, idx + data.shape[axis], idx)
+    return np.take_along_axis(data, idx, axis=axis)
+
+
 def slice_index(shape, starts, ends, axes, steps) -> tuple:
     """The NumPy index of an ONNX Slice (negative bounds count from the end; clamped)."""
     axes = list(range(len(starts))) if axes is None else [a % len(shape) for a in axes]
@@ -339,3 +346,32 @@ def size(ins, at):
 
 relu = unary(lambda x: np.maximum(x, 0))
 sigmoid = unary(lambda x: 1.0 / (1.0 + np.exp(-x)))
+
+
+def hard_sigmoid(ins, at):
+    x = ins[0]
+    return _same_kind(np.clip(x * at.get("alpha", 0.2) + at.get("beta", 0.5), 0, 1), x)
+
+
+hard_swish = unary(lambda x: x * np.clip(x / 6 + 0.5, 0, 1))
+
+
+def isnan(ins, at):
+    return np.isnan(ins[0])
+
+
+def isinf(ins, at):
+    x = ins[0]
+    hit = np.isinf(x)
+    if not at.get("detect_negative", 1):
+        hit &= x > 0
+    if not at.get("detect_positive", 1):
+        hit &= x < 0
+    return hit
+
+
+def trilu(ins, at):
+    """ONNX Trilu: the upper (upper=1, the default) or lower triangle of the last two axes,
+    shifted by k diagonals."""
+    k = int(np.asarray(ins[1]).reshape(())) if len(ins) > 1 and ins[1] is not None else 0
+    return np.triu(ins[0], k) if at.get("upper", 1) else np.tril(ins[0], k)

@@ -39,6 +39,7 @@ from hpc_rlx.graph.ir import Graph
 from hpc_rlx.graph.onnx.emit import Emitter, Tensor, dims_at, sanitise
 from hpc_rlx.graph.onnx.fold import TRACE_BATCHES, Folded, FoldError, evaluate
 from hpc_rlx.graph.onnx.params import exporter_of, load_model, opset_of, plan_initializers
+from hpc_rlx.graph.onnx.scopes import describe
 from hpc_rlx.graph.shapes import FLOAT, INT
 
 
@@ -67,6 +68,10 @@ ONNX_OPS = {
     "LeakyRelu": Rule(None, m.leaky_relu),
     "Sigmoid": Rule(f.sigmoid, m.unary("sigmoid")),
     "Tanh": Rule(f.unary(np.tanh), m.unary("tanh")),
+    "Cos": Rule(f.unary(np.cos), m.unary("cos")),
+    "Sin": Rule(f.unary(np.sin), m.unary("sin")),
+    "HardSigmoid": Rule(f.hard_sigmoid, m.hard_sigmoid),
+    "HardSwish": Rule(f.hard_swish, m.unary("hard_swish")),
     "Gelu": Rule(None, m.gelu),
     "Erf": Rule(f.erf, m.unary("erf")),
     "Softmax": Rule(None, m.softmax("softmax")),
@@ -103,19 +108,24 @@ ONNX_OPS = {
     "Size": Rule(f.size, s.size),
     "ReduceMean": Rule(f.reducer(np.mean), s.reduce("mean")),
     "ReduceSum": Rule(f.reducer(np.sum), s.reduce("sum")),
+    # masks: tests, comparisons and logic, at run time as int64 0/1 tensors without gradient
+    "IsNaN": Rule(f.isnan, m.mask("isnan")),
+    "IsInf": Rule(f.isinf, m.isinf),
+    "Equal": Rule(f.compare(np.equal), m.mask("compare", kind="equal")),
+    "Less": Rule(f.compare(np.less), m.mask("compare", kind="less")),
+    "LessOrEqual": Rule(f.compare(np.less_equal), m.mask("compare", kind="less_equal")),
+    "Greater": Rule(f.compare(np.greater), m.mask("compare", kind="greater")),
+    "GreaterOrEqual": Rule(f.compare(np.greater_equal), m.mask("compare", kind="greater_equal")),
+    "Not": Rule(f.logical_not, m.mask("logical", kind="not")),
+    "And": Rule(f.compare(np.logical_and), m.mask("logical", kind="and")),
+    "Or": Rule(f.compare(np.logical_or), m.mask("logical", kind="or")),
+    "Xor": Rule(f.compare(np.logical_xor), m.mask("logical", kind="xor")),
     # constants and shape arithmetic: folded only
     "Constant": Rule(f.constant),
     "ConstantOfShape": Rule(f.constant_of_shape),
     "Range": Rule(f.range_),
-    "Equal": Rule(f.compare(np.equal)),
-    "Less": Rule(f.compare(np.less)),
-    "LessOrEqual": Rule(f.compare(np.less_equal)),
-    "Greater": Rule(f.compare(np.greater)),
-    "GreaterOrEqual": Rule(f.compare(np.greater_equal)),
-    "Not": Rule(f.logical_not),
-    "And": Rule(f.compare(np.logical_and)),
-    "Or": Rule(f.compare(np.logical_or)),
-    "Xor": Rule(f.compare(np.logical_xor)),
+    "GatherElements": Rule(f.gather_elements),
+    "Trilu": Rule(f.trilu),
     "Mod": Rule(f.mod),
     "Min": Rule(f.variadic(np.minimum)),
     "Max": Rule(f.variadic(np.maximum)),
@@ -156,10 +166,45 @@ def _attrs(node) -> dict:
     return out
 
 
-def _unsupported(node) -> GraphError:
-    op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
-    return GraphError(f"ONNX node '{node.name}': op type '{op}' is not supported; supported ops: "
-                      f"{', '.join(sorted(ONNX_OPS))}")
+# What a user most likely has behind an op type, where the op alone does not say.
+_CAUSES = {
+    "RandomUniformLike": "a random mask drawn in the model (stochastic depth, or dropout written by hand)",
+    "RandomNormalLike": "noise drawn in the model",
+    "Bernoulli": "a random mask drawn in the model (stochastic depth, or dropout written by hand)",
+}
+_SHOWN_PER_OP = 3     # nodes named per op type in the error; the count gives the rest
+
+
+def _op_name(node) -> str:
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+
+
+def supported_ops() -> tuple[list[str], list[str]]:
+    """(op types that train on data, op types read only on constants and shapes)."""
+    trained = sorted(k for k, r in ONNX_OPS.items() if r.emit is not None)
+    folded = sorted(k for k, r in ONNX_OPS.items() if r.emit is None)
+    return trained, folded
+
+
+def _unsupported_error(missing: list, data_bound: list) -> GraphError:
+    """One error for every node the import cannot take, grouped by op type with counts:
+    `missing` ops hpc_rlx does not have, `data_bound` ops it has only for constants."""
+    lines = []
+    for kind, nodes in (("not supported", missing), ("supported only on constants and shapes, "
+                                                      "but here an input depends on the data", data_bound)):
+        by_op: dict = {}
+        for node in nodes:
+            by_op.setdefault(_op_name(node), []).append(node)
+        for op, group in sorted(by_op.items()):
+            shown = ", ".join(describe(n) for n in group[:_SHOWN_PER_OP])
+            more = f" and {len(group) - _SHOWN_PER_OP} more" if len(group) > _SHOWN_PER_OP else ""
+            cause = f" [{_CAUSES[op]}]" if op in _CAUSES else ""
+            lines.append(f"  {op} x{len(group)}: {kind}{cause}; {shown}{more}")
+    count = len(missing) + len(data_bound)
+    trained, folded = supported_ops()
+    return GraphError(f"the ONNX file has {count} node(s) hpc_rlx cannot import:\n" + "\n".join(lines)
+                      + f"\nops that train: {', '.join(trained)}\n"
+                      + f"ops on constants and shapes only: {', '.join(folded)}")
 
 
 def _data_inputs(em: Emitter, graph, initialized: set, warnings: list) -> list:
@@ -218,11 +263,19 @@ def _bind_initializers(em: Emitter, plan, env: dict, meta: dict, initial: dict) 
 
 
 def _walk(em: Emitter, graph, env: dict) -> None:
+    """Translate the nodes in order. Nodes the import cannot take are collected, not raised one
+    at a time: their outputs are marked unknown, nodes reading those are passed over, and one
+    error at the end lists them all."""
     producer = {}
-    for node in graph.node:
-        rule = ONNX_OPS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
-        if rule is None:
-            raise _unsupported(node)
+    nodes = list(graph.node)
+    rules = [ONNX_OPS.get(n.op_type) if n.domain in ("", "ai.onnx") else None for n in nodes]
+    missing = [n for n, rule in zip(nodes, rules) if rule is None]
+    data_bound: list = []
+    unknown: set = set()       # outputs of nodes passed over
+    for node, rule in zip(nodes, rules):
+        if rule is None or any(name in unknown for name in node.input if name):
+            unknown.update(o for o in node.output if o)
+            continue
         ins = []
         for name in node.input:
             if not name:
@@ -244,12 +297,16 @@ def _walk(em: Emitter, graph, env: dict) -> None:
             except (FoldError, ValueError, TypeError, IndexError, KeyError) as exc:
                 raise em.fail(f"cannot evaluate it on its constant inputs: {exc}") from None
         elif rule.emit is None:
-            raise em.fail("supported only on constants and shapes, but an input depends on the data")
+            data_bound.append(node)
+            unknown.update(o for o in node.output if o)
+            continue
         else:
             outs = rule.emit(em, ins, attrs, len(node.output))
         for name, value in zip(node.output, list(outs) + [None] * len(node.output)):
             if name:
                 env[name], producer[name] = value, f"'{node.name}' ({node.op_type})"
+    if missing or data_bound:
+        raise _unsupported_error(missing, data_bound)
 
 
 def _check_declared(graph, out: Tensor) -> None:

@@ -32,6 +32,27 @@ def unary(op: str, **attrs):
     return emit
 
 
+def hard_sigmoid(em, ins, at, n):
+    x = float_tensor(em, ins[0])
+    return [em.tensor("hard_sigmoid", [x], x.groups, alpha=decimal32(at.get("alpha", 0.2)),
+                      beta=decimal32(at.get("beta", 0.5)))]
+
+
+def mask(op: str, **attrs):
+    """A no-gradient mask (an int64 0/1 tensor) over ONNX-broadcast operands: comparisons and
+    logic on data, as a model builds its attention or padding masks at run time."""
+    def emit(em, ins, at, n):
+        return [em.broadcast_op(op, [v for v in ins if v is not None], **attrs)]
+
+    return emit
+
+
+def isinf(em, ins, at, n):
+    x = float_tensor(em, ins[0])
+    return [em.tensor("isinf", [x], x.groups, detect_negative=bool(at.get("detect_negative", 1)),
+                      detect_positive=bool(at.get("detect_positive", 1)))]
+
+
 def leaky_relu(em, ins, at, n):
     x = float_tensor(em, ins[0])
     return [em.tensor("leaky_relu", [x], x.groups, alpha=decimal32(at.get("alpha", 0.01)))]

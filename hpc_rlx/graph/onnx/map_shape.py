@@ -188,6 +188,10 @@ def sequence_at(em, ins, at, n):
 
 def gather(em, ins, at, n):
     data, idx = ins
+    if isinstance(idx, Folded) and not idx.const:
+        # indices that vary only by being broadcast to the batch (BERT's token type ids: zeros
+        # expanded to (batch, seq)): a constant broadcast at run time, then as token ids
+        idx = em.as_tensor(idx)
     if isinstance(idx, Tensor):  # indices computed from the data: token ids
         if idx.dtype != INT:
             raise em.fail("Gather indices must be integers")
@@ -199,8 +203,6 @@ def gather(em, ins, at, n):
         if axis == 0 and data.rank == 2:
             return [em.tensor("embedding", [idx, data], groups)]
         return [em.tensor("gather", [data, idx], groups, axis=_ir_axis(data, axis))]
-    if not idx.const:
-        raise em.fail(shape_group_error("Gather indices"))
     data = em.as_tensor(data)
     axis = at.get("axis", 0) % data.rank
     if not data.plain(axis):

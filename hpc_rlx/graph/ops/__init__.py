@@ -25,6 +25,7 @@ from hpc_rlx.graph.ops import elementwise  # noqa: F401
 from hpc_rlx.graph.ops import embedding  # noqa: F401
 from hpc_rlx.graph.ops import linear  # noqa: F401
 from hpc_rlx.graph.ops import loss  # noqa: F401
+from hpc_rlx.graph.ops import masks  # noqa: F401
 from hpc_rlx.graph.ops import norm  # noqa: F401
 from hpc_rlx.graph.ops import pool  # noqa: F401
 from hpc_rlx.graph.ops import reduce  # noqa: F401

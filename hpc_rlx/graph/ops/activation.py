@@ -1,5 +1,5 @@
-"""Activations: ``relu``, ``leaky_relu``, ``tanh``, ``sigmoid`` and ``gelu`` (conventions in
-``hpc_rlx.graph.ops``)."""
+"""Activations: ``relu``, ``leaky_relu``, ``tanh``, ``sigmoid``, ``gelu``, ``hard_sigmoid`` and
+``hard_swish`` (conventions in ``hpc_rlx.graph.ops``)."""
 
 from __future__ import annotations
 
@@ -107,3 +107,38 @@ def _gelu_x(xp, g, args, ans, t, a, out):
 
 
 defvjp("gelu", _gelu_x)
+
+
+def _check_hard_sigmoid(a):
+    return {"alpha": finite_number(a["alpha"], "alpha"), "beta": finite_number(a["beta"], "beta")}
+
+
+@defop("hard_sigmoid", same_float, (1, 1), attrs={"alpha": 0.2, "beta": 0.5}, check=_check_hard_sigmoid)
+def hard_sigmoid(xp, args, a, ctx):
+    # ONNX HardSigmoid: clip(alpha x + beta, 0, 1); PyTorch's hardsigmoid is alpha 1/6, beta 1/2
+    return xp.clip(args[0] * a["alpha"] + a["beta"], 0.0, 1.0), None
+
+
+def _hard_sigmoid_x(xp, g, args, ans, s, a, out):
+    # the slope alpha strictly inside the ramp, 0 on the flat parts and at their edges (PyTorch)
+    return g * ((ans > 0) & (ans < 1)) * a["alpha"]
+
+
+defvjp("hard_sigmoid", _hard_sigmoid_x, needs_args=(), needs_ans=True)
+
+
+@defop("hard_swish", same_float, (1, 1))
+def hard_swish(xp, args, a, ctx):
+    # x * relu6(x + 3) / 6, as ONNX HardSwish and PyTorch's hardswish
+    x = args[0]
+    return x * xp.clip(x * (1.0 / 6.0) + 0.5, 0.0, 1.0), None
+
+
+def _hard_swish_x(xp, g, args, ans, s, a, out):
+    # PyTorch's rule: 0 up to -3, x/3 + 1/2 strictly between, 1 from 3 on
+    x = args[0]
+    slope = xp.where(x <= -3.0, 0.0, xp.where(x < 3.0, x * (1.0 / 3.0) + 0.5, 1.0))
+    return g * slope.astype(g.dtype, copy=False)
+
+
+defvjp("hard_swish", _hard_swish_x)

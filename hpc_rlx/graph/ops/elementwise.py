@@ -1,5 +1,5 @@
 """Elementwise arithmetic: ``scale``, ``neg``, ``sqrt``, ``exp``, ``log``, ``reciprocal``,
-``erf`` and ``clip``, then the broadcasting ``add``, ``sub``, ``mul``, ``div``, ``pow``,
+``cos``, ``sin``, ``erf`` and ``clip``, then the broadcasting ``add``, ``sub``, ``mul``, ``div``, ``pow``,
 ``bias_add`` and ``where`` (conventions in ``hpc_rlx.graph.ops``)."""
 
 from __future__ import annotations
@@ -74,6 +74,20 @@ defvjp("sqrt", lambda xp, g, args, ans, s, a, out: g * 0.5 / ans, needs_args=(),
 defvjp("exp", lambda xp, g, args, ans, s, a, out: g * ans, needs_args=(), needs_ans=True)
 defvjp("log", lambda xp, g, args, ans, s, a, out: g / args[0])
 defvjp("reciprocal", lambda xp, g, args, ans, s, a, out: -g * (ans * ans), needs_args=(), needs_ans=True)
+
+
+@defop("cos", same_float, (1, 1))
+def cos(xp, args, a, ctx):
+    return xp.cos(args[0]), None
+
+
+@defop("sin", same_float, (1, 1))
+def sin(xp, args, a, ctx):
+    return xp.sin(args[0]), None
+
+
+defvjp("cos", lambda xp, g, args, ans, s, a, out: -g * xp.sin(args[0]))
+defvjp("sin", lambda xp, g, args, ans, s, a, out: g * xp.cos(args[0]))
 
 
 @defop("erf", same_float, (1, 1))

@@ -201,7 +201,7 @@ ZOO_NAMES = ["lenet", "resnet", "mobilenet", "vit", "gpt", "mixer"]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ZOO_NAMES)
-def test_zoo_model_trains_on_two_ranks_and_equals_one_rank_in_float64(tmp_path, name):
+def test_zoo_model_trains_on_two_ranks_and_batch_norm_equals_one_rank_in_float64(tmp_path, name):
     from tests.support import onnx_zoo
     onnx_file = _zoo_file(tmp_path, name)
     data = _zoo_data(tmp_path / "data.h5", name)
@@ -213,12 +213,15 @@ def test_zoo_model_trains_on_two_ranks_and_equals_one_rank_in_float64(tmp_path, 
     metrics = read_metrics(run)
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"], metrics
 
-    # float64: 2 ranks equal 1 rank; with batch norm, 1 rank with 2 lanes that see the same
-    # micro-batches (each lane normalises with its own statistics)
+    # float64, with batch norm: 2 ranks equal 1 rank with 2 lanes that see the same micro-batches
+    # (each lane normalises with its own statistics). A model whose samples never meet in the
+    # forward pass reduces its gradients as any other graph does, which
+    # test_two_ranks_equal_one_rank_in_float64 checks once.
+    if not onnx_zoo.has_batch_norm(onnx_zoo.make(name)):
+        return
     exact = common + ["train.dtype=float64", "train.epochs=1", "optim.lr=0.05", "data.shuffle=false",
                       "comm.deterministic=true"]
-    one_rank = ["device.cpu_lanes=2"] if onnx_zoo.has_batch_norm(onnx_zoo.make(name)) else []
-    for tag, n, extra in (("w2", 2, []), ("w1", 1, one_rank)):
+    for tag, n, extra in (("w2", 2, []), ("w1", 1, ["device.cpu_lanes=2"])):
         proc = train_job(n, tmp_path / tag, exact + extra, timeout=300)
         assert proc.returncode == 0, f"{tag}: " + explain(proc)
     assert max_rel_diff(params_of(tmp_path / "w2"), params_of(tmp_path / "w1")) <= 1e-10
@@ -292,3 +295,31 @@ def test_a_token_classifier_takes_ids_up_to_its_embedding_size(tmp_path):
     assert proc.stderr.count("hpc_rlx: error") == 1, explain(proc)
     assert re.search(r"input token id 1000 at row 5 is outside the vocabulary \[0, 1000\) of the "
                      r"embedding '[^']*tokens[^']*'", proc.stderr), explain(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert", "distilbert", "gpt2", "llama"])
+def test_a_hugging_face_model_trains_on_two_ranks(tmp_path, tmp_path_factory, name):
+    """Built from its config class (tests/support/hf_zoo.py), exported by dynamo (optimize=False:
+    the optimizer merges equal initializers), trained on token ids from the whole 1,000-token
+    vocabulary: a classifier learns the class in the first token, a language model the next."""
+    pytest.importorskip("transformers")
+    from tests.support import onnx_zoo
+    from tests.support.hf_zoo import SEQ, VOCAB
+    from tests.support.shared import run_dir
+    # the file the import tests (tests/unit/graph/test_hf_models.py) check, exported once per run
+    _, onnx_file = onnx_zoo.export_zoo_model(name, run_dir(tmp_path_factory, "onnx-zoo"), "dynamo", "train",
+                                             optimize=False)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCAB, (192, SEQ)).astype(np.int64)
+    language_model = name in ("gpt2", "llama")
+    data = tmp_path / "tokens.h5"
+    with h5py.File(data, "w") as f:
+        f["x"] = x
+        f["y"] = (x + 1) % VOCAB if language_model else (x[:, 0] % 10).astype(np.int64)
+    proc = train_job(2, tmp_path / "run", [f"data.path={data}", "model=onnx", f"model.path={onnx_file}",
+                                           "train.batch_size=16", "train.epochs=3", "checkpoint=off",
+                                           "optim=adamw", "optim.lr=0.003"], timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"], metrics

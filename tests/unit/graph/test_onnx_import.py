@@ -9,29 +9,32 @@ module.double()).
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 
 from hpc_rlx.errors import GraphError
-from hpc_rlx.graph import Executor, Graph, ParamLayout
+from hpc_rlx.graph import Executor
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
 
-from hpc_rlx.graph.onnx.importer import ONNX_OPS, import_onnx  # noqa: E402
+from hpc_rlx.graph.onnx.importer import import_onnx  # noqa: E402
 
 from tests.support import onnx_zoo as zoo  # noqa: E402
+from tests.support.onnx_checks import (  # noqa: E402
+    BATCH,
+    TOL,
+    check_gradients,
+    feed,
+    ours_forward,
+    param_views,
+    rel,
+    torch_module,
+)
 from tests.support.shared import run_dir  # noqa: E402
 
 F = torch.nn.functional
-# float64 checks the math; float32 only that nothing is lost beyond rounding, which depends on the
-# CPU's BLAS kernels (MobileNet's stem gradient, the sum over every layer below the loss, was
-# 1.2e-5 from PyTorch's on an AMD EPYC against under 1e-5 on an Intel Xeon)
-TOL = {"float32": 3e-5, "float64": 1e-10}
-BATCH = 4
 CASES = [(m, e, mode) for m in zoo.ZOO for e in ("dynamo", "torchscript") for mode in ("train", "eval")]
 # The default suite: every model with the quick TorchScript exporter, and the dynamo exporter on
 # the models whose import needs the most (batch-norm metadata, folded transposes, attention).
@@ -68,48 +71,6 @@ def exported(tmp_path_factory):
     return get
 
 
-def rel(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    assert ours.shape == ref.shape
-    return float(np.abs(ours - ref).max() / max(np.abs(ref).max(), 1e-300))
-
-
-def without_dropout(g: Graph) -> Graph:
-    """The graph with every dropout at p=0: the masks are ours, PyTorch's differ."""
-    d = g.to_dict()
-    for n in d["nodes"]:
-        if n["op"] == "dropout":
-            n["attrs"]["p"] = 0.0
-    return Graph.from_dict(d)
-
-
-def param_views(imported, g: Graph, dtype: str):
-    layout = ParamLayout(g)
-    flat = np.zeros(layout.size, dtype)
-    layout.pack({k: v.astype(dtype) for k, v in imported.initial.items()}, flat)
-    return layout, flat
-
-
-def feed(x, dtype):
-    return x.numpy() if x.dtype == torch.int64 else x.numpy().astype(dtype)
-
-
-def ours_forward(imported, x, train: bool, dtype="float32"):
-    g = without_dropout(imported.graph)
-    layout, flat = param_views(imported, g, dtype)
-    node = g.meta["onnx"]["output_node"]
-    return Executor(g, np, dtype).run(layout.views(flat), {"x": feed(x, dtype)}, [node], train=train, seed=0)[node]
-
-
-def torch_module(module, train: bool, dtype=torch.float32):
-    """A copy in the given mode, dropout off (its masks are PyTorch's own)."""
-    m = copy.deepcopy(module).to(dtype)
-    for sub in m.modules():
-        if isinstance(sub, torch.nn.Dropout):
-            sub.p = 0.0
-    return m.train(train)
-
-
 def trains_like_module_train(imported, mode: str) -> bool:
     """Whether training the import matches module.train(): a training-mode export whose batch
     norm and dropout the import kept in their training form. Otherwise (an eval export, or
@@ -142,81 +103,6 @@ def test_forward_matches_onnxruntime_and_pytorch(exported, name, exporter, mode)
         assert rel(ours_eval, torch_module(module, False)(x).numpy()) <= TOL["float32"]
         if trains_like_module_train(imported, mode):
             assert rel(ours_train, torch_module(module, True)(x).numpy()) <= TOL["float32"]
-
-
-def _match(imported, module) -> dict:
-    """IR parameter -> (PyTorch parameter name, transposed?), found by value (the zoo's values
-    are distinct)."""
-    found = {}
-    named = dict(module.named_parameters())
-    for ir, value in imported.initial.items():
-        v = value.astype(np.float32)
-        for tname, p in named.items():
-            t = p.detach().numpy()
-            if t.shape == v.shape and np.array_equal(t, v):
-                found[ir] = (tname, False)
-            elif v.ndim == 2 and t.shape == v.shape[::-1] and np.array_equal(t, v.T):
-                found[ir] = (tname, True)
-    return found
-
-
-def _buffer_updates(imported, g, layout, gflat, module_before, module_after, tol):
-    """The running statistics our batch norm emitted, applied with its momentum, equal the
-    buffers PyTorch's training forward left behind."""
-    buffers_before = {k: v.detach().numpy() for k, v in module_before.named_buffers() if v.is_floating_point()}
-    buffers_after = dict(module_after.named_buffers())
-    momentum = g.buffer_momentum()
-    grads = layout.views(gflat)
-    for b in g.buffers:
-        start = imported.initial[b.name]
-        tname = next(k for k, v in buffers_before.items() if np.array_equal(v, start.astype(np.float32)))
-        updated = start + momentum[b.name] * (grads[b.name] - start)
-        assert rel(updated, buffers_after[tname].detach().numpy()) <= tol, b.name
-
-
-def check_gradients(module, imported, name: str, train: bool, dtype: str) -> None:
-    """The import's loss and gradients against PyTorch autograd on ``module`` with the same
-    weights and batch (module.train() when ``train``, else module.eval(); dropout off), and
-    in training the batch-norm statistics it emits against PyTorch's running-buffer update."""
-    g = without_dropout(imported.graph)
-    x = zoo.sample_input(name, BATCH, seed=3)
-    classes = g.types[g.meta["onnx"]["output_node"]].shape[-1]
-    y_shape = tuple(d or BATCH for d in g.input("y").shape)
-    y = torch.randint(0, classes, y_shape, generator=torch.Generator().manual_seed(4))
-
-    layout, flat = param_views(imported, g, dtype)
-    gflat = np.zeros_like(flat)
-    out = Executor(g, np, dtype).forward_backward(layout.views(flat), layout.views(gflat),
-                                                  {"x": feed(x, dtype), "y": y.numpy()}, train=True, seed=0)
-    tm = torch_module(module, train, torch.float64 if dtype == "float64" else torch.float32)
-    before = copy.deepcopy(tm)
-    logits = tm(x if x.dtype == torch.int64 else x.to(next(tm.parameters()).dtype))
-    loss = F.cross_entropy(logits.reshape(-1, classes), y.reshape(-1))
-    loss.backward()
-    tol = TOL[dtype]
-    assert out["loss"] == pytest.approx(loss.item(), rel=tol)
-
-    match, grads = _match(imported, module), layout.views(gflat)
-    trainable = {p.name for p in g.params if p.trainable}
-    assert trainable <= set(match), f"parameters with no PyTorch counterpart: {sorted(trainable - set(match))}"
-    summed = {}
-    for ir in trainable:
-        tname, transposed = match[ir]
-        summed[tname] = summed.get(tname, 0) + (grads[ir].T if transposed else grads[ir])
-    named = dict(tm.named_parameters())
-    total = np.sqrt(sum(np.linalg.norm(p.grad.numpy()) ** 2 for p in named.values()))
-    for tname, ours in summed.items():
-        ref = named[tname].grad.numpy()
-        if np.linalg.norm(ref) < 1e-6 * total:
-            # analytically zero (attention's key bias: softmax ignores a shift per query), so
-            # both sides are rounding noise and only their size compares
-            assert np.linalg.norm(ours) <= tol * total, tname
-        else:
-            assert rel(ours, ref) <= tol, tname
-    missing = sorted(set(named) - set(summed))
-    assert not missing, f"PyTorch parameters the import lost: {missing}"
-    if train and g.buffers:
-        _buffer_updates(imported, g, layout, gflat, before, tm, tol)
 
 
 @pytest.mark.parametrize("name, exporter, mode, dtype", _cases(("float32", "float64")))
@@ -400,14 +286,34 @@ def test_a_graph_with_its_own_loss_trains_as_it_is():
 # ---------------------------------------------------------------- errors
 
 
-def test_an_unsupported_op_is_named_with_its_node_and_the_supported_ops():
+def test_every_node_the_import_cannot_take_is_in_one_error_grouped_by_op():
+    """Ops hpc_rlx lacks and ops it takes only on constants are listed at once, by op type with
+    counts, each node with the PyTorch module it came from where the file records it; nodes
+    downstream of them are passed over, not reported as new errors."""
     h = onnx.helper
-    model = _tiny([h.make_node("Relu", ["x"], ["r"]), h.make_node("HardSwish", ["r"], ["out"], name="act_7")],
-                  [_info("x", ["batch", 3])], [_info("out", ["batch", 3])])
+    scoped = h.make_node("Hardmax", ["r"], ["a"], name="node_Hardmax_3")
+    scoped.metadata_props.add(key="pkg.torch.onnx.name_scopes",
+                              value="['', 'features', 'features.2.act', 'hardmax']")
+    nodes = [h.make_node("Relu", ["x"], ["r"]), scoped,
+             h.make_node("Hardmax", ["r"], ["b"], name="second"),
+             h.make_node("Foo", ["r"], ["c"], name="custom", domain="com.example"),
+             h.make_node("Mod", ["r", "r"], ["d"], name="mod_on_data", fmod=1),
+             h.make_node("Add", ["a", "b"], ["ab"]), h.make_node("Add", ["c", "d"], ["cd"]),
+             h.make_node("Add", ["ab", "cd"], ["out"])]
+    model = onnx.load_from_string(_tiny(nodes, [_info("x", ["batch", 3])], [_info("out", ["batch", 3])]))
+    model.opset_import.append(h.make_opsetid("com.example", 1))
     with pytest.raises(GraphError) as err:
-        import_onnx(model)
-    assert str(err.value) == (f"ONNX node 'act_7': op type 'HardSwish' is not supported; supported ops: "
-                              f"{', '.join(sorted(ONNX_OPS))}")
+        import_onnx(model.SerializeToString())
+    text = str(err.value)
+    lines = text.splitlines()
+    assert lines[0] == "the ONNX file has 4 node(s) hpc_rlx cannot import:", text
+    assert lines[1] == "  Hardmax x2: not supported; 'node_Hardmax_3' (in features.2.act), 'second'", text
+    assert lines[2] == "  com.example::Foo x1: not supported; 'custom'", text
+    assert lines[3] == ("  Mod x1: supported only on constants and shapes, but here an input depends on "
+                        "the data; 'mod_on_data'"), text
+    assert lines[4].startswith("ops that train: ") and "Relu" in lines[4] and "Mod" not in lines[4]
+    assert lines[5].startswith("ops on constants and shapes only: ") and "Mod" in lines[5]
+    assert len(lines) == 6, text
 
 
 def test_malformed_files_and_unsupported_opsets_fail_clearly(tmp_path):
@@ -458,3 +364,27 @@ def test_dynamo_files_without_its_optimizer_import(tmp_path, name):
     session = ort.InferenceSession(str(path))
     ref = session.run(None, {session.get_inputs()[0].name: feed(x, "float32")})[0]
     assert rel(ours_forward(imported, x, train=False), ref) <= 1e-5
+
+
+def test_export_check_says_what_a_file_holds_or_every_node_it_cannot_take(tmp_path, capsys):
+    """`python -m hpc_rlx.export --check FILE.onnx`: exit 0 and a summary, or exit 2 and the one
+    error of the import; no run directory needed."""
+    from hpc_rlx.export.command import main
+
+    good = tmp_path / "linear.onnx"
+    good.write_bytes(_linear_model())
+    assert main(["--check", str(good)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{good}: imports for training") and "6 trainable parameters" in out[1], out
+    assert out[2].startswith("ops: ") and "linear x1" in out[2], out
+
+    h = onnx.helper
+    bad = tmp_path / "hardmax.onnx"
+    bad.write_bytes(_tiny([h.make_node("Hardmax", ["x"], ["out"], name="hm")], [_info("x", ["batch", 3])],
+                          [_info("out", ["batch", 3])]))
+    assert main(["--check", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m hpc_rlx.export: error: the ONNX file has 1 node(s) hpc_rlx cannot import:\n"
+                          "  Hardmax x1: not supported; 'hm'"), err
+    assert main(["--check", str(good), "--onnx", str(tmp_path / "out.onnx")]) == 2
+    assert "--check takes the ONNX file alone" in capsys.readouterr().err

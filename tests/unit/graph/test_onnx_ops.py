@@ -76,10 +76,15 @@ CASES = [
     ("avg_pool2d", [n(1, 2, 6, 6)], {"kernel": [2, 3], "stride": 1, "padding": [1, 1], "count_include_pad": False}),
     ("linear", [n(3, 4), n(5, 4), n(5)], {"weight_layout": "out_in"}),
     ("linear", [n(2, 3, 4), n(5, 4)], {"weight_layout": "out_in"}),
+    ("cos", [2 * n(3, 4)], {}),
+    ("sin", [2 * n(3, 4)], {}),
+    ("hard_sigmoid", [4 * n(3, 5)], {}),
+    ("hard_sigmoid", [4 * n(3, 5)], {"alpha": 1 / 6, "beta": 0.5}),
+    ("hard_swish", [4 * n(3, 5)], {}),
 ]
 
-# Forward-only: no float argument to differentiate.
-FORWARD_ONLY = {"constant"}
+# Forward-only: no float argument to differentiate, or an int64 mask that carries no gradient.
+FORWARD_ONLY = {"constant", "isnan", "isinf", "compare", "logical"}
 CHECKED = {c[0] for c in CASES} | FORWARD_ONLY
 
 
@@ -134,7 +139,7 @@ def rel(ours, ref):
     return np.linalg.norm(np.asarray(ours) - ref) / (scale if scale > 0 else 1.0)
 
 
-def oracle(op, arrays, attrs, torch_fn, feeds_only=(), train=False):
+def oracle(op, arrays, attrs, torch_fn, feeds_only=(), train=False, grad_tol=TOL):
     """Forward value and every float parameter's gradient against PyTorch autograd."""
     torch = pytest.importorskip("torch")
     value, loss, grads, w = run_op(op, arrays, attrs, feeds_only, train=train)
@@ -149,7 +154,7 @@ def oracle(op, arrays, attrs, torch_fn, feeds_only=(), train=False):
     (ref * torch.from_numpy(w)).sum().backward()
     for i, t in enumerate(ts):
         if t.requires_grad:
-            assert rel(grads[i], t.grad.numpy()) <= TOL, (op, i, rel(grads[i], t.grad.numpy()))
+            assert rel(grads[i], t.grad.numpy()) <= grad_tol, (op, i, rel(grads[i], t.grad.numpy()))
     return value, grads
 
 
@@ -176,6 +181,63 @@ def test_elementwise_ops_match_torch():
     oracle("pow", [x, np.array([2.0, 3.0, 0.0])[:, None, None]], {}, torch.pow, feeds_only=(1,))
     oracle("clip", [4 * x], {"min": 0.0, "max": 6.0}, F.relu6)
     oracle("clip", [x], {"min": -0.5, "max": 1.0}, lambda a: F.hardtanh(a, -0.5, 1.0))
+
+
+def test_trigonometry_and_hard_activations_match_torch():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    x = 4 * n(4, 6)
+    oracle("cos", [x], {}, torch.cos)
+    oracle("sin", [x], {}, torch.sin)
+    # PyTorch's hardsigmoid gradient is float32's 1/6 in any dtype (0.16666667163...): its
+    # definition is the float64 reference, and hardsigmoid itself only to float32's rounding
+    oracle("hard_sigmoid", [x], {"alpha": 1 / 6, "beta": 0.5}, lambda a: torch.clamp(a / 6 + 0.5, 0, 1))
+    oracle("hard_sigmoid", [x], {"alpha": 1 / 6, "beta": 0.5}, F.hardsigmoid, grad_tol=1e-7)
+    oracle("hard_swish", [x], {}, F.hardswish)
+    # at and beside the kinks (-3, 3), where the gradient rules differ
+    kinks = np.array([[-4.0, -3.0, -2.5, 0.0, 2.5, 3.0, 4.0]])
+    oracle("hard_swish", [kinks], {}, F.hardswish)
+    oracle("hard_sigmoid", [kinks], {"alpha": 1 / 6, "beta": 0.5}, F.hardsigmoid, grad_tol=1e-7)
+
+
+def test_masks_follow_numpy_and_carry_no_gradient_through_where():
+    """isnan / isinf / compare / logical give int64 0/1 tensors; where(isnan(s), 0, s) passes
+    the gradient to s where it selects s, and none where the mask hides it."""
+    x = np.array([[1.0, np.nan, -np.inf, np.inf, 0.0]])
+    b = GraphBuilder()
+    xi = b.input("x", [1, 5])
+    outs = {"isnan": b.op("isnan", xi), "isinf": b.op("isinf", xi),
+            "neg_inf": b.op("isinf", xi, detect_positive=False),
+            "less": b.op("compare", xi, b.op("constant", value=0.5, shape=[], dtype="float"), kind="less"),
+            "not": b.op("logical", b.op("isnan", xi), kind="not"),
+            "or": b.op("logical", b.op("isnan", xi), b.op("isinf", xi), kind="or")}
+    b.output("loss", b.op("sum", b.op("cast", outs["isnan"], to="float")))
+    g = b.build()
+    assert all(g.types[v].dtype == "int64" for v in outs.values())
+    with np.errstate(invalid="ignore"):
+        got = Executor(g, np, "float64").run({}, {"x": x}, list(outs.values()))
+        expect = {"isnan": np.isnan(x), "isinf": np.isinf(x), "neg_inf": np.isneginf(x), "less": x < 0.5,
+                  "not": ~np.isnan(x), "or": np.isnan(x) | np.isinf(x)}
+    for key, ref in expect.items():
+        np.testing.assert_array_equal(got[outs[key]], ref.astype(np.int64), err_msg=key)
+
+    # the attention pattern: scores -> softmax -> where(isnan(p), 0, p)
+    b = GraphBuilder()
+    s = b.param("s", [2, 4], {"scheme": "zeros"})
+    p = b.op("softmax", s)
+    kept = b.op("where", b.op("isnan", p), b.op("constant", value=0.0, shape=[], dtype="float"), p)
+    w = b.input("w", [2, 4])
+    b.output("loss", b.op("sum", b.op("mul", kept, w)))
+    g = b.build()
+    layout = ParamLayout(g)
+    flat, grad = n(8), np.zeros(8)
+    wv = n(2, 4)
+    Executor(g, np, "float64").forward_backward(layout.views(flat), layout.views(grad), {"w": wv})
+    torch = pytest.importorskip("torch")
+    st = torch.tensor(flat.reshape(2, 4), requires_grad=True)
+    pt = torch.softmax(st, -1)
+    (torch.where(torch.isnan(pt), 0.0, pt) * torch.from_numpy(wv)).sum().backward()
+    assert rel(grad.reshape(2, 4), st.grad.numpy()) <= TOL
 
 
 def test_clip_and_leaky_relu_at_their_kinks_follow_torch():

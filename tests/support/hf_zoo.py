@@ -1,0 +1,62 @@
+"""Models from Hugging Face transformers, built from their config classes with random weights
+(nothing is downloaded: HF_HUB_OFFLINE=1), small enough that an export and a gradient check take
+seconds. Each takes token ids (batch, 12) from a 1,000-token vocabulary and returns logits:
+sequence classifiers 10 classes, language models the vocabulary.
+
+Dropout is 0 in every config: the gradient checks compare against PyTorch's autograd, whose
+masks are its own (the import's dropout is tested on the project's own zoo)."""
+
+from __future__ import annotations
+
+import os
+
+import torch.nn as nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB, SEQ = 1000, 12
+SMALL = dict(vocab_size=VOCAB, max_position_embeddings=64)
+
+
+class Logits(nn.Module):
+    """`model(input_ids=x).logits`: the one tensor output an export needs."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(input_ids=x).logits
+
+
+def bert():
+    import transformers as t
+    return t.BertForSequenceClassification(t.BertConfig(
+        **SMALL, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def distilbert():
+    import transformers as t
+    return t.DistilBertForSequenceClassification(t.DistilBertConfig(
+        **SMALL, dim=32, n_layers=2, n_heads=2, hidden_dim=64, num_labels=10, dropout=0.0,
+        attention_dropout=0.0, seq_classif_dropout=0.0))
+
+
+def gpt2():
+    import transformers as t
+    return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def llama():
+    import transformers as t
+    return t.LlamaForCausalLM(t.LlamaConfig(
+        **SMALL, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, attention_dropout=0.0))
+
+
+# name -> (constructor of the wrapped model, one sample's input shape, token vocabulary), as
+# onnx_zoo.ZOO
+HF_ZOO = {name: (lambda build=build: Logits(build()), (SEQ,), VOCAB)
+          for name, build in (("bert", bert), ("distilbert", distilbert), ("gpt2", gpt2), ("llama", llama))}

@@ -1,0 +1,141 @@
+"""Checks of an imported ONNX model against ONNX Runtime and PyTorch, shared by the import tests
+of the project's zoo (tests/support/onnx_zoo.py) and of real libraries' models
+(tests/support/hf_zoo.py).
+
+Relative errors are max|ours - reference| / max|reference|.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from hpc_rlx.graph import Executor, Graph, ParamLayout
+from tests.support import onnx_zoo as zoo
+
+F = torch.nn.functional
+# float64 checks the math; float32 only that nothing is lost beyond rounding, which depends on the
+# CPU's BLAS kernels (MobileNet's stem gradient, the sum over every layer below the loss, was
+# 1.2e-5 from PyTorch's on an AMD EPYC against under 1e-5 on an Intel Xeon)
+TOL = {"float32": 3e-5, "float64": 1e-10}
+BATCH = 4
+
+
+def rel(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert ours.shape == ref.shape
+    return float(np.abs(ours - ref).max() / max(np.abs(ref).max(), 1e-300))
+
+
+def without_dropout(g: Graph) -> Graph:
+    """The graph with every dropout at p=0: the masks are ours, PyTorch's differ."""
+    d = g.to_dict()
+    for n in d["nodes"]:
+        if n["op"] == "dropout":
+            n["attrs"]["p"] = 0.0
+    return Graph.from_dict(d)
+
+
+def param_views(imported, g: Graph, dtype: str):
+    layout = ParamLayout(g)
+    flat = np.zeros(layout.size, dtype)
+    layout.pack({k: v.astype(dtype) for k, v in imported.initial.items()}, flat)
+    return layout, flat
+
+
+def feed(x, dtype):
+    return x.numpy() if x.dtype == torch.int64 else x.numpy().astype(dtype)
+
+
+def ours_forward(imported, x, train: bool, dtype="float32"):
+    g = without_dropout(imported.graph)
+    layout, flat = param_views(imported, g, dtype)
+    node = g.meta["onnx"]["output_node"]
+    return Executor(g, np, dtype).run(layout.views(flat), {"x": feed(x, dtype)}, [node], train=train, seed=0)[node]
+
+
+def torch_module(module, train: bool, dtype=torch.float32):
+    """A copy in the given mode, dropout off (its masks are PyTorch's own)."""
+    m = copy.deepcopy(module).to(dtype)
+    for sub in m.modules():
+        if isinstance(sub, torch.nn.Dropout):
+            sub.p = 0.0
+    return m.train(train)
+
+
+def _match(imported, module) -> dict:
+    """IR parameter -> (PyTorch parameter name, transposed?), found by value (the zoo's values
+    are distinct)."""
+    found = {}
+    named = dict(module.named_parameters())
+    for ir, value in imported.initial.items():
+        v = value.astype(np.float32)
+        for tname, p in named.items():
+            t = p.detach().numpy()
+            if t.shape == v.shape and np.array_equal(t, v):
+                found[ir] = (tname, False)
+            elif v.ndim == 2 and t.shape == v.shape[::-1] and np.array_equal(t, v.T):
+                found[ir] = (tname, True)
+    return found
+
+
+def _buffer_updates(imported, g, layout, gflat, module_before, module_after, tol):
+    """The running statistics our batch norm emitted, applied with its momentum, equal the
+    buffers PyTorch's training forward left behind."""
+    buffers_before = {k: v.detach().numpy() for k, v in module_before.named_buffers() if v.is_floating_point()}
+    buffers_after = dict(module_after.named_buffers())
+    momentum = g.buffer_momentum()
+    grads = layout.views(gflat)
+    for b in g.buffers:
+        start = imported.initial[b.name]
+        tname = next(k for k, v in buffers_before.items() if np.array_equal(v, start.astype(np.float32)))
+        updated = start + momentum[b.name] * (grads[b.name] - start)
+        assert rel(updated, buffers_after[tname].detach().numpy()) <= tol, b.name
+
+
+def check_gradients(module, imported, name: str, train: bool, dtype: str) -> None:
+    """The import's loss and gradients against PyTorch autograd on ``module`` with the same
+    weights and batch (module.train() when ``train``, else module.eval(); dropout off), and
+    in training the batch-norm statistics it emits against PyTorch's running-buffer update."""
+    g = without_dropout(imported.graph)
+    x = zoo.sample_input(name, BATCH, seed=3)
+    classes = g.types[g.meta["onnx"]["output_node"]].shape[-1]
+    y_shape = tuple(d or BATCH for d in g.input("y").shape)
+    y = torch.randint(0, classes, y_shape, generator=torch.Generator().manual_seed(4))
+
+    layout, flat = param_views(imported, g, dtype)
+    gflat = np.zeros_like(flat)
+    out = Executor(g, np, dtype).forward_backward(layout.views(flat), layout.views(gflat),
+                                                  {"x": feed(x, dtype), "y": y.numpy()}, train=True, seed=0)
+    tm = torch_module(module, train, torch.float64 if dtype == "float64" else torch.float32)
+    before = copy.deepcopy(tm)
+    logits = tm(x if x.dtype == torch.int64 else x.to(next(tm.parameters()).dtype))
+    loss = F.cross_entropy(logits.reshape(-1, classes), y.reshape(-1))
+    loss.backward()
+    tol = TOL[dtype]
+    assert out["loss"] == pytest.approx(loss.item(), rel=tol)
+
+    match, grads = _match(imported, module), layout.views(gflat)
+    trainable = {p.name for p in g.params if p.trainable}
+    assert trainable <= set(match), f"parameters with no PyTorch counterpart: {sorted(trainable - set(match))}"
+    summed = {}
+    for ir in trainable:
+        tname, transposed = match[ir]
+        summed[tname] = summed.get(tname, 0) + (grads[ir].T if transposed else grads[ir])
+    named = dict(tm.named_parameters())
+    total = np.sqrt(sum(np.linalg.norm(p.grad.numpy()) ** 2 for p in named.values()))
+    for tname, ours in summed.items():
+        ref = named[tname].grad.numpy()
+        if np.linalg.norm(ref) < 1e-6 * total:
+            # analytically zero (attention's key bias: softmax ignores a shift per query), so
+            # both sides are rounding noise and only their size compares
+            assert np.linalg.norm(ours) <= tol * total, tname
+        else:
+            assert rel(ours, ref) <= tol, tname
+    missing = sorted(set(named) - set(summed))
+    assert not missing, f"PyTorch parameters the import lost: {missing}"
+    if train and g.buffers:
+        _buffer_updates(imported, g, layout, gflat, before, tm, tol)
