@@ -40,6 +40,7 @@ from hpc_rlx.graph.onnx.emit import Emitter, Tensor, dims_at, sanitise
 from hpc_rlx.graph.onnx.fold import TRACE_BATCHES, Folded, FoldError, evaluate
 from hpc_rlx.graph.onnx.params import exporter_of, load_model, opset_of, plan_initializers
 from hpc_rlx.graph.onnx.scopes import describe
+from hpc_rlx.graph.onnx.untie import untie_merged_initializers
 from hpc_rlx.graph.shapes import FLOAT, INT
 
 
@@ -360,6 +361,11 @@ def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, labe
     loss_head.check_loss_args(loss, label_dtype, label_shape)
     model = load_model(source)
     warnings: list = []
+    untied = untie_merged_initializers(model)
+    if untied:
+        warnings.append(f"the exporter's optimizer had merged initializers of equal value; {len(untied)} "
+                        f"PyTorch parameters read from them train separately again, under their own names "
+                        f"(the modules' records in the file name them): {untied}")
     meta = {"opset": opset_of(model), "exporter": exporter_of(model), "params": {}, "transposed": {},
             "tied": {}, "torch_names": {}}
     plan = plan_initializers(model, warnings)

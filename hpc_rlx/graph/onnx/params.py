@@ -36,7 +36,7 @@ SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
 FX_NODE = "pkg.torch.onnx.fx_node"
 REWRITE_RULE = "pkg.onnxscript.rewriter.rule_name"
 _INTERMEDIATE = re.compile(r"^(val_\d+|_?[a-z_]+(_\d+)?)$")
-_SIGNATURE_TARGET = re.compile(r"^\w+: (PARAMETER|BUFFER) target='([^']+)'", re.M)
+_SIGNATURE_TARGET = re.compile(r"^\w+: (PARAMETER|BUFFER) target='([^']+)'( persistent=False)?", re.M)
 
 
 def load_model(source):
@@ -136,10 +136,12 @@ def _value_meta(model) -> dict:
 
 
 def signature_targets(model) -> set:
-    """The PyTorch parameter and buffer names the dynamo exporter's graph signature lists."""
+    """The PyTorch parameter and buffer names the dynamo exporter's graph signature lists, but
+    for buffers that are not part of the state dict (persistent=False: Llama's rotary
+    frequencies), which are constants of the model, not state."""
     props = list(model.metadata_props) + list(getattr(model.graph, "metadata_props", []))
     text = next((p.value for p in props if p.key == SIGNATURE), "")
-    return {m.group(2) for m in _SIGNATURE_TARGET.finditer(text)}
+    return {m.group(2) for m in _SIGNATURE_TARGET.finditer(text) if not m.group(3)}
 
 
 def _sources(meta: dict) -> list:
@@ -259,9 +261,14 @@ def _missing_state(model, plan: InitPlan, targets: set, vmeta: dict, warnings: l
             if plan.kind.get(name) == "param":
                 uses.setdefault(name, []).append((node.op_type, pos))
     shared = sorted(n for n, u in uses.items() if len(set(u)) < len(u))
-    if shared and (missing or not targets):
-        also = f"the PyTorch module's {missing} are not in the file, and " if missing else ""
-        warnings.append(f"{also}parameters {shared} feed several nodes of the same kind: they train as one shared "
+    if missing:
+        # what the untying (graph/onnx/untie.py) could not give back: values no node reads any
+        # more, such as zero biases whose additions the optimizer removed
+        warnings.append(f"the PyTorch module's {missing} are not in the file: the exporter's optimizer removed "
+                        f"them (a bias of zeros, say, whose addition it dropped), so they do not train and the "
+                        f"exported state dict lacks them: export with optimize=False to keep them")
+    if shared and not targets:
+        warnings.append(f"parameters {shared} feed several nodes of the same kind: they train as one shared "
                         f"parameter each. Unless the module shares them, the exporter's optimizer merged "
                         f"initializers of equal value (dynamo's optimize=True does, e.g. for freshly initialised "
                         f"layer-norm weights): export with optimize=False")

@@ -67,3 +67,45 @@ def test_gradients_match_pytorch_in_float64(exported, name):
     float64 (the float32 check covers it)."""
     module, path, imported = exported(name, "dynamo")
     check_gradients(module, imported, name, True, "float64")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_dynamo_defaults_train_every_parameter_apart(tmp_path, name):
+    """`torch.onnx.export(..., dynamo=True)` as is (optimize=True) on a freshly initialised model:
+    the optimizer merges the equal layer-norm weights and biases; the import gives each module
+    its own parameter back under its PyTorch name, keeps a real tie (GPT-2's head reads the token
+    embedding) tied, and the gradients of every parameter equal PyTorch's by name."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from hpc_rlx.graph import Executor
+
+    from tests.support.onnx_checks import param_views
+
+    torch.manual_seed(0)
+    module = HF_ZOO[name][0]()                  # fresh weights: layer norms all ones and zeros
+    x = zoo.sample_input(name, BATCH, seed=3)
+    path = zoo.export(module, x, tmp_path / "default.onnx", "dynamo", "train", optimize=True)
+    imported = import_onnx(path)
+    assert any("train separately again" in w for w in imported.warnings), imported.warnings
+    g, meta = imported.graph, imported.graph.meta["onnx"]
+    by_torch = {t: ir for ir, t in meta["torch_names"].items()}
+    norms = [k for k in dict(module.named_parameters()) if "norm" in k or ".ln_" in k]
+    assert norms and all(k in by_torch for k in norms), sorted(set(norms) - set(by_torch))
+
+    y = torch.randint(0, 1000, (BATCH, x.shape[1]), generator=torch.Generator().manual_seed(4))
+    layout, flat = param_views(imported, g, "float32")
+    grad = np.zeros_like(flat)
+    out = Executor(g, np, "float32").forward_backward(layout.views(flat), layout.views(grad),
+                                                      {"x": x.numpy(), "y": y.numpy()}, train=True, seed=0)
+    tm = torch_module(module, True)
+    logits = tm(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    assert out["loss"] == pytest.approx(loss.item(), rel=TOL["float32"])
+    grads, named = layout.views(grad), dict(tm.named_parameters())
+    for tname in norms:
+        assert rel(grads[by_torch[tname]], named[tname].grad.numpy()) <= TOL["float32"], tname
+    if name == "gpt2":          # the tied head stays one parameter: the embedding's
+        assert "model.lm_head.weight" not in by_torch or "model.transformer.wte.weight" not in by_torch

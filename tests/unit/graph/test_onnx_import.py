@@ -173,13 +173,18 @@ def test_training_batch_norm_from_dynamo_metadata(exported):
     assert imported.graph.buffer_momentum() == {b.name: 0.1 for b in imported.graph.buffers}
 
 
-def test_initializers_merged_by_the_dynamo_optimizer_are_reported(tmp_path):
-    """Freshly initialised layer norms have equal weights (ones): optimize=True keeps one."""
+def test_initializers_merged_by_the_dynamo_optimizer_are_untied_by_module(tmp_path):
+    """Freshly initialised layer norms have equal weights (ones) and biases (zeros): optimize=True
+    keeps one of each; the import gives layer 3 its own again, under its PyTorch names."""
     module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8),
                                  torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
     imported = import_onnx(zoo.export(module, torch.randn(3, 4), tmp_path / "m.onnx", "dynamo", "train"))
     (warning,) = [w for w in imported.warnings if "merged" in w]
-    assert "'3.weight'" in warning and "optimize=False" in warning
+    assert "['3.bias', '3.weight']" in warning and "train separately again" in warning, warning
+    names = set(imported.graph.meta["onnx"]["torch_names"].values())
+    assert {"1.weight", "1.bias", "3.weight", "3.bias"} <= names, names
+    layer_norms = [n for n in imported.graph.nodes if n.op == "layer_norm"]
+    assert len(layer_norms) == 2 and layer_norms[0].inputs[1:] != layer_norms[1].inputs[1:]
 
 
 def _conv_bn_pairs(module):
