@@ -311,7 +311,7 @@ def test_a_hugging_face_model_trains_on_two_ranks(tmp_path, tmp_path_factory, na
     _, onnx_file = onnx_zoo.export_zoo_model(name, run_dir(tmp_path_factory, "onnx-zoo"), "dynamo", "train",
                                              optimize=False)
     rng = np.random.default_rng(0)
-    x = rng.integers(0, VOCAB, (192, SEQ)).astype(np.int64)
+    x = rng.integers(0, VOCAB, (128, SEQ)).astype(np.int64)
     language_model = name in ("gpt2", "llama")
     data = tmp_path / "tokens.h5"
     with h5py.File(data, "w") as f:
