@@ -22,7 +22,7 @@ from hydra_plugins.hpc_rlx_slurm import launcher as slurm_launcher
 from hydra_plugins.hpc_rlx_slurm import slurm_jobs
 
 from tests.support.jobs import REPO, read_metrics
-from tests.support.slurm_cluster import ClusterUnavailable, SlurmCluster, require_slurm
+from tests.support.slurm_cluster import ClusterUnavailable, JobPoll, SlurmCluster, require_slurm
 
 # the module's cluster fixture is built once, on one pytest-xdist worker
 pytestmark = pytest.mark.xdist_group("slurm")
@@ -115,14 +115,9 @@ def wait_until(predicate, timeout: float, what: str, cluster=None, on_fail=lambd
 
 def wait_job(cluster, cwd: Path, job_id: str, timeout: float) -> dict:
     """Poll until the job ends (sbatch --wait checks only every ~10 s); returns its fields."""
-    last: dict = {}
-
-    def ended() -> bool:
-        last.clear()
-        last.update(job_fields(cluster, job_id))
-        return last.get("JobState") in slurm_jobs.TERMINAL
-    wait_until(ended, timeout, f"job {job_id} to finish", cluster, lambda: log_of(cwd, job_id))
-    return dict(last)
+    poll = JobPoll(lambda: job_fields(cluster, job_id))
+    wait_until(poll.ended, timeout, f"job {job_id} to finish", cluster, lambda: log_of(cwd, job_id))
+    return poll.last
 
 
 def metric_lines(run_dir: Path) -> int:

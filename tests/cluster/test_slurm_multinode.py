@@ -22,7 +22,7 @@ from hydra_plugins.hpc_rlx_slurm import slurm_jobs
 from tests.support.jobs import REPO, read_metrics, write_small_classification
 from tests.support.mpi_launch import VENV_OF, mpi_of_bin_dir
 from tests.support.netns_cluster import EmulatedCluster, can_emulate
-from tests.support.slurm_cluster import ClusterUnavailable, check_prerequisites, require_slurm
+from tests.support.slurm_cluster import ClusterUnavailable, JobPoll, check_prerequisites, require_slurm
 from tests.support.slurm_multinode import MultiNodeSlurm, cgroup_mounts, remount_script
 
 # its cluster fixture is built once, on one pytest-xdist worker, which also runs test_slurm.py:
@@ -138,14 +138,9 @@ def wait_until(predicate, timeout: float, what: str, cluster: MultiNodeSlurm, sh
 
 
 def wait_job(cluster: MultiNodeSlurm, cwd: Path, job_id: str, timeout: float) -> dict:
-    last: dict = {}
-
-    def ended() -> bool:
-        last.clear()
-        last.update(job_fields(cluster, job_id))
-        return last.get("JobState") in slurm_jobs.TERMINAL
-    wait_until(ended, timeout, f"job {job_id} to finish", cluster, lambda: log_of(cwd, job_id))
-    return dict(last)
+    poll = JobPoll(lambda: job_fields(cluster, job_id))
+    wait_until(poll.ended, timeout, f"job {job_id} to finish", cluster, lambda: log_of(cwd, job_id))
+    return poll.last
 
 
 def metric_lines(run_dir: Path) -> int:

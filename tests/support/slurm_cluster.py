@@ -356,3 +356,17 @@ def _main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
+
+
+class JobPoll:
+    """A job's fields, polled until it ends: `ended` is the predicate to wait on, and `last`
+    what the last poll saw ({} when the controller did not answer in time)."""
+
+    def __init__(self, fields_of):
+        self.fields_of = fields_of
+        self.last: dict = {}
+
+    def ended(self) -> bool:
+        from hydra_plugins.hpc_rlx_slurm.slurm_jobs import TERMINAL
+        self.last = self.fields_of()
+        return self.last.get("JobState") in TERMINAL
