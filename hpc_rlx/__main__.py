@@ -54,8 +54,8 @@ RUN_DIR_AGREE_S = 60.0
 
 
 def _all_ranks_done_with_run_dir(comm, timeout_s: float = RUN_DIR_AGREE_S) -> bool:
-    """Every rank calls this before rank 0 removes the run directory: Hydra creates it on every
-    rank as that rank's job starts, and a rank still on its way there (an error from rank 0's
+    """Every rank calls this before rank 0 removes the run directory: every rank creates it as
+    its job starts (Hydra on rank 0, run_job on the others), and a rank still on its way there (an error from rank 0's
     broadcast reaches it late) would create it again after the removal. A non-blocking
     barrier, waited for at most `timeout_s`, so a dead rank cannot hang the exit."""
     if _FRESH_ROOT is None or comm.size == 1:
@@ -70,13 +70,6 @@ def _all_ranks_done_with_run_dir(comm, timeout_s: float = RUN_DIR_AGREE_S) -> bo
         return True
     except Exception:  # noqa: BLE001 - the directory is a nicety; the error report is not
         return False
-
-
-def _rank_overrides(rank: int) -> list[str]:
-    # Non-root ranks compose the same config but write nothing: no logs, no .hydra dir.
-    if rank == 0:
-        return []
-    return ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled", "hydra.output_subdir=null"]
 
 
 # Innermost function on the failing call stack -> what the job was doing.
@@ -143,47 +136,31 @@ def _added_keys(task_overrides) -> list[str]:
     return [o for o in task_overrides if o.startswith("+") and not o.startswith("++")]
 
 
-def run_job(cfg, comm) -> float | None:
-    """Compose the spec on rank 0, ship it, train. Returns the final val_loss (for sweeps)."""
+def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
+    """Compose the spec on rank 0, ship it, train. Returns the final val_loss (for sweeps).
+    `job` comes from Hydra on rank 0 and from rank 0's word on the others (comm.job_channel);
+    `cfg` and `hydra_cfg`, the composed config and Hydra's own, exist on rank 0 only."""
     where = "startup"
-    multirun = False
     lock = None
     try:
-        # Inside the try: a rank that cannot even import or read its Hydra state must take the
-        # job down, not leave the others waiting in the spec broadcast.
-        from hydra.core.hydra_config import HydraConfig
-        from omegaconf import OmegaConf
-
+        # Inside the try: a rank that cannot even import must take the job down, not leave the
+        # others waiting in the spec broadcast.
         from hpc_rlx.comm import collective
-        from hpc_rlx.comm.topology import hostname
-        from hpc_rlx.config.overrides import unset_values
-        from hpc_rlx.config.spec import TrainSpec, build_spec
-        from hpc_rlx.observe.run_lock import RunDirLock
+        from hpc_rlx.config.spec import TrainSpec
         from hpc_rlx.runtime.faults import maybe_fail
         from hpc_rlx.runtime.train import train
 
-        from .errors import ConfigError
-
-        hc = HydraConfig.get()
-        run_dir = hc.runtime.output_dir
-        multirun = str(hc.mode).endswith("MULTIRUN")
+        # Hydra makes the directory on rank 0; a rank on a node that does not share its
+        # filesystem needs its own (hpc_rlx warns about that case once training starts)
+        Path(job.run_dir).mkdir(parents=True, exist_ok=True)
         if comm.rank == 0:
             from hpc_rlx.observe import debuglog
-            debuglog.configure(hc.verbose)
+            debuglog.configure(hydra_cfg.verbose)
 
         def _spec():
             nonlocal lock
-            added = _added_keys(hc.overrides.task)
-            if added:
-                raise ConfigError(f"unknown config key(s) {', '.join(added)}: hpc_rlx rejects keys it "
-                                  f"does not read (see configs/config.yaml and configs/<group>/)")
-            unset = unset_values(cfg)     # checked before Hydra too, but not for a sweep's points
-            if unset:
-                raise ConfigError(unset)
-            lock = RunDirLock.acquire(run_dir, hostname())   # before this job writes anything there
-            container = OmegaConf.to_container(cfg, resolve=True)
-            return build_spec(container, run_dir, comm.size,
-                              config_yaml=OmegaConf.to_yaml(cfg, resolve=True)).to_dict()
+            lock, spec = _build_spec(job, comm, cfg, hydra_cfg)
+            return spec
         spec = TrainSpec.from_dict(collective.root_computes(comm, _spec))
         if comm.rank == 0:
             debuglog.startup(spec)
@@ -195,9 +172,9 @@ def run_job(cfg, comm) -> float | None:
     except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
         if isinstance(exc, KeyboardInterrupt):
             raise
-        if multirun and _is_agreed(exc):
+        if job.multirun and _is_agreed(exc):
             # One bad sweep point: every rank agrees on it, so record it and go on to the next.
-            _record_failed_point(comm, exc)
+            _record_failed_point(comm, exc, Path(job.run_dir))
             return None
         _error_exit(comm, exc, where)
         raise
@@ -211,17 +188,44 @@ def run_job(cfg, comm) -> float | None:
     return final.get("val_loss")
 
 
+def _build_spec(job, comm, cfg, hydra_cfg):
+    """Rank 0: the checks only the composed config allows, the run directory's lock, the spec.
+    Returns (lock, spec as a dict)."""
+    from omegaconf import OmegaConf
+
+    from hpc_rlx.comm.topology import hostname
+    from hpc_rlx.config.overrides import unset_values
+    from hpc_rlx.config.spec import build_spec
+    from hpc_rlx.observe.run_lock import RunDirLock
+
+    from .errors import ConfigError
+
+    added = _added_keys(hydra_cfg.overrides.task)
+    if added:
+        raise ConfigError(f"unknown config key(s) {', '.join(added)}: hpc_rlx rejects keys it "
+                          f"does not read (see configs/config.yaml and configs/<group>/)")
+    unset = unset_values(cfg)     # checked before Hydra too, but not for a sweep's points
+    if unset:
+        raise ConfigError(unset)
+    lock = RunDirLock.acquire(job.run_dir, hostname())   # before this job writes anything there
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True)
+        spec = build_spec(container, job.run_dir, comm.size,
+                          config_yaml=OmegaConf.to_yaml(cfg, resolve=True)).to_dict()
+    except BaseException:
+        lock.release()
+        raise
+    return lock, spec
+
+
 def _is_agreed(exc: BaseException) -> bool:
     from hpc_rlx.comm.collective import CollectiveError
     return isinstance(exc, CollectiveError)
 
 
-def _record_failed_point(comm, exc: BaseException) -> None:
+def _record_failed_point(comm, exc: BaseException, out: Path) -> None:
     import json
 
-    from hydra.core.hydra_config import HydraConfig
-
-    out = Path(HydraConfig.get().runtime.output_dir)
     message = f"{getattr(exc, 'kind', type(exc).__name__)}: {exc}"
     _FAILED_POINTS.append(out.name)
     if comm.rank == 0:
@@ -243,10 +247,8 @@ def main() -> None:
     # without UCX devices (the pip wheel on a plain host). A site's own setting wins.
     os.environ.setdefault("OMPI_MCA_osc", "^ucx")
     from mpi4py import MPI
-    from omegaconf import OmegaConf
 
-    from hpc_rlx.comm import idle_wait
-    from hpc_rlx.config.overrides import config_problem
+    from hpc_rlx.comm.job_channel import JobChannel
     comm = MPI.COMM_WORLD
     SIGNALS.install(comm.rank, comm)    # a Ctrl-C that came while MPI started exits here
     print_only = any(a.split("=", 1)[0] in PRINT_ONLY_FLAGS for a in sys.argv[1:])
@@ -259,37 +261,73 @@ def main() -> None:
     else:
         rid = _run_id(comm)
     SIGNALS.before_exit = _remove_unused_run_dir     # a Ctrl-C before training leaves no directory
-    if not OmegaConf.has_resolver("rlx_run_id"):
-        OmegaConf.register_new_resolver("rlx_run_id", lambda: rid)
-    problem = None
-    if not print_only:
-        problem = config_problem(sys.argv[1:]) if comm.rank == 0 else None
-        problem = idle_wait.bcast(comm, problem, root=0)   # the others sleep while rank 0 composes
-    if problem:
-        if comm.rank == 0:
-            _remove_unused_run_dir()
-            from hpc_rlx.comm.topology import hostname
-            sys.stderr.write(f"hpc_rlx: error (ConfigError, reported by rank 0 on {hostname()}): {problem}\n")
-            sys.stderr.flush()
-        raise SystemExit(2)
-    sys.argv.extend(_rank_overrides(comm.rank))
-
-    import hydra
-
-    @hydra.main(config_path=_CONFIG_DIR, config_name="config", version_base="1.3")
-    def _task(cfg):
-        return run_job(cfg, comm)
-
+    channel = JobChannel(comm)
+    if print_only:
+        channel.others_left()    # the others returned above; nobody waits for a word
     try:
-        _task()
+        if comm.rank == 0:
+            code = _lead(comm, channel, rid, print_only)
+        else:
+            # the other ranks never compose: they run the jobs rank 0 announces
+            code = channel.follow(lambda job: run_job(job, comm))
     except KeyboardInterrupt:   # raised only where python_interrupts() asked for it, after clean-up
         sys.stderr.write("hpc_rlx: interrupted\n")
         raise SystemExit(INTERRUPT_EXIT) from None
+    if code:
+        raise SystemExit(code)
+
+
+def _lead(comm, channel, rid: str, print_only: bool) -> int:
+    """Rank 0: check the command line, run Hydra, tell the others each job and the end.
+    Returns the exit status."""
+    from omegaconf import OmegaConf
+
+    from hpc_rlx.comm.job_channel import Job
+    from hpc_rlx.config.overrides import config_problem
+
+    if not OmegaConf.has_resolver("rlx_run_id"):
+        OmegaConf.register_new_resolver("rlx_run_id", lambda: rid)
+    problem = None if print_only else config_problem(sys.argv[1:])
+    if problem:
+        _remove_unused_run_dir()
+        from hpc_rlx.comm.topology import hostname
+        sys.stderr.write(f"hpc_rlx: error (ConfigError, reported by rank 0 on {hostname()}): {problem}\n")
+        sys.stderr.flush()
+        channel.end(2)
+        return 2
+
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    @hydra.main(config_path=_CONFIG_DIR, config_name="config", version_base="1.3")
+    def _task(cfg):
+        hc = HydraConfig.get()
+        job = Job(run_dir=str(hc.runtime.output_dir), multirun=str(hc.mode).endswith("MULTIRUN"))
+        channel.start(job)
+        try:
+            return run_job(job, comm, cfg, hc)
+        except BaseException:
+            # an agreed error or a served Ctrl-C: every rank leaves this job the same way
+            channel.others_left()
+            raise
+
+    try:
+        _task()
+    except SystemExit as e:
+        # Hydra's own exit (a config it cannot compose, a failing callback): tell the others
+        code = e.code if isinstance(e.code, int) else 1
+        channel.end(code)
+        raise
+    except BaseException:
+        channel.end(1)
+        raise
+    code = 0
     if _FAILED_POINTS:
-        if comm.rank == 0:
-            sys.stderr.write(f"hpc_rlx: {len(_FAILED_POINTS)} sweep point(s) failed: "
-                             f"{', '.join(_FAILED_POINTS)} (see sweep_summary.md)\n")
-        raise SystemExit(2)
+        sys.stderr.write(f"hpc_rlx: {len(_FAILED_POINTS)} sweep point(s) failed: "
+                         f"{', '.join(_FAILED_POINTS)} (see sweep_summary.md)\n")
+        code = 2
+    channel.end(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -18,20 +18,21 @@ import time
 POLL_S = 0.002
 
 
-def wait_for_all(comm) -> None:
-    """Return once every rank of `comm` has called this; sleep meanwhile. A communicator of
-    one rank, or an object without `Ibarrier` (a test's stand-in), returns at once."""
+def wait_for_all(comm, poll_s: float = POLL_S) -> None:
+    """Return once every rank of `comm` has called this; sleep meanwhile, waking every
+    `poll_s`. A communicator of one rank, or an object without `Ibarrier` (a test's stand-in),
+    returns at once."""
     if getattr(comm, "size", 1) <= 1 or not hasattr(comm, "Ibarrier"):
         return
     request = comm.Ibarrier()
     while not request.Test():
-        time.sleep(POLL_S)
+        time.sleep(poll_s)
 
 
-def bcast(comm, obj, root: int = 0):
+def bcast(comm, obj, root: int = 0, poll_s: float = POLL_S):
     """`comm.bcast(obj, root)` for a small object whose root may be late: the others wait
     asleep for it."""
-    wait_for_all(comm)
+    wait_for_all(comm, poll_s)
     return comm.bcast(obj, root=root)
 
 

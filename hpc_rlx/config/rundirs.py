@@ -16,9 +16,6 @@ import shutil
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
-
 from hpc_rlx.checkpoint import CheckpointManager, checkpoints_dir
 from hpc_rlx.checkpoint.h5file import read_meta
 from hpc_rlx.config import CONFIG_DIR
@@ -74,7 +71,9 @@ def job_dirs(root: Path, base: str) -> dict:
 
 def compose_config(overrides: list[str]) -> dict:
     """The resolved task config (no hydra section) for these command-line overrides."""
-
+    # Hydra loads here, not at import: the ranks other than 0 import this module but never compose
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name="hpc_rlx"):
         cfg = compose("config", overrides=overrides)
     return OmegaConf.to_container(cfg, resolve=True)

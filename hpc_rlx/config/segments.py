@@ -17,8 +17,6 @@ import json
 import re
 from pathlib import Path
 
-import yaml
-
 from hpc_rlx.config.fingerprint import changed_settings, describe_changes
 
 FIRST_CONFIG = "config.yaml"
@@ -40,6 +38,7 @@ def existing_segments(run_dir: Path) -> list[int]:
 def _load_yaml(text: str | None) -> dict | None:
     if not text:
         return None
+    import yaml   # here: rank 0 alone compares segment configs
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError:

@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-from omegaconf import OmegaConf
 
 from hpc_rlx.errors import ConfigError, DataError
 
@@ -33,6 +32,7 @@ def group_default_path(name) -> str | None:
         return None
 
     try:
+        from omegaconf import OmegaConf   # here: the ranks other than 0 never load YAML
         group = OmegaConf.load(_GROUP_DIR / f"{name}.yaml")
     except (OSError, ValueError):
         return None

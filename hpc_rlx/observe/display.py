@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import yaml
 
 from hpc_rlx.observe import tensorboard_log
 from hpc_rlx.observe.progress import Snapshot, make_progress, run_fraction
@@ -114,6 +113,7 @@ class RunDisplay:
 def config_dict(spec) -> dict:
     """The resolved config as a dict (the hyper-parameters TensorBoard shows)."""
     try:
+        import yaml   # here: the ranks other than 0 never parse YAML
         cfg = yaml.safe_load(spec.config_yaml or "") or {}
     except yaml.YAMLError:
         cfg = {}

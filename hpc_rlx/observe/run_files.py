@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hpc_rlx.errors import HpcRlxError
 from hpc_rlx.observe.step_log import read_steps
-from hpc_rlx.observe.sweep import collect
+from hpc_rlx.observe.sweep_table import collect
 
 # One colour per kind of time, the same in every plot.
 PARTS = (

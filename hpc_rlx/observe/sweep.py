@@ -1,16 +1,16 @@
 """Sweep summary: after a Hydra multirun, rank 0 writes one table of every point's
-overrides and final metrics (`sweep_summary.md` and `sweep_summary.json` in the sweep dir)."""
+overrides and final metrics (`sweep_summary.md` and `sweep_summary.json` in the sweep dir,
+built by `sweep_table`). This module is Hydra's callback, so only rank 0 imports Hydra."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 
-COLUMNS = ("val_loss", "val_accuracy", "train_loss", "epochs_completed", "status")
+from hpc_rlx.observe.sweep_table import collect, render, write_summary  # noqa: F401 - re-exported
 
 
 def _is_rank0() -> bool:
@@ -24,52 +24,6 @@ def _is_rank0() -> bool:
     except ImportError:
         pass
     return True
-
-
-def collect(sweep_dir: Path) -> list[dict]:
-    rows = []
-    # A sweep point is a directory a run wrote into (plots and other folders are not points).
-    points = (p for p in sweep_dir.iterdir()
-              if p.is_dir() and ((p / "overrides.txt").exists() or (p / "summary.json").exists()))
-    for point in sorted(points, key=lambda p: (len(p.name), p.name)):
-        summary = point / "summary.json"
-        overrides = point / "overrides.txt"
-        row = {"point": point.name,
-               "overrides": overrides.read_text().strip() if overrides.exists() else ""}
-        if summary.exists():
-            s = json.loads(summary.read_text())
-            final = s.get("final") or {}
-            # a regression point has no val_accuracy key at all: keep it absent
-            row.update({k: final.get(k) for k in ("val_loss", "val_accuracy", "train_loss")
-                        if k in final or k != "val_accuracy"})
-            row["epochs_completed"] = s.get("epochs_completed")
-            row["status"] = s.get("status")
-        else:
-            row["status"] = "missing summary.json"
-        rows.append(row)
-    return rows
-
-
-def render(rows: list[dict]) -> str:
-    columns = [c for c in COLUMNS if c != "val_accuracy" or any(c in r for r in rows)]
-    head = "| point | overrides | " + " | ".join(columns) + " |"
-    sep = "|" + "---|" * (len(columns) + 2)
-    lines = [head, sep]
-    for r in rows:
-        cells = []
-        for c in columns:
-            v = r.get(c)
-            cells.append(f"{v:.4f}" if isinstance(v, float) else ("-" if v is None else str(v)))
-        lines.append(f"| {r['point']} | {r['overrides']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def write_summary(sweep_dir: Path) -> Path:
-    rows = collect(sweep_dir)
-    (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=1))
-    out = sweep_dir / "sweep_summary.md"
-    out.write_text(render(rows))
-    return out
 
 
 class SweepSummary(Callback):

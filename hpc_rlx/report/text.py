@@ -40,7 +40,7 @@ from hpc_rlx.observe.run_files import (
     varied_overrides,
 )
 from hpc_rlx.observe.pipeline_bubble import stage_bubbles
-from hpc_rlx.observe.sweep import render
+from hpc_rlx.observe.sweep_table import render
 from hpc_rlx.observe.trace import summarize
 
 # --------------------------------------------------------------------------------------

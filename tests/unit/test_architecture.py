@@ -411,6 +411,11 @@ LAZY_IMPORTS = {
     "onnx": "optional (onnx extra): only rank 0 of a model=onnx run and the exporter read ONNX",
     "onnxruntime": "optional: the exporter's check of the file it wrote",
     "scipy": "erf for exact GELU on NumPy, loaded by the first erf; runtime/blas falls back to scipy.linalg",
+    # only rank 0 composes the config (comm/job_channel.py): the other ranks must not pay for
+    # Hydra, OmegaConf or YAML in modules they import
+    "hydra": "rank 0 alone composes; config/rundirs composes a Slurm job's config on rank 0",
+    "omegaconf": "rank 0 alone reads the config's YAML (data/resolve, config/rundirs)",
+    "yaml": "rank 0 alone reads config text: the log header (observe/display), segments (config/segments)",
 }
 
 
@@ -433,6 +438,21 @@ def test_imports_inside_functions_are_only_the_lazy_ones():
                     if root not in LAZY_IMPORTS:
                         offenders.append(f"{path.relative_to(PKG)}:{node.lineno} imports {root}")
     assert not offenders, offenders
+
+
+# What a following rank loads: everything a rank other than 0 imports to train, and nothing of
+# Hydra, OmegaConf or YAML (only rank 0 composes; see comm/job_channel.py)
+FOLLOWER_MODULES = ("hpc_rlx.__main__", "hpc_rlx.comm.job_channel", "hpc_rlx.config.spec",
+                    "hpc_rlx.runtime.train", "hpc_rlx.runtime.faults", "hpc_rlx.comm.collective")
+
+
+def test_a_following_rank_imports_no_hydra_omegaconf_or_yaml():
+    probe = ("import sys\n"
+             f"for m in {FOLLOWER_MODULES!r}: __import__(m)\n"
+             "print(sorted({m.split('.')[0] for m in sys.modules} & {'hydra', 'omegaconf', 'yaml'}))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, explain(out)
+    assert out.stdout.strip() == "[]", explain(out)
 
 
 # ---------------------------------------------------------------------------------------------
