@@ -14,6 +14,14 @@ def hostname() -> str:
     return socket.gethostname().split(".")[0]
 
 
+def cores_available() -> int:
+    """The cores this process may run on (its CPU affinity: a cgroup, a launcher's binding)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def rank_span(ranks) -> str:
     """[5, 0, 1, 2, 7, 8] -> "0-2,5,7-8"; no ranks -> "none". The one rank-range format of
     every message and report."""

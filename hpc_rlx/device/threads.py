@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 from threadpoolctl import threadpool_limits
 
-from hpc_rlx.comm.topology import ranks_per_node
+from hpc_rlx.comm.topology import cores_available, ranks_per_node  # noqa: F401 - cores_available re-exported
 
 
 def default_threads(cores: int, ranks_on_node: int, lanes: int = 1) -> int:
@@ -25,13 +23,6 @@ def training_threads(threads_per_rank: int | None, cores: int, ranks_on_node: in
 def thread_lanes(cpu_lanes) -> int:
     """How many CPU lanes share a rank's cores (a GPU-only rank still has one host pool)."""
     return max(1, int(cpu_lanes or 1))
-
-
-def cores_available() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def limit_threads(comm, threads_per_rank: int | None, lanes: int = 1):

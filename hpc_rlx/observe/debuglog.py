@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from hpc_rlx.comm import waiting
 from hpc_rlx.config import rundirs
 
 NOISY = ("matplotlib", "PIL", "h5py", "fsspec", "urllib3", "asyncio")
@@ -35,6 +36,9 @@ def spec_summary(spec) -> str:
 
 
 def startup(spec) -> None:
+    if waiting.APPLIED:
+        log.debug("more ranks than cores on this node: waiting ranks sleep between MPI polls (%s)",
+                  " ".join(f"{k}={v}" for k, v in waiting.APPLIED.items()))
     if rundirs.LAST_CHOICE:
         log.debug("run directory under Slurm: %s", rundirs.LAST_CHOICE)
     log.debug(spec_summary(spec))

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from hpc_rlx.comm.waiting import SLEEPY_WAIT
+
+from tests.support import mpi_launch
 # HPC_RLX_MPI=mpich|openmpi picks the MPI; launch_cmd writes its launcher flags
 from tests.support.mpi_launch import MPI_IMPL, MPIRUN, PYTHON, launch_cmd, launch_prefix, rank_pids  # noqa: F401 - re-exported
 
@@ -17,12 +20,29 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def mpi_env(extra: dict | None = None) -> dict:
+    """The environment of a test job: this one, one BLAS thread, plus `extra` (a None value
+    removes the variable)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env["HYDRA_FULL_ERROR"] = "0"
-    env.update(extra or {})
+    if not _running_a_timing_test():
+        # The suite runs four jobs at once on two cores: their waiting ranks sleep between MPI
+        # polls, as hpc_rlx arranges by itself for one job with more ranks than cores
+        # (hpc_rlx/comm/waiting.py). A `timing` test runs alone, with MPI's own waiting.
+        for key, value in SLEEPY_WAIT.items():
+            env.setdefault(key, value)
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
+
+
+def _running_a_timing_test() -> bool:
+    item = mpi_launch.RUNNING_TEST
+    return item is not None and item.get_closest_marker("timing") is not None
 
 
 def mpirun(n: int, args: list[str], timeout: float = 120, cwd: str | Path | None = None,
@@ -75,6 +95,12 @@ def with_read_only(path: Path, cmd: list[str]) -> list[str]:
 
 def explain(proc: subprocess.CompletedProcess) -> str:
     return f"rc={proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+
+
+def read_log(run_dir: Path) -> str:
+    """Rank 0's log in the run directory (Hydra's job log, hpc_rlx's lines in it)."""
+    path = Path(run_dir) / "hpc_rlx.log"
+    return path.read_text() if path.exists() else ""
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
