@@ -38,12 +38,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     # Under xdist, a `timing` test (its asserts compare wall times) runs while no other worker
-    # runs a test: on a 2-core machine four workers' jobs would skew what it measures. The locks
-    # are the machine's, not the run's: CI runs the Open MPI pass beside the MPICH one.
-    if not os.environ.get("PYTEST_XDIST_TESTRUNUID"):
+    # runs a test: on a 2-core machine four workers' jobs would skew what it measures.
+    run_uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run_uid:
         yield
         return
-    share = MachineShare(Path(os.environ.get("TMPDIR", "/tmp")) / "hpc_rlx-tests-machine")
+    share = MachineShare(Path(os.environ.get("TMPDIR", "/tmp")) / f"hpc_rlx-tests-{run_uid}")
     with share.hold(alone=item.get_closest_marker("timing") is not None):
         yield
 

@@ -56,6 +56,19 @@ def _dropout(w, s):
     w.add("Identity", s.ins[:1], s.out)  # inverted dropout is the identity at inference
 
 
+@onnx_op("bernoulli")
+def _bernoulli(w, s):
+    w.add("Identity", s.ins[:1], s.out)  # a random mask at inference: its expectation, p
+
+
+@onnx_op("random_like")
+def _random_like(w, s):
+    # at inference a draw is its expectation (hpc_rlx/graph/ops/random.py), shaped like the input
+    a, b = s.attrs["a"], s.attrs["b"]
+    mean = (a + b) / 2 if s.attrs["dist"] == "uniform" else a
+    w.add("Expand", [w.const(np.float32(mean)), w.add("Shape", [s.ins[0]], base=s.name)], s.out)
+
+
 @onnx_op("linear")
 def _linear(w, s):
     x, weight = s.ins[0], s.ins[1]

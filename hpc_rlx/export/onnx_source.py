@@ -143,19 +143,41 @@ def _prune(graph, keep: str) -> None:
     graph.input.extend(inputs)
 
 
-def _inference_forms(graph) -> None:
-    """Batch norm on its running statistics with one output; Dropout as Identity."""
+def _inference_forms(onnx, graph, expectations: dict) -> None:
+    """Batch norm on its running statistics with one output; Dropout and Bernoulli as Identity;
+    a random draw (and a mask compared from one) as its expectation, shaped like it."""
+    _expected_draws(onnx, graph, expectations)
     for node in graph.node:
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
             kept = [a for a in node.attribute if a.name not in ("training_mode", "is_test")]
             del node.attribute[:]
             node.attribute.extend(kept)
             del node.output[1:]
-        elif node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
+        elif node.op_type in ("Dropout", "Bernoulli") and node.domain in ("", "ai.onnx"):
             node.op_type = "Identity"
             del node.input[1:]
             del node.output[1:]
             del node.attribute[:]
+
+
+def _expected_draws(onnx, graph, expectations: dict) -> None:
+    """Each tensor the import drew at random (graph.meta["onnx"]["expectations"]) becomes its
+    expectation, one number over the shape of the node's first input: the draw's shape source,
+    or for a mask compared from a draw, the draw. The draw nodes then feed only that Shape."""
+    nodes = []
+    for node in graph.node:
+        value = expectations.get(node.output[0]) if node.output else None
+        if value is None:
+            nodes.append(node)
+            continue
+        out = node.output[0]
+        shape = onnx.helper.make_node("Shape", [node.input[0]], [f"{out}.shape"], name=f"{node.name}.shape")
+        const = onnx.helper.make_tensor(f"{out}.expected", onnx.TensorProto.FLOAT, [], [float(value)])
+        graph.initializer.append(const)
+        nodes += [shape, onnx.helper.make_node("Expand", [const.name, shape.output[0]], [out],
+                                               name=f"{node.name}.expected")]
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def _symbolic_batch(value_info) -> None:
@@ -212,7 +234,7 @@ def original_onnx(onnx, trained: TrainedModel):
         dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
         init.CopyFrom(onnx.numpy_helper.from_array(np.require(value, dtype, "C"), source))
     read_external(onnx, model, trained.run_dir)
-    _inference_forms(graph)
+    _inference_forms(onnx, graph, meta.get("expectations") or {})
     _prune(graph, output)
     del graph.output[:]
     graph.output.append(out_info)

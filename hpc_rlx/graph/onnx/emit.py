@@ -148,11 +148,18 @@ class Emitter:
         self.opset = 0
         # what the training forms found: batch norms on batch / running statistics, dropouts on / off
         self.forms: dict[str, list] = {"bn_train": [], "bn_frozen": [], "dropout": [], "dropout_off": []}
+        # IR names of uniform draws -> (the tensor giving their shape, low, high): a comparison
+        # of one with a constant is a random mask (map_random)
+        self.uniform_draws: dict[str, tuple] = {}
+        # ONNX tensors that are random draws -> their value at inference (their expectation, one
+        # number everywhere): the exporter writes them so (graph.meta["onnx"]["expectations"])
+        self.expectations: dict[str, float] = {}
+        self.output_name = ""   # the ONNX name of the first output of the node being translated
 
     # ------------------------------------------------------------------ naming and errors
 
     def at(self, node_name: str, op_type: str, first_output: str) -> None:
-        self.node, self.op_type = node_name, op_type
+        self.node, self.op_type, self.output_name = node_name, op_type, first_output
         self.base = sanitise(first_output or node_name or op_type)
 
     def fail(self, msg: str) -> GraphError:

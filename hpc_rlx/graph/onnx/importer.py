@@ -19,8 +19,9 @@ were exported in eval mode and stay frozen), ``input`` / ``output`` (the ONNX na
 input and output), ``output_node`` (the IR node holding the model output), ``params`` ({IR
 parameter: the initializer holding it}), ``transposed`` ({IR parameter: PyTorch name} for those
 whose initializer holds the transpose), ``tied`` ({initializer: IR parameter} for initializers
-that are a transposed copy of a parameter stored elsewhere too) and ``torch_names`` ({IR
-parameter: PyTorch state-dict name} where the file says it).
+that are a transposed copy of a parameter stored elsewhere too), ``torch_names`` ({IR
+parameter: PyTorch state-dict name} where the file says it) and, for a model that draws random
+values, ``expectations`` ({ONNX tensor: its value at inference}: map_random).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from hpc_rlx.graph.onnx import fold as f
 from hpc_rlx.graph.onnx import loss as loss_head
 from hpc_rlx.graph.onnx import map_math as m
 from hpc_rlx.graph.onnx import map_nn as nn
+from hpc_rlx.graph.onnx import map_random as r
 from hpc_rlx.graph.onnx import map_shape as s
 from hpc_rlx.graph.ir import Graph
 from hpc_rlx.graph.onnx.emit import Emitter, Tensor, dims_at, sanitise
@@ -91,6 +93,10 @@ ONNX_OPS = {
     "BatchNormalization": Rule(None, nn.batch_norm),
     "LayerNormalization": Rule(None, nn.layer_norm),
     "Dropout": Rule(None, nn.dropout),
+    # random draws (stochastic depth, dropout by hand, noise): drawn in training, expected in eval
+    "RandomUniformLike": Rule(None, r.random_uniform_like),
+    "RandomNormalLike": Rule(None, r.random_normal_like),
+    "Bernoulli": Rule(None, r.bernoulli),
     # shapes
     "Identity": Rule(f.identity, s.identity),
     "Reshape": Rule(f.reshape, s.reshape),
@@ -109,14 +115,15 @@ ONNX_OPS = {
     "Size": Rule(f.size, s.size),
     "ReduceMean": Rule(f.reducer(np.mean), s.reduce("mean")),
     "ReduceSum": Rule(f.reducer(np.sum), s.reduce("sum")),
-    # masks: tests, comparisons and logic, at run time as int64 0/1 tensors without gradient
+    # masks: tests, comparisons and logic, at run time as int64 0/1 tensors without gradient (a
+    # uniform draw compared with a constant is a random mask: map_random)
     "IsNaN": Rule(f.isnan, m.mask("isnan")),
     "IsInf": Rule(f.isinf, m.isinf),
     "Equal": Rule(f.compare(np.equal), m.mask("compare", kind="equal")),
-    "Less": Rule(f.compare(np.less), m.mask("compare", kind="less")),
-    "LessOrEqual": Rule(f.compare(np.less_equal), m.mask("compare", kind="less_equal")),
-    "Greater": Rule(f.compare(np.greater), m.mask("compare", kind="greater")),
-    "GreaterOrEqual": Rule(f.compare(np.greater_equal), m.mask("compare", kind="greater_equal")),
+    "Less": Rule(f.compare(np.less), r.compare("less")),
+    "LessOrEqual": Rule(f.compare(np.less_equal), r.compare("less_equal")),
+    "Greater": Rule(f.compare(np.greater), r.compare("greater")),
+    "GreaterOrEqual": Rule(f.compare(np.greater_equal), r.compare("greater_equal")),
     "Not": Rule(f.logical_not, m.mask("logical", kind="not")),
     "And": Rule(f.compare(np.logical_and), m.mask("logical", kind="and")),
     "Or": Rule(f.compare(np.logical_or), m.mask("logical", kind="or")),
@@ -169,9 +176,8 @@ def _attrs(node) -> dict:
 
 # What a user most likely has behind an op type, where the op alone does not say.
 _CAUSES = {
-    "RandomUniformLike": "a random mask drawn in the model (stochastic depth, or dropout written by hand)",
-    "RandomNormalLike": "noise drawn in the model",
-    "Bernoulli": "a random mask drawn in the model (stochastic depth, or dropout written by hand)",
+    "RandomUniform": "a random tensor of a fixed shape drawn in the model",
+    "RandomNormal": "noise of a fixed shape drawn in the model",
 }
 _SHOWN_PER_OP = 3     # nodes named per op type in the error; the count gives the rest
 
@@ -404,6 +410,8 @@ def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, labe
         em.b.output(name, ref)
     form = _form_warnings(em, plan, warnings)
     meta.update(form=form, input=inputs[0][0], output=out_name, output_node=out.name)
+    if em.expectations:
+        meta["expectations"] = dict(em.expectations)
     em.b.meta = {"onnx": meta}
     d = _prune(em.b.to_dict())
     kept = {p["name"] for p in d["params"]}

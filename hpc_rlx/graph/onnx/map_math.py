@@ -93,7 +93,7 @@ def clip(em, ins, at, n):
     return [em.tensor("clip", [x], x.groups, min=bounds[0], max=bounds[1])]
 
 
-def _cast_to(em, x, target) -> Tensor:
+def cast_to(em, x, target) -> Tensor:
     kind = np.dtype(target).kind
     if kind == "f":
         return x if x.dtype == FLOAT else em.tensor("cast", [x], x.groups, to=FLOAT)
@@ -103,7 +103,7 @@ def _cast_to(em, x, target) -> Tensor:
 
 
 def cast(em, ins, at, n):
-    return [_cast_to(em, em.as_tensor(ins[0]), ONNX_DTYPES.get(at["to"], np.float32))]
+    return [cast_to(em, em.as_tensor(ins[0]), ONNX_DTYPES.get(at["to"], np.float32))]
 
 
 def cast_like(em, ins, at, n):
@@ -112,7 +112,7 @@ def cast_like(em, ins, at, n):
     target = like.value.dtype if isinstance(like, Folded) else (np.float32 if like.dtype == FLOAT else np.int64)
     if isinstance(x, Folded):
         return [Folded(x.a.astype(target), x.b.astype(target))]
-    return [_cast_to(em, x, target)]
+    return [cast_to(em, x, target)]
 
 
 def _causal_fill(em, cond, fill, scores, hide_when: bool):

@@ -28,5 +28,6 @@ from hpc_rlx.graph.ops import loss  # noqa: F401
 from hpc_rlx.graph.ops import masks  # noqa: F401
 from hpc_rlx.graph.ops import norm  # noqa: F401
 from hpc_rlx.graph.ops import pool  # noqa: F401
+from hpc_rlx.graph.ops import random  # noqa: F401
 from hpc_rlx.graph.ops import reduce  # noqa: F401
 from hpc_rlx.graph.ops import shape  # noqa: F401

@@ -20,7 +20,10 @@ from tests.support.jobs import MPI_IMPL, REPO, explain, launch_cmd, mpi_env, ran
 
 LONG_RUN = ["report.plots=false", "train.epochs=5000"]
 # Steps of a second or more (sleeps, no CPU): a first Ctrl-C is still being served a second later.
-SLOW_STEPS = ["debug.slowdown={0: 10000, 1: 10000}"]
+# One step per epoch (a global batch of 1024 over digits' 1438 rows), so the first epoch ends
+# after one slowed step: the slowdown multiplies the step's compute, and a first step's compute
+# on a loaded machine times 10000 once took over three minutes.
+SLOW_STEPS = ["debug.slowdown={0: 1000, 1: 1000}", "train.batch_size=512"]
 INTERRUPTED = re.compile(r"interrupted at step (\d+); checkpoint (\S+); continue with hydra\.run\.dir=(\S+)")
 
 

@@ -92,6 +92,35 @@ def test_a_pytorch_model_with_batch_norm_trains_on_two_ranks(tmp_path, digits_h5
     assert not np.allclose(params["bn.running_var"], 1.0)
 
 
+class StochasticDepthMlp(nn.Module):
+    """A residual MLP whose residual branch is dropped per sample in training, as torchvision's
+    StochasticDepth and timm's DropPath write it (exported as a uniform draw below keep)."""
+
+    def __init__(self, p: float = 0.3):
+        super().__init__()
+        self.p = p
+        self.fc1, self.branch, self.fc2 = nn.Linear(64, 32), nn.Linear(32, 32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(torch.flatten(x, 1)))
+        y = torch.relu(self.branch(h))
+        if self.training:
+            keep = 1 - self.p
+            y = y * torch.empty([h.shape[0], 1], dtype=h.dtype).bernoulli_(keep).div_(keep)
+        return self.fc2(h + y)
+
+
+def test_a_model_with_stochastic_depth_trains_on_two_ranks(tmp_path, digits_h5):
+    onnx_file = export(StochasticDepthMlp(), tmp_path / "net.onnx")
+    run = tmp_path / "run"
+    proc = train_job(2, run, [f"data.path={digits_h5}", "model=onnx", f"model.path={onnx_file}",
+                              "train.epochs=3", "optim.lr=0.1"], timeout=240)
+    assert proc.returncode == 0, explain(proc)
+    metrics = read_metrics(run)
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+    assert metrics[-1]["val_accuracy"] >= 0.85, metrics[-1]
+
+
 def test_two_ranks_equal_one_rank_in_float64(tmp_path, digits_h5):
     onnx_file = export(SmallMlp(), tmp_path / "mlp.onnx")
     base = EQUIV + [f"data.path={digits_h5}", "model=onnx", f"model.path={onnx_file}"]
