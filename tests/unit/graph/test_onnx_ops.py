@@ -83,8 +83,9 @@ CASES = [
     ("hard_swish", [4 * n(3, 5)], {}),
 ]
 
-# Forward-only: no float argument to differentiate, or an int64 mask that carries no gradient.
-FORWARD_ONLY = {"constant", "isnan", "isinf", "compare", "logical"}
+# Forward-only: no float argument to differentiate, an int64 mask that carries no gradient, or
+# a random draw, whose zero gradient tests/unit/graph/test_random_ops.py checks in a model.
+FORWARD_ONLY = {"constant", "isnan", "isinf", "compare", "logical", "random_like", "bernoulli"}
 CHECKED = {c[0] for c in CASES} | FORWARD_ONLY
 
 
