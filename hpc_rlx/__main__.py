@@ -55,8 +55,8 @@ RUN_DIR_AGREE_S = 60.0
 
 def _all_ranks_done_with_run_dir(comm, timeout_s: float = RUN_DIR_AGREE_S) -> bool:
     """Every rank calls this before rank 0 removes the run directory: every rank creates it as
-    its job starts (Hydra on rank 0, run_job on the others), and a rank still on its way there (an error from rank 0's
-    broadcast reaches it late) would create it again after the removal. A non-blocking
+    its job starts (Hydra on rank 0, run_job on the others), and a rank still on its way there
+    (an error from rank 0's broadcast reaches it late) would create it again after the removal. A non-blocking
     barrier, waited for at most `timeout_s`, so a dead rank cannot hang the exit."""
     if _FRESH_ROOT is None or comm.size == 1:
         return True
@@ -159,8 +159,26 @@ def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
 
         def _spec():
             nonlocal lock
-            lock, spec = _build_spec(job, comm, cfg, hydra_cfg)
-            return spec
+            from omegaconf import OmegaConf
+
+            from hpc_rlx.comm.topology import hostname
+            from hpc_rlx.config.overrides import unset_values
+            from hpc_rlx.config.spec import build_spec
+            from hpc_rlx.observe.run_lock import RunDirLock
+
+            from .errors import ConfigError
+
+            added = _added_keys(hydra_cfg.overrides.task)
+            if added:
+                raise ConfigError(f"unknown config key(s) {', '.join(added)}: hpc_rlx rejects keys it "
+                                  f"does not read (see configs/config.yaml and configs/<group>/)")
+            unset = unset_values(cfg)     # checked before Hydra too, but not for a sweep's points
+            if unset:
+                raise ConfigError(unset)
+            lock = RunDirLock.acquire(job.run_dir, hostname())   # before this job writes anything there
+            container = OmegaConf.to_container(cfg, resolve=True)
+            return build_spec(container, job.run_dir, comm.size,
+                              config_yaml=OmegaConf.to_yaml(cfg, resolve=True)).to_dict()
         spec = TrainSpec.from_dict(collective.root_computes(comm, _spec))
         if comm.rank == 0:
             debuglog.startup(spec)
@@ -186,36 +204,6 @@ def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
         raise SystemExit(INTERRUPT_EXIT)     # Ctrl-C: the checkpoint is written; a sweep stops too
     final = result.get("final") or {}
     return final.get("val_loss")
-
-
-def _build_spec(job, comm, cfg, hydra_cfg):
-    """Rank 0: the checks only the composed config allows, the run directory's lock, the spec.
-    Returns (lock, spec as a dict)."""
-    from omegaconf import OmegaConf
-
-    from hpc_rlx.comm.topology import hostname
-    from hpc_rlx.config.overrides import unset_values
-    from hpc_rlx.config.spec import build_spec
-    from hpc_rlx.observe.run_lock import RunDirLock
-
-    from .errors import ConfigError
-
-    added = _added_keys(hydra_cfg.overrides.task)
-    if added:
-        raise ConfigError(f"unknown config key(s) {', '.join(added)}: hpc_rlx rejects keys it "
-                          f"does not read (see configs/config.yaml and configs/<group>/)")
-    unset = unset_values(cfg)     # checked before Hydra too, but not for a sweep's points
-    if unset:
-        raise ConfigError(unset)
-    lock = RunDirLock.acquire(job.run_dir, hostname())   # before this job writes anything there
-    try:
-        container = OmegaConf.to_container(cfg, resolve=True)
-        spec = build_spec(container, job.run_dir, comm.size,
-                          config_yaml=OmegaConf.to_yaml(cfg, resolve=True)).to_dict()
-    except BaseException:
-        lock.release()
-        raise
-    return lock, spec
 
 
 def _is_agreed(exc: BaseException) -> bool:
