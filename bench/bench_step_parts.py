@@ -28,8 +28,9 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hpc_rlx.comm.collective import _all_finite, finite_blockwise  # noqa: E402
-from hpc_rlx.runtime import optim  # noqa: E402
-from hpc_rlx.runtime.optim import SGD, AdamW  # noqa: E402
+from hpc_rlx.optim import base as optim  # noqa: E402  (BLOCK_BYTES)
+from hpc_rlx.optim.adamw import AdamW  # noqa: E402
+from hpc_rlx.optim.sgd import SGD  # noqa: E402
 
 
 def best_ms(fns: dict, repeats: int, inner: int = 20) -> dict:

@@ -14,7 +14,8 @@ config table of docs/config.md is generated from it (`hpc_rlx.config.doc`).
   defaults are library defaults, not these config defaults, so they cannot serve as the
   declaration, and their checks stay where the value is used.
 - `policy.*` keys are declared by each policy class (`Policy.defaults`, `Policy.key_docs`,
-  `Policy.check_config`) and only referred to here.
+  `Policy.check_config`) and only referred to here; so are each optimizer's own `optim.*`
+  keys and its default `optim.lr` (`Optimizer.hyper`, `Optimizer.lr`: `hpc_rlx/optim/`).
 
 Adding a key: one `Key(...)` line here, the key in its YAML file, and the regenerated table
 of docs/config.md. Code reads it through the validated, completed section (`complete`), never with a
@@ -33,6 +34,7 @@ from hpc_rlx.errors import ConfigError
 from hpc_rlx.observe.tensorboard_log import enabled as tensorboard_enabled
 from hpc_rlx.pipeline.grid import check_world
 from hpc_rlx.pipeline.schedule import SCHEDULES as _SCHEDULES
+from hpc_rlx.optim.registry import OPTIMIZERS as _OPTIMIZERS
 from hpc_rlx.policies.config import validate_policy_config
 from hpc_rlx.policies.registry import POLICIES
 from hpc_rlx.policies.slowdown import parse_slowdown
@@ -100,7 +102,7 @@ class Key:
 GROUPS: dict[str, tuple[str | None, tuple[str, ...], str]] = {
     "model": ("name", ("mlp", "cnn", "transformer_lm", "graph", "onnx"), "mlp"),
     "data": ("name", ("digits", "synthetic", "text", "file"), "digits"),
-    "optim": ("name", ("sgd", "adamw"), "sgd"),
+    "optim": ("name", tuple(_OPTIMIZERS), "sgd"),
     "policy": ("name", tuple(POLICIES), "sync"),
     "device": ("kind", ("cpu", "cuda", "all", "auto"), "cpu"),
     "checkpoint": (None, ("default", "off"), "default"),
@@ -120,6 +122,25 @@ _NUMBER = (int, float)
 _OPT_NONNEG = number(0, null=True, must="must be a number >= 0")
 _OPT_STEPS = integer(0, null=True, must="must be an integer >= 0")
 _DATASET = Check(lambda v: isinstance(v, str) and v != "", "must be a dataset name")
+
+
+def _optimizer_keys() -> list[Key]:
+    """`optim.*` keys as the optimizers declare them (`optim/base.py`): a key several take is
+    one Key, with each one's default, and a doc that says whose meaning is whose."""
+    by_name: dict[str, list] = {}
+    for option, cls in _OPTIMIZERS.items():
+        for h in cls.hyper:
+            by_name.setdefault(h.name, []).append((option, h))
+    keys = []
+    for name, declared in by_name.items():
+        docs: dict[str, list[str]] = {}
+        for option, h in declared:
+            docs.setdefault(h.doc, []).append(f"`{option}`")
+        doc = "; ".join(f"{', '.join(who)}: {text}" for text, who in docs.items())
+        first = declared[0][1]
+        keys.append(Key(f"optim.{name}", first.type, Options((o, h.default) for o, h in declared), doc,
+                        first.check))
+    return keys
 
 
 def _selector(group: str, option_key: str, options, check: Check | None = None) -> Key:
@@ -142,6 +163,10 @@ KEYS: tuple[Key, ...] = (
         "output); the first comes after the run's first step (0 = every step)",
         number(0, null=True, must="must be null or a number >= 0")),
     Key("train.progress", str, "auto", "`auto`, `bar` or `lines`: see \"Progress\" below", OneOf(*PROGRESS)),
+    Key("train.accumulate", int, 1, "gradient accumulation: each lane runs its share of a step in this "
+        "many micro-batches, summed before the one Allreduce (activation memory about 1/K)", integer(1)),
+    Key("train.eval_batch_size", int, None, "validation rows per rank per forward; null = the rank's "
+        "largest training micro-batch, at most 1024", integer(1, null=True, must="must be null or an integer >= 1")),
     Key("train.threads_per_rank", int, None, "BLAS threads per rank; null = cores per node / ranks per node",
         integer(1, null=True, must="must be null or an integer >= 1")),
     Key("report.plots", bool, True, "PNG plots in `RUN_DIR/plots` at the end of the run"),
@@ -151,14 +176,9 @@ KEYS: tuple[Key, ...] = (
     Key("trace.enabled", bool, False, "Chrome trace of every rank and lane (`RUN_DIR/trace.json`)"),
     Key("trace.max_events", int, 500000, "events kept per rank (later ones are counted, not kept)"),
     _selector("optim", "name", OPTIMIZERS),
-    Key("optim.lr", _NUMBER, Options(sgd=0.1, adamw=0.003), "base learning rate",
+    Key("optim.lr", _NUMBER, Options((n, c.lr) for n, c in _OPTIMIZERS.items()), "base learning rate",
         number(0, above=True, must="must be a positive number")),
-    Key("optim.momentum", _NUMBER, Options(sgd=0.9), "SGD momentum", _OPT_NONNEG),
-    Key("optim.nesterov", bool, Options(sgd=False), "SGD Nesterov momentum (needs momentum > 0)"),
-    Key("optim.betas", list, Options(adamw=[0.9, 0.999]), "AdamW moment decay rates"),
-    Key("optim.eps", _NUMBER, Options(adamw=1e-8), "AdamW denominator term", _OPT_NONNEG),
-    Key("optim.weight_decay", _NUMBER, Options(sgd=0.0, adamw=0.01),
-        "L2 (SGD) or decoupled (AdamW) weight decay", _OPT_NONNEG),
+    *_optimizer_keys(),
     Key("optim.clip_grad_norm", _NUMBER, every(OPTIMIZERS, None), "clip the global gradient norm; "
         "null = no clipping", number(0, above=True, null=True)),
     Key("optim.lr_scale_ratio", _NUMBER, every(OPTIMIZERS, 0.0), "`lr × (1 + (world − 1) × ratio)`; "

@@ -30,7 +30,7 @@ from hpc_rlx.graph.node_timing import node_times, time_cost
 from hpc_rlx.graph.partition import partition
 from hpc_rlx.pipeline.grid import check_world
 from hpc_rlx.policies.registry import POLICIES
-from hpc_rlx.runtime.optim import OPTIMIZER_KEYS, SCHEDULES, make_optimizer, make_schedule
+from hpc_rlx.optim import SCHEDULES, make_optimizer, make_schedule, optimizer_kwargs, parameter_copies
 
 
 @dataclass
@@ -124,15 +124,6 @@ def check_lane_batch(dev: dict, global_batch: int, world_size: int) -> None:
             f"train.batch_size >= {world_size * lanes} (ranks x lanes) or fewer lanes")
 
 
-def optimizer_kwargs(opt: dict) -> dict:
-    """The optimizer's own keys from the (completed) `optim` section; the rest are schedule
-    and scaling keys."""
-    kwargs = {k: opt[k] for k in OPTIMIZER_KEYS.get(opt["name"], ())}
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
-    return kwargs
-
-
 def schedule_kwargs(opt: dict) -> dict:
     return {k: opt[k] for k in ("warmup_steps", "step_size", "gamma", "min_lr")}
 
@@ -173,8 +164,9 @@ def check_model_fits(graph, cfg: dict, world_size: int, what: str = "the model")
     is the largest stage: what one rank holds."""
     n = ParamLayout(graph).size
     itemsize = np.dtype(cfg["train"]["dtype"]).itemsize
-    # params, gradient bucket, init buffer (float64), optimizer state, one per extra CPU lane
-    copies = 4 + (2 if cfg["optim"]["name"] == "adamw" else 1) + max(0, cfg["device"]["cpu_lanes"] - 1)
+    # params, gradient bucket, init buffer (float64), the optimizer's state and scratch, one per
+    # extra CPU lane
+    copies = 3 + parameter_copies(cfg["optim"]) + max(0, cfg["device"]["cpu_lanes"] - 1)
     need = n * itemsize * copies + n * 8
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -216,6 +208,13 @@ def check_pipeline(cfg: dict, graph, world_size: int) -> tuple:
             raise ConfigError(f"parallel.cut_points={par['cut_points']} needs parallel.pipeline_stages > 1")
         return world_size, graph
     check_world(world_size, S)
+    accumulate = int((cfg.get("train") or {}).get("accumulate") or 1)
+    if accumulate > 1:
+        # a pipeline already runs its batch as micro-batches, and accumulates their gradients
+        raise ConfigError(f"train.accumulate={accumulate} applies to data-parallel steps; "
+                          f"with parallel.pipeline_stages={S} the batch is already split into "
+                          f"parallel.microbatches={par['microbatches']} accumulated micro-batches: raise "
+                          f"that instead")
     policy = cfg["policy"]["name"]
     if not POLICIES[policy].steps_are_batches:     # the pipelined step is a synchronised step
         raise ConfigError(f"parallel.pipeline_stages={S} runs with policy=sync only; policy={policy} "

@@ -75,6 +75,21 @@ class ShardPlan:
                 f"{self.steps_per_epoch} steps/epoch {on}; {extra}")
 
 
+EVAL_BATCH_CAP = 1024    # the most validation rows one forward evaluates by default
+
+
+def eval_batch_rows(global_batch: int, world_size: int, splits: int = 1,
+                    configured: int | None = None) -> int:
+    """Validation rows one rank evaluates per forward: ``train.eval_batch_size`` when set, else
+    the rank's largest training micro-batch (its share of the global batch over ``splits``
+    micro-batches: ``train.accumulate``, or a pipeline's ``parallel.microbatches``), at most
+    EVAL_BATCH_CAP. Validation activations then cost no more memory than a training step's."""
+    if configured:
+        return int(configured)
+    rank_batch = -(-int(global_batch) // max(1, int(world_size)))
+    return max(1, min(EVAL_BATCH_CAP, -(-rank_batch // max(1, int(splits)))))
+
+
 def plan_shards(n_samples: int, global_batch: int, world_size: int, leftover: str = "drop") -> ShardPlan:
     """Plan the rows. Raises ConfigError for plans that cannot give every rank work."""
     if leftover not in LEFTOVER_MODES:

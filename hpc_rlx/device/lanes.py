@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpc_rlx.comm.wire import segments
 from hpc_rlx.device import backend, cuda_mpi
 from hpc_rlx.device.host_blas import host_array_module
 from hpc_rlx.device.lane_plan import assign_samples, split_by_throughput
@@ -55,9 +56,12 @@ class Lane:
     host_params: object = None  # for device lanes: the host flat params to mirror
     device_params: object = None
 
-    def compute(self, x, y, seed: int, on_grad_ready=None) -> tuple[int, float, float, float]:
+    def compute(self, x, y, seed: int, on_grad_ready=None, accumulate: int = 1) -> tuple[int, float, float, float]:
         """Sample-weighted gradient of this slice into grad_flat. Returns (n, loss_sum, correct, seconds).
-        ``on_grad_ready(name)``: see `Executor.forward_backward` (every name, also for no samples)."""
+        ``on_grad_ready(name)``: see `Executor.forward_backward` (every name, also for no samples).
+        ``accumulate`` = K: the slice runs as K micro-batches summed into grad_flat (gradient
+        accumulation: activations for a Kth of the rows); only the last one reports ready
+        gradients, so `comm.overlap` overlaps the last micro-batch's backward."""
         n = int(x.shape[0])
         t0 = time.perf_counter()
         # The worker thread stays on this lane's GPU (no with-block: see backend.select_device).
@@ -71,11 +75,16 @@ class Lane:
                 for name in self.grad_views:
                     on_grad_ready(name)
             return 0, 0.0, 0.0, 0.0
-        xp = self.xp
-        feeds = {"x": xp.asarray(x), "y": xp.asarray(y)}
-        out = self.executor.forward_backward(self.param_views, self.grad_views, feeds,
-                                             train=True, seed=seed, grad_scale=float(n),
-                                             on_grad_ready=on_grad_ready)
+        loss_sum = correct = 0.0
+        parts = micro_batches(n, accumulate)
+        for j, (lo, hi) in enumerate(parts):
+            last = j == len(parts) - 1
+            out = self.executor.forward_backward(
+                self.param_views, self.grad_views, {"x": self.xp.asarray(x[lo:hi]), "y": self.xp.asarray(y[lo:hi])},
+                train=True, seed=micro_batch_seed(seed, j), grad_scale=float(hi - lo),
+                on_grad_ready=on_grad_ready if last else None, accumulate=j > 0)
+            loss_sum += out["loss"] * (hi - lo)
+            correct += float(out.get("correct", 0.0))
         backend.synchronize_device(self.device)
         t1 = time.perf_counter()
         dt = t1 - t0
@@ -87,7 +96,18 @@ class Lane:
             self.rate = rate if self.rate == 0.0 else 0.7 * self.rate + 0.3 * rate
         self.samples += n
         self.busy_s += dt
-        return n, out["loss"] * n, float(out.get("correct", 0.0)), dt
+        return n, loss_sum, correct, dt
+
+
+def micro_batches(n: int, k: int) -> list[tuple[int, int]]:
+    """[0, n) as at most ``k`` contiguous, non-empty row ranges, the first ones one row longer."""
+    return segments(n, max(1, min(int(k), n)))
+
+
+def micro_batch_seed(seed: int, j: int) -> int:
+    """The dropout seed of micro-batch ``j``: the lane's own for the first (so K = 1 is the
+    unaccumulated step), a distinct one for each later micro-batch."""
+    return seed if j == 0 else seed + (j << 40)
 
 
 class LaneSet:
@@ -116,8 +136,9 @@ class LaneSet:
 
     def __init__(self, graph, lanes_spec: list[tuple[str, int]], dtype: str, params_flat: np.ndarray,
                  bucket, layout, cuda_aware="auto", query_cuda_support=None, cpu_blas="numpy",
-                 cpu_threads=1):
+                 cpu_threads=1, accumulate=1):
         self.layout = layout
+        self.accumulate = max(1, int(accumulate))     # train.accumulate: micro-batches per lane
         # the CPU lanes' array module: NumPy, or NumPy with MKL's GEMMs (device.cpu_blas)
         self.host_xp = host_array_module(cpu_blas, cpu_threads) if any(k == "cpu" for k, _ in lanes_spec) else np
         self.host_params = params_flat
@@ -219,11 +240,12 @@ class LaneSet:
         bounds = np.concatenate([[0], np.cumsum(counts)]).astype(int)
         jobs = [(ln, x[bounds[i]:bounds[i + 1]], y[bounds[i]:bounds[i + 1]], seed * 64 + i)
                 for i, ln in enumerate(self.lanes)]
+        k = self.accumulate
         if self._pool is None:
             ready = on_grad_ready if self.overlap_capable else None
-            results = [jobs[0][0].compute(*jobs[0][1:], on_grad_ready=ready)]
+            results = [jobs[0][0].compute(*jobs[0][1:], on_grad_ready=ready, accumulate=k)]
         else:
-            results = list(self._pool.map(lambda j: j[0].compute(*j[1:]), jobs))
+            results = list(self._pool.map(lambda j: j[0].compute(*j[1:], accumulate=k), jobs))
         self._combine({id(ln) for ln, c in zip(self.lanes, counts) if c > 0})
         self.steps += 1
         self._params_fresh = False     # the caller is about to change the host parameters

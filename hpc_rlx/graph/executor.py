@@ -270,8 +270,9 @@ class Executor:
                 env[a] = None
 
     def forward_backward(self, param_views, grad_views, feeds, train=True, seed=None, grad_scale=1.0,
-                         on_grad_ready=None) -> dict:
-        """Overwrite ``grad_views`` with ``grad_scale * d(mean loss)/d(param)``; return the outputs as floats.
+                         on_grad_ready=None, accumulate=False) -> dict:
+        """Overwrite ``grad_views`` with ``grad_scale * d(mean loss)/d(param)`` (add to them with
+        ``accumulate``: gradient accumulation's later micro-batches); return the outputs as floats.
 
         ``train`` enables dropout, whose masks derive from ``seed`` and the node. Feeds, params and
         grads must already live on this executor's array module (and the same GPU).
@@ -288,24 +289,25 @@ class Executor:
         env = [None] * self._nslots
         device = self._load(env, feeds, param_views, device)
         with backend.use_device(device):
-            return self._run_backward(env, grad_views, train, seed, grad_scale, on_grad_ready)
+            return self._run_backward(env, grad_views, train, seed, grad_scale, on_grad_ready, accumulate)
 
-    def _run_backward(self, env, grad_views, train, seed, grad_scale, ready=None) -> dict:
+    def _run_backward(self, env, grad_views, train, seed, grad_scale, ready=None, accumulate=False) -> dict:
         xp = self.xp
         saved = [None] * self._nslots
         ctx = _Ctx(bool(train), seed, self.dtype)
         self._forward(self._train_plan, env, saved, ctx)
         results = [(name, env[s]) for name, s in self._outputs]
-        self._write_statistics(env, ctx, grad_views, grad_scale)
+        self._write_statistics(env, ctx, grad_views, grad_scale, accumulate)
 
         cot = [None] * self._nslots
         cot[self._loss_slot] = xp.asarray(grad_scale, dtype=self.dtype)
-        self._backward_pass(env, saved, cot, grad_views, ready, False)
+        self._backward_pass(env, saved, cot, grad_views, ready, accumulate)
         return {name: float(v) for name, v in results}
 
     def _backward_pass(self, env, saved, cot, grad_views, ready, accumulate) -> None:
         """Run the planned VJPs from the seeded cotangents ``cot``; ``accumulate`` adds to
-        ``grad_views`` instead of overwriting them (a pipeline stage's micro-batches)."""
+        ``grad_views`` instead of overwriting them (micro-batches: a pipeline stage's, or
+        gradient accumulation's)."""
         xp = self.xp
         if not accumulate:
             for name in self._unreached_params:

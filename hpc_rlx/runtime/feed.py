@@ -22,13 +22,12 @@ from hpc_rlx.comm.topology import hostname, ranks_per_node
 from hpc_rlx.data.distribute import load_shard
 from hpc_rlx.data.hdf5 import TokenVocab, check_values
 from hpc_rlx.data.memory_room import rank_room, shard_problem
-from hpc_rlx.data.plan import EpochOrder, window_of, window_steps
+from hpc_rlx.data.plan import EpochOrder, eval_batch_rows, window_of, window_steps
 from hpc_rlx.data.stream import Prefetcher, RowSource, Slot, scan_rows
 from hpc_rlx.errors import DataError
 from hpc_rlx.graph.shapes import FLOAT
 
 CACHES = ("memory", "stream")
-EVAL_BATCH = 1024        # validation is evaluated, and summed, per batch of this many rows
 SLOT_BYTES = 8 << 20     # one buffer of the ring: a window of steps, or a validation chunk
 RING = 3                 # buffers per reader: the window in use, one ready, one being read
 
@@ -43,6 +42,15 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def feed_eval_batch(spec, plan) -> int:
+    """`data.plan.eval_batch_rows` for this run: a data-parallel step splits a rank's batch into
+    `train.accumulate` micro-batches, a pipelined one into `parallel.microbatches`."""
+    stages = int((spec.parallel or {}).get("pipeline_stages", 1))
+    splits = (int(spec.train.get("accumulate") or 1) if stages == 1
+              else int(spec.parallel.get("microbatches") or 1))
+    return eval_batch_rows(plan.global_batch, plan.world_size, splits, spec.train.get("eval_batch_size"))
 
 
 def even_bounds(start: int, stop: int, world: int) -> list[tuple[int, int]]:
@@ -66,6 +74,8 @@ class Feed:
         self.rank, self.world = comm.rank, comm.size
         self.plan, self.steps = plan, plan.steps_per_epoch
         self.dtype = np.dtype(spec.train["dtype"])
+        # validation is evaluated, and summed, per batch of this many rows (whatever data.cache)
+        self.eval_batch = feed_eval_batch(spec, plan)
         x_in = graph.input("x")     # a pipeline stage answers for the whole model
         # integer data feeding a float model (uint8 images) stays as stored; each batch is cast
         self.float_input = x_in.dtype == FLOAT
@@ -102,7 +112,8 @@ class Feed:
         """This rank's data figures for summary.json."""
         rows = self._n_rows(self.train_bounds) + self._n_rows(self.val_bounds)
         return {"data_cache": self.cache, "shard_bytes": int(rows * self.row_bytes),
-                "buffer_bytes": int(self.buffer_bytes), "peak_rss_bytes": peak_rss_bytes()}
+                "buffer_bytes": int(self.buffer_bytes), "peak_rss_bytes": peak_rss_bytes(),
+                "eval_batch_rows": int(self.eval_batch)}
 
     def close(self, collective_ok: bool = True) -> None:
         """Release what the feed holds; collective_ok: every rank is here (the run's end)."""
@@ -156,8 +167,9 @@ class MemoryFeed(Feed):
         return self.cast(self.x[idx]), self.y[idx]
 
     def val_batches(self):
-        for lo in range(0, len(self.vx), EVAL_BATCH):
-            yield self.cast(self.vx[lo:lo + EVAL_BATCH]), self.vy[lo:lo + EVAL_BATCH]
+        step = self.eval_batch
+        for lo in range(0, len(self.vx), step):
+            yield self.cast(self.vx[lo:lo + step]), self.vy[lo:lo + step]
 
 
 def row_bytes(x_dtype, x_shape, y: np.ndarray) -> int:
@@ -216,8 +228,8 @@ class StreamFeed(Feed):
         batch = self.plan.rank_batch(self.rank)
         self.w = window_steps(self.steps, batch * self.row_bytes, SLOT_BYTES)
         self.slot_rows = self.w * batch
-        # a whole number of EVAL_BATCH per chunk (the sums' order), or the whole slice
-        self.val_rows = min(max(1, SLOT_BYTES // max(1, self.row_bytes) // EVAL_BATCH) * EVAL_BATCH,
+        # a whole number of evaluation batches per chunk (the sums' order), or the whole slice
+        self.val_rows = min(max(1, SLOT_BYTES // max(1, self.row_bytes) // self.eval_batch) * self.eval_batch,
                             max(1, max(b - a for a, b in self.val_bounds)))
         self._shapes = (x0.shape[1:], x0.dtype, y0.shape[1:], y0.dtype)
         self.buffer_bytes = (RING * self.slot_rows + 2 * self.val_rows) * self.row_bytes
@@ -283,8 +295,9 @@ class StreamFeed(Feed):
         try:
             while (slot := pre.next()) is not None:
                 n = slot.job[1] - slot.job[0]
-                for lo in range(0, n, EVAL_BATCH):
-                    yield self.cast(slot.x[lo:min(n, lo + EVAL_BATCH)]), slot.y[lo:min(n, lo + EVAL_BATCH)]
+                for lo in range(0, n, self.eval_batch):
+                    hi = min(n, lo + self.eval_batch)
+                    yield self.cast(slot.x[lo:hi]), slot.y[lo:hi]
                 pre.release(slot)
         finally:
             pre.close()

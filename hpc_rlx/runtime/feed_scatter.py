@@ -13,7 +13,7 @@ the window's steps.
 Rounds are collective, so every rank must ask for the same positions in the same order:
 true of policy=sync (every step a sync). The windowed policies' ranks walk their shards at
 their own pace; the spec refuses them with this mode (`config/spec.py`).
-Validation: blocking `Scatterv` rounds of EVAL_BATCH-multiples at the epoch's end, rank 0
+Validation: blocking `Scatterv` rounds of whole evaluation batches at the epoch's end, rank 0
 reading the next round while the ranks evaluate the current one.
 """
 
@@ -28,7 +28,7 @@ from hpc_rlx.data.distribute import load_shard
 from hpc_rlx.data.plan import window_of, window_steps
 from hpc_rlx.data.stream import Prefetcher, RowSource, Slot, scan_rows
 from hpc_rlx.errors import DataError
-from hpc_rlx.runtime.feed import EVAL_BATCH, RING, SLOT_BYTES, StreamFeed, row_bytes
+from hpc_rlx.runtime.feed import RING, SLOT_BYTES, StreamFeed, row_bytes
 
 AHEAD = 1            # rounds in flight beyond the window in use
 _INT_MAX = 2**31 - 1  # MPI counts and displacements are C ints
@@ -60,7 +60,7 @@ class ScatterStreamFeed(StreamFeed):
         self.w = window_steps(self.steps, self.plan.global_batch * self.row_bytes, SLOT_BYTES)
         self.root = self.rank == 0
         self.slot_rows = self.w * (self.plan.global_batch if self.root else self.plan.rank_batch(self.rank))
-        self.val_rows = min(max(1, SLOT_BYTES // max(1, self.world * self.row_bytes) // EVAL_BATCH) * EVAL_BATCH,
+        self.val_rows = min(max(1, SLOT_BYTES // max(1, self.world * self.row_bytes) // self.eval_batch) * self.eval_batch,
                             max(1, max(b - a for a, b in self.val_bounds)))
         self.x_elems, self.y_elems = math.prod(x0.shape[1:]), math.prod(y0.shape[1:])
         elems = self.w * self.plan.global_batch * max(self.x_elems, self.y_elems)
@@ -198,8 +198,8 @@ class ScatterStreamFeed(StreamFeed):
                     send = [buf, [q * e for q in counts], [o * e for o in offs], t] if self.root else None
                     recv = self.MPI.IN_PLACE if self.root else [buf[:n].reshape(-1), t]
                     collective.watched_call("validation Scatterv", self.comm.Scatterv, send, recv, root=0)
-                for lo in range(0, n, EVAL_BATCH):
-                    hi = min(n, lo + EVAL_BATCH)
+                for lo in range(0, n, self.eval_batch):
+                    hi = min(n, lo + self.eval_batch)
                     yield self.cast(slot.x[lo:hi]), slot.y[lo:hi]
                 if self.root:
                     pre.release(slot)

@@ -227,7 +227,8 @@ class Run:
         self.lanes = pipelined.lanes(place, worker, self.threads) if place.comms \
             else collective.agree(comm, lambda: LaneSet(
             worker.graph, lanes_spec, spec.train["dtype"], worker.params, worker.bucket, worker.layout,
-            cuda_aware=spec.comm["cuda_aware"], cpu_blas=spec.device["cpu_blas"], cpu_threads=self.threads))
+            cuda_aware=spec.comm["cuda_aware"], cpu_blas=spec.device["cpu_blas"], cpu_threads=self.threads,
+            accumulate=int(spec.train.get("accumulate") or 1)))
         lane_note = collective.by_rank(comm, describe_lanes(lanes_spec) + blas_note(spec.device["cpu_blas"],
                                                                                   self.threads, lanes_spec))
         bucket_note = collective.by_rank(comm, self.lanes.bucket_path)

@@ -10,14 +10,14 @@ import numpy as np
 
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import STEP_FIELDS
-from hpc_rlx.config.spec import TrainSpec, initial_parameters, optimizer_kwargs, schedule_kwargs
+from hpc_rlx.config.spec import TrainSpec, initial_parameters, schedule_kwargs
 from hpc_rlx.data.plan import EpochOrder, plan_shards
 from hpc_rlx.graph import ParamLayout
 from hpc_rlx.graph.partition import load_graph
 from hpc_rlx.runtime.faults import maybe_fail
-from hpc_rlx.runtime.feed import EVAL_BATCH, Feed, MemoryFeed, StreamFeed
+from hpc_rlx.runtime.feed import Feed, MemoryFeed, StreamFeed
 from hpc_rlx.runtime.feed_scatter import ScatterStreamFeed
-from hpc_rlx.runtime.optim import clip_grad_norm_, make_optimizer, make_schedule, scaled_lr
+from hpc_rlx.optim import clip_grad_norm_, make_optimizer, make_schedule, optimizer_kwargs, scaled_lr
 from hpc_rlx.runtime.state import TrainState
 
 
@@ -190,12 +190,12 @@ class Worker:
 
     def evaluate(self, lanes) -> dict:
         """Global validation loss/accuracy: every rank scores its slice, one small Allreduce.
-        Summed per EVAL_BATCH rows in order, as lanes.evaluate sums, whatever data.cache."""
+        Summed per evaluation batch (`feed.eval_batch` rows) in order, whatever data.cache."""
         from mpi4py import MPI
         loss_sum = correct = 0.0
         n = 0
         for xb, yb in self.feed.val_batches():
-            part_loss, part_correct = lanes.evaluate(xb, yb, batch=EVAL_BATCH)
+            part_loss, part_correct = lanes.evaluate(xb, yb, batch=self.feed.eval_batch)
             loss_sum += part_loss
             correct += part_correct
             n += int(xb.shape[0])

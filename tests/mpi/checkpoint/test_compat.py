@@ -25,7 +25,7 @@ def test_a_checkpoint_from_before_the_layer_packages_resumes_to_the_same_model(t
     with h5py.File(FIXTURES / "model-epoch2.h5", "r") as old, h5py.File(run / "model.h5", "r") as new:
         assert sorted(old) == sorted(new)
         # The same model, to float32 rounding: the optimizer's update became fused multiply-adds
-        # (runtime/blas.py) after this fixture was written, which rounds some last bits
+        # (optim/blas.py) after this fixture was written, which rounds some last bits
         # differently. Within one version a resume is bitwise exact (test_checkpoint_mpi).
         for name in old:
             a, b = new[name][...], old[name][...]

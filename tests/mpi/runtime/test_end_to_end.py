@@ -173,3 +173,16 @@ def test_deterministic_mode_is_bitwise_with_several_lanes(tmp_path, digits_h5):
     a, b = load_params(tmp_path / "a"), load_params(tmp_path / "b")
     for k in a:
         assert np.array_equal(a[k], b[k]), k
+
+
+def test_lion_trains_the_default_job(tmp_path, digits_h5):
+    """optim=lion, declared in one file and one YAML, from the command line to a trained model."""
+    run = tmp_path / "run"
+    proc = train_job(2, run, [f"data.path={digits_h5}", "optim=lion", "optim.lr=0.003", "train.epochs=3", "checkpoint=off"])
+    assert proc.returncode == 0, explain(proc)
+    metrics = read_metrics(run)
+    assert metrics[-1]["train_loss"] < 0.5 * metrics[0]["train_loss"], metrics
+    assert metrics[-1]["val_accuracy"] >= 0.9, metrics[-1]
+    summary = json.loads((run / "summary.json").read_text())
+    for r in summary["ranks"]:           # momentum and scratch: two parameter-sized arrays
+        assert r["optimizer_bytes"] == 2 * r["param_bytes"], r

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hpc_rlx.data.plan import EpochOrder, plan_shards
+from hpc_rlx.data.plan import EVAL_BATCH_CAP, EpochOrder, eval_batch_rows, plan_shards
 from hpc_rlx.errors import ConfigError
 
 
@@ -83,3 +83,19 @@ def test_impossible_plans_raise_clear_errors(n, batch, world, fragment):
     with pytest.raises(ConfigError, match=None) as err:
         plan_shards(n, batch, world)
     assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("batch,world,splits,configured,rows", [
+    (64, 1, 1, None, 64),        # one rank: its whole training batch
+    (24, 4, 1, None, 6),         # a rank's share of the global batch
+    (10, 4, 1, None, 3),         # uneven shares (3,3,2,2): the largest
+    (24, 2, 4, None, 3),         # train.accumulate=4: a micro-batch's rows
+    (25, 2, 4, None, 4),         # 13 rows in 4 micro-batches: 4,3,3,3
+    (8192, 2, 1, None, 1024),    # never more than EVAL_BATCH_CAP by default
+    (64, 2, 1, 5000, 5000),      # train.eval_batch_size wins, above the cap too
+    (64, 2, 8, 7, 7),
+])
+def test_evaluation_batch_is_the_largest_training_micro_batch_unless_set(batch, world, splits, configured, rows):
+    assert eval_batch_rows(batch, world, splits, configured) == rows
+    if configured is None:
+        assert rows <= EVAL_BATCH_CAP

@@ -8,9 +8,10 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 from hpc_rlx.comm.collective import _all_finite
-from hpc_rlx.runtime.blas import axpy, fusable, scal
-from hpc_rlx.runtime import optim
-from hpc_rlx.runtime.optim import SGD, AdamW
+from hpc_rlx.optim.blas import axpy, fusable, scal
+from hpc_rlx.optim import base as optim_base
+from hpc_rlx.optim.adamw import AdamW
+from hpc_rlx.optim.sgd import SGD
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -118,7 +119,7 @@ def test_blocked_updates_equal_whole_array_updates_bitwise(make, monkeypatch):
     n = 300_001                    # not a multiple of the block: a short last block
     p0 = rng.standard_normal(n).astype(np.float32)
     blocked = make(n)
-    monkeypatch.setattr(optim, "BLOCK_BYTES", 1 << 62)
+    monkeypatch.setattr(optim_base, "BLOCK_BYTES", 1 << 62)
     whole = make(n)
     assert len(blocked._ranges) > 1 and len(whole._ranges) == 1
     pa, pb = p0.copy(), p0.copy()

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from hpc_rlx.errors import CheckpointError, ConfigError
-from hpc_rlx.runtime.optim import SGD, AdamW, clip_grad_norm_, make_optimizer, make_schedule, scaled_lr
+from hpc_rlx.optim import clip_grad_norm_, make_optimizer, make_schedule, scaled_lr
+from hpc_rlx.optim.adamw import AdamW
+from hpc_rlx.optim.sgd import SGD
 
 torch = pytest.importorskip("torch")
 
@@ -184,7 +186,7 @@ def test_step_allocates_no_full_size_temporaries(name, kwargs):
         ("adamw", {"betas": (0.9,)}, "betas must be a pair"),
         ("adamw", {"eps": 0.0}, "eps must be a finite number > 0, got 0.0"),
         ("adamw", {"momentum": 0.9}, r"does not take \['momentum'\]"),
-        ("lamb", {}, r"unknown optimizer 'lamb'; choose one of \['adamw', 'sgd'\]"),
+        ("lamb", {}, r"unknown optimizer 'lamb'; choose one of \['adamw', 'lion', 'sgd'\]"),
     ],
 )
 def test_make_optimizer_validates(name, kwargs, pattern):

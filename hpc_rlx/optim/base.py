@@ -1,0 +1,158 @@
+"""What every optimizer shares: its declaration (name, default learning rate, hyper-parameters,
+state arrays) and the plumbing (flat-size checks, state save and load, memory held).
+
+An optimizer is one module of this package and one line of `registry.py`. It declares:
+
+- ``name``: what `optim=NAME` selects;
+- ``lr``: the config's default base learning rate for it;
+- ``hyper``: its own keys, each a `Hyper` (default, one-line doc, check). The config schema
+  (`optim.*` keys and their defaults per option), the spec's checks and the arguments the
+  runtime passes all derive from them;
+- ``_array_names``: the state arrays a checkpoint saves (parameter-sized, `_<name>` attributes).
+
+Parameters and gradients arrive as ONE flat array each (views into the fused bucket), so every
+update is a handful of whole-array ops. ``xp`` is the array module (NumPy or CuPy) the arrays
+live in; nothing here imports CuPy or MPI. Full-size scratch buffers are allocated once, at
+construction, so a step allocates nothing of the parameters' size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from hpc_rlx.checks import Check, checked, is_integral, is_real
+from hpc_rlx.errors import CheckpointError, ConfigError
+
+BLOCK_BYTES = 256 * 1024     # per array: an AdamW block's 5 arrays (1.25 MiB) stay in a 2 MiB L2
+
+# the range checks of the optimizers and schedules (`hpc_rlx.checks`), labelled "<where>: <name>"
+IN_UNIT = Check(lambda v: is_real(v) and 0.0 <= float(v) < 1.0, "must be a number in [0, 1)")
+NONNEG = Check(lambda v: is_real(v) and math.isfinite(float(v)) and float(v) >= 0.0,
+               "must be a finite number >= 0")
+POSITIVE = Check(lambda v: is_real(v) and math.isfinite(float(v)) and float(v) > 0.0,
+                 "must be a finite number > 0")
+COUNT = Check(lambda v: is_integral(v) and v >= 0, "must be an integer >= 0")
+AT_LEAST_ONE = Check(lambda v: is_integral(v) and v >= 1, "must be an integer >= 1")
+PAIR_IN_UNIT = Check(lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(IN_UNIT.test(b) for b in v),
+                     "must be a pair of numbers in [0, 1)")
+_NUMBER = (int, float)
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """One key an optimizer takes from the `optim` section: `optim.<name>`."""
+    name: str
+    default: Any                    # the config default (config.yaml's optim/<optimizer>.yaml)
+    doc: str                        # one line, for docs/config.md
+    check: Check | None = None      # the range check, labelled `optim.<name>` or `<optimizer>: <name>`
+    type: Any = _NUMBER             # what the schema accepts
+    to_arg: Callable[[Any], Any] = lambda v: v     # config value -> constructor argument
+
+
+def in_unit(name: str, v, where: str) -> float:
+    """``v`` in [0, 1): the range of momentum and moment decay rates."""
+    return float(checked(IN_UNIT, f"{where}: {name}", v))
+
+
+def decay_pair(betas, where: str) -> tuple[float, float]:
+    """``betas``: two decay rates, each in [0, 1)."""
+    try:
+        b1, b2 = betas
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: betas must be a pair of numbers, got {betas!r}") from None
+    return in_unit("betas[0]", b1, where), in_unit("betas[1]", b2, where)
+
+
+def nonneg(name: str, v, where: str) -> float:
+    return float(checked(NONNEG, f"{where}: {name}", v))
+
+
+def blocks(size: int, itemsize: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of BLOCK_BYTES over ``size`` elements: a fused update's passes per block
+    stay in the core's cache, and main memory sees each array about once per step."""
+    b = max(1, BLOCK_BYTES // itemsize)
+    return [(lo, min(size, lo + b)) for lo in range(0, size, b)]
+
+
+def _to_numpy(a) -> np.ndarray:
+    # CuPy arrays expose .get(); NumPy arrays pass through (as a copy, so the state is a snapshot).
+    if hasattr(a, "get") and not isinstance(a, np.ndarray):
+        return a.get()
+    return np.array(a, copy=True)
+
+
+class Optimizer:
+    """Shared plumbing: flat-size checks, state save/load, the memory held."""
+
+    name = "?"
+    lr: float = 0.0                     # the config's default base learning rate
+    hyper: tuple[Hyper, ...] = ()       # the optimizer's own `optim.*` keys
+    _array_names: tuple[str, ...] = ()  # the state a checkpoint holds
+
+    def __init__(self, size: int, xp, dtype):
+        COUNT(f"{self.name}: parameter count", size)
+        self.size = int(size)
+        self.xp = xp
+        self.dtype = np.dtype(dtype)
+        self.step_count = 0
+
+    def _zeros(self):
+        return self.xp.zeros(self.size, dtype=self.dtype)
+
+    def _check_args(self, params, grads) -> None:
+        if params.shape != (self.size,) or grads.shape != (self.size,):
+            raise ValueError(
+                f"{self.name}.step expects flat arrays of {self.size} elements, got params "
+                f"{tuple(params.shape)} and grads {tuple(grads.shape)}"
+            )
+
+    def step(self, params, grads, lr: float, grad_scale: float = 1.0) -> None:
+        """One step with the gradient ``grad_scale * grads`` (the runtime passes the summed
+        gradient and 1 / samples); ``grads`` may be overwritten."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        arrays = {n: _to_numpy(getattr(self, "_" + n)) for n in self._array_names}
+        return {"arrays": arrays, "scalars": {"step": int(self.step_count)}}
+
+    def load_state_dict(self, d) -> None:
+        try:
+            arrays, scalars = d["arrays"], d["scalars"]
+            step = scalars["step"]
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"{self.name} optimizer state must have 'arrays' and 'scalars' with a 'step'; "
+                f"missing {e}"
+            ) from None
+        missing = [n for n in self._array_names if n not in arrays]
+        if missing:
+            raise CheckpointError(
+                f"{self.name} optimizer state lacks arrays {missing} (has {sorted(arrays)}); "
+                "was it saved by another optimizer?"
+            )
+        for n in self._array_names:
+            a = np.asarray(arrays[n])
+            if a.shape != (self.size,):
+                raise CheckpointError(
+                    f"{self.name} optimizer state array {n!r} has shape {a.shape}, the model has "
+                    f"{self.size} parameters"
+                )
+        if not (is_integral(step) and step >= 0):
+            raise CheckpointError(f"{self.name} optimizer state has a bad step count {step!r}")
+        for n in self._array_names:
+            getattr(self, "_" + n)[...] = self.xp.asarray(np.asarray(arrays[n], dtype=self.dtype))
+        self.step_count = int(step)
+
+    def nbytes(self) -> int:
+        """Bytes of the arrays this optimizer holds: its state and its scratch buffers."""
+        return sum(int(v.nbytes) for v in vars(self).values() if hasattr(v, "nbytes") and hasattr(v, "shape"))
+
+    def reset(self) -> None:
+        """Forget all state: the next step behaves like the first one."""
+        for n in self._array_names:
+            getattr(self, "_" + n).fill(0)
+        self.step_count = 0

@@ -1,0 +1,107 @@
+"""Learning-rate schedules (constant, step, cosine; each with an optional linear warm-up) and
+the linear scaling of the learning rate with the number of ranks."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from hpc_rlx.checks import Check, is_integral, is_real
+from hpc_rlx.errors import ConfigError
+from hpc_rlx.optim.base import AT_LEAST_ONE, COUNT, nonneg
+
+
+SCHEDULES = ("constant", "step", "cosine")
+
+
+class Schedule:
+    """``lr = schedule(step)`` for a 0-based optimizer step; see :func:`make_schedule`."""
+
+    def __init__(self, name, base_lr, total_steps, warmup_steps, step_size, gamma, min_lr):
+        self.name = name
+        self.base_lr = base_lr
+        self.total_steps = total_steps
+        self.warmup_steps = warmup_steps
+        self.step_size = step_size
+        self.gamma = gamma
+        self.min_lr = min_lr
+
+    def __call__(self, step: int) -> float:
+        if not (is_integral(step) and step >= 0):
+            raise ValueError(f"schedule step must be an integer >= 0, got {step!r}")
+        w = self.warmup_steps
+        if step < w:
+            # linear ramp that reaches base_lr on the last warmup step
+            return self.base_lr * (step + 1) / w
+        s = step - w
+        if self.name == "constant":
+            return self.base_lr
+        if self.name == "step":
+            return max(self.min_lr, self.base_lr * self.gamma ** (s // self.step_size))
+        span = self.total_steps - w
+        if s >= span:
+            return self.min_lr
+        return self.min_lr + (self.base_lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * s / span))
+
+    def __repr__(self) -> str:
+        return (
+            f"Schedule({self.name!r}, base_lr={self.base_lr}, total_steps={self.total_steps}, "
+            f"warmup_steps={self.warmup_steps}, step_size={self.step_size}, gamma={self.gamma}, "
+            f"min_lr={self.min_lr})"
+        )
+
+
+def make_schedule(
+    name: str,
+    base_lr: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    step_size: int | None = None,
+    gamma: float = 0.1,
+    min_lr: float = 0.0,
+) -> Callable[[int], float]:
+    """An LR schedule over 0-based steps, with an optional linear warmup in front.
+
+    - warmup (any schedule): ``base_lr * (step + 1) / warmup_steps`` for ``step < warmup_steps``;
+    - "constant": ``base_lr``;
+    - "step": ``base_lr * gamma ** ((step - warmup) // step_size)``, floored at ``min_lr``;
+    - "cosine": from ``base_lr`` down to ``min_lr`` over the ``total_steps - warmup_steps`` steps
+      after warmup, then held at ``min_lr`` (it does not rise again like torch's periodic form).
+    """
+    where = f"lr schedule {name!r}"
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown lr schedule {name!r}; choose one of {list(SCHEDULES)}")
+    base_lr = nonneg("base_lr", base_lr, where)
+    min_lr = nonneg("min_lr", min_lr, where)
+    for label, v in (("total_steps", total_steps), ("warmup_steps", warmup_steps)):
+        COUNT(f"{where}: {label}", v)
+    total_steps, warmup_steps = int(total_steps), int(warmup_steps)
+    if total_steps < 1:
+        raise ConfigError(f"{where}: total_steps must be >= 1, got {total_steps}")
+    if warmup_steps > total_steps:
+        raise ConfigError(
+            f"{where}: warmup_steps ({warmup_steps}) is more than total_steps ({total_steps})"
+        )
+    if name == "cosine" and warmup_steps >= total_steps:
+        raise ConfigError(
+            f"{where}: warmup_steps ({warmup_steps}) leaves no steps to anneal over "
+            f"(total_steps={total_steps})"
+        )
+    if name != "constant" and min_lr > base_lr:
+        raise ConfigError(f"{where}: min_lr ({min_lr}) is above base_lr ({base_lr})")
+    if name == "step":
+        AT_LEAST_ONE(f"{where}: step_size", step_size)
+        step_size = int(step_size)
+        Check(lambda v: is_real(v) and 0.0 < float(v) <= 1.0, "must be a number in (0, 1]")(f"{where}: gamma",
+                                                                                         gamma)
+    return Schedule(name, base_lr, total_steps, warmup_steps, step_size, float(gamma), min_lr)
+
+
+def scaled_lr(lr: float, world_size: int, ratio: float) -> float:
+    """Linear LR scaling with the number of ranks: ``lr * (1 + (world_size - 1) * ratio)``.
+
+    ``ratio=1`` is the classic linear rule, ``ratio=0`` turns scaling off.
+    """
+    AT_LEAST_ONE("world size", world_size)
+    ratio = nonneg("lr scale ratio", ratio, "lr scaling")
+    return float(lr) * (1.0 + (world_size - 1) * ratio)
