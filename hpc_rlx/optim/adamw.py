@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from hpc_rlx.optim.base import NONNEG, PAIR_IN_UNIT, POSITIVE, Hyper, Optimizer, blocks, decay_pair, nonneg
+from hpc_rlx.optim.base import NONNEG, POSITIVE, Hyper, Optimizer, blocks, decay_pair, nonneg
 from hpc_rlx.optim.blas import axpy, fusable, scal
 
 
@@ -17,8 +17,8 @@ class AdamW(Optimizer):
     name = "adamw"
     lr = 0.003
     hyper = (
-        Hyper("betas", [0.9, 0.999], "decay rates of the moment estimates", PAIR_IN_UNIT, type=list,
-              to_arg=tuple),
+        # checked by the class, whose message names the element (`optim.betas[1] must be ...`)
+        Hyper("betas", [0.9, 0.999], "decay rates of the moment estimates", None, type=list, to_arg=tuple),
         Hyper("eps", 1e-8, "denominator term", POSITIVE),
         Hyper("weight_decay", 0.01, "decoupled weight decay", NONNEG),
     )

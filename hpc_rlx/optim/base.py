@@ -37,8 +37,6 @@ POSITIVE = Check(lambda v: is_real(v) and math.isfinite(float(v)) and float(v) >
                  "must be a finite number > 0")
 COUNT = Check(lambda v: is_integral(v) and v >= 0, "must be an integer >= 0")
 AT_LEAST_ONE = Check(lambda v: is_integral(v) and v >= 1, "must be an integer >= 1")
-PAIR_IN_UNIT = Check(lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(IN_UNIT.test(b) for b in v),
-                     "must be a pair of numbers in [0, 1)")
 _NUMBER = (int, float)
 
 

@@ -12,7 +12,7 @@ AdamW's and a weight decay 3-10x larger, hence this config's defaults.
 
 from __future__ import annotations
 
-from hpc_rlx.optim.base import NONNEG, PAIR_IN_UNIT, Hyper, Optimizer, decay_pair, nonneg
+from hpc_rlx.optim.base import NONNEG, Hyper, Optimizer, decay_pair, nonneg
 
 
 class Lion(Optimizer):
@@ -21,7 +21,7 @@ class Lion(Optimizer):
     name = "lion"
     lr = 0.0003
     hyper = (
-        Hyper("betas", [0.9, 0.99], "interpolation (b1) and momentum decay (b2) rates", PAIR_IN_UNIT,
+        Hyper("betas", [0.9, 0.99], "interpolation (b1) and momentum decay (b2) rates", None,
               type=list, to_arg=tuple),
         Hyper("weight_decay", 0.1, "decoupled weight decay", NONNEG),
     )
