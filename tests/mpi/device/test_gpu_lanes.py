@@ -325,9 +325,9 @@ def test_an_idle_gpu_lane_finishes_its_work_before_returning(fake2):
     def watch(ln):
         compute = ln.compute
 
-        def wrapped(*args):
+        def wrapped(*args, **kwargs):
             tid, start = threading.get_ident(), len(fake2.syncs)
-            out = compute(*args)
+            out = compute(*args, **kwargs)
             synced[ln.name] = {d for t, d in fake2.syncs[start:] if t == tid}
             return out
         ln.compute = wrapped
