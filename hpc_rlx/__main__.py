@@ -18,6 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx.config import CONFIG_DIR as _CONFIG_DIR   # ./configs links there
 
 
@@ -219,7 +220,7 @@ def _record_failed_point(comm, exc: BaseException, out: Path) -> None:
     if comm.rank == 0:
         sys.stderr.write(f"hpc_rlx: error in sweep point {out.name}: {message}\n")
         out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps({"status": "failed", "error": message}, indent=1))
+        (out / names.SUMMARY).write_text(json.dumps({"status": "failed", "error": message}, indent=1))
 
 
 # Hydra flags that print something and exit without running a job.

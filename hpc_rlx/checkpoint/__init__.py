@@ -20,7 +20,6 @@ from hpc_rlx.checkpoint.h5file import (
     FORMAT,
     FORMAT_VERSION,
     POINTER,
-    SUBDIR,
     CheckpointState,
     check_compatible,
     checkpoint_name,
@@ -32,7 +31,7 @@ from hpc_rlx.checkpoint.manager import CheckpointManager
 from hpc_rlx.checkpoint.retention import BestTracker, metric_mode, plan_deletions
 
 __all__ = [
-    "BEST_POINTER", "FORMAT", "FORMAT_VERSION", "POINTER", "SUBDIR", "BestTracker",
+    "BEST_POINTER", "FORMAT", "FORMAT_VERSION", "POINTER", "BestTracker",
     "CheckpointManager", "CheckpointState", "check_compatible", "checkpoint_name",
     "checkpoints_dir", "metric_mode", "plan_deletions", "read_checkpoint", "verify_checkpoint",
 ]

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx.errors import CheckpointError, GraphError
 from hpc_rlx.graph.ir import Graph
 
-GRAPH_FILE = "graph.json"
 NEW_DIR_HINT = "train the new model in a new run directory (hydra.run.dir=...)"
 
 
@@ -30,15 +30,15 @@ def check_run_dir_graph(run_dir, fingerprint: str) -> None:
     """Rank 0, before the run writes its outputs: refuse a run directory whose graph.json is
     another model's. No graph.json (a new directory, or a run that failed before training):
     nothing to match."""
-    path = Path(run_dir) / GRAPH_FILE
+    path = Path(run_dir) / names.GRAPH
     if not path.is_file():
         return
     try:
         have = Graph.from_dict(json.loads(path.read_text())).fingerprint()
     except (OSError, ValueError, TypeError, KeyError, AttributeError, GraphError) as e:
         # unreadable: it cannot be told apart from another model, and model.h5 is at stake
-        raise CheckpointError(f"run directory {run_dir} holds a {GRAPH_FILE} that cannot be read "
+        raise CheckpointError(f"run directory {run_dir} holds a {names.GRAPH} that cannot be read "
                               f"({type(e).__name__}: {e}), so this run cannot tell whether it trains "
                               f"the same model; {NEW_DIR_HINT}") from None
     if have != fingerprint:
-        raise different_graph(f"run directory {run_dir}", GRAPH_FILE, have, fingerprint, "run")
+        raise different_graph(f"run directory {run_dir}", names.GRAPH, have, fingerprint, "run")

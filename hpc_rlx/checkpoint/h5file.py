@@ -32,13 +32,13 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx import __version__
 from hpc_rlx.checkpoint.graph_match import different_graph
 from hpc_rlx.errors import CheckpointError
 
 FORMAT = "hpc_rlx-checkpoint"
 FORMAT_VERSION = 1
-SUBDIR = "checkpoints"
 POINTER = "latest"
 BEST_POINTER = "best"
 
@@ -63,7 +63,7 @@ def checkpoint_name(step: int) -> str:
 
 def checkpoints_dir(run_dir) -> Path:
     """Where a run keeps its checkpoints: ``<run_dir>/checkpoints``."""
-    return Path(run_dir) / SUBDIR
+    return Path(run_dir) / names.CHECKPOINTS
 
 
 @dataclass

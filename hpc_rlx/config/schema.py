@@ -33,7 +33,7 @@ from hpc_rlx.device.host_blas import CPU_BLAS
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.observe.tensorboard_log import enabled as tensorboard_enabled
 from hpc_rlx.pipeline.grid import check_world
-from hpc_rlx.pipeline.schedule import SCHEDULES as _SCHEDULES
+from hpc_rlx.pipeline.schedule import PIPELINE_SCHEDULES
 from hpc_rlx.optim.registry import OPTIMIZERS as _OPTIMIZERS
 from hpc_rlx.policies.config import validate_policy_config
 from hpc_rlx.policies.registry import POLICIES
@@ -115,7 +115,6 @@ CACHES = ("memory", "stream")
 ON_NONFINITE = ("stop", "skip")
 CKPT_METRICS = ("val_loss", "val_accuracy")
 PROGRESS = ("auto", "bar", "lines")
-PIPELINE_SCHEDULES = tuple(_SCHEDULES)
 _BUILT = ("mlp", "cnn", "transformer_lm")
 _PREPARED = Options(digits="digits", synthetic="synthetic", text="text", file=None)
 _NUMBER = (int, float)

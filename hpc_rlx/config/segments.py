@@ -17,19 +17,19 @@ import json
 import re
 from pathlib import Path
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx.config.fingerprint import changed_settings, describe_changes
 
-FIRST_CONFIG = "config.yaml"
 _SEGMENT_CONFIG = re.compile(r"config\.segment-(\d+)\.yaml")
 
 
 def segment_config_name(k: int) -> str:
-    return FIRST_CONFIG if k == 1 else f"config.segment-{k}.yaml"
+    return names.CONFIG if k == 1 else f"config.segment-{k}.yaml"
 
 
 def existing_segments(run_dir: Path) -> list[int]:
     """Segment numbers whose config is in `run_dir`, ascending."""
-    if not (run_dir / FIRST_CONFIG).is_file():
+    if not (run_dir / names.CONFIG).is_file():
         return []
     later = [int(m.group(1)) for p in run_dir.iterdir() if (m := _SEGMENT_CONFIG.fullmatch(p.name))]
     return [1] + sorted(later)
@@ -76,11 +76,6 @@ def describe(record: dict) -> str:
            if record.get("resumed_from") else "started over (no checkpoint resumed)")
     return (f"segment {record['segment']} of this run directory: {how}; config in "
             f"{record['config']}; changed settings: {describe_changes(record['changed'])}")
-
-
-def epoch_records(records: list[dict]) -> list[dict]:
-    """The epoch records of a metrics.jsonl (event records such as segment starts left out)."""
-    return [r for r in records if "event" not in r]
 
 
 def dumps(record: dict) -> str:

@@ -30,7 +30,7 @@ from hpc_rlx.graph.node_timing import node_times, time_cost
 from hpc_rlx.graph.partition import partition
 from hpc_rlx.pipeline.grid import check_world
 from hpc_rlx.policies.registry import POLICIES
-from hpc_rlx.optim import SCHEDULES, make_optimizer, make_schedule, optimizer_kwargs, parameter_copies
+from hpc_rlx.optim import LR_SCHEDULES, make_optimizer, make_schedule, optimizer_kwargs, parameter_copies
 
 
 @dataclass
@@ -131,8 +131,8 @@ def schedule_kwargs(opt: dict) -> dict:
 def check_optimizer(opt: dict, dtype: str, schedule_steps: int) -> None:
     """Build the optimizer and schedule once on rank 0, so bad values are one clear startup
     error instead of a failure on every rank later."""
-    if opt["schedule"] not in SCHEDULES:
-        raise ConfigError(f"optim.schedule={opt['schedule']!r} is not one of {list(SCHEDULES)}")
+    if opt["schedule"] not in LR_SCHEDULES:
+        raise ConfigError(f"optim.schedule={opt['schedule']!r} is not one of {list(LR_SCHEDULES)}")
     try:
         with_config_keys("optim", optimizer_kwargs(opt), lambda: make_optimizer(
             opt["name"], 1, np, np.dtype(dtype), **optimizer_kwargs(opt)), prefix=f"{opt['name']}: ")

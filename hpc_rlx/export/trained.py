@@ -10,12 +10,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx.checkpoint import BEST_POINTER, CheckpointManager, checkpoints_dir, read_checkpoint
 from hpc_rlx.errors import CheckpointError, GraphError, HpcRlxError
 from hpc_rlx.graph import Graph, ParamLayout
 
-MODEL_FILE = "model.h5"
-GRAPH_FILE = "graph.json"
 CHECKPOINT_CHOICES = ("latest", "best")
 
 
@@ -43,9 +42,9 @@ def load_trained(run_dir, checkpoint: str | None = None, warn=print) -> TrainedM
 
 
 def _from_model_file(run_dir: Path) -> TrainedModel:
-    path = run_dir / MODEL_FILE
+    path = run_dir / names.MODEL
     if not path.is_file():
-        raise ExportError(f"{run_dir} has no {MODEL_FILE} (the run has not finished, or it stopped with "
+        raise ExportError(f"{run_dir} has no {names.MODEL} (the run has not finished, or it stopped with "
                           f"non-finite parameters); export a checkpoint with --checkpoint latest")
     try:
         with h5py.File(path, "r", locking=False) as f:
@@ -99,7 +98,7 @@ def _from_checkpoint(run_dir: Path, path: Path) -> TrainedModel:
     have = state.meta.get("graph_fingerprint") if isinstance(state.meta, dict) else None
     if have != graph.fingerprint():
         raise ExportError(f"checkpoint {path} was written for another model graph than "
-                          f"{run_dir / GRAPH_FILE}; export it from the run directory it belongs to")
+                          f"{run_dir / names.GRAPH}; export it from the run directory it belongs to")
     layout = ParamLayout(graph)
     flat = state.arrays.get("params")
     if flat is None or flat.ndim != 1 or flat.shape[0] != layout.size:
@@ -110,9 +109,9 @@ def _from_checkpoint(run_dir: Path, path: Path) -> TrainedModel:
 
 
 def _graph_file(run_dir: Path) -> Graph:
-    path = run_dir / GRAPH_FILE
+    path = run_dir / names.GRAPH
     if not path.is_file():
-        raise ExportError(f"{run_dir} has no {GRAPH_FILE}: not a run directory")
+        raise ExportError(f"{run_dir} has no {names.GRAPH}: not a run directory")
     return _graph_from_text(path.read_text(encoding="utf-8"), path)
 
 

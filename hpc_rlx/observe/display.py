@@ -7,21 +7,22 @@ import time
 from pathlib import Path
 
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx.observe import tensorboard_log
 from hpc_rlx.observe.progress import Snapshot, make_progress, run_fraction
 from hpc_rlx.observe.step_log import StepLog
 
 
 # Rank 0's log in the run directory: Hydra's job log (hydra.job.name is hpc_rlx in
-# configs/config.yaml), which gets Python `logging` records, and every line the run prints.
-RUN_LOG = "hpc_rlx.log"
+# configs/config.yaml), which gets Python `logging` records, and every line the run prints:
+# names.RUN_LOG.
 
 
 def append_run_log(run_dir: str | Path, line: str) -> None:
     """One timestamped line in the run directory's log; a directory that is gone (a run removed
     before training) or unwritable costs the log line, never the run."""
     try:
-        with open(Path(run_dir) / RUN_LOG, "a") as f:
+        with open(Path(run_dir) / names.RUN_LOG, "a") as f:
             f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
     except OSError:
         pass

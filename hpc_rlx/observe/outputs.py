@@ -10,6 +10,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx.comm import watchdog
 from hpc_rlx.config import segments
 from hpc_rlx.graph import Graph
@@ -47,13 +48,13 @@ class RunOutputs:
                 self.dir, self.spec.config_yaml, resumed_from=resumed_from,
                 resumed_config_yaml=resumed_config_yaml, start_step=self.worker.step,
                 start_epoch=self.worker.epoch, world_size=world_size)
-        (self.dir / "graph.json").write_text(json.dumps(self.spec.graph, indent=1))
+        (self.dir / names.GRAPH).write_text(json.dumps(self.spec.graph, indent=1))
         source = self.spec.model_source
         if source:   # model=onnx: `python -m hpc_rlx.export` writes the trained weights into it
             _keep_model_source(source, self.dir / "model.source.onnx")
         if resumed_from:
             self._trim_metrics(self.worker.epoch)
-        self.metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        self.metrics = open(self.dir / names.METRICS, "a", buffering=1)
         if segment is not None:
             self.metrics.write(segments.dumps(segment) + "\n")
             self.log(segments.describe(segment))
@@ -61,7 +62,7 @@ class RunOutputs:
     def _trim_metrics(self, epochs_done: int) -> None:
         """On resume, epochs past the checkpoint are trained again: their old records move to
         metrics.abandoned.jsonl so metrics.jsonl reads as one uninterrupted run."""
-        path = self.dir / "metrics.jsonl"
+        path = self.dir / names.METRICS
         if not path.is_file():
             return
         keep, drop = [], []
@@ -100,7 +101,7 @@ class RunOutputs:
                 f.create_dataset(name, data=np.asarray(arr))
             f.attrs["graph_fingerprint"] = Graph.from_dict(self.spec.graph).fingerprint()  # the whole model's
             f.attrs["graph"] = json.dumps(self.spec.graph)
-        os.replace(tmp, self.dir / "model.h5")
+        os.replace(tmp, self.dir / names.MODEL)
         self._write_summary(result)
 
     def _write_summary(self, result: dict) -> None:
@@ -110,9 +111,9 @@ class RunOutputs:
         watched = watchdog.current().stats()
         if watched is not None:
             summary["watchdog"] = watched
-        with open(self.dir / "summary.json.tmp", "w") as f:
+        with open(self.dir / f"{names.SUMMARY}.tmp", "w") as f:
             json.dump(summary, f, indent=1, default=_json_default)
-        os.replace(self.dir / "summary.json.tmp", self.dir / "summary.json")
+        os.replace(self.dir / f"{names.SUMMARY}.tmp", self.dir / names.SUMMARY)
         if self.spec.report["plots"]:
             try:
                 write_plots(self.dir)     # matplotlib loads here, on first use

@@ -22,6 +22,7 @@ import math
 import statistics
 from pathlib import Path
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx.observe.run_files import (
     MAX_GROUPED_RANKS,
     PARTS,
@@ -323,7 +324,7 @@ def write_plots(run_dir, out_dir=None) -> list[Path]:
     if is_sweep_dir(run_dir):
         p = plot_sweep(sweep_rows(run_dir), Path(out_dir or run_dir) / "sweep.png")
         return [p] if p else []
-    out = Path(out_dir) if out_dir else run_dir / "plots"
+    out = Path(out_dir) if out_dir else run_dir / names.PLOTS
     files = load_run(run_dir)
     made = [plot_curves(files, out / "curves.png"), plot_rank_time(files, out / "rank_time.png"),
             plot_lanes(files, out / "lanes.png")]

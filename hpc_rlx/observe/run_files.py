@@ -12,6 +12,7 @@ import math
 import statistics
 from pathlib import Path
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx.errors import HpcRlxError
 from hpc_rlx.observe.step_log import read_steps
 from hpc_rlx.observe.sweep_table import collect
@@ -67,9 +68,9 @@ def load_run(run_dir) -> RunFiles:
     if not run_dir.is_dir():
         raise HpcRlxError(f"run directory {run_dir} does not exist")
     # epoch records; event records (a resumed segment's start) are not epochs
-    metrics = [r for r in read_metrics(run_dir / "metrics.jsonl") if "event" not in r]
+    metrics = [r for r in read_metrics(run_dir / names.METRICS) if "event" not in r]
     summary = None
-    spath = run_dir / "summary.json"
+    spath = run_dir / names.SUMMARY
     if spath.is_file():
         try:
             summary = json.loads(spath.read_text())
@@ -78,21 +79,21 @@ def load_run(run_dir) -> RunFiles:
     if not metrics and summary is None:
         raise HpcRlxError(f"{run_dir} has neither metrics.jsonl nor summary.json: not a run "
                           f"directory (or the run has not finished an epoch yet)")
-    return RunFiles(run_dir, metrics, summary, read_steps(run_dir / "steps.jsonl"))
+    return RunFiles(run_dir, metrics, summary, read_steps(run_dir / names.STEPS))
 
 
 def is_sweep_dir(path) -> bool:
     path = Path(path)
     if (path / "sweep_summary.json").is_file():
         return True
-    if (path / "metrics.jsonl").exists() or (path / "summary.json").exists():
+    if (path / names.METRICS).exists() or (path / names.SUMMARY).exists():
         return False
-    return any((p / "summary.json").is_file() or (p / "metrics.jsonl").is_file()
+    return any((p / names.SUMMARY).is_file() or (p / names.METRICS).is_file()
                for p in path.iterdir() if p.is_dir())
 
 
 def _is_point(p: Path) -> bool:
-    return any((p / f).is_file() for f in ("summary.json", "metrics.jsonl", "overrides.txt"))
+    return any((p / f).is_file() for f in (names.SUMMARY, names.METRICS, names.OVERRIDES))
 
 
 def sweep_rows(sweep_dir) -> list[dict]:

@@ -19,11 +19,11 @@ import os
 import time
 from pathlib import Path
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".hpc_rlx.lock"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
@@ -37,7 +37,7 @@ class RunDirLock:
     def acquire(cls, run_dir: str | Path, host: str) -> "RunDirLock":
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / LOCK_NAME
+        path = run_dir / names.LOCK
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -19,6 +19,8 @@ import math
 import os
 from pathlib import Path
 
+from hpc_rlx import run_dir_names as names
+
 MAX_PER_EPOCH = 100
 MIN_INTERVAL_S = 0.002
 TENSORBOARD_INTERVAL_S = 0.1
@@ -65,7 +67,7 @@ class StepLog:
 
     def __init__(self, run_dir, steps_per_epoch: int, t_start: float, tensorboard=None,
                  resumed_step: int | None = None):
-        self.path = Path(run_dir) / "steps.jsonl"
+        self.path = Path(run_dir) / names.STEPS
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resumed_step is not None:
             trim_after(self.path, resumed_step)

@@ -10,6 +10,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx.observe.sweep_table import collect, render, write_summary  # noqa: F401 - re-exported
 
 
@@ -36,7 +37,7 @@ class SweepSummary(Callback):
             if hc.mode is not None and str(hc.mode).endswith("MULTIRUN"):
                 out = Path(hc.runtime.output_dir)
                 out.mkdir(parents=True, exist_ok=True)
-                (out / "overrides.txt").write_text(" ".join(hc.overrides.task) + "\n")
+                (out / names.OVERRIDES).write_text(" ".join(hc.overrides.task) + "\n")
         except Exception:  # noqa: BLE001 - bookkeeping must never break a run
             pass
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hpc_rlx import run_dir_names as names
+
 COLUMNS = ("val_loss", "val_accuracy", "train_loss", "epochs_completed", "status")
 
 
@@ -14,10 +16,10 @@ def collect(sweep_dir: Path) -> list[dict]:
     rows = []
     # A sweep point is a directory a run wrote into (plots and other folders are not points).
     points = (p for p in sweep_dir.iterdir()
-              if p.is_dir() and ((p / "overrides.txt").exists() or (p / "summary.json").exists()))
+              if p.is_dir() and ((p / names.OVERRIDES).exists() or (p / names.SUMMARY).exists()))
     for point in sorted(points, key=lambda p: (len(p.name), p.name)):
-        summary = point / "summary.json"
-        overrides = point / "overrides.txt"
+        summary = point / names.SUMMARY
+        overrides = point / names.OVERRIDES
         row = {"point": point.name,
                "overrides": overrides.read_text().strip() if overrides.exists() else ""}
         if summary.exists():
@@ -51,6 +53,6 @@ def render(rows: list[dict]) -> str:
 def write_summary(sweep_dir: Path) -> Path:
     rows = collect(sweep_dir)
     (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=1))
-    out = sweep_dir / "sweep_summary.md"
+    out = sweep_dir / names.SWEEP_SUMMARY
     out.write_text(render(rows))
     return out

@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx.errors import ConfigError
 
 SETTINGS = ("auto", "true", "false")
@@ -100,7 +101,7 @@ class TensorBoardLog:
 
     def __init__(self, run_dir, hparams: dict):
         SummaryWriter, hparams_summary = _import_writer()
-        self.dir = Path(run_dir) / "tensorboard"
+        self.dir = Path(run_dir) / names.TENSORBOARD
         self.writer = SummaryWriter(logdir=str(self.dir), flush_secs=10)
         exp, ssi, self._sei = hparams_summary(hparams, {k: 0.0 for k in HPARAM_METRICS})
         self.writer.file_writer.add_summary(exp)

@@ -11,7 +11,7 @@ from hpc_rlx.errors import ConfigError
 from hpc_rlx.optim.base import AT_LEAST_ONE, COUNT, nonneg
 
 
-SCHEDULES = ("constant", "step", "cosine")
+LR_SCHEDULES = ("constant", "step", "cosine")
 
 
 class Schedule:
@@ -69,8 +69,8 @@ def make_schedule(
       after warmup, then held at ``min_lr`` (it does not rise again like torch's periodic form).
     """
     where = f"lr schedule {name!r}"
-    if name not in SCHEDULES:
-        raise ConfigError(f"unknown lr schedule {name!r}; choose one of {list(SCHEDULES)}")
+    if name not in LR_SCHEDULES:
+        raise ConfigError(f"unknown lr schedule {name!r}; choose one of {list(LR_SCHEDULES)}")
     base_lr = nonneg("base_lr", base_lr, where)
     min_lr = nonneg("min_lr", min_lr, where)
     for label, v in (("total_steps", total_steps), ("warmup_steps", warmup_steps)):

@@ -59,13 +59,13 @@ def one_f_one_b(stages: int, micro: int) -> list:
     return plans
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+PIPELINE_SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 def build(name: str, stages: int, micro: int) -> list:
-    if name not in SCHEDULES:
-        raise ConfigError(f"parallel.schedule={name!r} is not one of {sorted(SCHEDULES)}")
-    return SCHEDULES[name](stages, micro)
+    if name not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"parallel.schedule={name!r} is not one of {sorted(PIPELINE_SCHEDULES)}")
+    return PIPELINE_SCHEDULES[name](stages, micro)
 
 
 def _check(stages, micro) -> None:

@@ -18,6 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx.comm.topology import rank_span
 from hpc_rlx.errors import HpcRlxError
 from hpc_rlx.observe.plots import write_plots  # noqa: F401 - re-exported (matplotlib loads on first plot)
@@ -108,7 +109,7 @@ def run_text(files: RunFiles) -> str:
         lines.append("lanes: " + "  ".join(f"r{r}:{lane} {rate:,.0f}/s ({n} samples)"
                                            for r, lane, rate, n in lanes[:16])
                      + ("  ..." if len(lanes) > 16 else ""))
-    tpath = files.dir / "trace.json"
+    tpath = files.dir / names.TRACE
     if tpath.is_file():
         lines.append(f"trace: {tpath} (open in https://ui.perfetto.dev or chrome://tracing)")
         lines.extend(trace_lines(tpath))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx.checkpoint.runtime import RuntimeCheckpoints
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import flag_values
@@ -371,7 +372,7 @@ class Run:
     def _finish(self) -> dict:
         worker, comm = self.worker, self.comm
         st = self.stats
-        trace_path = Path(self.spec.run_dir) / "trace.json"
+        trace_path = Path(self.spec.run_dir) / names.TRACE
         doc = trace.finish(comm, self.tracer, trace_path if self.is_root else None)
         if doc is not None:
             self.log(f"trace: {trace_path} ({len(doc['traceEvents'])} events; open in https://ui.perfetto.dev)")

@@ -11,7 +11,7 @@ import numpy as np
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import STEP_FIELDS
 from hpc_rlx.config.spec import TrainSpec, initial_parameters, schedule_kwargs
-from hpc_rlx.data.plan import EpochOrder, plan_shards
+from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.graph import ParamLayout
 from hpc_rlx.graph.partition import load_graph
 from hpc_rlx.runtime.faults import maybe_fail
@@ -36,7 +36,6 @@ class Worker:
         # a regression loss (mse) has no `correct` output: there is no accuracy to report
         self.has_accuracy = "correct" in self.graph.result_names
         self._warned_val_nonfinite = False
-        self.EpochOrder = EpochOrder
 
         # Initial weights: rank 0 materialises them, everyone receives them by buffer Bcast.
         self.params = np.empty(self.layout.size, dtype=self.dtype)
@@ -106,18 +105,12 @@ class Worker:
                 else ScatterStreamFeed if d.distribution == "scatter" else StreamFeed)
         self.feed: Feed = kind(self.spec, self.comm, self.graph, self.plan)
         self.feed.load()
-        # memory mode's arrays, for code that indexes them itself (as stored: batch() casts)
-        self.x, self.y = getattr(self.feed, "x", None), getattr(self.feed, "y", None)
         self.data_s = time.perf_counter() - t0
 
     def batch(self, position: int):
         """(x, y) of this rank's batch at `position` = pass * steps_per_epoch + step, x in
         the compute dtype; the same bytes whatever data.cache."""
         return self.feed.batch(position)
-
-    def order(self, epoch: int):
-        return self.EpochOrder(self.plan, self.rank, epoch, int(self.spec.train["seed"]),
-                               shuffle=self.spec.data.shuffle)
 
     # ---- numerics ---------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
