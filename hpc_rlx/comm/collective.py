@@ -23,7 +23,7 @@ from hpc_rlx.comm.bucket_layout import BucketLayout
 from hpc_rlx.comm.job_abort import abort_job
 from hpc_rlx.comm.node_memory import NodeSharedSum
 from hpc_rlx.comm.overlap import OverlapPlan, OverlapStep
-from hpc_rlx.comm.reduce import HostSum, make_reduction
+from hpc_rlx.comm.reduce import make_reduction
 from hpc_rlx.comm.topology import hostname, rank_span
 from hpc_rlx.comm.wire import normalize_wire
 from hpc_rlx.device import backend, cuda_mpi
@@ -246,7 +246,7 @@ class FusedBucket:
 
     def set_choice(self, choice) -> None:
         self.choice = choice
-        if isinstance(self.reduction, NodeSharedSum) and choice.path == cuda_mpi.HOST:
+        if self.reduction.in_node_memory and choice.path == cuda_mpi.HOST:
             return          # already in the node's shared memory: the host path, summed there
         self.reduction = make_reduction(self.chunk_elems, self.deterministic, self.wire, choice)
 
@@ -255,7 +255,7 @@ class FusedBucket:
         (16-bit wire, device twin): MPI's SUM, or the ordered sum under ``comm.deterministic``,
         chunked as the bucket is, or the node's shared memory when the bucket lives there. The
         windowed policies' sync picks it once, at its setup, and hands it to every `allreduce`."""
-        if isinstance(self.reduction, NodeSharedSum):
+        if self.reduction.in_node_memory:
             return self.reduction
         return make_reduction(self.chunk_elems, self.deterministic, None)
 
@@ -270,7 +270,7 @@ class FusedBucket:
                    "comm.deterministic=true" if self.deterministic else
                    f"comm.wire_dtype={self.wire}" if self.wire else
                    "comm.overlap=true" if self.overlap else
-                   None if type(self.reduction) is HostSum else "a reduction other than MPI's SUM")
+                   None if self.reduction.overlappable else "a reduction other than MPI's SUM")
         shared, self.shared_memory_off = NodeSharedSum.create(
             comm, self.buffer.shape[0], self.buffer.dtype, self.chunk_elems, why_not)
         if shared is None:
@@ -284,7 +284,7 @@ class FusedBucket:
     def _leave_node_memory(self) -> None:
         """Back to a private buffer with the last values and MPI's Allreduce (the window is
         about to be freed)."""
-        if isinstance(self.reduction, NodeSharedSum):
+        if self.reduction.in_node_memory:
             self.reduction = make_reduction(self.chunk_elems, self.deterministic, None)
             self._set_host(self.buffer.copy())
 
@@ -293,14 +293,14 @@ class FusedBucket:
         copy of its last values. A run leaves its window to the next window's setup (one per
         process at a time: sharing another bucket releases this one) or to MPI_Finalize, so
         views of the bucket taken during the run stay valid; see `node_memory`."""
-        if isinstance(self.reduction, NodeSharedSum):
+        if self.reduction.in_node_memory:
             self.reduction.free()
 
     def describe(self) -> str:
         """Where the bucket lives and how it is reduced, in one line (logged at start-up)."""
         where = "host" if self.device is None else f"GPU {self.device}"
         path = self.choice.describe() if self.choice is not None else "host"
-        if isinstance(self.reduction, NodeSharedSum):
+        if self.reduction.in_node_memory:
             path = self.reduction.path
         wire = f", wire {self.wire} (float32 sums; tail uncompressed)" if self.wire else ""
         off = f"; shared-memory sum off: {self.shared_memory_off}" if self.shared_memory_off else ""
@@ -335,7 +335,7 @@ class FusedBucket:
     def overlaps(self) -> bool:
         """Overlap is on and possible: a host bucket summed by MPI's own SUM (not ordered, not
         the 16-bit wire, no GPU twin)."""
-        return self._overlap_plan is not None and type(self.reduction) is HostSum and self.device is None
+        return self._overlap_plan is not None and self.reduction.overlappable and self.device is None
 
     def begin_overlap(self, comm):
         """Start a step's overlap; returns the executor's ``on_grad_ready`` callback (None when

@@ -29,7 +29,7 @@ import os
 
 import numpy as np
 
-from hpc_rlx.comm.reduce import HostSum, Reduced, _mpi
+from hpc_rlx.comm.reduce import HostSum, Reduced, ReductionPath, _mpi
 
 SHM_DIR = "/dev/shm"
 SHM_HEADROOM = 1.25      # the node's segments must fit /dev/shm's free space with this margin
@@ -76,9 +76,11 @@ def shm_shortfall(node_bytes: int, shm_dir: str = SHM_DIR) -> str | None:
 _OPEN: list[NodeSharedSum] = []
 
 
-class NodeSharedSum:
+class NodeSharedSum(ReductionPath):
     """A reduction path (see `hpc_rlx.comm.reduce`) over a node's shared window. Build it with
     `NodeSharedSum.create` (collective), then hand `segment` to the bucket as its buffer."""
+
+    in_node_memory = True
 
     def __init__(self, node, cross, window, memories: list, size: int, dtype, chunk_elems: int):
         self.node, self.cross, self.window = node, cross, window

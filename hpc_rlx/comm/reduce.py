@@ -15,7 +15,8 @@ lanes are built). Every path cuts the bucket into chunks of at most
 ``comm.bucket_cap_mb``: MPICH slows down sharply on single messages above 32 MiB.
 
 A path's ``run(bucket, comm, seq)`` returns a `Reduced`: chunks, bytes this rank sent, and the
-path's name as logged and traced. Paths touch the bucket only through its arrays and its
+path's name as logged and traced. What a path can do it declares (`ReductionPath`: overlappable,
+in the node's memory, exact); the bucket reads those, never the path's class. Paths touch the bucket only through its arrays and its
 explicit transfer methods (`payload_to_host`, `tail_to_device`, `tail_to_host`).
 """
 
@@ -58,9 +59,32 @@ def ring_bytes(comm, nbytes: int) -> int:
     return int(2 * (comm.size - 1) * nbytes // max(1, comm.size))
 
 
+# ---- what a path can do ----------------------------------------------------------------------
+
+class ReductionPath:
+    """What every path declares, so the bucket asks a path what it can do instead of checking
+    its class:
+
+    - ``overlappable``: MPI's own in-place SUM of the host buffer, chunk by chunk, so chunks
+      may start while backward still runs (`comm.overlap`) and the node's shared window may
+      take its place (`comm.shared_memory`);
+    - ``in_node_memory``: the path owns the bucket's memory (the node's shared window): the
+      bucket keeps it across lane placement, hands it to exact uses, and frees it (`free`);
+    - ``exact``: the sum of the values as they are (no 16-bit wire).
+    """
+
+    overlappable = False
+    in_node_memory = False
+    exact = True
+    path = cuda_mpi.HOST
+
+    def run(self, bucket, comm, seq: int) -> Reduced:
+        raise NotImplementedError
+
+
 # ---- sums on whole arrays, in chunks ----------------------------------------------------------
 
-class ChunkedSum:
+class ChunkedSum(ReductionPath):
     """Sum one array (host or device) over all ranks in place, chunk by chunk.
     Subclasses say how one chunk is summed (`sum_chunk`)."""
 
@@ -92,6 +116,8 @@ class ChunkedSum:
 class HostSum(ChunkedSum):
     """MPI's own SUM Allreduce, in place (the order of additions is MPI's)."""
 
+    overlappable = True
+
     def sum_chunk(self, comm, part) -> None:
         mpi = _mpi()
         comm.Allreduce(mpi.IN_PLACE, part, op=mpi.SUM)
@@ -114,7 +140,7 @@ class OrderedSum(ChunkedSum):
 
 # ---- the 16-bit wire -----------------------------------------------------------------------
 
-class WireSum:
+class WireSum(ReductionPath):
     """The payload as 16-bit words with float32 sums at segment owners, the tail as raw bits
     summed exactly by rank 0 (see `hpc_rlx.comm.wire`): bitwise identical on every rank.
 
@@ -122,6 +148,8 @@ class WireSum:
     and sends it there (Alltoallv); each owner decodes the slices, adds them in float32 in rank
     order, codes the sum once and sends it to everyone (Allgatherv). The tail rides in the last
     chunk, behind rank 0's segment. On one rank there is nothing to send: `single_rank` sums."""
+
+    exact = False
 
     def __init__(self, codec: str, chunk_elems: int, single_rank: ChunkedSum, where: str):
         self.codec = codec
@@ -198,20 +226,21 @@ class WireSum:
 
 # ---- a bucket with a twin on the GPU -------------------------------------------------------
 
-class StagedSum:
+class StagedSum(ReductionPath):
     """The payload comes down to the bucket's page-locked host array (async copy + one sync),
     then `inner` sums on the host; the host array is the result (the optimizer is there)."""
 
     def __init__(self, inner):
         self.inner = inner
         self.path = inner.path
+        self.exact = inner.exact
 
     def run(self, bucket, comm, seq: int) -> Reduced:
         bucket.payload_to_host()
         return self.inner.run(bucket, comm, seq)
 
 
-class CudaDirectSum:
+class CudaDirectSum(ReductionPath):
     """CUDA-aware MPI: the tail goes up, the device is synchronised (MPI does not wait for
     queued kernels), MPI sums the device buffer, the small tail comes down; the payload
     stays on the device until someone calls `payload_to_host`. When the host already holds

@@ -397,6 +397,31 @@ def test_no_module_is_over_the_size_limit():
 
 
 # ---------------------------------------------------------------------------------------------
+# Reduction paths declare what they can do
+# ---------------------------------------------------------------------------------------------
+
+def test_no_code_tells_reduction_paths_apart_by_class():
+    """The bucket asks a path what it can do (`ReductionPath.overlappable`, `in_node_memory`,
+    `exact`); an `isinstance` or `type(...) is` on a path class would hide a capability that a
+    new path then lacks."""
+    from hpc_rlx.comm import node_memory, reduce
+    paths = {name for module in (reduce, node_memory) for name, obj in vars(module).items()
+             if isinstance(obj, type) and issubclass(obj, reduce.ReductionPath)}
+    assert {"HostSum", "WireSum", "NodeSharedSum", "ReductionPath"} <= paths
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            named = []
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance" and len(node.args) == 2:
+                named = [n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)]
+            elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) \
+                    and ast.unparse(node.left.func) == "type":
+                named = [n.id for c in node.comparators for n in ast.walk(c) if isinstance(n, ast.Name)]
+            offenders += [f"{path.relative_to(PKG)}:{node.lineno} {name}" for name in named if name in paths]
+    assert not offenders, offenders
+
+
+# ---------------------------------------------------------------------------------------------
 # A run directory's file names have one home
 # ---------------------------------------------------------------------------------------------
 
