@@ -148,7 +148,7 @@ def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
         # others waiting in the spec broadcast.
         from hpc_rlx.comm import collective
         from hpc_rlx.config.spec import TrainSpec
-        from hpc_rlx.runtime.faults import maybe_fail
+        from hpc_rlx.injection import DebugHooks
         from hpc_rlx.runtime.train import train
 
         # Hydra makes the directory on rank 0; a rank on a node that does not share its
@@ -183,7 +183,7 @@ def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
         spec = TrainSpec.from_dict(collective.root_computes(comm, _spec))
         if comm.rank == 0:
             debuglog.startup(spec)
-        collective.agree(comm, lambda: maybe_fail(spec, comm.rank, "startup"))
+        collective.agree(comm, lambda: DebugHooks.for_rank(spec, comm.rank).fail_at("startup"))
         where = "training"
         result = train(spec, comm)
     except SystemExit:

@@ -165,9 +165,7 @@ class RuntimeCheckpoints:
         t = self._epoch_totals()
         if not self.worker.step_in_epoch or t is None:
             return None
-        return {"samples": float(t.samples), "loss_sum": float(t.loss_sum),
-                "correct": float(t.correct), "steps": int(t.steps), "compute_s": float(t.compute_s),
-                "comm_s": float(t.comm_s), "step_wall_s": float(t.step_wall_s)}
+        return t.carried()
 
     def _state(self, opt: dict | None = None, staged=None):
 

@@ -92,7 +92,7 @@ class StallWatchdog:
 
     def __init__(self, comm, warn_s: float, abort_s: float | str | None = None,
                  position: Callable[[], int | None] = lambda: None,
-                 out=None, stall: dict | None = None, abort: Callable[[int], None] | None = None):
+                 out=None, stall=None, abort: Callable[[int], None] | None = None):
 
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
@@ -113,7 +113,7 @@ class StallWatchdog:
         self.position = position
         self.out = out or sys.stderr
         self._abort = abort or self._mpi_abort
-        self._stall = dict(stall or {})
+        self._stall = stall        # debug.stall_*: arrive late once (None: never)
         # (label, step, since, seq) while inside a collective; None outside
         self._inside = None
         self._last = None          # (label, step) of the last collective left
@@ -159,15 +159,13 @@ class StallWatchdog:
         self._thread.start()
 
     @classmethod
-    def from_spec(cls, spec, comm, position):
-        c, d = spec.comm, spec.debug
+    def from_spec(cls, spec, comm, position, stall=None):
+        """The watchdog `comm.stall_*` asks for; `stall`: this rank's debug.stall_* plan
+        (`injection.StallPlan`: `step`, `seconds`), or None."""
+        c = spec.comm
         warn = c["stall_warning_s"]
         if warn is None or float(warn) <= 0 or comm.size == 1:   # one rank waits for nobody
             return NullWatchdog()
-        stall = {}
-        if d["stall_rank"] is not None and d["stall_s"]:
-            stall = {"rank": int(d["stall_rank"]), "step": int(d["stall_step"] or 0),
-                     "seconds": float(d["stall_s"])}
         return cls(comm, float(warn), c["stall_abort_s"], position=position, stall=stall)
 
     # ---- the hot path: two attribute writes per collective ------------------------------
@@ -187,11 +185,11 @@ class StallWatchdog:
 
     def _maybe_stall(self, step) -> None:
         """debug.stall_*: this rank arrives late, once, at the first watched collective from
-        `stall_step` on, so tests can watch the watchdog catch it."""
-        s = self._stall
-        if s["rank"] == self.rank and step is not None and step >= s["step"]:
-            self._stall = {}
-            time.sleep(s["seconds"])
+        `stall.step` on, so tests can watch the watchdog catch it."""
+        stall = self._stall
+        if step is not None and step >= stall.step:
+            self._stall = None
+            time.sleep(stall.seconds)
 
     # ---- the side channel -----------------------------------------------------------------
     def _heartbeat(self) -> dict:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hpc_rlx import run_dir_names as names
 from hpc_rlx.observe import tensorboard_log
+from hpc_rlx.observe.metrics import Window, shown
 from hpc_rlx.observe.progress import Snapshot, make_progress, run_fraction
 from hpc_rlx.observe.step_log import StepLog
 
@@ -66,7 +67,7 @@ class RunDisplay:
             epochs = int(self.spec.train["epochs"])
             self._run_clock = (now, run_fraction(worker.epoch, frac, epochs, worker.step, worker.total_steps))
         if self.step_log is not None:
-            self.step_log.epoch_start(worker.step, now, totals.samples, totals.loss_sum)
+            self.step_log.epoch_start(worker.step, now, totals.counts())
 
     def after_step(self, worker, policy, totals) -> None:
         """Rank 0 after a step: the step log and the progress display, from global totals."""
@@ -77,8 +78,9 @@ class RunDisplay:
         if not show and (log is None or not log.due(worker.step, now)):
             return          # most steps: nothing to write or draw
         frac = min(1.0, policy.epoch_fraction(worker))
+        counts, lr = totals.counts(), policy.current_lr(worker)
         if log is not None:
-            log.step(worker.step, now, totals.samples, totals.loss_sum, worker.epoch + frac, policy.current_lr(worker))
+            log.step(worker.step, now, counts, worker.epoch + frac, lr)
         if not show:
             return
         epochs = int(self.spec.train["epochs"])
@@ -87,7 +89,8 @@ class RunDisplay:
             run_fraction=run_fraction(worker.epoch, frac, epochs, worker.step, worker.total_steps),
             step=worker.step, step_label=policy.step_label(worker), epoch_samples=totals.samples,
             samples_per_epoch=int(worker.plan.samples_per_epoch),
-            loss=totals.loss_sum / totals.samples if totals.samples else None, now=now,
+            shown=shown(Window(counts, seconds=now - self._epoch_clock[0], lr=lr,
+                               per_sample=worker.per_sample)), now=now,
             epoch_t0=self._epoch_clock[0], epoch_f0=self._epoch_clock[1],
             run_t0=self._run_clock[0], run_f0=self._run_clock[1]))
 

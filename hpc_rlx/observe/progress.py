@@ -1,7 +1,8 @@
 """Rank 0's progress display: a tqdm bar on an interactive terminal, plain lines otherwise.
 
 `launcher.display_for` picks the style (train.progress=auto|bar|lines). Both styles show the
-epoch's percent, elapsed time and ETA, the run's ETA, samples/s and the epoch's running loss:
+epoch's percent, elapsed time and ETA, the run's ETA, samples/s and the epoch's running
+metrics that have a display label (`observe.metrics`: the loss):
 
 - bar: one tqdm bar per epoch, redrawn at most `BAR_REDRAWS_PER_S` times a second, erased at the
   epoch's end (the epoch's summary line stays); log lines print above it;
@@ -36,7 +37,7 @@ class Snapshot:
     step_label: str            # e.g. "step 5/22" or "sync 3"
     epoch_samples: float       # samples trained so far in this epoch
     samples_per_epoch: int
-    loss: float | None         # mean training loss of the epoch so far
+    shown: tuple               # (label, value) of the epoch's running metrics (`metrics.shown`)
     now: float
     epoch_t0: float            # when this epoch (or its resumed part) started, and how far it was
     epoch_f0: float
@@ -170,8 +171,13 @@ class LineProgress(Progress):
 def format_line(s: Snapshot, samples_per_s: float | None) -> str:
     return (f"[hpc_rlx] epoch {s.epoch + 1}/{s.epochs} {100 * s.epoch_fraction:3.0f}% "
             f"({s.step_label}, global step {s.step})  "
-            f"loss {sig(s.loss)}  {rate(samples_per_s)}  "
+            f"{shown_text(s.shown, '  ')}{rate(samples_per_s)}  "
             f"ETA epoch {duration(s.epoch_eta)}, run {duration(s.run_eta)}")
+
+
+def shown_text(shown, separator: str) -> str:
+    """`label value` of each shown metric, each followed by `separator`."""
+    return "".join(f"{label} {sig(value)}{separator}" for label, value in shown)
 
 
 class BarProgress(Progress):
@@ -200,7 +206,7 @@ class BarProgress(Progress):
             self._open(s)
         bar = self._bar
         self._last_draw = s.now
-        bar.set_postfix_str(f"{s.step_label}, loss {sig(s.loss)}, run ETA {duration(s.run_eta)}",
+        bar.set_postfix_str(f"{s.step_label}, {shown_text(s.shown, ', ')}run ETA {duration(s.run_eta)}",
                             refresh=False)
         delta = int(s.epoch_samples) - bar.n
         if delta > 0:

@@ -1,8 +1,9 @@
 """Per-step training records at a bounded rate: `RUN_DIR/steps.jsonl` (rank 0).
 
-One line per recorded step: `step` (global), `epoch` (fractional position, e.g. 1.5 = half way
-through the second epoch), `loss` (mean training loss of the global samples since the previous
-record), `lr`, `samples_per_s` (over the wall time since the previous record) and `time_s`.
+One line per recorded step: `step` (global), the metrics with a step key (`observe.metrics`:
+`loss`, the mean training loss of the global samples since the previous record; `lr`;
+`samples_per_s`, over the wall time since the previous record), `epoch` (fractional position,
+e.g. 1.5 = half way through the second epoch) and `time_s`.
 `python -m hpc_rlx.report` draws the curves of short runs from it; the same records go to
 TensorBoard (`tensorboard_log`) when that is on.
 
@@ -20,6 +21,7 @@ import os
 from pathlib import Path
 
 from hpc_rlx import run_dir_names as names
+from hpc_rlx.observe.metrics import Window, step_values
 
 MAX_PER_EPOCH = 100
 MIN_INTERVAL_S = 0.002
@@ -27,39 +29,38 @@ TENSORBOARD_INTERVAL_S = 0.1
 
 
 class StepSampler:
-    """Which steps to record, and the aggregates since the last record (pure)."""
+    """Which steps to record, and the counts since the last record (pure)."""
 
     def __init__(self, steps_per_epoch: int, max_per_epoch: int = MAX_PER_EPOCH,
                  min_interval_s: float = MIN_INTERVAL_S):
         self.stride = max(1, math.ceil(int(steps_per_epoch) / max_per_epoch))
         self.min_interval_s = float(min_interval_s)
-        self._mark: tuple | None = None       # (step, time, samples, loss_sum) of the last record
+        self._mark: tuple | None = None       # (step, time, counts) of the last record
         # the time of the last record, kept across epochs: with epochs shorter than the
         # interval, a rule reset at every epoch start would record nothing at all
         self._last_record_t = -math.inf
 
-    def start(self, step: int, now: float, samples: float, loss_sum: float) -> None:
-        """The start of an epoch (or of a run segment): the epoch's running totals so far."""
-        self._mark = (int(step), float(now), float(samples), float(loss_sum))
+    def start(self, step: int, now: float, counts: dict) -> None:
+        """The start of an epoch (or of a run segment): the epoch's running counts so far."""
+        self._mark = (int(step), float(now), dict(counts))
 
     def due(self, step: int, now: float) -> bool:
         if self._mark is None:
             return True
         return step - self._mark[0] >= self.stride and now - self._last_record_t >= self.min_interval_s
 
-    def add(self, step: int, now: float, samples: float, loss_sum: float) -> dict | None:
-        """After a step, with the epoch's running totals: a record, or None (not this step)."""
+    def add(self, step: int, now: float, counts: dict, lr: float | None = None) -> Window | None:
+        """After a step, with the epoch's running counts: the window since the last record,
+        or None (not this step)."""
         if self._mark is None:
-            self.start(step - 1, now, 0.0, 0.0)
+            self.start(step - 1, now, {})
         if not self.due(step, now):
             return None
-        step0, t0, s0, l0 = self._mark
-        self._mark = (int(step), float(now), float(samples), float(loss_sum))
+        _, t0, before = self._mark
+        self._mark = (int(step), float(now), dict(counts))
         self._last_record_t = float(now)
-        n = samples - s0
-        return {"step": int(step),
-                "loss": (loss_sum - l0) / n if n > 0 else None,
-                "samples_per_s": n / (now - t0) if now > t0 else None}
+        since = {key: value - before.get(key, 0.0) for key, value in counts.items()}
+        return Window(since, seconds=now - t0, lr=lr)
 
 
 class StepLog:
@@ -77,25 +78,26 @@ class StepLog:
         self.t_start = t_start
         self.tensorboard = tensorboard
 
-    def epoch_start(self, step: int, now: float, samples: float, loss_sum: float) -> None:
-        self.sampler.start(step, now, samples, loss_sum)
-        self.board_sampler.start(step, now, samples, loss_sum)
+    def epoch_start(self, step: int, now: float, counts: dict) -> None:
+        self.sampler.start(step, now, counts)
+        self.board_sampler.start(step, now, counts)
 
     def due(self, step: int, now: float) -> bool:
         """Whether `step` would write anything (the loop skips its work otherwise)."""
         return self.sampler.due(step, now) or (self.tensorboard is not None
                                                 and self.board_sampler.due(step, now))
 
-    def step(self, step: int, now: float, samples: float, loss_sum: float, epoch_position: float,
+    def step(self, step: int, now: float, counts: dict, epoch_position: float,
              lr: float | None) -> None:
-        rec = self.sampler.add(step, now, samples, loss_sum)
-        if rec is not None:
-            rec.update(epoch=round(epoch_position, 6), lr=lr, time_s=round(now - self.t_start, 4))
+        window = self.sampler.add(step, now, counts, lr)
+        if window is not None:
+            rec = {"step": int(step), **step_values(window), "epoch": round(epoch_position, 6),
+                   "time_s": round(now - self.t_start, 4)}
             self.file.write(json.dumps(rec) + "\n")
         if self.tensorboard is not None:
-            board = self.board_sampler.add(step, now, samples, loss_sum)
+            board = self.board_sampler.add(step, now, counts, lr)
             if board is not None:
-                self.tensorboard.step(dict(board, lr=lr))
+                self.tensorboard.step(int(step), step_values(board))
 
     def epoch(self, rec: dict) -> None:
         self.file.flush()

@@ -3,9 +3,11 @@
 Written with tensorboardX (its writer queues events and a background thread writes them, so a
 step pays for building a few small protobufs only, and only at the step log's bounded rate):
 
-- `train/loss`, `train/lr`, `train/samples_per_s` at the steps `step_log.StepSampler` picks;
-- per epoch `val/loss`, `val/accuracy`, `epoch/train_loss`, `epoch/train_accuracy`,
-  `epoch/samples_per_s`, at the epoch's last global step;
+- `train/<step_key>` of every metric with a step key (`observe.metrics`: `train/loss`,
+  `train/lr`, `train/samples_per_s`) at the steps `step_log.StepSampler` picks;
+- per epoch `val/loss`, `val/accuracy` and `epoch/<epoch_key>` of every metric with an epoch
+  key (`epoch/train_loss`, `epoch/train_accuracy`, `epoch/lr`, `epoch/samples_per_s`), at the
+  epoch's last global step;
 - the run's hyper-parameters (the HParams dashboard), with `val/loss` and `val/accuracy` as its
   metrics, so `tensorboard --logdir outputs/` compares runs and `--logdir multirun/` the
   points of a sweep.
@@ -23,10 +25,12 @@ from pathlib import Path
 
 from hpc_rlx import run_dir_names as names
 from hpc_rlx.errors import ConfigError
+from hpc_rlx.observe.metrics import METRICS
 
 SETTINGS = ("auto", "true", "false")
 HPARAM_GROUPS = ("model", "data", "optim", "policy", "train", "device", "comm")
 HPARAM_METRICS = ("val/loss", "val/accuracy")
+VALIDATION_TAGS = {"val_loss": "val/loss", "val_accuracy": "val/accuracy"}   # metrics.jsonl key: tag
 INSTALL_HINT = "pip install tensorboardX (or install hpc_rlx with the [report] extra)"
 
 
@@ -107,20 +111,24 @@ class TensorBoardLog:
         self.writer.file_writer.add_summary(exp)
         self.writer.file_writer.add_summary(ssi)
 
-    def step(self, rec: dict) -> None:
-        step = int(rec["step"])
-        for key in ("loss", "lr", "samples_per_s"):
-            if isinstance(rec.get(key), (int, float)):
-                self.writer.add_scalar(f"train/{key}", rec[key], step)
+    def step(self, step: int, values: dict) -> None:
+        """A step record's metrics (`metrics.step_values`)."""
+        for key, value in values.items():
+            if _is_number(value):
+                self.writer.add_scalar(f"train/{key}", value, step)
 
     def epoch(self, rec: dict) -> None:
+        """An epoch's record (metrics.jsonl's): validation and every metric with an epoch key."""
         step = int(rec["step"])
-        for key, tag in (("val_loss", "val/loss"), ("val_accuracy", "val/accuracy"),
-                         ("train_loss", "epoch/train_loss"), ("train_accuracy", "epoch/train_accuracy"),
-                         ("samples_per_s", "epoch/samples_per_s")):
-            if isinstance(rec.get(key), (int, float)):
+        tags = dict(VALIDATION_TAGS, **{m.epoch_key: f"epoch/{m.epoch_key}" for m in METRICS if m.epoch_key})
+        for key, tag in tags.items():
+            if _is_number(rec.get(key)):
                 self.writer.add_scalar(tag, rec[key], step)
 
     def close(self) -> None:
         self.writer.file_writer.add_summary(self._sei)
         self.writer.close()
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -4,8 +4,7 @@ The policies themselves, one module each, behind the interface of `base.Policy` 
 in `registry.POLICIES`: `sync` (one gradient Allreduce per step), and the windowed policies
 (`windowed`: local steps, then one fused sync) `cadence` and `asynchronous` (`policy=async`).
 
-Their pure math, which touches no MPI, files or clocks beyond `time.sleep` in the slowdown
-injector. Every decision is a deterministic function of numbers that come out of the one
+Their pure math, which touches no MPI, files or clocks. Every decision is a deterministic function of numbers that come out of the one
 fused Allreduce, so all ranks reach the same decision without an extra collective:
 
 - `consensus`: the work-weighted parameter average (weigh, divide, divergence), on the
@@ -15,7 +14,6 @@ fused Allreduce, so all ranks reach the same decision without an extra collectiv
 - `interval`: the async interval controller (K from comm overhead, divergence guard).
 - `outer`: outer optimizers applied to the consensus (average, DiLoCo, SlowMo).
 - `window`: trimming a window's step counts to what is left of the epoch.
-- `slowdown`: honest extra wall time per step, to simulate slow hardware on one machine.
 - `config`: `validate_policy_config`, checking `policy.*` against the selected policy's
   own declaration of its keys and defaults.
 - `epochlog`: the per-epoch metrics record of a windowed policy.
@@ -28,7 +26,6 @@ from .elche import ElcheScheduler
 from .epochlog import EpochLog
 from .interval import IntervalController
 from .outer import DiLoCo, OuterAverage, OuterOptimizer, SlowMo, make_outer
-from .slowdown import SlowdownInjector, parse_slowdown, slowdown_for_rank
 from .smoothing import RecentMin
 from .window import plan_window, stretch_to_epoch
 
@@ -38,6 +35,5 @@ __all__ = [
     "work_weight",
     "ElcheScheduler", "IntervalController",
     "DiLoCo", "OuterAverage", "OuterOptimizer", "SlowMo", "make_outer",
-    "SlowdownInjector", "parse_slowdown", "slowdown_for_rank",
     "plan_window", "stretch_to_epoch",
 ]

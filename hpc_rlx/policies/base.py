@@ -2,9 +2,12 @@
 
 A policy decides how an epoch's steps turn into synchronised parameters (`sync`: one
 gradient Allreduce per step; `cadence` and `async`: local steps, then one fused sync). The
-loop (`train.Run`) knows policies only through `Policy`; a policy knows the loop only through
-`TrainingLoop`, the few things it needs. Adding a policy: one module defining a `Policy`
-subclass, and one line in `registry.POLICIES`.
+loop (`runtime.train.Run.train_epoch`) asks the policy for one step at a time and gets back a
+`StepResult`: what the step did, as every rank knows it after the step's collective. The loop
+owns the rest: the control flags, the epoch's totals, the display and the metrics records,
+checkpoints and stopping. A policy knows the loop only through `Loop`, the few things a step
+needs. Adding a policy: one module defining a `Policy` subclass, and one line in
+`registry.POLICIES`.
 
 Nothing here touches MPI.
 """
@@ -20,8 +23,25 @@ from ..errors import ConfigError
 
 
 @dataclass
+class StepResult:
+    """What one step did: a sync step of `policy=sync`, or a window (local steps and their
+    sync) of a windowed policy. The global numbers are the same on every rank."""
+    flags: Mapping[str, bool]    # the reduced control flags: stop, nonfinite, ckpt_due
+    samples: float = 0.0         # global samples counted in the epoch's means (0 for a skipped step)
+    loss_sum: float = 0.0        # their summed loss
+    correct: float = 0.0         # their correct predictions
+    rank_samples: int = 0        # this rank's own samples in the step, and their mean loss
+    rank_loss: float = 0.0
+    compute_s: float = 0.0       # this rank's compute (debug.slowdown's sleep included)
+    comm_s: float = 0.0          # ... in the step's collective
+    data_s: float = 0.0          # ... gathering batches
+    wall_s: float = 0.0          # ... in the whole step
+    sums: dict = field(default_factory=dict)    # more global sums, for metrics (observe.metrics)
+
+
+@dataclass
 class EpochTotals:
-    """Global totals of the epoch being trained, filled by the policy step by step."""
+    """Global totals of the epoch being trained: the sum of its `StepResult`s."""
     samples: float = 0.0
     loss_sum: float = 0.0
     correct: float = 0.0
@@ -30,55 +50,75 @@ class EpochTotals:
     comm_s: float = 0.0
     step_wall_s: float = 0.0
     data_s: float = 0.0          # batch gathering (and, with data.cache=stream, waiting for it)
+    sums: dict = field(default_factory=dict)      # StepResult.sums, summed
     extra: dict = field(default_factory=dict)     # policy-specific keys of the epoch record
     complete: bool = False       # a windowed policy consumed the whole epoch (even if stopping)
 
+    def add(self, step: StepResult) -> None:
+        self.samples += step.samples
+        self.loss_sum += step.loss_sum
+        self.correct += step.correct
+        self.steps += 1
+        self.compute_s += step.compute_s
+        self.comm_s += step.comm_s
+        self.step_wall_s += step.wall_s
+        self.data_s += step.data_s
+        for key, value in step.sums.items():
+            self.sums[key] = self.sums.get(key, 0.0) + float(value)
 
-class TrainingLoop(Protocol):
-    """The part of the training loop a policy may use (and nothing more)."""
+    def counts(self) -> dict:
+        """The additive counts the metrics are computed from (`observe.metrics.Window`)."""
+        return {"samples": self.samples, "loss_sum": self.loss_sum, "correct": self.correct,
+                "steps": self.steps, "compute_s": self.compute_s, "comm_s": self.comm_s,
+                "step_wall_s": self.step_wall_s, "data_s": self.data_s, **self.sums}
 
-    worker: Any            # per-rank state: spec, comm, params, bucket, data, step/epoch position
+    # A mid-epoch checkpoint carries the running totals, so a resumed epoch's record covers
+    # all its steps (and samples_per_s stays samples over their step time).
+    CARRIED = ("samples", "loss_sum", "correct", "steps", "compute_s", "comm_s", "step_wall_s")
+
+    def carried(self) -> dict:
+        out = {key: float(getattr(self, key)) for key in self.CARRIED}
+        out["steps"] = int(self.steps)
+        if self.sums:
+            out["sums"] = dict(self.sums)
+        return out
+
+    @classmethod
+    def from_carried(cls, carried: Mapping | None) -> "EpochTotals":
+        totals = cls()
+        for key in cls.CARRIED if carried else ():
+            if key in carried:
+                setattr(totals, key, int(carried[key]) if key == "steps" else float(carried[key]))
+        if carried and carried.get("sums"):
+            totals.sums = {k: float(v) for k, v in carried["sums"].items()}
+        return totals
+
+
+class Loop(Protocol):
+    """What a policy's step may use of the run (and nothing more)."""
+
+    worker: Any         # per-rank state: spec, comm, params, bucket, data, step/epoch position
     lanes: Any          # the compute lanes: `step(x, y, seed)`, `refresh_device_params()`
     rank: int
-    is_root: bool
     on_nonfinite: str   # train.on_nonfinite: "stop" or "skip"
-    faults: Any         # debug.fail_*: `faults.at("step", step)` (does nothing unless asked)
-
-    def epoch_totals(self) -> EpochTotals:
-        """Totals for the epoch about to be trained (a resumed epoch's carried in)."""
+    hooks: Any          # debug.*: `injection.DebugHooks` (does nothing unless asked)
 
     def dropout_seed(self) -> int:
         """The seed of this step's dropout masks."""
 
-    def slowdown(self, compute_s: float) -> None:
-        """debug.slowdown's extra wall time after a step of `compute_s`."""
-
-    def control_flags(self, nonfinite: bool = False) -> dict:
-        """This rank's control flags for the next sync: stop, nonfinite, ckpt_due (0.0 or 1.0)."""
-
-    def fill_flags(self, loss_sum: float) -> None:
-        """Write this rank's control flags into the bucket's tail."""
-
-    def read_flags(self) -> dict:
-        """The reduced control flags from the bucket's tail."""
-
-    def stop(self, reason: str) -> None:
-        """End the run after this step (`nonfinite`, `signal`, `max_steps`)."""
-
-    def after_step(self, n: int, loss: float, compute: float, comm_s: float) -> None:
-        """Bookkeeping and progress after a step or window."""
-
-    def should_stop_after_step(self, flags: dict) -> bool:
-        """Checkpoint if due; whether the run stops here."""
+    def reduce(self, nonfinite: bool, reduction=None) -> tuple[Mapping[str, bool], float]:
+        """The step's one collective: this rank's control flags into the bucket's tail (the
+        only place they are written), then the bucket's Allreduce (by `reduction`, else the
+        bucket's own path). Returns the reduced flags and the seconds it took."""
 
 
 class Policy:
-    """Base of every policy. Subclasses set `name` and `defaults` and implement `run_epoch`.
+    """Base of every policy. Subclasses set `name` and `defaults` and implement `step`.
 
     Class level (no MPI): `defaults` are the `policy.*` keys the policy takes with their
     default values, `key_docs` one line of documentation each (docs/config.md's table);
     `check_config` normalises and checks them (raising ConfigError).
-    Instance level: `run_epoch` trains one epoch through a `TrainingLoop`.
+    Instance level: `step` trains one step through a `Loop`.
     """
 
     name: str = ""
@@ -143,9 +183,18 @@ class Policy:
         """Keys this policy adds to the epoch's metrics record."""
         return dict(totals.extra)
 
-    # ---- training -----------------------------------------------------------------------
-    def run_epoch(self, loop: TrainingLoop, epoch: int, first_step: int) -> EpochTotals:
+    # ---- training: the loop calls begin_epoch, then step until it returns None or the loop
+    # stops, then end_epoch --------------------------------------------------------------
+    def begin_epoch(self, loop: Loop, first_step: int) -> None:
+        """An epoch (or the rest of a resumed one, from `first_step`) starts."""
+
+    def step(self, loop: Loop) -> StepResult | None:
+        """One step; None when the epoch has no step left."""
         raise NotImplementedError
+
+    def end_epoch(self, loop: Loop, totals: EpochTotals, stopping: bool) -> None:
+        """The epoch ends (`stopping`: the run stops in it): set `totals.extra`, and
+        `totals.complete` when a run stopping here still consumed the whole epoch."""
 
 
 def dropout_seed(seed: int, local_step: int, rank: int) -> int:

@@ -1,8 +1,8 @@
 """`policy=sync`: one fused gradient Allreduce per step.
 
 Per step every lane writes its sample-weighted gradient into the fused bucket, the policy
-writes the sample count, loss sum, correct count and control flags into the bucket's tail,
-one Allreduce sums all of it, and every rank divides by the global sample count and applies
+writes the sample count, loss sum and correct count into the bucket's tail and the loop its
+control flags, one Allreduce sums all of it, and every rank divides by the global sample count and applies
 the same optimizer step. With ``comm.overlap=true`` (one CPU lane, host path) the chunks that
 backward finished start reducing during backward and the Allreduce finishes them
 (`hpc_rlx.comm.overlap`); the chunk with the tail is started last.
@@ -10,11 +10,12 @@ backward finished start reducing during backward and the Allreduce finishes them
 
 from __future__ import annotations
 
+import math
 import time
 
 from hpc_rlx.observe import trace
 
-from .base import EpochTotals, Policy, TrainingLoop
+from .base import EpochTotals, Loop, Policy, StepResult
 
 
 class SyncPolicy(Policy):
@@ -30,55 +31,47 @@ class SyncPolicy(Policy):
         return dict(totals.extra, syncs=totals.steps, K=1,
                     comm_share=(totals.comm_s / totals.compute_s) if totals.compute_s else None)
 
-    def run_epoch(self, loop: TrainingLoop, epoch: int, first_step: int) -> EpochTotals:
-        worker, lanes, bucket = loop.worker, loop.lanes, loop.worker.bucket
-        totals = loop.epoch_totals()
-        for s in range(first_step, worker.steps_per_epoch):
-            t_step = time.perf_counter()
-            xb, yb = worker.batch(epoch * worker.steps_per_epoch + s)
-            t_data = time.perf_counter()
-            totals.data_s += t_data - t_step
-            tr = trace.ACTIVE       # spans reuse the loop's own clock reads
-            if tr is not None:
-                tr.add("data.batch", "data", trace.MAIN, t_step, t_data)
-            loop.faults.at("step", worker.step)
-            # comm.overlap: chunks finished by backward start reducing during it (else None)
-            ready = bucket.begin_overlap(worker.comm) if lanes.overlap_capable else None
-            n, loss_sum, correct, compute = lanes.step(xb, yb, loop.dropout_seed(), on_grad_ready=ready)
-            loop.slowdown(compute)
-            compute = time.perf_counter() - t_data
-            bucket.zero_tail()
-            bucket["samples"] = n
-            bucket["loss_sum"] = loss_sum
-            bucket["correct"] = correct
-            loop.fill_flags(loss_sum)
-            dt_comm = bucket.allreduce(worker.comm)
-            total_n = bucket["samples"]
-            flags = loop.read_flags()
-            if flags["nonfinite"] and loop.on_nonfinite == "stop":
-                loop.stop("nonfinite")
-                break
-            skipped = flags["nonfinite"]
-            if skipped:
-                worker.note_skip()
-            elif total_n > 0:
+    def step(self, loop: Loop) -> StepResult | None:
+        worker, bucket = loop.worker, loop.worker.bucket
+        s = worker.step_in_epoch
+        if s >= worker.steps_per_epoch:
+            return None
+        t_step = time.perf_counter()
+        xb, yb = worker.batch(worker.epoch * worker.steps_per_epoch + s)
+        t_data = time.perf_counter()
+        tr = trace.ACTIVE       # spans reuse the step's own clock reads
+        if tr is not None:
+            tr.add("data.batch", "data", trace.MAIN, t_step, t_data)
+        loop.hooks.fail_at("step", worker.step)
+        # comm.overlap: chunks finished by backward start reducing during it (else None)
+        ready = bucket.begin_overlap(worker.comm) if loop.lanes.overlap_capable else None
+        n, loss_sum, correct, compute = loop.lanes.step(xb, yb, loop.dropout_seed(), on_grad_ready=ready)
+        loop.hooks.slowdown.after_step(compute)
+        compute = time.perf_counter() - t_data
+        bucket.zero_tail()
+        bucket["samples"], bucket["loss_sum"], bucket["correct"] = n, loss_sum, correct
+        if loop.hooks.poisons_gradient(worker.step):
+            bucket.payload_to_host()            # GPU-only lanes left the gradient on the GPU
+            bucket.payload[0] = float("nan")    # debug.nan_*: a non-finite gradient, on purpose
+        bad = not math.isfinite(loss_sum) or not bucket.payload_finite()   # on the GPU for a device bucket
+        flags, comm_s = loop.reduce(nonfinite=bad)
+        result = StepResult(flags=flags, rank_samples=n, rank_loss=loss_sum / max(n, 1),
+                            compute_s=compute, comm_s=comm_s, data_s=t_data - t_step)
+        if flags["nonfinite"] and loop.on_nonfinite == "stop":
+            return result           # the loop stops the run; the parameters stay as they were
+        total_n = bucket["samples"]
+        if flags["nonfinite"]:
+            worker.note_skip()      # a skipped step's loss may be NaN: kept out of the epoch's means
+        else:
+            if total_n > 0:
                 bucket.payload_to_host()      # a CUDA-aware Allreduce leaves the sum on the GPU
                 with trace.span("optimizer", "optim"):
                     worker.apply_gradient(bucket.payload, worker.lr_at(worker.step), grad_scale=1.0 / total_n)
                 worker.apply_gradient_ok()
-            worker.state.step_taken(s + 1)
-            if not skipped:     # a skipped step's loss may be NaN: keep it out of the epoch's means
-                totals.samples += total_n
-                totals.loss_sum += bucket["loss_sum"]
-                totals.correct += bucket["correct"]
-            totals.steps += 1
-            totals.compute_s += compute
-            totals.comm_s += dt_comm
-            t_end = time.perf_counter()
-            totals.step_wall_s += t_end - t_step
-            if tr is not None:
-                tr.add("step", "step", trace.MAIN, t_step, t_end, {"step": worker.step})
-            loop.after_step(n, loss_sum / max(n, 1), compute, dt_comm)
-            if loop.should_stop_after_step(flags):
-                break
-        return totals
+            result.samples, result.loss_sum, result.correct = total_n, bucket["loss_sum"], bucket["correct"]
+        worker.state.step_taken(s + 1)
+        t_end = time.perf_counter()
+        result.wall_s = t_end - t_step
+        if tr is not None:
+            tr.add("step", "step", trace.MAIN, t_step, t_end, {"step": worker.step})
+        return result

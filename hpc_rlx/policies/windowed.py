@@ -51,13 +51,12 @@ from hpc_rlx.comm.bucket_layout import CONTROL_FLAGS
 from hpc_rlx.observe import trace
 
 from ..errors import ConfigError
-from .base import EpochTotals, Policy, TrainingLoop, dropout_seed
+from .base import EpochTotals, Loop, Policy, StepResult, dropout_seed
 from .bucket import REPORT_FIELDS, SUMMED_FIELDS, SyncLayout
 from .consensus import work_weight
 from .epochlog import EpochLog
 from .keys import SHARED_DEFAULTS, SHARED_DOCS, check_outer_keys, integer_key, number_key
 from .outer import outer_from_config
-from .slowdown import SlowdownInjector, parse_slowdown
 from .smoothing import RecentMin
 from .window import plan_window
 
@@ -73,6 +72,7 @@ class LocalWork:
     correct: float = 0.0
     compute: float = 0.0        # seconds, the slowdown's sleep included
     measured: float = 0.0       # compute, the process's cold first step extrapolated away
+    data_s: float = 0.0         # gathering batches
     bad: bool = False           # a non-finite loss: the window is dropped
 
 
@@ -111,7 +111,6 @@ class WindowedPolicy(Policy):
             self.cfg = self.complete_config(spec.policy)
             self.controller = self.build_controller(self.cfg, self.world)
             self.outer = outer_from_config(self.cfg)
-            self.slowdown_map = parse_slowdown(spec.debug["slowdown"], self.world)
         except ConfigError as e:
             # Every rank checks the same broadcast spec, so every rank fails here with this
             # same message: it is already agreed, and needs no collective to say so.
@@ -193,8 +192,8 @@ class WindowedPolicy(Policy):
         self._pending = state
 
     # ---- setup on first use (needs the worker) ------------------------------------------
-    def _setup(self, run) -> None:
-        worker = run.worker
+    def _setup(self, loop: Loop) -> None:
+        worker = loop.worker
         # The worker's one bucket, laid out with this policy's slots (`bucket_fields`,
         # `bucket_rank_fields`): the local steps' gradients and the sync share it. The sync
         # sums it exactly (never the step's 16-bit wire or device path), picked once here.
@@ -221,7 +220,7 @@ class WindowedPolicy(Policy):
             self.cursors = [worker.epoch * worker.steps_per_epoch + worker.step_in_epoch] * self.world
         if self.cursors is None:
             self.cursors = [worker.epoch * worker.steps_per_epoch] * self.world
-        self.slow = SlowdownInjector(self.slowdown_map.get(worker.rank, 1.0))
+        self.slow = loop.hooks.slowdown      # debug.slowdown: owed per step, slept before the sync
         self._ready = True
 
     def _lr_step(self, worker) -> int:
@@ -240,52 +239,56 @@ class WindowedPolicy(Policy):
         """The learning rate of the last window (it follows data progress, see _lr_step)."""
         return self._lr
 
-    # ---- one epoch ----------------------------------------------------------------------
-    def run_epoch(self, run: TrainingLoop, epoch: int, first_step: int) -> EpochTotals:
+    # ---- one epoch: windows until the epoch's samples are consumed ---------------------------
+    def begin_epoch(self, loop: Loop, first_step: int) -> None:
         if not self._ready:
-            self._setup(run)
-        totals = run.epoch_totals()     # carries a mid-epoch checkpoint's running totals
+            self._setup(loop)
         if self._log is None or first_step == 0:
             self._log = EpochLog(self.world)
-        log = self._log
-        while True:
-            planned = self.planned_counts()
-            counts = plan_window(planned, self.batches, self.epoch_samples - self.epoch_consumed)
-            if not any(counts):
-                # the epoch is over, decided from the bucket: identically on every rank
-                self.epoch_consumed = 0
-                self._log = None
-                break
-            k = self.window_k(planned)
-            if self._window(run, counts, counts != planned, totals, log, k):
-                if not any(plan_window(self.planned_counts(), self.batches,
-                                       self.epoch_samples - self.epoch_consumed)):
-                    # the run stops exactly where the epoch ends: the epoch is complete
-                    self.epoch_consumed = 0
-                    self._log = None
-                    totals.complete = True
-                break
+        self._epoch_log = self._log      # the record of the epoch, kept past its end
+
+    def _next_window(self) -> tuple[list[int], list[int]]:
+        """(planned, counts): the next full window's step counts and those trimmed to what is
+        left of the epoch (all zero when nothing is left)."""
+        planned = self.planned_counts()
+        return planned, plan_window(planned, self.batches, self.epoch_samples - self.epoch_consumed)
+
+    def step(self, loop: Loop) -> StepResult | None:
+        planned, counts = self._next_window()
+        if not any(counts):
+            # the epoch is over, decided from the bucket: identically on every rank
+            self.epoch_consumed = 0
+            self._log = None
+            return None
+        return self._window(loop, counts, counts != planned, self._log, self.window_k(planned))
+
+    def end_epoch(self, loop: Loop, totals: EpochTotals, stopping: bool) -> None:
+        if stopping and self._log is not None and not any(self._next_window()[1]):
+            # the run stops exactly where the epoch ends: the epoch is complete
+            self.epoch_consumed = 0
+            self._log = None
+            totals.complete = True
         extra = {"outer": self.outer.name, "lr": self._lr}
         extra.update(self._controller_record(self.controller.metrics()))
-        totals.extra = log.record(self.k, self.planned_counts(), **extra)
-        return totals
+        totals.extra = self._epoch_log.record(self.k, self.planned_counts(), **extra)
 
-    def _window(self, run: TrainingLoop, counts, trimmed: bool, totals: EpochTotals, log: EpochLog,
-                k: int) -> bool:
-        """Local steps, then the sync. Returns True when the run must stop."""
-        worker = run.worker
+    def _window(self, loop: Loop, counts, trimmed: bool, log: EpochLog, k: int) -> StepResult:
+        """Local steps, then the sync."""
+        worker = loop.worker
         lr = self._lr = worker.lr_at(self._lr_step(worker))
         t_window = time.perf_counter()
-        work = self._local_steps(run, counts[run.rank], lr, totals)
+        work = self._local_steps(loop, counts[loop.rank], lr)
         if trace.ACTIVE is not None:
             trace.ACTIVE.add("window", "step", trace.MAIN, t_window, time.perf_counter(),
                              {"steps": work.steps, "sync": worker.step})
         t_sync = time.perf_counter()
-        synced = self._sync(run, work, lr)
-        if synced is None:
-            return True          # non-finite with train.on_nonfinite=stop
-        report, flags = synced
+        flags, report = self._sync(loop, work, lr)
         sync_s = time.perf_counter() - t_sync
+        result = StepResult(flags=flags, rank_samples=work.samples,
+                            rank_loss=work.loss_sum / max(work.samples, 1), compute_s=work.compute,
+                            comm_s=sync_s, data_s=work.data_s)
+        if report is None:
+            return result          # non-finite with train.on_nonfinite=stop: the loop stops
         # this process's first sync pays one-off setup (buffers, connections): not a cost
         # the controllers should plan with, so it is not reported
         self._prev_sync_ms = sync_s * 1e3 if self._synced else 0.0
@@ -293,26 +296,28 @@ class WindowedPolicy(Policy):
         if trace.ACTIVE is not None:
             trace.ACTIVE.add("sync", "comm", trace.MAIN, t_sync, t_sync + sync_s,
                              {"sync": worker.step + 1, "applied": report.applied})
-        self._account(run, report, k, trimmed, totals, log)
-        totals.compute_s += work.compute
-        totals.comm_s += sync_s
-        totals.step_wall_s += time.perf_counter() - t_window   # before a checkpoint reads it
-        run.after_step(work.samples, work.loss_sum / max(work.samples, 1), work.compute, sync_s)
-        return run.should_stop_after_step(flags)
+        self._account(loop, report, k, trimmed, log)
+        # A bad window's loss is left out, so its samples are too: the epoch's mean stays honest.
+        bad_mask = report["nonfinite"] > 0
+        result.samples = report.total_samples - float(np.sum(np.asarray(report["samples"])[bad_mask]))
+        result.loss_sum = float(np.sum(report["loss_sum"]))
+        result.correct = float(np.sum(report["correct"]))
+        result.wall_s = time.perf_counter() - t_window
+        return result
 
-    def _local_steps(self, run: TrainingLoop, count: int, lr: float, totals: EpochTotals) -> LocalWork:
+    def _local_steps(self, loop: Loop, count: int, lr: float) -> LocalWork:
         """This rank's `count` local optimizer steps on its own shard (no communication)."""
-        worker, lanes, rank = run.worker, run.lanes, run.rank
+        worker, lanes, rank = loop.worker, loop.lanes, loop.rank
         seed = worker.spec.train["seed"]
         work = LocalWork()
         cold_s = None
         position = self.cursors[rank]
         for _ in range(count):
             t = time.perf_counter()
-            run.faults.at("step", worker.step)
+            loop.hooks.fail_at("step", worker.step)
             with trace.span("data.batch", "data"):
                 xb, yb = worker.batch(position + work.steps)
-            totals.data_s += time.perf_counter() - t
+            work.data_s += time.perf_counter() - t
             n, ls, corr, _ = lanes.step(xb, yb, dropout_seed(seed, position + work.steps, rank))
             work.steps += 1
             work.samples += n
@@ -346,25 +351,22 @@ class WindowedPolicy(Policy):
             work.measured = max(0.0, work.compute - cold_s * self.slow.factor) * work.steps / (work.steps - 1)
         return work
 
-    def _sync(self, run: TrainingLoop, work: LocalWork, lr: float):
-        """The one collective of the window, and the consensus it gives; None when the run
-        stops on a non-finite window, else (report, flags)."""
-        worker = run.worker
+    def _sync(self, loop: Loop, work: LocalWork, lr: float):
+        """The one collective of the window, and the consensus it gives: (flags, report);
+        the report is None when the run stops on a non-finite window."""
+        worker = loop.worker
         bad = work.bad or not math.isfinite(float(np.sum(worker.params, dtype=np.float64)))
         weight = 0.0 if bad else work_weight(work.steps, self.gamma)
-        self.layout.pack(self.buf, worker.params, weight, run.rank, {
+        self.layout.pack(self.buf, worker.params, weight, worker.rank, {
             "steps": work.steps, "samples": work.samples, "compute_ms": work.measured * 1e3,
             "sync_ms": self._prev_sync_ms, "divergence": self._prev_div,
             "loss_sum": 0.0 if bad else work.loss_sum, "correct": 0.0 if bad else work.correct,
-            **run.control_flags(nonfinite=bad),
         })
-        self.bucket.allreduce(worker.comm, self.reduction)
+        flags, _ = loop.reduce(nonfinite=bad, reduction=self.reduction)
         report = self.layout.read(self.buf)
-        flags = self.bucket.flags()
-        if flags["nonfinite"] and run.on_nonfinite == "stop":
-            run.stop("nonfinite")
+        if flags["nonfinite"] and loop.on_nonfinite == "stop":
             worker.params[...] = self.global_params      # the last agreed model, not this rank's window
-            return None
+            return flags, None
         self._prev_div = self.layout.divergence(worker.params, self.buf, weight)
         if self.layout.finish(self.buf, worker.params):
             self.outer.step(worker.params[:worker.n_trainable], inner_lr=lr if lr > 0 else worker.base_lr)
@@ -375,14 +377,13 @@ class WindowedPolicy(Policy):
             worker.params[...] = self.global_params     # nobody worked: the model stays as it was
         if bad:
             worker.optimizer.reset()                     # its state may hold the non-finite values
-        run.lanes.refresh_device_params()
-        return report, flags
+        loop.lanes.refresh_device_params()
+        return flags, report
 
-    def _account(self, run: TrainingLoop, report, k: int, trimmed: bool, totals: EpochTotals,
-                 log: EpochLog) -> None:
+    def _account(self, loop: Loop, report, k: int, trimmed: bool, log: EpochLog) -> None:
         """What every rank learns from the reduced report: skips, cursors, the position, the
-        epoch log, the controller, and the epoch's totals."""
-        worker = run.worker
+        epoch log and the controller."""
+        worker = loop.worker
         bad_ranks = int(np.count_nonzero(report["nonfinite"] > 0))
         if bad_ranks:
             worker.note_skip()          # counts, and stops after train.max_consecutive_skips in a row
@@ -390,14 +391,7 @@ class WindowedPolicy(Policy):
             worker.apply_gradient_ok()
         for r, s in enumerate(report.steps):
             self.cursors[r] += s
-        consumed = report.total_samples
-        self.epoch_consumed += consumed
+        self.epoch_consumed += report.total_samples
         worker.state.step_taken()
         log.add(report, k, bad_ranks)
         self._observe(report, trimmed)
-        # A bad window's loss is left out, so its samples are too: the epoch's mean stays honest.
-        bad_mask = report["nonfinite"] > 0
-        totals.samples += consumed - float(np.sum(np.asarray(report["samples"])[bad_mask]))
-        totals.loss_sum += float(np.sum(report["loss_sum"]))
-        totals.correct += float(np.sum(report["correct"]))
-        totals.steps += 1

@@ -1,13 +1,14 @@
 """The training loop: `train(spec, comm) -> result`. Importable and testable without Hydra.
 
-`Run` sets up a rank (data, lanes, checkpoints, outputs), then hands each epoch to the
-policy (`policies/`: how steps become synchronised parameters), validates, records and
-checkpoints. Policies see the run only through `policies.base.TrainingLoop`.
+`Run` sets up a rank (data, lanes, checkpoints, outputs), then trains epoch by epoch:
+`train_epoch` asks the policy (`policies/`: how steps become synchronised parameters) for one
+step at a time and owns everything around it (the control flags, the epoch's totals, the
+records and display, checkpoints, stopping); `_end_epoch` validates and records. Policies see
+the run only through `policies.base.Loop`.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,17 +26,17 @@ from hpc_rlx.device.host_blas import blas_note
 from hpc_rlx.device.lane_plan import describe_lanes, inventory, resolve_lanes
 from hpc_rlx.device.lanes import LaneSet
 from hpc_rlx.device.threads import limit_threads, thread_lanes
-from hpc_rlx.errors import CheckpointError, phase
+from hpc_rlx.errors import CheckpointError, ConfigError, phase
+from hpc_rlx.injection import DebugHooks
 from hpc_rlx.observe import trace
 from hpc_rlx.observe.display import RunDisplay
+from hpc_rlx.observe.metrics import Window, epoch_values
 from hpc_rlx.observe.outputs import RunOutputs
 from hpc_rlx.observe.progress import end_line
-from hpc_rlx.policies import slowdown_for_rank
-from hpc_rlx.policies.base import EpochTotals, dropout_seed
+from hpc_rlx.policies.base import EpochTotals, StepResult, dropout_seed
 from hpc_rlx.policies.registry import make_policy
 from hpc_rlx.runtime import pipelined
 from hpc_rlx.runtime.worker import Worker
-from hpc_rlx.runtime.faults import Faults
 from hpc_rlx.runtime.signals import SIGNALS
 
 
@@ -67,7 +68,11 @@ class Run:
         self.rank = comm.rank
         self.is_root = comm.rank == 0
         self.on_nonfinite = spec.train["on_nonfinite"]
-        self.faults = Faults.for_rank(spec, comm.rank)
+        try:
+            self.hooks = DebugHooks.for_rank(spec, comm.rank, comm.size)     # debug.*
+        except ConfigError as e:
+            # every rank checks the same broadcast spec: already agreed, no collective needed
+            raise collective.CollectiveError(str(e), kind="ConfigError", origin=0) from None
         self.stop_flag = SIGNALS     # a signal only sets a flag, carried in the next step's bucket
         self.stop_reason: str | None = None
         self.resumed_from: str | None = None
@@ -77,7 +82,6 @@ class Run:
         # rank 0's progress display and per-step records (steps.jsonl, TensorBoard)
         self.display = RunDisplay(spec, self.is_root, self.t_start)
         self.partial_metrics: dict | None = None     # the validation of a run ending mid-epoch
-        self._slowdown = slowdown_for_rank(spec.debug["slowdown"], comm.rank, comm.size)
         self.tracer = None
         self._ckpt_pending_s = 0.0
         self._cpu_mark = time.process_time()
@@ -107,44 +111,53 @@ class Run:
     def dropout_seed(self) -> int:
         return dropout_seed(self.spec.train["seed"], self.worker.step, self.rank)
 
-    def slowdown(self, compute_s: float) -> None:
-        """debug.slowdown: honest extra wall time, so mixed hardware can be simulated."""
-        self._slowdown.after_step(compute_s)
+    # ---- the step's collective: flags in the bucket's tail ---------------------------------
+    def reduce(self, nonfinite: bool, reduction=None) -> tuple[dict, float]:
+        """`policies.base.Loop.reduce`: the only writer of the control flags."""
+        bucket = self.worker.bucket
+        for key, value in self._control_flags(nonfinite).items():
+            bucket.put(key, value, self.worker.rank)
+        seconds = bucket.allreduce(self.worker.comm, reduction)
+        return bucket.flags(), seconds
 
-    # ---- flags in the bucket ------------------------------------------------------------
-    def fill_flags(self, loss_sum: float) -> None:
-        b = self.worker.bucket
-        dbg = self.spec.debug
-        if dbg["nan_rank"] == self.rank and dbg["nan_step"] == self.worker.step:
-            b.payload_to_host()             # GPU-only lanes left the gradient on the GPU
-            b.payload[0] = float("nan")     # debug.nan_*: a non-finite gradient, on purpose
-        bad = not math.isfinite(loss_sum) or not b.payload_finite()   # on the GPU for a device bucket
-        for key, value in self.control_flags(nonfinite=bad).items():
-            b[key] = value
-
-    def control_flags(self, nonfinite: bool = False) -> dict:
+    def _control_flags(self, nonfinite: bool) -> dict:
         """This rank's control flags for the next sync (`bucket_layout.CONTROL_FLAGS`)."""
         return flag_values(stop=self.stop_flag.raised, nonfinite=nonfinite,
                            ckpt_due=self.is_root and self.checkpoints.minutes_due())
 
-    def stop(self, reason: str) -> None:
-        self.stop_reason = reason
+    # ---- one epoch -----------------------------------------------------------------------
+    def train_epoch(self) -> EpochTotals:
+        """The policy's steps until the epoch ends or the run stops (`stop_reason`)."""
+        worker, policy = self.worker, self.policy
+        policy.begin_epoch(self, worker.step_in_epoch)
+        totals = self._epoch_totals()
+        while True:
+            result = policy.step(self)
+            if result is None:
+                break                                   # the epoch has no step left
+            if result.flags["nonfinite"] and self.on_nonfinite == "stop":
+                self.stop_reason = "nonfinite"
+                break
+            totals.add(result)
+            self._add_rank_step(result)
+            self.display.after_step(worker, policy, totals)
+            if self._checkpoint_or_stop(result.flags):
+                break
+        policy.end_epoch(self, totals, stopping=self.stop_reason is not None)
+        return totals
 
-    def read_flags(self) -> dict:
-        return self.worker.bucket.flags()
-
-    def after_step(self, n: int, loss: float, compute: float, comm_s: float) -> None:
+    def _add_rank_step(self, result: StepResult) -> None:
         st = self.stats
-        st.samples += n
-        st.compute_s += compute
-        st.comm_s += comm_s
-        if n:
+        st.samples += result.rank_samples
+        st.compute_s += result.compute_s
+        st.comm_s += result.comm_s
+        if result.rank_samples:
             if st.first_loss is None:
-                st.first_loss = loss
-            st.last_loss = loss
-        self.display.after_step(self.worker, self.policy, self.current_totals)
+                st.first_loss = result.rank_loss
+            st.last_loss = result.rank_loss
 
-    def should_stop_after_step(self, flags: dict) -> bool:
+    def _checkpoint_or_stop(self, flags: dict) -> bool:
+        """After a step: checkpoint if due; whether the run stops here (`stop_reason` set)."""
         worker = self.worker
         if flags["stop"]:
             self.stop_reason = "signal"
@@ -165,24 +178,17 @@ class Run:
         self.display.close()
 
     # ---- checkpoints --------------------------------------------------------------------
-    def epoch_totals(self) -> EpochTotals:
-        """The running totals of the epoch a policy is about to train. After a mid-epoch
-        resume they start from the checkpoint's, so the epoch's train_loss covers all its steps."""
-        t = EpochTotals()
+    def _epoch_totals(self) -> EpochTotals:
+        """The running totals of the epoch about to be trained. After a mid-epoch resume they
+        start from the checkpoint's, so the epoch's train_loss covers all its steps."""
         carried, self.carried_totals = self.carried_totals, None
-        if carried:
-            t.samples, t.loss_sum = float(carried["samples"]), float(carried["loss_sum"])
-            t.correct, t.steps = float(carried["correct"]), int(carried["steps"])
-            # time too, so samples_per_s of the split epoch stays samples over their step time
-            t.compute_s, t.comm_s = float(carried.get("compute_s", 0.0)), float(carried.get("comm_s", 0.0))
-            t.step_wall_s = float(carried.get("step_wall_s", 0.0))
-        self.current_totals = t
+        t = self.current_totals = EpochTotals.from_carried(carried)
         self.display.epoch_start(self.worker, self.policy, t)
         return t
 
     def save_checkpoint(self, reason: str, metric: float | None = None) -> None:
         with phase("checkpointing"):
-            self.faults.at("checkpoint")
+            self.hooks.fail_at("checkpoint")
             collective.agree(self.comm, self._check_params_finite)
             t0 = time.perf_counter()
             with trace.span("checkpoint", "io", args={"reason": reason}):
@@ -204,7 +210,7 @@ class Run:
         spec, comm = self.spec, self.comm
         # Early, so a signal during startup becomes a stop at the first step, not a dead rank.
         self.stop_flag.install(self.rank)
-        self.faults.at("startup")
+        self.hooks.fail_at("startup")
         self.threads = limit_threads(comm, spec.train["threads_per_rank"],
                                      lanes=thread_lanes(spec.device["cpu_lanes"]))
         self.tracer = trace.start(comm, bool(spec.trace["enabled"]), host=hostname(),
@@ -218,6 +224,8 @@ class Run:
         self._cpu_mark = time.process_time()
         with phase("data loading"), trace.span("data.load", "data",
                                                args={"distribution": spec.data.distribution}):
+            # before the feed's collectives: a failure takes the abort path, not a hang
+            self.hooks.fail_at("data")
             worker.load_data()
         lanes_spec = collective.agree(comm, lambda: resolve_lanes(
             spec.device["kind"], int(spec.device["cpu_lanes"]), int(spec.device["gpus_per_rank"]),
@@ -262,9 +270,8 @@ class Run:
         epochs = int(spec.train["epochs"])
         while worker.epoch < epochs and self.stop_reason is None:
             t_epoch = time.perf_counter()
-            first = worker.step_in_epoch
             with phase("a training step"):
-                totals = self.policy.run_epoch(self, worker.epoch, first)
+                totals = self.train_epoch()
             epoch_done = (self.stop_reason is None or worker.step_in_epoch >= worker.steps_per_epoch
                           or totals.complete)
             if self.stop_reason == "nonfinite":
@@ -316,17 +323,15 @@ class Run:
         with phase("validation"), trace.span("evaluate", "eval"):
             val = worker.evaluate(self.lanes)
         self._record_rank_epoch(totals, wall, time.perf_counter() - t_eval)
-        train_loss = totals.loss_sum / totals.samples if totals.samples else None
-        worker.check_validation_finite(val["val_loss"], train_loss)
+        metrics = epoch_values(Window(totals.counts(), seconds=totals.step_wall_s,
+                                      lr=self.policy.current_lr(worker), per_sample=worker.per_sample))
+        worker.check_validation_finite(val["val_loss"], metrics.get("train_loss"))
         rec = {
             "epoch": worker.epoch + 1,
             "step": worker.step,
-            "train_loss": train_loss,
-            "train_accuracy": (totals.correct / (totals.samples * worker.per_sample)) if totals.samples else None,
+            **metrics,
             "val_loss": val["val_loss"],
             "val_accuracy": val["val_accuracy"],
-            "lr": worker.lr_at(max(worker.step - 1, 0)),
-            "samples_per_s": totals.samples / totals.step_wall_s if totals.step_wall_s else None,
             "compute_s": totals.compute_s,
             "comm_s": totals.comm_s,
             "data_s": worker.data_s if worker.epoch == 0 else 0.0,
@@ -428,7 +433,7 @@ def train(spec: TrainSpec, comm) -> dict:
         worker = run.worker
         return None if worker is None else worker.step
 
-    with StallWatchdog.from_spec(spec, comm, position):
+    with StallWatchdog.from_spec(spec, comm, position, stall=run.hooks.stall):
         try:
             return run.execute()
         except Exception as exc:

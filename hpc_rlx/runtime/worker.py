@@ -14,7 +14,6 @@ from hpc_rlx.config.spec import TrainSpec, initial_parameters, schedule_kwargs
 from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.graph import ParamLayout
 from hpc_rlx.graph.partition import load_graph
-from hpc_rlx.runtime.faults import maybe_fail
 from hpc_rlx.runtime.feed import Feed, MemoryFeed, StreamFeed
 from hpc_rlx.runtime.feed_scatter import ScatterStreamFeed
 from hpc_rlx.optim import clip_grad_norm_, make_optimizer, make_schedule, optimizer_kwargs, scaled_lr
@@ -97,9 +96,6 @@ class Worker:
     def load_data(self) -> None:
         """Collective: the feed `data.cache` and `data.distribution` ask for (runtime/feed.py)."""
         t0 = time.perf_counter()
-        # Not inside an agreement: a rank failing before the feed's collectives would leave
-        # the others in them; an exception here takes the abort path instead.
-        maybe_fail(self.spec, self.rank, "data")
         d = self.spec.data
         kind = (MemoryFeed if d.cache == "memory"
                 else ScatterStreamFeed if d.distribution == "scatter" else StreamFeed)

@@ -4,6 +4,8 @@ and a new policy is one file plus one registry line (checked by adding one and t
 from __future__ import annotations
 
 import ast
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -155,7 +157,9 @@ TOY_POLICY = '''
 
 from __future__ import annotations
 
-from .base import EpochTotals, Policy, TrainingLoop
+import math
+
+from .base import Loop, Policy, StepResult
 
 
 class ToyPolicy(Policy):
@@ -163,32 +167,23 @@ class ToyPolicy(Policy):
     steps_are_batches = True
     lr_scale = 0.5
 
-    def run_epoch(self, loop: TrainingLoop, epoch: int, first_step: int) -> EpochTotals:
+    def step(self, loop: Loop) -> StepResult | None:
         worker, bucket = loop.worker, loop.worker.bucket
-        totals = loop.epoch_totals()
-        for s in range(first_step, worker.steps_per_epoch):
-            xb, yb = worker.batch(epoch * worker.steps_per_epoch + s)
-            n, loss_sum, correct, compute = loop.lanes.step(xb, yb, loop.dropout_seed())
-            bucket.zero_tail()
-            bucket["samples"], bucket["loss_sum"], bucket["correct"] = n, loss_sum, correct
-            loop.fill_flags(loss_sum)
-            comm_s = bucket.allreduce(worker.comm)
-            flags = loop.read_flags()
-            total_n = bucket["samples"]
-            bucket.payload /= total_n
-            worker.apply_gradient(bucket.payload, worker.lr_at(worker.step) * self.lr_scale)
-            worker.state.step_taken(s + 1)
-            totals.samples += total_n
-            totals.loss_sum += bucket["loss_sum"]
-            totals.correct += bucket["correct"]
-            totals.steps += 1
-            totals.compute_s += compute
-            totals.comm_s += comm_s
-            totals.step_wall_s += compute + comm_s
-            loop.after_step(n, loss_sum / max(n, 1), compute, comm_s)
-            if loop.should_stop_after_step(flags):
-                break
-        return totals
+        s = worker.step_in_epoch
+        if s >= worker.steps_per_epoch:
+            return None
+        xb, yb = worker.batch(worker.epoch * worker.steps_per_epoch + s)
+        n, loss_sum, correct, compute = loop.lanes.step(xb, yb, loop.dropout_seed())
+        bucket.zero_tail()
+        bucket["samples"], bucket["loss_sum"], bucket["correct"] = n, loss_sum, correct
+        flags, comm_s = loop.reduce(nonfinite=not math.isfinite(loss_sum))
+        total_n = bucket["samples"]
+        bucket.payload /= total_n
+        worker.apply_gradient(bucket.payload, worker.lr_at(worker.step) * self.lr_scale)
+        worker.state.step_taken(s + 1)
+        return StepResult(flags, samples=total_n, loss_sum=bucket["loss_sum"], correct=bucket["correct"],
+                          rank_samples=n, rank_loss=loss_sum / max(n, 1), compute_s=compute,
+                          comm_s=comm_s, wall_s=compute + comm_s)
 '''
 
 
@@ -341,6 +336,49 @@ def test_a_new_optimizer_is_one_file_one_registry_line_and_its_yaml(tmp_path):
     assert len(epochs) == 3 and epochs[-1]["train_loss"] < epochs[0]["train_loss"], epochs
     assert "signsgd" in (run_dir / "config.yaml").read_text()
     assert not (PKG / "optim" / "signsgd.py").exists()
+
+
+STEP_TIME_METRIC = '''
+"""`step_ms`: milliseconds per step, a metric added as one file."""
+
+from __future__ import annotations
+
+from hpc_rlx.observe.metrics.base import Metric, Window
+
+
+class StepTime(Metric):
+    step_key = epoch_key = "step_ms"
+    label = "ms/step"
+
+    def value(self, window: Window) -> float | None:
+        return 1e3 * window["step_wall_s"] / window["steps"] if window["steps"] else None
+'''
+
+
+@pytest.mark.mpi
+def test_a_new_metric_is_one_file_and_one_registry_line(tmp_path):
+    """In a copy of the package: `observe/metrics/step_time.py` and its line in the registry;
+    the metric then reaches metrics.jsonl, steps.jsonl, TensorBoard and the progress line."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
+                                            reason="the tensorboard package reads the event files")
+    copy = _copy_package(tmp_path)
+    (copy / "hpc_rlx" / "observe" / "metrics" / "step_time.py").write_text(textwrap.dedent(STEP_TIME_METRIC))
+    _add_line_after(copy / "hpc_rlx" / "observe" / "metrics" / "registry.py", "    SamplesPerSecond(),\n",
+                    '    __import__("hpc_rlx.observe.metrics.step_time", fromlist=["StepTime"]).StepTime(),\n')
+    proc, run_dir = _train_copy(copy, tmp_path, ["report.tensorboard=true", "train.progress=lines",
+                                                 "train.log_every_s=0"])
+    assert proc.returncode == 0, explain(proc)
+    epochs = read_metrics(run_dir)
+    assert len(epochs) == 3 and all(r["step_ms"] > 0 for r in epochs), epochs
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert steps and all(r["step_ms"] > 0 for r in steps), steps
+    board = event_accumulator.EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    board.Reload()
+    assert {"train/step_ms", "epoch/step_ms"} <= set(board.Tags()["scalars"]), board.Tags()
+    assert [e.value for e in board.Scalars("epoch/step_ms")] == pytest.approx([r["step_ms"] for r in epochs])
+    progress = [line for line in proc.stdout.splitlines() if "% (step " in line]
+    assert progress and all(re.search(r"  ms/step [0-9.]+  ", line) for line in progress), proc.stdout[-3000:]
+    assert not (PKG / "observe" / "metrics" / "step_time.py").exists()
 
 
 @pytest.mark.mpi
@@ -534,7 +572,7 @@ def test_imports_inside_functions_are_only_the_lazy_ones():
 # What a following rank loads: everything a rank other than 0 imports to train, and nothing of
 # Hydra, OmegaConf or YAML (only rank 0 composes; see comm/job_channel.py)
 FOLLOWER_MODULES = ("hpc_rlx.__main__", "hpc_rlx.comm.job_channel", "hpc_rlx.config.spec",
-                    "hpc_rlx.runtime.train", "hpc_rlx.runtime.faults", "hpc_rlx.comm.collective")
+                    "hpc_rlx.runtime.train", "hpc_rlx.injection", "hpc_rlx.comm.collective")
 
 
 def test_a_following_rank_imports_no_hydra_omegaconf_or_yaml():
@@ -551,7 +589,7 @@ def test_a_following_rank_imports_no_hydra_omegaconf_or_yaml():
 # ---------------------------------------------------------------------------------------------
 
 # Low to high. BASE modules may be imported from anywhere (errors, trace spans, array modules).
-LAYERS = ["graph", "optim", "comm", "data", "device", "pipeline", "policies", "checkpoint", "config", "observe", "runtime",
+LAYERS = ["injection", "graph", "optim", "comm", "data", "device", "pipeline", "policies", "checkpoint", "config", "observe", "runtime",
           "report", "export", "rundirs", "doctor", "__main__"]
 BASE = {"hpc_rlx", "hpc_rlx.errors", "hpc_rlx.checks", "hpc_rlx.run_dir_names", "hpc_rlx.observe.trace",
         "hpc_rlx.device.backend", "hpc_rlx.device.cuda_mpi"}
@@ -577,3 +615,52 @@ def test_layers_import_downward_only():
             if LAYERS.index(_layer(target)) > LAYERS.index(_layer(module)):
                 offenders.append(f"{module} -> {target}")
     assert not offenders, offenders
+
+
+# ---------------------------------------------------------------------------------------------
+# A new reduction path is one file and one registry line
+# ---------------------------------------------------------------------------------------------
+
+FLOAT64_SUM = '''
+"""`comm.reduction=float64`: each chunk widened to float64, summed by one MPI Allreduce, cast back."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpc_rlx.comm.reduce import ChunkedSum
+
+
+class Float64Sum(ChunkedSum):
+    name = "float64"
+
+    def sum_chunk(self, comm, part) -> None:
+        from mpi4py import MPI
+        wide = part.astype(np.float64)
+        comm.Allreduce(MPI.IN_PLACE, wide, op=MPI.SUM)
+        part[...] = wide
+'''
+
+
+@pytest.mark.mpi
+def test_a_new_reduction_path_is_one_file_and_one_registry_line(tmp_path):
+    """In a copy of the package: `comm/float64_sum.py` and its line in `comm/registry.py`; then
+    `comm.reduction=float64` trains with it (the start-up line names it), and the registry's
+    check of what the path declares refuses it where it cannot serve (it is not ordered)."""
+    copy = _copy_package(tmp_path)
+    (copy / "hpc_rlx" / "comm" / "float64_sum.py").write_text(textwrap.dedent(FLOAT64_SUM))
+    _add_line_after(copy / "hpc_rlx" / "comm" / "registry.py", '    "wire": WireSum,\n',
+                    '    "float64": __import__("hpc_rlx.comm.float64_sum", fromlist=["Float64Sum"]).Float64Sum,\n')
+    proc, run_dir = _train_copy(copy, tmp_path, ["comm.reduction=float64"])
+    assert proc.returncode == 0, explain(proc)
+    epochs = read_metrics(run_dir)
+    assert len(epochs) == 3 and epochs[-1]["train_loss"] < epochs[0]["train_loss"], epochs
+    assert "reduction float64" in proc.stdout, explain(proc)
+    assert "reduction float64" in (run_dir / "hpc_rlx.log").read_text()
+    assert "reduction: float64" in (run_dir / "config.yaml").read_text()
+    bad, _ = _train_copy(copy, tmp_path, ["comm.reduction=float64", "comm.deterministic=true",
+                                          "hydra.run.dir=" + str(tmp_path / "bad")])
+    assert bad.returncode == 2, explain(bad)
+    assert "comm.reduction=float64 does not add in a fixed order" in bad.stderr, explain(bad)
+    assert bad.stderr.count("hpc_rlx: error") == 1, explain(bad)
+    assert not (PKG / "comm" / "float64_sum.py").exists()

@@ -132,7 +132,7 @@ def test_the_writer_does_not_import_torch(tmp_path):
 
     code = ("import sys; from hpc_rlx.observe.tensorboard_log import TensorBoardLog, available; "
             f"assert available(); b = TensorBoardLog({str(tmp_path)!r}, {{'optim.lr': 0.1}}); "
-            "b.step({'step': 1, 'loss': 1.0}); b.close(); print('torch' in sys.modules)")
+            "b.step(1, {'loss': 1.0}); b.close(); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

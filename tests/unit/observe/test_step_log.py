@@ -6,10 +6,10 @@ from hpc_rlx.observe.step_log import StepSampler
 def run_epochs(sampler: StepSampler, epochs: int, steps: int, step_s: float) -> list[int]:
     recorded, now, step = [], 0.0, 0
     for _ in range(epochs):
-        sampler.start(step, now, 0.0, 0.0)
+        sampler.start(step, now, {})
         for k in range(1, steps + 1):
             step, now = step + 1, now + step_s
-            if sampler.add(step, now, 32.0 * k, 1.0 * k) is not None:
+            if sampler.add(step, now, {"samples": 32.0 * k, "loss_sum": 1.0 * k}) is not None:
                 recorded.append(step)
     return recorded
 

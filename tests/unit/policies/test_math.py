@@ -13,9 +13,10 @@ from hypothesis import given, settings, strategies as st
 
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.policies import (
-    DiLoCo, ElcheScheduler, IntervalController, OuterAverage, SlowMo, SlowdownInjector,
-    SyncLayout, make_outer, parse_slowdown, plan_window, slowdown_for_rank, work_weight,
+    DiLoCo, ElcheScheduler, IntervalController, OuterAverage, SlowMo,
+    SyncLayout, make_outer, plan_window, work_weight,
 )
+from hpc_rlx.injection.slowdown import SlowdownInjector, parse_slowdown, slowdown_for_rank
 from hpc_rlx.policies.consensus import divergence_from
 from hpc_rlx.policies.smoothing import adaptive_ema
 

@@ -1,0 +1,77 @@
+"""`debug.*`: failures and slowness injected on purpose, to exercise the failure paths and to
+simulate mixed hardware on one machine. The one place that reads the `debug` section.
+
+`DebugHooks.for_rank(spec, rank, world_size)` reads it once per rank; the run asks it at each
+injection point and it does nothing unless a key names this rank:
+
+- `fail_at(point, step)`: `debug.fail_*` raises `InjectedFailure` at `startup`, `data`, `step`
+  or `checkpoint` (at step `fail_step` for `step`);
+- `poisons_gradient(step)`: `debug.nan_*`, this rank puts a NaN into its gradient;
+- `stall`: `debug.stall_*`, how the stall watchdog makes this rank late at its collectives;
+- `slowdown`: `debug.slowdown`, this rank's `SlowdownInjector` (`injection.slowdown`).
+
+Pure Python: no MPI, no files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .slowdown import SlowdownInjector, parse_slowdown, slowdown_for_rank
+
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by debug.fail_* to exercise the failure paths in tests."""
+
+
+@dataclass(frozen=True)
+class StallPlan:
+    """debug.stall_*: from global step `step` on, this rank arrives `seconds` late at the first
+    watched collective."""
+    step: int
+    seconds: float
+
+
+@dataclass
+class DebugHooks:
+    rank: int
+    fail_point: str | None = None
+    fail_step: int = 0
+    nan_step: int | None = None
+    stall: StallPlan | None = None
+    slowdown: SlowdownInjector = field(default_factory=SlowdownInjector)
+
+    @classmethod
+    def for_rank(cls, spec, rank: int, world_size: int | None = None) -> "DebugHooks":
+        """This rank's hooks from a TrainSpec (or anything with a `debug` mapping)."""
+        return cls.from_section(spec.debug, rank, world_size)
+
+    @classmethod
+    def from_section(cls, debug: Mapping, rank: int, world_size: int | None = None) -> "DebugHooks":
+        mine = lambda key: debug.get(key) is not None and int(debug[key]) == rank   # noqa: E731
+        hooks = cls(rank=rank, slowdown=slowdown_for_rank(debug.get("slowdown"), rank, world_size))
+        if mine("fail_rank") and debug.get("fail_point") is not None:
+            hooks.fail_point, hooks.fail_step = str(debug["fail_point"]), int(debug.get("fail_step") or 0)
+        if mine("nan_rank"):
+            hooks.nan_step = int(debug.get("nan_step") or 0)
+        if mine("stall_rank") and debug.get("stall_s"):
+            hooks.stall = StallPlan(step=int(debug.get("stall_step") or 0), seconds=float(debug["stall_s"]))
+        return hooks
+
+    def fail_at(self, point: str, step: int | None = None) -> None:
+        """Raise InjectedFailure if debug.fail_* asks for one here (`step`: at `step` points)."""
+        if self.fail_point != point:
+            return
+        if step is not None and step != self.fail_step:
+            return
+        raise InjectedFailure(f"injected failure (debug.fail_point={point})")
+
+    def poisons_gradient(self, step: int) -> bool:
+        """Whether debug.nan_* puts a NaN into this rank's gradient at global step `step`."""
+        return self.nan_step is not None and self.nan_step == step
+
+
+__all__ = ["DebugHooks", "InjectedFailure", "SlowdownInjector", "StallPlan",
+           "parse_slowdown", "slowdown_for_rank"]
