@@ -1,6 +1,7 @@
 """Everything MPI: collective error agreement, spec/array broadcast, the fused bucket and abort.
 
-The bucket's reduction paths (host, ordered, 16-bit wire, staged, CUDA-aware) are in `reduce`.
+The bucket's reduction paths (host, ordered, 16-bit wire, staged, CUDA-aware) are in `reduce`,
+by name in `registry` (``comm.reduction``).
 
 Idioms: lowercase `bcast`/`allgather` only for small Python objects (the spec, status
 strings); uppercase buffer collectives for arrays, so arrays are never pickled.
@@ -20,12 +21,12 @@ import numpy as np
 from hpc_rlx.comm import idle_wait
 from hpc_rlx.comm import watchdog as _watchdog
 from hpc_rlx.comm.bucket_layout import BucketLayout
+from hpc_rlx.comm.codec import codec_for, normalize_wire
 from hpc_rlx.comm.job_abort import abort_job
 from hpc_rlx.comm.node_memory import NodeSharedSum
 from hpc_rlx.comm.overlap import OverlapPlan, OverlapStep
-from hpc_rlx.comm.reduce import make_reduction
+from hpc_rlx.comm.registry import AUTO, exact_name, make_reduction, placement
 from hpc_rlx.comm.topology import hostname, rank_span
-from hpc_rlx.comm.wire import normalize_wire
 from hpc_rlx.device import backend, cuda_mpi
 from hpc_rlx.errors import HpcRlxError
 from hpc_rlx.observe import trace
@@ -169,9 +170,10 @@ class FusedBucket:
     always lives on the host and is never compressed.
 
     How the Allreduce runs is one `hpc_rlx.comm.reduce` path, chosen when the lanes place the
-    bucket (`attach_device` / `set_choice`) and kept for the run: host, ordered
-    (``comm.deterministic``), 16-bit wire (``comm.wire_dtype``: bfloat16 | float16, half the
-    bytes, float32 sums), staged through the host, or CUDA-aware directly on the device.
+    bucket (`attach_device` / `set_choice`) and kept for the run: the one ``reduction`` names
+    (``comm.reduction``, `hpc_rlx.comm.registry`), or by default host, ordered
+    (``comm.deterministic``) or 16-bit wire (``comm.wire_dtype``: bfloat16 | float16, half the
+    bytes, float32 sums); staged through the host, or CUDA-aware directly on the device.
     """
 
     overlap_progress = True     # comm.overlap: MPI Test calls from the executor's callback
@@ -180,7 +182,7 @@ class FusedBucket:
     def __init__(self, payload_size: int, tail_fields: Sequence[str], dtype, xp=np,
                  cap_mb: float = 16.0, deterministic: bool = False, wire_dtype: str | None = None,
                  rank_fields: Sequence[str] = (), world_size: int = 1,
-                 overlap: bool = False, overlap_chunk_mb: float = 1.0):
+                 overlap: bool = False, overlap_chunk_mb: float = 1.0, reduction: str = AUTO):
         # comm.overlap: tail first, so the chunk started last (backward ends at the payload's
         # start) carries the tail (`comm.overlap`)
         self.layout = BucketLayout(payload_size, tail_fields, rank_fields, world_size, tail_first=overlap)
@@ -199,7 +201,9 @@ class FusedBucket:
         self.device_tail = None
         self.device_is_newest = False   # the lanes or the Allreduce left the newest payload there
         self.choice = None              # cuda_mpi.PathChoice once lanes placed the bucket
-        self.reduction = make_reduction(self.chunk_elems, deterministic, self.wire)
+        self.reduction_name = AUTO if reduction is None else reduction     # comm.reduction
+        self.reduction = make_reduction(self.chunk_elems, deterministic, self.wire,
+                                        name=self.reduction_name)
         self.overlap = bool(overlap)
         self.shared_memory_off: str | None = None   # why comm.shared_memory could not be used
         self.overlap_chunk_elems = max(1, int(overlap_chunk_mb * 1024 * 1024) // itemsize)
@@ -245,31 +249,38 @@ class FusedBucket:
         self.set_choice(choice)
 
     def set_choice(self, choice) -> None:
-        self.choice = choice
+        # a device bucket whose path sums host memory is staged
+        self.choice = choice = placement(self.reduction_name, self.deterministic,
+                                         codec_for(self.wire), choice)
         if self.reduction.in_node_memory and choice.path == cuda_mpi.HOST:
             return          # already in the node's shared memory: the host path, summed there
-        self.reduction = make_reduction(self.chunk_elems, self.deterministic, self.wire, choice)
+        self.reduction = make_reduction(self.chunk_elems, self.deterministic, self.wire, choice,
+                                        name=self.reduction_name)
 
     def exact_reduction(self):
         """The path of a use that must sum the host array as it is, whatever the step's path
         (16-bit wire, device twin): MPI's SUM, or the ordered sum under ``comm.deterministic``,
-        chunked as the bucket is, or the node's shared memory when the bucket lives there. The
-        windowed policies' sync picks it once, at its setup, and hands it to every `allreduce`."""
+        chunked as the bucket is, or the node's shared memory when the bucket lives there, or
+        the path ``comm.reduction`` names when it is exact. The windowed policies' sync picks it
+        once, at its setup, and hands it to every `allreduce`."""
         if self.reduction.in_node_memory:
             return self.reduction
-        return make_reduction(self.chunk_elems, self.deterministic, None)
+        return make_reduction(self.chunk_elems, self.deterministic, None,
+                              name=exact_name(self.reduction_name))
 
     def share_node_memory(self, comm, cpu_only: bool) -> bool:
         """Collective: move the bucket into the node's shared window and sum it there
         (`hpc_rlx.comm.node_memory`) when every rank can; True where it did (on every rank).
         Only for a host bucket summed by MPI's SUM (not ordered, not the 16-bit wire, not
-        overlapped), and before anyone keeps a view of `buffer` or `payload`."""
+        overlapped, not a path ``comm.reduction`` names), and before anyone keeps a view of
+        `buffer` or `payload`."""
         if comm.size == 1:
             return False                 # nothing to share, nothing to report
         why_not = ("a GPU lane" if not cpu_only or self.device is not None else
                    "comm.deterministic=true" if self.deterministic else
                    f"comm.wire_dtype={self.wire}" if self.wire else
                    "comm.overlap=true" if self.overlap else
+                   f"comm.reduction={self.reduction_name}" if self.reduction_name != AUTO else
                    None if self.reduction.overlappable else "a reduction other than MPI's SUM")
         shared, self.shared_memory_off = NodeSharedSum.create(
             comm, self.buffer.shape[0], self.buffer.dtype, self.chunk_elems, why_not)
@@ -303,8 +314,9 @@ class FusedBucket:
         if self.reduction.in_node_memory:
             path = self.reduction.path
         wire = f", wire {self.wire} (float32 sums; tail uncompressed)" if self.wire else ""
+        named = f", reduction {self.reduction_name}" if self.reduction_name != AUTO else ""
         off = f"; shared-memory sum off: {self.shared_memory_off}" if self.shared_memory_off else ""
-        return f"bucket on {where}, path {path}{wire}{off}"
+        return f"bucket on {where}, path {path}{wire}{named}{off}"
 
     # ---- explicit transfers between the host arrays and the device twin ----------------------
     def mark_device_fresh(self) -> None:

@@ -1,33 +1,37 @@
 """How the fused bucket is summed over ranks: one class per path, chosen once at start-up.
 
-| class           | used when                                             | what one Allreduce does            |
-|-----------------|-------------------------------------------------------|------------------------------------|
-| `HostSum`       | the bucket is a host array (the default)              | in-place MPI SUM, chunk by chunk   |
-| `OrderedSum`    | ``comm.deterministic=true``                           | per chunk: Gather to rank 0, add in rank order, Bcast (bitwise reproducible) |
-| `WireSum`       | ``comm.wire_dtype`` set and more than one rank        | 16-bit words, float32 sums at segment owners (see `hpc_rlx.comm.wire`) |
-| `StagedSum`     | GPU-only lanes, MPI not CUDA-aware (or ordered, wire) | payload down to pinned host memory, then one of the above |
-| `CudaDirectSum` | GPU-only lanes, CUDA-aware MPI                        | Allreduce on the device buffer itself |
-| `NodeSharedSum` | ``comm.shared_memory`` (CPU lanes, > 1 rank per node) | each rank sums its part of the node's shared window, MPI across nodes (`hpc_rlx.comm.node_memory`) |
+| class           | registry name (`comm.reduction`) | what one Allreduce does            |
+|-----------------|----------------------------------|------------------------------------|
+| `HostSum`       | `host` (auto: the default)        | in-place MPI SUM, chunk by chunk   |
+| `OrderedSum`    | `ordered` (auto: ``comm.deterministic=true``) | per chunk: Gather to rank 0, add in rank order, Bcast (bitwise reproducible) |
+| `WireSum`       | `wire` (auto: ``comm.wire_dtype`` set) | a reduce-scatter + allgather of a codec's 16-bit words, float32 sums at segment owners (`hpc_rlx.comm.codec`) |
+| `StagedSum`     | (placement) GPU-only lanes, MPI not CUDA-aware, or a path that sums host memory | payload down to pinned host memory, then one of the above |
+| `CudaDirectSum` | (placement) GPU-only lanes, CUDA-aware MPI, a path that sums device memory | Allreduce on the device buffer itself |
+| `NodeSharedSum` | (``comm.shared_memory``: CPU lanes, > 1 rank per node) | each rank sums its part of the node's shared window, MPI across nodes (`hpc_rlx.comm.node_memory`) |
 
-`make_reduction` picks one from the settings and the lanes' `cuda_mpi.PathChoice`; the bucket
-keeps it for the whole run (`FusedBucket.share_node_memory` swaps in `NodeSharedSum` before the
-lanes are built). Every path cuts the bucket into chunks of at most
-``comm.bucket_cap_mb``: MPICH slows down sharply on single messages above 32 MiB.
+`registry.make_reduction` builds one from the settings (`comm.reduction`, `comm.deterministic`,
+`comm.wire_dtype`) and the lanes' `cuda_mpi.PathChoice`; the bucket keeps it for the whole run
+(`FusedBucket.share_node_memory` swaps in `NodeSharedSum` before the lanes are built). Every
+path cuts the bucket into chunks of at most ``comm.bucket_cap_mb``: MPICH slows down sharply on
+single messages above 32 MiB.
 
 A path's ``run(bucket, comm, seq)`` returns a `Reduced`: chunks, bytes this rank sent, and the
-path's name as logged and traced. What a path can do it declares (`ReductionPath`: overlappable,
-in the node's memory, exact); the bucket reads those, never the path's class. Paths touch the bucket only through its arrays and its
-explicit transfer methods (`payload_to_host`, `tail_to_device`, `tail_to_host`).
+path's name as logged and traced. What a path can do it declares (`ReductionPath`: its registry
+name, overlappable, in the node's memory, exact, ordered, on the device, with a codec); the
+bucket and the registry read those, never the path's class. A path is built from a `Request`
+(`ReductionPath.build`). Paths touch the bucket only through its arrays and its explicit
+transfer methods (`payload_to_host`, `tail_to_device`, `tail_to_host`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from hpc_rlx.comm.wire import block_words, pack_block, segments, unpack_block
+from hpc_rlx.comm.codec import Codec
+from hpc_rlx.comm.wire import block_words, segments
 from hpc_rlx.device import backend, cuda_mpi
 from hpc_rlx.observe import trace
 
@@ -48,6 +52,19 @@ class Reduced:
     path: str           # "host", "staged", "cuda-aware", "host, wire float16", ...
 
 
+@dataclass(frozen=True)
+class Request:
+    """What a path is built for: the chunk size, the array it sums (``where``: `cuda_mpi.HOST`
+    for a host bucket, STAGED for the host side of a device twin, DIRECT for the device
+    buffer itself), whether the run needs a fixed order (``comm.deterministic``) and the
+    16-bit codec of ``comm.wire_dtype`` (None: none)."""
+
+    chunk_elems: int
+    where: str = cuda_mpi.HOST
+    deterministic: bool = False
+    codec: Codec | None = None
+
+
 def chunk_bounds(n: int, chunk_elems: int) -> list[tuple[int, int]]:
     """``[0, n)`` in pieces of at most ``chunk_elems`` (one empty piece when n == 0)."""
     return [(lo, min(n, lo + chunk_elems)) for lo in range(0, n, chunk_elems)] or [(0, 0)]
@@ -62,21 +79,39 @@ def ring_bytes(comm, nbytes: int) -> int:
 # ---- what a path can do ----------------------------------------------------------------------
 
 class ReductionPath:
-    """What every path declares, so the bucket asks a path what it can do instead of checking
-    its class:
+    """What every path declares, so the bucket and the registry ask a path what it can do
+    instead of checking its class:
 
+    - ``name``: its name in `registry.REDUCTIONS` (``comm.reduction=NAME``); "" for the
+      placements and the node's shared window, which the settings do not name;
     - ``overlappable``: MPI's own in-place SUM of the host buffer, chunk by chunk, so chunks
       may start while backward still runs (`comm.overlap`) and the node's shared window may
       take its place (`comm.shared_memory`);
     - ``in_node_memory``: the path owns the bucket's memory (the node's shared window): the
       bucket keeps it across lane placement, hands it to exact uses, and frees it (`free`);
-    - ``exact``: the sum of the values as they are (no 16-bit wire).
+    - ``exact``: the sum of the values as they are (no 16-bit wire);
+    - ``ordered``: the additions happen in a fixed order, so a run repeats bitwise for a given
+      world size (what ``comm.deterministic=true`` needs);
+    - ``sums_on_device``: `sum_array` sums a device array in place (CUDA-aware MPI); a path without
+      it sums a device bucket's host side (staged);
+    - ``takes_codec``: it can carry the payload in a 16-bit codec (``comm.wire_dtype``);
+      ``needs_codec``: only with one.
     """
 
+    name = ""
     overlappable = False
     in_node_memory = False
     exact = True
+    ordered = False
+    sums_on_device = False
+    takes_codec = False
+    needs_codec = False
     path = cuda_mpi.HOST
+
+    @classmethod
+    def build(cls, request: Request) -> ReductionPath:
+        """The path for ``request`` (called by `registry.make_reduction`)."""
+        raise NotImplementedError(f"{cls.__name__} is not built from the settings")
 
     def run(self, bucket, comm, seq: int) -> Reduced:
         raise NotImplementedError
@@ -91,6 +126,10 @@ class ChunkedSum(ReductionPath):
     def __init__(self, chunk_elems: int, path: str = cuda_mpi.HOST):
         self.chunk_elems = int(chunk_elems)
         self.path = path
+
+    @classmethod
+    def build(cls, request: Request) -> ChunkedSum:
+        return cls(request.chunk_elems, request.where)
 
     def sum_chunk(self, comm, part) -> None:
         raise NotImplementedError
@@ -116,7 +155,9 @@ class ChunkedSum(ReductionPath):
 class HostSum(ChunkedSum):
     """MPI's own SUM Allreduce, in place (the order of additions is MPI's)."""
 
+    name = "host"
     overlappable = True
+    sums_on_device = True
 
     def sum_chunk(self, comm, part) -> None:
         mpi = _mpi()
@@ -126,6 +167,9 @@ class HostSum(ChunkedSum):
 class OrderedSum(ChunkedSum):
     """Rank 0 adds every rank's chunk in rank order and broadcasts the sum: bitwise
     reproducible for a given world size (``comm.deterministic=true``)."""
+
+    name = "ordered"
+    ordered = True
 
     def sum_chunk(self, comm, part) -> None:
         gathered = np.empty((comm.size,) + part.shape, dtype=part.dtype) if comm.rank == 0 else None
@@ -141,21 +185,31 @@ class OrderedSum(ChunkedSum):
 # ---- the 16-bit wire -----------------------------------------------------------------------
 
 class WireSum(ReductionPath):
-    """The payload as 16-bit words with float32 sums at segment owners, the tail as raw bits
-    summed exactly by rank 0 (see `hpc_rlx.comm.wire`): bitwise identical on every rank.
+    """A reduce-scatter + allgather of the payload in a codec's 16-bit words (`codec.Codec`),
+    the tail as raw bits summed exactly by rank 0: bitwise identical on every rank.
 
     Per chunk, each rank owns one segment. Every rank codes its slice of each owner's segment
-    and sends it there (Alltoallv); each owner decodes the slices, adds them in float32 in rank
-    order, codes the sum once and sends it to everyone (Allgatherv). The tail rides in the last
-    chunk, behind rank 0's segment. On one rank there is nothing to send: `single_rank` sums."""
+    and sends it there (Alltoallv); each owner lets the codec add the slices in float32 in
+    rank order, codes the sum once and sends it to everyone (Allgatherv). The tail rides in
+    the last chunk, behind rank 0's segment. On one rank there is nothing to send:
+    `single_rank` sums."""
 
+    name = "wire"
     exact = False
+    ordered = True
+    takes_codec = needs_codec = True
 
-    def __init__(self, codec: str, chunk_elems: int, single_rank: ChunkedSum, where: str):
+    def __init__(self, codec: Codec, chunk_elems: int, single_rank: ChunkedSum, where: str):
         self.codec = codec
         self.chunk_elems = int(chunk_elems)
         self.single_rank = single_rank
-        self.path = f"{where}, wire {codec}"
+        self.path = f"{where}, wire {codec.name}"
+
+    @classmethod
+    def build(cls, request: Request) -> WireSum:
+        plain = replace(request, codec=None)
+        single_rank = (OrderedSum if request.deterministic else HostSum).build(plain)
+        return cls(request.codec, request.chunk_elems, single_rank, request.where)
 
     def run(self, bucket, comm, seq: int) -> Reduced:
         if comm.size == 1:
@@ -174,7 +228,7 @@ class WireSum(ReductionPath):
             sent += sent_now
             if tracer is not None:
                 tracer.add("chunk", "comm", trace.MAIN, started, time.perf_counter(),
-                           {"seq": seq, "i": index, "bytes": outgoing_bytes, "wire": self.codec})
+                           {"seq": seq, "i": index, "bytes": outgoing_bytes, "wire": self.codec.name})
         return Reduced(len(pieces), int(sent), self.path)
 
     def _sum_chunk(self, comm, payload, lo: int, hi: int, tail, tail_words) -> tuple[int, int]:
@@ -191,7 +245,7 @@ class WireSum(ReductionPath):
         outgoing = np.empty(sum(words), np.uint16)
         for owner, (a, b) in enumerate(owned):
             start = offsets[owner]
-            pack_block(payload[a:b], codec, outgoing[start: start + body_words[owner]])
+            codec.encode(payload[a:b], outgoing[start: start + body_words[owner]])
         if tail_words is not None:
             outgoing[offsets[0] + body_words[0]: offsets[0] + words[0]] = tail_words
 
@@ -202,11 +256,9 @@ class WireSum(ReductionPath):
                        [incoming, ([mine] * ranks, [mine * src for src in range(ranks)]), words16])
         a, b = owned[me]
         my_body = body_words[me]
-        total = np.zeros(b - a, np.float32)
-        for src in range(ranks):                # rank order: reproducible sums
-            total += unpack_block(incoming[src * mine: src * mine + my_body], codec)
+        total = codec.sum_blocks((incoming[src * mine: src * mine + my_body] for src in range(ranks)), b - a)
         summed = np.empty(mine, np.uint16)
-        pack_block(total, codec, summed[:my_body])
+        codec.encode(total, summed[:my_body])
         if tail is not None and me == 0:
             tail_total = np.zeros(tail.shape[0], tail.dtype)
             for src in range(ranks):
@@ -217,14 +269,14 @@ class WireSum(ReductionPath):
         comm.Allgatherv([summed, words16], [gathered, (words, offsets), words16])
         for owner, (a, b) in enumerate(owned):
             start = offsets[owner]
-            payload[a:b] = unpack_block(gathered[start: start + body_words[owner]], codec)
+            payload[a:b] = codec.decode(gathered[start: start + body_words[owner]])
         if tail is not None:
             tail[...] = gathered[offsets[0] + body_words[0]: offsets[0] + words[0]].view(tail.dtype)
         # what left this rank: its slices for the other owners, and its sum for the others
         return int(outgoing.nbytes), (outgoing.nbytes - mine * 2) + summed.nbytes * (ranks - 1)
 
 
-# ---- a bucket with a twin on the GPU -------------------------------------------------------
+# ---- a bucket with a twin on the GPU: where a path sums it (placements) ---------------------
 
 class StagedSum(ReductionPath):
     """The payload comes down to the bucket's page-locked host array (async copy + one sync),
@@ -233,7 +285,7 @@ class StagedSum(ReductionPath):
     def __init__(self, inner):
         self.inner = inner
         self.path = inner.path
-        self.exact = inner.exact
+        self.name, self.exact, self.ordered = inner.name, inner.exact, inner.ordered
 
     def run(self, bucket, comm, seq: int) -> Reduced:
         bucket.payload_to_host()
@@ -242,15 +294,15 @@ class StagedSum(ReductionPath):
 
 class CudaDirectSum(ReductionPath):
     """CUDA-aware MPI: the tail goes up, the device is synchronised (MPI does not wait for
-    queued kernels), MPI sums the device buffer, the small tail comes down; the payload
+    queued kernels), `on_device` sums the device buffer, the small tail comes down; the payload
     stays on the device until someone calls `payload_to_host`. When the host already holds
-    the newest payload (someone wrote into it), the host array is summed instead."""
+    the newest payload (someone wrote into it), `on_host` sums the host array instead."""
 
     path = cuda_mpi.DIRECT
 
-    def __init__(self, chunk_elems: int):
-        self.on_device = HostSum(chunk_elems, cuda_mpi.DIRECT)
-        self.on_host = HostSum(chunk_elems, cuda_mpi.STAGED)
+    def __init__(self, on_device: ChunkedSum, on_host: ReductionPath):
+        self.on_device, self.on_host = on_device, on_host
+        self.name, self.exact, self.ordered = on_device.name, on_device.exact, on_device.ordered
 
     def run(self, bucket, comm, seq: int) -> Reduced:
         if not bucket.device_is_newest:
@@ -261,16 +313,3 @@ class CudaDirectSum(ReductionPath):
         bucket.tail_to_host()
         bucket.mark_device_fresh()
         return done
-
-
-def make_reduction(chunk_elems: int, deterministic: bool, wire: str | None,
-                   choice: cuda_mpi.PathChoice | None = None):
-    """The bucket's reduction path for this rank's settings and lane placement (``choice``:
-    None or HOST for a host bucket, STAGED or DIRECT for a bucket with a device twin)."""
-    path = choice.path if choice is not None else cuda_mpi.HOST
-    if path == cuda_mpi.DIRECT:
-        return CudaDirectSum(chunk_elems)
-    where = cuda_mpi.STAGED if path == cuda_mpi.STAGED else cuda_mpi.HOST
-    host_sum = (OrderedSum if deterministic else HostSum)(chunk_elems, where)
-    reduction = WireSum(wire, chunk_elems, host_sum, where) if wire else host_sum
-    return StagedSum(reduction) if path == cuda_mpi.STAGED else reduction

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 from hpc_rlx.checks import BOOL, INT64, Check, OneOf, Via, integer, is_int, is_number, number
+from hpc_rlx.comm.registry import check_settings as _check_reduction, choices as _reductions
 from hpc_rlx.device.host_blas import CPU_BLAS
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.observe.tensorboard_log import enabled as tensorboard_enabled
@@ -37,7 +38,7 @@ from hpc_rlx.pipeline.schedule import PIPELINE_SCHEDULES
 from hpc_rlx.optim.registry import OPTIMIZERS as _OPTIMIZERS
 from hpc_rlx.policies.config import validate_policy_config
 from hpc_rlx.policies.registry import POLICIES
-from hpc_rlx.policies.slowdown import parse_slowdown
+from hpc_rlx.injection.slowdown import parse_slowdown
 
 # The checkers are `hpc_rlx.checks` (one family for the whole package): a test of one value
 # and the message that names the key and the value. Here: the checks of two keys only.
@@ -208,8 +209,8 @@ KEYS: tuple[Key, ...] = (
     Key("comm.shared_memory", bool, True, "sum the bucket within each node in memory its ranks "
         "share (one shared window per node), then across nodes by MPI; used where every rank has "
         "CPU lanes only, every node the same number of ranks (> 1) and /dev/shm room, and neither "
-        "comm.deterministic, comm.wire_dtype nor comm.overlap is set (else the start-up line says "
-        "which did not hold); false = MPI's Allreduce"),
+        "comm.deterministic, comm.wire_dtype nor comm.overlap is set and comm.reduction is auto (else "
+        "the start-up line says which did not hold); false = MPI's Allreduce"),
     Key("comm.stall_warning_s", _NUMBER, 60, "stall watchdog: report ranks that have not reached a "
         "collective after this long; null = off",
         number(0, null=True, must="must be null (off) or a number of seconds >= 0")),
@@ -221,6 +222,9 @@ KEYS: tuple[Key, ...] = (
         "directly or through pinned host memory (checked by the lanes)"),
     Key("comm.wire_dtype", str, None, "`bfloat16` or `float16` on the wire, float32 sums; null = "
         "the compute dtype (checked by the bucket)"),
+    Key("comm.reduction", str, "auto", "the bucket's reduction path by name (`hpc_rlx/comm/registry.py`): "
+        "`auto` picks `wire` under comm.wire_dtype, `ordered` under comm.deterministic, else `host` "
+        "(MPI's SUM); a named path must serve those settings", OneOf(*_reductions())),
     Key("parallel.pipeline_stages", int, 1, "pipeline stages S: the model split into S stages on "
         "S ranks each, world size = replicas x S (1 = data parallel only)",
         Via(_check_stages, "must be a positive integer dividing the world size")),
@@ -372,6 +376,7 @@ def _comm_rule(c: Mapping[str, Any]) -> None:
     if not (stall_abort in (None, "auto") or (is_number(warn) and warn > 0)):
         raise ConfigError(f"comm.stall_abort_s={stall_abort!r} needs the watchdog on: "
                           f"comm.stall_warning_s > 0, got {warn!r}")
+    _check_reduction(c["reduction"], c["deterministic"], c["wire_dtype"])
 
 
 def _check_option_keys(section: str, values: Mapping[str, Any]) -> None:

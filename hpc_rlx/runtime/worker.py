@@ -55,7 +55,7 @@ class Worker:
             world_size=self.world,
             cap_mb=float(spec.comm["bucket_cap_mb"]), deterministic=bool(spec.comm["deterministic"]),
             wire_dtype=spec.comm["wire_dtype"], overlap=bool(spec.comm["overlap"]),
-            overlap_chunk_mb=float(spec.comm["overlap_chunk_mb"])))
+            overlap_chunk_mb=float(spec.comm["overlap_chunk_mb"]), reduction=spec.comm["reduction"]))
         # comm.overlap: where each gradient sits, so a chunk can start once backward finished it
         self.bucket.set_overlap_spans({name: (off, off + int(np.prod(self.layout.shapes[name], dtype=np.int64)))
                                        for name, off in self.layout.offsets.items()})
