@@ -135,26 +135,24 @@ def check_optimizer(opt: dict, dtype: str, schedule_steps: int) -> None:
         raise ConfigError(f"optim.schedule={opt['schedule']!r} is not one of {list(LR_SCHEDULES)}")
     try:
         with_config_keys("optim", optimizer_kwargs(opt), lambda: make_optimizer(
-            opt["name"], 1, np, np.dtype(dtype), **optimizer_kwargs(opt)), prefix=f"{opt['name']}: ")
+            opt["name"], 1, np, np.dtype(dtype), **optimizer_kwargs(opt)))
         with_config_keys("optim", schedule_kwargs(opt), lambda: make_schedule(
-            opt["schedule"], float(opt["lr"]), schedule_steps, **schedule_kwargs(opt)),
-            prefix=f"lr schedule {opt['schedule']!r}: ")
+            opt["schedule"], float(opt["lr"]), schedule_steps, **schedule_kwargs(opt)))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"optim: {e}") from e
 
 
-def with_config_keys(section: str, keys, build, prefix: str = ""):
+def with_config_keys(section: str, keys, build):
     """`build()`, its ConfigError about one of `keys` restated with the config key: the
-    builders and optimizers are library code and name their own parameters (`dropout must be
-    in [0, 1)`); from a config the user needs `model.dropout`."""
+    builders, optimizers and schedules are library code and name their own parameters
+    (`ConfigError.bad_param`: `dropout must be in [0, 1)`, `sgd: momentum must be ...`); from a
+    config the user needs `model.dropout`, `optim.momentum`. An error about anything else (a
+    parameter no key sets, such as the schedule's `base_lr`) stays as it is."""
     try:
         return build()
     except ConfigError as e:
-        text = str(e)
-        for key in sorted(keys, key=len, reverse=True):
-            for start in (f"{prefix}{key} ", f"{prefix}{key}=", f"{prefix}{key}[", f"{key} "):
-                if text.startswith(start):
-                    raise ConfigError(f"{section}.{key}{text[len(start) - 1:]}") from None
+        if e.key is not None and e.key in keys:
+            raise e.restated(section) from None
         raise
 
 

@@ -11,8 +11,8 @@ import inspect
 import math
 from math import prod
 
-from hpc_rlx.checks import Check, checked, is_int
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.checks import Check, is_int
+from hpc_rlx.errors import ConfigError, check_param
 from hpc_rlx.graph.builder import GraphBuilder
 from hpc_rlx.graph.ir import Graph
 from hpc_rlx.graph.shapes import INT
@@ -28,32 +28,35 @@ _PROBABILITY = Check(lambda v: isinstance(v, (int, float)) and not isinstance(v,
                      "must be in [0, 1)")
 _BOOL = Check(lambda v: isinstance(v, bool), "must be true or false")
 
+# A bad argument is a ConfigError that names it (`errors.check_param`: `dropout must be in [0, 1)`,
+# the name kept apart from the text), which config.spec restates as the config key (`model.dropout`).
 
-def _pos_int(value, what: str) -> int:
-    return checked(_POSITIVE_INT, what, value)
+
+def _pos_int(value, name: str, qualifier: str = "") -> int:
+    return check_param(_POSITIVE_INT, name, value, qualifier=qualifier)
 
 
-def _int_list(value, what: str, allow_empty: bool = True) -> list:
+def _int_list(value, name: str, allow_empty: bool = True, qualifier: str = "") -> list:
     if is_int(value):
         value = [value]
-    Check(lambda v: isinstance(v, (list, tuple)) and (bool(v) or allow_empty),
-          "must be a list of positive ints")(what, value)
-    return [_pos_int(v, what) for v in value]
+    check_param(Check(lambda v: isinstance(v, (list, tuple)) and (bool(v) or allow_empty),
+                      "must be a list of positive ints"), name, value, qualifier=qualifier)
+    return [_pos_int(v, name, qualifier) for v in value]
 
 
-def _shape(value, what: str, ndim: int | None = None) -> list:
-    dims = _int_list(value, what, allow_empty=False)
+def _shape(value, name: str, ndim: int | None = None, qualifier: str = "") -> list:
+    dims = _int_list(value, name, allow_empty=False, qualifier=qualifier)
     if ndim is not None:
-        Check(lambda v: len(dims) == ndim, f"must have {ndim} dims")(what, value)
+        check_param(Check(lambda v: len(dims) == ndim, f"must have {ndim} dims"), name, value, qualifier=qualifier)
     return dims
 
 
-def _prob(value, what: str) -> float:
-    return float(checked(_PROBABILITY, what, value))
+def _prob(value, name: str) -> float:
+    return float(check_param(_PROBABILITY, name, value))
 
 
-def _choice(value, what: str, allowed) -> str:
-    return checked(Check(lambda v: v in allowed, f"must be one of {list(allowed)}"), what, value)
+def _choice(value, name: str, allowed) -> str:
+    return check_param(Check(lambda v: v in allowed, f"must be one of {list(allowed)}"), name, value)
 
 
 def _weight_init(activation: str, fan_in: int, fan_out: int) -> dict:
@@ -111,11 +114,11 @@ def cnn(input_shape, num_classes=10, channels=(16, 32), kernel=3, hidden=64, poo
     """Per entry of ``channels``: conv (same padding) -> activation -> 2x2 pool (while the map is
     at least 2x2); then flatten -> linear ``hidden`` -> activation [-> dropout] -> linear head.
     ``hidden=0`` goes straight from the features to the head."""
-    c, h, w = _shape(input_shape, "input_shape (C, H, W)", 3)
+    c, h, w = _shape(input_shape, "input_shape", 3, qualifier=" (C, H, W)")
     num_classes = _pos_int(num_classes, "num_classes")
     channels = _int_list(channels, "channels")
     k = _pos_int(kernel, "kernel")
-    _INT_OR_ZERO("hidden", hidden)
+    check_param(_INT_OR_ZERO, "hidden", hidden)
     pool = _choice(pool, "pool", ("max", "avg", "none"))
     activation = _choice(activation, "activation", ACTIVATIONS)
     p = _prob(dropout, "dropout")
@@ -161,9 +164,9 @@ def transformer_lm(vocab_size, seq_len, d_model=64, n_heads=4, n_layers=2, d_ff=
     L = _pos_int(n_layers, "n_layers")
     F = _pos_int(d_ff, "d_ff")
     p = _prob(dropout, "dropout")
-    _BOOL("tie_embeddings", tie_embeddings)
+    check_param(_BOOL, "tie_embeddings", tie_embeddings)
     if D % H:
-        raise ConfigError(f"d_model={D} must be divisible by n_heads={H}")
+        raise ConfigError.bad_param("d_model", f"={D} must be divisible by n_heads={H}")
     Dh = D // H
     b = GraphBuilder("transformer_lm", meta={"builder": "transformer_lm", "args": {
         "vocab_size": V, "seq_len": T, "d_model": D, "n_heads": H, "n_layers": L, "d_ff": F,

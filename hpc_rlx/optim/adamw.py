@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from hpc_rlx.errors import check_param
 from hpc_rlx.optim.base import NONNEG, POSITIVE, Hyper, Optimizer, blocks, decay_pair, nonneg
 from hpc_rlx.optim.blas import axpy, fusable, scal
 
@@ -27,8 +28,7 @@ class AdamW(Optimizer):
     def __init__(self, size, xp, dtype, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         super().__init__(size, xp, dtype)
         self.beta1, self.beta2 = decay_pair(betas, "adamw")
-        POSITIVE("adamw: eps", eps)
-        self.eps = float(eps)
+        self.eps = float(check_param(POSITIVE, "eps", eps, "adamw"))
         self.weight_decay = nonneg("weight_decay", weight_decay, "adamw")
         self._exp_avg = self._zeros()
         self._exp_avg_sq = self._zeros()

@@ -24,12 +24,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hpc_rlx.checks import Check, checked, is_integral, is_real
-from hpc_rlx.errors import CheckpointError, ConfigError
+from hpc_rlx.checks import Check, is_integral, is_real
+from hpc_rlx.errors import CheckpointError, ConfigError, check_param
 
 BLOCK_BYTES = 256 * 1024     # per array: an AdamW block's 5 arrays (1.25 MiB) stay in a 2 MiB L2
 
-# the range checks of the optimizers and schedules (`hpc_rlx.checks`), labelled "<where>: <name>"
+# the range checks of the optimizers and schedules (`hpc_rlx.checks`): a failed one names the
+# parameter (`errors.check_param`: "<where>: <name> must ...", the name kept apart from the text)
 IN_UNIT = Check(lambda v: is_real(v) and 0.0 <= float(v) < 1.0, "must be a number in [0, 1)")
 NONNEG = Check(lambda v: is_real(v) and math.isfinite(float(v)) and float(v) >= 0.0,
                "must be a finite number >= 0")
@@ -46,14 +47,15 @@ class Hyper:
     name: str
     default: Any                    # the config default (config.yaml's optim/<optimizer>.yaml)
     doc: str                        # one line, for docs/config.md
-    check: Check | None = None      # the range check, labelled `optim.<name>` or `<optimizer>: <name>`
+    check: Check | None = None      # the range check: the schema's (`optim.<name>`) and the class's
     type: Any = _NUMBER             # what the schema accepts
     to_arg: Callable[[Any], Any] = lambda v: v     # config value -> constructor argument
 
 
-def in_unit(name: str, v, where: str) -> float:
-    """``v`` in [0, 1): the range of momentum and moment decay rates."""
-    return float(checked(IN_UNIT, f"{where}: {name}", v))
+def in_unit(name: str, v, where: str, qualifier: str = "") -> float:
+    """``v`` in [0, 1): the range of momentum and moment decay rates (``qualifier``: which
+    element of parameter ``name``, as ``[0]``)."""
+    return float(check_param(IN_UNIT, name, v, where, qualifier))
 
 
 def decay_pair(betas, where: str) -> tuple[float, float]:
@@ -61,12 +63,12 @@ def decay_pair(betas, where: str) -> tuple[float, float]:
     try:
         b1, b2 = betas
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: betas must be a pair of numbers, got {betas!r}") from None
-    return in_unit("betas[0]", b1, where), in_unit("betas[1]", b2, where)
+        raise ConfigError.bad_param("betas", f" must be a pair of numbers, got {betas!r}", where) from None
+    return in_unit("betas", b1, where, "[0]"), in_unit("betas", b2, where, "[1]")
 
 
 def nonneg(name: str, v, where: str) -> float:
-    return float(checked(NONNEG, f"{where}: {name}", v))
+    return float(check_param(NONNEG, name, v, where))
 
 
 def blocks(size: int, itemsize: int) -> list[tuple[int, int]]:

@@ -7,11 +7,12 @@ import math
 from typing import Callable
 
 from hpc_rlx.checks import Check, is_integral, is_real
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.errors import ConfigError, check_param
 from hpc_rlx.optim.base import AT_LEAST_ONE, COUNT, nonneg
 
 
 LR_SCHEDULES = ("constant", "step", "cosine")
+IN_HALF_OPEN_UNIT = Check(lambda v: is_real(v) and 0.0 < float(v) <= 1.0, "must be a number in (0, 1]")   # gamma
 
 
 class Schedule:
@@ -73,27 +74,22 @@ def make_schedule(
         raise ConfigError(f"unknown lr schedule {name!r}; choose one of {list(LR_SCHEDULES)}")
     base_lr = nonneg("base_lr", base_lr, where)
     min_lr = nonneg("min_lr", min_lr, where)
-    for label, v in (("total_steps", total_steps), ("warmup_steps", warmup_steps)):
-        COUNT(f"{where}: {label}", v)
-    total_steps, warmup_steps = int(total_steps), int(warmup_steps)
+    total_steps = int(check_param(COUNT, "total_steps", total_steps, where))
+    warmup_steps = int(check_param(COUNT, "warmup_steps", warmup_steps, where))
     if total_steps < 1:
-        raise ConfigError(f"{where}: total_steps must be >= 1, got {total_steps}")
+        raise ConfigError.bad_param("total_steps", f" must be >= 1, got {total_steps}", where)
     if warmup_steps > total_steps:
-        raise ConfigError(
-            f"{where}: warmup_steps ({warmup_steps}) is more than total_steps ({total_steps})"
-        )
+        raise ConfigError.bad_param(
+            "warmup_steps", f" ({warmup_steps}) is more than total_steps ({total_steps})", where)
     if name == "cosine" and warmup_steps >= total_steps:
-        raise ConfigError(
-            f"{where}: warmup_steps ({warmup_steps}) leaves no steps to anneal over "
-            f"(total_steps={total_steps})"
-        )
+        raise ConfigError.bad_param(
+            "warmup_steps", f" ({warmup_steps}) leaves no steps to anneal over (total_steps={total_steps})",
+            where)
     if name != "constant" and min_lr > base_lr:
-        raise ConfigError(f"{where}: min_lr ({min_lr}) is above base_lr ({base_lr})")
+        raise ConfigError.bad_param("min_lr", f" ({min_lr}) is above base_lr ({base_lr})", where)
     if name == "step":
-        AT_LEAST_ONE(f"{where}: step_size", step_size)
-        step_size = int(step_size)
-        Check(lambda v: is_real(v) and 0.0 < float(v) <= 1.0, "must be a number in (0, 1]")(f"{where}: gamma",
-                                                                                         gamma)
+        step_size = int(check_param(AT_LEAST_ONE, "step_size", step_size, where))
+        check_param(IN_HALF_OPEN_UNIT, "gamma", gamma, where)
     return Schedule(name, base_lr, total_steps, warmup_steps, step_size, float(gamma), min_lr)
 
 

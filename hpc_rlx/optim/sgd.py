@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpc_rlx.checks import BOOL
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.errors import ConfigError, check_param
 from hpc_rlx.optim.base import IN_UNIT, NONNEG, Hyper, Optimizer, blocks, in_unit, nonneg
 from hpc_rlx.optim.blas import axpy, fusable, scal
 
@@ -27,9 +27,9 @@ class SGD(Optimizer):
         super().__init__(size, xp, dtype)
         self.momentum = in_unit("momentum", momentum, "sgd")
         self.weight_decay = nonneg("weight_decay", weight_decay, "sgd")
-        BOOL("sgd: nesterov", nesterov)
+        check_param(BOOL, "nesterov", nesterov, "sgd")
         if nesterov and self.momentum == 0.0:
-            raise ConfigError("sgd: nesterov=true needs momentum > 0, got momentum=0")
+            raise ConfigError.bad_param("nesterov", "=true needs momentum > 0, got momentum=0", "sgd")
         self.nesterov = nesterov
         self._array_names = ("momentum_buffer",) if self.momentum else ()
         if self.momentum:

@@ -218,3 +218,46 @@ def test_builder_and_optimizer_errors_name_the_config_key(section, override, mes
         with pytest.raises(ConfigError) as e:
             check_optimizer(opt, "float32", 100)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("override, schedule_steps, message", [
+    ({"nesterov": True, "momentum": 0}, 100, "optim.nesterov=true needs momentum > 0, got momentum=0"),
+    ({"weight_decay": -1}, 100, "optim.weight_decay must be a finite number >= 0, got -1"),
+    ({"schedule": "step", "step_size": 0}, 100, "optim.step_size must be an integer >= 1, got 0"),
+    ({"warmup_steps": 500}, 100, "optim.warmup_steps (500) is more than total_steps (100)"),
+    ({"schedule": "cosine", "warmup_steps": 100}, 100,
+     "optim.warmup_steps (100) leaves no steps to anneal over (total_steps=100)"),
+    ({"schedule": "cosine", "min_lr": 5}, 100, "optim.min_lr (5.0) is above base_lr (0.1)"),
+    # parameters no optim key sets keep the schedule's own name for them
+    ({"lr": -1}, 100, "lr schedule 'cosine': base_lr must be a finite number >= 0, got -1.0"),
+    ({}, 0, "lr schedule 'cosine': total_steps must be >= 1, got 0"),
+])
+def test_optimizer_and_schedule_errors_name_the_config_key(override, schedule_steps, message):
+    from hpc_rlx.config.spec import check_optimizer
+    opt = {**schema.defaults("optim", "sgd"), **override}
+    with pytest.raises(ConfigError) as e:
+        check_optimizer(opt, "float32", schedule_steps)
+    assert str(e.value) == message
+
+
+def test_config_keys_come_from_the_error_not_its_text():
+    """`with_config_keys` restates an error by the parameter it carries: a message that merely
+    begins with a key's name is left alone, and so is a parameter that is not one of the keys."""
+    from hpc_rlx.config.spec import with_config_keys
+
+    def fail(err):
+        raise err
+
+    plain = ConfigError("dropout must be in [0, 1), got 1.5")
+    with pytest.raises(ConfigError) as e:
+        with_config_keys("model", ("dropout",), lambda: fail(plain))
+    assert e.value is plain
+    other = ConfigError.bad_param("input_shape", " must have 3 dims, got (8, 8)")
+    with pytest.raises(ConfigError) as e:
+        with_config_keys("model", ("dropout",), lambda: fail(other))
+    assert e.value is other
+    with pytest.raises(ConfigError) as e:
+        with_config_keys("optim", ("momentum",), lambda: fail(
+            ConfigError.bad_param("momentum", " must be a number in [0, 1), got 2", "sgd")))
+    assert str(e.value) == "optim.momentum must be a number in [0, 1), got 2"
+    assert with_config_keys("model", ("dropout",), lambda: 7) == 7

@@ -65,6 +65,34 @@ def test_bad_builder_arguments_raise_config_errors(kind, kwargs, fragment):
     assert fragment in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "kind,kwargs,key,detail",
+    [
+        ("mlp", dict(input_shape=(4,), dropout=1.5), "dropout", " must be in [0, 1), got 1.5"),
+        ("mlp", dict(input_shape=(4,), hidden=[8, "abc"]), "hidden", " must be a positive int, got 'abc'"),
+        ("cnn", dict(input_shape=(8, 8)), "input_shape", " (C, H, W) must have 3 dims, got (8, 8)"),
+        ("cnn", dict(input_shape=(1, 8, 8), hidden=-1), "hidden", " must be an int >= 0, got -1"),
+        ("transformer_lm", dict(vocab_size=10, seq_len=4, d_model=30, n_heads=4), "d_model",
+         "=30 must be divisible by n_heads=4"),
+        ("transformer_lm", dict(vocab_size=10, seq_len=4, tie_embeddings="yes"), "tie_embeddings",
+         " must be true or false, got 'yes'"),
+    ],
+)
+def test_bad_builder_arguments_name_the_argument_apart_from_the_text(kind, kwargs, key, detail):
+    """The builders' own argument names: config.spec restates them as `model.<key><detail>`."""
+    with pytest.raises(ConfigError) as err:
+        build_model(kind, **kwargs)
+    assert type(err.value) is ConfigError
+    assert (err.value.key, err.value.detail, str(err.value)) == (key, detail, f"{key}{detail}")
+
+
+def test_builder_errors_about_no_argument_name_none():
+    for kind, kwargs in (("resnet", {}), ("mlp", dict(input_shape=(4,), widths=[3]))):
+        with pytest.raises(ConfigError) as err:
+            build_model(kind, **kwargs)
+        assert err.value.key is None
+
+
 def test_file_kind_validates(tmp_path):
     p = tmp_path / "g.json"
     p.write_text("[]")

@@ -1,6 +1,7 @@
 """Optimizers and schedules against torch.optim as the oracle (float64, several steps)."""
 
 import math
+import pickle
 import tracemalloc
 import warnings
 
@@ -300,6 +301,50 @@ def test_cosine_holds_min_lr_after_total_and_step_floor():
 def test_make_schedule_validates(args, kwargs, pattern):
     with pytest.raises(ConfigError, match=pattern):
         make_schedule(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "build,key,detail,message",
+    [
+        (lambda: make_optimizer("sgd", 4, np, np.float64, momentum=2), "momentum",
+         " must be a number in [0, 1), got 2", "sgd: momentum must be a number in [0, 1), got 2"),
+        (lambda: make_optimizer("sgd", 4, np, np.float64, nesterov=True), "nesterov",
+         "=true needs momentum > 0, got momentum=0", "sgd: nesterov=true needs momentum > 0, got momentum=0"),
+        (lambda: make_optimizer("adamw", 4, np, np.float64, betas=(0.9, 1.0)), "betas",
+         "[1] must be a number in [0, 1), got 1.0", "adamw: betas[1] must be a number in [0, 1), got 1.0"),
+        (lambda: make_optimizer("lion", 4, np, np.float64, betas=0.9), "betas",
+         " must be a pair of numbers, got 0.9", "lion: betas must be a pair of numbers, got 0.9"),
+        (lambda: make_optimizer("adamw", 4, np, np.float64, eps=0.0), "eps",
+         " must be a finite number > 0, got 0.0", "adamw: eps must be a finite number > 0, got 0.0"),
+        (lambda: make_schedule("step", 0.1, 10, step_size=3, gamma=5), "gamma",
+         " must be a number in (0, 1], got 5", "lr schedule 'step': gamma must be a number in (0, 1], got 5"),
+        (lambda: make_schedule("constant", 0.1, 10, warmup_steps=11), "warmup_steps",
+         " (11) is more than total_steps (10)",
+         "lr schedule 'constant': warmup_steps (11) is more than total_steps (10)"),
+        (lambda: make_schedule("cosine", -0.1, 10), "base_lr",
+         " must be a finite number >= 0, got -0.1",
+         "lr schedule 'cosine': base_lr must be a finite number >= 0, got -0.1"),
+    ],
+)
+def test_errors_name_the_parameter_apart_from_the_text(build, key, detail, message):
+    """An optimizer's or schedule's error about one of its parameters carries the parameter's
+    name and the rest of the message, which the config restates as `optim.<key><detail>`."""
+    with pytest.raises(ConfigError) as err:
+        build()
+    assert type(err.value) is ConfigError                  # the kind every rank prints
+    assert (err.value.key, err.value.detail, str(err.value)) == (key, detail, message)
+    assert str(err.value.restated("optim")) == f"optim.{key}{detail}"
+    again = pickle.loads(pickle.dumps(err.value))
+    assert (again.key, again.detail, str(again)) == (key, detail, message)
+
+
+def test_errors_about_no_parameter_name_none():
+    with pytest.raises(ConfigError) as err:
+        make_optimizer("lamb", 4, np, np.float64)
+    assert err.value.key is None
+    with pytest.raises(ConfigError) as err:
+        make_schedule("linear", 0.1, 10)
+    assert err.value.key is None
 
 
 def test_scaled_lr():
