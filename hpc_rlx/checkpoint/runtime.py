@@ -1,4 +1,4 @@
-"""Checkpoints in a running job: cadence, what goes in, collective save/resume, requeue.
+"""Checkpoints in a running job: save triggers, what goes in, collective save/resume, requeue.
 
 The storage layer (atomic HDF5 files, checksums, retention) is `hpc_rlx.checkpoint`; this
 module decides *when* (identically on every rank), gathers *what*, and moves it over MPI:
@@ -32,7 +32,7 @@ from hpc_rlx.checkpoint import (
     checkpoints_dir,
     read_checkpoint,
 )
-from hpc_rlx.checkpoint.cadence import BestWatch, Cadence
+from hpc_rlx.checkpoint.triggers import BestWatch, SaveTriggers
 from hpc_rlx.checkpoint.graph_match import check_run_dir_graph
 from hpc_rlx.checkpoint.staged_file import open_arrays
 from hpc_rlx.checkpoint.stages import StagedCheckpoint
@@ -93,37 +93,37 @@ class RuntimeCheckpoints:
         self.log = log
         self._epoch_totals = epoch_totals    # the running totals of the epoch being trained
         cfg = spec.checkpoint
-        self.cadence = Cadence.from_config(cfg)
+        self.triggers = SaveTriggers.from_config(cfg)
         self.directory = checkpoints_dir(spec.run_dir)
         self.manager = CheckpointManager(self.directory, keep_last=int(cfg["keep_last"]),
                                          metric=cfg["metric"]) if self.is_root else None
         self.saved_step: int | None = None
         self._saved_at: tuple | None = None     # (step, epoch, step_in_epoch) of the last save
-        # A cadence save that falls on the last step of an epoch waits for that epoch's
+        # An interval save that falls on the last step of an epoch waits for that epoch's
         # validation, so the file holds a finished epoch and its metric (see Run).
         self.deferred = False
-        self.enabled = self.cadence.enabled
+        self.enabled = self.triggers.enabled
         # Rank 0: the best epoch end not yet on disk, (step, metric, state copy); written just
         # before the next save, so the best survives without a file per epoch.
         self.best = BestWatch(cfg["metric"])
         self._unsaved_best: tuple | None = None
         self.resumed_config_yaml: str | None = None   # what the resumed checkpoint trained with
 
-    # ---- cadence (all ranks evaluate these on the same agreed numbers) -------------------
+    # ---- save triggers (all ranks evaluate these on the same agreed numbers) -------------
     def steps_due(self, step: int) -> bool:
-        return self.cadence.steps_due(step)
+        return self.triggers.steps_due(step)
 
     def epoch_due(self, epoch: int) -> bool:
-        return self.cadence.epoch_due(epoch)
+        return self.triggers.epoch_due(epoch)
 
     def minutes_due(self) -> bool:
         """Only rank 0's answer counts: it travels in the bucket's `ckpt_due` slot."""
-        return self.cadence.minutes_due()
+        return self.triggers.minutes_due()
 
     def training_starts(self) -> None:
-        """The minutes cadence counts training time, not data loading or resume."""
-        self.cadence.restart()
-        self.log(f"checkpoints: {self.cadence.describe()}, keeping the best by "
+        """The minutes interval counts training time, not data loading or resume."""
+        self.triggers.restart()
+        self.log(f"checkpoints: {self.triggers.describe()}, keeping the best by "
                      f"{self.spec.checkpoint['metric']}")
 
     def epoch_ended(self, metric: float | None) -> None:
@@ -133,9 +133,10 @@ class RuntimeCheckpoints:
         if not (self.enabled and self.is_root) or not self.best.offer(step, metric):
             return
         if (self.saved_step == step or self.worker.epoch >= int(self.spec.train["epochs"])
-                or self.staged is not None):
-            # a pipelined rank 0 holds one stage, so no copy of the model: its best is the best
-            # of the checkpoints written
+                or self.staged is not None or self.worker.shard is not None):
+            # a pipelined rank 0 holds one stage, and under comm.shard=optimizer one slice of the
+            # optimizer state, so no copy of the whole state: its best is the best of the
+            # checkpoints written
             self._unsaved_best = None       # this epoch's own save, or the final one, holds it
             return
         state = self._state()
@@ -217,6 +218,8 @@ class RuntimeCheckpoints:
         t0 = time.perf_counter()
 
         opt = staged = drain = None
+        if worker.shard is not None:
+            opt = worker.optimizer_state_for_checkpoint()     # collective: rank 0 gets it whole
         if self.staged is not None:
             opt = worker.optimizer.state_dict()
             self.staged.send(worker.params, opt["arrays"])    # replica 0 of stages > 0
@@ -234,7 +237,7 @@ class RuntimeCheckpoints:
         # previous checkpoint and the `latest` pointer are then untouched.
         path = collective.root_computes(self.comm, _write)
         self.saved_step, self._saved_at = worker.step, at
-        self.cadence.restart()
+        self.triggers.restart()
         held = (f", stages received one at a time: at most {self.staged.held_bytes} bytes held"
                 if self.staged is not None and self.is_root else "")
         self.log(f"checkpoint ({reason}) at step {worker.step}: {path} "
@@ -392,7 +395,7 @@ class RuntimeCheckpoints:
             raise CheckpointError(f"checkpoint {info['path']} holds {params.size} parameters, "
                                   f"the model has {worker.params.size}")
         worker.params[...] = params
-        worker.optimizer.load_state_dict({
+        worker.load_optimizer_state({
             "arrays": {k[4:]: v for k, v in arrays.items() if k.startswith("opt/")},
             "scalars": meta["optimizer"]["scalars"]})
         self.policy.load_state_dict({

@@ -1,10 +1,11 @@
-"""When a run writes a checkpoint: pure decisions on steps, epochs and a clock (no MPI, no files).
+"""When a run writes a checkpoint: its save triggers, pure decisions on steps, epochs and a
+clock (no MPI, no files).
 
-The default (``checkpoint=default``) is a time cadence plus the end of the run and preemption:
+The default (``checkpoint=default``) is a time interval plus the end of the run and preemption:
 a short run writes its final checkpoint (and at most one more for the best epoch, see
 `BestWatch`), a long one also saves at least every ``every_minutes`` of training, so a
 checkpoint never costs most of a short run and a crash never costs more than those minutes.
-Step and epoch cadences are there for whoever asks for them.
+Step and epoch intervals are there for whoever asks for them.
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ from collections.abc import Callable
 
 from hpc_rlx.checkpoint.retention import BestTracker, metric_mode
 
+# The reason logged for a save that a step or minutes interval asked for
+# ("checkpoint (cadence) at step N: ..."): readers of the log match this word, so it stays as
+# it was although the code calls these save triggers.
+INTERVAL_REASON = "cadence"
 
-class Cadence:
-    """The step, epoch and minutes cadences of `checkpoint.every_*`; None or 0 turns one off.
 
-    clock: seconds, monotonic (tests pass their own). The minutes cadence is measured from the
+class SaveTriggers:
+    """The step, epoch and minutes intervals of `checkpoint.every_*`; None or 0 turns one off.
+
+    clock: seconds, monotonic (tests pass their own). The minutes interval is measured from the
     start of training or the last save, whichever is later.
     """
 
@@ -31,7 +37,7 @@ class Cadence:
         self._last = clock()
 
     @classmethod
-    def from_config(cls, cfg: dict, clock: Callable[[], float] = time.monotonic) -> "Cadence":
+    def from_config(cls, cfg: dict, clock: Callable[[], float] = time.monotonic) -> "SaveTriggers":
         return cls(cfg["every_steps"], cfg["every_epochs"], cfg["every_minutes"], clock)
 
     @property

@@ -10,7 +10,7 @@ chunk that starts last, ``[0, c)``, must carry the tail) the tail comes first:
 collectives; checkpoints store parameters by `graph.params.ParamLayout`, never by this.
 
 - The payload is the big part: the summed gradients (`policy=sync`), or the work-weighted
-  parameters (the windowed policies, `policies.bucket.SyncLayout`), in the same bucket: the
+  parameters (the windowed policies, `policies.sync_slots.SyncLayout`), in the same bucket: the
   worker lays it out once with the fields its policy declares (`Policy.bucket_fields`,
   `Policy.bucket_rank_fields`).
 - A summed field is one number every rank adds to: sample count, loss sum, a weight.

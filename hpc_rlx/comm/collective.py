@@ -25,7 +25,9 @@ from hpc_rlx.comm.codec import codec_for, normalize_wire
 from hpc_rlx.comm.job_abort import abort_job
 from hpc_rlx.comm.node_memory import NodeSharedSum
 from hpc_rlx.comm.overlap import OverlapPlan, OverlapStep
+from hpc_rlx.comm.reduce import StagedSum
 from hpc_rlx.comm.registry import AUTO, exact_name, make_reduction, placement
+from hpc_rlx.comm.shard import ParamShard, ScatteredSum
 from hpc_rlx.comm.topology import hostname, rank_span
 from hpc_rlx.device import backend, cuda_mpi
 from hpc_rlx.errors import HpcRlxError
@@ -182,7 +184,8 @@ class FusedBucket:
     def __init__(self, payload_size: int, tail_fields: Sequence[str], dtype, xp=np,
                  cap_mb: float = 16.0, deterministic: bool = False, wire_dtype: str | None = None,
                  rank_fields: Sequence[str] = (), world_size: int = 1,
-                 overlap: bool = False, overlap_chunk_mb: float = 1.0, reduction: str = AUTO):
+                 overlap: bool = False, overlap_chunk_mb: float = 1.0, reduction: str = AUTO,
+                 shard: ParamShard | None = None):
         # comm.overlap: tail first, so the chunk started last (backward ends at the payload's
         # start) carries the tail (`comm.overlap`)
         self.layout = BucketLayout(payload_size, tail_fields, rank_fields, world_size, tail_first=overlap)
@@ -202,8 +205,9 @@ class FusedBucket:
         self.device_is_newest = False   # the lanes or the Allreduce left the newest payload there
         self.choice = None              # cuda_mpi.PathChoice once lanes placed the bucket
         self.reduction_name = AUTO if reduction is None else reduction     # comm.reduction
-        self.reduction = make_reduction(self.chunk_elems, deterministic, self.wire,
-                                        name=self.reduction_name)
+        self.shard = shard          # comm.shard=optimizer: the payload is reduce-scattered
+        self.reduction = (ScatteredSum(shard, self.chunk_elems) if shard is not None else
+                          make_reduction(self.chunk_elems, deterministic, self.wire, name=self.reduction_name))
         self.overlap = bool(overlap)
         self.shared_memory_off: str | None = None   # why comm.shared_memory could not be used
         self.overlap_chunk_elems = max(1, int(overlap_chunk_mb * 1024 * 1024) // itemsize)
@@ -249,6 +253,12 @@ class FusedBucket:
         self.set_choice(choice)
 
     def set_choice(self, choice) -> None:
+        if self.shard is not None:      # the reduce-scatter sums host memory: a device bucket is staged
+            self.choice = choice if choice.path == cuda_mpi.HOST else cuda_mpi.PathChoice(
+                cuda_mpi.STAGED, "comm.shard=optimizer sums in host memory")
+            inner = ScatteredSum(self.shard, self.chunk_elems)
+            self.reduction = inner if choice.path == cuda_mpi.HOST else StagedSum(inner)
+            return
         # a device bucket whose path sums host memory is staged
         self.choice = choice = placement(self.reduction_name, self.deterministic,
                                          codec_for(self.wire), choice)
@@ -277,6 +287,7 @@ class FusedBucket:
         if comm.size == 1:
             return False                 # nothing to share, nothing to report
         why_not = ("a GPU lane" if not cpu_only or self.device is not None else
+                   "comm.shard=optimizer" if self.shard is not None else
                    "comm.deterministic=true" if self.deterministic else
                    f"comm.wire_dtype={self.wire}" if self.wire else
                    "comm.overlap=true" if self.overlap else
@@ -315,6 +326,7 @@ class FusedBucket:
             path = self.reduction.path
         wire = f", wire {self.wire} (float32 sums; tail uncompressed)" if self.wire else ""
         named = f", reduction {self.reduction_name}" if self.reduction_name != AUTO else ""
+        named += ", reduce-scatter (comm.shard=optimizer)" if self.shard is not None else ""
         off = f"; shared-memory sum off: {self.shared_memory_off}" if self.shared_memory_off else ""
         return f"bucket on {where}, path {path}{wire}{named}{off}"
 

@@ -9,7 +9,7 @@ whose fingerprint matches this config. Otherwise it gets a fresh ``slurm-<jobid>
 The fingerprint covers the model (its config, and a graph file's content), the data files and
 how they are split and shuffled, the optimizer and LR schedule (``optim``), the averaging
 policy, and the batch size, seed and dtype. It leaves out what a continuation may change: the
-world size, ``train.epochs``, ``train.max_steps``, threads, logging, checkpoint cadence,
+world size, ``train.epochs``, ``train.max_steps``, threads, logging, checkpoint intervals,
 devices and communication settings.
 """
 

@@ -164,7 +164,10 @@ def check_model_fits(graph, cfg: dict, world_size: int, what: str = "the model")
     itemsize = np.dtype(cfg["train"]["dtype"]).itemsize
     # params, gradient bucket, init buffer (float64), the optimizer's state and scratch, one per
     # extra CPU lane
-    copies = 3 + parameter_copies(cfg["optim"]) + max(0, cfg["device"]["cpu_lanes"] - 1)
+    state = parameter_copies(cfg["optim"])
+    if cfg["comm"].get("shard") == "optimizer":     # a rank holds its slice of the state only
+        state /= max(1, world_size)
+    copies = 3 + state + max(0, cfg["device"]["cpu_lanes"] - 1)
     need = n * itemsize * copies + n * 8
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -192,6 +195,27 @@ def measured_cut_points(graph, stages: int, cfg: dict, replicas: int) -> list:
     print(f"[hpc_rlx] pipeline split by parameters and measured time: parallel.cut_points={cuts} "
           f"(per stage: {'; '.join(shares)})", flush=True)   # rank 0 only (build_spec)
     return cuts
+
+
+def check_shard(cfg: dict) -> None:
+    """``comm.shard=optimizer``: what the sharded step supports so far."""
+    c = cfg["comm"]
+    if c.get("shard", "none") == "none":
+        return
+    policy = cfg["policy"]["name"]
+    refusal = None if POLICIES[policy].shards_optimizer_state else (
+        f"policy={policy}: its ranks hold different parameters between syncs (local steps), so "
+        f"each needs its whole optimizer state; use policy=sync")
+    if refusal is None and int(cfg["parallel"]["pipeline_stages"]) > 1:
+        refusal = f"parallel.pipeline_stages={cfg['parallel']['pipeline_stages']}: not yet; use pipeline stages unsharded"
+    if refusal is None and c.get("wire_dtype"):
+        refusal = f"comm.wire_dtype={c['wire_dtype']}: not yet; the reduce-scatter sums exact values"
+    if refusal is None and c.get("overlap"):
+        refusal = "comm.overlap=true: not yet; the reduce-scatter runs after backward"
+    if refusal is None and c.get("reduction", "auto") != "auto":
+        refusal = f"comm.reduction={c['reduction']}: the reduce-scatter is the sharded step's own path"
+    if refusal is not None:
+        raise ConfigError(f"comm.shard=optimizer does not run with {refusal}")
 
 
 def check_pipeline(cfg: dict, graph, world_size: int) -> tuple:
@@ -344,6 +368,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         hdf5.check_compatible(vinfo, **expect)   # not only at the first validation, an epoch later
 
     replicas, held = check_pipeline(cfg, graph, world_size)
+    check_shard(cfg)
     check_model_fits(held, cfg, world_size, "the model" if held is graph else
                      f"the largest of its {cfg['parallel']['pipeline_stages']} pipeline stages")
     # Fails here, on rank 0, with the same message every rank will print.

@@ -4,7 +4,9 @@ TensorBoard event files. Every rank holds one; only rank 0's shows or writes any
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 
 from hpc_rlx import run_dir_names as names
@@ -27,6 +29,14 @@ def append_run_log(run_dir: str | Path, line: str) -> None:
             f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
     except OSError:
         pass
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where the epoch is, in the policy's terms (the loop asks the policy; `Run._where`)."""
+    epoch_fraction: float      # of the epoch trained
+    step_label: str            # e.g. "step 5/22" or "sync 3"
+    lr: float | None           # the learning rate of the last step
 
 
 class RunDisplay:
@@ -56,12 +66,12 @@ class RunDisplay:
         self.step_log = StepLog(spec.run_dir, steps_per_epoch, self.t_start, board,
                                 resumed_step=resumed_step)
 
-    def epoch_start(self, worker, policy, totals) -> None:
+    def epoch_start(self, worker, where: "Where", totals) -> None:
         """An epoch (or the rest of a resumed one) starts: the clocks the ETAs run from."""
         if not self.is_root:
             return
         now = time.perf_counter()
-        frac = policy.epoch_fraction(worker)
+        frac = where.epoch_fraction
         self._epoch_clock = (now, frac)
         if self._run_clock is None:
             epochs = int(self.spec.train["epochs"])
@@ -69,7 +79,7 @@ class RunDisplay:
         if self.step_log is not None:
             self.step_log.epoch_start(worker.step, now, totals.counts())
 
-    def after_step(self, worker, policy, totals) -> None:
+    def after_step(self, worker, totals, where: Callable[[], "Where"]) -> None:
         """Rank 0 after a step: the step log and the progress display, from global totals."""
         if self.progress is None:
             return
@@ -77,8 +87,8 @@ class RunDisplay:
         show, log = self.progress.due(now), self.step_log
         if not show and (log is None or not log.due(worker.step, now)):
             return          # most steps: nothing to write or draw
-        frac = min(1.0, policy.epoch_fraction(worker))
-        counts, lr = totals.counts(), policy.current_lr(worker)
+        at = where()
+        frac, lr, counts = min(1.0, at.epoch_fraction), at.lr, totals.counts()
         if log is not None:
             log.step(worker.step, now, counts, worker.epoch + frac, lr)
         if not show:
@@ -87,7 +97,7 @@ class RunDisplay:
         self.progress.update(Snapshot(
             epoch=worker.epoch, epochs=epochs, epoch_fraction=frac,
             run_fraction=run_fraction(worker.epoch, frac, epochs, worker.step, worker.total_steps),
-            step=worker.step, step_label=policy.step_label(worker), epoch_samples=totals.samples,
+            step=worker.step, step_label=at.step_label, epoch_samples=totals.samples,
             samples_per_epoch=int(worker.plan.samples_per_epoch),
             shown=shown(Window(counts, seconds=now - self._epoch_clock[0], lr=lr,
                                per_sample=worker.per_sample)), now=now,

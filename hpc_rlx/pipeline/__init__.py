@@ -9,7 +9,8 @@ The stages themselves are ``graph.partition`` (``StageGraph``) with the executor
 - buffers: the layout of the messages between neighbouring stages (pure);
 - engine: one rank's share of a step (Isend/Irecv of activations and their gradients, the
   loss carried down with the gradients) and of validation;
-- lanes: ``PipelineLanes`` and ``PipelineBucket``, the engine behind the interface the loop
-  drives (``device.lanes.LaneSet`` and the fused bucket), with how the step's decisions reach
-  every rank in the same step.
+- stage_lanes: a stage's CPU lanes, each micro-batch's rows split over them;
+- adapters: ``PipelineLaneSet`` and ``PipelineBucket``, the engine behind the interfaces the
+  loop drives (``device.lanes.LaneSet`` and the fused bucket), with how the step's decisions
+  reach every rank in the same step.
 """

@@ -1,10 +1,11 @@
-"""The pipelined step behind the interface the loop already drives: ``PipelineLanes`` stands
-where ``device.lanes.LaneSet`` stands (``step``, ``evaluate``, ...), ``PipelineBucket`` where
-the fused bucket stands, so ``policy=sync`` runs a pipelined job unchanged.
+"""The pipelined step behind the interfaces the loop already drives: ``PipelineLaneSet`` stands
+where ``device.lanes.LaneSet`` stands (``step``, ``evaluate``, ...: the stage's lanes, run by
+the engine's schedule), ``PipelineBucket`` where the fused bucket stands, so ``policy=sync``
+runs a pipelined job unchanged.
 
 One step, policy ``sync``, on a rank of stage s:
 
-1. ``PipelineLanes.step`` runs the stage's micro-batches (``engine.StageEngine``); the stage's
+1. ``PipelineLaneSet.step`` runs the stage's micro-batches (``engine.StageEngine``); the stage's
    sample-weighted gradients land in the bucket's payload; it returns the replica's rows, loss
    sum and correct count (the last stage's, passed down with the gradients).
 2. The policy writes the tail (samples, loss sum, correct, this rank's flags) as today.
@@ -34,14 +35,18 @@ from hpc_rlx.comm.collective import watched_call
 from hpc_rlx.observe import trace
 
 
-class _StageLane:
-    """What the loop reads of a lane (``name``, ``samples``, ``busy_s``)."""
+class _StageLaneTotals:
+    """The stage's lanes as the one entry the loop reads of a lane (``name``, ``samples``,
+    ``busy_s``)."""
 
     def __init__(self, name: str):
         self.name, self.samples, self.busy_s = name, 0, 0.0
 
 
-class PipelineLanes:
+class PipelineLaneSet:
+    """A pipelined rank's ``LaneSet``: its stage's lanes (``engine.lanes``, ``StageLanes``),
+    stepped through the pipeline schedule."""
+
     overlap_capable = False
 
     def __init__(self, engine, params_flat, layout, bucket):
@@ -52,7 +57,7 @@ class PipelineLanes:
         self.grad_views = layout.views(bucket.payload)
         k = len(engine.lanes)
         name = f"cpu{'0' if k == 1 else f'0-{k - 1}'} (stage {engine.stage}/{engine.stages})"
-        self.lanes = [_StageLane(name)]
+        self.lanes = [_StageLaneTotals(name)]
         self.names = [name]
         # lanes after the first: a gradient buffer each, added into the bucket after the step
         self._peers = [(buf, layout.views(buf)) for buf in (np.zeros_like(bucket.payload) for _ in range(k - 1))]

@@ -22,7 +22,7 @@ and ranks sum today (partial batches included).
 What travels with the gradients (``buffers.TAIL``): the last stage writes each micro-batch's
 loss sum and correct count into the backward message, and every stage passes them down, so
 every stage ends the step with its replica's loss and no collective is needed for it. The
-control flags cannot travel this way (see ``lanes.PipelineBucket``).
+control flags cannot travel this way (see ``adapters.PipelineBucket``).
 """
 
 from __future__ import annotations

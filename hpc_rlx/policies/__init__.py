@@ -8,8 +8,9 @@ Their pure math, which touches no MPI, files or clocks. Every decision is a dete
 fused Allreduce, so all ranks reach the same decision without an extra collective:
 
 - `consensus`: the work-weighted parameter average (weigh, divide, divergence), on the
-  payload and weight slot `bucket.SyncLayout` hands it.
-- `bucket`: the sync's slots, `[w*W ... | w | per-rank report slots]`, in the worker's bucket, and their readout.
+  payload and weight slot `sync_slots.SyncLayout` hands it.
+- `sync_slots`: the sync's slots, `[w*W ... | w | per-rank report slots]`, in the worker's
+  fused bucket, and their readout.
 - `elche`: the cadence scheduler (steps per rank per window, anchor tuning).
 - `interval`: the async interval controller (K from comm overhead, divergence guard).
 - `outer`: outer optimizers applied to the consensus (average, DiLoCo, SlowMo).
@@ -19,7 +20,6 @@ fused Allreduce, so all ranks reach the same decision without an extra collectiv
 - `epochlog`: the per-epoch metrics record of a windowed policy.
 """
 
-from .bucket import REPORT_FIELDS, SyncLayout, SyncReport
 from .config import POLICY_NAMES, build_controller, validate_policy_config
 from .consensus import work_weight
 from .elche import ElcheScheduler
@@ -27,6 +27,7 @@ from .epochlog import EpochLog
 from .interval import IntervalController
 from .outer import DiLoCo, OuterAverage, OuterOptimizer, SlowMo, make_outer
 from .smoothing import RecentMin
+from .sync_slots import REPORT_FIELDS, SyncLayout, SyncReport
 from .window import plan_window, stretch_to_epoch
 
 __all__ = [

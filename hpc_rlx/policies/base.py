@@ -98,7 +98,8 @@ class Loop(Protocol):
     """What a policy's step may use of the run (and nothing more)."""
 
     worker: Any         # per-rank state: spec, comm, params, bucket, data, step/epoch position
-    lanes: Any          # the compute lanes: `step(x, y, seed)`, `refresh_device_params()`
+    lanes: Any          # the rank's lane set (`LaneSet`; a pipelined rank's `PipelineLaneSet`):
+                        # `step(x, y, seed)`, `refresh_device_params()`
     rank: int
     on_nonfinite: str   # train.on_nonfinite: "stop" or "skip"
     hooks: Any          # debug.*: `injection.DebugHooks` (does nothing unless asked)
@@ -131,6 +132,9 @@ class Policy:
     # The tail slots this policy writes in the fused bucket (`comm.bucket_layout`): summed
     # fields, and per-rank fields of one slot per rank. The worker lays out its one bucket
     # with them at start-up, after the payload.
+    # Whether every rank holds the same parameters after every step, so the ranks can hold one
+    # slice of the optimizer state each (`comm.shard=optimizer`).
+    shards_optimizer_state: bool = False
     bucket_fields: tuple[str, ...] = STEP_FIELDS
     bucket_rank_fields: tuple[str, ...] = ()
 

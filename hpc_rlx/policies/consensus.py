@@ -1,7 +1,7 @@
 """Work-weighted parameter consensus carried by one Allreduce(SUM).
 
 Each rank writes `w_i * W_i` into the bucket's payload and `w_i` into its summed weight slot
-(`bucket.SyncLayout` places both); after the SUM every rank holds `sum w_i W_i` and `sum w_i`,
+(`sync_slots.SyncLayout` places both); after the SUM every rank holds `sum w_i W_i` and `sum w_i`,
 and the consensus is the first divided by the second. Because the skip decision (summed
 weight == 0) is read from the reduced bucket itself, it is identical on every rank.
 
@@ -71,7 +71,7 @@ def divergence_from(params, payload, total: float, own_weight: float | None = No
 
     The value is local to the rank. To let every rank act on the max over ranks with no
     extra collective, write it into this rank's `divergence` report slot of the NEXT sync's
-    bucket (see `bucket.SyncLayout`).
+    bucket (see `sync_slots.SyncLayout`).
     """
     params = _flat(params, "params")
     n = params.size

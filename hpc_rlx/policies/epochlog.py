@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .bucket import SyncReport
+from .sync_slots import SyncReport
 
 
 class EpochLog:

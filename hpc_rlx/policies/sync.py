@@ -22,6 +22,7 @@ class SyncPolicy(Policy):
     name = "sync"
     defaults = {}
     steps_are_batches = True
+    shards_optimizer_state = True
 
     def step_label(self, worker) -> str:
         return f"step {worker.step_in_epoch}/{worker.steps_per_epoch}"

@@ -26,7 +26,7 @@ successive local passes (`worker.batch(pass * steps + step)`), with a cursor per
 rank tracks from the reported step counts. Fast ranks therefore see their shard more often
 than slow ranks within an epoch: the sample count is exact, per-sample coverage is not.
 
-Clocks: `worker.step` counts syncs (checkpoint cadence and `train.max_steps` use it) and
+Clocks: `worker.step` counts syncs (checkpoint intervals and `train.max_steps` use it) and
 `worker.step_in_epoch` the syncs of this epoch; the learning rate follows data progress in global
 batches, as with policy=sync, so both walk the same LR curve over an epoch.
 
@@ -52,12 +52,12 @@ from hpc_rlx.observe import trace
 
 from ..errors import ConfigError
 from .base import EpochTotals, Loop, Policy, StepResult, dropout_seed
-from .bucket import REPORT_FIELDS, SUMMED_FIELDS, SyncLayout
 from .consensus import work_weight
 from .epochlog import EpochLog
 from .keys import SHARED_DEFAULTS, SHARED_DOCS, check_outer_keys, integer_key, number_key
 from .outer import outer_from_config
 from .smoothing import RecentMin
+from .sync_slots import REPORT_FIELDS, SUMMED_FIELDS, SyncLayout
 from .window import plan_window
 
 FIELDS = REPORT_FIELDS + ("loss_sum", "correct") + CONTROL_FLAGS     # per-rank slots of the sync

@@ -8,9 +8,9 @@ only in what they are given:
   data-parallel communicator as its ``comm`` (so its data shard is replica r's of D, its bucket
   is the stage's, its Initial-weights Bcast and validation Allreduce run among the stage's
   replicas);
-- ``lanes``: ``pipeline.lanes.PipelineLanes`` stands for the lanes, and the worker's bucket is
-  wrapped in ``PipelineBucket`` (its Allreduce over the stage's replicas, then the tail agreed
-  along the pipeline; see ``pipeline/lanes.py``).
+- ``lane_set``: ``pipeline.adapters.PipelineLaneSet`` stands for the rank's ``LaneSet`` (the
+  stage's lanes), and the worker's bucket is wrapped in ``PipelineBucket`` (its Allreduce over
+  the stage's replicas, then the tail agreed along the pipeline; see ``pipeline/adapters.py``).
 
 With S = 1 ``for_rank`` returns the spec and communicator unchanged and nothing here runs.
 
@@ -35,7 +35,7 @@ from hpc_rlx.graph import Graph, ParamLayout
 from hpc_rlx.graph.partition import partition
 from hpc_rlx.pipeline.engine import StageEngine
 from hpc_rlx.pipeline.grid import PipelineComms, split
-from hpc_rlx.pipeline.lanes import PipelineBucket, PipelineLanes
+from hpc_rlx.pipeline.adapters import PipelineBucket, PipelineLaneSet
 
 
 @dataclass
@@ -55,15 +55,15 @@ def for_rank(spec, world) -> RankPlace:
     return RankPlace(replace(spec, graph=parts[comms.stage].to_dict()), comms.data, comms)
 
 
-def lanes(place: RankPlace, worker, cpu_threads: int = 1) -> PipelineLanes:
-    """The pipelined lanes of ``worker``; wraps its bucket (see the module docstring)."""
+def lane_set(place: RankPlace, worker, cpu_threads: int = 1) -> PipelineLaneSet:
+    """The lane set of a pipelined ``worker``; wraps its bucket (see the module docstring)."""
     spec, plan = place.spec, worker.plan
     max_rows = max(plan.rank_batch(r) for r in range(plan.world_size))
     engine = StageEngine(worker.graph, place.comms, spec.parallel["schedule"], int(spec.parallel["microbatches"]),
                          max_rows, spec.train["dtype"], lanes=int(spec.device["cpu_lanes"]),
                          xp=host_array_module(spec.device["cpu_blas"], cpu_threads))
     worker.bucket = PipelineBucket(worker.bucket, place.comms)
-    return PipelineLanes(engine, worker.params, worker.layout, worker.bucket)
+    return PipelineLaneSet(engine, worker.params, worker.layout, worker.bucket)
 
 
 # ---- the trained model: model.h5 on rank 0, one stage at a time ------------------------------

@@ -10,13 +10,13 @@ the run only through `policies.base.Loop`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from hpc_rlx import run_dir_names as names
 from hpc_rlx.checkpoint.runtime import RuntimeCheckpoints
+from hpc_rlx.checkpoint.triggers import INTERVAL_REASON
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import flag_values
 from hpc_rlx.comm.topology import hostname, local_rank
@@ -29,33 +29,16 @@ from hpc_rlx.device.threads import limit_threads, thread_lanes
 from hpc_rlx.errors import CheckpointError, ConfigError, phase
 from hpc_rlx.injection import DebugHooks
 from hpc_rlx.observe import trace
-from hpc_rlx.observe.display import RunDisplay
+from hpc_rlx.observe.display import RunDisplay, Where
 from hpc_rlx.observe.metrics import Window, epoch_values
 from hpc_rlx.observe.outputs import RunOutputs
 from hpc_rlx.observe.progress import end_line
-from hpc_rlx.policies.base import EpochTotals, StepResult, dropout_seed
+from hpc_rlx.policies.base import EpochTotals, dropout_seed
 from hpc_rlx.policies.registry import make_policy
 from hpc_rlx.runtime import pipelined
+from hpc_rlx.runtime.rank_stats import RankStats
 from hpc_rlx.runtime.worker import Worker
 from hpc_rlx.runtime.signals import SIGNALS
-
-
-@dataclass
-class RankStats:
-    lanes: list
-    inventory: list
-    samples: int = 0
-    compute_s: float = 0.0
-    comm_s: float = 0.0
-    data_s: float = 0.0
-    first_loss: float | None = None
-    last_loss: float | None = None
-    lane_samples: dict = field(default_factory=dict)
-    lane_busy_s: dict = field(default_factory=dict)
-    threads: int | None = None
-    checkpoint_s: float = 0.0
-    # one record per epoch of this rank's time split (gathered once, at the end of the run)
-    epochs: list = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------------------
@@ -83,8 +66,6 @@ class Run:
         self.display = RunDisplay(spec, self.is_root, self.t_start)
         self.partial_metrics: dict | None = None     # the validation of a run ending mid-epoch
         self.tracer = None
-        self._ckpt_pending_s = 0.0
-        self._cpu_mark = time.process_time()
         # set up by execute(), in this order
         self.threads: int | None = None
         self.place = None       # pipelined.RankPlace: this rank's stage, if pipelined
@@ -139,22 +120,17 @@ class Run:
                 self.stop_reason = "nonfinite"
                 break
             totals.add(result)
-            self._add_rank_step(result)
-            self.display.after_step(worker, policy, totals)
+            self.stats.add_step(result)
+            self.display.after_step(worker, totals, self._where)
             if self._checkpoint_or_stop(result.flags):
                 break
         policy.end_epoch(self, totals, stopping=self.stop_reason is not None)
         return totals
 
-    def _add_rank_step(self, result: StepResult) -> None:
-        st = self.stats
-        st.samples += result.rank_samples
-        st.compute_s += result.compute_s
-        st.comm_s += result.comm_s
-        if result.rank_samples:
-            if st.first_loss is None:
-                st.first_loss = result.rank_loss
-            st.last_loss = result.rank_loss
+    def _where(self) -> Where:
+        """Where the epoch is, for the display (asked only when it draws or records)."""
+        policy, worker = self.policy, self.worker
+        return Where(policy.epoch_fraction(worker), policy.step_label(worker), policy.current_lr(worker))
 
     def _checkpoint_or_stop(self, flags: dict) -> bool:
         """After a step: checkpoint if due; whether the run stops here (`stop_reason` set)."""
@@ -168,7 +144,7 @@ class Run:
                 # resume does not redo the epoch's end.
                 self.checkpoints.deferred = True
             else:
-                self.save_checkpoint(reason="cadence")
+                self.save_checkpoint(reason=INTERVAL_REASON)
         if worker.total_steps and worker.step >= worker.total_steps:
             self.stop_reason = "max_steps"
             return True
@@ -183,7 +159,7 @@ class Run:
         start from the checkpoint's, so the epoch's train_loss covers all its steps."""
         carried, self.carried_totals = self.carried_totals, None
         t = self.current_totals = EpochTotals.from_carried(carried)
-        self.display.epoch_start(self.worker, self.policy, t)
+        self.display.epoch_start(self.worker, self._where(), t)
         return t
 
     def save_checkpoint(self, reason: str, metric: float | None = None) -> None:
@@ -193,17 +169,7 @@ class Run:
             t0 = time.perf_counter()
             with trace.span("checkpoint", "io", args={"reason": reason}):
                 self.checkpoints.save(reason, metric)
-        self._add_checkpoint_time(time.perf_counter() - t0)
-
-    def _add_checkpoint_time(self, dt: float) -> None:
-        st, worker = self.stats, self.worker
-        st.checkpoint_s += dt
-        if st.epochs and st.epochs[-1]["epoch"] == worker.epoch:
-            # saved after the epoch's record was made (end of epoch): belongs to that epoch
-            st.epochs[-1]["checkpoint_s"] += dt
-            st.epochs[-1]["epoch_s"] += dt
-        else:
-            self._ckpt_pending_s += dt   # inside an epoch: already part of its wall time
+        self.stats.add_checkpoint(time.perf_counter() - t0, self.worker.epoch)
 
     # ---- main -------------------------------------------------------------------------
     def execute(self) -> dict:
@@ -221,7 +187,7 @@ class Run:
         self.worker = worker = Worker(place.spec, place.comm, log=self.log, fields=self.policy.bucket_fields,
                                       rank_fields=self.policy.bucket_rank_fields)
         self.log(spec.plan)
-        self._cpu_mark = time.process_time()
+        cpu_mark = time.process_time()
         with phase("data loading"), trace.span("data.load", "data",
                                                args={"distribution": spec.data.distribution}):
             # before the feed's collectives: a failure takes the abort path, not a hang
@@ -233,7 +199,7 @@ class Run:
         if spec.comm["shared_memory"] and not place.comms:   # before the lanes take views of it
             worker.bucket.share_node_memory(comm, cpu_only=all(kind == "cpu" for kind, _ in lanes_spec))
         # Lanes place the bucket (device twin or host) and pick its Allreduce path.
-        self.lanes = pipelined.lanes(place, worker, self.threads) if place.comms \
+        self.lanes = pipelined.lane_set(place, worker, self.threads) if place.comms \
             else collective.agree(comm, lambda: LaneSet(
             worker.graph, lanes_spec, spec.train["dtype"], worker.params, worker.bucket, worker.layout,
             cuda_aware=spec.comm["cuda_aware"], cpu_blas=spec.device["cpu_blas"], cpu_threads=self.threads,
@@ -244,6 +210,7 @@ class Run:
         self.log(f"lanes: {lane_note}")
         self.log(f"{bucket_note}")
         self.stats = RankStats(lanes=self.lanes.names, inventory=inventory(), threads=self.threads)
+        self.stats.start_clock(cpu_mark)
         self.checkpoints = RuntimeCheckpoints(spec, comm, worker, self.policy, self.log,
                                               lambda: self.current_totals, pipeline=place.comms)
         with phase("resume from a checkpoint"):
@@ -286,7 +253,7 @@ class Run:
                 worker.state.epoch_ended()
                 epoch_due = self.checkpoints.epoch_due(worker.epoch)
                 if (epoch_due or self.checkpoints.deferred) and self.stop_reason is None:
-                    self.save_checkpoint("epoch" if epoch_due else "cadence",
+                    self.save_checkpoint("epoch" if epoch_due else INTERVAL_REASON,
                                          metrics.get(spec.checkpoint["metric"]))
                 if self.stop_reason is None:    # else the final or preemption save follows here
                     self.checkpoints.epoch_ended(metrics.get(spec.checkpoint["metric"]))
@@ -322,7 +289,7 @@ class Run:
         t_eval = time.perf_counter()
         with phase("validation"), trace.span("evaluate", "eval"):
             val = worker.evaluate(self.lanes)
-        self._record_rank_epoch(totals, wall, time.perf_counter() - t_eval)
+        self.stats.record_epoch(worker.epoch + 1, totals, wall, time.perf_counter() - t_eval, worker.data_s)
         metrics = epoch_values(Window(totals.counts(), seconds=totals.step_wall_s,
                                       lr=self.policy.current_lr(worker), per_sample=worker.per_sample))
         worker.check_validation_finite(val["val_loss"], metrics.get("train_loss"))
@@ -358,22 +325,6 @@ class Run:
         self.display.epoch_end(rec, totals.comm_s, totals.steps, partial)
         return rec
 
-    def _record_rank_epoch(self, totals: EpochTotals, wall: float, eval_s: float) -> None:
-        """This rank's time split of the epoch; gathered with the rank stats at the end."""
-        st = self.stats
-        load_s = self.worker.data_s if not st.epochs else 0.0   # the shard load precedes epoch 1
-        ckpt, self._ckpt_pending_s = self._ckpt_pending_s, 0.0
-        # CPU seconds of all this process's threads since the last record (MPI spin-waits
-        # included): far below wall x threads means the rank did not get its cores
-        cpu_now = time.process_time()
-        cpu, self._cpu_mark = cpu_now - self._cpu_mark, cpu_now
-        st.epochs.append({
-            "epoch": self.worker.epoch + 1, "steps": totals.steps,
-            "compute_s": totals.compute_s, "comm_s": totals.comm_s,
-            "data_s": load_s + totals.data_s, "eval_s": eval_s, "checkpoint_s": ckpt,
-            "epoch_s": load_s + wall + eval_s, "cpu_s": cpu,
-        })
-
     def _finish(self) -> dict:
         worker, comm = self.worker, self.comm
         st = self.stats
@@ -386,7 +337,7 @@ class Run:
         st.data_s = worker.data_s
         worker.feed.close()      # collective: data.cache=stream's rounds in flight complete
         # peak_rss_bytes next to shard_bytes (the rank's rows as stored): what data costs
-        mine = dict(st.__dict__, rank=self.rank, host=hostname(),
+        mine = dict(st.report(), rank=self.rank, host=hostname(),
                     wall_s=time.perf_counter() - self.t_start, **worker.feed.report(),
                     # what this rank holds of the model (a pipelined rank: its stage's share)
                     param_bytes=int(worker.params.nbytes), optimizer_bytes=worker.optimizer.nbytes())

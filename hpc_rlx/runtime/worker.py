@@ -10,13 +10,16 @@ import numpy as np
 
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import STEP_FIELDS
+from hpc_rlx.comm.shard import ParamShard
 from hpc_rlx.config.spec import TrainSpec, initial_parameters, schedule_kwargs
 from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.graph import ParamLayout
 from hpc_rlx.graph.partition import load_graph
 from hpc_rlx.runtime.feed import Feed, MemoryFeed, StreamFeed
 from hpc_rlx.runtime.feed_scatter import ScatterStreamFeed
+from hpc_rlx.observe import trace
 from hpc_rlx.optim import clip_grad_norm_, make_optimizer, make_schedule, optimizer_kwargs, scaled_lr
+from hpc_rlx.optim.clip import scale_to_norm_, squared_norm
 from hpc_rlx.runtime.state import TrainState
 
 
@@ -46,6 +49,10 @@ class Worker:
         comm.Bcast(self.params, root=0)
 
         self.plan = plan_shards(spec.data.n_train, spec.train["batch_size"], self.world, spec.data.leftover)
+        # comm.shard=optimizer: this rank steps, and holds the optimizer state of, one slice
+        self.n_trainable = self.layout.trainable_size
+        self.shard = (ParamShard(self.layout.size, self.n_trainable, self.rank, self.world)
+                      if spec.comm.get("shard", "none") == "optimizer" else None)
         self.steps_per_epoch = self.plan.steps_per_epoch
         # The one parameter-sized bucket: gradients (or a windowed sync's weighted parameters),
         # then the tail slots the policy declares (`Policy.bucket_fields`, `bucket_rank_fields`).
@@ -55,15 +62,16 @@ class Worker:
             world_size=self.world,
             cap_mb=float(spec.comm["bucket_cap_mb"]), deterministic=bool(spec.comm["deterministic"]),
             wire_dtype=spec.comm["wire_dtype"], overlap=bool(spec.comm["overlap"]),
-            overlap_chunk_mb=float(spec.comm["overlap_chunk_mb"]), reduction=spec.comm["reduction"]))
+            overlap_chunk_mb=float(spec.comm["overlap_chunk_mb"]), reduction=spec.comm["reduction"],
+            shard=self.shard))
         # comm.overlap: where each gradient sits, so a chunk can start once backward finished it
         self.bucket.set_overlap_spans({name: (off, off + int(np.prod(self.layout.shapes[name], dtype=np.int64)))
                                        for name, off in self.layout.offsets.items()})
         opt = dict(spec.optim)
         # The optimizer steps the trainable prefix; the buffers after it (batch-norm running
         # statistics) move towards the step's mean statistic, carried in the same bucket slots.
-        self.n_trainable = self.layout.trainable_size
-        self.optimizer = make_optimizer(opt["name"], self.n_trainable, np, self.dtype, **optimizer_kwargs(opt))
+        stepped = self.n_trainable if self.shard is None else self.shard.n_local
+        self.optimizer = make_optimizer(opt["name"], stepped, np, self.dtype, **optimizer_kwargs(opt))
         self.buffer_rates = self._buffer_rates()
         self.base_lr = scaled_lr(float(opt["lr"]), self.world, float(opt["lr_scale_ratio"] or 0.0))
         # The schedule spans the configured epochs; max_steps only stops early, so a run
@@ -127,7 +135,11 @@ class Worker:
         """Clip (optionally) and step the optimizer with the mean gradient ``grad_scale * grad``
         (the sum and 1 / samples from the bucket: the optimizer folds the division into its own
         passes); move the buffers towards the mean statistics in the rest of ``grad``, which
-        may be overwritten. Returns the gradient norm when clipping."""
+        may be overwritten. Returns the gradient norm when clipping. With sharded optimizer
+        state only this rank's slice of ``grad`` holds the sum: the rank steps its slice, and
+        the slices are then gathered."""
+        if self.shard is not None:
+            return self._apply_slice(grad, lr, grad_scale)
         norm = None
         n = self.n_trainable
         clip = self.spec.optim["clip_grad_norm"]
@@ -142,6 +154,45 @@ class Worker:
             buffers = self.params[n:]
             buffers += self.buffer_rates * (grad[n:] * grad_scale - buffers)
         return norm
+
+    def _apply_slice(self, grad: np.ndarray, lr: float, grad_scale: float) -> float | None:
+        shard, norm = self.shard, None
+        mine = shard.trainable
+        clip = self.spec.optim["clip_grad_norm"]
+        if clip:
+            if grad_scale != 1.0:
+                grad[mine] *= grad_scale
+            # the global norm from every slice's share, added in rank order on every rank
+            shares = self.comm.allgather(squared_norm(grad[mine]))
+            norm = math.sqrt(math.fsum(shares))
+            scale_to_norm_(grad[mine], float(clip), norm)
+            self.optimizer.step(self.params[mine], grad[mine], lr)
+        else:
+            self.optimizer.step(self.params[mine], grad[mine], lr, grad_scale=grad_scale)
+        if self.buffer_rates is not None:
+            own = shard.buffers
+            rates = self.buffer_rates[own.start - self.n_trainable: own.stop - self.n_trainable]
+            buffers = self.params[own]
+            buffers += rates * (grad[own] * grad_scale - buffers)
+        with trace.span("allgather", "comm"):
+            shard.allgather(self.comm, self.params, self.bucket.chunk_elems)
+        return norm
+
+    # ---- optimizer state as a checkpoint holds it (whole, whatever the sharding) ----------
+    def optimizer_state_for_checkpoint(self) -> dict | None:
+        """Collective under sharding: rank 0 gets the whole state, gathered one array at a
+        time; the other ranks None. Unsharded: this rank's state."""
+        state = self.optimizer.state_dict()
+        if self.shard is None:
+            return state
+        arrays = {name: self.shard.gather_to_root(self.comm, value) for name, value in state["arrays"].items()}
+        return dict(state, arrays=arrays) if self.rank == 0 else None
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """A checkpoint's whole optimizer state (sharded: this rank takes its slice)."""
+        if self.shard is not None:
+            state = dict(state, arrays={name: self.shard.local(value) for name, value in state["arrays"].items()})
+        self.optimizer.load_state_dict(state)
 
     def note_skip(self) -> None:
         """Count a step skipped for non-finite values (train.on_nonfinite=skip). A model that

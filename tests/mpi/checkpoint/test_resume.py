@@ -1,6 +1,6 @@
 """Checkpoints end to end under real mpirun: exact resume (mid-epoch and at an epoch end),
 SIGTERM to one rank, fallback from a corrupt checkpoint, a failing write, a resume on fewer
-ranks, a foreign model graph, the minutes cadence and retention in a real run.
+ranks, a foreign model graph, the minutes interval and retention in a real run.
 
 Every job is small (an MLP with one hidden layer of 32 on the digits) and runs in float64
 with `comm.deterministic=true`, so "exact" means bitwise: a resumed run must end with the same
@@ -314,7 +314,7 @@ def test_resume_path_refuses_another_graph_and_continues_the_right_one(ref, tmp_
                                                                 range(ref.spe, ref.last + 1, ref.spe)])
 
 
-# ---------------------------------------------------------------------------- cadence and retention
+# ---------------------------------------------------------------------- save triggers and retention
 
 def expected_kept(saves: list[tuple[str, int]], val_loss_at: dict[int, float], keep_last: int) -> set[int]:
     """Independent oracle: the last `keep_last` saves plus the first save with the lowest val_loss."""
@@ -327,19 +327,19 @@ def expected_kept(saves: list[tuple[str, int]], val_loss_at: dict[int, float], k
     return set(steps[-keep_last:]) | ({best} if best is not None else set())
 
 
-def test_minutes_cadence_and_keep_last_plus_best_in_a_real_run(tmp_path, digits_h5):
+def test_minutes_interval_and_keep_last_plus_best_in_a_real_run(tmp_path, digits_h5):
     run = tmp_path / "run"
     # every_steps=10 makes sure the keep-last window moves past the best; the minutes
-    # cadence adds saves wherever rank 0's clock says so.
+    # interval adds saves wherever rank 0's clock says so.
     common = [f"data.path={digits_h5}", "model.hidden=[32]", "train.epochs=3", "checkpoint.keep_last=2",
               "checkpoint.every_epochs=1", "checkpoint.every_steps=10", "checkpoint.every_minutes=0.001",
               "++debug.slowdown={0: 100.0, 1: 100.0}"]
     proc = train_job(2, run, common + ["train.max_steps=55"], timeout=90)
     assert proc.returncode == 0, explain(proc)
     spe = int(re.search(r"(\d+) steps/epoch", proc.stdout).group(1))
-    assert 2 * spe + 10 - (2 * spe) % 10 < 55 < 3 * spe, "a step cadence save must fall between"
+    assert 2 * spe + 10 - (2 * spe) % 10 < 55 < 3 * spe, "a step interval save must fall between"
     saves = saved_checkpoints(proc.stdout)
-    # Saves off both grids come from the minutes cadence: rank 0's clock decided, and every
+    # Saves off both grids come from the minutes interval: rank 0's clock decided, and every
     # rank took part in the save at that same step (else the job would hang or fail).
     minute_steps = [s for r, s in saves if r == "cadence" and s % 10 and s % spe]
     assert minute_steps, saves
@@ -366,7 +366,7 @@ def test_minutes_cadence_and_keep_last_plus_best_in_a_real_run(tmp_path, digits_
     assert proc.returncode == 0, explain(proc)
     assert f"resumed from {ckpt(run, 55)}" in proc.stdout, explain(proc)
     more = saved_checkpoints(proc.stdout)
-    # the last step is saved exactly once: by the final save, or by the minutes cadence when its
+    # the last step is saved exactly once: by the final save, or by the minutes interval when its
     # clock fell due at that same step (then the final save has nothing left to write)
     last = 3 * spe - 2
     assert more and more[-1][1] == last and more[-1][0] in ("final", "cadence"), more

@@ -1,6 +1,6 @@
-"""The default checkpoint cadence: a time cadence, the end of the run and preemption, and the best
-epoch kept without a file per epoch. The decisions are tested on a test clock; one real job
-counts the files the default job writes."""
+"""The default checkpoint save triggers: a time interval, the end of the run and preemption, and
+the best epoch kept without a file per epoch. The decisions are tested on a test clock; one real
+job counts the files the default job writes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from hpc_rlx.checkpoint import read_checkpoint
-from hpc_rlx.checkpoint.cadence import BestWatch, Cadence
+from hpc_rlx.checkpoint.triggers import BestWatch, SaveTriggers
 
 from tests.support.jobs import REPO, explain, read_metrics, train_job
 
@@ -24,46 +24,46 @@ class Clock:
         return self.now
 
 
-def default_cadence(clock) -> Cadence:
-    return Cadence.from_config(yaml.safe_load(DEFAULT.read_text()), clock=clock)
+def default_triggers(clock) -> SaveTriggers:
+    return SaveTriggers.from_config(yaml.safe_load(DEFAULT.read_text()), clock=clock)
 
 
 def test_the_default_saves_on_time_not_on_every_epoch_or_step():
     clock = Clock()
-    cadence = default_cadence(clock)
-    assert cadence.enabled, "the default must still save (end of run, preemption, time)"
-    assert not any(cadence.epoch_due(e) for e in range(1, 1000)), "no save per epoch by default"
-    assert not any(cadence.steps_due(s) for s in range(1, 10_000)), "no save per N steps by default"
-    assert 0 < cadence.every_minutes <= 10, "a long run saves at least every 10 minutes"
+    triggers = default_triggers(clock)
+    assert triggers.enabled, "the default must still save (end of run, preemption, time)"
+    assert not any(triggers.epoch_due(e) for e in range(1, 1000)), "no save per epoch by default"
+    assert not any(triggers.steps_due(s) for s in range(1, 10_000)), "no save per N steps by default"
+    assert 0 < triggers.every_minutes <= 10, "a long run saves at least every 10 minutes"
 
 
 def test_a_long_run_saves_every_interval_of_training_counted_from_the_last_save():
     clock = Clock()
-    cadence = default_cadence(clock)
-    period = 60.0 * cadence.every_minutes
+    triggers = default_triggers(clock)
+    period = 60.0 * triggers.every_minutes
     clock.now += 3600.0            # startup (data loading, resume) does not count ...
-    cadence.restart()              # ... training starts here
+    triggers.restart()             # ... training starts here
     clock.now += period - 1
-    assert not cadence.minutes_due()
+    assert not triggers.minutes_due()
     clock.now += 1
-    assert cadence.minutes_due()
-    cadence.restart()              # the save was written
-    assert not cadence.minutes_due()
+    assert triggers.minutes_due()
+    triggers.restart()             # the save was written
+    assert not triggers.minutes_due()
     clock.now += period / 2
-    assert not cadence.minutes_due()
+    assert not triggers.minutes_due()
     clock.now += period / 2
-    assert cadence.minutes_due()
+    assert triggers.minutes_due()
 
 
-def test_explicit_cadences_still_work_and_zero_or_null_turns_them_off():
+def test_explicit_intervals_still_work_and_zero_or_null_turns_them_off():
     clock = Clock()
-    c = Cadence(every_steps=5, every_epochs=2, every_minutes=None, clock=clock)
+    c = SaveTriggers(every_steps=5, every_epochs=2, every_minutes=None, clock=clock)
     assert [s for s in range(1, 16) if c.steps_due(s)] == [5, 10, 15]
     assert [e for e in range(1, 7) if c.epoch_due(e)] == [2, 4, 6]
     clock.now += 1e9
     assert not c.minutes_due()
-    assert not Cadence(0, 0, 0, clock=clock).enabled
-    assert Cadence(None, None, None, clock=clock).describe() == "off"
+    assert not SaveTriggers(0, 0, 0, clock=clock).enabled
+    assert SaveTriggers(None, None, None, clock=clock).describe() == "off"
 
 
 def test_best_watch_picks_strict_improvements_and_continues_a_resumed_best():

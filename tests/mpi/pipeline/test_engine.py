@@ -1,4 +1,4 @@
-"""Pipelined training steps under real mpirun (pipeline/engine.py, lanes.py): the stages' SGD
+"""Pipelined training steps under real mpirun (pipeline/engine.py, adapters.py): the stages' SGD
 steps, exchanged by Isend/Irecv and reduced per stage over the replicas, end with the same
 parameters, losses and validation loss as the whole graph trained in one process on the same
 global batches (float64, relative <= 1e-10); GPipe and 1F1B; MLP, CNN, transformer LM;

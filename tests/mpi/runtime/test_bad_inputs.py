@@ -188,6 +188,10 @@ CASES = [
          r"already split into parallel\.microbatches=4", kind="ConfigError"),
     Case("accumulate_zero", ("train.accumulate=0",), r"train\.accumulate must be a positive integer, got 0",
          kind="ConfigError"),
+    Case("shard_with_cadence", ("policy=cadence", "comm.shard=optimizer"),
+         r"comm\.shard=optimizer does not run with policy=cadence: its ranks hold different parameters "
+         r"between syncs", kind="ConfigError"),
+    Case("shard_unknown", ("comm.shard=params",), r"comm\.shard='params' is not one of", kind="ConfigError"),
     Case("eval_batch_size_zero", ("train.eval_batch_size=0",),
          r"train\.eval_batch_size must be null or an integer >= 1, got 0", kind="ConfigError"),
     Case("graph_without_path", ("model=graph",), r"model=graph needs model\.path", kind="ConfigError"),

@@ -18,7 +18,7 @@ from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params
 from hpc_rlx.graph.partition import partition
 from hpc_rlx.pipeline.engine import StageEngine
 from hpc_rlx.pipeline.grid import split
-from hpc_rlx.pipeline.lanes import PipelineBucket, PipelineLanes
+from hpc_rlx.pipeline.adapters import PipelineBucket, PipelineLaneSet
 
 
 def batch(model, args, rng, b):
@@ -49,7 +49,7 @@ def main():
     D, B, lr = comms.grid.replicas, job["batch"], 0.05
     engine = StageEngine(st, comms, job["schedule"], job["micro"], -(-B // D), "float64")
     bucket = PipelineBucket(FusedBucket(layout.size, STEP_FIELDS, np.float64), comms)
-    lanes = PipelineLanes(engine, params, layout, bucket)
+    lanes = PipelineLaneSet(engine, params, layout, bucket)
     ex = Executor(g, np, "float64")
     rgrad = np.empty(full.size)
     rng = np.random.default_rng(11)

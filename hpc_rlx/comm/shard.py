@@ -1,0 +1,137 @@
+"""`comm.shard=optimizer`: sharded optimizer state over MPI (ZeRO stage 1).
+
+Each rank owns one contiguous slice of the parameter vector (`ParamShard`: `wire.segments`
+of the whole payload, trainable parameters then buffers). Per step:
+
+1. `ScatteredSum`, the bucket's reduction path: the tail (sample count, loss, flags) is summed
+   on every rank, the payload is reduce-scattered, so each rank holds the global sum of its own
+   slice only (the rest of its payload is left as it was);
+2. the rank steps the optimizer on its slice, holding only that slice's state (`Worker`);
+3. `ParamShard.allgather` gives every rank the updated parameters.
+
+The reduce-scatter moves the same bytes as the first half of a ring Allreduce and the allgather
+the second half. Both run in rounds of at most ``comm.bucket_cap_mb`` per rank (MPICH slows on
+messages above 32 MiB). Each rank adds the slices it receives in rank order, so the sum is
+bitwise the one `reduce.OrderedSum` gives (``comm.deterministic``) and repeats run to run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from hpc_rlx.comm.reduce import ReductionPath, Reduced, _mpi
+from hpc_rlx.comm.wire import segments
+
+SHARD_CHOICES = ("none", "optimizer")
+
+
+class ParamShard:
+    """This rank's slice of a parameter vector of `size` values whose first `n_trainable` are
+    stepped by the optimizer (the rest: buffers such as batch norm's running statistics)."""
+
+    def __init__(self, size: int, n_trainable: int, rank: int, world: int):
+        self.size, self.n_trainable, self.rank, self.world = int(size), int(n_trainable), int(rank), int(world)
+        self.bounds = segments(self.size, self.world)
+        self.lo, self.hi = self.bounds[self.rank]
+
+    @property
+    def trainable(self) -> slice:
+        """This rank's trainable parameters (maybe empty)."""
+        return slice(self.lo, max(self.lo, min(self.hi, self.n_trainable)))
+
+    @property
+    def buffers(self) -> slice:
+        """This rank's buffer values (maybe empty)."""
+        start = max(self.lo, self.n_trainable)
+        return slice(start, max(start, self.hi))
+
+    @property
+    def n_local(self) -> int:
+        """How many trainable values this rank's optimizer steps."""
+        t = self.trainable
+        return t.stop - t.start
+
+    def local(self, full):
+        """This rank's part of an array over the trainable parameters (optimizer state)."""
+        t = self.trainable
+        return full[t.start: t.stop]
+
+    def trainable_bounds(self) -> list[tuple[int, int]]:
+        """Every rank's trainable range, for gathering optimizer state."""
+        return [(min(lo, self.n_trainable), min(hi, self.n_trainable)) for lo, hi in self.bounds]
+
+    def rounds(self, chunk_elems: int) -> list[list[tuple[int, int]]]:
+        """The slices cut into rounds: round r holds every rank's r-th piece, and one rank's
+        receive side of a round (world pieces) stays within `chunk_elems` values."""
+        longest = max(hi - lo for lo, hi in self.bounds)
+        per_rank = max(1, int(chunk_elems) // self.world)      # one rank's piece of a round
+        count = max(1, math.ceil(longest / per_rank))
+        pieces = [[(lo + a, lo + b) for a, b in segments(hi - lo, count)] for lo, hi in self.bounds]
+        return [[pieces[r][k] for r in range(self.world)] for k in range(count)]
+
+    # ---- MPI -------------------------------------------------------------------------------
+    def allgather(self, comm, params, chunk_elems: int) -> None:
+        """Every rank's slice of `params` to every rank, in place."""
+        mpi = _mpi()
+        for pieces in self.rounds(chunk_elems):
+            counts = [hi - lo for lo, hi in pieces]
+            comm.Allgatherv(mpi.IN_PLACE, [params, (counts, [lo for lo, _ in pieces])])
+
+    def gather_to_root(self, comm, local: np.ndarray) -> np.ndarray | None:
+        """Rank 0: the whole trainable-sized array of which every rank holds its part (one
+        rank's part at a time arrives into the result); the other ranks: None."""
+        bounds = self.trainable_bounds()
+        counts = [hi - lo for lo, hi in bounds]
+        full = np.empty(self.n_trainable, dtype=local.dtype) if self.rank == 0 else None
+        comm.Gatherv(np.ascontiguousarray(local), [full, (counts, [lo for lo, _ in bounds])] if self.rank == 0
+                     else None, root=0)
+        return full
+
+
+class ScatteredSum(ReductionPath):
+    """The fused bucket reduce-scattered (`comm.shard=optimizer`): the tail summed on every
+    rank, the payload summed only in this rank's slice (`ParamShard`), by one Alltoallv per
+    round and additions in rank order."""
+
+    exact = True
+    ordered = True
+
+    def __init__(self, shard: ParamShard, chunk_elems: int):
+        self.shard = shard
+        self.chunk_elems = int(chunk_elems)
+        self._rounds = None
+        self._scratch = None
+
+    def _sum_tail(self, comm, tail) -> None:
+        gathered = np.empty((comm.size,) + tail.shape, dtype=tail.dtype)
+        comm.Allgather(np.ascontiguousarray(tail), gathered)
+        total = gathered[0].copy()
+        for src in range(1, comm.size):
+            total += gathered[src]
+        tail[...] = total
+
+    def run(self, bucket, comm, seq: int) -> Reduced:
+        self._sum_tail(comm, bucket.tail)
+        payload = bucket.payload
+        if self._rounds is None:
+            self._rounds = self.shard.rounds(self.chunk_elems)
+            longest = max(hi - lo for pieces in self._rounds for lo, hi in pieces)
+            self._scratch = np.empty(comm.size * max(1, longest), dtype=payload.dtype)
+        rank, sent = comm.rank, 0
+        for pieces in self._rounds:
+            lo, hi = pieces[rank]
+            mine = hi - lo
+            send_counts = [b - a for a, b in pieces]
+            recv = self._scratch[: comm.size * mine]
+            comm.Alltoallv([payload, (send_counts, [a for a, _ in pieces])],
+                           [recv, ([mine] * comm.size, [mine * r for r in range(comm.size)])])
+            if mine:
+                rows = recv.reshape(comm.size, mine)
+                total = rows[0].copy()
+                for src in range(1, comm.size):
+                    total += rows[src]
+                payload[lo:hi] = total
+            sent += (sum(send_counts) - mine) * payload.itemsize
+        return Reduced(len(self._rounds), sent, "host, reduce-scatter (comm.shard=optimizer)")
