@@ -206,7 +206,7 @@ class FusedBucket:
         self.choice = None              # cuda_mpi.PathChoice once lanes placed the bucket
         self.reduction_name = AUTO if reduction is None else reduction     # comm.reduction
         self.shard = shard          # comm.shard=optimizer: the payload is reduce-scattered
-        self.reduction = (ScatteredSum(shard, self.chunk_elems) if shard is not None else
+        self.reduction = (ScatteredSum(shard, self.chunk_elems, codec_for(self.wire)) if shard is not None else
                           make_reduction(self.chunk_elems, deterministic, self.wire, name=self.reduction_name))
         self.overlap = bool(overlap)
         self.shared_memory_off: str | None = None   # why comm.shared_memory could not be used
@@ -256,7 +256,7 @@ class FusedBucket:
         if self.shard is not None:      # the reduce-scatter sums host memory: a device bucket is staged
             self.choice = choice if choice.path == cuda_mpi.HOST else cuda_mpi.PathChoice(
                 cuda_mpi.STAGED, "comm.shard=optimizer sums in host memory")
-            inner = ScatteredSum(self.shard, self.chunk_elems)
+            inner = ScatteredSum(self.shard, self.chunk_elems, codec_for(self.wire))
             self.reduction = inner if choice.path == cuda_mpi.HOST else StagedSum(inner)
             return
         # a device bucket whose path sums host memory is staged

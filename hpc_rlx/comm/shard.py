@@ -10,7 +10,9 @@ of the whole payload, trainable parameters then buffers). Per step:
 3. `ParamShard.allgather` gives every rank the updated parameters.
 
 The reduce-scatter moves the same bytes as the first half of a ring Allreduce and the allgather
-the second half. Both run in rounds of at most ``comm.bucket_cap_mb`` per rank (MPICH slows on
+the second half. With ``comm.wire_dtype`` the reduce-scatter carries the codec's 16-bit words
+(`codec.Codec`) and the owner adds them in float32; the allgather carries the parameters as
+they are (every rank must step from the same values). Both run in rounds of at most ``comm.bucket_cap_mb`` per rank (MPICH slows on
 messages above 32 MiB). Each rank adds the slices it receives in rank order, so the sum is
 bitwise the one `reduce.OrderedSum` gives (``comm.deterministic``) and repeats run to run.
 """
@@ -21,6 +23,7 @@ import math
 
 import numpy as np
 
+from hpc_rlx.comm.codec import Codec
 from hpc_rlx.comm.reduce import ReductionPath, Reduced, _mpi
 from hpc_rlx.comm.wire import segments
 
@@ -98,8 +101,10 @@ class ScatteredSum(ReductionPath):
     exact = True
     ordered = True
 
-    def __init__(self, shard: ParamShard, chunk_elems: int):
+    def __init__(self, shard: ParamShard, chunk_elems: int, codec: Codec | None = None):
         self.shard = shard
+        self.codec = codec                  # comm.wire_dtype: the payload travels coded
+        self.exact = codec is None
         self.chunk_elems = int(chunk_elems)
         self._rounds = None
         self._scratch = None
@@ -119,6 +124,8 @@ class ScatteredSum(ReductionPath):
             self._rounds = self.shard.rounds(self.chunk_elems)
             longest = max(hi - lo for pieces in self._rounds for lo, hi in pieces)
             self._scratch = np.empty(comm.size * max(1, longest), dtype=payload.dtype)
+        if self.codec is not None:
+            return self._run_coded(comm, payload)
         rank, sent = comm.rank, 0
         for pieces in self._rounds:
             lo, hi = pieces[rank]
@@ -135,3 +142,24 @@ class ScatteredSum(ReductionPath):
                 payload[lo:hi] = total
             sent += (sum(send_counts) - mine) * payload.itemsize
         return Reduced(len(self._rounds), sent, "host, reduce-scatter (comm.shard=optimizer)")
+
+    def _run_coded(self, comm, payload) -> Reduced:
+        """The reduce-scatter in the codec's words: every rank codes its piece of each owner's
+        slice, each owner decodes and adds them in float32, in rank order."""
+        codec, words16, rank, sent = self.codec, _mpi().UINT16_T, comm.rank, 0
+        for pieces in self._rounds:
+            words = [codec.words(b - a) for a, b in pieces]
+            offsets = np.concatenate([[0], np.cumsum(words[:-1])]).astype(int).tolist()
+            outgoing = np.empty(sum(words), np.uint16)
+            for owner, (a, b) in enumerate(pieces):
+                codec.encode(payload[a:b], outgoing[offsets[owner]: offsets[owner] + words[owner]])
+            mine = words[rank]
+            incoming = np.empty(mine * comm.size, np.uint16)
+            comm.Alltoallv([outgoing, (words, offsets), words16],
+                           [incoming, ([mine] * comm.size, [mine * src for src in range(comm.size)]), words16])
+            lo, hi = pieces[rank]
+            if hi > lo:
+                payload[lo:hi] = codec.sum_blocks((incoming[src * mine: (src + 1) * mine]
+                                                   for src in range(comm.size)), hi - lo)
+            sent += int(outgoing.nbytes) - mine * 2
+        return Reduced(len(self._rounds), sent, f"host, reduce-scatter, wire {codec.name} (comm.shard=optimizer)")

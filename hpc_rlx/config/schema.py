@@ -227,8 +227,8 @@ KEYS: tuple[Key, ...] = (
         "(MPI's SUM); a named path must serve those settings", OneOf(*_reductions())),
     Key("comm.shard", str, "none", "`optimizer`: each rank holds the optimizer state of one slice of "
         "the parameters (ZeRO-1): the gradients are reduce-scattered, each rank steps its slice, the "
-        "parameters are all-gathered; policy=sync, without pipeline stages, comm.wire_dtype or "
-        "comm.overlap; `none`: every rank holds all of it", OneOf("none", "optimizer")),
+        "parameters are all-gathered; policy=sync, without pipeline stages or comm.overlap; `none`: "
+        "every rank holds all of it", OneOf("none", "optimizer")),
     Key("parallel.pipeline_stages", int, 1, "pipeline stages S: the model split into S stages on "
         "S ranks each, world size = replicas x S (1 = data parallel only)",
         Via(_check_stages, "must be a positive integer dividing the world size")),

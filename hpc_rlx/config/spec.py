@@ -208,8 +208,6 @@ def check_shard(cfg: dict) -> None:
         f"each needs its whole optimizer state; use policy=sync")
     if refusal is None and int(cfg["parallel"]["pipeline_stages"]) > 1:
         refusal = f"parallel.pipeline_stages={cfg['parallel']['pipeline_stages']}: not yet; use pipeline stages unsharded"
-    if refusal is None and c.get("wire_dtype"):
-        refusal = f"comm.wire_dtype={c['wire_dtype']}: not yet; the reduce-scatter sums exact values"
     if refusal is None and c.get("overlap"):
         refusal = "comm.overlap=true: not yet; the reduce-scatter runs after backward"
     if refusal is None and c.get("reduction", "auto") != "auto":

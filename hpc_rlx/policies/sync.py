@@ -67,7 +67,9 @@ class SyncPolicy(Policy):
             if total_n > 0:
                 bucket.payload_to_host()      # a CUDA-aware Allreduce leaves the sum on the GPU
                 with trace.span("optimizer", "optim"):
-                    worker.apply_gradient(bucket.payload, worker.lr_at(worker.step), grad_scale=1.0 / total_n)
+                    # comm.shard=optimizer: the parameters' allgather is part of the step's communication
+                    result.comm_s += worker.apply_gradient(bucket.payload, worker.lr_at(worker.step),
+                                                           grad_scale=1.0 / total_n)
                 worker.apply_gradient_ok()
             result.samples, result.loss_sum, result.correct = total_n, bucket["loss_sum"], bucket["correct"]
         worker.state.step_taken(s + 1)

@@ -131,32 +131,31 @@ class Worker:
             rates[off:off + int(np.prod(self.layout.shapes[name]))] = momentum[name]
         return rates
 
-    def apply_gradient(self, grad: np.ndarray, lr: float, grad_scale: float = 1.0) -> float | None:
+    def apply_gradient(self, grad: np.ndarray, lr: float, grad_scale: float = 1.0) -> float:
         """Clip (optionally) and step the optimizer with the mean gradient ``grad_scale * grad``
         (the sum and 1 / samples from the bucket: the optimizer folds the division into its own
         passes); move the buffers towards the mean statistics in the rest of ``grad``, which
-        may be overwritten. Returns the gradient norm when clipping. With sharded optimizer
-        state only this rank's slice of ``grad`` holds the sum: the rank steps its slice, and
-        the slices are then gathered."""
+        may be overwritten. With sharded optimizer state only this rank's slice of ``grad``
+        holds the sum: the rank steps its slice, and the slices are then gathered. Returns the
+        seconds spent in that allgather (0 unsharded)."""
         if self.shard is not None:
             return self._apply_slice(grad, lr, grad_scale)
-        norm = None
         n = self.n_trainable
         clip = self.spec.optim["clip_grad_norm"]
         if clip:
             if grad_scale != 1.0:
                 grad[:n] *= grad_scale
-            norm = clip_grad_norm_(grad[:n], float(clip))
+            clip_grad_norm_(grad[:n], float(clip))
             self.optimizer.step(self.params[:n], grad[:n], lr)
         else:
             self.optimizer.step(self.params[:n], grad[:n], lr, grad_scale=grad_scale)
         if self.buffer_rates is not None:
             buffers = self.params[n:]
             buffers += self.buffer_rates * (grad[n:] * grad_scale - buffers)
-        return norm
+        return 0.0
 
-    def _apply_slice(self, grad: np.ndarray, lr: float, grad_scale: float) -> float | None:
-        shard, norm = self.shard, None
+    def _apply_slice(self, grad: np.ndarray, lr: float, grad_scale: float) -> float:
+        shard = self.shard
         mine = shard.trainable
         clip = self.spec.optim["clip_grad_norm"]
         if clip:
@@ -174,9 +173,10 @@ class Worker:
             rates = self.buffer_rates[own.start - self.n_trainable: own.stop - self.n_trainable]
             buffers = self.params[own]
             buffers += rates * (grad[own] * grad_scale - buffers)
+        t0 = time.perf_counter()
         with trace.span("allgather", "comm"):
             shard.allgather(self.comm, self.params, self.bucket.chunk_elems)
-        return norm
+        return time.perf_counter() - t0
 
     # ---- optimizer state as a checkpoint holds it (whole, whatever the sharding) ----------
     def optimizer_state_for_checkpoint(self) -> dict | None:
