@@ -10,9 +10,10 @@ Three parts, every job with one BLAS thread per rank, AdamW, float32:
    at each of `--ranks` ranks on this machine (loopback); per job the step time from hpc_rlx's
    own `samples_per_s` over the epochs after the first, and the median ratio sharded /
    unsharded (goal <= 1.05: a reduce-scatter and an allgather move the bytes of an Allreduce).
-2. Memory per node: the same model at 1, 2 and 4 ranks on this one node, sharded and not: the
-   node's summed `param_bytes + optimizer_bytes` (summary.json, what the ranks hold) and summed
-   peak resident memory.
+2. Memory per node: an MLP whose AdamW state is most of a rank's memory (`--memory-hidden`,
+   ~18M parameters) at 1, 2 and 4 ranks on this one node, 4 steps, sharded and not: the node's
+   summed `param_bytes + optimizer_bytes` (summary.json, what the ranks hold) and summed peak
+   resident memory.
 3. Budget: per rank count, the largest transformer LM (`--budget-d-model` wide, layers grown)
    whose `param_bytes + optimizer_bytes` on a rank fit `--budget-mib`, unsharded and sharded:
    the depth is predicted from bytes per parameter measured on a 1-layer run, then the model
@@ -40,11 +41,12 @@ from bench_pipeline import largest_stage_params, lm_overrides, write_tokens  # n
 SHARDS = ("none", "optimizer")
 
 
-def mlp_job(run: Path, ranks: int, data: Path, args, shard: str) -> dict:
+def mlp_job(run: Path, ranks: int, data: Path, args, shard: str, hidden=None, extra=()) -> dict:
+    hidden = hidden or args.hidden
     overrides = ["-m", "hpc_rlx", f"hydra.run.dir={run}", "data=file", f"data.path={data}", "optim=adamw",
-                 "model=mlp", f"model.hidden=[{','.join(map(str, args.hidden))}]", f"train.batch_size={args.batch}",
+                 "model=mlp", f"model.hidden=[{','.join(map(str, hidden))}]", f"train.batch_size={args.batch}",
                  f"train.epochs={args.epochs}", "checkpoint=off", "report.plots=false", "report.tensorboard=false",
-                 "train.threads_per_rank=1", "data.val_fraction=0.02", f"comm.shard={shard}"]
+                 "train.threads_per_rank=1", "data.val_fraction=0.02", f"comm.shard={shard}", *extra]
     mpirun(ranks, overrides, timeout=1200, env=one_thread_env())
     summary = json.loads((run / "summary.json").read_text())
     return {"step_ms": hpc_throughput(run, args.batch)["step_ms"], "ranks": summary["ranks"]}
@@ -66,7 +68,8 @@ def memory_rows(tmp: Path, data: Path, args) -> list:
     rows = []
     for n in (1, 2, 4):
         for shard in SHARDS:
-            ranks = mlp_job(tmp / f"mem_{n}_{shard}", n, data, args, shard)["ranks"]
+            ranks = mlp_job(tmp / f"mem_{n}_{shard}", n, data, args, shard, hidden=args.memory_hidden,
+                            extra=["train.epochs=1", "train.max_steps=4"])["ranks"]
             held = sum(r["param_bytes"] + r["optimizer_bytes"] for r in ranks)
             rows.append([n, shard, round(held / 2**20, 1), round(sum(r["optimizer_bytes"] for r in ranks) / 2**20, 1),
                          round(sum(r["peak_rss_bytes"] for r in ranks) / 2**20, 1)])
@@ -108,6 +111,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hidden", type=int, nargs="+", default=[1024, 1024])
+    ap.add_argument("--memory-hidden", type=int, nargs="+", default=[4096, 4096],
+                    help="the memory part's MLP: AdamW's state most of a rank's memory")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--rows", type=int, default=3200)
