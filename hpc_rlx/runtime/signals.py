@@ -20,8 +20,10 @@ a launcher only ends the job for a rank that exits after MPI started on it (MPIC
 leaves the others waiting in MPI_Init forever). So a SIGINT that arrives while MPI is still
 starting is answered once it has started (`install(rank, comm)`), and that exit is
 MPI_Abort, which ends the job under any launcher. A second SIGINT during training exits at
-once (every rank is in Python then, and the launcher ends the job for a rank that leaves). Rank 0 prints the one line; the other ranks
-leave it `ABORT_GRACE_S` to do so first (a launcher that forwards Ctrl-C signals every rank).
+once (the launcher ends the job for a rank that leaves after MPI started). Rank 0 prints the
+one line; the other ranks leave it `ABORT_GRACE_S` to do so first (a launcher that forwards
+Ctrl-C signals every rank) and print it themselves when rank 0 could not (it was waiting inside
+a collective, where no Python handler runs).
 """
 
 from __future__ import annotations
@@ -156,9 +158,18 @@ class Signals:
                 except Exception:  # noqa: BLE001 - the exit itself must happen
                     pass
         if self.training:
-            # Every rank is past MPI_Init and running Python: a rank that exits after MPI
-            # started ends the job under any launcher, and it must leave before the launcher
-            # does (MPICH's mpiexec, on its own second Ctrl-C, cleans up and exits 0).
+            # Every rank is past MPI_Init: a rank that exits after MPI started ends the job
+            # under any launcher, and it must leave before the launcher does (MPICH's
+            # mpiexec, on its own second Ctrl-C, cleans up and exits 0).
+            if rank != 0:
+                # Rank 0 may sit in a collective waiting for this rank, where its handler
+                # cannot run: once the grace is over (the launcher has not ended the job for
+                # a rank 0 that printed and left) this rank says it instead.
+                time.sleep(ABORT_GRACE_S)
+                try:
+                    os.write(2, (self.exit_message() + "\n").encode())
+                except OSError:
+                    pass
             os._exit(INTERRUPT_EXIT)
         if rank != 0:
             time.sleep(ABORT_GRACE_S)
