@@ -11,9 +11,11 @@ Three parts, every job with one BLAS thread per rank, AdamW, float32:
    own `samples_per_s` over the epochs after the first, and the median ratio sharded /
    unsharded (goal <= 1.05: a reduce-scatter and an allgather move the bytes of an Allreduce).
 2. Memory per node: an MLP whose AdamW state is most of a rank's memory (`--memory-hidden`,
-   ~18M parameters) at 1, 2 and 4 ranks on this one node, 4 steps, sharded and not: the node's
-   summed `param_bytes + optimizer_bytes` (summary.json, what the ranks hold) and summed peak
-   resident memory.
+   ~18M parameters) at 1, 2 and 4 ranks on this one node, 4 steps: whole state, sharded, and
+   sharded with one copy of the parameters per node (`comm.node_shared_params`): the node's
+   summed `param_bytes + optimizer_bytes` (summary.json, what the ranks hold; the shared copy
+   counted once) and summed peak resident memory (which counts the shared pages each rank
+   touched, so it overstates a shared copy).
 3. Budget: per rank count, the largest transformer LM (`--budget-d-model` wide, layers grown)
    whose `param_bytes + optimizer_bytes` on a rank fit `--budget-mib`, unsharded and sharded:
    the depth is predicted from bytes per parameter measured on a 1-layer run, then the model
@@ -64,14 +66,20 @@ def step_rows(tmp: Path, data: Path, args) -> list:
     return rows
 
 
+# the memory part's setups: (label, comm.shard, comm.node_shared_params)
+MEMORY_SETUPS = (("none", "none", False), ("optimizer", "optimizer", False),
+                 ("optimizer + node_shared_params", "optimizer", True))
+
+
 def memory_rows(tmp: Path, data: Path, args) -> list:
     rows = []
     for n in (1, 2, 4):
-        for shard in SHARDS:
-            ranks = mlp_job(tmp / f"mem_{n}_{shard}", n, data, args, shard, hidden=args.memory_hidden,
-                            extra=["train.epochs=1", "train.max_steps=4"])["ranks"]
+        for label, shard, node_shared in MEMORY_SETUPS:
+            extra = ["train.epochs=1", "train.max_steps=4", f"comm.node_shared_params={str(node_shared).lower()}"]
+            ranks = mlp_job(tmp / f"mem_{n}_{shard}_{node_shared}", n, data, args, shard,
+                            hidden=args.memory_hidden, extra=extra)["ranks"]
             held = sum(r["param_bytes"] + r["optimizer_bytes"] for r in ranks)
-            rows.append([n, shard, round(held / 2**20, 1), round(sum(r["optimizer_bytes"] for r in ranks) / 2**20, 1),
+            rows.append([n, label, round(held / 2**20, 1), round(sum(r["optimizer_bytes"] for r in ranks) / 2**20, 1),
                          round(sum(r["peak_rss_bytes"] for r in ranks) / 2**20, 1)])
     return rows
 
@@ -130,7 +138,7 @@ def main() -> None:
             print(fmt_table(["ranks", "unsharded ms", "sharded ms", "ratio"], step_rows(tmp, data, args)))
         if "memory" not in args.skip:
             print("\nmemory on this node: sums over its ranks (MiB)")
-            print(fmt_table(["ranks", "comm.shard", "param+optimizer", "optimizer", "peak RSS"],
+            print(fmt_table(["ranks", "setup", "param+optimizer", "optimizer", "peak RSS"],
                             memory_rows(tmp, data, args)))
         if "budget" not in args.skip:
             vocab = 512

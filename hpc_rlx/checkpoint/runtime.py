@@ -219,10 +219,13 @@ class RuntimeCheckpoints:
 
         opt = staged = drain = None
         if worker.shard is not None:
-            opt = worker.optimizer_state_for_checkpoint()     # collective: rank 0 gets it whole
+            # collective over the worker's ranks (a stage's replicas with pipeline stages):
+            # its rank 0 gets the whole state, the others None
+            opt = worker.optimizer_state_for_checkpoint()
         if self.staged is not None:
-            opt = worker.optimizer.state_dict()
-            self.staged.send(worker.params, opt["arrays"])    # replica 0 of stages > 0
+            if worker.shard is None:
+                opt = worker.optimizer.state_dict()
+            self.staged.send(worker.params, opt["arrays"] if opt else {})    # replica 0 of stages > 0
             if self.is_root:
                 staged, drain = self.staged.staged(np.asarray(worker.params), opt["arrays"])
 
@@ -394,7 +397,7 @@ class RuntimeCheckpoints:
         if params.shape != worker.params.shape:
             raise CheckpointError(f"checkpoint {info['path']} holds {params.size} parameters, "
                                   f"the model has {worker.params.size}")
-        worker.params[...] = params
+        worker.set_params(params)
         worker.load_optimizer_state({
             "arrays": {k[4:]: v for k, v in arrays.items() if k.startswith("opt/")},
             "scalars": meta["optimizer"]["scalars"]})

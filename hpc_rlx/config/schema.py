@@ -227,8 +227,13 @@ KEYS: tuple[Key, ...] = (
         "(MPI's SUM); a named path must serve those settings", OneOf(*_reductions())),
     Key("comm.shard", str, "none", "`optimizer`: each rank holds the optimizer state of one slice of "
         "the parameters (ZeRO-1): the gradients are reduce-scattered, each rank steps its slice, the "
-        "parameters are all-gathered; policy=sync, without pipeline stages or comm.overlap; `none`: "
+        "parameters are all-gathered (with pipeline stages, among each stage's replicas); policy=sync, "
+        "without comm.overlap; `none`: "
         "every rank holds all of it", OneOf("none", "optimizer")),
+    Key("comm.node_shared_params", bool, False, "true: the ranks of a node read the parameters from "
+        "one array in the node's shared memory, each writing its slice after the step (one copy per "
+        "node); with comm.shard=optimizer, policy=sync and CPU lanes, without pipeline stages, "
+        "comm.deterministic, comm.wire_dtype or comm.overlap"),
     Key("parallel.pipeline_stages", int, 1, "pipeline stages S: the model split into S stages on "
         "S ranks each, world size = replicas x S (1 = data parallel only)",
         Via(_check_stages, "must be a positive integer dividing the world size")),

@@ -20,6 +20,7 @@ import numpy as np
 from hpc_rlx.config import schema as schema
 from hpc_rlx.config.rundirs import fingerprint_of
 from hpc_rlx.config.section import SECTIONS, section
+from hpc_rlx.config.sharding import check_shard
 from hpc_rlx.data import hdf5
 from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.data.resolve import num_classes, prepare_missing_data
@@ -166,7 +167,8 @@ def check_model_fits(graph, cfg: dict, world_size: int, what: str = "the model")
     # extra CPU lane
     state = parameter_copies(cfg["optim"])
     if cfg["comm"].get("shard") == "optimizer":     # a rank holds its slice of the state only
-        state /= max(1, world_size)
+        # sliced among the replicas of a stage (all ranks without pipeline stages)
+        state /= max(1, world_size // max(1, int(cfg["parallel"]["pipeline_stages"])))
     copies = 3 + state + max(0, cfg["device"]["cpu_lanes"] - 1)
     need = n * itemsize * copies + n * 8
     try:
@@ -195,25 +197,6 @@ def measured_cut_points(graph, stages: int, cfg: dict, replicas: int) -> list:
     print(f"[hpc_rlx] pipeline split by parameters and measured time: parallel.cut_points={cuts} "
           f"(per stage: {'; '.join(shares)})", flush=True)   # rank 0 only (build_spec)
     return cuts
-
-
-def check_shard(cfg: dict) -> None:
-    """``comm.shard=optimizer``: what the sharded step supports so far."""
-    c = cfg["comm"]
-    if c.get("shard", "none") == "none":
-        return
-    policy = cfg["policy"]["name"]
-    refusal = None if POLICIES[policy].shards_optimizer_state else (
-        f"policy={policy}: its ranks hold different parameters between syncs (local steps), so "
-        f"each needs its whole optimizer state; use policy=sync")
-    if refusal is None and int(cfg["parallel"]["pipeline_stages"]) > 1:
-        refusal = f"parallel.pipeline_stages={cfg['parallel']['pipeline_stages']}: not yet; use pipeline stages unsharded"
-    if refusal is None and c.get("overlap"):
-        refusal = "comm.overlap=true: not yet; the reduce-scatter runs after backward"
-    if refusal is None and c.get("reduction", "auto") != "auto":
-        refusal = f"comm.reduction={c['reduction']}: the reduce-scatter is the sharded step's own path"
-    if refusal is not None:
-        raise ConfigError(f"comm.shard=optimizer does not run with {refusal}")
 
 
 def check_pipeline(cfg: dict, graph, world_size: int) -> tuple:

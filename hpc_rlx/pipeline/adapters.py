@@ -63,7 +63,9 @@ class PipelineLaneSet:
         self._peers = [(buf, layout.views(buf)) for buf in (np.zeros_like(bucket.payload) for _ in range(k - 1))]
         self.bucket_path = (f"pipeline stage {engine.stage} of {engine.stages}, {engine.schedule}, "
                             f"{engine.micro} micro-batches, {engine.slots} buffer slot(s) per direction"
-                            + (f", {k} CPU lanes splitting each micro-batch" if k > 1 else ""))
+                            + (f", {k} CPU lanes splitting each micro-batch" if k > 1 else "")
+                            + (", state sliced among the stage's replicas, reduce-scatter (comm.shard=optimizer)"
+                               if getattr(bucket, "shard", None) is not None else ""))
 
     def step(self, x, y, seed: int, on_grad_ready=None):
         t0 = time.perf_counter()

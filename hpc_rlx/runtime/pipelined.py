@@ -63,6 +63,7 @@ def lane_set(place: RankPlace, worker, cpu_threads: int = 1) -> PipelineLaneSet:
                          max_rows, spec.train["dtype"], lanes=int(spec.device["cpu_lanes"]),
                          xp=host_array_module(spec.device["cpu_blas"], cpu_threads))
     worker.bucket = PipelineBucket(worker.bucket, place.comms)
+    worker.stage_pipe = place.comms.pipe        # clipping takes the whole model's norm
     return PipelineLaneSet(engine, worker.params, worker.layout, worker.bucket)
 
 

@@ -340,7 +340,7 @@ class Run:
         mine = dict(st.report(), rank=self.rank, host=hostname(),
                     wall_s=time.perf_counter() - self.t_start, **worker.feed.report(),
                     # what this rank holds of the model (a pipelined rank: its stage's share)
-                    param_bytes=int(worker.params.nbytes), optimizer_bytes=worker.optimizer.nbytes())
+                    param_bytes=worker.held_param_bytes, optimizer_bytes=worker.optimizer.nbytes())
         ranks = comm.gather(mine, root=0)
         pipelined.send_final_params(self.place, worker)
         self.lanes.close()

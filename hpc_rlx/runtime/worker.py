@@ -10,6 +10,7 @@ import numpy as np
 
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import STEP_FIELDS
+from hpc_rlx.comm.node_params import NodeSharedParams
 from hpc_rlx.comm.shard import ParamShard
 from hpc_rlx.config.spec import TrainSpec, initial_parameters, schedule_kwargs
 from hpc_rlx.data.plan import plan_shards
@@ -18,7 +19,7 @@ from hpc_rlx.graph.partition import load_graph
 from hpc_rlx.runtime.feed import Feed, MemoryFeed, StreamFeed
 from hpc_rlx.runtime.feed_scatter import ScatterStreamFeed
 from hpc_rlx.observe import trace
-from hpc_rlx.optim import clip_grad_norm_, make_optimizer, make_schedule, optimizer_kwargs, scaled_lr
+from hpc_rlx.optim import make_optimizer, make_schedule, optimizer_kwargs, scaled_lr
 from hpc_rlx.optim.clip import scale_to_norm_, squared_norm
 from hpc_rlx.runtime.state import TrainState
 
@@ -40,13 +41,23 @@ class Worker:
         self._warned_val_nonfinite = False
 
         # Initial weights: rank 0 materialises them, everyone receives them by buffer Bcast.
-        self.params = np.empty(self.layout.size, dtype=self.dtype)
+        # comm.node_shared_params: the ranks of a node share one array (comm/node_params.py)
+        self.node_params = (NodeSharedParams.create(comm, self.layout.size, self.dtype)
+                            if spec.comm.get("node_shared_params") else None)
+        self.params = (np.empty(self.layout.size, dtype=self.dtype) if self.node_params is None
+                       else self.node_params.array)
+        initial = {}
 
         def _init():
             if self.rank == 0:
-                self.params[...] = initial_parameters(spec, self.graph, self.layout)
+                initial["params"] = initial_parameters(spec, self.graph, self.layout)
+                if self.node_params is None:
+                    self.params[...] = initial.pop("params")
         collective.root_computes(comm, _init)
-        comm.Bcast(self.params, root=0)
+        if self.node_params is None:
+            comm.Bcast(self.params, root=0)
+        else:
+            self.node_params.write_all(comm, initial.pop("params", None))
 
         self.plan = plan_shards(spec.data.n_train, spec.train["batch_size"], self.world, spec.data.leftover)
         # comm.shard=optimizer: this rank steps, and holds the optimizer state of, one slice
@@ -80,6 +91,9 @@ class Worker:
         self.total_steps = int(spec.train["max_steps"]) if spec.train["max_steps"] else None
         self.schedule = make_schedule(opt["schedule"], self.base_lr, self.schedule_steps,
                                       **schedule_kwargs(opt))
+        # With pipeline stages: the communicator along this replica's pipeline (one rank per
+        # stage), over which the gradient's global norm is summed (set by runtime/pipelined.py)
+        self.stage_pipe = None
         self.state = TrainState()     # step, epoch, position: advanced only through it
         self.history: list[dict] = []
 
@@ -145,7 +159,7 @@ class Worker:
         if clip:
             if grad_scale != 1.0:
                 grad[:n] *= grad_scale
-            clip_grad_norm_(grad[:n], float(clip))
+            scale_to_norm_(grad[:n], float(clip), self._global_norm(grad[:n]))
             self.optimizer.step(self.params[:n], grad[:n], lr)
         else:
             self.optimizer.step(self.params[:n], grad[:n], lr, grad_scale=grad_scale)
@@ -154,6 +168,17 @@ class Worker:
             buffers += self.buffer_rates * (grad[n:] * grad_scale - buffers)
         return 0.0
 
+    def _global_norm(self, mine) -> float:
+        """The L2 norm of the whole model's gradient, of which this rank holds `mine`: its
+        slice under sharded state (the slices' shares added in rank order), its stage's with
+        pipeline stages (the stages' shares added in stage order), both, or all of it."""
+        squared = squared_norm(mine)
+        if self.shard is not None:
+            squared = math.fsum(self.comm.allgather(squared))
+        if self.stage_pipe is not None:
+            squared = math.fsum(self.stage_pipe.allgather(squared))
+        return math.sqrt(squared)
+
     def _apply_slice(self, grad: np.ndarray, lr: float, grad_scale: float) -> float:
         shard = self.shard
         mine = shard.trainable
@@ -161,10 +186,7 @@ class Worker:
         if clip:
             if grad_scale != 1.0:
                 grad[mine] *= grad_scale
-            # the global norm from every slice's share, added in rank order on every rank
-            shares = self.comm.allgather(squared_norm(grad[mine]))
-            norm = math.sqrt(math.fsum(shares))
-            scale_to_norm_(grad[mine], float(clip), norm)
+            scale_to_norm_(grad[mine], float(clip), self._global_norm(grad[mine]))
             self.optimizer.step(self.params[mine], grad[mine], lr)
         else:
             self.optimizer.step(self.params[mine], grad[mine], lr, grad_scale=grad_scale)
@@ -175,8 +197,26 @@ class Worker:
             buffers += rates * (grad[own] * grad_scale - buffers)
         t0 = time.perf_counter()
         with trace.span("allgather", "comm"):
-            shard.allgather(self.comm, self.params, self.bucket.chunk_elems)
+            if self.node_params is not None:    # the node's array: only other nodes' slices travel
+                self.node_params.allgather(shard, self.bucket.chunk_elems)
+            else:
+                shard.allgather(self.comm, self.params, self.bucket.chunk_elems)
         return time.perf_counter() - t0
+
+    def set_params(self, values) -> None:
+        """Collective: the parameters become `values`, which every rank holds (a resume); with
+        node-shared parameters, written once per node."""
+        if self.node_params is None:
+            self.params[...] = values
+        else:
+            self.node_params.write_local(values)
+
+    @property
+    def held_param_bytes(self) -> int:
+        """The parameter bytes this rank holds: a node's shared copy counts on its first rank."""
+        if self.node_params is not None and not self.node_params.is_leader:
+            return 0
+        return int(self.params.nbytes)
 
     # ---- optimizer state as a checkpoint holds it (whole, whatever the sharding) ----------
     def optimizer_state_for_checkpoint(self) -> dict | None:

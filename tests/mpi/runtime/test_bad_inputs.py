@@ -192,6 +192,12 @@ CASES = [
          r"comm\.shard=optimizer does not run with policy=cadence: its ranks hold different parameters "
          r"between syncs", kind="ConfigError"),
     Case("shard_unknown", ("comm.shard=params",), r"comm\.shard='params' is not one of", kind="ConfigError"),
+    Case("node_shared_params_without_shard", ("comm.node_shared_params=true",),
+         r"comm\.node_shared_params=true does not run with comm\.shard=none: each rank would step all of "
+         r"the node's one copy; set comm\.shard=optimizer", kind="ConfigError"),
+    Case("node_shared_params_with_the_16_bit_wire",
+         ("comm.node_shared_params=true", "comm.shard=optimizer", "comm.wire_dtype=bfloat16"),
+         r"comm\.node_shared_params=true does not run with comm\.wire_dtype=bfloat16", kind="ConfigError"),
     Case("eval_batch_size_zero", ("train.eval_batch_size=0",),
          r"train\.eval_batch_size must be null or an integer >= 1, got 0", kind="ConfigError"),
     Case("graph_without_path", ("model=graph",), r"model=graph needs model\.path", kind="ConfigError"),

@@ -101,3 +101,48 @@ def test_a_checkpoint_resumes_with_sharding_switched_and_another_world_size(tmp_
     assert f"written on {first[0]} ranks, shards re-planned for {then[0]}" in proc.stdout, explain(proc)
     diff = max_rel_diff(load_params(straight_run), load_params(run))
     assert diff <= 1e-10, f"max relative parameter difference {diff:.3e} from the straight run"
+
+
+def test_sharded_state_within_pipeline_stages_trains_the_model_and_resumes_unsharded(tmp_path, digits_h5):
+    """4 ranks as 2 stages of 2 replicas: each stage's state sliced between its replicas, the
+    clipping norm summed over the slices and then the stages. Stopped mid-epoch, the run resumes
+    on 2 ranks without stages or sharding and ends where a straight run of that setup ends."""
+    base = BASE + [f"data.path={digits_h5}", "optim.clip_grad_norm=0.5"] + ADAMW
+    straight = tmp_path / "straight"
+    proc = train_job(2, straight, base + ["checkpoint=off"], timeout=240)
+    assert proc.returncode == 0, explain(proc)
+    run = tmp_path / "run"
+    proc = train_job(4, run, base + ["parallel.pipeline_stages=2", "comm.shard=optimizer", "train.max_steps=75"],
+                     timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    assert "reduce-scatter (comm.shard=optimizer)" in (run / "hpc_rlx.log").read_text()
+    ranks = _ranks(run)
+    # the replicas of a stage (ranks s and s + 2 hold stage s) split its state between them
+    for s in range(2):
+        pair = [ranks[s]["optimizer_bytes"], ranks[s + 2]["optimizer_bytes"]]
+        assert 0 < max(pair) <= sum(pair) / 2 + 8 * 4, ranks
+    proc = train_job(2, run, base, timeout=240)
+    assert proc.returncode == 0, explain(proc)
+    assert "written on 4 ranks, shards re-planned for 2" in proc.stdout, explain(proc)
+    diff = max_rel_diff(load_params(straight), load_params(run))
+    assert diff <= 1e-10, f"max relative parameter difference {diff:.3e} from the straight run"
+
+
+def test_one_copy_of_the_parameters_per_node_trains_the_same_model_and_resumes(tmp_path, digits_h5, straight_run):
+    """comm.node_shared_params: 4 ranks of one node read one parameter array and write their
+    slices into it. The run equals the unsharded one, rank 0 alone reports the node's parameter
+    bytes, and a checkpoint taken mid-epoch resumes into the shared array (written once)."""
+    base = BASE + [f"data.path={digits_h5}"] + ADAMW
+    run = tmp_path / "run"
+    shared = ["comm.shard=optimizer", "comm.node_shared_params=true"]
+    proc = train_job(4, run, base + shared + ["train.max_steps=75"], timeout=240)
+    assert proc.returncode == 0, explain(proc)
+    ranks = _ranks(run)
+    assert ranks[0]["param_bytes"] > 0 and [r["param_bytes"] for r in ranks[1:]] == [0, 0, 0], ranks
+    proc = train_job(4, run, base + shared, timeout=240)
+    assert proc.returncode == 0, explain(proc)
+    assert "resumed from" in proc.stdout, explain(proc)
+    whole = _ranks(straight_run)
+    assert _ranks(run)[0]["param_bytes"] == whole[0]["param_bytes"]
+    diff = max_rel_diff(load_params(straight_run), load_params(run))
+    assert diff <= 1e-10, f"max relative parameter difference {diff:.3e} from the straight run"
