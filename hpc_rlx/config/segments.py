@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hpc_rlx import run_dir_names as names
 from hpc_rlx.config.fingerprint import changed_settings, describe_changes
+from hpc_rlx.config.schema import complete
 
 _SEGMENT_CONFIG = re.compile(r"config\.segment-(\d+)\.yaml")
 
@@ -46,6 +47,12 @@ def _load_yaml(text: str | None) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def _changed(before: dict | None, after: dict | None) -> dict:
+    """The settings that differ, each side read with the declared defaults filled in: a key
+    that an older checkpoint's config lacks is no change while it sits at its default."""
+    return changed_settings(complete(before) if before else before, complete(after) if after else after)
+
+
 def start_segment(run_dir: Path, config_yaml: str, *, resumed_from: str | None,
                   resumed_config_yaml: str | None, start_step: int, start_epoch: int,
                   world_size: int) -> dict | None:
@@ -65,7 +72,7 @@ def start_segment(run_dir: Path, config_yaml: str, *, resumed_from: str | None,
             before = (run_dir / segment_config_name(done[-1])).read_text()
         except OSError:
             before = None
-    changed = changed_settings(_load_yaml(before), _load_yaml(config_yaml))
+    changed = _changed(_load_yaml(before), _load_yaml(config_yaml))
     return {"event": "segment", "segment": k, "config": segment_config_name(k),
             "start_step": int(start_step), "start_epoch": int(start_epoch),
             "resumed_from": resumed_from, "world_size": int(world_size), "changed": changed}
