@@ -56,7 +56,52 @@ def llama():
         intermediate_size=64, attention_dropout=0.0))
 
 
+def roberta():
+    """Position ids from the token ids at run time (a running sum of the non-padding mask)."""
+    import transformers as t
+    return t.RobertaForSequenceClassification(t.RobertaConfig(
+        **SMALL, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def bart():
+    """Encoder-decoder: the decoder reads the token ids shifted right (scatters at run time),
+    the head pools at the last end-of-sequence token (NonZero)."""
+    import transformers as t
+    return t.BartForSequenceClassification(t.BartConfig(
+        **SMALL, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_labels=10, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, classifier_dropout=0.0))
+
+
+def t5():
+    """Relative position buckets, the decoder ids shifted right and pooling at the end-of-sequence
+    token, as BART."""
+    import transformers as t
+    return t.T5ForSequenceClassification(t.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, num_labels=10,
+        dropout_rate=0.0, classifier_dropout=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+
+
+# The end-of-sequence token of the models that pool at it: every row must hold it equally often
+# (the models raise otherwise), as a tokenizer writes it, once and last.
+END_OF_SEQUENCE = {"bart": 2, "t5": 1}
+
+
+def end_sequences(name: str, tokens):
+    """Token ids for model ``name`` as a tokenizer ends them: the end-of-sequence token once
+    per row, last (unchanged for a model without one)."""
+    eos = END_OF_SEQUENCE.get(name)
+    if eos is None:
+        return tokens
+    tokens = tokens.masked_fill(tokens == eos, eos + 1)
+    tokens[:, -1] = eos
+    return tokens
+
+
 # name -> (constructor of the wrapped model, one sample's input shape, token vocabulary), as
 # onnx_zoo.ZOO
 HF_ZOO = {name: (lambda build=build: Logits(build()), (SEQ,), VOCAB)
-          for name, build in (("bert", bert), ("distilbert", distilbert), ("gpt2", gpt2), ("llama", llama))}
+          for name, build in (("bert", bert), ("distilbert", distilbert), ("gpt2", gpt2), ("llama", llama),
+                              ("roberta", roberta), ("bart", bart), ("t5", t5))}

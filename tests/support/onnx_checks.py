@@ -82,6 +82,44 @@ def _match(imported, module) -> dict:
     return found
 
 
+def _gate_blocks(imported, module, found: dict) -> dict:
+    """IR parameter -> [(its block, PyTorch parameter name, that one's block)] for the weights
+    and biases an ONNX LSTM, GRU or RNN reads: ONNX stacks a layer's directions and orders the
+    gates its own way (LSTM i o f c, PyTorch i f g o), so they are found by value one block of
+    ``hidden_size`` rows at a time (``found``: the parameters already matched whole)."""
+    blocks = []
+    for mname, sub in module.named_modules():
+        if isinstance(sub, torch.nn.RNNBase):
+            h = sub.hidden_size
+            for pname, p in sub.named_parameters():
+                t = p.detach().numpy()
+                blocks += [(h, f"{mname}.{pname}".lstrip("."), np.s_[j * h:(j + 1) * h], t[j * h:(j + 1) * h])
+                           for j in range(t.shape[0] // h)]
+
+    def pieces(v, h):
+        out = []
+        for d in range(v.shape[0]):
+            for j in range(v.shape[1] // h):
+                at = np.s_[d, j * h:(j + 1) * h]
+                hit = next(((name, rows) for hb, name, rows, t in blocks
+                            if hb == h and t.shape == v[at].shape and np.array_equal(t, v[at])), None)
+                if hit is None:
+                    return None
+                out.append((at, *hit))
+        return out
+
+    found_blocks = {}
+    for ir, value in imported.initial.items():
+        if ir in found or value.ndim not in (2, 3):
+            continue
+        for h in sorted({b[0] for b in blocks}):
+            got = pieces(value.astype(np.float32), h) if value.shape[1] % h == 0 else None
+            if got:
+                found_blocks[ir] = got
+                break
+    return found_blocks
+
+
 def _buffer_updates(imported, g, layout, gflat, module_before, module_after, tol):
     """The running statistics our batch norm emitted, applied with its momentum, equal the
     buffers PyTorch's training forward left behind."""
@@ -119,13 +157,19 @@ def check_gradients(module, imported, name: str, train: bool, dtype: str) -> Non
     assert out["loss"] == pytest.approx(loss.item(), rel=tol)
 
     match, grads = _match(imported, module), layout.views(gflat)
+    gate_blocks = _gate_blocks(imported, module, match)
     trainable = {p.name for p in g.params if p.trainable}
-    assert trainable <= set(match), f"parameters with no PyTorch counterpart: {sorted(trainable - set(match))}"
+    unmatched = sorted(trainable - set(match) - set(gate_blocks))
+    assert not unmatched, f"parameters with no PyTorch counterpart: {unmatched}"
+    named = dict(tm.named_parameters())
     summed = {}
     for ir in trainable:
+        if ir in gate_blocks:
+            for at, tname, rows in gate_blocks[ir]:
+                summed.setdefault(tname, np.zeros(named[tname].shape))[rows] += grads[ir][at]
+            continue
         tname, transposed = match[ir]
         summed[tname] = summed.get(tname, 0) + (grads[ir].T if transposed else grads[ir])
-    named = dict(tm.named_parameters())
     total = np.sqrt(sum(np.linalg.norm(p.grad.numpy()) ** 2 for p in named.values()))
     for tname, ours in summed.items():
         ref = named[tname].grad.numpy()

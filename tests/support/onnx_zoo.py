@@ -177,6 +177,55 @@ class Signal(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
+class RecurrentText(nn.Module):
+    """Token embeddings, a recurrent layer (batch first), its last step to a linear head."""
+
+    def __init__(self, kind, v=32, d=16, hidden=16, n=10, **options):
+        super().__init__()
+        self.emb = nn.Embedding(v, d)
+        self.rnn = kind(d, hidden, batch_first=True, **options)
+        self.fc = nn.Linear(hidden * (2 if self.rnn.bidirectional else 1), n)
+
+    def forward(self, idx):
+        y, _ = self.rnn(self.emb(idx))
+        return self.fc(y[:, -1])
+
+
+class UNet(nn.Module):
+    """A two-level U-Net whose decoder output is averaged into class logits. ``up``:
+    "transposed" upsamples with ConvTranspose2d (the second with output_padding),
+    "interpolate" with a bilinear then a nearest nn.Upsample. On odd inputs F.pad grows each
+    upsampled map to its skip connection's size (15 -> 7 -> 3 up to 6, padded to 7; up to 14,
+    padded to 15)."""
+
+    def __init__(self, c=3, n=10, up="transposed"):
+        super().__init__()
+        self.up_kind = up
+        self.enc1, self.enc2, self.mid = nn.Conv2d(c, 8, 3, padding=1), nn.Conv2d(8, 12, 3, padding=1), \
+            nn.Conv2d(12, 12, 3, padding=1)
+        if up == "transposed":
+            self.up2 = nn.ConvTranspose2d(12, 12, 2, stride=2)
+            self.up1 = nn.ConvTranspose2d(8, 8, 3, stride=2, padding=1, output_padding=1)
+        else:
+            self.up2 = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+            self.up1 = nn.Upsample(scale_factor=2, mode="nearest")
+        self.dec2, self.dec1 = nn.Conv2d(24, 8, 3, padding=1), nn.Conv2d(16, 8, 3, padding=1)
+        self.head = nn.Linear(8, n)
+
+    @staticmethod
+    def _fit(x, skip):
+        dh, dw = skip.shape[2] - x.shape[2], skip.shape[3] - x.shape[3]
+        return F.pad(x, [dw // 2, dw - dw // 2, dh // 2, dh - dh // 2])
+
+    def forward(self, x):
+        s1 = F.relu(self.enc1(x))
+        s2 = F.relu(self.enc2(F.max_pool2d(s1, 2)))
+        h = F.relu(self.mid(F.max_pool2d(s2, 2)))
+        h = F.relu(self.dec2(torch.cat([self._fit(self.up2(h), s2), s2], 1)))
+        h = F.relu(self.dec1(torch.cat([self._fit(self.up1(h), s1), s1], 1)))
+        return self.head(h.mean((2, 3)))
+
+
 # name -> (constructor, one sample's input shape, token vocabulary or None for float inputs)
 ZOO = {
     "lenet": (LeNet5, (1, 12, 12), None),
@@ -188,6 +237,10 @@ ZOO = {
     "mixer": (Mixer, (3, 16, 16), None),
     "opsmix": (OpsMix, (3, 8, 8), None),
     "signal": (Signal, (3, 16), None),
+    "unet_transposed": (UNet, (3, 15, 15), None),
+    "unet_interpolate": (lambda: UNet(up="interpolate"), (3, 15, 15), None),
+    "lstm_text": (lambda: RecurrentText(nn.LSTM), (8,), 32),
+    "gru_text": (lambda: RecurrentText(nn.GRU, num_layers=2, bidirectional=True), (8,), 32),
 }
 
 
@@ -223,7 +276,11 @@ def sample_input(name: str, batch: int, seed: int = 0) -> torch.Tensor:
     _, shape, vocab = entry(name)
     g = torch.Generator().manual_seed(seed)
     if vocab:
-        return torch.randint(0, vocab, (batch, *shape), generator=g)
+        tokens = torch.randint(0, vocab, (batch, *shape), generator=g)
+        if name in ZOO:
+            return tokens
+        from tests.support.hf_zoo import end_sequences
+        return end_sequences(name, tokens)
     return torch.randn((batch, *shape), generator=g)
 
 

@@ -375,3 +375,69 @@ def trilu(ins, at):
     shifted by k diagonals."""
     k = int(np.asarray(ins[1]).reshape(())) if len(ins) > 1 and ins[1] is not None else 0
     return np.triu(ins[0], k) if at.get("upper", 1) else np.tril(ins[0], k)
+
+
+def cumsum(ins, at):
+    x, axis = ins[0], int(np.asarray(ins[1]).reshape(()))
+    ax = axis % max(x.ndim, 1)
+    if at.get("reverse", 0):
+        x = np.flip(x, ax)
+    out = np.cumsum(x, axis=ax, dtype=x.dtype)
+    if at.get("exclusive", 0):
+        out = np.concatenate([np.zeros_like(np.take(out, [0], axis=ax)),
+                              np.take(out, np.arange(out.shape[ax] - 1), axis=ax)], axis=ax)
+    return np.flip(out, ax) if at.get("reverse", 0) else out
+
+
+def _reduce_into(target, index, values, reduction):
+    if reduction in ("none", None):
+        target[index] = values
+    elif reduction == "add":
+        np.add.at(target, index, values)
+    elif reduction == "mul":
+        np.multiply.at(target, index, values)
+    elif reduction == "max":
+        np.maximum.at(target, index, values)
+    elif reduction == "min":
+        np.minimum.at(target, index, values)
+    else:
+        raise FoldError(f"unknown reduction {reduction!r}")
+
+
+def _elements_index(idx, ax, size) -> tuple:
+    idx = np.where(idx < 0, idx + size, idx)
+    grid = list(np.indices(idx.shape, sparse=True))
+    grid[ax] = idx
+    return tuple(grid)
+
+
+def scatter_elements(ins, at):
+    data, idx, upd = ins
+    ax = at.get("axis", 0) % max(data.ndim, 1)
+    out = data.copy()
+    _reduce_into(out, _elements_index(idx, ax, data.shape[ax]), upd, at.get("reduction", "none"))
+    return out
+
+
+def _nd_index(idx, shape, batch_dims) -> tuple:
+    lead = idx.shape[:-1]
+    grid = tuple(np.indices(lead, sparse=True))[:batch_dims]
+    q = idx.shape[-1]
+    return grid + tuple(np.where(idx[..., k] < 0, idx[..., k] + shape[batch_dims + k], idx[..., k])
+                        for k in range(q))
+
+
+def gather_nd(ins, at):
+    data, idx = ins
+    return data[_nd_index(idx, data.shape, at.get("batch_dims", 0))]
+
+
+def scatter_nd(ins, at):
+    data, idx, upd = ins
+    out = data.copy()
+    _reduce_into(out, _nd_index(idx, data.shape, 0), upd, at.get("reduction", "none"))
+    return out
+
+
+def nonzero(ins, at):
+    return np.asarray(np.nonzero(ins[0]), np.int64).reshape(np.ndim(ins[0]), -1)

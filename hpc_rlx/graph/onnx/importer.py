@@ -33,9 +33,12 @@ import numpy as np
 from hpc_rlx.errors import GraphError
 from hpc_rlx.graph.onnx import fold as f
 from hpc_rlx.graph.onnx import loss as loss_head
+from hpc_rlx.graph.onnx import map_index as ix
 from hpc_rlx.graph.onnx import map_math as m
 from hpc_rlx.graph.onnx import map_nn as nn
 from hpc_rlx.graph.onnx import map_random as r
+from hpc_rlx.graph.onnx import map_recurrent as rc
+from hpc_rlx.graph.onnx import map_resample as rs
 from hpc_rlx.graph.onnx import map_shape as s
 from hpc_rlx.graph.ir import Graph
 from hpc_rlx.graph.onnx.emit import Emitter, Tensor, dims_at, sanitise
@@ -93,6 +96,13 @@ ONNX_OPS = {
     "BatchNormalization": Rule(None, nn.batch_norm),
     "LayerNormalization": Rule(None, nn.layer_norm),
     "Dropout": Rule(None, nn.dropout),
+    # spatial resampling: padding, interpolation, transposed convolution (map_resample)
+    "Pad": Rule(rs.fold_pad, rs.pad),
+    "Resize": Rule(None, rs.resize),
+    "ConvTranspose": Rule(None, rs.conv_transpose),
+    "LSTM": Rule(None, rc.lstm),
+    "GRU": Rule(None, rc.gru),
+    "RNN": Rule(None, rc.rnn),
     # random draws (stochastic depth, dropout by hand, noise): drawn in training, expected in eval
     "RandomUniformLike": Rule(None, r.random_uniform_like),
     "RandomNormalLike": Rule(None, r.random_normal_like),
@@ -115,6 +125,14 @@ ONNX_OPS = {
     "Size": Rule(f.size, s.size),
     "ReduceMean": Rule(f.reducer(np.mean), s.reduce("mean")),
     "ReduceSum": Rule(f.reducer(np.sum), s.reduce("sum")),
+    # running sums and index ops, on float data (differentiated) or int data (at run time);
+    # NonZero only as pooling at one token per row (map_index)
+    "CumSum": Rule(f.cumsum, ix.cumsum),
+    "GatherElements": Rule(f.gather_elements, ix.gather_elements),
+    "GatherND": Rule(f.gather_nd, ix.gather_nd),
+    "ScatterElements": Rule(f.scatter_elements, ix.scatter_elements),
+    "ScatterND": Rule(f.scatter_nd, ix.scatter_nd),
+    "NonZero": Rule(f.nonzero, ix.nonzero),
     # masks: tests, comparisons and logic, at run time as int64 0/1 tensors without gradient (a
     # uniform draw compared with a constant is a random mask: map_random)
     "IsNaN": Rule(f.isnan, m.mask("isnan")),
@@ -132,7 +150,6 @@ ONNX_OPS = {
     "Constant": Rule(f.constant),
     "ConstantOfShape": Rule(f.constant_of_shape),
     "Range": Rule(f.range_),
-    "GatherElements": Rule(f.gather_elements),
     "Trilu": Rule(f.trilu),
     "Mod": Rule(f.mod),
     "Min": Rule(f.variadic(np.minimum)),
@@ -303,6 +320,8 @@ def _walk(em: Emitter, graph, env: dict) -> None:
                 outs = evaluate(rule.fold, ins, attrs)
             except (FoldError, ValueError, TypeError, IndexError, KeyError) as exc:
                 raise em.fail(f"cannot evaluate it on its constant inputs: {exc}") from None
+        elif any(isinstance(v, ix.Hits) for v in ins):  # NonZero's output, on its way to a gather
+            outs = ix.follow_hits(em, node.op_type, ins, attrs)
         elif rule.emit is None:
             data_bound.append(node)
             unknown.update(o for o in node.output if o)
@@ -387,6 +406,7 @@ def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, labe
     _bind_initializers(em, plan, env, meta, initial)
     _walk(em, graph, env)
 
+    ix.refuse_unpooled_outputs(graph, env)
     missing = [o.name for o in graph.output if env.get(o.name) is None]
     if missing:
         raise GraphError(f"ONNX graph outputs {missing} are computed by no node")

@@ -63,11 +63,20 @@ def gelu(em, ins, at, n):
     return [em.tensor("gelu", [x], x.groups, approximate=at.get("approximate", "none"))]
 
 
+# exact on integers too: position ids and counts computed at run time (no gradient)
+INT_ARITHMETIC = ("add", "sub", "mul")
+
+
+def _is_int(v) -> bool:
+    return v.dtype == INT if isinstance(v, Tensor) else v.value.dtype.kind in "iub"
+
+
 def binary(op: str):
     def emit(em, ins, at, n):
         for v in ins:
-            if isinstance(v, Tensor) and v.dtype != FLOAT:
-                raise em.fail(f"'{op}' of {v.dtype} tensors: IR arithmetic is on float tensors")
+            if isinstance(v, Tensor) and v.dtype != FLOAT and not (op in INT_ARITHMETIC and all(map(_is_int, ins))):
+                raise em.fail(f"'{op}' of {v.dtype} tensors: IR arithmetic is on float tensors (add, sub and "
+                              f"mul also on two integer ones)")
         return [em.broadcast_op(op, ins)]
 
     return emit
@@ -97,8 +106,9 @@ def cast_to(em, x, target) -> Tensor:
     kind = np.dtype(target).kind
     if kind == "f":
         return x if x.dtype == FLOAT else em.tensor("cast", [x], x.groups, to=FLOAT)
-    if kind == "b":
-        raise em.fail("a cast to bool of a computed tensor is not supported (only of constants)")
+    if kind == "b":  # nonzero or not, as an int64 0/1 mask
+        once = em.tensor("logical", [x], x.groups, kind="not")
+        return em.tensor("logical", [once], x.groups, kind="not")
     return x if x.dtype == INT else em.tensor("cast", [x], x.groups, to=INT)
 
 
@@ -141,9 +151,10 @@ def where(em, ins, at, n):
         masked = _causal_fill(em, cond, a, b, True) or _causal_fill(em, cond, b, a, False)
         if masked is not None:
             return [masked]
-    for v in (a, b):
-        if isinstance(v, Tensor) and v.dtype != FLOAT or isinstance(v, Folded) and v.value.dtype.kind != "f":
-            raise em.fail("Where of integer tensors is not supported (only of constants)")
+    if not (_is_int(a) and _is_int(b)):  # two integer branches pick ids at run time
+        for v in (a, b):
+            if isinstance(v, Tensor) and v.dtype != FLOAT or isinstance(v, Folded) and v.value.dtype.kind != "f":
+                raise em.fail("Where of an integer and a float branch is not supported")
     return [em.broadcast_op("where", [cond, a, b])]
 
 

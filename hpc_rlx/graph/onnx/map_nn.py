@@ -78,7 +78,8 @@ def _with_one_dim(emit, weighted: bool = False):
         ins = [lift(x)] + list(ins[1:])
         if weighted:
             ins[1] = lift(float_tensor(em, ins[1], "weight"))
-        at = {**at, **{k: [1] + list(at[k]) for k in ("kernel_shape", "strides", "dilations") if k in at}}
+        lifted = {"kernel_shape": 1, "strides": 1, "dilations": 1, "output_padding": 0, "output_shape": 1}
+        at = {**at, **{k: [first] + list(at[k]) for k, first in lifted.items() if k in at}}
         if "pads" in at:
             at["pads"] = [0, at["pads"][0], 0, at["pads"][1]]
         outs = emit(em, ins, at, n)

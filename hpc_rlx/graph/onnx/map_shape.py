@@ -212,6 +212,22 @@ def gather(em, ins, at, n):
     return [em.tensor("gather", [data, em.constant(iv)], groups, axis=_ir_axis(data, axis))]
 
 
+def _expand_error(x: Tensor, target: Folded, exc: ValueError) -> str:
+    """Why an Expand does not broadcast at the trace batches. The usual cause: a fixed dim of x
+    where the target has the batch, the batch size the model was exported at written into it as
+    a constant (TorchScript's ``t[:, 0] = vector``), a model ONNX Runtime also runs only at that
+    batch size."""
+    shape, want = dims_at(x.groups, TRACE_BATCHES[0]), tuple(ints(target.at(0)))
+    varies = [a != b for a, b in zip(want, ints(target.at(1)))]
+    fixed = [d for d, v in zip(shape[::-1], varies[::-1]) if v and d != 1 and d != TRACE_BATCHES[0]]
+    if not fixed:
+        return str(exc)
+    return (f"Expand of a tensor of dims {list(shape)} to a shape with the batch ({list(want)}, both at "
+            f"batch {TRACE_BATCHES[0]}): the model fixes its batch size at {fixed[0]}, "
+            f"the size it was exported at (ONNX Runtime runs it at no other); export it with the "
+            f"expansion written against the batch (e.g. value.expand_as(target) before an indexed write)")
+
+
 def expand(em, ins, at, n):
     x = em.as_tensor(ins[0])
     target = _folded(em, ins[1], "Expand's shape")
@@ -219,7 +235,7 @@ def expand(em, ins, at, n):
         outs = [np.broadcast_shapes(dims_at(x.groups, b), tuple(ints(target.at(t))))
                 for t, b in enumerate(TRACE_BATCHES)]
     except ValueError as exc:
-        raise em.fail(str(exc)) from None
+        raise em.fail(_expand_error(x, target, exc)) from None
     pad = len(outs[0]) - x.rank
     groups, new_batch = [], False
     for i, (a, b) in enumerate(zip(*outs)):

@@ -8,8 +8,9 @@ Initializers become (by ``plan_initializers``):
 - ``buffer``: the running mean and variance a BatchNormalization reads: a non-trainable IR
   parameter that training updates;
 - ``const``: integer and boolean initializers, float scalars, buffers of the PyTorch module
-  that are not batch-norm statistics, and values the exporter's optimizer computed from
-  constants only: folded into the graph;
+  that are not batch-norm statistics, values the exporter's optimizer computed from
+  constants only, and float initializers read only as an op's settings (Resize's roi and
+  scales, the dynamo exporter's ``F.interpolate`` scales): folded into the graph;
 - ``transposed``: a 2-D initializer the dynamo exporter's optimizer computed as the transpose
   of one PyTorch weight (value_info metadata ``pkg.onnxscript.optimizer.folded_from``) and
   that feeds MatMul's B input: the parameter keeps the PyTorch name and layout, and the
@@ -36,6 +37,10 @@ SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
 FX_NODE = "pkg.torch.onnx.fx_node"
 REWRITE_RULE = "pkg.onnxscript.rewriter.rule_name"
 _INTERMEDIATE = re.compile(r"^(val_\d+|_?[a-z_]+(_\d+)?)$")
+# (op, input position) pairs that are an op's settings, not data: a float initializer read only
+# there is a constant, never a trainable parameter
+_SETTINGS = {("Resize", 1), ("Resize", 2), ("Resize", 3), ("Pad", 1), ("Pad", 2), ("Pad", 3), ("Clip", 1),
+             ("Clip", 2), ("Dropout", 1)}
 _SIGNATURE_TARGET = re.compile(r"^\w+: (PARAMETER|BUFFER) target='([^']+)'( persistent=False)?", re.M)
 
 
@@ -173,7 +178,7 @@ def plan_initializers(model, warnings: list) -> InitPlan:
         kind = meta.get(INPUT_KIND)
         sources = _sources(meta)
         state = [s for s in sources if s in targets or (not targets and not _INTERMEDIATE.match(s))]
-        if value.dtype.kind != "f" or value.ndim == 0:
+        if value.dtype.kind != "f" or value.ndim == 0 or (uses.get(name) and set(uses[name]) <= _SETTINGS):
             plan.kind[name] = "const"
         elif name in bn_stats:
             plan.kind[name] = "buffer"

@@ -19,15 +19,19 @@ undone.
 from hpc_rlx.graph.ops import activation  # noqa: F401  (each import registers its module's ops)
 from hpc_rlx.graph.ops import attention  # noqa: F401
 from hpc_rlx.graph.ops import conv  # noqa: F401
+from hpc_rlx.graph.ops import conv_transpose  # noqa: F401
 from hpc_rlx.graph.ops import dropout  # noqa: F401
 from hpc_rlx.graph.ops import dtype  # noqa: F401
 from hpc_rlx.graph.ops import elementwise  # noqa: F401
 from hpc_rlx.graph.ops import embedding  # noqa: F401
+from hpc_rlx.graph.ops import index  # noqa: F401
 from hpc_rlx.graph.ops import linear  # noqa: F401
 from hpc_rlx.graph.ops import loss  # noqa: F401
 from hpc_rlx.graph.ops import masks  # noqa: F401
 from hpc_rlx.graph.ops import norm  # noqa: F401
 from hpc_rlx.graph.ops import pool  # noqa: F401
 from hpc_rlx.graph.ops import random  # noqa: F401
+from hpc_rlx.graph.ops import recurrent  # noqa: F401
 from hpc_rlx.graph.ops import reduce  # noqa: F401
+from hpc_rlx.graph.ops import resample  # noqa: F401
 from hpc_rlx.graph.ops import shape  # noqa: F401

@@ -11,6 +11,7 @@ from hpc_rlx.graph.ops.common import finite_number, int_attr, same_float, sum_to
 from hpc_rlx.graph.registry import REQUIRED, defop, defvjp
 from hpc_rlx.graph.shapes import (
     FLOAT,
+    INT,
     ShapeError,
     TensorType,
     axis_index,
@@ -147,21 +148,29 @@ def _binary(types, attrs):
     return TensorType(broadcast(types[0].shape, types[1].shape), FLOAT)
 
 
+def _exact_binary(types, attrs):
+    """add, sub and mul: on float operands, or on two int64 ones (position ids, counts: computed
+    at run time, never differentiated)."""
+    if types[0].dtype == INT and types[1].dtype == INT:
+        return TensorType(broadcast(types[0].shape, types[1].shape), INT)
+    return _binary(types, attrs)
+
+
 def _shapes(args, ctx):
     return (args[0].shape, args[1].shape) if ctx.need_saved else None
 
 
-@defop("add", _binary, (2, 2))
+@defop("add", _exact_binary, (2, 2))
 def add(xp, args, a, ctx):
     return args[0] + args[1], _shapes(args, ctx)
 
 
-@defop("sub", _binary, (2, 2))
+@defop("sub", _exact_binary, (2, 2))
 def sub(xp, args, a, ctx):
     return args[0] - args[1], _shapes(args, ctx)
 
 
-@defop("mul", _binary, (2, 2))
+@defop("mul", _exact_binary, (2, 2))
 def mul(xp, args, a, ctx):
     return args[0] * args[1], None
 
@@ -253,10 +262,11 @@ defvjp("bias_add", lambda xp, g, args, ans, s, a, out: g, _bias_add_b, needs_arg
 
 def _where_type(types, a):
     cond, x, y = types
-    require_float(x, "first branch")
-    require_float(y, "second branch")
+    if not (x.dtype == y.dtype == INT):  # int64 branches: ids picked at run time, no gradient
+        require_float(x, "first branch")
+        require_float(y, "second branch")
     shape = broadcast(broadcast(cond.shape, x.shape, "condition and branch"), y.shape, "branches")
-    return TensorType(shape, FLOAT)
+    return TensorType(shape, x.dtype)
 
 
 @defop("where", _where_type, (3, 3), arg_names=("cond", "a", "b"))

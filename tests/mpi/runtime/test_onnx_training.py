@@ -327,20 +327,23 @@ def test_a_token_classifier_takes_ids_up_to_its_embedding_size(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bert", "distilbert", "gpt2", "llama"])
+@pytest.mark.parametrize("name", ["bert", "distilbert", "gpt2", "llama", "roberta", "bart", "t5"])
 def test_a_hugging_face_model_trains_on_two_ranks(tmp_path, tmp_path_factory, name):
     """Built from its config class (tests/support/hf_zoo.py), exported by dynamo (optimize=False:
-    the optimizer merges equal initializers), trained on token ids from the whole 1,000-token
-    vocabulary: a classifier learns the class in the first token, a language model the next."""
+    the optimizer merges equal initializers; T5 by TorchScript, which alone exports it), trained
+    on token ids from the whole 1,000-token vocabulary (for BART and T5 each row ended by the
+    end-of-sequence token, as a tokenizer writes it): a classifier learns the class in the first
+    token, a language model the next."""
     pytest.importorskip("transformers")
     from tests.support import onnx_zoo
-    from tests.support.hf_zoo import SEQ, VOCAB
+    from tests.support.hf_zoo import SEQ, VOCAB, end_sequences
     from tests.support.shared import run_dir
     # the file the import tests (tests/unit/graph/test_hf_models.py) check, exported once per run
-    _, onnx_file = onnx_zoo.export_zoo_model(name, run_dir(tmp_path_factory, "onnx-zoo"), "dynamo", "train",
+    exporter = "torchscript" if name == "t5" else "dynamo"
+    _, onnx_file = onnx_zoo.export_zoo_model(name, run_dir(tmp_path_factory, "onnx-zoo"), exporter, "train",
                                              optimize=False)
     rng = np.random.default_rng(0)
-    x = rng.integers(0, VOCAB, (128, SEQ)).astype(np.int64)
+    x = end_sequences(name, torch.from_numpy(rng.integers(0, VOCAB, (128, SEQ)).astype(np.int64))).numpy()
     language_model = name in ("gpt2", "llama")
     data = tmp_path / "tokens.h5"
     with h5py.File(data, "w") as f:

@@ -46,6 +46,32 @@ CASES = [
     ("conv2d", [n(2, 3, 7, 6), n(4, 3, 3, 2), n(4)], {"stride": [2, 1], "padding": [1, 0]}),
     ("conv2d", [n(1, 2, 5, 5), n(3, 2, 3, 3)], {"stride": 1, "padding": 1}),
     ("conv2d", [n(2, 1, 6, 6), n(2, 1, 2, 2)], {"stride": 2}),
+    # transposed convolution: stride, padding, output_padding, dilation, groups, with and without bias
+    ("conv_transpose2d", [n(2, 3, 4, 5), n(3, 2, 3, 3), n(2)], {"stride": 2, "padding": 1, "output_padding": 1}),
+    ("conv_transpose2d", [n(2, 4, 3, 4), n(4, 3, 2, 3)], {"stride": [2, 1], "padding": [0, 1], "groups": 2}),
+    ("conv_transpose2d", [n(1, 4, 3, 3), n(4, 1, 3, 2), n(4)],
+     {"stride": 3, "padding": [2, 1], "output_padding": [2, 1], "dilation": [2, 1], "groups": 4}),
+    ("conv_transpose2d", [n(2, 2, 4, 3), n(2, 3, 1, 1)], {}),
+    # padding: each mode, negative pads (a crop) beside positive ones
+    ("pad", [n(2, 3, 4, 5)], {"pads": [0, 1, 2, 0, 0, 0, 1, 3], "value": 0.7}),
+    ("pad", [n(2, 3, 4, 5)], {"pads": [0, 0, -1, 2, 0, 0, 1, -2]}),
+    ("pad", [n(2, 3, 4, 5)], {"pads": [0, 0, 3, 1, 0, 0, 2, 4], "mode": "reflect"}),
+    ("pad", [n(2, 3, 4, 5)], {"pads": [0, 0, -1, 2, 0, 0, 2, -1], "mode": "reflect"}),
+    ("pad", [n(2, 3, 4, 5)], {"pads": [0, 0, 5, 0, 0, 0, 2, 3], "mode": "edge"}),
+    ("pad", [n(2, 3, 4, 5)], {"pads": [0, 0, 6, -1, 0, 0, 1, 7], "mode": "wrap"}),
+    # resizing: nearest (whole and uneven factors, every rounding), linear in every coordinate mode, up and down
+    ("resize", [n(2, 3, 3, 4)], {"size": [6, 8], "coordinates": "asymmetric", "nearest_mode": "floor"}),
+    ("resize", [n(2, 3, 5, 4)], {"size": [7, 3]}),
+    ("resize", [n(2, 2, 5, 4)], {"size": [3, 9], "nearest_mode": "round_prefer_ceil", "coordinates": "align_corners"}),
+    ("resize", [n(2, 2, 5, 4)], {"size": [8, 2], "nearest_mode": "ceil", "coordinates": "half_pixel_symmetric"}),
+    ("resize", [n(2, 3, 3, 4)], {"size": [7, 8], "mode": "linear"}),
+    ("resize", [n(2, 3, 6, 5)], {"size": [4, 2], "mode": "linear", "coordinates": "pytorch_half_pixel"}),
+    ("resize", [n(2, 3, 4, 5)], {"size": [9, 5], "mode": "linear", "coordinates": "align_corners"}),
+    ("resize", [n(2, 2, 4, 5)], {"size": [6, 7], "mode": "linear", "coordinates": "asymmetric", "scales": [1.5, 1.4]}),
+    ("resize", [n(2, 2, 4, 5)], {"size": [6, 3], "mode": "linear", "coordinates": "half_pixel_symmetric",
+                                 "scales": [1.6, 0.7]}),
+    ("resize", [n(2, 2, 7)], {"size": [4], "mode": "linear"}),  # 1-D
+    ("resize", [n(1, 2, 3, 2, 4)], {"size": [5, 3, 2], "mode": "linear"}),  # 3-D
     ("max_pool2d", [n(2, 3, 7, 5)], {"kernel": 2}),
     ("max_pool2d", [n(2, 2, 6, 6)], {"kernel": 3, "stride": 2, "padding": 1}),
     ("avg_pool2d", [n(2, 3, 7, 5)], {"kernel": [2, 3], "stride": 1}),
@@ -67,6 +93,12 @@ CASES = [
     ("softmax_cross_entropy", [n(6, 5), ids(5, 6)], {}),
     ("softmax_cross_entropy", [n(2, 3, 5), ids(5, 2, 3)], {}),
     ("mse", [n(3, 4), n(3, 4)], {}),
+    # index ops (more cases, and PyTorch as the oracle, in tests/unit/graph/test_index_ops.py)
+    ("cumsum", [n(3, 5)], {"axis": 1, "exclusive": True, "reverse": True}),
+    ("gather_elements", [n(4, 5), ids(4, 6, 5) - 2], {"axis": 0}),  # repeats, negative indices
+    ("gather_nd", [n(3, 5, 2), ids(5, 3, 4, 1)], {"batch_dims": 1}),
+    ("scatter_elements", [n(3, 6), ids(6, 3, 4) - 3, n(3, 4)], {"axis": 1, "reduction": "add"}),
+    ("scatter_nd", [n(5, 3), np.array([[4], [-5], [2]]), n(3, 3)], {}),
 ]
 
 
