@@ -135,6 +135,26 @@ def _type(kind):
 # ---------------------------------------------------------------- one direction, one cell kind
 
 
+def _carry(xp, valid, s, new, old):
+    """The state carried past step ``s``: ``new`` in rows still inside their length, ``old`` held
+    in rows already past it."""
+    return new if valid is None else xp.where(valid[:, s:s + 1], new, old)
+
+
+def _emit(xp, ys, valid, s, h_new):
+    """Step ``s``'s output: the new state, zeros in rows past their length."""
+    ys[:, s] = h_new if valid is None else xp.where(valid[:, s:s + 1], h_new, 0.0)
+
+
+def _split_grad(xp, valid, s, total, through):
+    """A state's cotangent at step ``s`` split into what reaches the step (rows inside their
+    length) and what passes it by to the step before (rows past it, whose state was held)."""
+    if valid is None:
+        return total, None
+    m = valid[:, s:s + 1]
+    return xp.where(m, total, 0.0), xp.where(m, 0.0, through)
+
+
 def _lstm_forward(xp, xs, rw, rb, h, c, valid, acts, keep):
     """Steps over ``xs`` (B, T, 4H): the input projections with their bias, in step order."""
     f, g, hf = acts
@@ -155,13 +175,8 @@ def _lstm_forward(xp, xs, rw, rb, h, c, valid, acts, keep):
         h_new = o * hc
         if keep:
             saved.append((i, o, fg, cc, hc, h, c))
-        if valid is None:
-            ys[:, s] = h_new
-            h, c = h_new, c_new
-        else:
-            m = valid[:, s:s + 1]
-            ys[:, s] = xp.where(m, h_new, 0.0)
-            h, c = xp.where(m, h_new, h), xp.where(m, c_new, c)
+        _emit(xp, ys, valid, s, h_new)
+        h, c = _carry(xp, valid, s, h_new, h), _carry(xp, valid, s, c_new, c)
     return ys, (h, c), saved
 
 
@@ -174,10 +189,8 @@ def _lstm_backward(xp, gys, gh, gc, rw, saved, valid, acts):
     for s in range(steps - 1, -1, -1):
         i, o, fg, cc, hc, h_prev, c_prev = saved[s]
         dhn, dcn = dh + gys[:, s], dc
-        if valid is not None:
-            m = valid[:, s:s + 1]
-            dhn, dcn = xp.where(m, dhn, 0.0), xp.where(m, dcn, 0.0)
-            held_h, held_c = xp.where(m, 0.0, dh), xp.where(m, 0.0, dc)
+        dhn, held_h = _split_grad(xp, valid, s, dhn, dh)
+        dcn, held_c = _split_grad(xp, valid, s, dcn, dc)
         dcell = dcn + dhn * o * activation_slope(hf, hc)
         da = dxs[:, s]
         da[:, :hidden] = dcell * cc * activation_slope(f, i)
@@ -219,13 +232,8 @@ def _gru_forward(xp, xs, rw, rb, h, valid, acts, keep, before_reset):
         h_new = hh + z * (h - hh)
         if keep:
             saved.append((z, r, hh, lin, h))
-        if valid is None:
-            ys[:, s] = h_new
-            h = h_new
-        else:
-            m = valid[:, s:s + 1]
-            ys[:, s] = xp.where(m, h_new, 0.0)
-            h = xp.where(m, h_new, h)
+        _emit(xp, ys, valid, s, h_new)
+        h = _carry(xp, valid, s, h_new, h)
     return ys, (h,), saved
 
 
@@ -240,10 +248,7 @@ def _gru_backward(xp, gys, gh, rw, saved, valid, acts, before_reset):
     for s in range(steps - 1, -1, -1):
         z, r, hh, lin, h_prev = saved[s]
         dhn = dh + gys[:, s]
-        if valid is not None:
-            m = valid[:, s:s + 1]
-            dhn = xp.where(m, dhn, 0.0)
-            held = xp.where(m, 0.0, dh)
+        dhn, held = _split_grad(xp, valid, s, dhn, dh)
         da = dxs[:, s]
         dah = dhn * (1.0 - z) * activation_slope(g, hh)
         da[:, 2 * hidden:] = dah
@@ -283,13 +288,8 @@ def _rnn_forward(xp, xs, rw, rb, h, valid, acts, keep):
         h_new = activate(xp, f, a)
         if keep:
             saved.append((h_new, h))
-        if valid is None:
-            ys[:, s] = h_new
-            h = h_new
-        else:
-            m = valid[:, s:s + 1]
-            ys[:, s] = xp.where(m, h_new, 0.0)
-            h = xp.where(m, h_new, h)
+        _emit(xp, ys, valid, s, h_new)
+        h = _carry(xp, valid, s, h_new, h)
     return ys, (h,), saved
 
 
@@ -302,10 +302,7 @@ def _rnn_backward(xp, gys, gh, rw, saved, valid, acts):
     for s in range(steps - 1, -1, -1):
         h_new, h_prev = saved[s]
         dhn = dh + gys[:, s]
-        if valid is not None:
-            m = valid[:, s:s + 1]
-            dhn = xp.where(m, dhn, 0.0)
-            held = xp.where(m, 0.0, dh)
+        dhn, held = _split_grad(xp, valid, s, dhn, dh)
         da = dhn * activation_slope(f, h_new)
         dxs[:, s] = da
         drw += da.T @ h_prev

@@ -21,7 +21,7 @@ from hpc_rlx.errors import GraphError
 from hpc_rlx.graph import Executor, GraphBuilder, ParamLayout
 from hpc_rlx.graph.gradcheck import check_grads, op_graph
 
-from tests.unit.graph.test_onnx_ops import oracle
+from tests.unit.graph.test_onnx_ops import on_numpy_and_cupy, oracle
 
 torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
@@ -444,18 +444,5 @@ GPU_CASES = [
 @pytest.mark.skipif(not backend.cupy_available(), reason="needs CuPy and a CUDA device")
 @pytest.mark.parametrize("op, args, attrs", GPU_CASES)
 def test_cupy_matches_numpy(op, args, attrs):
-    cp = backend.get_xp("cuda")
-    g, params, feeds = op_graph(op, args, attrs)
-    layout = ParamLayout(g)
-    host = np.zeros(layout.size)
-    layout.pack(params, host)
-    results = []
-    for xp in (np, cp):
-        flat, grad = xp.asarray(host), xp.zeros(layout.size)
-        ex = Executor(g, xp, "float64")
-        f = {k: xp.asarray(v) for k, v in feeds.items()}
-        value = ex.run(layout.views(flat), f, "out")["out"]
-        ex.forward_backward(layout.views(flat), layout.views(grad), f)
-        results.append((backend.to_numpy(value), backend.to_numpy(grad)))
-    (hv, hg), (dv, dg) = results
+    (hv, hg), (dv, dg) = on_numpy_and_cupy(op, args, attrs)
     assert largest_rel(dv, hv) <= 1e-12 and largest_rel(dg, hg) <= 1e-12
