@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_engine.py [--repeats 7] [--steps 10] [--only mlp,cnn,lm]
     .venv/bin/python bench/bench_engine.py --only zoo      # the ONNX model zoo of the tests
+    .venv/bin/python bench/bench_engine.py --only vision,hf --repeats 3 --steps 3   # torchvision, timm, HF
 
 Prints per-step times and the ratio engine / PyTorch for the MLP 784-1024-1024-10 at batch
 128 (the target is <= 1.0), a small CNN and the transformer LM, all float32. A hand-written
@@ -241,9 +242,18 @@ def lm_case():
     }
 
 
-def zoo_cases(batch=32):
-    """The ONNX zoo of tests/support/onnx_zoo.py, exported by torch (dynamo, training form) and imported:
-    the engine steps the imported graph, PyTorch the module it came from."""
+# the image models of tests/unit/graph/test_vision_models.py (dropout and stochastic depth off)
+# and the Hugging Face models of tests/support/hf_zoo.py
+VISION = ["tv_mobilenet_v3", "tv_efficientnet_b0", "tv_convnext", "tv_swin", "tv_swin_v2", "timm_mobilevit",
+          "timm_levit", "timm_mixer", "tv_resnet18", "tv_shufflenet", "tv_regnet", "tv_densenet", "tv_vit",
+          "timm_resnet10t", "timm_convnext_atto", "timm_deit_tiny", "timm_efficientnet"]
+HF = ["bert", "distilbert", "gpt2", "llama", "roberta", "bart", "t5"]
+
+
+def zoo_cases(batch=32, names=("lenet", "resnet", "mobilenet", "vit", "gpt", "mixer")):
+    """Models of tests/support/onnx_zoo.py (or of the zoos it reaches: vision_zoo ``NAME_p0``,
+    hf_zoo), exported by torch (dynamo, training form; TorchScript for T5, which dynamo cannot
+    export) and imported: the engine steps the imported graph, PyTorch the module it came from."""
     import tempfile
 
     import torch
@@ -251,24 +261,26 @@ def zoo_cases(batch=32):
     from hpc_rlx.graph.onnx.importer import import_onnx
     from tests.support import onnx_zoo
 
-    for name in ("lenet", "resnet", "mobilenet", "vit", "gpt", "mixer"):
+    for name in names:
         module = onnx_zoo.make(name)
         for m in module.modules():
             if isinstance(m, torch.nn.Dropout):
                 m.p = 0.0
         with tempfile.TemporaryDirectory() as tmp:
-            path = onnx_zoo.export(module, onnx_zoo.sample_input(name, 2), f"{tmp}/{name}.onnx", "dynamo",
-                                   "train", optimize=False)
+            path = onnx_zoo.export(module, onnx_zoo.sample_input(name, 2), f"{tmp}/{name}.onnx",
+                                   "torchscript" if name == "t5" else "dynamo", "train", optimize=False)
             imported = import_onnx(path, label_dtype="int64")
         x = onnx_zoo.sample_input(name, batch, seed=1)
-        vocab = onnx_zoo.ZOO[name][2]
-        y = (x + 1) % vocab if vocab else torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(2))
+        g = imported.graph
+        classes = g.types[g.meta["onnx"]["output_node"]].shape[-1]
+        y = torch.randint(0, classes, tuple(d or batch for d in g.input("y").shape),
+                          generator=torch.Generator().manual_seed(2))
         xn, yn = x.numpy(), y.numpy().astype(np.int64)
         if xn.dtype.kind == "f":
             xn = xn.astype(np.float32)
         params = sum(p.numel() for p in module.parameters())
         yield f"zoo {name} ({params} parameters), batch {batch}", {
-            "engine": engine_step_fn(imported.graph, {"x": xn, "y": yn}, initial=imported.initial),
+            "engine": engine_step_fn(g, {"x": xn, "y": yn}, initial=imported.initial),
             "torch": torch_step_fn(module.train(), x, y),
         }
 
@@ -283,7 +295,8 @@ def main(argv=None):
 
     torch.set_num_threads(1)
     cases = {"mlp": lambda: [mlp_case()], "cnn": lambda: [cnn_case()], "lm": lambda: [lm_case()],
-             "zoo": zoo_cases}
+             "zoo": zoo_cases, "vision": lambda: zoo_cases(names=[n + "_p0" for n in VISION]),
+             "hf": lambda: zoo_cases(names=HF)}
     with threadpool_limits(limits=1):
         print(f"numpy {np.__version__}, torch {torch.__version__}, 1 BLAS thread, float32, "
               f"{args.repeats} repeats x {args.steps} steps")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpc_rlx.export.onnx_writer import OnnxWriter
-from hpc_rlx.graph.shapes import TensorType, pair
+from hpc_rlx.graph.shapes import TensorType, per_axis
 
 
 @dataclass
@@ -164,24 +164,27 @@ def _expand(w, s):
 
 @onnx_op("conv2d")
 def _conv2d(w, s):
-    ph, pw = pair(s.attrs["padding"], "padding")
     kernel = list(s.in_types[1].shape[2:])
-    w.add("Conv", s.ins, s.out, kernel_shape=kernel, strides=list(pair(s.attrs["stride"], "stride")),
-          pads=[ph, pw, ph, pw], dilations=list(pair(s.attrs.get("dilation", 1), "dilation")),
+    nd = len(kernel)
+    pads = list(per_axis(s.attrs["padding"], nd, "padding"))
+    w.add("Conv", s.ins, s.out, kernel_shape=kernel, strides=list(per_axis(s.attrs["stride"], nd, "stride")),
+          pads=pads + pads, dilations=list(per_axis(s.attrs.get("dilation", 1), nd, "dilation")),
           group=int(s.attrs.get("groups", 1)))
 
 
 def _pool_attrs(s) -> dict:
-    ph, pw = pair(s.attrs["padding"], "padding")
-    return {"kernel_shape": list(pair(s.attrs["kernel"], "kernel")),
-            "strides": list(pair(s.attrs["stride"] or s.attrs["kernel"], "stride")), "pads": [ph, pw, ph, pw]}
+    nd = s.in_types[0].ndim - 2
+    pads = list(per_axis(s.attrs["padding"], nd, "padding"))
+    return {"kernel_shape": list(per_axis(s.attrs["kernel"], nd, "kernel")),
+            "strides": list(per_axis(s.attrs["stride"] or s.attrs["kernel"], nd, "stride")), "pads": pads + pads}
 
 
 @onnx_op("max_pool2d")
 def _max_pool2d(w, s):
     extra = {}
-    if s.attrs.get("dilation", 1) not in (1, (1, 1), [1, 1]):
-        extra["dilations"] = list(pair(s.attrs["dilation"], "dilation"))
+    dilation = per_axis(s.attrs.get("dilation", 1), s.in_types[0].ndim - 2, "dilation")
+    if any(d != 1 for d in dilation):
+        extra["dilations"] = list(dilation)
     w.add("MaxPool", s.ins, s.out, **_pool_attrs(s), **extra)
 
 
@@ -227,7 +230,8 @@ def _embedding(w, s):
 
 @onnx_op("layer_norm")
 def _layer_norm(w, s):
-    w.add("LayerNormalization", s.ins, s.out, axis=-1, epsilon=float(s.attrs["eps"]))
+    w.add("LayerNormalization", s.ins, s.out, axis=-int(s.attrs.get("trailing_axes", 1)),
+          epsilon=float(s.attrs["eps"]))
 
 
 @onnx_op("batch_norm")

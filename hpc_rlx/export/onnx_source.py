@@ -4,8 +4,10 @@ and the state dict under the original (PyTorch) names and layouts.
 The run keeps the file it imported as RUN_DIR/model.source.onnx; graph.meta["onnx"] maps each
 IR parameter to the initializer it came from ("params"), names those stored transposed
 relative to it ("transposed"), and may name their PyTorch state-dict key ("torch_names");
-"tied" names initializers that are a transposed copy of a parameter held elsewhere too, and
-"aliases" (optional) the other PyTorch names of a tied parameter.
+"tied" names initializers that are a transposed copy of a parameter held elsewhere too,
+"aliases" (optional) the other PyTorch names of a tied parameter, and "state_constants"
+(optional) the float buffers of the module's state dict that the import read as constants
+(Swin V2's relative_coords_table): the state dict takes them from the source file.
 """
 
 from __future__ import annotations
@@ -89,9 +91,15 @@ def original_state_dict(trained: TrainedModel, onnx=None) -> dict:
     source file's initializer shapes are used for the untransposed ones."""
     meta = _meta(trained.graph)
     torch_names = meta.get("torch_names") or {}
-    shapes = {}
+    shapes, constants = {}, {}
     if onnx is not None and (trained.run_dir / SOURCE_FILE).is_file():
-        shapes = {t.name: tuple(t.dims) for t in load_source(onnx, trained).graph.initializer}
+        source_model = load_source(onnx, trained)
+        shapes = {t.name: tuple(t.dims) for t in source_model.graph.initializer}
+        wanted = set(meta.get("state_constants") or ())
+        if wanted:
+            read_external(onnx, source_model, trained.run_dir)
+            constants = {t.name: onnx.numpy_helper.to_array(t).astype(np.float32)
+                         for t in source_model.graph.initializer if t.name in wanted}
     out = {}
     for p in trained.graph.params:
         value = np.asarray(trained.params[p.name], dtype=np.float32)
@@ -105,6 +113,8 @@ def original_state_dict(trained: TrainedModel, onnx=None) -> dict:
         if name in out:
             raise ExportError(f"parameters map to the same state-dict name {name!r}")
         out[name] = value
+    for name, value in constants.items():
+        out.setdefault(name, value)
     # PyTorch lists a tied parameter under each of its names; the file holds it once
     for alias, ir in (meta.get("aliases") or {}).items():
         if ir in trained.params and alias not in out:

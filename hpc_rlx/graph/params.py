@@ -30,13 +30,14 @@ INIT_SCHEMES = {
 
 
 def default_fans(shape) -> tuple:
-    """(fan_in, fan_out) when the graph does not state them: (in, out) matrices, (O, C, kh, kw) kernels."""
+    """(fan_in, fan_out) when the graph does not state them: (in, out) matrices, (O, C, kh, kw) and
+    (O, C, kd, kh, kw) kernels."""
     if len(shape) == 0:
         return 1, 1
     if len(shape) == 1:
         return shape[0], shape[0]
-    if len(shape) == 4:
-        rf = shape[2] * shape[3]
+    if len(shape) in (4, 5):
+        rf = prod(shape[2:])
         return shape[1] * rf, shape[0] * rf
     return prod(shape[:-1]), shape[-1]
 

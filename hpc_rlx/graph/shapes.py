@@ -94,3 +94,26 @@ def pair(value, name: str) -> tuple:
     ):
         return (value[0], value[1])
     raise ShapeError(f"attribute '{name}' must be an int or a pair of ints, got {value!r}")
+
+
+def geometry(value, name: str):
+    """A convolution or pooling geometry attribute (kernel / stride / padding / dilation): an
+    int (the same on every spatial axis) or a list of 2 or 3 ints (one per axis of an image or
+    a volume), as an int or a tuple. The op's type rule checks a tuple's length against its
+    input's spatial rank."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, (list, tuple)) and len(value) in (2, 3) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return tuple(value)
+    raise ShapeError(f"attribute '{name}' must be an int or a list of 2 or 3 ints, got {value!r}")
+
+
+def per_axis(value, nd: int, name: str) -> tuple:
+    """A ``geometry`` attribute as one int per spatial axis of an ``nd``-D input."""
+    if isinstance(value, int):
+        return (value,) * nd
+    if len(value) != nd:
+        raise ShapeError(f"attribute '{name}' has {len(value)} values for a {nd}-D input, which needs {nd}")
+    return tuple(value)

@@ -261,9 +261,13 @@ def randomize(module: nn.Module, seed: int = 0) -> nn.Module:
 
 
 def entry(name: str) -> tuple:
-    """ZOO's entry, or tests/support/hf_zoo.py's for a Hugging Face model (imported only then)."""
+    """ZOO's entry, else tests/support/vision_zoo.py's (torchvision and timm) or hf_zoo.py's
+    (Hugging Face), those imported only then."""
     if name in ZOO:
         return ZOO[name]
+    from tests.support.vision_zoo import VISION_ZOO
+    if name in VISION_ZOO:
+        return VISION_ZOO[name]
     from tests.support.hf_zoo import HF_ZOO
     return HF_ZOO[name]
 

@@ -26,8 +26,13 @@ SHORT_DECIMALS = 4096  # float32 constants up to this size are written as their 
 _BAD_CHARS = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
-# irrational constants exporters write (exact GELU divides by sqrt(2)), by their float32 value
-_IRRATIONAL = {np.float32(v): v for v in (math.sqrt(2), 1 / math.sqrt(2), math.sqrt(2 / math.pi), math.pi)}
+# constants exporters write that float32 cannot hold, by their float32 value: exact GELU divides
+# by sqrt(2); hard sigmoid and hard swish divide by 6 (ONNX HardSigmoid's alpha); attention
+# scales its scores by head_dim ** -0.5
+_IRRATIONAL = {np.float32(v): v for v in (math.sqrt(2), 1 / math.sqrt(2), math.sqrt(2 / math.pi), math.pi,
+                                          1 / 6, 1 / 3)}
+_IRRATIONAL.update({np.float32(v): v for d in range(2, 1025) for v in (d ** -0.5, d ** 0.5)
+                    if np.float32(v) not in _IRRATIONAL and float(np.float32(v)) != v})
 
 
 def decimal32(x: float) -> float:
@@ -297,16 +302,29 @@ class Emitter:
         a, b = v.a, v.b
         b1, b2 = TRACE_BATCHES
         axes = [i for i in range(a.ndim) if a.shape[i] != b.shape[i]] if a.ndim == b.ndim else None
-        if not axes or len(axes) != 1 or a.shape[axes[0]] != b1 or b.shape[axes[0]] != b2:
+        # the varying dim is the batch, or k samples' rows per sample (k*B: a stochastic-depth
+        # mask drawn per row of MobileViT's (B*patches, N, C) tokens)
+        k = a.shape[axes[0]] // b1 if axes and len(axes) == 1 else 0
+        if not k or a.shape[axes[0]] != k * b1 or b.shape[axes[0]] != k * b2:
             raise self.fail(shape_group_error(f"value {a.tolist() if a.size <= 8 else a.shape}"))
         ax = axes[0]
         first = np.take(a, [0], axis=ax)
         if not (np.array_equal(np.broadcast_to(first, a.shape), a)
                 and np.array_equal(np.broadcast_to(first, b.shape), b)):
             raise self.fail(shape_group_error("(a value that varies along the batch)"))
-        c = self.constant(first)
-        groups = tuple((None,) if i == ax else g for i, g in enumerate(c.groups))
-        return self.with_batch(c, groups)
+        if k == 1:
+            c = self.constant(first)
+            return self.with_batch(c, tuple((None,) if i == ax else g for i, g in enumerate(c.groups)))
+        # constant along the dim, so the samples' order in it does not change the value: the
+        # batch outermost, as a reshape of (B, k, ...) to (B*k, ...) writes it
+        c = self.constant(np.expand_dims(np.repeat(first, k, axis=ax), ax))
+        groups = tuple((None, k) if i == ax else g for i, g in enumerate(single(first.shape)))
+        # IR broadcasting, dim by dim: ONNX's would see one merged dim of k against B
+        zeros = self.batch_zeros(groups)
+        if c.dtype == FLOAT:
+            return self.tensor("add", [c, zeros], groups)
+        as_float = self.tensor("cast", [c], single(c.ir_shape), to=FLOAT)
+        return self.tensor("cast", [self.tensor("add", [as_float, zeros], groups)], groups, to=INT)
 
     def broadcast_op(self, op: str, values, **attrs) -> Tensor:
         """An elementwise IR op over ONNX-broadcast operands (Tensors or Folded)."""

@@ -125,6 +125,8 @@ ONNX_OPS = {
     "Size": Rule(f.size, s.size),
     "ReduceMean": Rule(f.reducer(np.mean), s.reduce("mean")),
     "ReduceSum": Rule(f.reducer(np.sum), s.reduce("sum")),
+    "ReduceSumSquare": Rule(f.reducer(lambda x, **kw: np.sum(x * x, **kw)), s.reduce("sum", square=True)),
+    "ReduceL2": Rule(f.reducer(lambda x, **kw: np.sqrt(np.sum(x * x, **kw))), s.reduce("sum", square=True, root=True)),
     # running sums and index ops, on float data (differentiated) or int data (at run time);
     # NonZero only as pooling at one token per row (map_index)
     "CumSum": Rule(f.cumsum, ix.cumsum),
@@ -263,7 +265,11 @@ def _bind_initializers(em: Emitter, plan, env: dict, meta: dict, initial: dict) 
     for name, value in plan.values.items():
         kind = plan.kind[name]
         if kind == "const":
-            env[name] = Folded(value)
+            # a tensor of the module's state (Swin V2's relative_coords_table, computed in float32
+            # at construction) holds exactly these values in module.double() too: float64, so it
+            # is not read as the decimals a constant of the code rounds to (Emitter.constant)
+            exact = value.dtype == np.float32 and value.size > 1
+            env[name] = Folded(value.astype(np.float64) if exact else value)
         elif kind in ("param", "buffer"):
             ir = em.unique(name)
             init = None if kind == "param" else {"scheme": "ones" if "var" in name.lower() else "zeros"}
@@ -430,6 +436,8 @@ def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, labe
         em.b.output(name, ref)
     form = _form_warnings(em, plan, warnings)
     meta.update(form=form, input=inputs[0][0], output=out_name, output_node=out.name)
+    if plan.state_consts:
+        meta["state_constants"] = sorted(plan.state_consts)
     if em.expectations:
         meta["expectations"] = dict(em.expectations)
     em.b.meta = {"onnx": meta}

@@ -1,6 +1,10 @@
 """ONNX -> IR for the network layers: convolution, pooling, normalisation and dropout (see
 ``map_math`` for the mapping convention).
 
+Conv, MaxPool and AveragePool take images (rank 4) and volumes (rank 5, the 3-D layers) to
+the same IR ops, which work over either spatial rank; 1-D signals (rank 3) become (B, C, 1, L)
+images. LayerNormalization normalises over every axis from ``axis`` on.
+
 Batch norm and dropout come in two forms. A training-form export (TorchScript with
 ``training=TrainingMode.TRAINING``) marks them: BatchNormalization ``training_mode=1``, Dropout
 with a true ``training_mode`` input. The dynamo exporter writes a training batch norm as a
@@ -16,7 +20,7 @@ import math
 
 import numpy as np
 
-from hpc_rlx.graph.onnx.emit import Tensor, decimal32, folded_scalar
+from hpc_rlx.graph.onnx.emit import Tensor, decimal32, folded_scalar, single
 from hpc_rlx.graph.onnx.fold import Folded
 from hpc_rlx.graph.onnx.map_math import float_tensor
 from hpc_rlx.graph.onnx.params import fx_batch_norm
@@ -31,19 +35,23 @@ def torch_momentum(onnx_momentum: float) -> float:
     return 1.0 - float(onnx_momentum)
 
 
-def _image(em, v, what="input") -> Tensor:
-    """A (B, C, H, W) tensor with the batch first."""
+def _image(em, v, what="input", volumes=False) -> Tensor:
+    """A (B, C, H, W) tensor with the batch first (with ``volumes``, also (B, C, D, H, W))."""
     x = float_tensor(em, v, what)
-    if x.rank != 4 or x.groups[0] != (None,) or not all(x.plain(i) for i in (1, 2, 3)):
-        raise em.fail(f"{what} must be (batch, C, L) or (batch, C, H, W), got ONNX rank {x.rank}")
+    ranks = (4, 5) if volumes else (4,)
+    if x.rank not in ranks or x.groups[0] != (None,) or not all(x.plain(i) for i in range(1, x.rank)):
+        shapes = "(batch, C, L), (batch, C, H, W) or (batch, C, D, H, W)" if volumes else \
+            "(batch, C, L) or (batch, C, H, W)"
+        raise em.fail(f"{what} must be {shapes}, got ONNX rank {x.rank}")
     return x
 
 
 def _pads(em, at, size, kernel, strides, dilations) -> list:
-    """Symmetric [top/bottom, left/right] padding from ``pads`` or ``auto_pad``."""
+    """Symmetric padding per spatial axis from ``pads`` or ``auto_pad``."""
+    nd = len(size)
     auto = at.get("auto_pad", "NOTSET")
     if auto == "VALID":
-        return [0, 0]
+        return [0] * nd
     if auto in ("SAME_UPPER", "SAME_LOWER"):
         pads = []
         for n, k, s, d in zip(size, kernel, strides, dilations):
@@ -52,10 +60,10 @@ def _pads(em, at, size, kernel, strides, dilations) -> list:
                 raise em.fail(f"auto_pad={auto} needs uneven padding ({total} in all), which the IR lacks")
             pads.append(total // 2)
         return pads
-    p = list(at.get("pads", [0, 0, 0, 0]))
-    if p[0] != p[2] or p[1] != p[3]:
+    p = list(at.get("pads", [0] * (2 * nd)))
+    if p[:nd] != p[nd:]:
         raise em.fail(f"uneven padding {p} (begin != end) is not supported")
-    return [p[0], p[1]]
+    return p[:nd]
 
 
 def _out_size(n, k, s, p, d, ceil_mode=False) -> int:
@@ -90,49 +98,53 @@ def _with_one_dim(emit, weighted: bool = False):
 
 
 def _conv2d(em, ins, at, n):
-    x = _image(em, ins[0])
+    """2-D and 3-D convolution: the IR's conv2d takes images and volumes alike."""
+    x = _image(em, ins[0], volumes=True)
     w = float_tensor(em, ins[1], "weight")
-    if w.rank != 4:
-        raise em.fail("only 1-D and 2-D convolution are supported")
+    if w.rank != x.rank:
+        raise em.fail("only 1-D, 2-D and 3-D convolution are supported")
+    nd = x.rank - 2
     out_c, kernel = w.ir_shape[0], list(w.ir_shape[2:])
-    strides, dil = list(at.get("strides", [1, 1])), list(at.get("dilations", [1, 1]))
-    size = [x.groups[2][0], x.groups[3][0]]
+    strides, dil = list(at.get("strides", [1] * nd)), list(at.get("dilations", [1] * nd))
+    size = [x.groups[i][0] for i in range(2, x.rank)]
     pads = _pads(em, at, size, kernel, strides, dil)
     args = [x, w]
     b = ins[2] if len(ins) > 2 else None
     if b is not None and not (isinstance(b, Folded) and b.const and not b.value.any()):  # a zero bias is none
         args.append(float_tensor(em, b, "bias"))
-    hw = [_out_size(size[i], kernel[i], strides[i], pads[i], dil[i]) for i in range(2)]
+    out = [_out_size(size[i], kernel[i], strides[i], pads[i], dil[i]) for i in range(nd)]
     attrs = {"stride": strides, "padding": pads}
-    if dil != [1, 1]:
+    if dil != [1] * nd:
         attrs["dilation"] = dil
     if at.get("group", 1) != 1:
         attrs["groups"] = at["group"]
-    return [em.tensor("conv2d", args, ((None,), (out_c,), (hw[0],), (hw[1],)), **attrs)]
+    return [em.tensor("conv2d", args, ((None,), (out_c,)) + tuple((d,) for d in out), **attrs)]
 
 
 conv = _with_one_dim(_conv2d, weighted=True)
 
 
 def _pool(op: str):
+    """2-D and 3-D pooling (the IR's pool ops take images and volumes alike)."""
     def emit(em, ins, at, n):
-        x = _image(em, ins[0])
+        x = _image(em, ins[0], volumes=True)
+        nd = x.rank - 2
         kernel = list(at["kernel_shape"])
-        strides, dil = list(at.get("strides", [1, 1])), list(at.get("dilations", [1, 1]))
-        size = [x.groups[2][0], x.groups[3][0]]
+        strides, dil = list(at.get("strides", [1] * nd)), list(at.get("dilations", [1] * nd))
+        size = [x.groups[i][0] for i in range(2, x.rank)]
         pads = _pads(em, at, size, kernel, strides, dil)
-        hw = [_out_size(size[i], kernel[i], strides[i], pads[i], dil[i]) for i in range(2)]
-        if at.get("ceil_mode", 0) and hw != [_out_size(size[i], kernel[i], strides[i], pads[i], dil[i], True)
-                                              for i in range(2)]:
+        out = [_out_size(size[i], kernel[i], strides[i], pads[i], dil[i]) for i in range(nd)]
+        if at.get("ceil_mode", 0) and out != [_out_size(size[i], kernel[i], strides[i], pads[i], dil[i], True)
+                                               for i in range(nd)]:
             raise em.fail("ceil_mode=1 that changes the output size is not supported")
         attrs = {"kernel": kernel, "stride": strides, "padding": pads}
-        if dil != [1, 1]:
+        if dil != [1] * nd:
             if op != "max_pool2d":
                 raise em.fail("dilated average pooling is not supported")
             attrs["dilation"] = dil
         if op == "avg_pool2d" and any(pads):
             attrs["count_include_pad"] = bool(at.get("count_include_pad", 0))
-        y = em.tensor(op, [x], ((None,), x.groups[1], (hw[0],), (hw[1],)), **attrs)
+        y = em.tensor(op, [x], ((None,), x.groups[1]) + tuple((d,) for d in out), **attrs)
         return [y] + [None] * (n - 1)
 
     return emit
@@ -150,8 +162,24 @@ def global_average_pool(em, ins, at, n):
     return [em.tensor("mean", [x], groups, axes=list(range(2, x.rank)), keepdims=True)]
 
 
+def _rows_of_samples(x):
+    """For a (B*k, C) input, the IR transposes to (B, C, k) and back; else None."""
+    if x.rank != 2 or len(x.groups[0]) != 2 or None not in x.groups[0] or not x.plain(1):
+        return None
+    to_ir = [0, 2, 1] if x.groups[0][0] is None else [1, 2, 0]
+    return to_ir, [int(i) for i in np.argsort(to_ir)]
+
+
 def batch_norm(em, ins, at, n):
     x = float_tensor(em, ins[0])
+    rows = _rows_of_samples(x)
+    if rows is not None:
+        # (B*k, C): each sample's k rows (timm LeViT's tokens, flattened into the batch) are
+        # statistics rows like the batch's; the IR op takes them as a length axis: (B, C, k)
+        to_ir, back = rows
+        y, *rest = batch_norm(em, [em.tensor("transpose", [x], single(tuple(x.ir_shape[i] for i in to_ir)),
+                                             axes=to_ir), *ins[1:]], at, n)
+        return [em.tensor("transpose", [y], x.groups, axes=back)] + rest
     if x.rank < 2 or x.groups[0] != (None,) or not x.plain(1):
         raise em.fail("BatchNormalization needs (batch, C, ...) input")
     scale, bias = (float_tensor(em, v, what) for v, what in zip(ins[1:3], ("scale", "bias")))
@@ -171,18 +199,23 @@ def batch_norm(em, ins, at, n):
 
 
 def layer_norm(em, ins, at, n):
+    """Over the axes from ``axis`` on (PyTorch's ``normalized_shape`` of one or more dims):
+    the IR op's ``trailing_axes``, with scale and bias of those axes' shape."""
     x = float_tensor(em, ins[0])
     axis = at.get("axis", -1) % x.rank
-    if axis != x.rank - 1 or not x.plain(axis):
-        raise em.fail(f"LayerNormalization over axes {list(range(axis, x.rank))}: only the last axis is supported")
-    d = x.groups[-1][0]
+    axes = list(range(axis, x.rank))
+    if not all(x.plain(i) for i in axes):
+        raise em.fail(f"LayerNormalization over axes {axes}: each normalised axis must be one dimension "
+                      "that is not the batch")
+    dims = tuple(x.groups[i][0] for i in axes)
     scale = float_tensor(em, ins[1], "scale")
-    bias = float_tensor(em, ins[2] if len(ins) > 2 and ins[2] is not None else Folded(np.zeros(d, np.float32)))
+    bias = float_tensor(em, ins[2] if len(ins) > 2 and ins[2] is not None else Folded(np.zeros(dims, np.float32)))
     for t in (scale, bias):
-        if t.ir_shape != (d,):
-            raise em.fail(f"scale and bias must be ({d},), got {t.ir_shape}")
+        if t.ir_shape != dims:
+            raise em.fail(f"scale and bias must be {dims}, got {t.ir_shape}")
     eps = decimal32(float(at.get("epsilon", 1e-5)))
-    return [em.tensor("layer_norm", [x, scale, bias], x.groups, eps=eps)] + [None] * (n - 1)
+    attrs = {"eps": eps} if len(axes) == 1 else {"eps": eps, "trailing_axes": len(axes)}
+    return [em.tensor("layer_norm", [x, scale, bias], x.groups, **attrs)] + [None] * (n - 1)
 
 
 def dropout(em, ins, at, n):

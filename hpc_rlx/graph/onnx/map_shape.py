@@ -186,8 +186,26 @@ def sequence_at(em, ins, at, n):
     return [seq[position]]
 
 
+def _is_contiguous_view(data: Tensor, idx: Folded, axis: int) -> bool:
+    """Whether gathering ``idx`` from a 1-D ``data`` reads every element once, in order, at
+    both trace batches: dynamo writes ``Tensor.as_strided`` that way (the flattened tensor
+    gathered at offsets it computes from the batch size), and where the strides are the
+    contiguous ones (torch 2.14's adaptive average pooling, restriding its 1x1 output), the
+    gather is a reshape to the index's shape."""
+    if data.rank != 1 or axis != 0:
+        return False
+    for t, b in enumerate(TRACE_BATCHES):
+        v = np.asarray(idx.at(t))
+        if v.size != dims_at(data.groups, b)[0] or not np.array_equal(v.reshape(-1), np.arange(v.size)):
+            return False
+    return True
+
+
 def gather(em, ins, at, n):
     data, idx = ins
+    if isinstance(idx, Folded) and not idx.const and isinstance(data, Tensor) \
+            and _is_contiguous_view(data, idx, at.get("axis", 0) % data.rank):
+        return [_regroup(em, data, lambda d, t: tuple(idx.at(t).shape))]
     if isinstance(idx, Folded) and not idx.const:
         # indices that vary only by being broadcast to the batch (BERT's token type ids: zeros
         # expanded to (batch, seq)): a constant broadcast at run time, then as token ids
@@ -249,7 +267,9 @@ def expand(em, ins, at, n):
             new_batch = True
         else:
             groups.append((a,))
-    if any(len(g) > 1 for g in groups) and tuple(groups[pad:]) != x.groups:
+    # a dim that merges the batch with another may stay as it is (F.normalize expands a norm
+    # over the last axis of Swin V2's (B*windows, heads, N, d) queries), not be broadcast
+    if any(len(g) > 1 and (i < pad or g != x.groups[i - pad]) for i, g in enumerate(groups)):
         raise em.fail("Expand of a tensor whose dims merge the batch with another")
     no_batch = tuple((1,) if g == (None,) and (i < pad or x.groups[i - pad] != (None,)) else g
                      for i, g in enumerate(groups))
@@ -259,9 +279,13 @@ def expand(em, ins, at, n):
     return [em.with_batch(y, tuple(groups)) if new_batch else y]
 
 
-def reduce(op: str):
+def reduce(op: str, square: bool = False, root: bool = False):
+    """A Reduce* node as IR ``op`` over its axes; ``square``: of the squares (ReduceSumSquare),
+    ``root``: then the square root (ReduceL2, torch.linalg.vector_norm and F.normalize)."""
     def emit(em, ins, at, n):
         x = em.as_tensor(ins[0])
+        if square:
+            x = em.tensor("mul", [x, x], x.groups)
         axes_in = None if len(ins) < 2 or ins[1] is None else _folded(em, ins[1], "axes").value
         axes = fold.reduce_axes([None, axes_in], at, x.rank)
         if axes == ():
@@ -270,6 +294,7 @@ def reduce(op: str):
         keep = bool(at.get("keepdims", 1))
         ir_axes = [_ir_axis(x, a) + k for a in sorted(axes) for k in range(len(x.groups[a]))]
         groups = tuple((1,) * len(g) if i in axes else g for i, g in enumerate(x.groups) if keep or i not in axes)
-        return [em.tensor(op, [x], groups, axes=ir_axes, keepdims=keep)]
+        out = em.tensor(op, [x], groups, axes=ir_axes, keepdims=keep)
+        return [em.tensor("sqrt", [out], groups) if root else out]
 
     return emit

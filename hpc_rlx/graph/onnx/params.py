@@ -119,6 +119,7 @@ class InitPlan:
     source: dict = field(default_factory=dict)       # transposed initializer -> the name it transposes
     torch_name: dict = field(default_factory=dict)   # initializer (or source) name -> PyTorch name
     fused: set = field(default_factory=set)          # initializers batch norm was folded into
+    state_consts: set = field(default_factory=set)   # float buffers of the module's state read as constants
 
 
 def _read_values(model) -> dict:
@@ -184,6 +185,8 @@ def plan_initializers(model, warnings: list) -> InitPlan:
             plan.kind[name] = "buffer"
         elif kind in ("BUFFER", "CONSTANT_TENSOR") or (sources and not state):
             plan.kind[name] = "const"
+            if kind == "BUFFER" and name in targets:  # in the state dict: the export writes it back
+                plan.state_consts.add(name)
         elif len(sources) == 1 and state and value.ndim == 2 and uses.get(name) and all(
                 u in (("MatMul", 1),) for u in uses[name]):
             plan.kind[name], plan.source[name] = "transposed", sources[0]

@@ -1,5 +1,7 @@
 """``conv2d``: im2col and GEMM kernels on the batch-last layout of ``windows``, the op and its
-VJPs (conventions in ``hpc_rlx.graph.ops``).
+VJPs (conventions in ``hpc_rlx.graph.ops``). The op takes images (B, C, H, W) with (O, C /
+groups, kh, kw) kernels and, with the same code, volumes (B, C, D, H, W) with (O, C / groups,
+kd, kh, kw) kernels (the 3-D convolution); below, (H, W) stands for the spatial axes.
 
 The im2col columns are (C, kh*kw, Ho, Wo, B); conv2d is one GEMM ``W(O, K) @ cols(K,
 Ho*Wo*B)`` whose (O, Ho*Wo*B) result *is* the output in the batch-last layout. im2col copies
@@ -14,72 +16,63 @@ Dilation only spreads the kernel offsets.
 
 from __future__ import annotations
 
-from hpc_rlx.graph.ops.windows import batch_first_view, batch_last, kernel_windows, out_size
+from math import prod
+
+from hpc_rlx.graph.ops.windows import batch_first_view, batch_last, out_sizes, plan
 from hpc_rlx.graph.registry import defop, defvjp
 from hpc_rlx.graph.shapes import (
     FLOAT,
     ShapeError,
     TensorType,
     fmt_shape,
-    pair,
+    geometry,
+    per_axis,
     require_float,
-    require_ndim,
 )
 
-
-def _covers_input(x_hw, orow, ocol, irow, icol, stride):
-    """Whether one offset's output positions read every input position exactly once."""
-    h, w = x_hw
-    return (stride == (1, 1) and irow.start == 0 and icol.start == 0
-            and orow.stop - orow.start == h and ocol.stop - ocol.start == w)
-
-
-def im2col(xp, x, kernel, stride, padding, dilation=(1, 1), extra_rows=0):
-    """Columns (C*kh*kw, Ho*Wo*B) of ``x`` (B, C, H, W); returns (cols, ho, wo). With
+def im2col(xp, x, kernel, stride, padding, dilation=None, extra_rows=0):
+    """Columns (C*kh*kw, Ho*Wo*B) of ``x`` (B, C, H, W); returns (cols, (Ho, Wo)). With
     ``extra_rows``, cols has that many more rows at the end, left for the caller to fill."""
-    b, c, h, w = x.shape
-    ho, wo = out_size(h, kernel[0], stride[0], padding[0], dilation[0]), out_size(w, kernel[1], stride[1], padding[1], dilation[1])
+    b, c = x.shape[:2]
+    p = plan(x.shape[2:], kernel, stride, padding, dilation)
     xb = batch_last(xp, x)
-    k = c * kernel[0] * kernel[1]
-    flat = xp.empty((k + extra_rows, ho * wo * b), dtype=x.dtype)
-    cols = flat[:k].reshape(c, kernel[0] * kernel[1], ho, wo, b)
-    for n, orow, ocol, irow, icol, kind in kernel_windows((h, w), (ho, wo), kernel, stride, padding, dilation):
+    kk = len(p.windows)
+    k = c * kk
+    flat = xp.empty((k + extra_rows, prod(p.out) * b), dtype=x.dtype)
+    cols = flat[:k].reshape(c, kk, *p.out, b)
+    for n, oidx, iidx, kind, rim in p.windows:
         dst = cols[:, n]
         if kind is None:
             dst[...] = 0
             continue
-        dst[:, orow, ocol] = xb[:, irow, icol]
-        if kind == "part":  # the rest reads the zero padding
-            dst[:, : orow.start] = 0
-            dst[:, orow.stop :] = 0
-            dst[:, orow, : ocol.start] = 0
-            dst[:, orow, ocol.stop :] = 0
-    return flat, ho, wo
+        dst[oidx] = xb[iidx]
+        for r in rim:  # the rest reads the zero padding
+            dst[r] = 0
+    return flat, p.out
 
 
-def col2im(xp, cols, x_shape, kernel, stride, padding, dilation=(1, 1)):
+def col2im(xp, cols, x_shape, kernel, stride, padding, dilation=None):
     """Adjoint of ``im2col``: add the columns back onto a (B, C, H, W) array (batch-last view)."""
-    b, c, h, w = x_shape
-    ho, wo = out_size(h, kernel[0], stride[0], padding[0], dilation[0]), out_size(w, kernel[1], stride[1], padding[1], dilation[1])
-    c5 = cols.reshape(c, kernel[0] * kernel[1], ho, wo, b)
-    wins = [t for t in kernel_windows((h, w), (ho, wo), kernel, stride, padding, dilation) if t[5] is not None]
-    first = next((t for t in wins if _covers_input((h, w), *t[1:5], stride)), None)
+    b, c, *size = x_shape
+    p = plan(size, kernel, stride, padding, dilation)
+    c5 = cols.reshape(c, len(p.windows), *p.out, b)
+    first = p.covering
     if first is not None:  # written, not added: no zeroing pass
-        gx = xp.empty((c, h, w, b), dtype=cols.dtype)
-        gx[...] = c5[:, first[0], first[1], first[2]]
+        gx = xp.empty((c, *size, b), dtype=cols.dtype)
+        gx[...] = c5[:, first[0]][first[1]]
     else:
-        gx = xp.zeros((c, h, w, b), dtype=cols.dtype)
-    for n, orow, ocol, irow, icol, _ in wins:
+        gx = xp.zeros((c, *size, b), dtype=cols.dtype)
+    for n, oidx, iidx, _, _ in p.live:
         if first is None or n != first[0]:
-            gx[:, irow, icol] += c5[:, n, orow, ocol]
+            gx[iidx] += c5[:, n][oidx]
     return batch_first_view(gx)
 
 
-def conv2d_forward(xp, x, w, b, stride, padding, dilation=(1, 1), groups=1):
+def conv2d_forward(xp, x, w, b, stride, padding, dilation=None, groups=1):
     """Returns (out (B, O, Ho, Wo), cols) for x (B, C, H, W) and w (O, C / groups, kh, kw)."""
     o, k = w.shape[0], w[0].size * groups
     fused = b is not None and groups == 1
-    cols, ho, wo = im2col(xp, x, w.shape[2:], stride, padding, dilation, extra_rows=int(fused))
+    cols, out = im2col(xp, x, w.shape[2:], stride, padding, dilation, extra_rows=int(fused))
     if fused:  # the bias rides in the GEMM: a row of ones under the columns, b beside W
         cols[k] = 1
         wb = xp.empty((o, k + 1), dtype=w.dtype)
@@ -94,7 +87,7 @@ def conv2d_forward(xp, x, w, b, stride, padding, dilation=(1, 1), groups=1):
         y = y.reshape(o, -1)
     if b is not None and not fused:
         y += b.reshape(o, 1)
-    return batch_first_view(y.reshape(o, ho, wo, x.shape[0])), cols
+    return batch_first_view(y.reshape(o, *out, x.shape[0])), cols
 
 
 def _g_matrix(xp, g):
@@ -103,7 +96,7 @@ def _g_matrix(xp, g):
     return batch_last(xp, g).reshape(g.shape[1], -1)
 
 
-def conv2d_grad_x(xp, g, w, x_shape, stride, padding, dilation=(1, 1), groups=1):
+def conv2d_grad_x(xp, g, w, x_shape, stride, padding, dilation=None, groups=1):
     """Input cotangent. With one group, one GEMM per kernel offset, each (C, Ho*Wo*B) block
     added into the gradient while it is still in cache (the offset that covers the whole
     input *is* the gradient buffer); with groups, one batched GEMM and ``col2im``."""
@@ -113,22 +106,22 @@ def conv2d_grad_x(xp, g, w, x_shape, stride, padding, dilation=(1, 1), groups=1)
         wg = w.reshape(groups, o // groups, -1)
         gcols = xp.matmul(wg.transpose(0, 2, 1), gm.reshape(groups, o // groups, -1))
         return col2im(xp, gcols.reshape(-1, gcols.shape[2]), x_shape, w.shape[2:], stride, padding, dilation)
-    b, c, h, wd = x_shape
+    b, c, *size = x_shape
     kernel = w.shape[2:]
-    ho, wo = out_size(h, kernel[0], stride[0], padding[0], dilation[0]), out_size(wd, kernel[1], stride[1], padding[1], dilation[1])
-    wt = xp.ascontiguousarray(w.reshape(o, c, kernel[0] * kernel[1]).transpose(2, 1, 0))  # (kh*kw, C, O)
-    wins = [t for t in kernel_windows((h, wd), (ho, wo), kernel, stride, padding, dilation) if t[5] is not None]
-    first = next((t for t in wins if _covers_input((h, wd), *t[1:5], stride)), None)
-    if first is not None and (ho, wo) == (h, wd):
-        gx = xp.matmul(wt[first[0]], gm).reshape(c, h, wd, b)
+    p = plan(size, kernel, stride, padding, dilation)
+    out = p.out
+    wt = xp.ascontiguousarray(w.reshape(o, c, len(p.windows)).transpose(2, 1, 0))  # (kh*kw, C, O)
+    first = p.covering
+    if first is not None and out == tuple(size):
+        gx = xp.matmul(wt[first[0]], gm).reshape(c, *size, b)
     elif first is not None:  # padding wider than the kernel needs: the covering block is a crop
-        gx = xp.empty((c, h, wd, b), dtype=g.dtype)
-        gx[...] = xp.matmul(wt[first[0]], gm).reshape(c, ho, wo, b)[:, first[1], first[2]]
+        gx = xp.empty((c, *size, b), dtype=g.dtype)
+        gx[...] = xp.matmul(wt[first[0]], gm).reshape(c, *out, b)[first[1]]
     else:
-        gx = xp.zeros((c, h, wd, b), dtype=g.dtype)
-    for n, orow, ocol, irow, icol, _ in wins:
+        gx = xp.zeros((c, *size, b), dtype=g.dtype)
+    for n, oidx, iidx, _, _ in p.live:
         if first is None or n != first[0]:
-            gx[:, irow, icol] += xp.matmul(wt[n], gm).reshape(c, ho, wo, b)[:, orow, ocol]
+            gx[iidx] += xp.matmul(wt[n], gm).reshape(c, *out, b)[oidx]
     return batch_first_view(gx)
 
 
@@ -161,10 +154,15 @@ def conv2d_grad_b(xp, g, out=None):
 # ---------------------------------------------------------------- the op
 
 
+def smallest(value) -> int:
+    """The smallest entry of a ``geometry`` attribute."""
+    return value if isinstance(value, int) else min(value)
+
+
 def _conv_check(a):
-    s, p = pair(a["stride"], "stride"), pair(a["padding"], "padding")
-    d, groups = pair(a["dilation"], "dilation"), a["groups"]
-    if min(s) < 1 or min(p) < 0 or min(d) < 1:
+    s, p = geometry(a["stride"], "stride"), geometry(a["padding"], "padding")
+    d, groups = geometry(a["dilation"], "dilation"), a["groups"]
+    if smallest(s) < 1 or smallest(p) < 0 or smallest(d) < 1:
         raise ShapeError(f"stride and dilation must be >= 1 and padding >= 0, got stride={a['stride']} "
                          f"padding={a['padding']} dilation={a['dilation']}")
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
@@ -172,12 +170,21 @@ def _conv_check(a):
     return {"stride": s, "padding": p, "dilation": d, "groups": groups}
 
 
+def spatial_rank(x, what="input (B, C, H, W) or (B, C, D, H, W)") -> int:
+    """2 for an image, 3 for a volume."""
+    if x.ndim not in (4, 5):
+        raise ShapeError(f"{what} must have 4 or 5 dims, got shape {fmt_shape(x.shape)}")
+    return x.ndim - 2
+
+
 def _conv_type(types, a):
     x, w = types[0], types[1]
     require_float(x, "input")
     require_float(w, "weight")
-    require_ndim(x, 4, "input (B, C, H, W)")
-    require_ndim(w, 4, "weight (O, C, kh, kw)")
+    nd = spatial_rank(x)
+    if w.ndim != x.ndim:
+        raise ShapeError(f"weight {fmt_shape(w.shape)} must have {x.ndim} dims (O, C, {'kd, ' * (nd == 3)}kh, kw) "
+                         f"for input {fmt_shape(x.shape)}")
     if None in x.shape[1:] or None in w.shape:
         raise ShapeError("only the batch dim may be unknown")
     groups = a["groups"]
@@ -190,23 +197,28 @@ def _conv_type(types, a):
         require_float(types[2], "bias")
         if types[2].shape != (w.shape[0],):
             raise ShapeError(f"bias shape {fmt_shape(types[2].shape)} must be ({w.shape[0]},)")
-    ho = out_size(x.shape[2], w.shape[2], a["stride"][0], a["padding"][0], a["dilation"][0])
-    wo = out_size(x.shape[3], w.shape[3], a["stride"][1], a["padding"][1], a["dilation"][1])
-    if ho < 1 or wo < 1:
+    s, p, d = (per_axis(a[k], nd, k) for k in ("stride", "padding", "dilation"))
+    out = out_sizes(x.shape[2:], w.shape[2:], s, p, d)
+    if min(out) < 1:
         raise ShapeError(f"kernel {w.shape[2:]} does not fit input {fmt_shape(x.shape)} with the given padding")
-    return TensorType((x.shape[0], w.shape[0], ho, wo), FLOAT)
+    return TensorType((x.shape[0], w.shape[0], *out), FLOAT)
 
 
 @defop("conv2d", _conv_type, (2, 3), attrs={"stride": 1, "padding": 0, "dilation": 1, "groups": 1},
        check=_conv_check, arg_names=("x", "weight", "bias"))
 def conv2d(xp, args, a, ctx):
+    nd = args[0].ndim - 2
     b = args[2] if len(args) == 3 else None
-    out, cols = conv2d_forward(xp, args[0], args[1], b, a["stride"], a["padding"], a["dilation"], a["groups"])
+    out, cols = conv2d_forward(xp, args[0], args[1], b, per_axis(a["stride"], nd, "stride"),
+                               per_axis(a["padding"], nd, "padding"), per_axis(a["dilation"], nd, "dilation"),
+                               a["groups"])
     return out, ((cols, args[0].shape) if ctx.need_saved else None)
 
 
 def _conv_x(xp, g, args, ans, saved, a, out):
-    return conv2d_grad_x(xp, g, args[1], saved[1], a["stride"], a["padding"], a["dilation"], a["groups"])
+    nd = g.ndim - 2
+    return conv2d_grad_x(xp, g, args[1], saved[1], per_axis(a["stride"], nd, "stride"),
+                         per_axis(a["padding"], nd, "padding"), per_axis(a["dilation"], nd, "dilation"), a["groups"])
 
 
 def _conv_w(xp, g, args, ans, saved, a, out):

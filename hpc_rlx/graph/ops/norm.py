@@ -20,24 +20,41 @@ def _eps_check(a):
     return {"eps": float(eps)}
 
 
+def _layer_norm_check(a):
+    k = a["trailing_axes"]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ShapeError(f"attribute 'trailing_axes' must be a positive int, got {k!r}")
+    return {**_eps_check(a), "trailing_axes": k}
+
+
 def _layer_norm_type(types, a):
-    x = types[0]
+    x, k = types[0], a["trailing_axes"]
     require_float(x, "input")
-    if x.ndim < 1 or x.shape[-1] is None:
-        raise ShapeError(f"layer_norm needs a known last dim, got {fmt_shape(x.shape)}")
+    if x.ndim < k or None in x.shape[x.ndim - k:]:
+        raise ShapeError(f"layer_norm over the last {k} dim(s) needs them known (not the batch), "
+                         f"got {fmt_shape(x.shape)}")
+    dims = x.shape[x.ndim - k:]
     for t, what in zip(types[1:], ("gamma", "beta")):
         require_float(t, what)
-        if t.shape != (x.shape[-1],):
-            raise ShapeError(f"{what} shape {fmt_shape(t.shape)} must be ({x.shape[-1]},)")
+        if t.shape != dims:
+            raise ShapeError(f"{what} shape {fmt_shape(t.shape)} must be {fmt_shape(dims)}")
     return x
 
 
-@defop("layer_norm", _layer_norm_type, (3, 3), attrs={"eps": 1e-5}, check=_eps_check,
+def _norm_axes(k):
+    """The reduction axes of a layer norm over the last ``k`` axes (an int for one)."""
+    return -1 if k == 1 else tuple(range(-k, 0))
+
+
+@defop("layer_norm", _layer_norm_type, (3, 3), attrs={"eps": 1e-5, "trailing_axes": 1}, check=_layer_norm_check,
        arg_names=("x", "gamma", "beta"))
 def layer_norm(xp, args, a, ctx):
+    """Normalise over the last ``trailing_axes`` axes (PyTorch's ``normalized_shape``, ONNX's
+    ``axis`` counted from the end); gamma and beta have those axes' shape."""
     x, gamma, beta = args
-    xc = x - x.mean(axis=-1, keepdims=True)
-    var = (xc * xc).mean(axis=-1, keepdims=True)
+    ax = _norm_axes(a["trailing_axes"])
+    xc = x - x.mean(axis=ax, keepdims=True)
+    var = (xc * xc).mean(axis=ax, keepdims=True)
     rstd = 1.0 / xp.sqrt(var + a["eps"])
     xhat = xc
     xhat *= rstd
@@ -48,22 +65,27 @@ def layer_norm(xp, args, a, ctx):
 
 def _layer_norm_x(xp, g, args, ans, saved, a, out):
     xhat, rstd = saved
+    ax = _norm_axes(a["trailing_axes"])
     gx = g * args[1]
-    m1 = gx.mean(axis=-1, keepdims=True)
-    m2 = (gx * xhat).mean(axis=-1, keepdims=True)
+    m1 = gx.mean(axis=ax, keepdims=True)
+    m2 = (gx * xhat).mean(axis=ax, keepdims=True)
     gx -= m1
     gx -= xhat * m2
     gx *= rstd
     return gx
 
 
+def _rows(g, k):
+    """``g`` as (rows, *normalised dims)."""
+    return g.reshape((-1,) + g.shape[g.ndim - k:])
+
+
 def _layer_norm_gamma(xp, g, args, ans, saved, a, out):
-    gx = g * saved[0]
-    return sum_to(xp, gx.reshape(-1, gx.shape[-1]), 0, out)
+    return sum_to(xp, _rows(g * saved[0], a["trailing_axes"]), 0, out)
 
 
 def _layer_norm_beta(xp, g, args, ans, saved, a, out):
-    return sum_to(xp, g.reshape(-1, g.shape[-1]), 0, out)
+    return sum_to(xp, _rows(g, a["trailing_axes"]), 0, out)
 
 
 defvjp("layer_norm", _layer_norm_x, _layer_norm_gamma, _layer_norm_beta, needs_args=(1,))

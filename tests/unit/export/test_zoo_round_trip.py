@@ -5,6 +5,8 @@ dict both give hpc_rlx's inference forward."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -35,6 +37,14 @@ FAST = {("resnet", "dynamo", "train", "plain"), ("mobilenet", "torchscript", "tr
 PARAMS = [pytest.param(*c, form, id="-".join(c + (form,)),
                        marks=[] if c + (form,) in FAST else [pytest.mark.slow])
           for c in CASES for form in ("plain", "optimized")]
+# torchvision's and timm's models (tests/support/vision_zoo.py, dropout and stochastic depth off):
+# hard swish and squeeze-and-excitation, Swin's index tables and V2's coordinate buffer, LeViT's
+# batch norm over token rows
+VISION = [("tv_mobilenet_v3_p0", "dynamo"), ("tv_swin_p0", "torchscript"), ("tv_swin_v2_p0", "dynamo"),
+          ("timm_levit_p0", "dynamo")]
+if importlib.util.find_spec("torchvision") and importlib.util.find_spec("timm"):
+    PARAMS += [pytest.param(m, e, "train", "plain", id=f"{m}-{e}-train-plain", marks=[pytest.mark.slow])
+               for m, e in VISION]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +63,7 @@ def exported(tmp_path_factory):
             except GraphError as e:  # which files import is tests/unit/graph/test_onnx_import.py's subject
                 imported = e
             # the run directory holds one self-contained file (external data read back in)
-            cache[key] = (zoo.ZOO[name][0], onnx.load(str(path)).SerializeToString(), imported)
+            cache[key] = (zoo.entry(name)[0], onnx.load(str(path)).SerializeToString(), imported)
         if isinstance(cache[key][2], GraphError):
             pytest.skip(f"import_onnx refuses this file: {str(cache[key][2])[:200]}")
         return cache[key]

@@ -27,10 +27,12 @@ from tests.support.onnx_checks import (  # noqa: E402
     TOL,
     check_gradients,
     feed,
+    ort_batch_stats,
     ours_forward,
     param_views,
     rel,
     torch_module,
+    trains_like_module_train,
 )
 from tests.support.shared import run_dir  # noqa: E402
 
@@ -73,21 +75,6 @@ def exported(tmp_path_factory):
         return cache[key]
 
     return get
-
-
-def trains_like_module_train(imported, mode: str) -> bool:
-    """Whether training the import matches module.train(): a training-mode export whose batch
-    norm and dropout the import kept in their training form. Otherwise (an eval export, or
-    batch norm fused into the convolutions) the import trains like module.eval()."""
-    return mode == "train" and imported.graph.meta["onnx"]["form"] == "training"
-
-
-def ort_batch_stats(path) -> bool:
-    """Whether ONNX Runtime normalises with batch statistics: a BatchNormalization node in
-    training mode (TorchScript's training-form export)."""
-    model = onnx.load(str(path))
-    return any(n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute)
-               for n in model.graph.node)
 
 
 @pytest.mark.parametrize("name, exporter, mode", _cases())
