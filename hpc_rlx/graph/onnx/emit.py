@@ -170,7 +170,9 @@ class Emitter:
     def fail(self, msg: str) -> GraphError:
         module = module_of(self.proto) if self.proto is not None else None
         where = f" in {module}" if module else ""
-        return GraphError(f"ONNX node '{self.node}' ({self.op_type}){where}: {msg}")
+        err = GraphError(f"ONNX node '{self.node}' ({self.op_type}){where}: {msg}")
+        err.reason = msg    # without the node: the import's one error groups nodes by it
+        return err
 
     def unique(self, name: str) -> str:
         name = sanitise(name)

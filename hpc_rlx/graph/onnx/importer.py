@@ -44,7 +44,7 @@ from hpc_rlx.graph.ir import Graph
 from hpc_rlx.graph.onnx.emit import Emitter, Tensor, dims_at, sanitise
 from hpc_rlx.graph.onnx.fold import TRACE_BATCHES, Folded, FoldError, evaluate
 from hpc_rlx.graph.onnx.params import exporter_of, load_model, opset_of, plan_initializers
-from hpc_rlx.graph.onnx.scopes import describe
+from hpc_rlx.graph.onnx.refusals import unsupported_error
 from hpc_rlx.graph.onnx.untie import untie_merged_initializers
 from hpc_rlx.graph.shapes import FLOAT, INT
 
@@ -193,44 +193,11 @@ def _attrs(node) -> dict:
     return out
 
 
-# What a user most likely has behind an op type, where the op alone does not say.
-_CAUSES = {
-    "RandomUniform": "a random tensor of a fixed shape drawn in the model",
-    "RandomNormal": "noise of a fixed shape drawn in the model",
-}
-_SHOWN_PER_OP = 3     # nodes named per op type in the error; the count gives the rest
-
-
-def _op_name(node) -> str:
-    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
-
-
 def supported_ops() -> tuple[list[str], list[str]]:
     """(op types that train on data, op types read only on constants and shapes)."""
     trained = sorted(k for k, r in ONNX_OPS.items() if r.emit is not None)
     folded = sorted(k for k, r in ONNX_OPS.items() if r.emit is None)
     return trained, folded
-
-
-def _unsupported_error(missing: list, data_bound: list) -> GraphError:
-    """One error for every node the import cannot take, grouped by op type with counts:
-    `missing` ops hpc_rlx does not have, `data_bound` ops it has only for constants."""
-    lines = []
-    for kind, nodes in (("not supported", missing), ("supported only on constants and shapes, "
-                                                      "but here an input depends on the data", data_bound)):
-        by_op: dict = {}
-        for node in nodes:
-            by_op.setdefault(_op_name(node), []).append(node)
-        for op, group in sorted(by_op.items()):
-            shown = ", ".join(describe(n) for n in group[:_SHOWN_PER_OP])
-            more = f" and {len(group) - _SHOWN_PER_OP} more" if len(group) > _SHOWN_PER_OP else ""
-            cause = f" [{_CAUSES[op]}]" if op in _CAUSES else ""
-            lines.append(f"  {op} x{len(group)}: {kind}{cause}; {shown}{more}")
-    count = len(missing) + len(data_bound)
-    trained, folded = supported_ops()
-    return GraphError(f"the ONNX file has {count} node(s) hpc_rlx cannot import:\n" + "\n".join(lines)
-                      + f"\nops that train: {', '.join(trained)}\n"
-                      + f"ops on constants and shapes only: {', '.join(folded)}")
 
 
 def _data_inputs(em: Emitter, graph, initialized: set, warnings: list) -> list:
@@ -295,12 +262,13 @@ def _bind_initializers(em: Emitter, plan, env: dict, meta: dict, initial: dict) 
 def _walk(em: Emitter, graph, env: dict) -> None:
     """Translate the nodes in order. Nodes the import cannot take are collected, not raised one
     at a time: their outputs are marked unknown, nodes reading those are passed over, and one
-    error at the end lists them all."""
+    error at the end lists them all (a node refused alone keeps its own message)."""
     producer = {}
     nodes = list(graph.node)
     rules = [ONNX_OPS.get(n.op_type) if n.domain in ("", "ai.onnx") else None for n in nodes]
     missing = [n for n, rule in zip(nodes, rules) if rule is None]
     data_bound: list = []
+    refused: list = []         # (node, reason, its own error): an op hpc_rlx has, in a form it has not
     unknown: set = set()       # outputs of nodes passed over
     for node, rule in zip(nodes, rules):
         if rule is None or any(name in unknown for name in node.input if name):
@@ -326,19 +294,30 @@ def _walk(em: Emitter, graph, env: dict) -> None:
                 outs = evaluate(rule.fold, ins, attrs)
             except (FoldError, ValueError, TypeError, IndexError, KeyError) as exc:
                 raise em.fail(f"cannot evaluate it on its constant inputs: {exc}") from None
-        elif any(isinstance(v, ix.Hits) for v in ins):  # NonZero's output, on its way to a gather
-            outs = ix.follow_hits(em, node.op_type, ins, attrs)
-        elif rule.emit is None:
+        elif rule.emit is None and not any(isinstance(v, ix.Hits) for v in ins):
             data_bound.append(node)
             unknown.update(o for o in node.output if o)
             continue
         else:
-            outs = rule.emit(em, ins, attrs, len(node.output))
+            try:
+                if any(isinstance(v, ix.Hits) for v in ins):  # NonZero's output, on its way to a gather
+                    outs = ix.follow_hits(em, node.op_type, ins, attrs)
+                else:
+                    outs = rule.emit(em, ins, attrs, len(node.output))
+            except GraphError as exc:
+                if not hasattr(exc, "reason"):
+                    raise
+                refused.append((node, exc.reason, exc))
+                unknown.update(o for o in node.output if o)
+                continue
         for name, value in zip(node.output, list(outs) + [None] * len(node.output)):
             if name:
                 env[name], producer[name] = value, f"'{node.name}' ({node.op_type})"
-    if missing or data_bound:
-        raise _unsupported_error(missing, data_bound)
+    if len(refused) == 1 and not (missing or data_bound):
+        raise refused[0][2]
+    if missing or data_bound or refused:
+        raise unsupported_error(missing, data_bound, [(node, reason) for node, reason, _ in refused],
+                                *supported_ops())
 
 
 def _check_declared(graph, out: Tensor) -> None:

@@ -312,6 +312,37 @@ def test_every_node_the_import_cannot_take_is_in_one_error_grouped_by_op():
     assert len(lines) == 6, text
 
 
+def test_nodes_of_supported_ops_in_forms_the_import_lacks_are_in_the_same_one_error():
+    """A 3-D ConvTranspose and two cubic Resizes (ops the import has, in forms it has not) are
+    listed with a missing op in one error, grouped by op type and reason with counts, so that
+    `--check` names them all at once; a node refused alone keeps its own message."""
+    h = onnx.helper
+    scales = onnx.numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
+    axes = onnx.numpy_helper.from_array(np.array([2], np.int64), "axes")
+    w = onnx.numpy_helper.from_array(np.ones((2, 2, 1, 1, 1), np.float32), "w")
+    cubic = [h.make_node("Resize", ["x", "", "scales"], [f"up{k}"], name=f"cubic{k}", mode="cubic")
+             for k in (1, 2)]
+    nodes = cubic + [h.make_node("Unsqueeze", ["x", "axes"], ["x5"]),
+                     h.make_node("ConvTranspose", ["x5", "w"], ["t5"], name="deconv3d"),
+                     h.make_node("Hardmax", ["x"], ["hm"], name="hm"),
+                     h.make_node("Add", ["up1", "up2"], ["out"])]
+    inits = [scales, axes, w]
+    model = _tiny(nodes, [_info("x", ["batch", 2, 4, 4])], [_info("out", ["batch", 2, 8, 8])], inits)
+    with pytest.raises(GraphError) as err:
+        import_onnx(model)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "the ONNX file has 4 node(s) hpc_rlx cannot import:", lines
+    assert lines[1] == "  Hardmax x1: not supported; 'hm'", lines
+    assert lines[2].startswith("  ConvTranspose x1: input must be (batch, C, L) or (batch, C, H, W), got ONNX "
+                               "rank 5; 'deconv3d'"), lines
+    assert lines[3] == "  Resize x2: Resize mode 'cubic' is not supported (nearest and linear are); 'cubic1', " \
+                       "'cubic2'", lines
+    assert lines[4].startswith("ops that train: ") and len(lines) == 6, lines
+    alone = _tiny(cubic[:1], [_info("x", ["batch", 2, 4, 4])], [_info("up1", ["batch", 2, 8, 8])], [scales])
+    with pytest.raises(GraphError, match=r"^ONNX node 'cubic1' \(Resize\): Resize mode 'cubic' is not supported"):
+        import_onnx(alone)
+
+
 def test_malformed_files_and_unsupported_opsets_fail_clearly(tmp_path):
     with pytest.raises(GraphError, match="ONNX bytes is not a valid ONNX model"):
         import_onnx(b"\x08\x07garbage that is no protobuf \xff\xff")
