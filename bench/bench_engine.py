@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_engine.py [--repeats 7] [--steps 10] [--only mlp,cnn,lm]
     .venv/bin/python bench/bench_engine.py --only zoo      # the ONNX model zoo of the tests
     .venv/bin/python bench/bench_engine.py --only vision,hf --repeats 3 --steps 3   # torchvision, timm, HF
+    .venv/bin/python bench/bench_engine.py --only hf --models gpt2,bert --profile      # + where the time goes
 
 Prints per-step times and the ratio engine / PyTorch for the MLP 784-1024-1024-10 at batch
 128 (the target is <= 1.0), a small CNN and the transformer LM, all float32. A hand-written
@@ -248,9 +249,10 @@ VISION = ["tv_mobilenet_v3", "tv_efficientnet_b0", "tv_convnext", "tv_swin", "tv
           "timm_levit", "timm_mixer", "tv_resnet18", "tv_shufflenet", "tv_regnet", "tv_densenet", "tv_vit",
           "timm_resnet10t", "timm_convnext_atto", "timm_deit_tiny", "timm_efficientnet"]
 HF = ["bert", "distilbert", "gpt2", "llama", "roberta", "bart", "t5"]
+ZOO = ["lenet", "resnet", "mobilenet", "vit", "gpt", "mixer"]
 
 
-def zoo_cases(batch=32, names=("lenet", "resnet", "mobilenet", "vit", "gpt", "mixer")):
+def zoo_cases(batch=32, names=tuple(ZOO), profile=False):
     """Models of tests/support/onnx_zoo.py (or of the zoos it reaches: vision_zoo ``NAME_p0``,
     hf_zoo), exported by torch (dynamo, training form; TorchScript for T5, which dynamo cannot
     export) and imported: the engine steps the imported graph, PyTorch the module it came from."""
@@ -279,10 +281,30 @@ def zoo_cases(batch=32, names=("lenet", "resnet", "mobilenet", "vit", "gpt", "mi
         if xn.dtype.kind == "f":
             xn = xn.astype(np.float32)
         params = sum(p.numel() for p in module.parameters())
+        if profile:
+            print_profile(g, batch)
         yield f"zoo {name} ({params} parameters), batch {batch}", {
             "engine": engine_step_fn(g, {"x": xn, "y": yn}, initial=imported.initial),
             "torch": torch_step_fn(module.train(), x, y),
         }
+
+
+def print_profile(graph, batch, top=8):
+    """The engine's time per op type, forward plus backward, from ``node_times`` (its own
+    profile of each node on a synthetic batch; the graph as written, no rewrites)."""
+    from hpc_rlx.graph.node_timing import node_times
+
+    times = node_times(graph, rows=batch, reps=3)
+    by_op: dict = {}
+    ops = {n.name: n.op for n in graph.nodes}
+    for name, t in times.items():
+        op = ops.get(name, name)
+        total, count = by_op.get(op, (0.0, 0))
+        by_op[op] = (total + t, count + 1)
+    whole = sum(t for t, _ in by_op.values()) or 1.0
+    print(f"  profile: {whole * 1e3:.2f} ms forward + backward over {len(times)} nodes")
+    for op, (t, count) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {op:18s} {t * 1e3:8.2f} ms  {100 * t / whole:5.1f}%  ({count} nodes)")
 
 
 def main(argv=None):
@@ -290,13 +312,21 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", default="mlp,cnn,lm")
+    ap.add_argument("--models", default=None, help="comma-separated: only these of zoo/vision/hf")
+    ap.add_argument("--profile", action="store_true", help="print the engine's time per op type")
     args = ap.parse_args(argv)
+
+    def pick(names):
+        chosen = args.models.split(",") if args.models else None
+        return [n for n in names if chosen is None or n in chosen or n.removesuffix("_p0") in chosen]
+
     import torch
 
     torch.set_num_threads(1)
     cases = {"mlp": lambda: [mlp_case()], "cnn": lambda: [cnn_case()], "lm": lambda: [lm_case()],
-             "zoo": zoo_cases, "vision": lambda: zoo_cases(names=[n + "_p0" for n in VISION]),
-             "hf": lambda: zoo_cases(names=HF)}
+             "zoo": lambda: zoo_cases(names=pick(ZOO), profile=args.profile),
+             "vision": lambda: zoo_cases(names=pick([n + "_p0" for n in VISION]), profile=args.profile),
+             "hf": lambda: zoo_cases(names=pick(HF), profile=args.profile)}
     with threadpool_limits(limits=1):
         print(f"numpy {np.__version__}, torch {torch.__version__}, 1 BLAS thread, float32, "
               f"{args.repeats} repeats x {args.steps} steps")

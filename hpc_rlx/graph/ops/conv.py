@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from math import prod
 
+from hpc_rlx.graph.ops import conv_dense
 from hpc_rlx.graph.ops.windows import batch_first_view, batch_last, out_sizes, plan
 from hpc_rlx.graph.registry import defop, defvjp
 from hpc_rlx.graph.shapes import (
@@ -204,24 +205,33 @@ def _conv_type(types, a):
     return TensorType((x.shape[0], w.shape[0], *out), FLOAT)
 
 
+def _geometry(a, nd):
+    return tuple(per_axis(a[k], nd, k) for k in ("stride", "padding", "dilation"))
+
+
 @defop("conv2d", _conv_type, (2, 3), attrs={"stride": 1, "padding": 0, "dilation": 1, "groups": 1},
        check=_conv_check, arg_names=("x", "weight", "bias"))
 def conv2d(xp, args, a, ctx):
-    nd = args[0].ndim - 2
+    # saved: (im2col columns, input shape, None), or (None, None, the dense kernels' saved)
+    x, w = args[0], args[1]
     b = args[2] if len(args) == 3 else None
-    out, cols = conv2d_forward(xp, args[0], args[1], b, per_axis(a["stride"], nd, "stride"),
-                               per_axis(a["padding"], nd, "padding"), per_axis(a["dilation"], nd, "dilation"),
-                               a["groups"])
-    return out, ((cols, args[0].shape) if ctx.need_saved else None)
+    stride, padding, dilation = _geometry(a, x.ndim - 2)
+    if conv_dense.worth_it(x.shape[2:], w.shape[2:], w.shape[1], w.shape[0]):
+        out, dense = conv_dense.forward(xp, x, w, b, stride, padding, dilation, a["groups"])
+        return out, ((None, None, dense) if ctx.need_saved else None)
+    out, cols = conv2d_forward(xp, x, w, b, stride, padding, dilation, a["groups"])
+    return out, ((cols, x.shape, None) if ctx.need_saved else None)
 
 
 def _conv_x(xp, g, args, ans, saved, a, out):
-    nd = g.ndim - 2
-    return conv2d_grad_x(xp, g, args[1], saved[1], per_axis(a["stride"], nd, "stride"),
-                         per_axis(a["padding"], nd, "padding"), per_axis(a["dilation"], nd, "dilation"), a["groups"])
+    if saved[2] is not None:
+        return conv_dense.grad_x(xp, g, saved[2], a["groups"])
+    return conv2d_grad_x(xp, g, args[1], saved[1], *_geometry(a, g.ndim - 2), a["groups"])
 
 
 def _conv_w(xp, g, args, ans, saved, a, out):
+    if saved[2] is not None:
+        return conv_dense.grad_w(xp, g, saved[2], args[1].shape, *_geometry(a, g.ndim - 2), a["groups"], out)
     return conv2d_grad_w(xp, g, saved[0], args[1].shape, out, a["groups"])
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from hpc_rlx.device import backend
 from hpc_rlx.graph.ops.common import finite_number, int_attr, same_float, sum_to, unbroadcast
 from hpc_rlx.graph.registry import REQUIRED, defop, defvjp
@@ -212,13 +214,56 @@ def _pow_type(types, a):
     return TensorType(broadcast(types[0].shape, types[1].shape), FLOAT)
 
 
+def _scalar_exponent(xp, e):
+    """The exponent as a Python float when it is one number on the host, else None. NumPy's
+    float32 ``power`` is a scalar loop (x**3 costs ~250x x*x*x on 2M values), so small whole
+    and half exponents (GPT-2's x**3, a norm's x**2, a sqrt) are computed by products."""
+    if e.size != 1 or not isinstance(e, np.ndarray):
+        return None
+    v = float(e.reshape(()))
+    return v if v in _FAST_EXPONENTS else None
+
+
+_FAST_EXPONENTS = frozenset((-2.0, -1.0, -0.5, 0.5, 1.0, 2.0, 3.0, 4.0))
+
+
+def _power_by_products(xp, x, v):
+    """``x ** v`` for ``v`` in ``_FAST_EXPONENTS`` (a new array)."""
+    if v == 0.5:
+        return xp.sqrt(x)
+    if v == -0.5:
+        r = xp.sqrt(x)
+        return xp.divide(1.0, r, out=r)
+    m = abs(v)
+    r = x * x if m >= 2 else x.copy()
+    if m >= 3:
+        r *= x if m == 3 else r
+    return xp.divide(1.0, r, out=r) if v < 0 else r
+
+
 @defop("pow", _pow_type, (2, 2), arg_names=("a", "b"))
 def pow_(xp, args, a, ctx):
-    return xp.power(args[0], args[1]), None
+    base, e = args
+    v = _scalar_exponent(xp, e)
+    if v is not None and e.ndim <= base.ndim:
+        return _power_by_products(xp, base, v).astype(base.dtype, copy=False), None
+    return xp.power(base, e), None
 
 
 def _pow_a(xp, g, args, ans, s, a, out):
     base, e = args
+    v = _scalar_exponent(xp, e)
+    if v is not None and e.ndim <= base.ndim and g.shape == base.shape:
+        if v == 1.0:
+            return g
+        if v - 1.0 in _FAST_EXPONENTS:
+            d = _power_by_products(xp, base, v - 1.0)
+            d *= v
+        else:  # -2 and -0.5: v x**(v-1) = v x**v / x
+            d = ans * v
+            d /= base
+        d *= g
+        return d
     d = xp.power(base, e - 1.0)
     d *= e
     d = _masked(xp, e != 0, g * d)  # x**0 is constant, even at x = 0 (PyTorch agrees)

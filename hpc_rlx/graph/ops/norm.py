@@ -3,6 +3,8 @@ in ``hpc_rlx.graph.ops``)."""
 
 from __future__ import annotations
 
+from math import prod
+
 from hpc_rlx.graph.ops.common import int_attr, sum_to
 from hpc_rlx.graph.registry import defop, defvjp
 from hpc_rlx.graph.shapes import ShapeError, axis_index, fmt_shape, require_float
@@ -41,9 +43,16 @@ def _layer_norm_type(types, a):
     return x
 
 
-def _norm_axes(k):
-    """The reduction axes of a layer norm over the last ``k`` axes (an int for one)."""
-    return -1 if k == 1 else tuple(range(-k, 0))
+def _rows(g, k):
+    """``g`` as (rows, features): the normalised trailing ``k`` axes flattened into one."""
+    return g.reshape(-1, prod(g.shape[g.ndim - k:]))
+
+
+def _row_means(xp, m):
+    """Each row's mean of the (rows, features) ``m``, as a (rows, 1) column: a GEMV against
+    1/features, which runs at memory speed on short rows where ``mean(axis=-1)`` pays a
+    reduction loop per row (2x the time of the whole layer norm on 16 or 32 features)."""
+    return xp.matmul(m, xp.full(m.shape[1], 1.0 / m.shape[1], dtype=m.dtype))[:, None]
 
 
 @defop("layer_norm", _layer_norm_type, (3, 3), attrs={"eps": 1e-5, "trailing_axes": 1}, check=_layer_norm_check,
@@ -52,40 +61,46 @@ def layer_norm(xp, args, a, ctx):
     """Normalise over the last ``trailing_axes`` axes (PyTorch's ``normalized_shape``, ONNX's
     ``axis`` counted from the end); gamma and beta have those axes' shape."""
     x, gamma, beta = args
-    ax = _norm_axes(a["trailing_axes"])
-    xc = x - x.mean(axis=ax, keepdims=True)
-    var = (xc * xc).mean(axis=ax, keepdims=True)
-    rstd = 1.0 / xp.sqrt(var + a["eps"])
+    x2 = _rows(x, a["trailing_axes"])
+    xc = x2 - _row_means(xp, x2)
+    sq = xc * xc
+    rstd = _row_means(xp, sq)
+    rstd += a["eps"]
+    xp.sqrt(rstd, out=rstd)
+    xp.divide(1.0, rstd, out=rstd)
     xhat = xc
     xhat *= rstd
-    out = xhat * gamma
-    out += beta
-    return out, ((xhat, rstd) if ctx.need_saved else None)
+    out = xp.multiply(xhat, gamma.reshape(-1), out=sq)
+    out += beta.reshape(-1)
+    return out.reshape(x.shape), ((xhat, rstd) if ctx.need_saved else None)
 
 
 def _layer_norm_x(xp, g, args, ans, saved, a, out):
     xhat, rstd = saved
-    ax = _norm_axes(a["trailing_axes"])
-    gx = g * args[1]
-    m1 = gx.mean(axis=ax, keepdims=True)
-    m2 = (gx * xhat).mean(axis=ax, keepdims=True)
+    gx = _rows(g, a["trailing_axes"]) * args[1].reshape(-1)
+    m1 = _row_means(xp, gx)
+    m2 = _row_means(xp, gx * xhat)
     gx -= m1
     gx -= xhat * m2
     gx *= rstd
-    return gx
+    return gx.reshape(g.shape)
 
 
-def _rows(g, k):
-    """``g`` as (rows, *normalised dims)."""
-    return g.reshape((-1,) + g.shape[g.ndim - k:])
+def _column_sums(xp, m, shape, out):
+    """Sum over the rows of (rows, features) ``m``, shaped ``shape`` (into ``out`` if given)."""
+    ones = xp.ones(m.shape[0], dtype=m.dtype)
+    if out is not None:
+        xp.matmul(ones, m, out=out.reshape(-1))
+        return out
+    return xp.matmul(ones, m).reshape(shape)
 
 
 def _layer_norm_gamma(xp, g, args, ans, saved, a, out):
-    return sum_to(xp, _rows(g * saved[0], a["trailing_axes"]), 0, out)
+    return _column_sums(xp, _rows(g, a["trailing_axes"]) * saved[0], args[1].shape, out)
 
 
 def _layer_norm_beta(xp, g, args, ans, saved, a, out):
-    return sum_to(xp, _rows(g, a["trailing_axes"]), 0, out)
+    return _column_sums(xp, _rows(g, a["trailing_axes"]), args[1].shape, out)  # beta is shaped as gamma
 
 
 defvjp("layer_norm", _layer_norm_x, _layer_norm_gamma, _layer_norm_beta, needs_args=(1,))

@@ -1,0 +1,210 @@
+"""The kernels that make the engine's step as fast as PyTorch's on real models, checked for the
+value they must keep: ``pow`` by products for small whole and half exponents (GPT-2's x**3),
+the in-place ``sigmoid``, the float32 ``erf`` of ``device/host_erf.py`` (exact GELU), layer
+norm's row means as GEMVs, and ``conv2d`` on small maps as one dense matrix per group
+(``ops/conv_dense.py``), each against PyTorch autograd in float64 (<= 1e-10) and float32
+(<= 1e-5 relative to the largest value), plus finite differences and which path a shape takes.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from hpc_rlx.device.host_erf import erf_float32
+from hpc_rlx.graph.gradcheck import check_op
+from hpc_rlx.graph.ops import conv_dense
+
+from tests.unit.graph.test_onnx_ops import run_op
+
+torch = pytest.importorskip("torch")
+scipy_special = pytest.importorskip("scipy.special")
+
+F = torch.nn.functional
+R = np.random.default_rng(47)
+
+
+def largest_rel(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def against_torch(op, arrays, attrs, torch_fn, dtype, tol, feeds_only=()):
+    """Forward value and each parameter's gradient of ``sum(op(...) * w)`` against PyTorch
+    (arguments in ``feeds_only`` are inputs, as an imported model's constants are)."""
+    value, _, grads, w = run_op(op, arrays, attrs, feeds_only, dtype=dtype)
+    ts = [torch.tensor(np.asarray(a, np.float64), requires_grad=True) for a in arrays]
+    ref = torch_fn(*ts)
+    (ref * torch.tensor(w)).sum().backward()
+    assert largest_rel(value, ref.detach().numpy()) <= tol, op
+    for i, t in enumerate(ts):
+        if i in grads:
+            assert largest_rel(grads[i], t.grad.numpy()) <= tol, (op, i)
+
+
+# ---------------------------------------------------------------- pow by products
+
+EXPONENTS = [-2.0, -1.0, -0.5, 0.5, 1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("exponent", EXPONENTS)
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-5)])
+def test_pow_by_products_matches_torch(exponent, dtype, tol):
+    base = R.uniform(0.2, 2.0, (4, 6)) * (1 if exponent % 1 else R.choice([-1, 1], (4, 6)))
+    against_torch("pow", [base, np.asarray(exponent)], {}, lambda a, e: torch.pow(a, exponent), dtype, tol,
+                  feeds_only=(1,))
+
+
+@pytest.mark.parametrize("exponent", EXPONENTS)
+def test_pow_by_products_finite_differences(exponent):
+    base = R.uniform(0.5, 2.0, (3, 4))
+    check_op("pow", [base, np.asarray(exponent)], {})  # the exponent's gradient too (log of a positive base)
+
+
+def test_pow_keeps_the_general_path_for_other_exponents_and_broadcasts():
+    base = R.uniform(0.5, 2.0, (3, 4))
+    against_torch("pow", [base, np.asarray(2.5)], {}, lambda a, e: torch.pow(a, 2.5), "float64", 1e-10,
+                  feeds_only=(1,))
+    # an exponent with more dims than the base broadcasts the result, as the general path does
+    value, _, _, _ = run_op("pow", [base[0], np.full((1, 1), 3.0)], {}, feeds_only=(1,))
+    assert value.shape == (1, 4) and np.allclose(value, base[0] ** 3)
+
+
+# ---------------------------------------------------------------- sigmoid
+
+
+def test_sigmoid_in_place_form_is_exact_at_the_extremes_without_warnings():
+    x = np.array([-1000.0, -100.0, -88.0, -20.0, -1.0, 0.0, 1.0, 20.0, 100.0, 1000.0], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        value, _, _, _ = run_op("sigmoid", [x], {}, dtype="float32")
+    ref = torch.sigmoid(torch.tensor(x)).numpy()
+    np.testing.assert_allclose(value, ref, rtol=1e-6, atol=0)
+    assert value[0] == 0.0 and value[-1] == 1.0
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-5)])
+def test_sigmoid_matches_torch(dtype, tol):
+    against_torch("sigmoid", [R.standard_normal((5, 7)) * 4], {}, torch.sigmoid, dtype, tol)
+
+
+# ---------------------------------------------------------------- float32 erf
+
+
+def test_erf_float32_within_5e7_of_the_exact_erf_everywhere():
+    x = np.concatenate([R.standard_normal(200_000) * 3, np.linspace(-12, 12, 100_001),
+                        [0.0, -0.0, 1e-30, np.inf, -np.inf]]).astype(np.float32)
+    ours = erf_float32(x)
+    exact = scipy_special.erf(x.astype(np.float64))
+    assert ours.dtype == np.float32
+    assert np.abs(ours - exact).max() <= 5e-7
+    assert ours[-2] == 1.0 and ours[-1] == -1.0 and not np.isnan(ours).any()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided"])
+def test_erf_float32_keeps_shape_and_memory_order(layout):
+    base = (R.standard_normal((70, 3000)) * 2).astype(np.float32)  # > one chunk of values
+    x = {"contiguous": base, "transposed": base.T, "strided": base[:, ::3]}[layout]
+    ours = erf_float32(x)
+    assert ours.shape == x.shape
+    if layout == "transposed":
+        assert ours.flags.f_contiguous  # the batch-last layout the conv kernels hand on
+    assert np.abs(ours - scipy_special.erf(x.astype(np.float64))).max() <= 5e-7
+
+
+def test_exact_gelu_in_float32_matches_torch():
+    x = R.standard_normal((6, 40)) * 3
+    against_torch("gelu", [x], {"approximate": "none"}, F.gelu, "float32", 1e-5)
+    against_torch("erf", [x], {}, torch.erf, "float32", 1e-5)
+
+
+# ---------------------------------------------------------------- layer norm's row means
+
+
+@pytest.mark.parametrize("shape,axes", [((6, 16), 1), ((2, 3, 4, 32), 1), ((3, 5, 4, 6), 2), ((4, 8), 1)])
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-5)])
+def test_layer_norm_matches_torch(shape, axes, dtype, tol):
+    dims = shape[len(shape) - axes:]
+    x, gamma, beta = R.standard_normal(shape) * 3 + 1, R.standard_normal(dims), R.standard_normal(dims)
+    against_torch("layer_norm", [x, gamma, beta], {"eps": 1e-5, "trailing_axes": axes},
+                  lambda a, g, b: F.layer_norm(a, dims, g, b, 1e-5), dtype, tol)
+
+
+# ---------------------------------------------------------------- conv2d on small maps
+
+# (batch, channels, spatial size, out channels, kernel, stride, padding, dilation, groups)
+DENSE_CASES = [
+    (3, 4, (1, 1), 5, (3, 3), 1, 1, 1, 1),            # a ResNet's last stage: only the centre tap
+    (2, 4, (2, 2), 6, (3, 3), 2, 1, 1, 2),            # stride 2, groups
+    (2, 6, (3, 3), 6, (3, 3), 1, 1, 1, 6),            # depthwise
+    (2, 4, (4, 4), 4, (7, 7), 1, 3, 1, 4),            # ConvNeXt's depthwise 7x7 on 4x4
+    (2, 4, (2, 3), 6, (3, 3), (1, 2), (1, 0), 1, 2),  # per-axis stride and padding
+    (2, 4, (3, 3), 4, (3, 3), 1, 2, 2, 1),            # dilation
+    (2, 2, (2, 2, 2), 3, (3, 3, 3), 1, 1, 1, 1),      # a volume
+]
+
+
+def _conv_case(case):
+    b, c, size, o, kernel, stride, padding, dilation, groups = case
+    x, w, bias = R.standard_normal((b, c, *size)), R.standard_normal((o, c // groups, *kernel)), R.standard_normal(o)
+    listed = [list(v) if isinstance(v, tuple) else v for v in (stride, padding)]
+    attrs = {"stride": listed[0], "padding": listed[1], "dilation": dilation, "groups": groups}
+    conv = F.conv2d if len(size) == 2 else F.conv3d
+    return [x, w, bias], attrs, (lambda t, k, bb: conv(t, k, bb, stride, padding, dilation, groups))
+
+
+@pytest.fixture
+def dense_everywhere(monkeypatch):
+    """Every conv2d takes the dense kernels, whatever ``worth_it`` decides."""
+    monkeypatch.setattr(conv_dense, "worth_it", lambda *shape: True)
+
+
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: "x".join(map(str, c[2])) + f"-k{c[4][0]}-g{c[8]}")
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-5)])
+def test_dense_conv_matches_torch(case, dtype, tol, dense_everywhere):
+    arrays, attrs, fn = _conv_case(case)
+    against_torch("conv2d", arrays, attrs, fn, dtype, tol)
+
+
+@pytest.mark.parametrize("case", DENSE_CASES[:4], ids=lambda c: "x".join(map(str, c[2])) + f"-g{c[8]}")
+def test_dense_conv_finite_differences(case, dense_everywhere):
+    arrays, attrs, _ = _conv_case(case)
+    check_op("conv2d", arrays, attrs)
+
+
+def test_dense_conv_equals_im2col_in_float64(monkeypatch):
+    arrays, attrs, _ = _conv_case(DENSE_CASES[3])
+    monkeypatch.setattr(conv_dense, "worth_it", lambda *shape: False)
+    im2col = run_op("conv2d", arrays, attrs)
+    monkeypatch.setattr(conv_dense, "worth_it", lambda *shape: True)
+    dense = run_op("conv2d", arrays, attrs)
+    assert largest_rel(dense[0], im2col[0]) <= 1e-13
+    for i in (0, 1, 2):
+        assert largest_rel(dense[2][i], im2col[2][i]) <= 1e-13
+
+
+@pytest.mark.parametrize("size,kernel,per_group,out,dense", [
+    ((1, 1), (3, 3), 512, 512, True),     # 8 of 9 taps read padding
+    ((2, 2), (3, 3), 256, 256, False),    # building T costs more than the taps it saves
+    ((8, 8), (3, 3), 64, 64, False),
+    ((8, 8), (7, 7), 1, 16, True),        # depthwise: up to 8x the kernel's area
+    ((8, 8), (3, 3), 1, 128, True),
+    ((16, 16), (3, 3), 1, 64, False),
+    ((16, 16), (7, 7), 1, 96, False),     # T would pass MAX_MATRIX
+])
+def test_which_convolutions_take_the_dense_kernels(size, kernel, per_group, out, dense):
+    assert conv_dense.worth_it(size, kernel, per_group, out) is dense
+
+
+def test_dense_taps_name_each_kernel_offset_once_per_pair():
+    # 1-D view of a 3-tap kernel, stride 1, padding 1 on 4 positions: output p reads input
+    # q = p - 1 + tap
+    out, index, dead = conv_dense.taps((4,), (3,), (1,), (1,), (1,))
+    assert out == (4,)
+    expected_live = np.abs(np.subtract.outer(np.arange(4), np.arange(4))) <= 1
+    np.testing.assert_array_equal(~dead, expected_live)
+    for p, q in zip(*np.nonzero(expected_live)):
+        assert index[p, q] == q - p + 1
