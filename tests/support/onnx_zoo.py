@@ -343,18 +343,29 @@ def hold_file_buffers(module: nn.Module, path):
     return path
 
 
+def fresh(name: str, seed: int = 0) -> nn.Module:
+    """The model ``name`` as its constructor initialises it (torch's generator seeded with
+    ``seed``), without ``randomize``: freshly initialised layer norms hold equal ones and zeros,
+    which the dynamo exporter's optimizer merges, as it does for a user's new model."""
+    torch.manual_seed(seed)
+    return entry(name)[0]()
+
+
 def export_zoo_model(name: str, cache_dir, exporter: str, mode: str, optimize: bool = True,
-                     batch: int = 3, seed: int = 1) -> tuple[nn.Module, Path]:
+                     batch: int = 3, seed: int = 1, weights: str = "random") -> tuple[nn.Module, Path]:
     """``make(name)`` exported as ``export`` does it with ``sample_input(name, batch, seed)``,
     through a file cache in ``cache_dir`` that the test modules and pytest-xdist workers of one
     run share (see ``tests.support.shared.run_dir``): a dynamo export takes seconds, and the same
-    file serves the import, training and export tests. Returns the module (holding the file's
+    file serves the import, training and export tests. ``weights="fresh"`` exports ``fresh(name)``
+    instead (the exporters' defaults on a new model). Returns the module (holding the file's
     buffers, as after ``export``) and the file."""
-    module = make(name)
+    module = make(name) if weights == "random" else fresh(name)
     # dynamo exports a model without mode-dependent layers to one graph in both modes: one file
     # serves both (TorchScript's flags differ by mode: constant folding in eval)
     file_mode = "any" if exporter == "dynamo" and not exports_by_mode(module) else mode
-    path = Path(cache_dir) / f"{name}-{exporter}-{file_mode}-{'opt' if optimize else 'plain'}-b{batch}s{seed}.onnx"
+    tag = "" if weights == "random" else f"-{weights}"
+    path = Path(cache_dir) / (f"{name}-{exporter}-{file_mode}-{'opt' if optimize else 'plain'}{tag}"
+                              f"-b{batch}s{seed}.onnx")
     with exclusive(path.with_suffix(".lock")):
         if path.exists():
             module.train(mode == "train")
