@@ -218,13 +218,22 @@ def softmax(xp, args, a, ctx):
     x, ax = args[0], a["axis"]
     e = x - x.max(axis=ax, keepdims=True)
     xp.exp(e, out=e)
-    e /= e.sum(axis=ax, keepdims=True)
+    e /= _sums_over(xp, e, ax)
     return e, None
+
+
+def _sums_over(xp, m, ax):
+    """``m.sum(axis=ax, keepdims=True)``; over the last axis of a C-ordered array, a GEMV
+    (attention's rows of 16-64 scores: a tenth of the time)."""
+    if ax % m.ndim == m.ndim - 1 and m.flags.c_contiguous:
+        rows = m.reshape(-1, m.shape[-1])
+        return xp.matmul(rows, xp.ones(rows.shape[1], dtype=m.dtype)).reshape(m.shape[:-1] + (1,))
+    return m.sum(axis=ax, keepdims=True)
 
 
 def _softmax_x(xp, g, args, ans, s, a, out):
     gx = g * ans
-    dot = gx.sum(axis=a["axis"], keepdims=True)
+    dot = _sums_over(xp, gx, a["axis"])
     gx = g - dot
     gx *= ans
     return gx

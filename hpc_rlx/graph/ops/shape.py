@@ -5,6 +5,8 @@ attributes follow ONNX: negative values count from the end, slice bounds are cla
 
 from __future__ import annotations
 
+import numpy as np
+
 from hpc_rlx.device import backend
 from hpc_rlx.graph.ops.common import unbroadcast
 from hpc_rlx.graph.registry import REQUIRED, defop, defvjp
@@ -273,19 +275,35 @@ def wrap_indices(xp, idx, size):
     return xp.where(idx < 0, idx + size, idx)
 
 
+def _selected(idx, ax):
+    """The basic index that picks one position on axis ``ax`` when ``idx`` is one number on the
+    host (a transformer's q, k, v = qkv[0], qkv[1], qkv[2]), else None: a view forward and one
+    strided write backward instead of a copy and a sorted scatter-add."""
+    if idx.ndim or not isinstance(idx, np.ndarray):
+        return None
+    return (slice(None),) * ax + (int(idx),)
+
+
 @defop("gather", _gather_type, (2, 2), attrs={"axis": 0}, check=lambda a: {"axis": _int(a["axis"], "axis")},
        arg_names=("data", "indices"))
 def gather(xp, args, a, ctx):
     data, idx = args
     ax = a["axis"] % data.ndim
     idx = wrap_indices(xp, idx, data.shape[ax])
-    return xp.take(data, idx, axis=ax), ((idx, data.shape) if ctx.need_saved else None)
+    one = _selected(idx, ax)
+    out = data[one] if one is not None else xp.take(data, idx, axis=ax)
+    return out, ((idx, data.shape) if ctx.need_saved else None)
 
 
 def _gather_data(xp, g, args, ans, saved, a, out):
     """Scatter-add ``g`` back onto the gathered rows: repeated indices accumulate."""
     idx, shape = saved
     ax = a["axis"] % len(shape)
+    one = _selected(idx, ax)
+    if one is not None:
+        target = xp.zeros(shape, dtype=g.dtype)
+        target[one] = g
+        return target
     rows = shape[ax]
     # Bring the gathered axis to the front on both sides: target (rows, rest), values (n, rest).
     lead = tuple(range(ax, ax + idx.ndim))

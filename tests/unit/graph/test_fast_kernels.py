@@ -208,3 +208,25 @@ def test_dense_taps_name_each_kernel_offset_once_per_pair():
     np.testing.assert_array_equal(~dead, expected_live)
     for p, q in zip(*np.nonzero(expected_live)):
         assert index[p, q] == q - p + 1
+
+
+# ---------------------------------------------------------------- softmax's row sums, gather's select
+
+
+@pytest.mark.parametrize("axis", [-1, 1])
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-5)])
+def test_softmax_matches_torch_over_the_last_and_an_inner_axis(axis, dtype, tol):
+    against_torch("softmax", [R.standard_normal((3, 4, 16)) * 3], {"axis": axis},
+                  lambda t: torch.softmax(t, axis), dtype, tol)
+
+
+@pytest.mark.parametrize("index", [0, 2, -1])
+def test_gather_of_one_index_is_a_select_with_its_gradient(index):
+    data = R.standard_normal((3, 2, 5, 4))
+    for axis in (0, 2):
+        value, _, grads, _ = run_op("gather", [data, np.asarray(index, np.int64)], {"axis": axis})
+        t = torch.tensor(data, requires_grad=True)
+        ref = t.select(axis, index)
+        assert value.shape == tuple(ref.shape)
+        assert largest_rel(value, ref.detach().numpy()) == 0.0
+    check_op("gather", [data, np.asarray(index, np.int64)], {"axis": 1 if index != 2 else 0})
