@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.support.jobs import explain, read_metrics, train_job
+from tests.support.jobs import explain, mpirun, read_metrics, train_job
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnx")
@@ -194,14 +194,18 @@ def test_summary_and_graph_name_the_onnx_parameters(tmp_path, digits_h5):
 
 # ---------------------------------------------------------------------------- the model zoo
 
-def _zoo_data(path: Path, name: str, rows: int = 96) -> Path:
+def _zoo_data(path: Path, name: str, rows: int = 96, classes: int | None = None) -> Path:
     """A learnable dataset shaped for zoo model `name`: image classes from a fixed random linear
-    map of the pixels; for the language models, the next token is the current one plus 1."""
+    map of the pixels; for the language models, the next token is the current one plus 1; for
+    a token classifier (`classes`), the last token's id modulo `classes`."""
     from tests.support.onnx_zoo import ZOO
     _, shape, vocab = ZOO[name]
     rng = np.random.default_rng(0)
     with h5py.File(path, "w") as f:
-        if vocab:
+        if vocab and classes:
+            x = rng.integers(0, vocab, (rows, *shape)).astype(np.int64)
+            f["x"], f["y"] = x, (x[:, -1] % classes).astype(np.int64)
+        elif vocab:
             x = rng.integers(0, vocab, (rows, *shape)).astype(np.int64)
             f["x"], f["y"] = x, (x + 1) % vocab
             f.attrs["num_classes"] = vocab
@@ -254,6 +258,54 @@ def test_zoo_model_trains_on_two_ranks_and_batch_norm_equals_one_rank_in_float64
         proc = train_job(n, tmp_path / tag, exact + extra, timeout=300)
         assert proc.returncode == 0, f"{tag}: " + explain(proc)
     assert max_rel_diff(params_of(tmp_path / "w2"), params_of(tmp_path / "w1")) <= 1e-10
+
+
+def train_sweep(tmp_path: Path, files: list, overrides: list, timeout: float = 300) -> dict:
+    """Every ONNX file of `files` trained in one `mpirun -n 2` job, a Hydra sweep over
+    model.path (one point after another: one launch and one import of hpc_rlx for them all).
+    Returns {file: its epoch metrics}; fails unless every point completed."""
+    sweep = tmp_path / "sweep"
+    proc = mpirun(2, ["-m", "hpc_rlx", "-m", "model=onnx", f"model.path={','.join(str(f) for f in files)}",
+                      f"hydra.sweep.dir={sweep}", "report.plots=false", "checkpoint=off"] + overrides,
+                  timeout=timeout, cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    out = {}
+    for point in range(len(files)):
+        given = (sweep / str(point) / "overrides.txt").read_text().split()
+        path = next(o.split("=", 1)[1] for o in given if o.startswith("model.path="))
+        out[path] = read_metrics(sweep / str(point))
+    assert sorted(out) == sorted(str(f) for f in files), (sorted(out), files)
+    return out
+
+
+def assert_losses_fall(metrics: dict) -> None:
+    for path, rows in metrics.items():
+        assert rows and rows[-1]["train_loss"] < rows[0]["train_loss"], (Path(path).name, rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("names", [("lstm_text", "gru_text"), ("unet_transposed", "unet_interpolate")],
+                         ids=["recurrent", "unet"])
+def test_recurrent_and_unet_models_of_both_exporters_train_in_one_job(tmp_path, tmp_path_factory, names):
+    """An LSTM and a bidirectional 2-layer GRU text classifier (backpropagation through time), or
+    U-Nets upsampling by transposed convolutions and by Resize (bilinear, nearest) with F.pad:
+    the dynamo file with the exporter's defaults and the TorchScript training-form file of each
+    (the files tests/unit/graph/test_onnx_import.py checks) train on two ranks, the loss falling,
+    and the two files of one model train alike (same weights, the same math)."""
+    from tests.support import onnx_zoo
+    from tests.support.shared import run_dir
+    cache = run_dir(tmp_path_factory, "onnx-zoo")
+    files = {(name, exporter): onnx_zoo.export_zoo_model(name, cache, exporter, "train", optimize=True)[1]
+             for name in names for exporter in ("dynamo", "torchscript")}
+    text = onnx_zoo.ZOO[names[0]][2] is not None
+    data = _zoo_data(tmp_path / "data.h5", names[0], classes=10 if text else None)
+    metrics = train_sweep(tmp_path, list(files.values()),
+                          [f"data.path={data}", "data.val_fraction=0.25", "train.batch_size=8", "train.epochs=3",
+                           "optim=adamw", f"optim.lr={0.01 if text else 0.003}"])
+    assert_losses_fall(metrics)
+    for name in names:
+        dynamo, torchscript = (metrics[str(files[name, e])][-1]["train_loss"] for e in ("dynamo", "torchscript"))
+        assert dynamo == pytest.approx(torchscript, rel=1e-4), name
 
 
 def test_running_statistics_resume_exactly_and_on_another_world_size(tmp_path, digits_h5):
@@ -326,32 +378,43 @@ def test_a_token_classifier_takes_ids_up_to_its_embedding_size(tmp_path):
                      r"embedding '[^']*tokens[^']*'", proc.stderr), explain(proc)
 
 
+# The Hugging Face models' files, each exported once per test run (tests/support/onnx_zoo.py's
+# cache, shared with tests/unit/graph/test_hf_models.py): (exporter, optimize, weights). Dynamo
+# with optimize=False keeps every parameter as PyTorch has it; TorchScript's training form; and
+# dynamo's defaults on a fresh model (optimize=True merges its equal layer-norm initializers,
+# which the import unties). PyTorch's exporters cannot write Llama with TorchScript nor T5 with
+# dynamo.
+HF_FORMS = {"dynamo": ("dynamo", False, "random"), "torchscript": ("torchscript", False, "random"),
+            "dynamo-defaults": ("dynamo", True, "fresh")}
+HF_CANNOT_EXPORT = {("llama", "torchscript"), ("t5", "dynamo"), ("t5", "dynamo-defaults")}
+HF_HEADS = {"classifier": ["bert", "distilbert", "roberta", "bart", "t5"], "language_model": ["gpt2", "llama"]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bert", "distilbert", "gpt2", "llama", "roberta", "bart", "t5"])
-def test_a_hugging_face_model_trains_on_two_ranks(tmp_path, tmp_path_factory, name):
-    """Built from its config class (tests/support/hf_zoo.py), exported by dynamo (optimize=False:
-    the optimizer merges equal initializers; T5 by TorchScript, which alone exports it), trained
-    on token ids from the whole 1,000-token vocabulary (for BART and T5 each row ended by the
-    end-of-sequence token, as a tokenizer writes it): a classifier learns the class in the first
-    token, a language model the next."""
+@pytest.mark.parametrize("head", HF_HEADS)
+def test_hugging_face_models_of_every_exporter_train_on_two_ranks(tmp_path, tmp_path_factory, head):
+    """Built from their config classes (tests/support/hf_zoo.py), exported by each exporter that
+    can write them (HF_FORMS), trained in one job per head on token ids from the whole
+    1,000-token vocabulary (for BART and T5 each row ended by the end-of-sequence token, as a
+    tokenizer writes it): a sequence classifier learns the class in the first token, a language
+    model the next token; the loss falls for every file."""
     pytest.importorskip("transformers")
     from tests.support import onnx_zoo
-    from tests.support.hf_zoo import SEQ, VOCAB, end_sequences
+    from tests.support.hf_zoo import END_OF_SEQUENCE, SEQ, VOCAB
     from tests.support.shared import run_dir
-    # the file the import tests (tests/unit/graph/test_hf_models.py) check, exported once per run
-    exporter = "torchscript" if name == "t5" else "dynamo"
-    _, onnx_file = onnx_zoo.export_zoo_model(name, run_dir(tmp_path_factory, "onnx-zoo"), exporter, "train",
-                                             optimize=False)
-    rng = np.random.default_rng(0)
-    x = end_sequences(name, torch.from_numpy(rng.integers(0, VOCAB, (128, SEQ)).astype(np.int64))).numpy()
-    language_model = name in ("gpt2", "llama")
+    cache = run_dir(tmp_path_factory, "onnx-zoo")
+    files = [onnx_zoo.export_zoo_model(name, cache, exporter, "train", optimize=optimize, weights=weights)[1]
+             for name in HF_HEADS[head] for form, (exporter, optimize, weights) in HF_FORMS.items()
+             if (name, form) not in HF_CANNOT_EXPORT]
+    # once in every row, as a tokenizer writes them: BART's end-of-sequence token (2) next to
+    # last and T5's (1) last, neither anywhere else
+    eos = sorted(END_OF_SEQUENCE.values())
+    x = np.random.default_rng(0).integers(max(eos) + 1, VOCAB, (128, SEQ)).astype(np.int64)
+    x[:, -len(eos):] = eos[::-1]
     data = tmp_path / "tokens.h5"
     with h5py.File(data, "w") as f:
         f["x"] = x
-        f["y"] = (x + 1) % VOCAB if language_model else (x[:, 0] % 10).astype(np.int64)
-    proc = train_job(2, tmp_path / "run", [f"data.path={data}", "model=onnx", f"model.path={onnx_file}",
-                                           "train.batch_size=16", "train.epochs=3", "checkpoint=off",
-                                           "optim=adamw", "optim.lr=0.003"], timeout=300)
-    assert proc.returncode == 0, explain(proc)
-    metrics = read_metrics(tmp_path / "run")
-    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"], metrics
+        f["y"] = (x + 1) % VOCAB if head == "language_model" else (x[:, 0] % 10).astype(np.int64)
+    metrics = train_sweep(tmp_path, files, [f"data.path={data}", "train.batch_size=16", "train.epochs=3",
+                                            "optim=adamw", "optim.lr=0.003"])
+    assert_losses_fall(metrics)
