@@ -44,3 +44,27 @@ def test_a_library_model_trains_on_two_ranks(tmp_path, tmp_path_factory, name):
     assert proc.returncode == 0, explain(proc)
     metrics = read_metrics(tmp_path / "run")
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"], metrics
+
+
+# the models issue-named in test_vision_models.py whose dynamo files are checked there: with
+# dropout and stochastic depth at p = 0 (optimize=False, as compared with PyTorch) and with the
+# libraries' defaults and the exporter's (optimize=True: stochastic depth as Bernoulli draws)
+DYNAMO_TRAINED = ["tv_mobilenet_v3", "tv_efficientnet_b0", "tv_convnext", "tv_swin"]
+
+
+@pytest.mark.slow
+def test_library_models_of_the_dynamo_exporter_train_in_one_job(tmp_path, tmp_path_factory):
+    """The dynamo files of MobileNetV3, EfficientNet-B0, ConvNeXt and Swin, each without its
+    random layers and with the defaults of the library and of the exporter, train on two ranks
+    in one job (a sweep over the files), the loss falling for every one."""
+    from tests.mpi.runtime.test_onnx_training import assert_losses_fall, train_sweep
+    from tests.support import onnx_zoo
+    from tests.support.shared import run_dir
+    from tests.support.vision_zoo import NO_DROP
+    cache = run_dir(tmp_path_factory, "onnx-zoo")
+    files = [onnx_zoo.export_zoo_model(name + suffix, cache, "dynamo", "train", optimize=optimize)[1]
+             for name in DYNAMO_TRAINED for suffix, optimize in ((NO_DROP, False), ("", True))]
+    metrics = train_sweep(tmp_path, files, [f"data.path={_images(tmp_path / 'images.h5')}", "train.batch_size=16",
+                                            "train.epochs=3", "data.val_fraction=0.25", "optim=adamw",
+                                            "optim.lr=0.003"], timeout=400)
+    assert_losses_fall(metrics)
