@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 import pytest
 
+from hpc_rlx.device import host_erf
 from hpc_rlx.device.host_erf import erf_float32
 from hpc_rlx.graph.gradcheck import check_op
 from hpc_rlx.graph.ops import conv_dense
@@ -113,6 +114,24 @@ def test_erf_float32_keeps_shape_and_memory_order(layout):
     if layout == "transposed":
         assert ours.flags.f_contiguous  # the batch-last layout the conv kernels hand on
     assert np.abs(ours - scipy_special.erf(x.astype(np.float64))).max() <= 5e-7
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_chunked_gelu_and_its_gradient_match_torch(layout):
+    base = (R.standard_normal((90, 1500)) * 3).astype(np.float32)  # two chunks and a part
+    x = base if layout == "contiguous" else base.T
+    g = np.ascontiguousarray((R.standard_normal(base.shape)).astype(np.float32))
+    g = g if layout == "contiguous" else g.T
+    value, bracket = host_erf.gelu_float32(x)
+    grad = host_erf.gelu_grad_float32(x, bracket, g)
+    t = torch.tensor(x.astype(np.float64), requires_grad=True)
+    F.gelu(t).backward(torch.tensor(g.astype(np.float64)))
+    assert largest_rel(value, F.gelu(torch.tensor(x.astype(np.float64))).numpy()) <= 1e-6
+    assert largest_rel(grad, t.grad.numpy()) <= 1e-6
+    assert value.strides == x.strides
+    # arrays in different memory orders are left to the unfused path
+    assert host_erf.gelu_grad_float32(x, bracket, np.ascontiguousarray(g.T).T if layout == "contiguous"
+                                      else np.ascontiguousarray(g)) is None
 
 
 def test_exact_gelu_in_float32_matches_torch():
