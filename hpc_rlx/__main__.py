@@ -141,6 +141,8 @@ def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
     """Compose the spec on rank 0, ship it, train. Returns the final val_loss (for sweeps).
     `job` comes from Hydra on rank 0 and from rank 0's word on the others (comm.job_channel);
     `cfg` and `hydra_cfg`, the composed config and Hydra's own, exist on rank 0 only."""
+    from hpc_rlx.comm.ulfm import current
+    comm = current(comm)    # after a dead rank (comm.on_failure=shrink): the survivors' communicator
     where = "startup"
     lock = None
     try:
@@ -191,6 +193,7 @@ def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
     except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
         if isinstance(exc, KeyboardInterrupt):
             raise
+        comm = current(comm)     # a rank died during this job: the survivors' word, not the old world's
         if job.multirun and _is_agreed(exc):
             # One bad sweep point: every rank agrees on it, so record it and go on to the next.
             _record_failed_point(comm, exc, Path(job.run_dir))
@@ -256,15 +259,21 @@ def main() -> None:
     channel = JobChannel(comm)
     if print_only:
         channel.others_left()    # the others returned above; nobody waits for a word
+    from hpc_rlx.comm.ulfm import leave_if_a_rank_died
     try:
-        if comm.rank == 0:
-            code = _lead(comm, channel, rid, print_only)
-        else:
-            # the other ranks never compose: they run the jobs rank 0 announces
-            code = channel.follow(lambda job: run_job(job, comm))
-    except KeyboardInterrupt:   # raised only where python_interrupts() asked for it, after clean-up
-        sys.stderr.write("hpc_rlx: interrupted\n")
-        raise SystemExit(INTERRUPT_EXIT) from None
+        try:
+            if comm.rank == 0:
+                code = _lead(comm, channel, rid, print_only)
+            else:
+                # the other ranks never compose: they run the jobs rank 0 announces
+                code = channel.follow(lambda job: run_job(job, comm))
+        except KeyboardInterrupt:   # raised only where python_interrupts() asked for it, after clean-up
+            sys.stderr.write("hpc_rlx: interrupted\n")
+            raise SystemExit(INTERRUPT_EXIT) from None
+    except SystemExit as e:
+        leave_if_a_rank_died(e.code)     # comm.on_failure=shrink survived a rank: no MPI_Finalize
+        raise
+    leave_if_a_rank_died(code)
     if code:
         raise SystemExit(code)
 

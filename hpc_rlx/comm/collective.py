@@ -310,6 +310,17 @@ class FusedBucket:
             self.reduction = make_reduction(self.chunk_elems, self.deterministic, None)
             self._set_host(self.buffer.copy())
 
+    def abandon_node_memory(self) -> bool:
+        """After a rank of the job died: leave the node's shared window without freeing it
+        (`NodeSharedSum.abandon`); its segment stays this rank's buffer, so every view of the
+        bucket stays valid, and MPI's Allreduce sums it from now on. True where it was shared."""
+        if not self.reduction.in_node_memory:
+            return False
+        self.reduction.abandon()
+        self.reduction = make_reduction(self.chunk_elems, self.deterministic, None)
+        self.shared_memory_off = "abandoned after a failure"
+        return True
+
     def release_node_memory(self) -> None:
         """Collective over the node: free the shared window now, the bucket keeping a private
         copy of its last values. A run leaves its window to the next window's setup (one per

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hpc_rlx.comm import idle_wait
+from hpc_rlx.comm.ulfm import current
 
 _JOB, _END = "job", "end"
 # The followers wait out rank 0's whole Hydra start (a second or more): waking every 20 ms
@@ -33,7 +34,8 @@ class Job:
 
 
 class JobChannel:
-    """Rank 0 announces jobs and the end; every other rank `follow`s. MPI_COMM_WORLD only."""
+    """Rank 0 announces jobs and the end; every other rank `follow`s. MPI_COMM_WORLD, or the
+    survivors' communicator that replaced it after a dead rank (`ulfm.current`)."""
 
     def __init__(self, comm):
         self.comm = comm
@@ -42,13 +44,13 @@ class JobChannel:
     # ---- rank 0 -------------------------------------------------------------------------
     def start(self, job: Job) -> None:
         if self.open:
-            idle_wait.bcast(self.comm, (_JOB, job), root=0, poll_s=FOLLOW_POLL_S)
+            idle_wait.bcast(current(self.comm), (_JOB, job), root=0, poll_s=FOLLOW_POLL_S)
 
     def end(self, code: int) -> None:
         """The last word: the others exit with `code`. Sent at most once."""
         if self.open:
             self.open = False
-            idle_wait.bcast(self.comm, (_END, int(code)), root=0, poll_s=FOLLOW_POLL_S)
+            idle_wait.bcast(current(self.comm), (_END, int(code)), root=0, poll_s=FOLLOW_POLL_S)
 
     def others_left(self) -> None:
         """A job ended on every rank at once: nobody is waiting for a word any more."""
@@ -58,7 +60,7 @@ class JobChannel:
     def follow(self, run: Callable[[Job], object]) -> int:
         """Run each job rank 0 announces, in order; returns the exit status it sends last."""
         while True:
-            kind, value = idle_wait.bcast(self.comm, None, root=0, poll_s=FOLLOW_POLL_S)
+            kind, value = idle_wait.bcast(current(self.comm), None, root=0, poll_s=FOLLOW_POLL_S)
             if kind == _END:
                 return value
             run(value)

@@ -74,6 +74,8 @@ def shm_shortfall(node_bytes: int, shm_dir: str = SHM_DIR) -> str | None:
 # such as a windowed policy's, stay valid); the next `create` frees the ones before it, so a
 # sweep of many runs in one process holds at most one at a time. MPI_Finalize takes the last.
 _OPEN: list[NodeSharedSum] = []
+# Windows left behind after a failure (`abandon`): never freed, kept so their memory stays mapped.
+_ABANDONED: list[NodeSharedSum] = []
 
 
 class NodeSharedSum(ReductionPath):
@@ -161,6 +163,20 @@ class NodeSharedSum(ReductionPath):
         self.window.Free()
         self.cross.Free()
         self.node.Free()
+
+    def abandon(self) -> None:
+        """After a rank of the job died (ULFM): revoke the node's and the cross-node
+        communicators, so that no rank stays waiting in their barriers or sums, and keep the
+        window unfreed for the rest of the process (freeing it is collective over a node that
+        lost a rank, and may hang). This rank's segment stays valid memory."""
+        if self in _OPEN:
+            _OPEN.remove(self)
+        _ABANDONED.append(self)
+        for comm in (self.node, self.cross):
+            try:
+                comm.Revoke()
+            except Exception:  # noqa: BLE001 - already revoked, or no ULFM: nothing waits on it
+                pass
 
     # ---- one sum ---------------------------------------------------------------------------
     def run(self, bucket, comm, seq: int) -> Reduced:

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from hpc_rlx.checks import BOOL, INT64, Check, OneOf, Via, integer, is_int, is_number, number
 from hpc_rlx.comm.registry import check_settings as _check_reduction, choices as _reductions
+from hpc_rlx.config.failure_mode import ON_FAILURE
 from hpc_rlx.device.host_blas import CPU_BLAS
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.observe.tensorboard_log import enabled as tensorboard_enabled
@@ -38,6 +39,7 @@ from hpc_rlx.pipeline.schedule import PIPELINE_SCHEDULES
 from hpc_rlx.optim.registry import OPTIMIZERS as _OPTIMIZERS
 from hpc_rlx.policies.config import validate_policy_config
 from hpc_rlx.policies.registry import POLICIES
+from hpc_rlx.injection import FAIL_MODES
 from hpc_rlx.injection.slowdown import parse_slowdown
 
 # The checkers are `hpc_rlx.checks` (one family for the whole package): a test of one value
@@ -234,6 +236,11 @@ KEYS: tuple[Key, ...] = (
         "one array in the node's shared memory, each writing its slice after the step (one copy per "
         "node); with comm.shard=optimizer, policy=sync and CPU lanes, without pipeline stages, "
         "comm.deterministic, comm.wire_dtype or comm.overlap"),
+    Key("comm.on_failure", str, "abort", "what a dead rank does to the job: `abort` ends it (resume "
+        "from the last checkpoint); `shrink`: the survivors drop it and train on (MPI's ULFM: "
+        "`mpirun --with-ft ulfm`, Open MPI 5; docs/reliability.md); `spare`: not yet",
+        OneOf(*ON_FAILURE)),
+    Key("comm.spares", int, 0, "spare ranks for `comm.on_failure=spare` (not yet)", integer(0)),
     Key("parallel.pipeline_stages", int, 1, "pipeline stages S: the model split into S stages on "
         "S ranks each, world size = replicas x S (1 = data parallel only)",
         Via(_check_stages, "must be a positive integer dividing the world size")),
@@ -284,8 +291,11 @@ KEYS: tuple[Key, ...] = (
     Key("debug.slowdown", dict, None, "`{rank: factor}`: make ranks honestly slower, to simulate "
         "mixed hardware", Via(parse_slowdown, "is a mapping {rank: factor}")),
     Key("debug.fail_rank", int, None, "inject a failure on this rank (reliability tests) ..."),
-    Key("debug.fail_point", str, None, "... at `startup`, `data`, `step` or `checkpoint`"),
-    Key("debug.fail_step", int, 0, "... (`fail_point=step`) at this global step"),
+    Key("debug.fail_point", str, None, "... at `startup`, `data`, `step` (before its forward), "
+        "`allreduce` (before the step's Allreduce) or `checkpoint`"),
+    Key("debug.fail_step", int, 0, "... (`fail_point=step` or `allreduce`) at this global step"),
+    Key("debug.fail_mode", str, "raise", "... `raise` an exception, or `kill`: the rank sends itself "
+        "SIGKILL (a dead rank, for comm.on_failure)", OneOf(*FAIL_MODES)),
     Key("debug.stall_rank", int, None, "this rank arrives `stall_s` late at the first watched collective ..."),
     Key("debug.stall_step", int, 0, "... from this global step on (exercises the stall watchdog)"),
     Key("debug.stall_s", _NUMBER, 0, "... by this many seconds"),

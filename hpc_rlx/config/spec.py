@@ -20,6 +20,7 @@ import numpy as np
 from hpc_rlx.config import schema as schema
 from hpc_rlx.config.rundirs import fingerprint_of
 from hpc_rlx.config.section import SECTIONS, section
+from hpc_rlx.config.failure_mode import check_on_failure
 from hpc_rlx.config.sharding import check_shard
 from hpc_rlx.data import hdf5
 from hpc_rlx.data.plan import plan_shards
@@ -317,6 +318,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     # of the config as composed (before the defaults are filled in): what rundirs sees
     fingerprint = fingerprint_of(cfg)
     cfg = completed
+    check_on_failure(cfg)     # before anything is read: a combination comm.on_failure refuses
     check_run_dir_writable(run_dir)
     d = cfg["data"]
     prepare_missing_data(d)

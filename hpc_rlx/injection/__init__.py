@@ -4,8 +4,9 @@ simulate mixed hardware on one machine. The one place that reads the `debug` sec
 `DebugHooks.for_rank(spec, rank, world_size)` reads it once per rank; the run asks it at each
 injection point and it does nothing unless a key names this rank:
 
-- `fail_at(point, step)`: `debug.fail_*` raises `InjectedFailure` at `startup`, `data`, `step`
-  or `checkpoint` (at step `fail_step` for `step`);
+- `fail_at(point, step)`: `debug.fail_*` raises `InjectedFailure` at `startup`, `data`, `step`,
+  `allreduce` or `checkpoint` (at step `fail_step` for `step` and `allreduce`); with
+  `debug.fail_mode=kill` the rank sends itself SIGKILL there instead (a dead rank);
 - `poisons_gradient(step)`: `debug.nan_*`, this rank puts a NaN into its gradient;
 - `stall`: `debug.stall_*`, how the stall watchdog makes this rank late at its collectives;
 - `slowdown`: `debug.slowdown`, this rank's `SlowdownInjector` (`injection.slowdown`).
@@ -15,11 +16,17 @@ Pure Python: no MPI, no files.
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from .slowdown import SlowdownInjector, parse_slowdown, slowdown_for_rank
 
+
+
+FAIL_MODES = ("raise", "kill")
 
 
 class InjectedFailure(RuntimeError):
@@ -39,6 +46,7 @@ class DebugHooks:
     rank: int
     fail_point: str | None = None
     fail_step: int = 0
+    fail_mode: str = "raise"
     nan_step: int | None = None
     stall: StallPlan | None = None
     slowdown: SlowdownInjector = field(default_factory=SlowdownInjector)
@@ -54,6 +62,7 @@ class DebugHooks:
         hooks = cls(rank=rank, slowdown=slowdown_for_rank(debug.get("slowdown"), rank, world_size))
         if mine("fail_rank") and debug.get("fail_point") is not None:
             hooks.fail_point, hooks.fail_step = str(debug["fail_point"]), int(debug.get("fail_step") or 0)
+            hooks.fail_mode = str(debug.get("fail_mode") or "raise")
         if mine("nan_rank"):
             hooks.nan_step = int(debug.get("nan_step") or 0)
         if mine("stall_rank") and debug.get("stall_s"):
@@ -66,6 +75,10 @@ class DebugHooks:
             return
         if step is not None and step != self.fail_step:
             return
+        if self.fail_mode == "kill":
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)      # a dead rank: no handler, no message
         raise InjectedFailure(f"injected failure (debug.fail_point={point})")
 
     def poisons_gradient(self, step: int) -> bool:
@@ -73,5 +86,5 @@ class DebugHooks:
         return self.nan_step is not None and self.nan_step == step
 
 
-__all__ = ["DebugHooks", "InjectedFailure", "SlowdownInjector", "StallPlan",
+__all__ = ["DebugHooks", "FAIL_MODES", "InjectedFailure", "SlowdownInjector", "StallPlan",
            "parse_slowdown", "slowdown_for_rank"]

@@ -84,6 +84,10 @@ class RunOutputs:
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
 
+    def event(self, rec: dict) -> None:
+        """A record that is not an epoch (`{"event": ...}`: readers of epochs skip it)."""
+        self.epoch(rec)
+
     def finish(self, result: dict, params=None) -> None:
         """``params``: (name, array) pairs to write as the model, in order (a pipelined run
         hands them over one stage at a time); default this rank's parameters."""

@@ -37,6 +37,7 @@ from hpc_rlx.policies.base import EpochTotals, dropout_seed
 from hpc_rlx.policies.registry import make_policy
 from hpc_rlx.runtime import pipelined
 from hpc_rlx.runtime.rank_stats import RankStats
+from hpc_rlx.runtime.recovery import FailureHandling
 from hpc_rlx.runtime.worker import Worker
 from hpc_rlx.runtime.signals import SIGNALS
 
@@ -57,6 +58,7 @@ class Run:
             # every rank checks the same broadcast spec: already agreed, no collective needed
             raise collective.CollectiveError(str(e), kind="ConfigError", origin=0) from None
         self.stop_flag = SIGNALS     # a signal only sets a flag, carried in the next step's bucket
+        self.failure = FailureHandling(spec, comm)     # comm.on_failure
         self.stop_reason: str | None = None
         self.resumed_from: str | None = None
         self.carried_totals: dict | None = None     # a mid-epoch checkpoint's running totals
@@ -98,6 +100,7 @@ class Run:
         bucket = self.worker.bucket
         for key, value in self._control_flags(nonfinite).items():
             bucket.put(key, value, self.worker.rank)
+        self.hooks.fail_at("allreduce", self.worker.step)
         seconds = bucket.allreduce(self.worker.comm, reduction)
         return bucket.flags(), seconds
 
@@ -113,7 +116,13 @@ class Run:
         policy.begin_epoch(self, worker.step_in_epoch)
         totals = self._epoch_totals()
         while True:
-            result = policy.step(self)
+            try:
+                result = policy.step(self)
+            except Exception as exc:
+                if not self.failure.handles(exc, self.comm):
+                    raise
+                totals = self._recover(totals)      # comm.on_failure=shrink: the step is redone
+                continue
             if result is None:
                 break                                   # the epoch has no step left
             if result.flags["nonfinite"] and self.on_nonfinite == "stop":
@@ -125,6 +134,17 @@ class Run:
             if self._checkpoint_or_stop(result.flags):
                 break
         policy.end_epoch(self, totals, stopping=self.stop_reason is not None)
+        return totals
+
+    def _recover(self, totals: EpochTotals) -> EpochTotals:
+        """A rank died in this step: train on over the survivors (`runtime/recovery.py`)."""
+        with phase("recovery from a failed rank"):
+            comm, totals, record = self.failure.recover(self.comm, self.worker, totals, self.log)
+        self.comm = self.checkpoints.comm = comm
+        self.rank = comm.rank
+        self.current_totals = totals
+        if self.outputs:
+            self.outputs.event({"event": "failure", **record})
         return totals
 
     def _where(self) -> Where:
@@ -177,6 +197,8 @@ class Run:
         # Early, so a signal during startup becomes a stop at the first step, not a dead rank.
         self.stop_flag.install(self.rank)
         self.hooks.fail_at("startup")
+        collective.agree(comm, self.failure.check_launch)     # shrink only where ULFM is active
+        self.failure.start(comm)
         self.threads = limit_threads(comm, spec.train["threads_per_rank"],
                                      lanes=thread_lanes(spec.device["cpu_lanes"]))
         self.tracer = trace.start(comm, bool(spec.trace["enabled"]), host=hostname(),
@@ -209,6 +231,7 @@ class Run:
         bucket_note = collective.by_rank(comm, self.lanes.bucket_path)
         self.log(f"lanes: {lane_note}")
         self.log(f"{bucket_note}")
+        self.log(self.failure.describe())
         self.stats = RankStats(lanes=self.lanes.names, inventory=inventory(), threads=self.threads)
         self.stats.start_clock(cpu_mark)
         self.checkpoints = RuntimeCheckpoints(spec, comm, worker, self.policy, self.log,
@@ -262,7 +285,7 @@ class Run:
             if self.stop_reason == "signal":
                 self.log(f"stop requested (signal) at step {worker.step}: writing a checkpoint")
                 self.save_checkpoint("preempt", metrics.get(spec.checkpoint["metric"]) if metrics else None)
-        if self.stop_reason == "signal" and comm.allreduce(int(self.stop_flag.interrupted)):
+        if self.stop_reason == "signal" and self.comm.allreduce(int(self.stop_flag.interrupted)):
             self.stop_reason = "interrupted"   # Ctrl-C reached some rank: exit 130, no requeue
         if self.stop_reason in (None, "max_steps") and self.checkpoints.enabled:
             # The end of a run is always resumable (e.g. with more epochs).
@@ -356,6 +379,8 @@ class Run:
             "trace": str(trace_path) if self.tracer is not None else None,
             "ranks": ranks,
         }
+        if self.failure.active:
+            result["failures"] = self.failure.failures
         if self.is_root:
             self.close_displays()
             params = pipelined.final_params(self.place, worker, self.spec.graph)

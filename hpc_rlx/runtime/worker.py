@@ -125,6 +125,24 @@ class Worker:
         self.feed.load()
         self.data_s = time.perf_counter() - t0
 
+    def rejoin(self, comm) -> None:
+        """Collective over `comm`, the survivors after a dead rank (`comm.on_failure=shrink`):
+        train on over them as a resume on that many ranks would. The shards are re-planned for
+        the same global batch, the learning rate is scaled for the new world size, and this
+        rank reads its new shard; parameters, optimizer state and position stay as they are."""
+        self.comm, self.rank, self.world = comm, comm.rank, comm.size
+        spec, opt = self.spec, self.spec.optim
+        self.plan = plan_shards(spec.data.n_train, spec.train["batch_size"], self.world, spec.data.leftover)
+        if self.plan.steps_per_epoch != self.steps_per_epoch:     # the plan keeps the global batch
+            raise RuntimeError(f"re-planned over {self.world} ranks, an epoch has "
+                               f"{self.plan.steps_per_epoch} steps instead of {self.steps_per_epoch}")
+        self.base_lr = scaled_lr(float(opt["lr"]), self.world, float(opt["lr_scale_ratio"] or 0.0))
+        self.schedule = make_schedule(opt["schedule"], self.base_lr, self.schedule_steps, **schedule_kwargs(opt))
+        self.feed.close(collective_ok=False)
+        loaded = self.data_s
+        self.load_data()
+        self.data_s += loaded
+
     def batch(self, position: int):
         """(x, y) of this rank's batch at `position` = pass * steps_per_epoch + step, x in
         the compute dtype; the same bytes whatever data.cache."""

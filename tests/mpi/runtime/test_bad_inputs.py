@@ -198,6 +198,31 @@ CASES = [
     Case("node_shared_params_with_the_16_bit_wire",
          ("comm.node_shared_params=true", "comm.shard=optimizer", "comm.wire_dtype=bfloat16"),
          r"comm\.node_shared_params=true does not run with comm\.wire_dtype=bfloat16", kind="ConfigError"),
+    # ---- comm.on_failure (a dead rank): shrink needs ULFM, and runs with some settings only so far
+    Case("on_failure_unknown", ("comm.on_failure=restart",), r"comm\.on_failure='restart' is not one of",
+         kind="ConfigError"),
+    Case("shrink_without_ulfm", ("comm.on_failure=shrink",),
+         r"comm\.on_failure=shrink needs MPI's fault tolerance \(ULFM\), which this job does not have: the "
+         r"MPI library \(MPICH.*\) has no ULFM in mpi4py.*; launch with Open MPI 5's `mpirun --with-ft ulfm "
+         r"-n N python -m hpc_rlx comm\.on_failure=shrink`, or use comm\.on_failure=abort", kind="ConfigError"),
+    Case("spare_not_yet", ("comm.on_failure=spare", "comm.spares=1"),
+         r"comm\.on_failure=spare is not implemented yet: use comm\.on_failure=shrink", kind="ConfigError"),
+    Case("spares_without_spare", ("comm.spares=2",),
+         r"comm\.spares=2 applies to comm\.on_failure=spare, got comm\.on_failure=abort", kind="ConfigError"),
+    Case("shrink_with_pipeline_stages", ("comm.on_failure=shrink", "parallel.pipeline_stages=2"),
+         r"comm\.on_failure=shrink does not run with parallel\.pipeline_stages=2: a dead rank takes a "
+         r"stage's only copy with it", kind="ConfigError"),
+    Case("shrink_with_cadence", ("comm.on_failure=shrink", "policy=cadence"),
+         r"comm\.on_failure=shrink does not run with policy=cadence: .*; use policy=sync", kind="ConfigError"),
+    Case("shrink_with_gpu_lanes", ("comm.on_failure=shrink", "device=cuda"),
+         r"comm\.on_failure=shrink does not run with device=cuda: GPU lanes are not rebuilt after a failure "
+         r"yet; use device=cpu", kind="ConfigError"),
+    Case("shrink_with_shard", ("comm.on_failure=shrink", "comm.shard=optimizer"),
+         r"comm\.on_failure=shrink does not run with comm\.shard=optimizer: a rank holds the only copy",
+         kind="ConfigError"),
+    Case("shrink_with_node_shared_params",
+         ("comm.on_failure=shrink", "comm.shard=optimizer", "comm.node_shared_params=true"),
+         r"comm\.on_failure=shrink does not run with comm\.node_shared_params=true", kind="ConfigError"),
     Case("eval_batch_size_zero", ("train.eval_batch_size=0",),
          r"train\.eval_batch_size must be null or an integer >= 1, got 0", kind="ConfigError"),
     Case("graph_without_path", ("model=graph",), r"model=graph needs model\.path", kind="ConfigError"),

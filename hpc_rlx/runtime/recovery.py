@@ -1,0 +1,130 @@
+"""`comm.on_failure`: what a dead rank does to the run. `abort` (the default): nothing here, the
+job ends as it always did. `shrink`: the survivors carry on, by MPI's fault tolerance (ULFM,
+`comm/ulfm.py`); the decisions are `runtime/recovery_plan.py`'s.
+
+A recovery, on every survivor, from the step whose collective reported the failure:
+
+1. the node's shared window (`comm.shared_memory`) is abandoned: its communicators revoked so
+   no rank stays in its barriers, the window never freed (that may hang), its segment kept as
+   this rank's own bucket memory; the bucket is summed by MPI's Allreduce from then on;
+2. revoke, acknowledge, agree, shrink (`ulfm.shrink`): the survivors' communicator;
+3. the survivors agree on the step to continue from (`recovery_plan.adoption`: forward) and
+   the ones behind take that state by broadcast;
+4. the data is re-planned over the survivors exactly as a resume on that many ranks does (the
+   same global batch; the learning rate scaled for the new world size), each rank reads its
+   new shard, and training goes on from the state in memory.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hpc_rlx.comm import ulfm, watchdog
+from hpc_rlx.comm.collective import CollectiveError
+from hpc_rlx.comm.topology import hostname
+from hpc_rlx.errors import ConfigError
+from hpc_rlx.runtime import recovery_plan as plan
+
+MODES = {"abort": "a rank that dies ends the job (resume from the last checkpoint)",
+         "shrink": "a rank that dies is dropped, the survivors train on (MPI's ULFM)"}
+
+
+class FailureHandling:
+    """One run's `comm.on_failure`. Collective to `start` (under `shrink`: the ranks' hosts)."""
+
+    def __init__(self, spec, comm):
+        self.mode = spec.comm["on_failure"]
+        self.failures: list[dict] = []
+        self.world_ranks = list(range(comm.size))   # rank in the current comm -> MPI_COMM_WORLD rank
+        self.hosts: list[str] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "abort"
+
+    def check_launch(self) -> None:
+        """This rank's refusal of `shrink` where ULFM is not active (run under `agree`)."""
+        if not self.active:
+            return
+        why = ulfm.problem()
+        if why is not None:
+            raise ConfigError(f"comm.on_failure={self.mode} needs MPI's fault tolerance (ULFM), which "
+                              f"this job does not have: {why}; launch with Open MPI 5's `{ulfm.WORKS}`, or use "
+                              f"comm.on_failure=abort")
+
+    def start(self, comm) -> None:
+        if self.active:
+            self.hosts = comm.allgather(hostname())
+
+    def describe(self) -> str:
+        return f"failures: comm.on_failure={self.mode}: {MODES[self.mode]}"
+
+    def handles(self, exc: BaseException, comm) -> bool:
+        """Whether `exc` is a dead rank of `comm` that this run survives."""
+        return self.active and ulfm.failure_known(exc, comm)
+
+    # ---- one recovery ------------------------------------------------------------------
+    def recover(self, comm, worker, totals, log):
+        """Collective over the survivors of `comm`, after `handles` took an error. Returns
+        (the survivors' communicator, the epoch totals to go on with, the failure record)."""
+        t0 = time.perf_counter()
+        shared_off = worker.bucket.abandon_node_memory()
+        shrunk = ulfm.shrink(comm)
+        new = shrunk.comm
+        survivors = _survivors(comm, new)
+        failed = plan.failed_ranks(comm.size, survivors)
+        hosts = self.hosts or ["?"] * comm.size
+        dead_world = [self.world_ranks[r] for r in failed]
+        dead_hosts = [hosts[r] for r in failed]
+        self.world_ranks = [self.world_ranks[r] for r in survivors]
+        self.hosts = [hosts[r] for r in survivors]
+        why = plan.unsurvivable(failed)
+        if why is not None:
+            who = ", ".join(f"rank {r} on {h}" for r, h in zip(dead_world, dead_hosts))
+            raise CollectiveError(f"{who} failed at step {worker.step}: {why} (comm.on_failure=shrink); "
+                                  f"resume=auto in the same hydra.run.dir continues from the newest "
+                                  f"checkpoint", kind="RankFailure")
+        watchdog.current().close("a rank failed")     # rooted at the old ranks: not rebuilt yet
+        adopted = plan.adoption(new.allgather(int(worker.step)))
+        totals = _adopt(new, adopted, worker, totals)
+        worker.rejoin(new)
+        record = plan.failure_record(adopted.step, dead_world, dead_hosts, time.perf_counter() - t0,
+                                     new.size)
+        self.failures.append(record)
+        log(plan.failure_line(record, comm.size))
+        if shared_off:
+            log("the node's shared-memory sum is off for the rest of the run (its window is "
+                "abandoned after the failure); the bucket is summed by MPI's Allreduce")
+        log("the stall watchdog is off for the rest of the run (not rebuilt after a failure yet)")
+        return new, totals, record
+
+
+def _survivors(old, new) -> list[int]:
+    """The old ranks of the members of `new`, in `new`'s order (from the groups: the same on
+    every survivor, unlike each one's own list of failed ranks)."""
+    g_old, g_new = old.Get_group(), new.Get_group()
+    try:
+        return [int(r) for r in g_new.Translate_ranks(list(range(new.size)), g_old)]
+    finally:
+        g_old.Free()
+        g_new.Free()
+
+
+def _adopt(comm, adopted: plan.Adoption, worker, totals):
+    """The survivors behind take the state of `adopted.source` (parameters, optimizer state,
+    position, the epoch's totals and history); returns the totals to go on with."""
+    if not adopted.behind:
+        return totals
+    src = adopted.source
+    comm.Bcast(worker.params, root=src)
+    state = worker.optimizer.state_dict()
+    for name in sorted(state["arrays"]):
+        comm.Bcast(state["arrays"][name], root=src)
+    mine = comm.rank == src
+    meta, scalars, totals, history = comm.bcast(
+        (worker.state.checkpoint_meta(), state["scalars"], totals, worker.history) if mine else None, root=src)
+    if not mine:
+        worker.optimizer.load_state_dict({"arrays": state["arrays"], "scalars": scalars})
+        worker.state.restore(meta, worker.steps_per_epoch, f"survivor {src}'s state")
+        worker.history = list(history)
+    return totals

@@ -1,0 +1,75 @@
+"""The decisions of a recovery after a dead rank (`comm.on_failure=shrink`), apart from the MPI
+calls that carry them out (`runtime/recovery.py`). Pure: no MPI, no files.
+
+Which state the survivors continue from. ULFM reports a failure unevenly: a survivor may
+complete the step's Allreduce (every contribution arrived, the dead rank's included) and
+apply the step, while another sees the same Allreduce fail. Survivors are therefore at most
+one step apart: a step after that needs an Allreduce every survivor enters, and the ones
+behind are in the recovery by then. They continue from **the furthest step** (adoption
+forward): the survivor with the lowest rank among those furthest on broadcasts its
+parameters, optimizer state and position to the ones behind. Why forward, not back:
+
+- a completed step is a correct step (the exact global gradient of the ranks alive when it
+  ran); throwing it away would redo it on fewer ranks, a different gradient, for nothing;
+- going back would need the state before the step, a second copy of the parameters and
+  optimizer state on every rank at every step; going forward needs only the state a survivor
+  already holds.
+
+Only the step in flight (the one no survivor completed) is redone, over the survivors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Adoption:
+    """Which step every survivor continues from, and whose state it is."""
+    step: int                   # the training position (`worker.step`) all continue from
+    source: int                 # the survivor (rank in the survivors' communicator) it comes from
+    behind: tuple[int, ...]     # survivors that take it by broadcast (empty: all are there)
+
+
+def adoption(steps: Sequence[int]) -> Adoption:
+    """Forward adoption over the survivors' positions, `steps[r]` for survivor `r` (pure)."""
+    if not steps:
+        raise ValueError("no survivor")
+    furthest = max(steps)
+    if furthest - min(steps) > 1:
+        raise ValueError(f"survivors more than one step apart ({min(steps)} to {furthest}): "
+                         f"a step after a failure cannot complete on some of them only")
+    source = list(steps).index(furthest)
+    return Adoption(int(furthest), source, tuple(r for r, s in enumerate(steps) if s != furthest))
+
+
+def failed_ranks(old_size: int, survivors: Sequence[int]) -> tuple[int, ...]:
+    """Ranks of the old communicator that are not among `survivors` (their old ranks)."""
+    alive = set(survivors)
+    return tuple(r for r in range(old_size) if r not in alive)
+
+
+def unsurvivable(failed: Sequence[int], writer: int = 0) -> str | None:
+    """Why the survivors cannot go on after losing the ranks `failed` (old ranks), or None."""
+    if writer in failed:
+        return (f"rank {writer} wrote the run directory (log, metrics, checkpoints), and a new "
+                f"rank {writer} does not take it over yet")
+    return None
+
+
+def failure_record(step: int, ranks: Sequence[int], hosts: Sequence[str], recovery_s: float,
+                   world_size_after: int) -> dict:
+    """One failure, as `summary.json["failures"]` and the metrics event hold it. `ranks`: the
+    dead ranks as the job's MPI_COMM_WORLD numbered them."""
+    return {"step": int(step), "ranks": [int(r) for r in ranks], "hosts": list(hosts),
+            "recovery_s": round(float(recovery_s), 4), "world_size_after": int(world_size_after)}
+
+
+def failure_line(record: dict, world_before: int) -> str:
+    """The log line of one recovered failure."""
+    who = ", ".join(f"{r} on {h}" for r, h in zip(record["ranks"], record["hosts"]))
+    n = len(record["ranks"])
+    return (f"rank{'s' if n > 1 else ''} {who} failed: {record['world_size_after']} of "
+            f"{world_before} ranks train on from step {record['step']} "
+            f"(comm.on_failure=shrink, recovered in {record['recovery_s']:.2f} s)")

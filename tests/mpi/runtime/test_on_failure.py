@@ -1,0 +1,120 @@
+"""`comm.on_failure=shrink`: a rank killed with SIGKILL (`debug.fail_mode=kill`) no longer ends
+the job. Real `mpirun --with-ft ulfm` jobs under the Open MPI 5 wheel (MPI's ULFM); each job
+must exit 0 on the survivors and, in float64, end within 1e-10 of a run that stopped at the
+failure's step on the full world (`train.max_steps`) and resumed from that checkpoint on the
+survivors' world size. Under MPICH the refusals are in `test_bad_inputs.py`'s table.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.support.jobs import (MPI_IMPL, REPO, explain, launch_prefix, mpi_env, read_log,
+                                read_metric_events, train_job, write_small_classification)
+from tests.support.mpi_launch import PYTHON
+
+pytestmark = [pytest.mark.mpi, pytest.mark.openmpi,
+              pytest.mark.skipif(MPI_IMPL != "openmpi", reason="ULFM: Open MPI 5's mpirun --with-ft ulfm")]
+
+TIMEOUT = 120
+SMALL = ["report.plots=false", "data=file", "train.epochs=2", "train.batch_size=24", "model.hidden=[8]",
+         "train.dtype=float64", "report.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_small_classification(tmp_path_factory.mktemp("on_failure") / "small.h5", 480, 0)
+
+
+def ulfm_job(n: int, run: Path, overrides: list[str], ft: bool = True) -> subprocess.CompletedProcess:
+    """`mpirun --with-ft ulfm [flags] -n N python -m hpc_rlx ...` (without `--with-ft` if not `ft`)."""
+    prefix = launch_prefix(n)
+    cmd = prefix[:1] + (["--with-ft", "ulfm"] if ft else []) + prefix[1:] + [
+        PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run}", *overrides]
+    try:
+        return subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"no exit within {TIMEOUT}s: {' '.join(cmd)}\n{e.stdout}\n{e.stderr}")
+
+
+def model(run: Path) -> dict:
+    with h5py.File(run / "model.h5", "r") as f:
+        return {k: f[k][...] for k in f}
+
+
+def resumed_reference(tmp_path: Path, data: Path, n: int, survivors: int, step: int, extra: list[str]) -> dict:
+    """The run the shrunk job must equal: `n` ranks to `step`, then resumed on `survivors`."""
+    ref = tmp_path / "reference"
+    common = [*SMALL, f"data.path={data}", *extra]
+    first = train_job(n, ref, [*common, f"train.max_steps={step}"], timeout=TIMEOUT)
+    assert first.returncode == 0, explain(first)
+    second = train_job(survivors, ref, common, timeout=TIMEOUT)
+    assert second.returncode == 0, explain(second)
+    assert "re-planned for" in read_log(ref), read_log(ref)
+    return model(ref)
+
+
+@pytest.mark.parametrize("n, rank, point, step, extra", [
+    # forward/backward of step 5; the node's shared-memory sum (on by default) is abandoned
+    (4, 2, "step", 5, []),
+    # just before the step's Allreduce, MPI's own Allreduce
+    (3, 1, "allreduce", 7, ["comm.shared_memory=false"]),
+], ids=["kill_in_forward_backward", "kill_at_the_allreduce"])
+def test_shrink_survives_a_killed_rank_and_ends_as_a_resume_on_the_survivors(tmp_path, data, n, rank,
+                                                                             point, step, extra):
+    run = tmp_path / "run"
+    proc = ulfm_job(n, run, [*SMALL, f"data.path={data}", *extra, "comm.on_failure=shrink",
+                             f"debug.fail_rank={rank}", f"debug.fail_point={point}",
+                             f"debug.fail_step={step}", "debug.fail_mode=kill"])
+    assert proc.returncode == 0, explain(proc)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == n - 1, summary
+    (failure,) = summary["failures"]
+    assert failure["step"] == step and failure["ranks"] == [rank], failure
+    assert failure["world_size_after"] == n - 1 and failure["hosts"] and failure["recovery_s"] < 10, failure
+    assert len(summary["ranks"]) == n - 1
+    events = [r for r in read_metric_events(run) if r.get("event") == "failure"]
+    assert events == [{"event": "failure", **failure}], events
+    log = read_log(run)
+    assert "failures: comm.on_failure=shrink" in log, log
+    assert re.search(rf"rank {rank} on \S+ failed: {n - 1} of {n} ranks train on from step {step}", log), log
+    if not extra:
+        assert "shared-memory sum is off for the rest of the run" in log, log
+    assert "Traceback" not in proc.stderr, explain(proc)
+
+    reference = resumed_reference(tmp_path, data, n, n - 1, step, extra)
+    got = model(run)
+    assert sorted(got) == sorted(reference)
+    worst = max(float(np.max(np.abs(got[k] - reference[k]))) for k in got)
+    assert worst <= 1e-10, worst
+
+
+def test_the_death_of_rank_0_ends_the_job_with_one_line(tmp_path, data):
+    run = tmp_path / "run"
+    proc = ulfm_job(3, run, [*SMALL, f"data.path={data}", "comm.on_failure=shrink", "debug.fail_rank=0",
+                             "debug.fail_point=step", "debug.fail_step=5", "debug.fail_mode=kill"])
+    assert proc.returncode != 0, explain(proc)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("hpc_rlx: error")]
+    assert len(errors) == 1, explain(proc)
+    assert re.search(r"\(RankFailure, .*rank 0 on \S+ failed at step 5: rank 0 wrote the run directory",
+                     errors[0]), errors[0]
+    assert "Traceback" not in proc.stderr, explain(proc)
+
+
+def test_shrink_without_with_ft_ulfm_is_refused_on_every_rank(tmp_path, data):
+    proc = ulfm_job(2, tmp_path / "run", [*SMALL, f"data.path={data}", "comm.on_failure=shrink"], ft=False)
+    assert proc.returncode == 2, explain(proc)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("hpc_rlx: error")]
+    assert len(errors) == 1, explain(proc)
+    assert re.search(r"\(ConfigError, reported by rank 0 on \S+\): comm\.on_failure=shrink needs MPI's fault "
+                     r"tolerance \(ULFM\), which this job does not have: Open MPI v5\S* was launched without "
+                     r"--with-ft ulfm .*; launch with Open MPI 5.s `mpirun --with-ft ulfm -n N python -m hpc_rlx "
+                     r"comm\.on_failure=shrink", errors[0]), errors[0]
+    assert "Traceback" not in proc.stderr and "aborting" not in proc.stderr, explain(proc)

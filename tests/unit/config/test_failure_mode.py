@@ -1,0 +1,71 @@
+"""`comm.on_failure` / `comm.spares`: what `shrink` runs with so far, one refusal line each (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc_rlx.config import schema
+from hpc_rlx.config.failure_mode import check_on_failure, shrink_refusal
+from hpc_rlx.errors import ConfigError
+
+
+BASE = {"device": {"kind": "cpu"}, "data": {"name": "digits"}, "model": {"name": "mlp"},
+        "optim": {"name": "sgd"}, "policy": {"name": "sync"}}
+
+
+def config(**overrides) -> dict:
+    """A completed default config with `section.key=value` overrides (`policy` by name)."""
+    cfg = schema.complete(BASE)
+    cfg["policy"] = {"name": "sync"}
+    for path, value in overrides.items():
+        section, key = path.split("__")
+        cfg[section] = dict(cfg[section], **{key: value})
+    return cfg
+
+
+def test_abort_and_a_plain_shrink_run():
+    check_on_failure(config())
+    check_on_failure(config(comm__on_failure="shrink"))
+    assert shrink_refusal(config()) is None
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"policy__name": "cadence"}, "policy=cadence: its windows and per-rank slots are not rebuilt"),
+    ({"policy__name": "async"}, "policy=async: "),
+    ({"parallel__pipeline_stages": 2}, "parallel.pipeline_stages=2: a dead rank takes a stage's only copy"),
+    ({"device__kind": "cuda"}, "device=cuda: GPU lanes are not rebuilt after a failure yet; use device=cpu"),
+    ({"device__kind": "all"}, "device=all: GPU lanes"),
+    ({"comm__shard": "optimizer"}, "comm.shard=optimizer: a rank holds the only copy of its slice"),
+    ({"comm__node_shared_params": True, "comm__shard": "optimizer"},
+     "comm.node_shared_params=true: a node's one copy of the parameters"),
+    ({"comm__overlap": True}, "comm.overlap=true: its requests in flight are not rebuilt yet"),
+    ({"comm__wire_dtype": "bfloat16"}, "comm.wire_dtype=bfloat16: the 16-bit wire's segments"),
+    ({"data__distribution": "scatter"}, "data.distribution=scatter: rank 0's sends are not re-planned"),
+    ({"data__cache": "stream"}, "data.cache=stream: the reader thread's windows"),
+    ({"trace__enabled": True}, "trace.enabled=true: the trace is not gathered over the survivors"),
+])
+def test_shrink_refuses_what_it_does_not_rebuild_yet(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        check_on_failure(config(comm__on_failure="shrink", **overrides))
+    assert str(e.value).startswith("comm.on_failure=shrink does not run with ")
+    assert words in str(e.value)
+    check_on_failure(config(**overrides))      # abort runs with all of it, as before
+
+
+def test_spare_is_refused_until_it_exists_and_spares_need_it():
+    with pytest.raises(ConfigError, match=r"comm\.on_failure=spare is not implemented yet: use "
+                                          r"comm\.on_failure=shrink"):
+        check_on_failure(config(comm__on_failure="spare", comm__spares=1))
+    with pytest.raises(ConfigError, match=r"comm\.spares=2 applies to comm\.on_failure=spare, got "
+                                          r"comm\.on_failure=abort"):
+        check_on_failure(config(comm__spares=2))
+
+
+def test_the_keys_are_declared_with_their_choices():
+    schema.validate({**BASE, "comm": {"on_failure": "shrink", "spares": 0}, "debug": {"fail_mode": "kill"}})
+    with pytest.raises(ConfigError, match=r"comm\.on_failure='restart' is not one of"):
+        schema.validate({**BASE, "comm": {"on_failure": "restart"}})
+    with pytest.raises(ConfigError, match=r"debug\.fail_mode='explode' is not one of"):
+        schema.validate({**BASE, "debug": {"fail_mode": "explode"}})
+    with pytest.raises(ConfigError, match=r"comm\.spares must be"):
+        schema.validate({**BASE, "comm": {"spares": -1}})

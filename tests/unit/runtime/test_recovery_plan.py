@@ -1,0 +1,60 @@
+"""The decisions of a recovery after a dead rank (`runtime/recovery_plan.py`) and the test of
+whether ULFM is active (`comm/ulfm.problem_of`): pure, no MPI."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc_rlx.comm.ulfm import problem_of
+from hpc_rlx.runtime import recovery_plan as plan
+
+
+def test_survivors_at_one_step_adopt_nothing():
+    assert plan.adoption([5, 5, 5]) == plan.Adoption(step=5, source=0, behind=())
+
+
+def test_survivors_one_step_apart_adopt_the_furthest_state_from_its_lowest_rank():
+    # survivor 1 and 2 completed the step's Allreduce, 0 saw it fail
+    assert plan.adoption([5, 6, 6]) == plan.Adoption(step=6, source=1, behind=(0,))
+    assert plan.adoption([6, 5, 6, 5]) == plan.Adoption(step=6, source=0, behind=(1, 3))
+
+
+def test_survivors_further_apart_are_a_bug_not_a_state_to_adopt():
+    with pytest.raises(ValueError, match="more than one step apart"):
+        plan.adoption([4, 6])
+    with pytest.raises(ValueError, match="no survivor"):
+        plan.adoption([])
+
+
+def test_failed_ranks_and_what_cannot_be_survived():
+    assert plan.failed_ranks(4, [0, 1, 3]) == (2,)
+    assert plan.failed_ranks(4, [1, 2]) == (0, 3)
+    assert plan.unsurvivable((2,)) is None
+    assert "rank 0 wrote the run directory" in plan.unsurvivable((0, 3))
+
+
+def test_the_failure_record_and_its_line():
+    rec = plan.failure_record(5, [2], ["node7"], 0.031234, 3)
+    assert rec == {"step": 5, "ranks": [2], "hosts": ["node7"], "recovery_s": 0.0312, "world_size_after": 3}
+    assert plan.failure_line(rec, 4) == ("rank 2 on node7 failed: 3 of 4 ranks train on from step 5 "
+                                         "(comm.on_failure=shrink, recovered in 0.03 s)")
+
+
+# the error classes as mpi4py reports them: Open MPI 5 (75, 77, unknown 14), MPICH wheel (13 for all)
+OMPI = dict(proc_failed=75, revoked=77, unknown=14)
+MPICH = dict(proc_failed=13, revoked=13, unknown=13)
+
+
+def test_ulfm_is_active_only_with_open_mpi_launched_with_ft():
+    ompi = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11"
+    assert problem_of(ompi, "1", **OMPI) is None
+    assert problem_of(ompi, "true", **OMPI) is None
+    assert problem_of(ompi, None, **OMPI) == ("Open MPI v5.0.11 was launched without --with-ft ulfm "
+                                              "(OMPI_MCA_mpi_ft_enable is not set)")
+    assert "launched without --with-ft ulfm" in problem_of(ompi, "0", **OMPI)
+    mpich = "MPICH Version:      5.0.2\nMPICH Release date: ..."
+    assert problem_of(mpich, None, **MPICH) == ("the MPI library (MPICH Version: 5.0.2) has no ULFM in "
+                                                "mpi4py: its fault-tolerance calls fall back to plain ones "
+                                                "that cannot survive a dead rank")
+    # a library with the error classes but not Open MPI (an MPICH build with ULFM classes)
+    assert problem_of("MPICH Version: 4.2", "1", **OMPI) == "ULFM is used with Open MPI 5 only, this job runs MPICH Version: 4.2"
