@@ -27,6 +27,7 @@ import numpy as np
 from hpc_rlx.graph.ops.windows import batch_first_view, batch_last, out_sizes
 
 MAX_MATRIX = 1 << 22  # T's entries at most (16 MiB in float32), whatever the flop count
+FEW_PAIRS = 16  # up to this many (output, input) position pairs, the kernel gradient is summed by columns
 
 
 def worth_it(in_size, kernel, in_per_group, out_channels) -> bool:
@@ -113,7 +114,16 @@ def grad_w(xp, g, saved, w_shape, stride, padding, dilation, groups, out=None):
     gt = xp.matmul(gm, xg.transpose(0, 2, 1))  # (G, O_g * P, C_g * Q)
     p, q = t.shape[1] // (o // groups), t.shape[2] // cg
     gt = xp.ascontiguousarray(gt.reshape(o, p, cg, q).transpose(0, 2, 1, 3)).reshape(o * cg, p * q)
-    m = xp.asarray(tap_sums(size, kernel, tuple(stride), tuple(padding), tuple(dilation), np.dtype(gt.dtype).str))
+    geometry = (size, kernel, tuple(stride), tuple(padding), tuple(dilation))
+    if p * q <= FEW_PAIRS:  # a column add per live pair: a GEMM against M with k = 1 or 4 crawls
+        _, index, dead = taps(*geometry)
+        target = out.reshape(o * cg, -1) if out is not None else xp.empty((o * cg, prod(kernel)), gt.dtype)
+        target[...] = 0
+        for pair in range(p * q):
+            if dead is None or not dead.flat[pair]:
+                target[:, int(index.flat[pair])] += gt[:, pair]
+        return out if out is not None else target.reshape(w_shape)
+    m = xp.asarray(tap_sums(*geometry, np.dtype(gt.dtype).str))
     if out is not None:
         xp.matmul(gt, m, out=out.reshape(o * cg, -1))
         return out
