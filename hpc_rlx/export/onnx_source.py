@@ -17,6 +17,7 @@ import numpy as np
 from hpc_rlx.export.onnx_writer import BATCH, check_model
 from hpc_rlx.export.trained import ExportError, TrainedModel
 from hpc_rlx.graph import Graph
+from hpc_rlx.graph.onnx.untie import untie_merged_initializers
 
 SOURCE_FILE = "model.source.onnx"
 
@@ -226,6 +227,11 @@ def original_onnx(onnx, trained: TrainedModel):
     meta = _meta(trained.graph)
     model = load_source(onnx, trained)
     graph = model.graph
+    if set(meta["params"].values()) - {t.name for t in graph.initializer}:
+        # the import untied initializers that dynamo's optimizer had merged (graph/onnx/untie.py):
+        # the same untying, on the same file, gives each parameter its initializer back
+        read_external(onnx, model, trained.run_dir)
+        untie_merged_initializers(model)
     output = meta.get("output")
     if not output:
         raise ExportError("the model came in as ONNX but its graph records no output (meta.onnx.output)")

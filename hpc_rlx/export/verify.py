@@ -31,6 +31,35 @@ def _id_range(graph, name: str) -> int:
     return bound or 2
 
 
+def _compared_ids(graph, name: str, bound: int) -> list:
+    """The ids that the int input ``name`` is compared with for equality, a tokenizer's special
+    tokens: BART's and T5's sequence classifiers pool at the end-of-sequence token, and the
+    file runs only on rows that hold it equally often (graph/onnx/map_index.py)."""
+    constants = {n.name: np.asarray(n.attrs.get("value")) for n in graph.nodes if n.op == "constant"}
+    found = set()
+    for node in graph.nodes:
+        if node.op != "compare" or node.attrs.get("kind") != "equal" or name not in node.inputs:
+            continue
+        for value in (constants[ref] for ref in node.inputs if ref in constants):
+            if value.size == 1 and 0 <= int(value.flat[0]) < bound:
+                found.add(int(value.flat[0]))
+    return sorted(found)
+
+
+def _token_ids(rng, graph, name: str, shape: tuple) -> np.ndarray:
+    """Random ids below the smallest table the input indexes; where the model compares them
+    with special tokens, each row holds each of those once, at its end, as a tokenizer writes
+    them, and nowhere else."""
+    bound = _id_range(graph, name)
+    special = _compared_ids(graph, name, bound) if len(shape) == 2 else []
+    if not special or len(special) >= min(shape[1], bound):
+        return rng.integers(0, bound, shape).astype(np.int64)
+    others = np.setdiff1d(np.arange(bound), special)
+    ids = others[rng.integers(0, len(others), shape)].astype(np.int64)
+    ids[:, shape[1] - len(special):] = special
+    return ids
+
+
 def random_feeds(graph, needed: set, dtype, seed: int = 0) -> dict:
     """A random batch for the graph inputs in ``needed``."""
     rng = np.random.default_rng(seed)
@@ -40,7 +69,7 @@ def random_feeds(graph, needed: set, dtype, seed: int = 0) -> dict:
             continue
         shape = tuple(CHECK_BATCH if d is None else d for d in s.shape)
         if s.dtype == "int64":
-            feeds[s.name] = rng.integers(0, _id_range(graph, s.name), shape).astype(np.int64)
+            feeds[s.name] = _token_ids(rng, graph, s.name, shape)
         else:
             feeds[s.name] = rng.standard_normal(shape).astype(dtype)
     return feeds
