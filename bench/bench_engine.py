@@ -252,7 +252,7 @@ HF = ["bert", "distilbert", "gpt2", "llama", "roberta", "bart", "t5"]
 ZOO = ["lenet", "resnet", "mobilenet", "vit", "gpt", "mixer"]
 
 
-def zoo_cases(batch=32, names=tuple(ZOO), profile=False):
+def zoo_cases(batch=32, names=tuple(ZOO), profile=False, mkl=False):
     """Models of tests/support/onnx_zoo.py (or of the zoos it reaches: vision_zoo ``NAME_p0``,
     hf_zoo), exported by torch (dynamo, training form; TorchScript for T5, which dynamo cannot
     export) and imported: the engine steps the imported graph, PyTorch the module it came from."""
@@ -283,10 +283,12 @@ def zoo_cases(batch=32, names=tuple(ZOO), profile=False):
         params = sum(p.numel() for p in module.parameters())
         if profile:
             print_profile(g, batch)
-        yield f"zoo {name} ({params} parameters), batch {batch}", {
+        contenders = {
             "engine": engine_step_fn(g, {"x": xn, "y": yn}, initial=imported.initial),
             "torch": torch_step_fn(module.train(), x, y),
         }
+        yield f"zoo {name} ({params} parameters), batch {batch}", (with_mkl(contenders, g, {"x": xn, "y": yn})
+                                                                    if mkl else contenders)
 
 
 def print_profile(graph, batch, top=8):
@@ -314,6 +316,7 @@ def main(argv=None):
     ap.add_argument("--only", default="mlp,cnn,lm")
     ap.add_argument("--models", default=None, help="comma-separated: only these of zoo/vision/hf")
     ap.add_argument("--profile", action="store_true", help="print the engine's time per op type")
+    ap.add_argument("--mkl", action="store_true", help="zoo, vision, hf: also race engine-mkl (device.cpu_blas=mkl)")
     args = ap.parse_args(argv)
 
     def pick(names):
@@ -324,9 +327,9 @@ def main(argv=None):
 
     torch.set_num_threads(1)
     cases = {"mlp": lambda: [mlp_case()], "cnn": lambda: [cnn_case()], "lm": lambda: [lm_case()],
-             "zoo": lambda: zoo_cases(names=pick(ZOO), profile=args.profile),
-             "vision": lambda: zoo_cases(names=pick([n + "_p0" for n in VISION]), profile=args.profile),
-             "hf": lambda: zoo_cases(names=pick(HF), profile=args.profile)}
+             "zoo": lambda: zoo_cases(names=pick(ZOO), profile=args.profile, mkl=args.mkl),
+             "vision": lambda: zoo_cases(names=pick([n + "_p0" for n in VISION]), profile=args.profile, mkl=args.mkl),
+             "hf": lambda: zoo_cases(names=pick(HF), profile=args.profile, mkl=args.mkl)}
     with threadpool_limits(limits=1):
         print(f"numpy {np.__version__}, torch {torch.__version__}, 1 BLAS thread, float32, "
               f"{args.repeats} repeats x {args.steps} steps")
