@@ -134,6 +134,10 @@ def test_one_copy_of_the_parameters_per_node_across_nodes_equals_one_node(cluste
         ranks = json.loads((tmp_path / name / "summary.json").read_text())["ranks"]
         held = [r for r, rec in enumerate(ranks) if rec["param_bytes"] > 0]
         assert held == leaders, f"{name}: {ranks}"
+        # one copy per node, the whole model's; the optimizer state once over all the ranks
+        (one,) = json.loads((ref / "summary.json").read_text())["ranks"]
+        assert all(ranks[r]["param_bytes"] == one["param_bytes"] for r in leaders), f"{name}: {ranks}"
+        assert sum(rec["optimizer_bytes"] for rec in ranks) == one["optimizer_bytes"], f"{name}: {ranks}"
 
 
 LAUNCHED_BY = {"mpich": "MPICH mpirun / mpiexec (hydra)", "openmpi": "Open MPI mpirun (prterun)"}[MPI_IMPL]

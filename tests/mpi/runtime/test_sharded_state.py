@@ -130,19 +130,22 @@ def test_sharded_state_within_pipeline_stages_trains_the_model_and_resumes_unsha
 
 def test_one_copy_of_the_parameters_per_node_trains_the_same_model_and_resumes(tmp_path, digits_h5, straight_run):
     """comm.node_shared_params: 4 ranks of one node read one parameter array and write their
-    slices into it. The run equals the unsharded one, rank 0 alone reports the node's parameter
-    bytes, and a checkpoint taken mid-epoch resumes into the shared array (written once)."""
+    slices into it. The run equals the unsharded one; rank 0 alone reports the node's parameter
+    bytes, one rank's unsharded figure (one copy on the node), and the ranks' optimizer bytes
+    add up to one rank's unsharded figure, 1/4 each; a checkpoint taken mid-epoch resumes into
+    the shared array (written once)."""
     base = BASE + [f"data.path={digits_h5}"] + ADAMW
     run = tmp_path / "run"
     shared = ["comm.shard=optimizer", "comm.node_shared_params=true"]
     proc = train_job(4, run, base + shared + ["train.max_steps=75"], timeout=240)
     assert proc.returncode == 0, explain(proc)
-    ranks = _ranks(run)
-    assert ranks[0]["param_bytes"] > 0 and [r["param_bytes"] for r in ranks[1:]] == [0, 0, 0], ranks
+    whole, ranks = _ranks(straight_run), _ranks(run)
+    assert [r["param_bytes"] for r in ranks] == [whole[0]["param_bytes"], 0, 0, 0], (ranks, whole)
+    assert sum(r["optimizer_bytes"] for r in ranks) == whole[0]["optimizer_bytes"], (ranks, whole)
+    assert max(r["optimizer_bytes"] for r in ranks) <= whole[0]["optimizer_bytes"] / 4 + 8 * 4, ranks
     proc = train_job(4, run, base + shared, timeout=240)
     assert proc.returncode == 0, explain(proc)
     assert "resumed from" in proc.stdout, explain(proc)
-    whole = _ranks(straight_run)
     assert _ranks(run)[0]["param_bytes"] == whole[0]["param_bytes"]
     diff = max_rel_diff(load_params(straight_run), load_params(run))
     assert diff <= 1e-10, f"max relative parameter difference {diff:.3e} from the straight run"
