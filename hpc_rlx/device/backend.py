@@ -316,10 +316,6 @@ def scatter_add(xp, target, indices, values) -> None:
 def erf(xp, x):
     """The error function of ``x`` on ``xp``'s device (neither NumPy nor CuPy has one)."""
     if is_host(xp):
-        if x.dtype == np.float32:
-            from hpc_rlx.device.host_erf import erf_float32
-
-            return erf_float32(x)
         try:
             from scipy.special import erf as host_erf  # optional: only graphs with erf need it
         except ImportError as exc:

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from hpc_rlx.device import backend, host_erf
+from hpc_rlx.graph.ops import fast_erf
 from hpc_rlx.graph.ops.common import finite_number, same_float
 from hpc_rlx.graph.registry import defop, defvjp
 from hpc_rlx.graph.shapes import ShapeError
@@ -66,11 +66,6 @@ def _sigmoid_x(xp, g, args, ans, s, a, out):
 defvjp("sigmoid", _sigmoid_x, needs_args=(), needs_ans=True)
 
 
-def _host_float32(xp, x):
-    """Whether the chunked float32 GELU of ``device/host_erf.py`` applies (NumPy arrays)."""
-    return x.dtype == np.float32 and isinstance(x, np.ndarray) and backend.is_host(xp)
-
-
 def _check_gelu(a):
     if a["approximate"] not in ("tanh", "none"):
         raise ShapeError(f"gelu supports approximate='tanh' or 'none', got {a['approximate']!r}")
@@ -82,12 +77,12 @@ def gelu(xp, args, a, ctx):
     # "tanh": the GPT-2 form (PyTorch approximate="tanh"); "none": the exact x * Phi(x).
     # Either way the saved t is the bracket in 0.5 x (1 + t), which the VJP reuses.
     x = args[0]
-    if a["approximate"] == "none" and _host_float32(xp, x):
-        fused = host_erf.gelu_float32(x)
+    if a["approximate"] == "none" and fast_erf.on_host_float32(xp, x):
+        fused = fast_erf.gelu_float32(x)
         if fused is not None:
             return fused[0], (fused[1] if ctx.need_saved else None)
     if a["approximate"] == "none":
-        t = backend.erf(xp, x * SQRT_HALF)
+        t = fast_erf.erf(xp, x * SQRT_HALF)
     else:
         t = x * x  # built in place: one temporary instead of one per operator
         t *= x
@@ -103,8 +98,8 @@ def gelu(xp, args, a, ctx):
 
 def _gelu_x(xp, g, args, ans, t, a, out):
     x = args[0]
-    if a["approximate"] == "none" and _host_float32(xp, x):
-        fused = host_erf.gelu_grad_float32(x, t, g)
+    if a["approximate"] == "none" and fast_erf.on_host_float32(xp, x):
+        fused = fast_erf.gelu_grad_float32(x, t, g)
         if fused is not None:
             return fused
     if a["approximate"] == "none":

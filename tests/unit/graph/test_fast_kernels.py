@@ -1,6 +1,6 @@
 """The kernels that make the engine's step as fast as PyTorch's on real models, checked for the
 value they must keep: ``pow`` by products for small whole and half exponents (GPT-2's x**3),
-the in-place ``sigmoid``, the float32 ``erf`` of ``device/host_erf.py`` (exact GELU), layer
+the in-place ``sigmoid``, the float32 ``erf`` of ``device/fast_erf.py`` (exact GELU), layer
 norm's row means as GEMVs, and ``conv2d`` on small maps as one dense matrix per group
 (``ops/conv_dense.py``), each against PyTorch autograd in float64 (<= 1e-10) and float32
 (<= 1e-5 relative to the largest value), plus finite differences and which path a shape takes.
@@ -13,8 +13,8 @@ import warnings
 import numpy as np
 import pytest
 
-from hpc_rlx.device import host_erf
-from hpc_rlx.device.host_erf import erf_float32
+from hpc_rlx.graph.ops import fast_erf
+from hpc_rlx.graph.ops.fast_erf import erf_float32
 from hpc_rlx.graph.gradcheck import check_op
 from hpc_rlx.graph.ops import conv_dense
 
@@ -122,15 +122,15 @@ def test_chunked_gelu_and_its_gradient_match_torch(layout):
     x = base if layout == "contiguous" else base.T
     g = np.ascontiguousarray((R.standard_normal(base.shape)).astype(np.float32))
     g = g if layout == "contiguous" else g.T
-    value, bracket = host_erf.gelu_float32(x)
-    grad = host_erf.gelu_grad_float32(x, bracket, g)
+    value, bracket = fast_erf.gelu_float32(x)
+    grad = fast_erf.gelu_grad_float32(x, bracket, g)
     t = torch.tensor(x.astype(np.float64), requires_grad=True)
     F.gelu(t).backward(torch.tensor(g.astype(np.float64)))
     assert largest_rel(value, F.gelu(torch.tensor(x.astype(np.float64))).numpy()) <= 1e-6
     assert largest_rel(grad, t.grad.numpy()) <= 1e-6
     assert value.strides == x.strides
     # arrays in different memory orders are left to the unfused path
-    assert host_erf.gelu_grad_float32(x, bracket, np.ascontiguousarray(g.T).T if layout == "contiguous"
+    assert fast_erf.gelu_grad_float32(x, bracket, np.ascontiguousarray(g.T).T if layout == "contiguous"
                                       else np.ascontiguousarray(g)) is None
 
 
