@@ -109,6 +109,13 @@ class RuntimeCheckpoints:
         self._unsaved_best: tuple | None = None
         self.resumed_config_yaml: str | None = None   # what the resumed checkpoint trained with
 
+    def take_over(self) -> None:
+        """After rank 0 died, on the survivors' rank 0: this rank writes the checkpoints now (the
+        best epoch rank 0 held in memory only, not yet on disk, is lost with it)."""
+        cfg = self.spec.checkpoint
+        self.is_root = True
+        self.manager = CheckpointManager(self.directory, keep_last=int(cfg["keep_last"]), metric=cfg["metric"])
+
     # ---- save triggers (all ranks evaluate these on the same agreed numbers) -------------
     def steps_due(self, step: int) -> bool:
         return self.triggers.steps_due(step)

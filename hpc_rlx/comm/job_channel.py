@@ -64,3 +64,9 @@ class JobChannel:
             if kind == _END:
                 return value
             run(value)
+            comm = current(self.comm)
+            if comm is not self.comm and comm.rank == 0:
+                # the rank that ran Hydra died during the job (comm.on_failure=shrink): no job
+                # follows; this rank, the survivors' rank 0 now, tells the others the end
+                idle_wait.bcast(comm, (_END, 0), root=0, poll_s=FOLLOW_POLL_S)
+                return 0

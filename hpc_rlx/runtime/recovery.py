@@ -18,7 +18,10 @@ A recovery, on every survivor, from the step whose collective reported the failu
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
+from hpc_rlx import run_dir_names as names
 from hpc_rlx.comm import ulfm, watchdog
 from hpc_rlx.comm.collective import CollectiveError
 from hpc_rlx.comm.topology import hostname
@@ -37,6 +40,7 @@ class FailureHandling:
         self.failures: list[dict] = []
         self.world_ranks = list(range(comm.size))   # rank in the current comm -> MPI_COMM_WORLD rank
         self.hosts: list[str] | None = None
+        self.lock = None            # the run directory's lock, once this rank took it over
 
     @property
     def active(self) -> bool:
@@ -64,9 +68,8 @@ class FailureHandling:
         return self.active and ulfm.failure_known(exc, comm)
 
     # ---- one recovery ------------------------------------------------------------------
-    def recover(self, comm, worker, totals, log):
-        """Collective over the survivors of `comm`, after `handles` took an error. Returns
-        (the survivors' communicator, the epoch totals to go on with, the failure record)."""
+    def recover(self, comm, worker, totals) -> "Recovered":
+        """Collective over the survivors of `comm`, after `handles` took an error."""
         t0 = time.perf_counter()
         shared_off = worker.bucket.abandon_node_memory()
         shrunk = ulfm.shrink(comm)
@@ -78,7 +81,8 @@ class FailureHandling:
         dead_hosts = [hosts[r] for r in failed]
         self.world_ranks = [self.world_ranks[r] for r in survivors]
         self.hosts = [hosts[r] for r in survivors]
-        why = plan.unsurvivable(failed)
+        visible = (Path(worker.spec.run_dir) / names.METRICS).is_file()
+        why = new.bcast(plan.takeover_problem(0 in failed, visible, hostname()) if new.rank == 0 else None, root=0)
         if why is not None:
             who = ", ".join(f"rank {r} on {h}" for r, h in zip(dead_world, dead_hosts))
             raise CollectiveError(f"{who} failed at step {worker.step}: {why} (comm.on_failure=shrink); "
@@ -91,12 +95,26 @@ class FailureHandling:
         record = plan.failure_record(adopted.step, dead_world, dead_hosts, time.perf_counter() - t0,
                                      new.size)
         self.failures.append(record)
-        log(plan.failure_line(record, comm.size))
+        notes = [plan.failure_line(record, comm.size)]
+        if 0 in failed:
+            notes.append(f"rank {new.rank} on {hostname()} (rank {self.world_ranks[0]} of the job) writes "
+                         f"the run directory from here on")
         if shared_off:
-            log("the node's shared-memory sum is off for the rest of the run (its window is "
-                "abandoned after the failure); the bucket is summed by MPI's Allreduce")
-        log("the stall watchdog is off for the rest of the run (not rebuilt after a failure yet)")
-        return new, totals, record
+            notes.append("the node's shared-memory sum is off for the rest of the run (its window is "
+                         "abandoned after the failure); the bucket is summed by MPI's Allreduce")
+        notes.append("the stall watchdog is off for the rest of the run (not rebuilt after a failure yet)")
+        return Recovered(new, totals, record, tuple(notes), writer_failed=0 in failed)
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What a recovery leaves the run: the survivors' communicator, the epoch's totals to go on
+    with, the failure's record, the lines to log, and whether rank 0 (the writer) died."""
+    comm: object
+    totals: object
+    record: dict
+    notes: tuple[str, ...]
+    writer_failed: bool
 
 
 def _survivors(old, new) -> list[int]:

@@ -50,11 +50,13 @@ def failed_ranks(old_size: int, survivors: Sequence[int]) -> tuple[int, ...]:
     return tuple(r for r in range(old_size) if r not in alive)
 
 
-def unsurvivable(failed: Sequence[int], writer: int = 0) -> str | None:
-    """Why the survivors cannot go on after losing the ranks `failed` (old ranks), or None."""
-    if writer in failed:
-        return (f"rank {writer} wrote the run directory (log, metrics, checkpoints), and a new "
-                f"rank {writer} does not take it over yet")
+def takeover_problem(writer_failed: bool, run_dir_visible: bool, host: str, writer: int = 0) -> str | None:
+    """Why the survivors' new rank 0 cannot take over the run directory after the rank that
+    wrote it (`writer`) died, or None (also when the writer lives). `run_dir_visible`: whether
+    the new rank 0 on `host` sees the files the writer had written there."""
+    if writer_failed and not run_dir_visible:
+        return (f"rank {writer} wrote the run directory, which the survivors' rank 0 on {host} does "
+                f"not see (no shared filesystem between their nodes), so no survivor can take it over")
     return None
 
 

@@ -32,6 +32,7 @@ from hpc_rlx.observe import trace
 from hpc_rlx.observe.display import RunDisplay, Where
 from hpc_rlx.observe.metrics import Window, epoch_values
 from hpc_rlx.observe.outputs import RunOutputs
+from hpc_rlx.observe.run_lock import RunDirLock
 from hpc_rlx.observe.progress import end_line
 from hpc_rlx.policies.base import EpochTotals, dropout_seed
 from hpc_rlx.policies.registry import make_policy
@@ -139,13 +140,30 @@ class Run:
     def _recover(self, totals: EpochTotals) -> EpochTotals:
         """A rank died in this step: train on over the survivors (`runtime/recovery.py`)."""
         with phase("recovery from a failed rank"):
-            comm, totals, record = self.failure.recover(self.comm, self.worker, totals, self.log)
-        self.comm = self.checkpoints.comm = comm
-        self.rank = comm.rank
-        self.current_totals = totals
+            done = self.failure.recover(self.comm, self.worker, totals)
+        self.comm = self.checkpoints.comm = done.comm
+        self.rank = done.comm.rank
+        self.current_totals = done.totals
+        if done.writer_failed and self.rank == 0:
+            self._take_over()
+        for note in done.notes:
+            self.log(note)
         if self.outputs:
-            self.outputs.event({"event": "failure", **record})
-        return totals
+            self.outputs.event({"event": "failure", **done.record})
+        return done.totals
+
+    def _take_over(self) -> None:
+        """Rank 0 died, and this rank is the survivors' rank 0: from here on it writes the run
+        directory (log, progress, steps.jsonl, metrics.jsonl, checkpoints, the run lock)."""
+        worker = self.worker
+        self.is_root = True
+        self.display = RunDisplay(self.spec, True, self.t_start)
+        self.display.open_step_log(worker.steps_per_epoch, worker.step)
+        self.display.epoch_start(worker, self._where(), self.current_totals)
+        self.outputs = RunOutputs(self.spec, worker, self.log, self.lanes.names)
+        self.outputs.take_over()
+        self.checkpoints.take_over()
+        self.failure.lock = RunDirLock.acquire(self.spec.run_dir, hostname())   # the dead rank's is gone
 
     def _where(self) -> Where:
         """Where the epoch is, for the display (asked only when it draws or records)."""
@@ -197,8 +215,9 @@ class Run:
         # Early, so a signal during startup becomes a stop at the first step, not a dead rank.
         self.stop_flag.install(self.rank)
         self.hooks.fail_at("startup")
-        collective.agree(comm, self.failure.check_launch)     # shrink only where ULFM is active
-        self.failure.start(comm)
+        if self.failure.active:     # the same spec on every rank: all take this branch or none
+            collective.agree(comm, self.failure.check_launch)     # shrink only where ULFM is active
+            self.failure.start(comm)
         self.threads = limit_threads(comm, spec.train["threads_per_rank"],
                                      lanes=thread_lanes(spec.device["cpu_lanes"]))
         self.tracer = trace.start(comm, bool(spec.trace["enabled"]), host=hostname(),

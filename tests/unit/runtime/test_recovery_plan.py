@@ -26,11 +26,14 @@ def test_survivors_further_apart_are_a_bug_not_a_state_to_adopt():
         plan.adoption([])
 
 
-def test_failed_ranks_and_what_cannot_be_survived():
+def test_failed_ranks_and_when_the_run_directory_cannot_be_taken_over():
     assert plan.failed_ranks(4, [0, 1, 3]) == (2,)
     assert plan.failed_ranks(4, [1, 2]) == (0, 3)
-    assert plan.unsurvivable((2,)) is None
-    assert "rank 0 wrote the run directory" in plan.unsurvivable((0, 3))
+    assert plan.takeover_problem(False, False, "node2") is None     # rank 0 lives: nothing to take over
+    assert plan.takeover_problem(True, True, "node2") is None       # the new rank 0 sees the run directory
+    assert plan.takeover_problem(True, False, "node2") == (
+        "rank 0 wrote the run directory, which the survivors' rank 0 on node2 does not see (no shared "
+        "filesystem between their nodes), so no survivor can take it over")
 
 
 def test_the_failure_record_and_its_line():
