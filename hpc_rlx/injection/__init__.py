@@ -5,7 +5,7 @@ simulate mixed hardware on one machine. The one place that reads the `debug` sec
 injection point and it does nothing unless a key names this rank:
 
 - `fail_at(point, step)`: `debug.fail_*` raises `InjectedFailure` at `startup`, `data`, `step`,
-  `allreduce` or `checkpoint` (at step `fail_step` for `step` and `allreduce`); with
+  `allreduce`, `validation` or `checkpoint` (at step `fail_step` for the three with a step); with
   `debug.fail_mode=kill` the rank sends itself SIGKILL there instead (a dead rank);
 - `poisons_gradient(step)`: `debug.nan_*`, this rank puts a NaN into its gradient;
 - `stall`: `debug.stall_*`, how the stall watchdog makes this rank late at its collectives;

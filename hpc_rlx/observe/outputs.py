@@ -84,9 +84,9 @@ class RunOutputs:
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
 
-    def take_over(self) -> None:
+    def taken_over(self) -> "RunOutputs":
         """After rank 0 died, on the survivors' rank 0: append to metrics.jsonl from here on, a
-        record the dead rank left half-written cut off first (no torn line)."""
+        record the dead rank left half-written cut off first (no torn line). Returns self."""
         path = self.dir / names.METRICS
         if path.is_file():
             raw = path.read_bytes()
@@ -94,6 +94,7 @@ class RunOutputs:
                 with open(path, "r+b") as f:
                     f.truncate(raw.rfind(b"\n") + 1)
         self.metrics = open(path, "a", buffering=1)
+        return self
 
     def event(self, rec: dict) -> None:
         """A record that is not an epoch (`{"event": ...}`: readers of epochs skip it)."""

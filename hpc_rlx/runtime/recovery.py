@@ -89,7 +89,12 @@ class FailureHandling:
                                   f"resume=auto in the same hydra.run.dir continues from the newest "
                                   f"checkpoint", kind="RankFailure")
         watchdog.current().close("a rank failed")     # rooted at the old ranks: not rebuilt yet
-        adopted = plan.adoption(new.allgather(int(worker.step)))
+        positions = new.allgather((int(worker.step), int(worker.epoch)))
+        try:
+            adopted = plan.adoption([s for s, _ in positions], [e for _, e in positions])
+        except ValueError as e:      # the same positions on every survivor: the same error
+            raise CollectiveError(f"after a failed rank: {e}; not survivable yet (comm.on_failure=shrink)",
+                                  kind="RankFailure") from None
         totals = _adopt(new, adopted, worker, totals)
         worker.rejoin(new)
         record = plan.failure_record(adopted.step, dead_world, dead_hosts, time.perf_counter() - t0,

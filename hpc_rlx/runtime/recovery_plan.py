@@ -32,10 +32,17 @@ class Adoption:
     behind: tuple[int, ...]     # survivors that take it by broadcast (empty: all are there)
 
 
-def adoption(steps: Sequence[int]) -> Adoption:
-    """Forward adoption over the survivors' positions, `steps[r]` for survivor `r` (pure)."""
+def adoption(steps: Sequence[int], epochs: Sequence[int] | None = None) -> Adoption:
+    """Forward adoption over the survivors' positions, `steps[r]` (and `epochs[r]`, epochs
+    completed) for survivor `r` (pure). Survivors one step apart are in the same epoch: the
+    last step of an epoch is followed by its validation, which every survivor enters. Survivors
+    at one step in different epochs (a validation that completed on some only) are not
+    adopted yet: ValueError."""
     if not steps:
         raise ValueError("no survivor")
+    if epochs is not None and len(set(epochs)) > 1:
+        raise ValueError(f"survivors are in different epochs ({min(epochs) + 1} and {max(epochs) + 1}) at "
+                         f"steps {min(steps)}-{max(steps)}: a validation completed on some of them only")
     furthest = max(steps)
     if furthest - min(steps) > 1:
         raise ValueError(f"survivors more than one step apart ({min(steps)} to {furthest}): "

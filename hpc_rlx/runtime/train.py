@@ -117,13 +117,7 @@ class Run:
         policy.begin_epoch(self, worker.step_in_epoch)
         totals = self._epoch_totals()
         while True:
-            try:
-                result = policy.step(self)
-            except Exception as exc:
-                if not self.failure.handles(exc, self.comm):
-                    raise
-                totals = self._recover(totals)      # comm.on_failure=shrink: the step is redone
-                continue
+            result, totals = self._survive(lambda: policy.step(self), totals)
             if result is None:
                 break                                   # the epoch has no step left
             if result.flags["nonfinite"] and self.on_nonfinite == "stop":
@@ -137,8 +131,18 @@ class Run:
         policy.end_epoch(self, totals, stopping=self.stop_reason is not None)
         return totals
 
+    def _survive(self, call, totals: EpochTotals):
+        """(`call()`, the epoch's totals); after a dead rank (comm.on_failure=shrink) `call` is
+        redone over the survivors, from the state they continue from (`runtime/recovery.py`)."""
+        while True:
+            try:
+                return call(), totals
+            except Exception as exc:
+                if not self.failure.handles(exc, self.comm):
+                    raise
+                totals = self._recover(totals)
+
     def _recover(self, totals: EpochTotals) -> EpochTotals:
-        """A rank died in this step: train on over the survivors (`runtime/recovery.py`)."""
         with phase("recovery from a failed rank"):
             done = self.failure.recover(self.comm, self.worker, totals)
         self.comm = self.checkpoints.comm = done.comm
@@ -152,16 +156,17 @@ class Run:
             self.outputs.event({"event": "failure", **done.record})
         return done.totals
 
+    def _evaluate(self) -> dict:
+        self.hooks.fail_at("validation", self.worker.step)
+        return self.worker.evaluate(self.lanes)
+
     def _take_over(self) -> None:
-        """Rank 0 died, and this rank is the survivors' rank 0: from here on it writes the run
-        directory (log, progress, steps.jsonl, metrics.jsonl, checkpoints, the run lock)."""
-        worker = self.worker
-        self.is_root = True
+        """Rank 0 died; this rank, the survivors' rank 0, writes the run directory from here on."""
+        worker, self.is_root = self.worker, True
         self.display = RunDisplay(self.spec, True, self.t_start)
         self.display.open_step_log(worker.steps_per_epoch, worker.step)
         self.display.epoch_start(worker, self._where(), self.current_totals)
-        self.outputs = RunOutputs(self.spec, worker, self.log, self.lanes.names)
-        self.outputs.take_over()
+        self.outputs = RunOutputs(self.spec, worker, self.log, self.lanes.names).taken_over()
         self.checkpoints.take_over()
         self.failure.lock = RunDirLock.acquire(self.spec.run_dir, hostname())   # the dead rank's is gone
 
@@ -330,7 +335,7 @@ class Run:
         worker = self.worker
         t_eval = time.perf_counter()
         with phase("validation"), trace.span("evaluate", "eval"):
-            val = worker.evaluate(self.lanes)
+            val, _ = self._survive(self._evaluate, totals)
         self.stats.record_epoch(worker.epoch + 1, totals, wall, time.perf_counter() - t_eval, worker.data_s)
         metrics = epoch_values(Window(totals.counts(), seconds=totals.step_wall_s,
                                       lr=self.policy.current_lr(worker), per_sample=worker.per_sample))

@@ -53,32 +53,37 @@ def model(run: Path) -> dict:
 REFERENCES: dict[tuple, dict] = {}
 
 
-def resumed_reference(tmp_path: Path, data: Path, n: int, survivors: int, step: int, extra: list[str]) -> dict:
-    """The run the shrunk job must equal: `n` ranks to `step`, then resumed on `survivors`."""
+def resumed_reference(tmp_path: Path, data: Path, n: int, survivors: int, step: int,
+                      extra: list[str]) -> tuple[dict, list]:
+    """The run the shrunk job must equal: `n` ranks to `step`, then resumed on `survivors`:
+    its model and its epochs' validation losses."""
     key = (str(data), n, survivors, step, tuple(extra))
     if key not in REFERENCES:
         REFERENCES[key] = _resumed(tmp_path / "reference", data, n, survivors, step, extra)
     return REFERENCES[key]
 
 
-def _resumed(ref: Path, data: Path, n: int, survivors: int, step: int, extra: list[str]) -> dict:
+def _resumed(ref: Path, data: Path, n: int, survivors: int, step: int, extra: list[str]) -> tuple[dict, list]:
     common = [*SMALL, f"data.path={data}", *extra]
     first = train_job(n, ref, [*common, f"train.max_steps={step}"], timeout=TIMEOUT)
     assert first.returncode == 0, explain(first)
     second = train_job(survivors, ref, common, timeout=TIMEOUT)
     assert second.returncode == 0, explain(second)
     assert "re-planned for" in read_log(ref), read_log(ref)
-    return model(ref)
+    return model(ref), [r["val_loss"] for r in read_metric_events(ref) if "epoch" in r and not r.get("partial")]
 
 
 @pytest.mark.parametrize("n, rank, point, step, extra", [
     # forward/backward of step 5; the node's shared-memory sum (on by default) is abandoned
     (4, 2, "step", 5, []),
+    # the next three end alike (the first step of epoch 2 is redone on 2 ranks): one reference
     # just before the step's Allreduce, MPI's own Allreduce
-    (3, 1, "allreduce", 7, ["comm.shared_memory=false"]),
+    (3, 1, "allreduce", 16, ["comm.shared_memory=false"]),
     # rank 0, the writer of the run directory: the survivors' rank 0 takes it over
-    (3, 0, "allreduce", 7, ["comm.shared_memory=false"]),
-], ids=["kill_in_forward_backward", "kill_at_the_allreduce", "kill_rank_0"])
+    (3, 0, "step", 16, ["comm.shared_memory=false"]),
+    # before the validation of epoch 1: the survivors redo it over themselves
+    (3, 2, "validation", 16, ["comm.shared_memory=false"]),
+], ids=["kill_in_forward_backward", "kill_at_the_allreduce", "kill_rank_0", "kill_before_validation"])
 def test_shrink_survives_a_killed_rank_and_ends_as_a_resume_on_the_survivors(tmp_path, data, n, rank,
                                                                              point, step, extra):
     run = tmp_path / "run"
@@ -101,10 +106,12 @@ def test_shrink_survives_a_killed_rank_and_ends_as_a_resume_on_the_survivors(tmp
         assert "shared-memory sum is off for the rest of the run" in log, log
     if rank == 0:
         assert re.search(r"rank 0 on \S+ \(rank 1 of the job\) writes the run directory from here on", log), log
-        assert [r["epoch"] for r in read_metric_events(run) if "epoch" in r] == [1, 2]
+    epochs = [r for r in read_metric_events(run) if "epoch" in r]
+    assert [r["epoch"] for r in epochs] == [1, 2], epochs
     assert "Traceback" not in proc.stderr, explain(proc)
 
-    reference = resumed_reference(tmp_path, data, n, n - 1, step, extra)
+    reference, val_losses = resumed_reference(tmp_path, data, n, n - 1, step, extra)
+    assert [r["val_loss"] for r in epochs] == pytest.approx(val_losses, abs=1e-10)
     got = model(run)
     assert sorted(got) == sorted(reference)
     worst = max(float(np.max(np.abs(got[k] - reference[k]))) for k in got)

@@ -19,6 +19,14 @@ def test_survivors_one_step_apart_adopt_the_furthest_state_from_its_lowest_rank(
     assert plan.adoption([6, 5, 6, 5]) == plan.Adoption(step=6, source=0, behind=(1, 3))
 
 
+def test_survivors_in_different_epochs_are_not_adopted_yet():
+    # at the end of an epoch: one survivor still in its last step, one in the validation after it
+    assert plan.adoption([15, 16], [0, 0]) == plan.Adoption(step=16, source=1, behind=(0,))
+    # a validation that completed on one survivor only: it ended the epoch, the other did not
+    with pytest.raises(ValueError, match=r"different epochs \(1 and 2\) at steps 16-16"):
+        plan.adoption([16, 16], [0, 1])
+
+
 def test_survivors_further_apart_are_a_bug_not_a_state_to_adopt():
     with pytest.raises(ValueError, match="more than one step apart"):
         plan.adoption([4, 6])
