@@ -64,13 +64,13 @@ def test_gradients_match_pytorch_in_float32(exported, name, exporter):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in HF_ZOO if n not in ("llama", "t5")])
-def test_gradients_match_pytorch_in_float64(exported, name):
+@pytest.mark.parametrize("name, exporter", [c for c in CASES if c[0] not in ("llama", "t5")])
+def test_gradients_match_pytorch_in_float64(exported, name, exporter):
     """Llama and T5 are left out: Llama's rotary embedding casts positions and frequencies to
     float32 in any model dtype (transformers' LlamaRotaryEmbedding), T5's layer norm its
     variance (T5LayerNorm), so PyTorch's float64 run is not all float64 (the float32 check
     covers them)."""
-    module, path, imported = exported(name, "dynamo")
+    module, path, imported = exported(name, exporter)
     check_gradients(module, imported, name, True, "float64")
 
 

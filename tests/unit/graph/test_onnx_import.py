@@ -102,6 +102,24 @@ def test_gradients_match_pytorch(exported, name, exporter, mode, dtype):
     check_gradients(module, imported, name, trains_like_module_train(imported, mode), dtype)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["lstm_text", "gru_text", "unet_transposed", "unet_interpolate"])
+def test_dynamo_files_without_the_optimizer_match_for_recurrent_models_and_unets(tmp_path_factory, name):
+    """The cases above export these models with dynamo's optimizer (they have no batch norm);
+    with optimize=False (the file the export round trip and the README's advice use) the
+    forward equals ONNX Runtime and PyTorch and the gradients PyTorch's in float32 and float64."""
+    module, path = zoo.export_zoo_model(name, run_dir(tmp_path_factory, "onnx-zoo"), "dynamo", "train",
+                                        optimize=False)
+    imported = import_onnx(path)
+    x = zoo.sample_input(name, BATCH, seed=2)
+    ours = ours_forward(imported, x, train=False)
+    assert rel(ours, ort.InferenceSession(str(path)).run(None, {"x": x.numpy()})[0]) <= TOL["float32"]
+    with torch.no_grad():
+        assert rel(ours, torch_module(module, False)(x).numpy()) <= TOL["float32"]
+    for dtype in ("float32", "float64"):
+        check_gradients(module, imported, name, True, dtype)
+
+
 # ---------------------------------------------------------------- special forms and metadata
 
 
