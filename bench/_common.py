@@ -50,6 +50,37 @@ def mpirun(n: int, args: list[str], timeout: float, env: dict | None = None) -> 
     return run([MPIRUN, "-n", str(n), PYTHON] + list(args), timeout=timeout, env=env)
 
 
+def emulated_nodes(nodes: int, workdir: Path):
+    """An `EmulatedCluster` of `nodes` hosts (tests/support/netns_cluster.py: network namespaces,
+    needs root), torn down on exit; the benchmark stops with the reason where it cannot start.
+    SIGTERM (a timeout's kill) leaves through the same exit, so no namespace outlives the run."""
+    import signal
+
+    from tests.support.netns_cluster import EmulatedCluster, can_emulate
+    why = can_emulate()
+    if why:
+        raise SystemExit(f"cannot emulate nodes here: {why}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return EmulatedCluster(nodes, workdir)
+
+
+def mpiexec_on_nodes(cluster, hosts: dict, args: list[str], timeout: float, env: dict | None = None) -> str:
+    """`python ARGS` under MPICH's `mpiexec` across emulated nodes (`hosts`: {'node1': ranks,
+    ...}), started on node1, as `mpirun` runs it on this host; on failure or timeout, stop the
+    benchmark with the job's output."""
+    cmd = cluster.mpich_cmd(str(Path(PYTHON).with_name("mpiexec")), hosts, [PYTHON] + list(args))
+    try:
+        proc = cluster.on("node1", cmd, timeout=timeout, env=env or one_thread_env(), cwd=REPO)
+    except subprocess.TimeoutExpired as e:
+        cluster.kill_everything()
+        raise SystemExit(f"timed out after {timeout}s on {hosts}: {' '.join(args)}\n{(e.stdout or '')[-2000:]}"
+                         f"\n{(e.stderr or '')[-2000:]}")
+    if proc.returncode != 0:
+        raise SystemExit(f"failed (rc={proc.returncode}) on {hosts}: {' '.join(args)}\n--- stdout ---\n"
+                         f"{proc.stdout[-2000:]}\n--- stderr ---\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -39,13 +39,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (PYTHON, REPO, fmt_table, machine_note, one_thread_env,  # noqa: E402
-                     prepare_synthetic, result_line)
+from _common import (PYTHON, REPO, emulated_nodes, fmt_table, machine_note,  # noqa: E402
+                     mpiexec_on_nodes, one_thread_env, prepare_synthetic, result_line)
 from bench_ddp import CLASSES, FEATURES, HIDDEN, LR, MOMENTUM, PER_RANK_BATCH, torch_mlp_and_shard  # noqa: E402
-
-from tests.support.netns_cluster import EmulatedCluster, can_emulate  # noqa: E402
-
-MPIEXEC = str(Path(PYTHON).with_name("mpiexec"))
 
 
 OVERLAP = ("overlap", "overlap-notest", "overlap-progress")
@@ -54,14 +50,14 @@ OVERLAP = ("overlap", "overlap-notest", "overlap-progress")
 def run_hpc(cluster, method: str, data: Path, epochs: int, work: Path, chunk_mb: float = 1.0,
             keep_trace: Path | None = None) -> dict:
     policy, extra, env = method, [], one_thread_env()
-    head = [PYTHON, "-m", "hpc_rlx"]
+    head = ["-m", "hpc_rlx"]
     if "@" in method:                   # overlap@4: that method with 4 MiB chunks
         method, chunk_mb = method.split("@")[0], float(method.split("@")[1])
     run_dir = work / f"hpc_{method}_{time.monotonic_ns()}"
     if method in OVERLAP:
         policy, extra = "sync", ["comm.overlap=true", f"comm.overlap_chunk_mb={chunk_mb}"]
     if method == "overlap-notest":
-        head = [PYTHON, str(Path(__file__).with_name("bench_overlap.py")), "--rank-without-test"]
+        head = [str(Path(__file__).with_name("bench_overlap.py")), "--rank-without-test"]
     if method == "overlap-progress":
         env = dict(env, MPIR_CVAR_ASYNC_PROGRESS="1")
     if keep_trace is not None:
@@ -72,10 +68,7 @@ def run_hpc(cluster, method: str, data: Path, epochs: int, work: Path, chunk_mb:
             "optim=sgd", f"optim.lr={LR}", f"optim.momentum={MOMENTUM}", "optim.schedule=constant",
             f"policy={policy}", "checkpoint=off", "report.plots=false", "report.tensorboard=false",
             "train.log_every_s=1000", "train.progress=lines"] + extra
-    cmd = cluster.mpich_cmd(MPIEXEC, {"node1": 1, "node2": 1}, args)
-    p = cluster.on("node1", cmd, timeout=1200, env=env, cwd=REPO)
-    if p.returncode != 0:
-        raise SystemExit(f"hpc_rlx {method} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    mpiexec_on_nodes(cluster, {"node1": 1, "node2": 1}, args, timeout=1200, env=env)
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
             if x.strip() and "event" not in json.loads(x)][1:]
     # epoch_s is the epoch's training wall (every policy); "steps" would count syncs under
@@ -165,9 +158,6 @@ def main() -> None:
     ap.add_argument("--trace-dir", type=Path, default=None,
                     help="also one traced overlap run per link: DIR/trace_LINK.json")
     args = ap.parse_args()
-    why = can_emulate()
-    if why:
-        raise SystemExit(f"cannot emulate nodes here: {why}")
     work = Path(tempfile.mkdtemp(prefix="hpc_rlx_bench_link_"))
     data = prepare_synthetic(work / "syn.h5", PER_RANK_BATCH * 2 * args.steps, FEATURES, CLASSES)
     print(f"# {machine_note()}")
@@ -176,7 +166,7 @@ def main() -> None:
           f"best of {args.repeats}")
     sides = tuple(args.methods.split(","))
     rows = []
-    with EmulatedCluster(2, work / "cluster") as cluster:
+    with emulated_nodes(2, work / "cluster") as cluster:
         for link in args.links.split(","):
             cluster.limit_bandwidth(None if link == "unlimited" else link)
             best: dict = {}

@@ -81,6 +81,32 @@ def largest_stage_params(layers: int, d_model: int, seq: int, vocab: int, stages
     return max(p.num_params for p in parts)
 
 
+def stage_overrides(S: int, micro: int) -> list:
+    """The keys of a run in S pipeline stages, split as `largest_stage_params` predicts."""
+    if S == 1:
+        return []
+    return [f"parallel.pipeline_stages={S}", f"parallel.microbatches={micro}", "parallel.balance=params"]
+
+
+def held_bytes(ranks: list) -> int:
+    """The most `param_bytes + optimizer_bytes` any rank of a summary.json holds."""
+    return max(r["param_bytes"] + r["optimizer_bytes"] for r in ranks)
+
+
+def deepest_within(budget: float, predicted_bytes, train) -> tuple:
+    """The deepest n_layers whose run holds at most `budget` bytes on a rank: the depth grown
+    while `predicted_bytes(L)` fits, then `train(L)` (a summary.json's ranks) checked, one
+    layer less on a miss. Returns (L, the ranks of its run)."""
+    L = 1
+    while predicted_bytes(L + 1) <= budget:
+        L += 1
+    while True:
+        ranks = train(L)
+        if held_bytes(ranks) <= budget or L == 1:
+            return L, ranks
+        L -= 1
+
+
 def budget_rows(args, tmp: Path, data: Path, vocab: int) -> list:
     """The deepest LM per S within the budget, each trained a few steps (see the docstring)."""
     budget = args.budget_mib * 2**20
@@ -89,18 +115,18 @@ def budget_rows(args, tmp: Path, data: Path, vocab: int) -> list:
     itemsize = ranks[0]["param_bytes"] / largest_stage_params(1, args.budget_d_model, args.seq, vocab, 1)
     rows = []
     for S in args.stages:
-        L = 1
-        while (largest_stage_params(L + 1, args.budget_d_model, args.seq, vocab, S) * itemsize * per_param_byte
-               <= budget):
-            L += 1
-        while L >= 1:
-            out = _train(tmp / f"budget_s{S}_l{L}", S, L, data, args, args.budget_d_model)
-            summary = json.loads(out["summary"])
-            ranks = summary["ranks"]
-            worst = max(r["param_bytes"] + r["optimizer_bytes"] for r in ranks)
-            if worst <= budget:
-                break
-            L -= 1
+        runs = {}
+
+        def train(L, S=S, runs=runs):
+            runs[L] = _train(tmp / f"budget_s{S}_l{L}", S, L, data, args, args.budget_d_model)
+            return json.loads(runs[L]["summary"])["ranks"]
+
+        L, ranks = deepest_within(
+            budget, lambda L, S=S: largest_stage_params(L, args.budget_d_model, args.seq, vocab, S) * itemsize
+            * per_param_byte, train)
+        out = runs[L]
+        summary = json.loads(out["summary"])
+        worst = held_bytes(ranks)
         whole = largest_stage_params(L, args.budget_d_model, args.seq, vocab, 1)
         r0 = ranks[0]
         rows.append([S, L, f"{whole / 1e6:.2f}", f"{worst / 2**20:.1f}",
@@ -115,10 +141,7 @@ def budget_rows(args, tmp: Path, data: Path, vocab: int) -> list:
 
 
 def _train(run: Path, S: int, layers: int, data: Path, args, d_model: int) -> dict:
-    extra = [f"hydra.run.dir={run}"]
-    if S > 1:
-        extra += [f"parallel.pipeline_stages={S}", f"parallel.microbatches={args.budget_micro}",
-                  "parallel.balance=params"]     # the split largest_stage_params predicts
+    extra = [f"hydra.run.dir={run}"] + stage_overrides(S, args.budget_micro)
     t0 = time.perf_counter()
     mpirun(S, lm_overrides(data, layers, d_model, args.budget_batch, args.budget_steps, 1) + extra,
            timeout=1800, env=one_thread_env())

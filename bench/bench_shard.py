@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/bench_shard.py
     .venv/bin/python bench/bench_shard.py --ranks 2 4 --repeats 3 --hidden 1024 1024
+    .venv/bin/python bench/bench_shard.py --skip step memory budget --links 10gbit   # as root
+    .venv/bin/python bench/bench_shard.py --skip step memory --budget-stages 1 2 4
 
 Three parts, every job with one BLAS thread per rank, AdamW, float32:
 
@@ -9,7 +11,14 @@ Three parts, every job with one BLAS thread per rank, AdamW, float32:
    traffic is a real part of the step), sharded and unsharded jobs alternated `--repeats` times
    at each of `--ranks` ranks on this machine (loopback); per job the step time from hpc_rlx's
    own `samples_per_s` over the epochs after the first, and the median ratio sharded /
-   unsharded (goal <= 1.05: a reduce-scatter and an allgather move the bytes of an Allreduce).
+   unsharded (goal <= 1.05: a reduce-scatter and an allgather move the bytes of an Allreduce),
+   with each side's comm share (`comm_s` over the step wall). `--links 10gbit` (root) runs the
+   same jobs across 2 emulated nodes (tests/support/netns_cluster.py, as bench_interconnect.py:
+   network namespaces joined by a bridge, `tc tbf` at that rate on each node's interface, node k
+   pinned to core k): 2 ranks as 1 + 1, 4 as 2 + 2 (where the unsharded job sums each node's
+   part in shared memory first, `comm.shared_memory`, and the sharded one does not).
+   `--step-extra KEY=VALUE...` adds overrides to both sides (`comm.shared_memory=false` puts the
+   unsharded side on MPI's Allreduce, as the sharded side is on MPI's Alltoallv/Allgatherv).
 2. Memory per node: an MLP whose AdamW state is most of a rank's memory (`--memory-hidden`,
    ~18M parameters) at 1, 2 and 4 ranks on this one node, 4 steps: whole state, sharded, and
    sharded with one copy of the parameters per node (`comm.node_shared_params`): the node's
@@ -17,10 +26,13 @@ Three parts, every job with one BLAS thread per rank, AdamW, float32:
    counted once) and summed peak resident memory (which counts the shared pages each rank
    touched, so it overstates a shared copy).
 3. Budget: per rank count, the largest transformer LM (`--budget-d-model` wide, layers grown)
-   whose `param_bytes + optimizer_bytes` on a rank fit `--budget-mib`, unsharded and sharded:
-   the depth is predicted from bytes per parameter measured on a 1-layer run, then the model
-   trains a few steps under mpirun and its measured bytes are checked (a miss tries one layer
-   less).
+   whose `param_bytes + optimizer_bytes` on a rank fit `--budget-mib`, unsharded and sharded,
+   and in `--budget-stages` pipeline stages (S dividing the ranks, n/S replicas a stage, the
+   stage's state sliced among its replicas when sharded), as `bench_pipeline.py --budget-only`
+   does for stages alone and with its search (`deepest_within`): the depth is predicted from
+   the largest stage's parameters (`graph/partition.py`'s split) and the bytes per parameter
+   measured on a 1-layer run, then the model trains a few steps under mpirun and its measured
+   bytes are checked (a miss tries one layer less).
 
 On a 2-core machine 4 ranks are oversubscribed: their step times measure the sharing of the
 cores as much as the collectives.
@@ -37,33 +49,61 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import fmt_table, hpc_throughput, machine_note, mpirun, one_thread_env, prepare_synthetic  # noqa: E402
-from bench_pipeline import largest_stage_params, lm_overrides, write_tokens  # noqa: E402
+from _common import (emulated_nodes, fmt_table, hpc_throughput, machine_note, mpiexec_on_nodes,  # noqa: E402
+                     mpirun, one_thread_env, prepare_synthetic)
+from bench_pipeline import (deepest_within, held_bytes, largest_stage_params, lm_overrides,  # noqa: E402
+                            stage_overrides, write_tokens)
 
 SHARDS = ("none", "optimizer")
 
 
-def mlp_job(run: Path, ranks: int, data: Path, args, shard: str, hidden=None, extra=()) -> dict:
+def loopback(n: int, overrides: list, timeout: float) -> None:
+    mpirun(n, overrides, timeout=timeout, env=one_thread_env())
+
+
+def on_nodes(cluster):
+    """A launcher across 2 emulated nodes: n ranks as n/2 on each."""
+    def launch(n: int, overrides: list, timeout: float) -> None:
+        mpiexec_on_nodes(cluster, {"node1": n // 2, "node2": n - n // 2}, overrides, timeout=timeout)
+    return launch
+
+
+def mlp_job(run: Path, ranks: int, data: Path, args, shard: str, hidden=None, extra=(), launch=loopback) -> dict:
     hidden = hidden or args.hidden
     overrides = ["-m", "hpc_rlx", f"hydra.run.dir={run}", "data=file", f"data.path={data}", "optim=adamw",
                  "model=mlp", f"model.hidden=[{','.join(map(str, hidden))}]", f"train.batch_size={args.batch}",
                  f"train.epochs={args.epochs}", "checkpoint=off", "report.plots=false", "report.tensorboard=false",
                  "train.threads_per_rank=1", "data.val_fraction=0.02", f"comm.shard={shard}", *extra]
-    mpirun(ranks, overrides, timeout=1200, env=one_thread_env())
+    launch(ranks, overrides, 1200)
     summary = json.loads((run / "summary.json").read_text())
-    return {"step_ms": hpc_throughput(run, args.batch)["step_ms"], "ranks": summary["ranks"]}
+    tput = hpc_throughput(run, args.batch)
+    return {"step_ms": tput["step_ms"], "comm_frac": tput["comm_frac"], "ranks": summary["ranks"]}
 
 
-def step_rows(tmp: Path, data: Path, args) -> list:
+def step_rows(tmp: Path, data: Path, args, where: str = "loopback", launch=loopback) -> list:
+    """Per rank count: sharded and unsharded jobs alternated (the order reversed every other
+    repeat), the median step time of each, and the median of the per-repeat ratios."""
     rows = []
     for n in args.ranks:
-        times = {shard: [] for shard in SHARDS}
+        jobs = {shard: [] for shard in SHARDS}
         for i in range(args.repeats):
-            for shard in SHARDS:
-                times[shard].append(mlp_job(tmp / f"step_{n}_{shard}_{i}", n, data, args, shard)["step_ms"])
-        ratio = statistics.median(s / w for s, w in zip(times["optimizer"], times["none"]))
-        rows.append([n, statistics.median(times["none"]), statistics.median(times["optimizer"]), round(ratio, 3)])
+            for shard in (SHARDS if i % 2 == 0 else SHARDS[::-1]):
+                jobs[shard].append(mlp_job(tmp / f"step_{where}_{n}_{shard}_{i}", n, data, args, shard,
+                                           extra=args.step_extra, launch=launch))
+            print(f"  {where} {n} ranks, repeat {i + 1}: unsharded {jobs['none'][-1]['step_ms']:.2f} ms, sharded "
+                  f"{jobs['optimizer'][-1]['step_ms']:.2f} ms, ratio "
+                  f"{jobs['optimizer'][-1]['step_ms'] / jobs['none'][-1]['step_ms']:.3f}", flush=True)
+        ratios = [s["step_ms"] / w["step_ms"] for s, w in zip(jobs["optimizer"], jobs["none"])]
+        med = {shard: statistics.median(j["step_ms"] for j in jobs[shard]) for shard in SHARDS}
+        comm = {shard: statistics.median(j["comm_frac"] for j in jobs[shard]) for shard in SHARDS}
+        rows.append([where, n, med["none"], med["optimizer"], round(statistics.median(ratios), 3),
+                     f"{min(ratios):.3f}-{max(ratios):.3f}", f"{100 * comm['none']:.0f}%",
+                     f"{100 * comm['optimizer']:.0f}%"])
     return rows
+
+
+STEP_HEADERS = ["where", "ranks", "unsharded ms", "sharded ms", "ratio", "ratio range", "comm unsharded",
+                "comm sharded"]
 
 
 # the memory part's setups: (label, comm.shard, comm.node_shared_params)
@@ -84,33 +124,46 @@ def memory_rows(tmp: Path, data: Path, args) -> list:
     return rows
 
 
-def lm_job(run: Path, ranks: int, layers: int, data: Path, args, shard: str) -> list:
-    mpirun(ranks, lm_overrides(data, layers, args.budget_d_model, 8 * ranks, 4, 1)
+def lm_job(run: Path, ranks: int, stages: int, layers: int, data: Path, args, shard: str) -> list:
+    mpirun(ranks, lm_overrides(data, layers, args.budget_d_model, 8 * ranks, 4, 1) + stage_overrides(stages, 4)
            + [f"hydra.run.dir={run}", f"comm.shard={shard}", "report.tensorboard=false"],
            timeout=1800, env=one_thread_env())
     return json.loads((run / "summary.json").read_text())["ranks"]
 
 
+def budget_setups(ranks: list, stages: list) -> list:
+    """(ranks, stages, comm.shard): one rank's whole state first (the baseline), then per rank
+    count every S dividing it, whole and (with more than one replica a stage) sharded."""
+    setups = [(1, 1, "none")]
+    for n in ranks:
+        for S in stages:
+            if n % S == 0:
+                setups += [(n, S, shard) for shard in SHARDS if shard == "none" or n // S > 1]
+    return list(dict.fromkeys(setups))
+
+
 def budget_rows(tmp: Path, data: Path, args, vocab: int) -> list:
     budget = args.budget_mib * 2**20
-    held = lambda ranks: max(r["param_bytes"] + r["optimizer_bytes"] for r in ranks)   # noqa: E731
-    calib = lm_job(tmp / "calib", 1, 1, data, args, "none")[0]
+    calib = lm_job(tmp / "calib", 1, 1, 1, data, args, "none")[0]
     params = largest_stage_params(1, args.budget_d_model, args.seq, vocab, 1)
     p_bytes, o_bytes = calib["param_bytes"] / params, calib["optimizer_bytes"] / params
     rows = []
-    for n in args.ranks:
-        for shard in SHARDS:
-            per_param = p_bytes + (o_bytes / n if shard == "optimizer" else o_bytes)
-            layers = 1
-            while largest_stage_params(layers + 1, args.budget_d_model, args.seq, vocab, 1) * per_param <= budget:
-                layers += 1
-            while layers >= 1:
-                ranks = lm_job(tmp / f"budget_{n}_{shard}_{layers}", n, layers, data, args, shard)
-                if held(ranks) <= budget:
-                    break
-                layers -= 1
-            total = largest_stage_params(layers, args.budget_d_model, args.seq, vocab, 1)
-            rows.append([n, shard, layers, round(total / 1e6, 2), round(held(ranks) / 2**20, 1)])
+    for n, S, shard in budget_setups(args.ranks, args.budget_stages):
+        replicas = n // S
+        per_param = p_bytes + (o_bytes / replicas if shard == "optimizer" else o_bytes)
+        L, ranks = deepest_within(
+            budget, lambda L, S=S: largest_stage_params(L, args.budget_d_model, args.seq, vocab, S) * per_param,
+            lambda L, n=n, S=S, shard=shard: lm_job(tmp / f"budget_{n}_{S}_{shard}_{L}", n, S, L, data, args, shard))
+        total = largest_stage_params(L, args.budget_d_model, args.seq, vocab, 1)
+        r0 = ranks[0]
+        rows.append([n, S, replicas, shard, L, round(total / 1e6, 2), None, round(held_bytes(ranks) / 2**20, 1),
+                     round(max(r["param_bytes"] for r in ranks) / 2**20, 1),
+                     round(max(r["optimizer_bytes"] for r in ranks) / 2**20, 1),
+                     f"{r0.get('first_loss', float('nan')):.3f} -> {r0.get('last_loss', float('nan')):.3f}"])
+        print(f"  {n} ranks, S={S}, comm.shard={shard}: {L} layers, {total / 1e6:.2f} M parameters, "
+              f"{held_bytes(ranks) / 2**20:.1f} MiB held on a rank", flush=True)
+    for r in rows:
+        r[6] = f"{r[5] / rows[0][5]:.2f}x"
     return rows
 
 
@@ -124,8 +177,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--rows", type=int, default=3200)
+    ap.add_argument("--step-extra", nargs="*", default=[],
+                    help="overrides for both sides of the step-time part (comm.shared_memory=false: the "
+                         "unsharded side on MPI's Allreduce instead of the node's shared-memory sum)")
+    ap.add_argument("--links", nargs="*", default=[],
+                    help="also the step time across 2 emulated nodes at these link rates (tc's: 10gbit, "
+                         "1gbit; 'unlimited'); needs root")
     ap.add_argument("--budget-mib", type=float, default=32.0)
     ap.add_argument("--budget-d-model", type=int, default=128)
+    ap.add_argument("--budget-stages", type=int, nargs="+", default=[1],
+                    help="pipeline stages of the budget part (S dividing the ranks)")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--skip", nargs="*", default=[], choices=["step", "memory", "budget"])
     args = ap.parse_args()
@@ -133,9 +194,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         data = prepare_synthetic(tmp / "syn.h5", args.rows, 256)
+        step = []
         if "step" not in args.skip:
-            print("\nstep time, loopback (median over repeats; ratio = median of sharded / unsharded per repeat)")
-            print(fmt_table(["ranks", "unsharded ms", "sharded ms", "ratio"], step_rows(tmp, data, args)))
+            print("\nstep time, loopback", flush=True)
+            step += step_rows(tmp, data, args)
+        if args.links:
+            with emulated_nodes(2, tmp / "cluster") as cluster:
+                for link in args.links:
+                    cluster.limit_bandwidth(None if link == "unlimited" else link)
+                    print(f"\nstep time, 2 emulated nodes at {link}", flush=True)
+                    step += step_rows(tmp, data, args, f"2 nodes {link}", on_nodes(cluster))
+                    print(f"  ({machine_note()})", flush=True)
+                cluster.limit_bandwidth(None)
+        if step:
+            print("\nstep time (median over repeats; ratio = median of sharded / unsharded per repeat)")
+            print(fmt_table(STEP_HEADERS, step))
         if "memory" not in args.skip:
             print("\nmemory on this node: sums over its ranks (MiB)")
             print(fmt_table(["ranks", "setup", "param+optimizer", "optimizer", "peak RSS"],
@@ -143,10 +216,12 @@ def main() -> None:
         if "budget" not in args.skip:
             vocab = 512
             tokens = write_tokens(tmp / "tokens.h5", 2048, args.seq, vocab, counting=True)
-            print(f"\nlargest transformer LM (d_model {args.budget_d_model}) within {args.budget_mib} MiB of "
-                  f"parameters + optimizer state per rank")
-            print(fmt_table(["ranks", "comm.shard", "layers", "M params", "held MiB/rank"],
-                            budget_rows(tmp, tokens, args, vocab)))
+            print(f"\nlargest transformer LM (d_model {args.budget_d_model}) within {args.budget_mib:g} MiB of "
+                  f"parameters + optimizer state per rank", flush=True)
+            rows = budget_rows(tmp, tokens, args, vocab)
+            print(fmt_table(["ranks", "stages", "replicas", "comm.shard", "layers", "M params", "x 1 rank",
+                             "max held MiB/rank", "param MiB", "optim MiB", "loss first -> last"], rows))
+    print(machine_note())
 
 
 if __name__ == "__main__":
