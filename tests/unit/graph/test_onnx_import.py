@@ -361,6 +361,44 @@ def test_nodes_of_supported_ops_in_forms_the_import_lacks_are_in_the_same_one_er
         import_onnx(alone)
 
 
+class _Unsupported(torch.nn.Module):
+    """What docs/pytorch.md lists as not supported yet, in one module: a 3-D transposed
+    convolution, bicubic and antialiased resampling, a random draw of a fixed shape and NonZero
+    other than as pooling at a token."""
+
+    def __init__(self, part: str):
+        super().__init__()
+        self.part, self.deconv, self.fc = part, torch.nn.ConvTranspose3d(2, 2, 2, stride=2), torch.nn.Linear(2, 2)
+
+    def forward(self, x):                        # x: (batch, 2, 4, 4, 4)
+        if self.part == "conv_transpose_3d":
+            h = self.deconv(x).mean((2, 3, 4))
+        elif self.part == "cubic":
+            h = F.interpolate(x[:, :, 0], scale_factor=2, mode="bicubic").mean((2, 3))
+        elif self.part == "antialias":
+            h = F.interpolate(x[:, :, 0], size=(2, 2), mode="bilinear", antialias=True).mean((2, 3))
+        elif self.part == "random_fixed_shape":
+            h = x.mean((2, 3, 4)) + torch.rand(2)
+        else:                                    # a count of nonzero entries
+            h = x.mean((2, 3, 4)) * torch.nonzero(x[:, 0, 0] > 0).shape[0]
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("part, exporter, message", [
+    ("conv_transpose_3d", "torchscript", r"\(ConvTranspose\): input must be \(batch, C, L\) or \(batch, C, H, W\), "
+                                          r"got ONNX rank 5"),
+    ("cubic", "torchscript", r"\(Resize\): Resize mode 'cubic' is not supported"),
+    ("antialias", "dynamo", r"\(Resize\): Resize with antialias=1 is not supported"),   # TorchScript cannot export it
+    ("random_fixed_shape", "torchscript", r"RandomUniform x1: not supported \[a random tensor of a fixed shape"),
+    ("nonzero", "torchscript", r"NonZero.* only a \(batch, sequence\) mask pooled per row")])
+def test_what_the_docs_list_as_not_supported_is_refused(tmp_path, part, exporter, message):
+    """docs/pytorch.md's "Not supported yet" list, each entry as PyTorch exports it."""
+    path = zoo.export(_Unsupported(part), torch.randn(2, 2, 4, 4, 4), tmp_path / "m.onnx", exporter, "train",
+                      optimize=False)
+    with pytest.raises(GraphError, match=message):
+        import_onnx(path)
+
+
 def test_malformed_files_and_unsupported_opsets_fail_clearly(tmp_path):
     with pytest.raises(GraphError, match="ONNX bytes is not a valid ONNX model"):
         import_onnx(b"\x08\x07garbage that is no protobuf \xff\xff")
