@@ -292,7 +292,8 @@ KEYS: tuple[Key, ...] = (
         "mixed hardware", Via(parse_slowdown, "is a mapping {rank: factor}")),
     Key("debug.fail_rank", int, None, "inject a failure on this rank (reliability tests) ..."),
     Key("debug.fail_point", str, None, "... at `startup`, `data`, `step` (before its forward), "
-        "`allreduce` (before the step's Allreduce), `validation` (before the epoch's) or `checkpoint`"),
+        "`allreduce` (before the step's Allreduce), `validation` (before the epoch's) or `checkpoint` "
+        "(before one is written)"),
     Key("debug.fail_step", int, 0, "... (`fail_point=step`, `allreduce` or `validation`) at this global step"),
     Key("debug.fail_mode", str, "raise", "... `raise` an exception, or `kill`: the rank sends itself "
         "SIGKILL (a dead rank, for comm.on_failure)", OneOf(*FAIL_MODES)),

@@ -25,7 +25,10 @@ from hpc_rlx import run_dir_names as names
 from hpc_rlx.comm import ulfm, watchdog
 from hpc_rlx.comm.collective import CollectiveError
 from hpc_rlx.comm.topology import hostname
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.errors import ConfigError, phase
+from hpc_rlx.observe.display import RunDisplay
+from hpc_rlx.observe.outputs import RunOutputs
+from hpc_rlx.observe.run_lock import RunDirLock
 from hpc_rlx.runtime import recovery_plan as plan
 
 MODES = {"abort": "a rank that dies ends the job (resume from the last checkpoint)",
@@ -62,6 +65,14 @@ class FailureHandling:
 
     def describe(self) -> str:
         return f"failures: comm.on_failure={self.mode}: {MODES[self.mode]}"
+
+    def end_note(self, world_size: int) -> str:
+        """What the run's last line adds: the failures it trained through (else nothing)."""
+        if not self.failures:
+            return ""
+        dead = sum(len(f["ranks"]) for f in self.failures)
+        return (f"; {dead} rank{'s' if dead > 1 else ''} failed during the run, {world_size} trained "
+                f"to the end (comm.on_failure=shrink; summary.json failures)")
 
     def handles(self, exc: BaseException, comm) -> bool:
         """Whether `exc` is a dead rank of `comm` that this run survives."""
@@ -120,6 +131,47 @@ class Recovered:
     record: dict
     notes: tuple[str, ...]
     writer_failed: bool
+
+
+class Survives:
+    """The loop's side of `comm.on_failure` (`runtime.train.Run` is one): a part of training
+    run through `_survive` is redone over the survivors after a dead rank, from the state they
+    continue from. Uses the run's comm, worker, failure handling, checkpoints and outputs."""
+
+    def _survive(self, call, totals):
+        """(`call()`, the epoch's totals to go on with)."""
+        while True:
+            try:
+                return call(), totals
+            except Exception as exc:
+                if not self.failure.handles(exc, self.comm):
+                    raise
+                totals = self._recover(totals)
+
+    def _recover(self, totals):
+        with phase("recovery from a failed rank"):
+            done = self.failure.recover(self.comm, self.worker, totals)
+        self.comm = self.checkpoints.comm = done.comm
+        self.rank = done.comm.rank
+        self.current_totals = done.totals
+        if done.writer_failed and self.rank == 0:
+            self._take_over()
+        for note in done.notes:
+            self.log(note)
+        if self.outputs:
+            self.outputs.event({"event": "failure", **done.record})
+        return done.totals
+
+    def _take_over(self) -> None:
+        """Rank 0 died; this rank, the survivors' rank 0, writes the run directory from here on:
+        the log, the progress display, steps.jsonl, metrics.jsonl, checkpoints, the run lock."""
+        worker, self.is_root = self.worker, True
+        self.display = RunDisplay(self.spec, True, self.t_start)
+        self.display.open_step_log(worker.steps_per_epoch, worker.step)
+        self.display.epoch_start(worker, self._where(), self.current_totals)
+        self.outputs = RunOutputs(self.spec, worker, self.log, self.lanes.names).taken_over()
+        self.checkpoints.take_over()
+        self.failure.lock = RunDirLock.acquire(self.spec.run_dir, hostname())   # the dead rank's is gone
 
 
 def _survivors(old, new) -> list[int]:

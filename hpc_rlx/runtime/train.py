@@ -32,13 +32,12 @@ from hpc_rlx.observe import trace
 from hpc_rlx.observe.display import RunDisplay, Where
 from hpc_rlx.observe.metrics import Window, epoch_values
 from hpc_rlx.observe.outputs import RunOutputs
-from hpc_rlx.observe.run_lock import RunDirLock
 from hpc_rlx.observe.progress import end_line
 from hpc_rlx.policies.base import EpochTotals, dropout_seed
 from hpc_rlx.policies.registry import make_policy
 from hpc_rlx.runtime import pipelined
 from hpc_rlx.runtime.rank_stats import RankStats
-from hpc_rlx.runtime.recovery import FailureHandling
+from hpc_rlx.runtime.recovery import FailureHandling, Survives
 from hpc_rlx.runtime.worker import Worker
 from hpc_rlx.runtime.signals import SIGNALS
 
@@ -47,7 +46,7 @@ from hpc_rlx.runtime.signals import SIGNALS
 # The run: setup, epochs, checkpoints, outputs.
 # --------------------------------------------------------------------------------------
 
-class Run:
+class Run(Survives):
     def __init__(self, spec: TrainSpec, comm):
         self.spec, self.comm = spec, comm
         self.rank = comm.rank
@@ -131,44 +130,9 @@ class Run:
         policy.end_epoch(self, totals, stopping=self.stop_reason is not None)
         return totals
 
-    def _survive(self, call, totals: EpochTotals):
-        """(`call()`, the epoch's totals); after a dead rank (comm.on_failure=shrink) `call` is
-        redone over the survivors, from the state they continue from (`runtime/recovery.py`)."""
-        while True:
-            try:
-                return call(), totals
-            except Exception as exc:
-                if not self.failure.handles(exc, self.comm):
-                    raise
-                totals = self._recover(totals)
-
-    def _recover(self, totals: EpochTotals) -> EpochTotals:
-        with phase("recovery from a failed rank"):
-            done = self.failure.recover(self.comm, self.worker, totals)
-        self.comm = self.checkpoints.comm = done.comm
-        self.rank = done.comm.rank
-        self.current_totals = done.totals
-        if done.writer_failed and self.rank == 0:
-            self._take_over()
-        for note in done.notes:
-            self.log(note)
-        if self.outputs:
-            self.outputs.event({"event": "failure", **done.record})
-        return done.totals
-
     def _evaluate(self) -> dict:
         self.hooks.fail_at("validation", self.worker.step)
         return self.worker.evaluate(self.lanes)
-
-    def _take_over(self) -> None:
-        """Rank 0 died; this rank, the survivors' rank 0, writes the run directory from here on."""
-        worker, self.is_root = self.worker, True
-        self.display = RunDisplay(self.spec, True, self.t_start)
-        self.display.open_step_log(worker.steps_per_epoch, worker.step)
-        self.display.epoch_start(worker, self._where(), self.current_totals)
-        self.outputs = RunOutputs(self.spec, worker, self.log, self.lanes.names).taken_over()
-        self.checkpoints.take_over()
-        self.failure.lock = RunDirLock.acquire(self.spec.run_dir, hostname())   # the dead rank's is gone
 
     def _where(self) -> Where:
         """Where the epoch is, for the display (asked only when it draws or records)."""
@@ -206,6 +170,9 @@ class Run:
         return t
 
     def save_checkpoint(self, reason: str, metric: float | None = None) -> None:
+        self._survive(lambda: self._save_checkpoint(reason, metric), self.current_totals)
+
+    def _save_checkpoint(self, reason: str, metric: float | None) -> None:
         with phase("checkpointing"):
             self.hooks.fail_at("checkpoint")
             collective.agree(self.comm, self._check_params_finite)
@@ -412,7 +379,8 @@ class Run:
             for _ in params:    # what finish did not write (a non-finite model): received all the same
                 pass
             if self.stop_reason not in ("nonfinite", "interrupted"):   # those end with their own line
-                self.log(end_line(result["status"], mine["wall_s"], final, self.spec.run_dir))
+                self.log(end_line(result["status"], mine["wall_s"], final, self.spec.run_dir)
+                         + self.failure.end_note(comm.size))
         if self.stop_reason == "nonfinite":
             # Decided from the bucket, so every rank raises this same error in the same step.
             raise collective.CollectiveError(kind="NonFiniteError", message=

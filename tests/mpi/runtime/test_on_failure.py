@@ -83,11 +83,15 @@ def _resumed(ref: Path, data: Path, n: int, survivors: int, step: int, extra: li
     (3, 0, "step", 16, ["comm.shared_memory=false"]),
     # before the validation of epoch 1: the survivors redo it over themselves
     (3, 2, "validation", 16, ["comm.shared_memory=false"]),
-], ids=["kill_in_forward_backward", "kill_at_the_allreduce", "kill_rank_0", "kill_before_validation"])
+    # before the checkpoint of step 16 (checkpoint.every_steps=16, the shrunk job only)
+    (3, 1, "checkpoint", 16, ["comm.shared_memory=false"]),
+], ids=["kill_in_forward_backward", "kill_at_the_allreduce", "kill_rank_0", "kill_before_validation",
+        "kill_before_a_checkpoint"])
 def test_shrink_survives_a_killed_rank_and_ends_as_a_resume_on_the_survivors(tmp_path, data, n, rank,
                                                                              point, step, extra):
     run = tmp_path / "run"
-    proc = ulfm_job(n, run, [*SMALL, f"data.path={data}", *extra, "comm.on_failure=shrink",
+    saves = ["checkpoint.every_steps=16"] if point == "checkpoint" else []
+    proc = ulfm_job(n, run, [*SMALL, f"data.path={data}", *extra, *saves, "comm.on_failure=shrink",
                              f"debug.fail_rank={rank}", f"debug.fail_point={point}",
                              f"debug.fail_step={step}", "debug.fail_mode=kill"])
     assert proc.returncode == 0, explain(proc)
@@ -106,8 +110,13 @@ def test_shrink_survives_a_killed_rank_and_ends_as_a_resume_on_the_survivors(tmp
         assert "shared-memory sum is off for the rest of the run" in log, log
     if rank == 0:
         assert re.search(r"rank 0 on \S+ \(rank 1 of the job\) writes the run directory from here on", log), log
+    if saves:       # redone by the survivors, complete; the final one after it
+        with h5py.File(run / "checkpoints" / "ckpt-00000016.h5", "r") as f:
+            assert len(f.keys()) > 0
+        assert "checkpoint (cadence) at step 16" in log, log
     epochs = [r for r in read_metric_events(run) if "epoch" in r]
     assert [r["epoch"] for r in epochs] == [1, 2], epochs
+    assert re.search(rf"completed in .*; 1 rank failed during the run, {n - 1} trained to the end", log), log
     assert "Traceback" not in proc.stderr, explain(proc)
 
     reference, val_losses = resumed_reference(tmp_path, data, n, n - 1, step, extra)
