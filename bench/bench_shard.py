@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/bench_shard.py
     .venv/bin/python bench/bench_shard.py --ranks 2 4 --repeats 3 --hidden 1024 1024
-    .venv/bin/python bench/bench_shard.py --skip step memory budget --links 10gbit   # as root
+    .venv/bin/python bench/bench_shard.py --skip memory budget --links 10gbit   # as root
+    .venv/bin/python bench/bench_shard.py --skip step memory budget --collectives --links 10gbit
     .venv/bin/python bench/bench_shard.py --skip step memory --budget-stages 1 2 4
 
 Three parts, every job with one BLAS thread per rank, AdamW, float32:
@@ -19,12 +20,17 @@ Three parts, every job with one BLAS thread per rank, AdamW, float32:
    part in shared memory first, `comm.shared_memory`, and the sharded one does not).
    `--step-extra KEY=VALUE...` adds overrides to both sides (`comm.shared_memory=false` puts the
    unsharded side on MPI's Allreduce, as the sharded side is on MPI's Alltoallv/Allgatherv).
+   `--collectives` times the step's collectives alone on the same payload, under the same
+   launchers: MPI's Allreduce against the sharded path's reduce-scatter (`ScatteredSum`: the
+   tail's Allgather, one Alltoallv, the sums in rank order) and allgather (`ParamShard.allgather`:
+   one Allgatherv in place), with MPI's own Reduce_scatter and Allgather (equal blocks) beside.
 2. Memory per node: an MLP whose AdamW state is most of a rank's memory (`--memory-hidden`,
    ~18M parameters) at 1, 2 and 4 ranks on this one node, 4 steps: whole state, sharded, and
    sharded with one copy of the parameters per node (`comm.node_shared_params`): the node's
    summed `param_bytes + optimizer_bytes` (summary.json, what the ranks hold; the shared copy
-   counted once) and summed peak resident memory (which counts the shared pages each rank
-   touched, so it overstates a shared copy).
+   counted once), summed peak resident memory (which counts the shared pages each rank
+   touched, so it overstates a shared copy) and, as root, the peak of a cgroup holding the
+   whole job (tests/support/memory_limit.py, no limit set: every page once, shared ones too).
 3. Budget: per rank count, the largest transformer LM (`--budget-d-model` wide, layers grown)
    whose `param_bytes + optimizer_bytes` on a rank fit `--budget-mib`, unsharded and sharded,
    and in `--budget-stages` pipeline stages (S dividing the ranks, n/S replicas a stage, the
@@ -45,26 +51,30 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (emulated_nodes, fmt_table, hpc_throughput, machine_note, mpiexec_on_nodes,  # noqa: E402
-                     mpirun, one_thread_env, prepare_synthetic)
+from _common import (MPIRUN, PYTHON, emulated_nodes, fmt_table, hpc_throughput,  # noqa: E402
+                     machine_note, mpiexec_on_nodes, mpirun, one_thread_env, prepare_synthetic, result_line,
+                     run)
 from bench_pipeline import (deepest_within, held_bytes, largest_stage_params, lm_overrides,  # noqa: E402
                             stage_overrides, write_tokens)
+
+from tests.support.memory_limit import LimitUnavailable, MemoryLimit  # noqa: E402
 
 SHARDS = ("none", "optimizer")
 
 
-def loopback(n: int, overrides: list, timeout: float) -> None:
-    mpirun(n, overrides, timeout=timeout, env=one_thread_env())
+def loopback(n: int, overrides: list, timeout: float = 1200) -> str:
+    return mpirun(n, overrides, timeout=timeout, env=one_thread_env())
 
 
 def on_nodes(cluster):
     """A launcher across 2 emulated nodes: n ranks as n/2 on each."""
-    def launch(n: int, overrides: list, timeout: float) -> None:
-        mpiexec_on_nodes(cluster, {"node1": n // 2, "node2": n - n // 2}, overrides, timeout=timeout)
+    def launch(n: int, overrides: list, timeout: float = 1200) -> str:
+        return mpiexec_on_nodes(cluster, {"node1": n // 2, "node2": n - n // 2}, overrides, timeout=timeout)
     return launch
 
 
@@ -102,6 +112,63 @@ def step_rows(tmp: Path, data: Path, args, where: str = "loopback", launch=loopb
     return rows
 
 
+def collective_child(elems: int, repeats: int) -> None:
+    """Under mpirun: the step's collectives on a float32 payload of `elems`, each timed between
+    barriers (the slowest rank's time), the variants alternated in every repeat; rank 0 prints
+    the medians (ms) as a RESULT line."""
+    import types
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from hpc_rlx.comm.shard import ParamShard, ScatteredSum
+
+    comm = MPI.COMM_WORLD
+    chunk = 16 * 2**20 // 4                     # comm.bucket_cap_mb's default: one round
+    payload = np.zeros(elems, np.float32)          # zeros: the sums stay finite
+    bucket = types.SimpleNamespace(payload=payload, tail=np.zeros(6, np.float32))
+    shard = ParamShard(elems, elems, comm.rank, comm.size)
+    scattered = ScatteredSum(shard, chunk)
+    counts = [hi - lo for lo, hi in shard.bounds]
+    mine = np.empty(counts[comm.rank], np.float32)
+    block = np.empty(elems // comm.size * comm.size, np.float32)
+    variants = {
+        "Allreduce": lambda: comm.Allreduce(MPI.IN_PLACE, payload),
+        "reduce-scatter": lambda: scattered.run(bucket, comm, 0),        # tail Allgather + Alltoallv + sums
+        "allgather": lambda: shard.allgather(comm, payload, chunk),       # Allgatherv, in place
+        "MPI Reduce_scatter": lambda: comm.Reduce_scatter(payload, mine, counts),
+        "MPI Allgather": lambda: comm.Allgather(MPI.IN_PLACE, block),
+    }
+    times = {name: [] for name in variants}
+    for rep in range(repeats):
+        for name in (list(variants) if rep % 2 == 0 else list(variants)[::-1]):
+            variants[name]()                    # untimed: warm buffers
+            comm.Barrier()
+            t0 = time.perf_counter()
+            variants[name]()
+            dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            times[name].append(1e3 * dt)
+    if comm.rank == 0:
+        print("RESULT " + json.dumps({k: statistics.median(v) for k, v in times.items()}), flush=True)
+
+
+def collective_rows(args, where: str, launch_out) -> list:
+    dims = [256, *args.hidden, 10]                      # the step part's MLP
+    elems = sum(a * b + b for a, b in zip(dims, dims[1:]))
+    rows = []
+    for n in args.ranks:
+        r = result_line(launch_out(n, [__file__, "--collective-child", str(elems), str(args.collective_repeats)]))
+        ratio = (r["reduce-scatter"] + r["allgather"]) / r["Allreduce"]
+        rows.append([where, n, f"{elems * 4 / 2**20:.1f}", r["Allreduce"], r["reduce-scatter"], r["allgather"],
+                     f"{ratio:.2f}", r["MPI Reduce_scatter"], r["MPI Allgather"]])
+        print(f"  {where} {n} ranks: {r}", flush=True)
+    return rows
+
+
+COLLECTIVE_HEADERS = ["where", "ranks", "MiB", "Allreduce ms", "reduce-scatter ms", "allgather ms",
+                      "(rs + ag) / Allreduce", "MPI Reduce_scatter ms", "MPI Allgather ms"]
+
+
 STEP_HEADERS = ["where", "ranks", "unsharded ms", "sharded ms", "ratio", "ratio range", "comm unsharded",
                 "comm sharded"]
 
@@ -111,16 +178,34 @@ MEMORY_SETUPS = (("none", "none", False), ("optimizer", "optimizer", False),
                  ("optimizer + node_shared_params", "optimizer", True))
 
 
+def in_cgroup(limit):
+    """A launcher that runs mpirun and its ranks inside `limit`'s cgroup (its peak: the job's)."""
+    def launch(n: int, overrides: list, timeout: float = 1200) -> str:
+        return run(limit.wrap([MPIRUN, "-n", str(n), PYTHON] + list(overrides)), timeout=timeout,
+                   env=one_thread_env())
+    return launch
+
+
 def memory_rows(tmp: Path, data: Path, args) -> list:
     rows = []
     for n in (1, 2, 4):
         for label, shard, node_shared in MEMORY_SETUPS:
             extra = ["train.epochs=1", "train.max_steps=4", f"comm.node_shared_params={str(node_shared).lower()}"]
-            ranks = mlp_job(tmp / f"mem_{n}_{shard}_{node_shared}", n, data, args, shard,
-                            hidden=args.memory_hidden, extra=extra)["ranks"]
+            run_dir = tmp / f"mem_{n}_{shard}_{node_shared}"
+            try:
+                with MemoryLimit(64 << 30) as limit:        # no limit in effect: only its peak is read
+                    ranks = mlp_job(run_dir, n, data, args, shard, hidden=args.memory_hidden, extra=extra,
+                                    launch=in_cgroup(limit))["ranks"]
+                    node_peak = limit.peak_bytes()
+            except LimitUnavailable as why:
+                print(f"  (no cgroup peak: {why})", flush=True)
+                ranks = mlp_job(run_dir, n, data, args, shard, hidden=args.memory_hidden, extra=extra)["ranks"]
+                node_peak = None
             held = sum(r["param_bytes"] + r["optimizer_bytes"] for r in ranks)
             rows.append([n, label, round(held / 2**20, 1), round(sum(r["optimizer_bytes"] for r in ranks) / 2**20, 1),
-                         round(sum(r["peak_rss_bytes"] for r in ranks) / 2**20, 1)])
+                         round(sum(r["peak_rss_bytes"] for r in ranks) / 2**20, 1),
+                         round(node_peak / 2**20, 1) if node_peak else None])
+            print(f"  {n} ranks, {label}: {rows[-1][2:]}", flush=True)
     return rows
 
 
@@ -183,6 +268,10 @@ def main() -> None:
     ap.add_argument("--links", nargs="*", default=[],
                     help="also the step time across 2 emulated nodes at these link rates (tc's: 10gbit, "
                          "1gbit; 'unlimited'); needs root")
+    ap.add_argument("--collectives", action="store_true",
+                    help="also the step's collectives alone, on the step part's payload: Allreduce against "
+                         "the sharded path's reduce-scatter and allgather (and MPI's Reduce_scatter, Allgather)")
+    ap.add_argument("--collective-repeats", type=int, default=30)
     ap.add_argument("--budget-mib", type=float, default=32.0)
     ap.add_argument("--budget-d-model", type=int, default=128)
     ap.add_argument("--budget-stages", type=int, nargs="+", default=[1],
@@ -194,24 +283,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         data = prepare_synthetic(tmp / "syn.h5", args.rows, 256)
-        step = []
+        step, coll = [], []
         if "step" not in args.skip:
             print("\nstep time, loopback", flush=True)
             step += step_rows(tmp, data, args)
+        if args.collectives:
+            coll += collective_rows(args, "loopback", loopback)
         if args.links:
             with emulated_nodes(2, tmp / "cluster") as cluster:
                 for link in args.links:
                     cluster.limit_bandwidth(None if link == "unlimited" else link)
-                    print(f"\nstep time, 2 emulated nodes at {link}", flush=True)
-                    step += step_rows(tmp, data, args, f"2 nodes {link}", on_nodes(cluster))
+                    if "step" not in args.skip:
+                        print(f"\nstep time, 2 emulated nodes at {link}", flush=True)
+                        step += step_rows(tmp, data, args, f"2 nodes {link}", on_nodes(cluster))
+                    if args.collectives:
+                        coll += collective_rows(args, f"2 nodes {link}", on_nodes(cluster))
                     print(f"  ({machine_note()})", flush=True)
                 cluster.limit_bandwidth(None)
         if step:
             print("\nstep time (median over repeats; ratio = median of sharded / unsharded per repeat)")
             print(fmt_table(STEP_HEADERS, step))
+        if coll:
+            print(f"\nthe step's collectives alone (median of {args.collective_repeats}, slowest rank)")
+            print(fmt_table(COLLECTIVE_HEADERS, coll))
         if "memory" not in args.skip:
             print("\nmemory on this node: sums over its ranks (MiB)")
-            print(fmt_table(["ranks", "setup", "param+optimizer", "optimizer", "peak RSS"],
+            print(fmt_table(["ranks", "setup", "param+optimizer", "optimizer", "peak RSS", "job's cgroup peak"],
                             memory_rows(tmp, data, args)))
         if "budget" not in args.skip:
             vocab = 512
@@ -225,4 +322,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "--collective-child":
+        collective_child(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        main()
