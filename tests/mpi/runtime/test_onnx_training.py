@@ -289,14 +289,16 @@ def assert_losses_fall(metrics: dict) -> None:
 def test_recurrent_and_unet_models_of_both_exporters_train_in_one_job(tmp_path, tmp_path_factory, names):
     """An LSTM and a bidirectional 2-layer GRU text classifier (backpropagation through time), or
     U-Nets upsampling by transposed convolutions and by Resize (bilinear, nearest) with F.pad:
-    the dynamo file with the exporter's defaults and the TorchScript training-form file of each
-    (the files tests/unit/graph/test_onnx_import.py checks) train on two ranks, the loss falling,
-    and the two files of one model train alike (same weights, the same math)."""
+    the dynamo files with the exporter's defaults and with optimize=False and the TorchScript
+    training-form file of each (the files tests/unit/graph/test_onnx_import.py checks) train on
+    two ranks, the loss falling, and the files of one model train alike (same weights, the same
+    math)."""
     from tests.support import onnx_zoo
     from tests.support.shared import run_dir
     cache = run_dir(tmp_path_factory, "onnx-zoo")
-    files = {(name, exporter): onnx_zoo.export_zoo_model(name, cache, exporter, "train", optimize=True)[1]
-             for name in names for exporter in ("dynamo", "torchscript")}
+    files = {(name, exporter, optimize): onnx_zoo.export_zoo_model(name, cache, exporter, "train",
+                                                                   optimize=optimize)[1]
+             for name in names for exporter, optimize in (("dynamo", True), ("dynamo", False), ("torchscript", True))}
     text = onnx_zoo.ZOO[names[0]][2] is not None
     data = _zoo_data(tmp_path / "data.h5", names[0], classes=10 if text else None)
     metrics = train_sweep(tmp_path, list(files.values()),
@@ -304,8 +306,9 @@ def test_recurrent_and_unet_models_of_both_exporters_train_in_one_job(tmp_path, 
                            "optim=adamw", f"optim.lr={0.01 if text else 0.003}"])
     assert_losses_fall(metrics)
     for name in names:
-        dynamo, torchscript = (metrics[str(files[name, e])][-1]["train_loss"] for e in ("dynamo", "torchscript"))
-        assert dynamo == pytest.approx(torchscript, rel=1e-4), name
+        dynamo, plain, torchscript = (metrics[str(files[name, e, o])][-1]["train_loss"]
+                                      for e, o in (("dynamo", True), ("dynamo", False), ("torchscript", True)))
+        assert dynamo == pytest.approx(torchscript, rel=1e-4) and plain == pytest.approx(torchscript, rel=1e-4), name
 
 
 def test_running_statistics_resume_exactly_and_on_another_world_size(tmp_path, digits_h5):
