@@ -40,8 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import MPIRUN, PYTHON, REPO, fmt_table, machine_note, one_thread_env  # noqa: E402
 
-sys.path.insert(0, str(REPO / "tests"))
-from memory_limit import LimitUnavailable, MemoryLimit  # noqa: E402
+from tests.support.memory_limit import LimitUnavailable, MemoryLimit  # noqa: E402
 
 SHAPE = (3, 32, 32)
 MIB = 1 << 20
