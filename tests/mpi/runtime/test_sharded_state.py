@@ -37,9 +37,10 @@ def _pair(tmp_path: Path, ranks: int, overrides: list[str], name: str) -> tuple[
 
 @pytest.mark.parametrize("ranks, extra", [
     (2, ["optim.momentum=0.9"]),                                   # SGD with momentum
+    (4, ["optim.momentum=0.9"]),
     (4, ADAMW),
     (2, ADAMW + ["optim.clip_grad_norm=0.5", "device.cpu_lanes=2"]),   # the global norm from the slices
-], ids=["sgd-momentum-2", "adamw-4", "adamw-clip-lanes-2"])
+], ids=["sgd-momentum-2", "sgd-momentum-4", "adamw-4", "adamw-clip-lanes-2"])
 def test_sharded_state_trains_the_same_model_and_holds_a_slice(tmp_path, digits_h5, ranks, extra):
     whole, sharded = _pair(tmp_path, ranks, BASE + [f"data.path={digits_h5}"] + extra, "job")
     diff = max_rel_diff(load_params(whole), load_params(sharded))
