@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from math import prod
 
-from hpc_rlx.graph.ops import conv_dense
+from hpc_rlx.graph.ops import conv_dense, conv_winograd
 from hpc_rlx.graph.ops.windows import batch_first_view, batch_last, out_sizes, plan
 from hpc_rlx.graph.registry import defop, defvjp
 from hpc_rlx.graph.shapes import (
@@ -212,27 +212,35 @@ def _geometry(a, nd):
 @defop("conv2d", _conv_type, (2, 3), attrs={"stride": 1, "padding": 0, "dilation": 1, "groups": 1},
        check=_conv_check, arg_names=("x", "weight", "bias"))
 def conv2d(xp, args, a, ctx):
-    # saved: (im2col columns, input shape, None), or (None, None, the dense kernels' saved)
+    # saved: ("im2col", columns, input shape), ("dense", its saved) or ("winograd", its saved);
+    # the kernels are chosen by shape, in this order (conv_dense.py, conv_winograd.py)
     x, w = args[0], args[1]
     b = args[2] if len(args) == 3 else None
     stride, padding, dilation = _geometry(a, x.ndim - 2)
     if conv_dense.worth_it(x.shape[2:], w.shape[2:], w.shape[1], w.shape[0]):
         out, dense = conv_dense.forward(xp, x, w, b, stride, padding, dilation, a["groups"])
-        return out, ((None, None, dense) if ctx.need_saved else None)
+        return out, (("dense", dense) if ctx.need_saved else None)
+    if conv_winograd.applies(x.shape[2:], w.shape[2:], stride, padding, dilation, a["groups"], x.shape[1], w.shape[0]):
+        out, tiles = conv_winograd.forward(xp, x, w, b)
+        return out, (("winograd", tiles) if ctx.need_saved else None)
     out, cols = conv2d_forward(xp, x, w, b, stride, padding, dilation, a["groups"])
-    return out, ((cols, x.shape, None) if ctx.need_saved else None)
+    return out, (("im2col", cols, x.shape) if ctx.need_saved else None)
 
 
 def _conv_x(xp, g, args, ans, saved, a, out):
-    if saved[2] is not None:
-        return conv_dense.grad_x(xp, g, saved[2], a["groups"])
-    return conv2d_grad_x(xp, g, args[1], saved[1], *_geometry(a, g.ndim - 2), a["groups"])
+    if saved[0] == "dense":
+        return conv_dense.grad_x(xp, g, saved[1], a["groups"])
+    if saved[0] == "winograd":
+        return conv_winograd.grad_x(xp, g, saved[1])
+    return conv2d_grad_x(xp, g, args[1], saved[2], *_geometry(a, g.ndim - 2), a["groups"])
 
 
 def _conv_w(xp, g, args, ans, saved, a, out):
-    if saved[2] is not None:
-        return conv_dense.grad_w(xp, g, saved[2], args[1].shape, *_geometry(a, g.ndim - 2), a["groups"], out)
-    return conv2d_grad_w(xp, g, saved[0], args[1].shape, out, a["groups"])
+    if saved[0] == "dense":
+        return conv_dense.grad_w(xp, g, saved[1], args[1].shape, *_geometry(a, g.ndim - 2), a["groups"], out)
+    if saved[0] == "winograd":
+        return conv_winograd.grad_w(xp, g, saved[1], out)
+    return conv2d_grad_w(xp, g, saved[1], args[1].shape, out, a["groups"])
 
 
 def _conv_b(xp, g, args, ans, saved, a, out):

@@ -168,7 +168,8 @@ DENSE_CASES = [
 
 def _conv_case(case):
     b, c, size, o, kernel, stride, padding, dilation, groups = case
-    x, w, bias = R.standard_normal((b, c, *size)), R.standard_normal((o, c // groups, *kernel)), R.standard_normal(o)
+    rng = np.random.default_rng([b, c, o, groups, *size])  # independent of the tests run before
+    x, w, bias = rng.standard_normal((b, c, *size)), rng.standard_normal((o, c // groups, *kernel)), rng.standard_normal(o)
     listed = [list(v) if isinstance(v, tuple) else v for v in (stride, padding)]
     attrs = {"stride": listed[0], "padding": listed[1], "dilation": dilation, "groups": groups}
     conv = F.conv2d if len(size) == 2 else F.conv3d
@@ -249,3 +250,71 @@ def test_gather_of_one_index_is_a_select_with_its_gradient(index):
         assert value.shape == tuple(ref.shape)
         assert largest_rel(value, ref.detach().numpy()) == 0.0
     check_op("gather", [data, np.asarray(index, np.int64)], {"axis": 1 if index != 2 else 0})
+
+
+# ---------------------------------------------------------------- conv2d by Winograd F(2x2, 3x3)
+
+# (batch, channels, out channels, height, width): even and odd sizes, down to 2x2
+WINOGRAD_CASES = [(2, 3, 4, 5, 5), (3, 4, 5, 2, 2), (2, 5, 3, 7, 6), (2, 2, 2, 8, 8), (1, 3, 3, 3, 4)]
+
+
+@pytest.fixture
+def winograd_everywhere(monkeypatch):
+    """Every 3x3 stride-1 padding-1 conv2d takes the Winograd kernels, whatever its size."""
+    from hpc_rlx.graph.ops import conv_winograd
+
+    monkeypatch.setattr(conv_dense, "worth_it", lambda *shape: False)
+    monkeypatch.setattr(conv_winograd, "applies", lambda *geometry: geometry[1:5] == ((3, 3), (1, 1), (1, 1), (1, 1)))
+    calls = []
+    forward = conv_winograd.forward
+    monkeypatch.setattr(conv_winograd, "forward", lambda *args: calls.append(1) or forward(*args))
+    yield
+    assert calls, "no convolution took the Winograd kernels"
+
+
+def _winograd_case(case, bias=True):
+    b, c, o, h, w = case
+    rng = np.random.default_rng(list(case))  # the same numbers whatever ran before in this worker
+    arrays = [rng.standard_normal((b, c, h, w)), rng.standard_normal((o, c, 3, 3))] + ([rng.standard_normal(o)] if bias else [])
+    return arrays, {"padding": 1}
+
+
+@pytest.mark.parametrize("case", WINOGRAD_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-5)])
+def test_winograd_conv_matches_torch(case, dtype, tol, winograd_everywhere):
+    arrays, attrs = _winograd_case(case)
+    against_torch("conv2d", arrays, attrs, lambda t, k, bb: F.conv2d(t, k, bb, padding=1), dtype, tol)
+
+
+@pytest.mark.parametrize("case", WINOGRAD_CASES[:3], ids=lambda c: "x".join(map(str, c)))
+def test_winograd_conv_finite_differences(case, winograd_everywhere):
+    arrays, attrs = _winograd_case(case, bias=False)
+    check_op("conv2d", arrays, attrs)
+
+
+def test_winograd_conv_equals_im2col_in_float64(monkeypatch):
+    from hpc_rlx.graph.ops import conv_winograd
+
+    arrays, attrs = _winograd_case((2, 6, 5, 5, 4))
+    monkeypatch.setattr(conv_winograd, "applies", lambda *geometry: False)
+    im2col = run_op("conv2d", arrays, attrs)
+    monkeypatch.setattr(conv_winograd, "applies", lambda *geometry: True)
+    winograd = run_op("conv2d", arrays, attrs)
+    assert largest_rel(winograd[0], im2col[0]) <= 1e-13
+    for i in (0, 1, 2):
+        assert largest_rel(winograd[2][i], im2col[2][i]) <= 1e-13
+
+
+@pytest.mark.parametrize("size,stride,padding,groups,channels,takes", [
+    ((4, 4), (1, 1), (1, 1), 1, 128, True),     # a ResNet's second stage on 32x32 images
+    ((2, 2), (1, 1), (1, 1), 1, 256, True),
+    ((8, 8), (1, 1), (1, 1), 1, 64, False),     # the tile gathers cost more than the GEMMs save
+    ((4, 4), (2, 2), (1, 1), 1, 128, False),    # stride 2
+    ((4, 4), (1, 1), (0, 0), 1, 128, False),    # no padding
+    ((4, 4), (1, 1), (1, 1), 2, 128, False),    # groups
+    ((4, 4), (1, 1), (1, 1), 1, 32, False),     # few channels
+])
+def test_which_convolutions_take_winograd(size, stride, padding, groups, channels, takes):
+    from hpc_rlx.graph.ops import conv_winograd
+
+    assert conv_winograd.applies(size, (3, 3), stride, padding, (1, 1), groups, channels, channels) is takes
