@@ -44,6 +44,7 @@ class FailureHandling:
         self.world_ranks = list(range(comm.size))   # rank in the current comm -> MPI_COMM_WORLD rank
         self.hosts: list[str] | None = None
         self.lock = None            # the run directory's lock, once this rank took it over
+        self.watchdog = None        # the stall watchdog over the survivors, once rebuilt
 
     @property
     def active(self) -> bool:
@@ -66,6 +67,17 @@ class FailureHandling:
     def describe(self) -> str:
         return f"failures: comm.on_failure={self.mode}: {MODES[self.mode]}"
 
+    def _watch(self, comm, worker, stall) -> None:
+        """Collective: the stall watchdog again, over the survivors (comm.stall_*; a new key,
+        its side channel rooted at the survivors' rank 0)."""
+        self.watchdog = watchdog.StallWatchdog.from_spec(worker.spec, comm, lambda: worker.step, stall=stall)
+        watchdog.install(self.watchdog)
+
+    def close(self) -> None:
+        """The end of the run: stop the watchdog a recovery started (not collective)."""
+        if self.watchdog is not None:
+            self.watchdog.close()
+
     def end_note(self, world_size: int) -> str:
         """What the run's last line adds: the failures it trained through (else nothing)."""
         if not self.failures:
@@ -79,8 +91,9 @@ class FailureHandling:
         return self.active and ulfm.failure_known(exc, comm)
 
     # ---- one recovery ------------------------------------------------------------------
-    def recover(self, comm, worker, totals) -> "Recovered":
-        """Collective over the survivors of `comm`, after `handles` took an error."""
+    def recover(self, comm, worker, totals, stall=None) -> "Recovered":
+        """Collective over the survivors of `comm`, after `handles` took an error. `stall`:
+        this rank's debug.stall_* plan, for the watchdog rebuilt over the survivors."""
         t0 = time.perf_counter()
         shared_off = worker.bucket.abandon_node_memory()
         shrunk = ulfm.shrink(comm)
@@ -99,7 +112,7 @@ class FailureHandling:
             raise CollectiveError(f"{who} failed at step {worker.step}: {why} (comm.on_failure=shrink); "
                                   f"resume=auto in the same hydra.run.dir continues from the newest "
                                   f"checkpoint", kind="RankFailure")
-        watchdog.current().close("a rank failed")     # rooted at the old ranks: not rebuilt yet
+        watchdog.current().close("a rank failed")     # its side channel knew the old ranks
         positions = new.allgather((int(worker.step), int(worker.epoch)))
         try:
             adopted = plan.adoption([s for s, _ in positions], [e for _, e in positions])
@@ -108,6 +121,7 @@ class FailureHandling:
                                   kind="RankFailure") from None
         totals = _adopt(new, adopted, worker, totals)
         worker.rejoin(new)
+        self._watch(new, worker, stall)
         record = plan.failure_record(adopted.step, dead_world, dead_hosts, time.perf_counter() - t0,
                                      new.size)
         self.failures.append(record)
@@ -118,7 +132,6 @@ class FailureHandling:
         if shared_off:
             notes.append("the node's shared-memory sum is off for the rest of the run (its window is "
                          "abandoned after the failure); the bucket is summed by MPI's Allreduce")
-        notes.append("the stall watchdog is off for the rest of the run (not rebuilt after a failure yet)")
         return Recovered(new, totals, record, tuple(notes), writer_failed=0 in failed)
 
 
@@ -150,7 +163,7 @@ class Survives:
 
     def _recover(self, totals):
         with phase("recovery from a failed rank"):
-            done = self.failure.recover(self.comm, self.worker, totals)
+            done = self.failure.recover(self.comm, self.worker, totals, self.hooks.stall)
         self.comm = self.checkpoints.comm = done.comm
         self.rank = done.comm.rank
         self.current_totals = done.totals

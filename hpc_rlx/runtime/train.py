@@ -415,3 +415,5 @@ def train(spec: TrainSpec, comm) -> dict:
                 except AttributeError:
                     pass
             raise
+        finally:
+            run.failure.close()      # the watchdog a recovery started over the survivors

@@ -117,6 +117,7 @@ def test_shrink_survives_a_killed_rank_and_ends_as_a_resume_on_the_survivors(tmp
     epochs = [r for r in read_metric_events(run) if "epoch" in r]
     assert [r["epoch"] for r in epochs] == [1, 2], epochs
     assert re.search(rf"completed in .*; 1 rank failed during the run, {n - 1} trained to the end", log), log
+    assert "STALL" not in proc.stderr and "watchdog" in summary, summary     # rebuilt over the survivors
     assert "Traceback" not in proc.stderr, explain(proc)
 
     reference, val_losses = resumed_reference(tmp_path, data, n, n - 1, step, extra)
@@ -125,6 +126,19 @@ def test_shrink_survives_a_killed_rank_and_ends_as_a_resume_on_the_survivors(tmp
     assert sorted(got) == sorted(reference)
     worst = max(float(np.max(np.abs(got[k] - reference[k]))) for k in got)
     assert worst <= 1e-10, worst
+
+
+def test_the_stall_watchdog_watches_the_survivors(tmp_path, data):
+    """Rebuilt over the survivors after the failure: a rank 3 s late at step 20 is reported."""
+    run = tmp_path / "run"
+    proc = ulfm_job(3, run, [*SMALL, f"data.path={data}", "comm.shared_memory=false", "comm.on_failure=shrink",
+                             "debug.fail_rank=2", "debug.fail_point=step", "debug.fail_step=5",
+                             "debug.fail_mode=kill", "comm.stall_warning_s=1", "debug.stall_rank=1",
+                             "debug.stall_step=20", "debug.stall_s=3"])
+    assert proc.returncode == 0, explain(proc)
+    assert re.search(r"STALL: collective .* at step 2\d has waited", proc.stderr), explain(proc)
+    assert re.search(r"not arrived \(1/2\): ranks 1", proc.stderr), explain(proc)
+    assert json.loads((run / "summary.json").read_text())["watchdog"]["stall_reports"] >= 1
 
 
 def test_shrink_without_with_ft_ulfm_is_refused_on_every_rank(tmp_path, data):
