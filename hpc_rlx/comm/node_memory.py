@@ -86,6 +86,7 @@ class NodeSharedSum(ReductionPath):
 
     def __init__(self, node, cross, window, memories: list, size: int, dtype, chunk_elems: int):
         self.node, self.cross, self.window = node, cross, window
+        self.communicators = (node, cross)
         # the other ranks' segments as raw memory, viewed as arrays only while summing: this
         # rank holds one bucket-sized array, its own
         self._memories, self._size, self._dtype = memories, int(size), np.dtype(dtype)

@@ -101,6 +101,7 @@ class ReductionPath:
     name = ""
     overlappable = False
     in_node_memory = False
+    communicators: tuple = ()     # communicators of its own (a dead rank may show there first)
     exact = True
     ordered = False
     sums_on_device = False

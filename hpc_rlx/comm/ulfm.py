@@ -83,10 +83,11 @@ def is_rank_failure(exc: BaseException) -> bool:
         return False
 
 
-def failure_known(exc: BaseException, comm, wait_s: float = 2.0) -> bool:
+def failure_known(exc: BaseException, comm, wait_s: float = 2.0, others: tuple = ()) -> bool:
     """Whether `exc` comes of a dead rank of `comm`: its class says so, or it is another MPI
     error (Open MPI's shared-memory barrier reports a dead peer as ``ERR_OTHER``) while a
-    rank of `comm` is known to have failed, or `comm` was revoked, within `wait_s`."""
+    rank of `comm` or of a communicator in `others` (derived from it: where the error came
+    from) is known to have failed, or one of them was revoked, within `wait_s`."""
     MPI = _mpi()
     if is_rank_failure(exc):
         return True
@@ -94,12 +95,13 @@ def failure_known(exc: BaseException, comm, wait_s: float = 2.0) -> bool:
         return False
     deadline = time.monotonic() + wait_s
     while True:
-        group = comm.Get_failed()
-        try:
-            if group.Get_size() > 0 or comm.Is_revoked():
-                return True
-        finally:
-            group.Free()
+        for c in (comm, *others):
+            group = c.Get_failed()
+            try:
+                if group.Get_size() > 0 or c.Is_revoked():
+                    return True
+            finally:
+                group.Free()
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.01)

@@ -290,7 +290,10 @@ KEYS: tuple[Key, ...] = (
         "requeues by itself)"),
     Key("debug.slowdown", dict, None, "`{rank: factor}`: make ranks honestly slower, to simulate "
         "mixed hardware", Via(parse_slowdown, "is a mapping {rank: factor}")),
-    Key("debug.fail_rank", int, None, "inject a failure on this rank (reliability tests) ..."),
+    Key("debug.fail_rank", (int, list), None, "inject a failure on this rank, or on each rank of a "
+        "list at once (reliability tests) ...",
+        Check(lambda v: v is None or is_int(v) or (isinstance(v, list) and v and all(is_int(r) for r in v)),
+              "must be null, a rank or a list of ranks")),
     Key("debug.fail_point", str, None, "... at `startup`, `data`, `step` (before its forward), "
         "`allreduce` (before the step's Allreduce), `validation` (before the epoch's) or `checkpoint` "
         "(before one is written)"),

@@ -59,8 +59,11 @@ class DebugHooks:
     @classmethod
     def from_section(cls, debug: Mapping, rank: int, world_size: int | None = None) -> "DebugHooks":
         mine = lambda key: debug.get(key) is not None and int(debug[key]) == rank   # noqa: E731
+        failing = debug.get("fail_rank")    # one rank, or a list of ranks failing together
+        fails_here = failing is not None and rank in (
+            [int(r) for r in failing] if isinstance(failing, (list, tuple)) else [int(failing)])
         hooks = cls(rank=rank, slowdown=slowdown_for_rank(debug.get("slowdown"), rank, world_size))
-        if mine("fail_rank") and debug.get("fail_point") is not None:
+        if fails_here and debug.get("fail_point") is not None:
             hooks.fail_point, hooks.fail_step = str(debug["fail_point"]), int(debug.get("fail_step") or 0)
             hooks.fail_mode = str(debug.get("fail_mode") or "raise")
         if mine("nan_rank"):

@@ -86,53 +86,74 @@ class FailureHandling:
         return (f"; {dead} rank{'s' if dead > 1 else ''} failed during the run, {world_size} trained "
                 f"to the end (comm.on_failure=shrink; summary.json failures)")
 
-    def handles(self, exc: BaseException, comm) -> bool:
-        """Whether `exc` is a dead rank of `comm` that this run survives."""
-        return self.active and ulfm.failure_known(exc, comm)
+    def handles(self, exc: BaseException, comm, others: tuple = ()) -> bool:
+        """Whether `exc` is a dead rank of `comm` (or of `others`, derived from it) that this
+        run survives."""
+        return self.active and ulfm.failure_known(exc, comm, others=others)
 
     # ---- one recovery ------------------------------------------------------------------
     def recover(self, comm, worker, totals, stall=None) -> "Recovered":
-        """Collective over the survivors of `comm`, after `handles` took an error. `stall`:
-        this rank's debug.stall_* plan, for the watchdog rebuilt over the survivors."""
+        """Collective over the survivors of `comm`, after `handles` took an error. A rank that
+        dies during the recovery is shrunk away too, and the recovery starts over (one record
+        for all). `stall`: this rank's debug.stall_* plan, for the watchdog over the survivors."""
         t0 = time.perf_counter()
+        world_before, writer = comm.size, self.world_ranks[0]
         shared_off = worker.bucket.abandon_node_memory()
-        shrunk = ulfm.shrink(comm)
-        new = shrunk.comm
-        survivors = _survivors(comm, new)
-        failed = plan.failed_ranks(comm.size, survivors)
-        hosts = self.hosts or ["?"] * comm.size
-        dead_world = [self.world_ranks[r] for r in failed]
-        dead_hosts = [hosts[r] for r in failed]
-        self.world_ranks = [self.world_ranks[r] for r in survivors]
-        self.hosts = [hosts[r] for r in survivors]
-        visible = (Path(worker.spec.run_dir) / names.METRICS).is_file()
-        why = new.bcast(plan.takeover_problem(0 in failed, visible, hostname()) if new.rank == 0 else None, root=0)
-        if why is not None:
-            who = ", ".join(f"rank {r} on {h}" for r, h in zip(dead_world, dead_hosts))
-            raise CollectiveError(f"{who} failed at step {worker.step}: {why} (comm.on_failure=shrink); "
-                                  f"resume=auto in the same hydra.run.dir continues from the newest "
-                                  f"checkpoint", kind="RankFailure")
         watchdog.current().close("a rank failed")     # its side channel knew the old ranks
-        positions = new.allgather((int(worker.step), int(worker.epoch)))
-        try:
-            adopted = plan.adoption([s for s, _ in positions], [e for _, e in positions])
-        except ValueError as e:      # the same positions on every survivor: the same error
-            raise CollectiveError(f"after a failed rank: {e}; not survivable yet (comm.on_failure=shrink)",
-                                  kind="RankFailure") from None
-        totals = _adopt(new, adopted, worker, totals)
-        worker.rejoin(new)
-        self._watch(new, worker, stall)
-        record = plan.failure_record(adopted.step, dead_world, dead_hosts, time.perf_counter() - t0,
-                                     new.size)
+        dead: list[tuple[int, str]] = []
+        while True:
+            new = self._shrink(comm, dead)
+            try:
+                adopted = self._continue(new, worker, writer, dead)
+                totals = _adopt(new, adopted, worker, totals)
+                worker.rejoin(new)
+                self._watch(new, worker, stall)
+                break
+            except CollectiveError:
+                raise
+            except Exception as exc:    # noqa: BLE001 - another rank died: shrink again, else re-raised
+                if not ulfm.failure_known(exc, new):
+                    raise
+                comm = new
+        record = plan.failure_record(adopted.step, [r for r, _ in dead], [h for _, h in dead],
+                                     time.perf_counter() - t0, new.size)
         self.failures.append(record)
-        notes = [plan.failure_line(record, comm.size)]
-        if 0 in failed:
+        notes = [plan.failure_line(record, world_before)]
+        writer_failed = writer not in self.world_ranks
+        if writer_failed:
             notes.append(f"rank {new.rank} on {hostname()} (rank {self.world_ranks[0]} of the job) writes "
                          f"the run directory from here on")
         if shared_off:
             notes.append("the node's shared-memory sum is off for the rest of the run (its window is "
                          "abandoned after the failure); the bucket is summed by MPI's Allreduce")
-        return Recovered(new, totals, record, tuple(notes), writer_failed=0 in failed)
+        return Recovered(new, totals, record, tuple(notes), writer_failed=writer_failed)
+
+    def _shrink(self, comm, dead: list):
+        """The survivors' communicator; the dead ranks (job rank, host) added to `dead`."""
+        new = ulfm.shrink(comm).comm
+        survivors = _survivors(comm, new)
+        hosts = self.hosts or ["?"] * comm.size
+        dead += [(self.world_ranks[r], hosts[r]) for r in plan.failed_ranks(comm.size, survivors)]
+        self.world_ranks = [self.world_ranks[r] for r in survivors]
+        self.hosts = [hosts[r] for r in survivors]
+        return new
+
+    def _continue(self, new, worker, writer: int, dead: list) -> plan.Adoption:
+        """Collective: whether the survivors can go on (the run directory, their positions) and
+        from which state; a `RankFailure` on every survivor where they cannot."""
+        visible = (Path(worker.spec.run_dir) / names.METRICS).is_file()
+        lost = writer not in self.world_ranks
+        why = new.bcast(plan.takeover_problem(lost, visible, hostname()) if new.rank == 0 else None, root=0)
+        positions = new.allgather((int(worker.step), int(worker.epoch)))
+        who = ", ".join(f"rank {r} on {h}" for r, h in dead)
+        try:
+            if why is None:
+                return plan.adoption([s for s, _ in positions], [e for _, e in positions])
+        except ValueError as e:      # the same positions on every survivor: the same error
+            why = f"{e}; not survivable yet"
+        raise CollectiveError(f"{who} failed at step {worker.step}: {why} (comm.on_failure=shrink); "
+                              f"resume=auto in the same hydra.run.dir continues from the newest "
+                              f"checkpoint", kind="RankFailure")
 
 
 @dataclass(frozen=True)
@@ -157,7 +178,7 @@ class Survives:
             try:
                 return call(), totals
             except Exception as exc:
-                if not self.failure.handles(exc, self.comm):
+                if not self.failure.handles(exc, self.comm, self.worker.bucket.reduction.communicators):
                     raise
                 totals = self._recover(totals)
 

@@ -7,6 +7,7 @@ import pytest
 from hpc_rlx.config import schema
 from hpc_rlx.config.failure_mode import check_on_failure, shrink_refusal
 from hpc_rlx.errors import ConfigError
+from hpc_rlx.injection import DebugHooks
 
 
 BASE = {"device": {"kind": "cpu"}, "data": {"name": "digits"}, "model": {"name": "mlp"},
@@ -69,3 +70,12 @@ def test_the_keys_are_declared_with_their_choices():
         schema.validate({**BASE, "debug": {"fail_mode": "explode"}})
     with pytest.raises(ConfigError, match=r"comm\.spares must be"):
         schema.validate({**BASE, "comm": {"spares": -1}})
+
+
+def test_fail_rank_names_one_rank_or_several_that_fail_together():
+    both = {"fail_rank": [1, 2], "fail_point": "step", "fail_step": 5, "fail_mode": "kill"}
+    assert [DebugHooks.from_section(both, r).fail_point for r in range(4)] == [None, "step", "step", None]
+    assert DebugHooks.from_section(both, 2).fail_mode == "kill"
+    assert DebugHooks.from_section({"fail_rank": 1, "fail_point": "data"}, 1).fail_mode == "raise"
+    with pytest.raises(ConfigError, match=r"debug\.fail_rank must be null, a rank or a list of ranks, got \[\]"):
+        schema.validate({**BASE, "debug": {"fail_rank": []}})
