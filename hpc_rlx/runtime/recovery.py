@@ -178,7 +178,10 @@ class Survives:
             try:
                 return call(), totals
             except Exception as exc:
-                if not self.failure.handles(exc, self.comm, self.worker.bucket.reduction.communicators):
+                if not self.failure.active:      # comm.on_failure=abort: as it always was
+                    raise
+                path = getattr(self.worker.bucket, "reduction", None)
+                if not self.failure.handles(exc, self.comm, getattr(path, "communicators", ())):
                     raise
                 totals = self._recover(totals)
 
