@@ -164,7 +164,7 @@ def current(comm):
 def leave_if_a_rank_died(code) -> None:
     """After a survived failure: leave now, with `code`, without MPI_Finalize. Open MPI 5.0's
     MPI_Finalize fences with every rank of the job, and after a rank had died that fence hung
-    the survivors in 2 of 27 jobs here (all of them inside ompi_mpi_finalize, the training
+    the survivors in 3 of 27 jobs here (all of them inside ompi_mpi_finalize, the training
     done and its files written); `mpirun --with-ft ulfm` takes an exit without it as a normal
     end (exit 0 when every survivor exits 0). A no-op when no rank died."""
     if not SUCCESSOR:
