@@ -25,10 +25,11 @@ from hpc_rlx.comm.codec import codec_for, normalize_wire
 from hpc_rlx.comm.job_abort import abort_job
 from hpc_rlx.comm.node_memory import NodeSharedSum
 from hpc_rlx.comm.overlap import OverlapPlan, OverlapStep
-from hpc_rlx.comm.reduce import StagedSum
+from hpc_rlx.comm.reduce import StagedSum, ring_bytes
 from hpc_rlx.comm.registry import AUTO, exact_name, make_reduction, placement
 from hpc_rlx.comm.shard import ParamShard, ScatteredSum
 from hpc_rlx.comm.topology import hostname, rank_span
+from hpc_rlx.comm.wire_volume import WireCount
 from hpc_rlx.device import backend, cuda_mpi
 from hpc_rlx.errors import HpcRlxError
 from hpc_rlx.observe import trace
@@ -197,6 +198,7 @@ class FusedBucket:
         self.wire = normalize_wire(wire_dtype)
         self.last_chunks = 0
         self.last_wire_bytes = 0        # bytes this rank sent in the last allreduce
+        self.sent = WireCount()         # ... in every allreduce, and the sharded allgather (Worker)
         self.last_path = cuda_mpi.HOST
         self.device = None              # lead GPU of the device twin, if any
         self.device_buffer = None
@@ -405,7 +407,7 @@ class FusedBucket:
         span_t0 = t0
         if step is not None:
             self.last_chunks = step.finish(seq)
-            self.last_wire_bytes = int(2 * (comm.size - 1) * self.buffer.nbytes // max(1, comm.size))
+            self.last_wire_bytes = ring_bytes(comm, self.buffer.nbytes)    # MPI's Allreduce: computed
             self.last_path = "host, overlapped"
             span_t0 = min(t0, step.t_first or t0)   # the span starts with the first chunk, in backward
         else:
@@ -413,6 +415,7 @@ class FusedBucket:
             self.last_chunks = done.chunks
             self.last_wire_bytes = done.wire_bytes
             self.last_path = done.path
+        self.sent.add(self.last_wire_bytes)
         t1 = time.perf_counter()
         if tr is not None:
             tr.add("allreduce", "comm", trace.MAIN, span_t0, t1, {"seq": seq, "bytes": int(self.buffer.nbytes),

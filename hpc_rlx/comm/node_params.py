@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpc_rlx.comm.reduce import _mpi
+from hpc_rlx.comm.wire_volume import allgatherv_bytes
 
 
 class NodeSharedParams:
@@ -65,9 +66,12 @@ class NodeSharedParams:
             self.array[...] = values
         self.node.Barrier()
 
-    def allgather(self, shard, chunk_elems: int) -> None:
+    def allgather(self, shard, chunk_elems: int) -> int:
         """Collective: after every rank wrote its slice (`shard`'s bounds) into `array`, every
-        node holds every slice."""
+        node holds every slice. Returns the bytes this rank sent: a leader's in MPI's
+        Allgatherv, computed as a ring's (`wire_volume.allgatherv_bytes`); the node's other
+        ranks send nothing."""
+        sent = 0
         self.node.Barrier()
         if self.is_leader and self.nodes > 1:
             for pieces in shard.rounds(chunk_elems):
@@ -82,6 +86,7 @@ class NodeSharedParams:
                     packed[at: at + hi - lo] = self.array[lo:hi]
                     at += hi - lo
                 self.leaders.Allgatherv(_mpi().IN_PLACE, [packed, (counts, offsets)])
+                sent += allgatherv_bytes([c * packed.itemsize for c in counts], me)
                 for k, mine in enumerate(per_node):
                     if k == me:
                         continue
@@ -90,6 +95,7 @@ class NodeSharedParams:
                         self.array[lo:hi] = packed[at: at + hi - lo]
                         at += hi - lo
         self.node.Barrier()
+        return sent
 
     def free(self) -> None:
         """Collective over the node: views of `array` must not be used after this."""

@@ -32,6 +32,7 @@ import numpy as np
 
 from hpc_rlx.comm.codec import Codec
 from hpc_rlx.comm.wire import block_words, segments
+from hpc_rlx.comm.wire_volume import allreduce_bytes
 from hpc_rlx.device import backend, cuda_mpi
 from hpc_rlx.observe import trace
 
@@ -71,9 +72,10 @@ def chunk_bounds(n: int, chunk_elems: int) -> list[tuple[int, int]]:
 
 
 def ring_bytes(comm, nbytes: int) -> int:
-    """Bytes one rank sends in a reduce-scatter + allgather of ``nbytes``: comparable with
-    the wire path's count."""
-    return int(2 * (comm.size - 1) * nbytes // max(1, comm.size))
+    """Bytes one rank sends in MPI's Allreduce of ``nbytes``: not counted (MPI moves them) but
+    computed as a ring's (reduce-scatter + allgather) volume, 2 (N - 1) / N of the message
+    (`wire_volume.allreduce_bytes`); comparable with the wire path's count."""
+    return allreduce_bytes(nbytes, comm.size)
 
 
 # ---- what a path can do ----------------------------------------------------------------------
@@ -167,7 +169,9 @@ class HostSum(ChunkedSum):
 
 class OrderedSum(ChunkedSum):
     """Rank 0 adds every rank's chunk in rank order and broadcasts the sum: bitwise
-    reproducible for a given world size (``comm.deterministic=true``)."""
+    reproducible for a given world size (``comm.deterministic=true``). Its bytes on the wire
+    are reported as a ring's (`ring_bytes`): a Gather and a tree Bcast also send 2 (N - 1)
+    messages of the chunk in all, but rank 0 sends more of them than the others."""
 
     name = "ordered"
     ordered = True

@@ -26,6 +26,7 @@ import numpy as np
 from hpc_rlx.comm.codec import Codec
 from hpc_rlx.comm.reduce import ReductionPath, Reduced, _mpi
 from hpc_rlx.comm.wire import segments
+from hpc_rlx.comm.wire_volume import allgather_bytes
 
 SHARD_CHOICES = ("none", "optimizer")
 
@@ -75,15 +76,18 @@ class ParamShard:
         return [[pieces[r][k] for r in range(self.world)] for k in range(count)]
 
     # ---- MPI -------------------------------------------------------------------------------
-    def allgather(self, comm, params, chunk_elems: int) -> None:
+    def allgather(self, comm, params, chunk_elems: int) -> int:
         """Every rank's slice of `params` to every rank, in place. Each round is one MPI
         Allgather of equal blocks (the pieces padded to the longest) through a scratch buffer:
         MPICH's in-place Allgatherv of the same pieces, spread over the vector, took 10-20x
-        as long here (25 against 1.3 ms on 2 ranks, bench/README.md's bench_shard section)."""
+        as long here (25 against 1.3 ms on 2 ranks, bench/README.md's bench_shard section).
+        Returns the bytes this rank sent: MPI moves them, so they are computed as a ring
+        Allgather's, (N - 1) padded blocks per round (`wire_volume.allgather_bytes`)."""
         rounds = self.rounds(chunk_elems)
         block = max(hi - lo for pieces in rounds for lo, hi in pieces)
         send = np.empty(block, dtype=params.dtype)
         recv = np.empty(block * self.world, dtype=params.dtype)
+        sent = len(rounds) * allgather_bytes(send.nbytes, self.world)
         for pieces in rounds:
             lo, hi = pieces[self.rank]
             send[:hi - lo] = params[lo:hi]
@@ -91,6 +95,7 @@ class ParamShard:
             for r, (lo, hi) in enumerate(pieces):
                 if r != self.rank:
                     params[lo:hi] = recv[r * block: r * block + hi - lo]
+        return sent
 
     def gather_to_root(self, comm, local: np.ndarray) -> np.ndarray | None:
         """Rank 0: the whole trainable-sized array of which every rank holds its part (one
@@ -119,24 +124,26 @@ class ScatteredSum(ReductionPath):
         self._rounds = None
         self._scratch = None
 
-    def _sum_tail(self, comm, tail) -> None:
+    def _sum_tail(self, comm, tail) -> int:
+        """The tail summed on every rank (MPI's Allgather: its bytes computed, not counted)."""
         gathered = np.empty((comm.size,) + tail.shape, dtype=tail.dtype)
         comm.Allgather(np.ascontiguousarray(tail), gathered)
         total = gathered[0].copy()
         for src in range(1, comm.size):
             total += gathered[src]
         tail[...] = total
+        return allgather_bytes(tail.nbytes, comm.size)
 
     def run(self, bucket, comm, seq: int) -> Reduced:
-        self._sum_tail(comm, bucket.tail)
+        tail_sent = self._sum_tail(comm, bucket.tail)
         payload = bucket.payload
         if self._rounds is None:
             self._rounds = self.shard.rounds(self.chunk_elems)
             longest = max(hi - lo for pieces in self._rounds for lo, hi in pieces)
             self._scratch = np.empty(comm.size * max(1, longest), dtype=payload.dtype)
         if self.codec is not None:
-            return self._run_coded(comm, payload)
-        rank, sent = comm.rank, 0
+            return self._run_coded(comm, payload, tail_sent)
+        rank, sent = comm.rank, tail_sent
         for pieces in self._rounds:
             lo, hi = pieces[rank]
             mine = hi - lo
@@ -153,10 +160,10 @@ class ScatteredSum(ReductionPath):
             sent += (sum(send_counts) - mine) * payload.itemsize
         return Reduced(len(self._rounds), sent, "host, reduce-scatter (comm.shard=optimizer)")
 
-    def _run_coded(self, comm, payload) -> Reduced:
+    def _run_coded(self, comm, payload, tail_sent: int) -> Reduced:
         """The reduce-scatter in the codec's words: every rank codes its piece of each owner's
         slice, each owner decodes and adds them in float32, in rank order."""
-        codec, words16, rank, sent = self.codec, _mpi().UINT16_T, comm.rank, 0
+        codec, words16, rank, sent = self.codec, _mpi().UINT16_T, comm.rank, tail_sent
         for pieces in self._rounds:
             words = [codec.words(b - a) for a, b in pieces]
             offsets = np.concatenate([[0], np.cumsum(words[:-1])]).astype(int).tolist()

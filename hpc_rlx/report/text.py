@@ -104,6 +104,10 @@ def run_text(files: RunFiles) -> str:
         if comm_share:
             lines.append(f"communication: {100 * min(comm_share):.0f}-{100 * max(comm_share):.0f}% "
                          f"of compute+comm time across ranks")
+        wire = [int(r["wire_bytes"]) for r in files.ranks if isinstance(r.get("wire_bytes"), int)]
+        if wire:
+            lines.append(f"bytes on the wire: {sum(wire) / 2**20:,.2f} MiB over the run, all ranks "
+                         f"({min(wire) / 2**20:,.2f}-{max(wire) / 2**20:,.2f} MiB per rank; docs/observe.md)")
     lanes = lane_rates(files)
     if len(lanes) > 1 or any(lane != "cpu0" for _, lane, _, _ in lanes):
         lines.append("lanes: " + "  ".join(f"r{r}:{lane} {rate:,.0f}/s ({n} samples)"

@@ -20,6 +20,7 @@ class RankStats:
     lane_busy_s: dict = field(default_factory=dict)
     threads: int | None = None
     checkpoint_s: float = 0.0
+    wire_bytes: int = 0             # bytes this rank sent (FusedBucket.sent; docs/observe.md)
     # one record per epoch of this rank's time split (gathered once, at the end of the run)
     epochs: list = field(default_factory=list)
 
@@ -54,9 +55,11 @@ class RankStats:
         else:
             self._ckpt_pending_s += seconds   # inside an epoch: already part of its wall time
 
-    def record_epoch(self, epoch: int, totals, wall: float, eval_s: float, load_s: float) -> None:
+    def record_epoch(self, epoch: int, totals, wall: float, eval_s: float, load_s: float,
+                     wire_bytes: int = 0) -> None:
         """This rank's time split of epoch `epoch` (1-based); `load_s`: the shard load, which
-        precedes the first epoch recorded."""
+        precedes the first epoch recorded; `wire_bytes`: what it sent in the epoch."""
+        self.wire_bytes += int(wire_bytes)
         load_s = load_s if not self.epochs else 0.0
         ckpt, self._ckpt_pending_s = self._ckpt_pending_s, 0.0
         # CPU seconds of all this process's threads since the last record (MPI spin-waits
@@ -67,5 +70,5 @@ class RankStats:
             "epoch": epoch, "steps": totals.steps,
             "compute_s": totals.compute_s, "comm_s": totals.comm_s,
             "data_s": load_s + totals.data_s, "eval_s": eval_s, "checkpoint_s": ckpt,
-            "epoch_s": load_s + wall + eval_s, "cpu_s": cpu,
+            "epoch_s": load_s + wall + eval_s, "cpu_s": cpu, "wire_bytes": int(wire_bytes),
         })

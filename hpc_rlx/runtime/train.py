@@ -303,8 +303,10 @@ class Run(Survives):
         t_eval = time.perf_counter()
         with phase("validation"), trace.span("evaluate", "eval"):
             val, _ = self._survive(self._evaluate, totals)
-        self.stats.record_epoch(worker.epoch + 1, totals, wall, time.perf_counter() - t_eval, worker.data_s)
-        metrics = epoch_values(Window(totals.counts(), seconds=totals.step_wall_s,
+        sent = worker.bucket.sent.epoch()       # this rank's bytes on the wire, summed over ranks:
+        wire, _ = self._survive(lambda: collective.watched_call("wire bytes", self.comm.allreduce, sent), totals)
+        self.stats.record_epoch(worker.epoch + 1, totals, wall, time.perf_counter() - t_eval, worker.data_s, sent)
+        metrics = epoch_values(Window(dict(totals.counts(), wire_bytes=wire), seconds=totals.step_wall_s,
                                       lr=self.policy.current_lr(worker), per_sample=worker.per_sample))
         worker.check_validation_finite(val["val_loss"], metrics.get("train_loss"))
         rec = {
@@ -349,6 +351,7 @@ class Run(Survives):
         st.lane_samples = {ln.name: ln.samples for ln in self.lanes.lanes}
         st.lane_busy_s = {ln.name: ln.busy_s for ln in self.lanes.lanes}
         st.data_s = worker.data_s
+        st.wire_bytes += worker.bucket.sent.epoch()     # sent after the last epoch's record
         worker.feed.close()      # collective: data.cache=stream's rounds in flight complete
         # peak_rss_bytes next to shard_bytes (the rank's rows as stored): what data costs
         mine = dict(st.report(), rank=self.rank, host=hostname(),

@@ -216,9 +216,10 @@ class Worker:
         t0 = time.perf_counter()
         with trace.span("allgather", "comm"):
             if self.node_params is not None:    # the node's array: only other nodes' slices travel
-                self.node_params.allgather(shard, self.bucket.chunk_elems)
+                sent = self.node_params.allgather(shard, self.bucket.chunk_elems)
             else:
-                shard.allgather(self.comm, self.params, self.bucket.chunk_elems)
+                sent = shard.allgather(self.comm, self.params, self.bucket.chunk_elems)
+        self.bucket.sent.add(sent)              # bytes on the wire (summary.json's wire_bytes)
         return time.perf_counter() - t0
 
     def set_params(self, values) -> None:

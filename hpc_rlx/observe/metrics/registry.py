@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from .base import Metric, Window
 from .builtin import LearningRate, SamplesPerSecond, TrainAccuracy, TrainLoss
+from .wire import WireBytes
 
 METRICS: tuple[Metric, ...] = (
     TrainLoss(),
     TrainAccuracy(),
     LearningRate(),
     SamplesPerSecond(),
+    WireBytes(),
 )
 
 
