@@ -73,6 +73,8 @@ class PipelineLaneSet:
         n, loss_sum, correct = self.engine.step(self.param_views, self.bucket.payload, self.grad_views,
                                                 feeds, seed, self._peers)
         dt = time.perf_counter() - t0
+        sent, self.engine.sent_bytes = self.engine.sent_bytes, 0
+        self.bucket.sent.add(sent)      # the point-to-point sends count as bytes on the wire
         ln = self.lanes[0]
         ln.samples += n
         ln.busy_s += dt

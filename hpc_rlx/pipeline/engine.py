@@ -68,6 +68,7 @@ class StageEngine:
         self.recv_b = self.b_in.allocate(k, self.dtype) if self.b_in else []
         self._plans: dict[int, list] = {}
         self.busy_s = 0.0
+        self.sent_bytes = 0     # activations and their gradients sent in training steps (wire_bytes)
         self.wait_s = 0.0
 
     def boundary_bytes(self) -> int:
@@ -137,6 +138,7 @@ class StageEngine:
                     self._wait(sf[k], "send activations", m)
                     self.lanes.gather(self.f_out.views(self.send_f[k], r), run, "boundary")
                     sf[k] = pipe.Isend(self.send_f[k][:self.f_out.size(r)], dest=s + 1, tag=2 * m)
+                    self.sent_bytes += self.f_out.size(r) * self.send_f[k].itemsize
                 else:
                     own[m] = self.lanes.loss(run)
                 continue
@@ -160,6 +162,7 @@ class StageEngine:
                 self.lanes.gather(self.b_out.views(out, r), grads_in)
                 out[:len(TAIL)] = (loss_m, correct_m)
                 sb[k] = pipe.Isend(out[:self.b_out.size(r)], dest=s - 1, tag=2 * m + 1)
+                self.sent_bytes += self.b_out.size(r) * out.itemsize
             post(m + K)
         for req in sf + sb:
             self._wait(req, "send drain", -1)

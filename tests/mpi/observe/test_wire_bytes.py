@@ -123,3 +123,19 @@ def test_ranks_of_one_node_summing_in_shared_memory_send_nothing_and_tensorboard
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, explain(report)
     assert "bytes on the wire: 0.00 MiB over the run" in report.stdout, report.stdout
+
+
+@pytest.mark.mpi
+def test_pipeline_stages_count_their_point_to_point_sends(tmp_path):
+    """2 stages cut after the first hidden layer (32 values a row), one replica (its Allreduce
+    sends nothing): stage 0 sends each row's activations, stage 1 their gradients and, per
+    micro-batch, the loss and correct count (`pipeline.engine`'s tail of 2 values)."""
+    run_dir, epochs, summary = _run(tmp_path, ["parallel.pipeline_stages=2", "parallel.cut_points=[act0]",
+                                               "model.hidden=[32,16]", "train.batch_size=24",
+                                               "parallel.microbatches=4"], epochs=1)
+    stage0, stage1 = sorted(summary["ranks"], key=lambda r: r["rank"])
+    rows, micro = stage0["samples"], 4 * epochs[0]["steps"]    # 24-row batches of 4 micro-batches
+    assert rows > 0 and stage1["samples"] == rows
+    assert stage0["wire_bytes"] == rows * 32 * ITEM
+    assert stage1["wire_bytes"] == (rows * 32 + micro * 2) * ITEM
+    _check_sums(epochs, summary)
