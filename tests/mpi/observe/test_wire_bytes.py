@@ -92,17 +92,20 @@ def test_the_16_bit_wire_counts_its_words_about_half_the_float32_volume(tmp_path
 
 
 @pytest.mark.mpi
-def test_the_sharded_step_counts_its_reduce_scatter_and_computes_its_allgathers(tmp_path):
-    run_dir, epochs, summary = _run(tmp_path, ["comm.shard=optimizer"], epochs=1)
+@pytest.mark.parametrize("wire", [None, "bfloat16"])
+def test_the_sharded_step_counts_its_reduce_scatter_and_computes_its_allgathers(tmp_path, wire):
+    coded = [f"comm.wire_dtype={wire}"] if wire else []
+    run_dir, epochs, summary = _run(tmp_path, ["comm.shard=optimizer", *coded], epochs=1)
     payload, tail = _sizes(run_dir, "sync")
     bounds = segments(payload, RANKS)
     longest = max(hi - lo for lo, hi in bounds)
+    # the reduce-scatter (counted): every slice but its own, as values or as the codec's words
+    slices = [2 * Codec.words(hi - lo) if wire else (hi - lo) * ITEM for lo, hi in bounds]
     steps = epochs[0]["steps"]
     for r in summary["ranks"]:
-        lo, hi = bounds[r["rank"]]
-        per_step = ((RANKS - 1) * tail              # the tail's Allgather (computed)
-                    + payload - (hi - lo)           # the reduce-scatter: every slice but its own (counted)
-                    + (RANKS - 1) * longest) * ITEM     # the parameters' Allgather of padded blocks (computed)
+        per_step = ((RANKS - 1) * tail * ITEM           # the tail's Allgather (computed)
+                    + sum(slices) - slices[r["rank"]]
+                    + (RANKS - 1) * longest * ITEM)     # the parameters' Allgather of padded blocks (computed)
         assert r["wire_bytes"] == steps * per_step, (r["rank"], r["wire_bytes"], steps, per_step)
     _check_sums(epochs, summary)
 
