@@ -60,9 +60,14 @@ def _check_sums(epochs: list[dict], summary: dict) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
-def test_mpi_allreduce_reports_a_rings_volume_for_every_sync(tmp_path, policy):
-    run_dir, epochs, summary = _run(tmp_path, [f"policy={policy}"])
+@pytest.mark.parametrize("policy, more", [
+    ("sync", []), ("cadence", []), ("async", []),
+    ("async", ["policy.outer=diloco"]),         # the outer step comes from the same sum
+    ("sync", ["comm.overlap=true"]),            # chunks started during backward
+    ("sync", ["comm.deterministic=true"]),      # Gather + Bcast, reported as the ring's total
+])
+def test_mpi_allreduce_reports_a_rings_volume_for_every_sync(tmp_path, policy, more):
+    run_dir, epochs, summary = _run(tmp_path, [f"policy={policy}", *more])
     payload, tail = _sizes(run_dir, policy)
     per_sync = _ring((payload + tail) * ITEM)
     for i, rec in enumerate(epochs):
