@@ -260,7 +260,12 @@ def test_zoo_model_trains_on_two_ranks_and_batch_norm_equals_one_rank_in_float64
     assert max_rel_diff(params_of(tmp_path / "w2"), params_of(tmp_path / "w1")) <= 1e-10
 
 
-def train_sweep(tmp_path: Path, files: list, overrides: list, timeout: float = 300) -> dict:
+# A sweep job trains a dozen files one after another and its test may export them first: on 2
+# cores beside the other CI worker that is 3-5 minutes, past the suite's 300 s per test.
+SWEEP_TEST_TIMEOUT = 900
+
+
+def train_sweep(tmp_path: Path, files: list, overrides: list, timeout: float = 600) -> dict:
     """Every ONNX file of `files` trained in one `mpirun -n 2` job, a Hydra sweep over
     model.path (one point after another: one launch and one import of hpc_rlx for them all).
     Returns {file: its epoch metrics}; fails unless every point completed."""
@@ -284,6 +289,7 @@ def assert_losses_fall(metrics: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SWEEP_TEST_TIMEOUT)
 @pytest.mark.parametrize("names", [("lstm_text", "gru_text"), ("unet_transposed", "unet_interpolate")],
                          ids=["recurrent", "unet"])
 def test_recurrent_and_unet_models_of_both_exporters_train_in_one_job(tmp_path, tmp_path_factory, names):
@@ -394,6 +400,7 @@ HF_HEADS = {"classifier": ["bert", "distilbert", "roberta", "bart", "t5"], "lang
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SWEEP_TEST_TIMEOUT)
 @pytest.mark.parametrize("head", HF_HEADS)
 def test_hugging_face_models_of_every_exporter_train_on_two_ranks(tmp_path, tmp_path_factory, head):
     """Built from their config classes (tests/support/hf_zoo.py), exported by each exporter that

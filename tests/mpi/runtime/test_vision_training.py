@@ -53,6 +53,7 @@ DYNAMO_TRAINED = ["tv_mobilenet_v3", "tv_efficientnet_b0", "tv_convnext", "tv_sw
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a sweep job after four exports: see test_onnx_training.SWEEP_TEST_TIMEOUT
 def test_library_models_of_the_dynamo_exporter_train_in_one_job(tmp_path, tmp_path_factory):
     """The dynamo files of MobileNetV3, EfficientNet-B0, ConvNeXt and Swin, each without its
     random layers and with the defaults of the library and of the exporter, train on two ranks
@@ -66,5 +67,5 @@ def test_library_models_of_the_dynamo_exporter_train_in_one_job(tmp_path, tmp_pa
              for name in DYNAMO_TRAINED for suffix, optimize in ((NO_DROP, False), ("", True))]
     metrics = train_sweep(tmp_path, files, [f"data.path={_images(tmp_path / 'images.h5')}", "train.batch_size=16",
                                             "train.epochs=3", "data.val_fraction=0.25", "optim=adamw",
-                                            "optim.lr=0.003"], timeout=400)
+                                            "optim.lr=0.003"], timeout=600)
     assert_losses_fall(metrics)
