@@ -104,6 +104,20 @@ def test_a_checkpoint_resumes_with_sharding_switched_and_another_world_size(tmp_
     assert diff <= 1e-10, f"max relative parameter difference {diff:.3e} from the straight run"
 
 
+def test_sharded_and_whole_state_within_pipeline_stages_train_the_same_model(tmp_path, digits_h5):
+    """4 ranks as 2 stages of 2 replicas, AdamW with clipping: sliced between each stage's
+    replicas or whole on each, the two runs end with the same parameters; each stage's replicas
+    hold halves of what its ranks hold unsharded."""
+    overrides = BASE + [f"data.path={digits_h5}", "parallel.pipeline_stages=2", "optim.clip_grad_norm=0.5"] + ADAMW
+    whole, sharded = _pair(tmp_path, 4, overrides, "stages")
+    diff = max_rel_diff(load_params(whole), load_params(sharded))
+    assert diff <= 1e-10, f"max relative parameter difference {diff:.3e}"
+    full, parts = _ranks(whole), _ranks(sharded)
+    for s in range(2):  # ranks s and s + 2 hold stage s
+        assert parts[s]["optimizer_bytes"] + parts[s + 2]["optimizer_bytes"] == full[s]["optimizer_bytes"], (full, parts)
+    assert "reduce-scatter (comm.shard=optimizer)" in (sharded / "hpc_rlx.log").read_text()
+
+
 def test_sharded_state_within_pipeline_stages_trains_the_model_and_resumes_unsharded(tmp_path, digits_h5):
     """4 ranks as 2 stages of 2 replicas: each stage's state sliced between its replicas, the
     clipping norm summed over the slices and then the stages. Stopped mid-epoch, the run resumes
