@@ -43,7 +43,7 @@ RUN_BY_TESTS: dict[tuple[str, str], list[str]] = {
         f"{EXAMPLES}::test_pipeline_stages"],
     ("docs/policies.md", "mpirun -n 2 python -m hpc_rlx policy=cadence 'debug.slowdown={1: 3.0}'"): [
         f"{EXAMPLES}::test_a_slow_rank_under_cadence"],
-    ("docs/pytorch.md", ".venv/bin/python hf_bert.py"): [
+    ("README.md", ".venv/bin/python hf_bert.py"): [
         f"{EXAMPLES}::test_a_hugging_face_model_through_onnx_and_back"],
     ("docs/pytorch.md", ".venv/bin/python net.py"): [
         f"{EXAMPLES}::test_pytorch_model_through_onnx_and_back"],

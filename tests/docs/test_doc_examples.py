@@ -48,7 +48,7 @@ RUNS = {
     "test_pytorch_model_through_onnx_and_back": [
         ("docs/pytorch.md", ".venv/bin/python net.py")],
     "test_a_hugging_face_model_through_onnx_and_back": [
-        ("docs/pytorch.md", ".venv/bin/python hf_bert.py")],
+        ("README.md", ".venv/bin/python hf_bert.py")],
     "test_export_a_trained_run": [
         ("docs/pytorch.md", ".venv/bin/mpirun -n 2 .venv/bin/python -m hpc_rlx hydra.run.dir=runs/mlp")],
     "test_a_graph_written_with_graph_builder": [
@@ -215,8 +215,8 @@ def test_pytorch_model_through_onnx_and_back(workdir):
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_a_hugging_face_model_through_onnx_and_back(workdir):
-    """hf_bert.py and tokens.py from the page, the page's commands, then loading the trained
-    weights back into the transformers model: every key matches."""
+    """The README's Hugging Face example: hf_bert.py and tokens.py from the page, its commands,
+    then loading the trained weights back into the transformers model: every key matches."""
     for module in ("torch", "onnx", "onnxscript", "safetensors", "transformers"):
         pytest.importorskip(module)
     for first_line, name in (
@@ -224,7 +224,7 @@ def test_a_hugging_face_model_through_onnx_and_back(workdir):
              "hf_bert.py"),
             ("# tokens.py: token ids and their labels in HDF5 (a tokenizer's output goes here)", "tokens.py"),
             ("# back in transformers: the trained BERT", "load_back.py")):
-        write_block("docs/pytorch.md", first_line, workdir / name)
+        write_block("README.md", first_line, workdir / name)
     proc = run_commands(page_commands("test_a_hugging_face_model_through_onnx_and_back")
                         + [".venv/bin/python load_back.py"], workdir)
     assert "bert.onnx: imports for training" in proc.stdout, proc.stdout
