@@ -195,15 +195,21 @@ def test_dense_conv_finite_differences(case, dense_everywhere):
     check_op("conv2d", arrays, attrs)
 
 
+def assert_same_as_im2col(monkeypatch, module, switch, arrays, attrs):
+    """conv2d's value and gradients with ``module.switch`` saying no (im2col) and yes: equal
+    in float64 to rounding."""
+    monkeypatch.setattr(module, switch, lambda *shape: False)
+    im2col = run_op("conv2d", arrays, attrs)
+    monkeypatch.setattr(module, switch, lambda *shape: True)
+    other = run_op("conv2d", arrays, attrs)
+    assert largest_rel(other[0], im2col[0]) <= 1e-13
+    for i in (0, 1, 2):
+        assert largest_rel(other[2][i], im2col[2][i]) <= 1e-13
+
+
 def test_dense_conv_equals_im2col_in_float64(monkeypatch):
     arrays, attrs, _ = _conv_case(DENSE_CASES[3])
-    monkeypatch.setattr(conv_dense, "worth_it", lambda *shape: False)
-    im2col = run_op("conv2d", arrays, attrs)
-    monkeypatch.setattr(conv_dense, "worth_it", lambda *shape: True)
-    dense = run_op("conv2d", arrays, attrs)
-    assert largest_rel(dense[0], im2col[0]) <= 1e-13
-    for i in (0, 1, 2):
-        assert largest_rel(dense[2][i], im2col[2][i]) <= 1e-13
+    assert_same_as_im2col(monkeypatch, conv_dense, "worth_it", arrays, attrs)
 
 
 @pytest.mark.parametrize("size,kernel,per_group,out,dense", [
@@ -296,13 +302,7 @@ def test_winograd_conv_equals_im2col_in_float64(monkeypatch):
     from hpc_rlx.graph.ops import conv_winograd
 
     arrays, attrs = _winograd_case((2, 6, 5, 5, 4))
-    monkeypatch.setattr(conv_winograd, "applies", lambda *geometry: False)
-    im2col = run_op("conv2d", arrays, attrs)
-    monkeypatch.setattr(conv_winograd, "applies", lambda *geometry: True)
-    winograd = run_op("conv2d", arrays, attrs)
-    assert largest_rel(winograd[0], im2col[0]) <= 1e-13
-    for i in (0, 1, 2):
-        assert largest_rel(winograd[2][i], im2col[2][i]) <= 1e-13
+    assert_same_as_im2col(monkeypatch, conv_winograd, "applies", arrays, attrs)
 
 
 @pytest.mark.parametrize("size,stride,padding,groups,channels,takes", [
