@@ -32,18 +32,26 @@ def one_thread_env(extra: dict | None = None) -> dict:
     return env
 
 
-def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path | None = None) -> str:
-    """Run a command; on failure or timeout, stop the benchmark with its output."""
+def _checked(start, what: str, on_timeout=None) -> str:
+    """The stdout of the finished process ``start()`` returns; on failure or timeout (after
+    ``on_timeout``), stop the benchmark with its output, ``what`` naming the command."""
     try:
-        proc = subprocess.run(cmd, cwd=cwd or REPO, env=env or one_thread_env(), capture_output=True,
-                              text=True, timeout=timeout)
+        proc = start()
     except subprocess.TimeoutExpired as e:
-        raise SystemExit(f"timed out after {timeout}s: {' '.join(cmd)}\n{(e.stdout or '')[-2000:]}"
+        if on_timeout is not None:
+            on_timeout()
+        raise SystemExit(f"timed out after {e.timeout}s: {what}\n{(e.stdout or '')[-2000:]}"
                          f"\n{(e.stderr or '')[-2000:]}")
     if proc.returncode != 0:
-        raise SystemExit(f"failed (rc={proc.returncode}): {' '.join(cmd)}\n--- stdout ---\n"
+        raise SystemExit(f"failed (rc={proc.returncode}): {what}\n--- stdout ---\n"
                          f"{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}")
     return proc.stdout
+
+
+def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path | None = None) -> str:
+    """Run a command; on failure or timeout, stop the benchmark with its output."""
+    return _checked(lambda: subprocess.run(cmd, cwd=cwd or REPO, env=env or one_thread_env(), capture_output=True,
+                                           text=True, timeout=timeout), " ".join(cmd))
 
 
 def mpirun(n: int, args: list[str], timeout: float, env: dict | None = None) -> str:
@@ -69,16 +77,8 @@ def mpiexec_on_nodes(cluster, hosts: dict, args: list[str], timeout: float, env:
     ...}), started on node1, as `mpirun` runs it on this host; on failure or timeout, stop the
     benchmark with the job's output."""
     cmd = cluster.mpich_cmd(str(Path(PYTHON).with_name("mpiexec")), hosts, [PYTHON] + list(args))
-    try:
-        proc = cluster.on("node1", cmd, timeout=timeout, env=env or one_thread_env(), cwd=REPO)
-    except subprocess.TimeoutExpired as e:
-        cluster.kill_everything()
-        raise SystemExit(f"timed out after {timeout}s on {hosts}: {' '.join(args)}\n{(e.stdout or '')[-2000:]}"
-                         f"\n{(e.stderr or '')[-2000:]}")
-    if proc.returncode != 0:
-        raise SystemExit(f"failed (rc={proc.returncode}) on {hosts}: {' '.join(args)}\n--- stdout ---\n"
-                         f"{proc.stdout[-2000:]}\n--- stderr ---\n{proc.stderr[-3000:]}")
-    return proc.stdout
+    return _checked(lambda: cluster.on("node1", cmd, timeout=timeout, env=env or one_thread_env(), cwd=REPO),
+                    f"on {hosts}: {' '.join(args)}", on_timeout=cluster.kill_everything)
 
 
 def free_port() -> int:
