@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Old vs new code, alternated in one run: bench_engine, bench_collective and the hpc_rlx side of
+# Old vs new code, alternated in one run (the first side swapping every round): bench_engine, bench_collective and the hpc_rlx side of
 # bench_ddp (its run_hpc: policy=sync at 1 and 2 ranks, policy=cadence and policy=async at 2),
 # each run from each checkout with the same Python (one BLAS thread), then a summary table: per
 # figure the median over the rounds of each side and their ratio, >= 1 meaning the new code is
@@ -40,9 +40,12 @@ print(hpc_rlx.__file__, rank.split()[-1])')
   done
 done
 
+# The side that runs first changes every round: a machine's drift within a round (another
+# tenant, memory reclaim after the previous run) must not always fall on the same side.
+sides() { if [ $(( $1 % 2 )) = 1 ]; then echo "$OLD $NEW"; else echo "$NEW $OLD"; fi; }
 uptime
 for i in $(seq "$ROUNDS"); do
-  for side in "$OLD" "$NEW"; do
+  for side in $(sides "$i"); do
     s=$(label "$side")
     echo "== engine $s $side (round $i)"
     f="$OUT/engine.$s.$i.txt"
@@ -63,7 +66,7 @@ echo "== full path (hpc_rlx side of bench_ddp), samples/s"
 for i in $(seq "$ROUNDS"); do
   for run in $FULL; do
     policy=${run%%:*}; n=${run##*:}
-    for side in "$OLD" "$NEW"; do
+    for side in $(sides "$i"); do
       s=$(label "$side")
       rate=$(side_run "$side" timeout 900 "$PY" -c '
 import json, sys

@@ -1,13 +1,10 @@
 """Checkpoints in a running job: save triggers, what goes in, collective save/resume, requeue.
-
-The storage layer (atomic HDF5 files, checksums, retention) is `hpc_rlx.checkpoint`; this
-module decides *when* (identically on every rank), gathers *what*, and moves it over MPI:
-rank 0 writes and reads, everybody else receives by buffer Bcast, so only rank 0 needs to
-see the checkpoint directory.
-
-Every decision that leads to a collective is taken on numbers all ranks agree on (the step,
-the epoch, the flags of the step's fused bucket), and every failure on rank 0 is broadcast as
-one error, so no rank is ever left waiting in a collective the others skipped.
+Storage (atomic HDF5 files, checksums, retention) is `hpc_rlx.checkpoint`; this module decides
+*when* (identically on every rank), gathers *what*, and moves it over MPI: rank 0 writes and
+reads, the others receive by buffer Bcast (what each rank holds alone: `rank_states.py`).
+Every decision that leads to a collective is taken on numbers all ranks agree on (step, epoch,
+the flags of the step's bucket), and a failure on rank 0 is broadcast as one error: no rank
+waits in a collective the others skipped.
 """
 
 from __future__ import annotations
@@ -33,6 +30,7 @@ from hpc_rlx.checkpoint import (
     read_checkpoint,
 )
 from hpc_rlx.checkpoint.triggers import BestWatch, SaveTriggers
+from hpc_rlx.checkpoint import rank_states
 from hpc_rlx.checkpoint.graph_match import check_run_dir_graph
 from hpc_rlx.checkpoint.staged_file import open_arrays
 from hpc_rlx.checkpoint.stages import StagedCheckpoint
@@ -83,7 +81,6 @@ class RuntimeCheckpoints:
 
     def __init__(self, spec, comm, worker, policy, log: Callable[[str], None],
                  epoch_totals: Callable[[], object], pipeline=None):
-
         self.spec, self.comm, self.worker, self.policy = spec, comm, worker, policy
         self.staged = None if pipeline is None else StagedCheckpoint(
             spec.graph, pipeline, comm, spec.parallel.get("cut_points"))
@@ -176,7 +173,6 @@ class RuntimeCheckpoints:
         return t.carried()
 
     def _state(self, opt: dict | None = None, staged=None):
-
         worker, spec = self.worker, self.spec
         opt = opt or worker.optimizer.state_dict()
         arrays = {"params": np.asarray(worker.params)}
@@ -225,6 +221,7 @@ class RuntimeCheckpoints:
         t0 = time.perf_counter()
 
         opt = staged = drain = None
+        ranks = rank_states.gather(self.comm, self.policy, worker)
         if worker.shard is not None:
             # collective over the worker's ranks (a stage's replicas with pipeline stages):
             # its rank 0 gets the whole state, the others None
@@ -239,7 +236,9 @@ class RuntimeCheckpoints:
         def _write():
             try:
                 self._write_unsaved_best(worker.step)
-                return str(self.manager.save(self._state(opt, staged), step=worker.step, metric_value=metric))
+                state = self._state(opt, staged)
+                rank_states.into_file(ranks, state.arrays, state.meta)
+                return str(self.manager.save(state, step=worker.step, metric_value=metric))
             finally:
                 if drain is not None:
                     drain()    # the stages a failed save did not receive: no sender waits
@@ -375,6 +374,7 @@ class RuntimeCheckpoints:
             holder["state"] = state
             if self.staged is not None:     # opened here, so a failure is every rank's error
                 holder["file"] = files.enter_context(open_arrays(state.path))
+            state.arrays, holder["ranks"] = rank_states.split(state.arrays)
             shapes = {k: (list(v.shape), v.dtype.str) for k, v in state.arrays.items()}
             return {"path": str(state.path), "meta": state.meta, "shapes": shapes}
         info = collective.root_computes(comm, _load)
@@ -385,9 +385,11 @@ class RuntimeCheckpoints:
         else:   # each stage its share, by name, read from the file (sync keeps no policy arrays)
             arrays = self.staged.scatter(holder.get("file"), worker.optimizer.state_dict()["arrays"],
                                          worker.params.dtype)
+        own = rank_states.hand_back(comm, holder.get("ranks"), info["meta"])
         holder.clear()
         # Every rank holds the same data, so these checks fail everywhere or nowhere.
         collective.agree(comm, lambda: self._apply(info, arrays))
+        self.policy.load_rank_state(own)
         meta = info["meta"]
         self.resumed_config_yaml = meta.get("config_yaml")
         where = (f"in epoch {worker.epoch + 1} at step {worker.step_in_epoch}/{worker.steps_per_epoch}"

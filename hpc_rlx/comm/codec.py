@@ -92,13 +92,21 @@ class Codec:
         scaled = x32 * np.float32(scale) if scale != 1.0 else x32
         out[HEADER_WORDS:] = self.to_words(scaled)
 
-    def decode(self, words: np.ndarray) -> np.ndarray:
-        """The float32 values of a block (a new array)."""
+    def decode(self, words: np.ndarray, n: int | None = None) -> np.ndarray:
+        """The float32 values of a block (a new array); ``n``, its values, where the caller
+        knows it (a 16-bit block's size says it)."""
         scale = float(np.ascontiguousarray(words[:HEADER_WORDS]).view(np.float32)[0])
         vals = self.from_words(np.ascontiguousarray(words[HEADER_WORDS:]))
         if scale != 1.0:
             vals *= np.float32(1.0 / scale)
         return vals
+
+    def round_trip(self, x: np.ndarray) -> np.ndarray:
+        """What the far side decodes of ``x``: decode(encode(x)), in float32."""
+        n = int(np.asarray(x).size)
+        out = np.empty(self.words(n), np.uint16)
+        self.encode(x, out)
+        return self.decode(out, n)
 
     def sum_blocks(self, blocks: Iterable[np.ndarray], n: int) -> np.ndarray:
         """Decode blocks of ``n`` values each and add them in float32, in the order given

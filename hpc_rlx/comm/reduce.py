@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hpc_rlx.comm.codec import Codec
-from hpc_rlx.comm.wire import block_words, segments
+from hpc_rlx.comm.wire import segments
 from hpc_rlx.comm.wire_volume import allreduce_bytes
 from hpc_rlx.device import backend, cuda_mpi
 from hpc_rlx.observe import trace
@@ -236,12 +236,21 @@ class WireSum(ReductionPath):
                            {"seq": seq, "i": index, "bytes": outgoing_bytes, "wire": self.codec.name})
         return Reduced(len(pieces), int(sent), self.path)
 
+    # ---- the two codings, where a subclass may keep what they lose (`FeedbackWireSum`) ----------
+    def code_input(self, payload, a: int, b: int, out) -> None:
+        """Code this rank's ``payload[a:b]`` for the segment's owner into ``out``."""
+        self.codec.encode(payload[a:b], out)
+
+    def code_sum(self, total, a: int, b: int, out) -> None:
+        """Code the owner's float32 sum of segment ``[a, b)`` into ``out``."""
+        self.codec.encode(total, out)
+
     def _sum_chunk(self, comm, payload, lo: int, hi: int, tail, tail_words) -> tuple[int, int]:
         """Sum ``payload[lo:hi]`` (and the tail, when given) over all ranks in place.
         Returns (bytes of this rank's outgoing words, bytes that left this rank)."""
         ranks, me, codec, words16 = comm.size, comm.rank, self.codec, _mpi().UINT16_T
         owned = [(lo + a, lo + b) for a, b in segments(hi - lo, ranks)]   # segment of each owner
-        body_words = [block_words(b - a) for a, b in owned]
+        body_words = [codec.words(b - a) for a, b in owned]
         words = list(body_words)                # per owner, with the tail behind owner 0's block
         if tail_words is not None:
             words[0] += tail_words.shape[0]
@@ -250,7 +259,7 @@ class WireSum(ReductionPath):
         outgoing = np.empty(sum(words), np.uint16)
         for owner, (a, b) in enumerate(owned):
             start = offsets[owner]
-            codec.encode(payload[a:b], outgoing[start: start + body_words[owner]])
+            self.code_input(payload, a, b, outgoing[start: start + body_words[owner]])
         if tail_words is not None:
             outgoing[offsets[0] + body_words[0]: offsets[0] + words[0]] = tail_words
 
@@ -263,7 +272,7 @@ class WireSum(ReductionPath):
         my_body = body_words[me]
         total = codec.sum_blocks((incoming[src * mine: src * mine + my_body] for src in range(ranks)), b - a)
         summed = np.empty(mine, np.uint16)
-        codec.encode(total, summed[:my_body])
+        self.code_sum(total, a, b, summed[:my_body])
         if tail is not None and me == 0:
             tail_total = np.zeros(tail.shape[0], tail.dtype)
             for src in range(ranks):
@@ -274,7 +283,7 @@ class WireSum(ReductionPath):
         comm.Allgatherv([summed, words16], [gathered, (words, offsets), words16])
         for owner, (a, b) in enumerate(owned):
             start = offsets[owner]
-            payload[a:b] = codec.decode(gathered[start: start + body_words[owner]])
+            payload[a:b] = codec.decode(gathered[start: start + body_words[owner]], b - a)
         if tail is not None:
             tail[...] = gathered[offsets[0] + body_words[0]: offsets[0] + words[0]].view(tail.dtype)
         # what left this rank: its slices for the other owners, and its sum for the others

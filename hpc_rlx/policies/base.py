@@ -108,9 +108,13 @@ class Loop(Protocol):
         """The seed of this step's dropout masks."""
 
     def reduce(self, nonfinite: bool, reduction=None) -> tuple[Mapping[str, bool], float]:
-        """The step's one collective: this rank's control flags into the bucket's tail (the
-        only place they are written), then the bucket's Allreduce (by `reduction`, else the
-        bucket's own path). Returns the reduced flags and the seconds it took."""
+        """The step's one collective: this rank's control flags into the bucket's tail
+        (`write_flags`), then the bucket's Allreduce (by `reduction`, else the bucket's own
+        path). Returns the reduced flags and the seconds it took."""
+
+    def write_flags(self, nonfinite: bool) -> None:
+        """This rank's control flags into the bucket's tail (the only place they are written),
+        for a policy that sums the tail itself (a streaming sync, `policies/streaming.py`)."""
 
 
 class Policy:
@@ -169,6 +173,14 @@ class Policy:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    def rank_state(self, worker) -> dict | None:
+        """What this rank alone holds and a checkpoint must keep per rank ({"arrays",
+        "scalars"}), or None: every rank holds the same (`checkpoint/rank_states.py`)."""
+        return None
+
+    def load_rank_state(self, state: dict | None) -> None:
+        """This rank's own `rank_state` back from a checkpoint (None: another world size)."""
 
     # ---- what the loop shows and records -----------------------------------------------
     def epoch_fraction(self, worker) -> float:

@@ -4,6 +4,7 @@ policy's `check_config` uses, on the package's checkers (`hpc_rlx.checks`; pure:
 from __future__ import annotations
 
 from hpc_rlx.checks import INT64_MIN, Check, checked, integer
+from hpc_rlx.comm.quant_codec import normalize_outer_wire
 
 from .outer import outer_from_config
 
@@ -11,18 +12,24 @@ SHARED_DEFAULTS = {
     "anchor": 10,
     "max_anchor": 200,
     "overhead_target": 0.10,
-    "gamma": 1.0,
+    "gamma": -1.0,
     "outer": "average",
     "outer_lr": None,
     "outer_momentum": None,
     "outer_warmup": None,
     "reset_inner": False,
+    "outer_wire_dtype": None,
+    "fragments": 1,
+    "fragment_delay": 0,
+    "fragment_mix": None,
 }
 SHARED_DOCS = {
     "anchor": "initial local steps per sync (cadence: of the slowest rank; async: K)",
     "max_anchor": "upper bound of the anchor",
     "overhead_target": "target sync time / compute time that the anchor is tuned to",
-    "gamma": "consensus weight of a rank = (its local steps) ** gamma; 0 = plain mean",
+    "gamma": "consensus weight of a rank = (its local steps) ** gamma; -1 = each rank's move "
+             "divided by its steps, so every shard counts as in sync (measured: bench/README.md); "
+             "0 = plain mean; 1 = weighted by work",
     "outer": "`average`, `diloco` (outer Nesterov momentum on the pseudo-gradient) or `slowmo` "
              "(slow momentum)",
     "outer_lr": "outer step size; null = the method's default (diloco 0.7, slowmo 1.0)",
@@ -31,6 +38,16 @@ SHARED_DOCS = {
                     "method's default (diloco 18, measured: bench/README.md; slowmo 0)",
     "reset_inner": "true: reset every rank's inner optimizer state after each sync; false keeps "
                    "it, as the DiLoCo paper's workers do",
+    "outer_wire_dtype": "null (the compute dtype) | bfloat16 | float16 | int8 | int4: each rank "
+                        "sends its weighted difference from the agreed model in this code, with "
+                        "error feedback (what rounding drops is sent at the next sync)",
+    "fragments": "F: the parameters cut into F fragments, each synced every K steps, offset by "
+                 "K/F from the one before (Streaming DiLoCo; F > 1: policy=async, tune=false, F "
+                 "divides K)",
+    "fragment_delay": "tau: a fragment's sum is applied tau local steps after it is sent, "
+                      "overlapping them (at most K/F)",
+    "fragment_mix": "a rank's fragment after the sum arrives = mix * its own + (1 - mix) * the "
+                    "global one; null = 0.5 with a delay (the paper's), else 0",
 }
 
 
@@ -40,7 +57,8 @@ def check_outer_keys(cfg: dict) -> dict:
            "outer_lr": number_key("outer_lr", cfg["outer_lr"], allow_none=True),
            "outer_momentum": number_key("outer_momentum", cfg["outer_momentum"], allow_none=True),
            "outer_warmup": integer_key("outer_warmup", cfg["outer_warmup"], allow_none=True),
-           "reset_inner": bool_key("reset_inner", cfg["reset_inner"])}
+           "reset_inner": bool_key("reset_inner", cfg["reset_inner"]),
+           "outer_wire_dtype": normalize_outer_wire(cfg["outer_wire_dtype"])}
     outer_from_config(out)
     return out
 

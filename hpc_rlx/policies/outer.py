@@ -45,8 +45,11 @@ class OuterOptimizer:
     def begin(self, params) -> None:
         """Record the starting global model (the broadcast initial params)."""
 
-    def step(self, params, inner_lr: float | None = None) -> None:
-        """`params` holds the consensus; overwrite it in place with the new global model."""
+    def step(self, params, inner_lr: float | None = None, part: slice = slice(None),
+             fragment: int = 0) -> None:
+        """`params` holds the consensus; overwrite it in place with the new global model.
+        With streaming syncs (`fragments.py`), `params` is one fragment's consensus, `part` its
+        place in the parameters and `fragment` its index (each fragment counts its own syncs)."""
 
     def state_dict(self) -> dict:
         return {"name": self.name}
@@ -72,7 +75,7 @@ class _MomentumOuter(OuterOptimizer):
         self.lr = float(lr)
         self.momentum = float(momentum)
         self.warmup = warmup
-        self.done = 0           # syncs seen: the first `warmup` take the consensus as it is
+        self.done = [0]         # syncs seen per fragment: the first `warmup` take the consensus
         self.prev = None
         self.buf = None
 
@@ -81,37 +84,40 @@ class _MomentumOuter(OuterOptimizer):
         self.buf = params.copy()
         self.buf.fill(0)
 
-    def step(self, params, inner_lr: float | None = None) -> None:
-        self.done += 1
-        if self.done <= self.warmup:
-            self._check(params)
-            self.prev[...] = params             # the consensus is the new global model
-            return
-        self._outer_step(params, inner_lr)
-
-    def _outer_step(self, params, inner_lr: float | None) -> None:
-        raise NotImplementedError
-
-    def _check(self, params) -> None:
+    def step(self, params, inner_lr: float | None = None, part: slice = slice(None),
+             fragment: int = 0) -> None:
         if self.prev is None:
             raise RuntimeError(f"outer optimizer '{self.name}': call begin(params) before step()")
-        if params.shape != self.prev.shape:
+        prev, buf = self.prev[part], self.buf[part]     # views: the updates land in the state
+        if params.shape != prev.shape:
             raise ValueError(f"params shape {tuple(params.shape)} != outer state "
-                             f"{tuple(self.prev.shape)}")
+                             f"{tuple(prev.shape)}")
+        while len(self.done) <= fragment:
+            self.done.append(0)
+        self.done[fragment] += 1
+        if self.done[fragment] <= self.warmup:
+            prev[...] = params                  # the consensus is the new global model
+            return
+        self._outer_step(params, prev, buf, inner_lr)
 
-    def _pseudo_grad_into(self, params) -> None:
-        self._check(params)
-        np.subtract(self.prev, params, out=params)  # params now holds g = W_prev - W
+    def _outer_step(self, params, prev, buf, inner_lr: float | None) -> None:
+        raise NotImplementedError
 
-    def _descend(self, params, scale: float) -> None:
+    @staticmethod
+    def _pseudo_grad_into(params, prev) -> None:
+        np.subtract(prev, params, out=params)   # params now holds g = W_prev - W
+
+    @staticmethod
+    def _descend(params, prev, buf, scale: float) -> None:
         # W_prev -= scale * buf, using params (free by now) as scratch; the result is both the
         # new global model and the next W_prev
-        np.multiply(self.buf, scale, out=params)
-        self.prev -= params
-        params[...] = self.prev
+        np.multiply(buf, scale, out=params)
+        prev -= params
+        params[...] = prev
 
     def state_dict(self) -> dict:
-        return {"name": self.name, "lr": self.lr, "momentum": self.momentum, "done": self.done,
+        done = self.done[0] if len(self.done) == 1 else list(self.done)
+        return {"name": self.name, "lr": self.lr, "momentum": self.momentum, "done": done,
                 "prev": _host_copy(self.prev), "buf": _host_copy(self.buf)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -119,7 +125,8 @@ class _MomentumOuter(OuterOptimizer):
         if self.prev is None:
             raise RuntimeError(f"outer optimizer '{self.name}': call begin(params) before "
                                "load_state_dict() so the state lands on the right device")
-        self.done = int(state.get("done", 0))
+        done = state.get("done", 0)
+        self.done = [int(d) for d in done] if isinstance(done, (list, tuple)) else [int(done)]
         for key in ("prev", "buf"):
             src = np.asarray(state[key])
             dst = getattr(self, key)
@@ -136,16 +143,16 @@ class DiLoCo(_MomentumOuter):
         super().__init__(lr, momentum, warmup)
         self.nesterov = bool(nesterov)
 
-    def _outer_step(self, params, inner_lr: float | None) -> None:
-        self._pseudo_grad_into(params)          # params = g
-        self.buf *= self.momentum
-        self.buf += params                      # v = mu*v + g
+    def _outer_step(self, params, prev, buf, inner_lr: float | None) -> None:
+        self._pseudo_grad_into(params, prev)    # params = g
+        buf *= self.momentum
+        buf += params                           # v = mu*v + g
         if self.nesterov:
             params *= self.lr
-            self.prev -= params                 # W_prev - lr*g ...
-            self._descend(params, self.lr * self.momentum)  # ... - lr*mu*v
+            prev -= params                      # W_prev - lr*g ...
+            self._descend(params, prev, buf, self.lr * self.momentum)  # ... - lr*mu*v
         else:
-            self._descend(params, self.lr)      # W_prev - lr*v
+            self._descend(params, prev, buf, self.lr)      # W_prev - lr*v
 
 
 class SlowMo(_MomentumOuter):
@@ -154,15 +161,15 @@ class SlowMo(_MomentumOuter):
     def __init__(self, lr: float = 1.0, momentum: float = 0.5, warmup: int = 0):
         super().__init__(lr, momentum, warmup)
 
-    def _outer_step(self, params, inner_lr: float | None) -> None:
+    def _outer_step(self, params, prev, buf, inner_lr: float | None) -> None:
         gamma = 1.0 if inner_lr is None else float(inner_lr)
         if not (math.isfinite(gamma) and gamma > 0):
             raise ValueError(f"inner_lr must be finite and > 0, got {inner_lr!r}")
-        self._pseudo_grad_into(params)
+        self._pseudo_grad_into(params, prev)
         params /= gamma
-        self.buf *= self.momentum
-        self.buf += params                      # u = beta*u + g/gamma
-        self._descend(params, self.lr * gamma)  # W_prev - alpha*gamma*u
+        buf *= self.momentum
+        buf += params                           # u = beta*u + g/gamma
+        self._descend(params, prev, buf, self.lr * gamma)  # W_prev - alpha*gamma*u
 
 
 OUTERS = {"average": OuterAverage, "diloco": DiLoCo, "slowmo": SlowMo}

@@ -169,17 +169,22 @@ class SyncLayout:
         return self.bucket.rank_span(name)
 
     def pack(self, bucket, params, weight: float, rank: int,
-             report: Mapping[str, float]) -> None:
-        """Fill the whole bucket for this rank: weighted params, weight, own report slots
-        (every other tail slot zero)."""
+             report: Mapping[str, float], reference=None) -> None:
+        """Fill the whole bucket for this rank: weighted params (with `reference`, the weighted
+        difference from it), weight, own report slots (every other tail slot zero)."""
         if bucket.shape[0] != self.size:
             raise ValueError(f"bucket has {bucket.shape[0]} slots, layout needs {self.size}")
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of {self.world_size}")
+        weigh_into(params, weight, self.bucket.payload_of(bucket), reference)
+        self.pack_tail(bucket, weight, rank, report)
+
+    def pack_tail(self, bucket, weight: float, rank: int, report: Mapping[str, float]) -> None:
+        """Only the tail of `pack`: the weight and this rank's report slots (a streaming sync
+        stages the payload's fragment itself)."""
         unknown = set(report) - set(self.fields)
         if unknown:
             raise ValueError(f"unknown report fields {sorted(unknown)}; known: {list(self.fields)}")
-        weigh_into(params, weight, self.bucket.payload_of(bucket))
         self._tail.fill(0.0)
         self._tail[self._weight] = weight
         for name in self.fields:
@@ -190,15 +195,16 @@ class SyncLayout:
         """The summed weight of a reduced bucket."""
         return float(self.bucket.tail_of(bucket)[self._weight])
 
-    def finish(self, bucket, out_params) -> bool:
-        """Apply the consensus to `out_params` (`consensus.consensus_into`); False when every
-        rank was idle (`out_params` unchanged)."""
-        return consensus_into(self.bucket.payload_of(bucket), self.total_weight(bucket), out_params)
+    def finish(self, bucket, out_params, reference=None) -> bool:
+        """Apply the consensus to `out_params` (`consensus.consensus_into`; `reference` as in
+        `pack`); False when every rank was idle (`out_params` unchanged)."""
+        return consensus_into(self.bucket.payload_of(bucket), self.total_weight(bucket), out_params,
+                              reference)
 
-    def divergence(self, params, bucket, own_weight: float | None = None) -> float:
+    def divergence(self, params, bucket, own_weight: float | None = None, reference=None) -> float:
         """This rank's `consensus.divergence_from` the consensus in the reduced bucket."""
         return divergence_from(params, self.bucket.payload_of(bucket), self.total_weight(bucket),
-                               own_weight)
+                               own_weight, reference=reference)
 
     def read(self, bucket) -> SyncReport:
         """The reduced bucket's summed weight and every rank's report (host float64)."""

@@ -48,17 +48,23 @@ import numpy as np
 
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import CONTROL_FLAGS
+from hpc_rlx.comm.feedback_wire import FeedbackWireSum
+from hpc_rlx.comm.quant_codec import outer_codec_for
+from hpc_rlx.comm.reduce import HostSum, OrderedSum
 from hpc_rlx.observe import trace
 
 from ..errors import ConfigError
 from .base import EpochTotals, Loop, Policy, StepResult, dropout_seed
 from .consensus import work_weight
 from .epochlog import EpochLog
+from .fragments import Streaming, check_streaming
 from .keys import SHARED_DEFAULTS, SHARED_DOCS, check_outer_keys, integer_key, number_key
 from .outer import outer_from_config
 from .smoothing import RecentMin
+from .streaming import StreamingSync
 from .sync_slots import REPORT_FIELDS, SUMMED_FIELDS, SyncLayout
 from .window import plan_window
+from .windowed_state import WindowedState
 
 FIELDS = REPORT_FIELDS + ("loss_sum", "correct") + CONTROL_FLAGS     # per-rank slots of the sync
 
@@ -76,7 +82,7 @@ class LocalWork:
     bad: bool = False           # a non-finite loss: the window is dropped
 
 
-class WindowedPolicy(Policy):
+class WindowedPolicy(WindowedState, Policy):
     """Local steps, then one fused sync. Subclasses provide the step-count controller:
     `build_controller`, `k`, `planned_counts`, `window_k`, `_observe`, `_controller_record`."""
 
@@ -94,6 +100,7 @@ class WindowedPolicy(Policy):
         out["gamma"] = number_key("gamma", cfg["gamma"])
         out.update(check_outer_keys(cfg))
         out.update(cls.check_own_keys(cfg))
+        out.update(check_streaming(dict(cfg, **out), cls.name))
         # The objects that enforce the ranges; built once here only for their checks.
         work_weight(1, out["gamma"])
         cls.build_controller(out, world_size=1)
@@ -128,6 +135,10 @@ class WindowedPolicy(Policy):
         self._log: EpochLog | None = None           # this epoch's record so far
         self._adopt_position = False
         self._synced = False
+        self.streaming = Streaming(self.cfg["fragments"], self.cfg["fragment_delay"],
+                                   self.cfg["fragment_mix"])
+        self.stream: StreamingSync | None = None    # the fragment syncs, when they stream
+        self._rank_pending = None                   # this rank's own checkpointed state
 
     # ---- the controller behind one small interface (the subclasses) ------------------------
     @property
@@ -151,46 +162,6 @@ class WindowedPolicy(Policy):
         """The controller's keys in the epoch record."""
         return {}
 
-    # ---- checkpoint state ---------------------------------------------------------------
-    def state_dict(self) -> dict:
-        arrays = {}
-        outer = self.outer.state_dict()
-        for key in ("prev", "buf"):
-            if outer.get(key) is not None:
-                arrays[f"outer_{key}"] = np.asarray(outer[key])
-        meta = {
-            "name": self.name,
-            "controller": self.controller.state_dict(),
-            "outer": {k: v for k, v in outer.items() if k not in ("prev", "buf")},
-            "cursors": None if self.cursors is None else list(self.cursors),
-            "positions": None if self.cursors is None else list(self.cursors),
-            "epoch_consumed": int(self.epoch_consumed),
-            "recent_costs": list(self._cost.values),
-            "epoch_log": None if self._log is None else self._log.state_dict(),
-            "world_size": self.world,
-        }
-        return {"arrays": arrays, "meta": meta}
-
-    def load_state_dict(self, state: dict) -> None:
-        meta = state.get("meta") or {}
-        same_world = int(state.get("world_size", meta.get("world_size", self.world))) == self.world
-        if "epoch_consumed" not in meta:
-            # a policy=sync checkpoint: keep the model, start this policy fresh from the
-            # position sync reached (see _setup)
-            self._adopt_position = True
-            return
-        self.epoch_consumed = int(meta["epoch_consumed"])
-        cursors = meta.get("cursors")
-        # a new world size means a new shard plan: every rank starts a fresh local pass
-        self.cursors = [int(c) for c in cursors] if (same_world and cursors) else None
-        if meta.get("name") != self.name:
-            return      # the other windowed policy: same position, this policy's own state
-        self.controller.load_state_dict(meta["controller"])
-        self._cost.values = [float(v) for v in meta.get("recent_costs", [])][-self._cost.n:]
-        log = meta.get("epoch_log")
-        self._log = EpochLog.from_state(log, self.world) if log and self.epoch_consumed else None
-        self._pending = state
-
     # ---- setup on first use (needs the worker) ------------------------------------------
     def _setup(self, loop: Loop) -> None:
         worker = loop.worker
@@ -200,8 +171,17 @@ class WindowedPolicy(Policy):
         self.bucket = worker.bucket
         self.layout = SyncLayout.inside(self.bucket.layout, FIELDS)
         self.reduction = self.bucket.exact_reduction()
+        codec = outer_codec_for(self.cfg["outer_wire_dtype"])
+        self.coded = None           # the coded outer wire, which sends differences from global_params
+        if codec is not None:
+            self.coded = self.reduction = FeedbackWireSum(
+                codec, self.bucket.chunk_elems, self.layout.n_params, worker.params.dtype,
+                self.bucket.deterministic)
         self.buf = self.bucket.buffer
         self.global_params = worker.params.copy()   # the last agreed model (restore point)
+        if self.streaming.active:
+            path = self.coded or (OrderedSum if self.bucket.deterministic else HostSum)(self.bucket.chunk_elems)
+            self.stream = StreamingSync(self, worker, self.streaming, path)
         self.outer.begin(worker.params[:worker.n_trainable])   # buffers: the plain average
         if self._pending is not None:
             arrays = self._pending.get("arrays") or {}
@@ -209,6 +189,7 @@ class WindowedPolicy(Policy):
             if outer_meta.get("name") == self.outer.name and "outer_prev" in arrays:
                 outer_meta.update(prev=arrays["outer_prev"], buf=arrays["outer_buf"])
                 self.outer.load_state_dict(outer_meta)
+            self._resume_streams(loop, arrays, (self._pending.get("meta") or {}).get("streaming"))
             self._pending = None
         self.batches = [worker.plan.rank_batch(r) for r in range(self.world)]
         self.epoch_samples = int(worker.plan.samples_per_epoch)
@@ -251,6 +232,8 @@ class WindowedPolicy(Policy):
         """(planned, counts): the next full window's step counts and those trimmed to what is
         left of the epoch (all zero when nothing is left)."""
         planned = self.planned_counts()
+        if self.stream is not None:          # sub-windows of K / F steps (fragments.py)
+            planned = [self.streaming.sub_window(self.k)] * self.world
         return planned, plan_window(planned, self.batches, self.epoch_samples - self.epoch_consumed)
 
     def step(self, loop: Loop) -> StepResult | None:
@@ -260,9 +243,13 @@ class WindowedPolicy(Policy):
             self.epoch_consumed = 0
             self._log = None
             return None
+        if self.stream is not None:
+            return self.stream.window(loop, counts, self.window_k(planned))
         return self._window(loop, counts, counts != planned, self._log, self.window_k(planned))
 
     def end_epoch(self, loop: Loop, totals: EpochTotals, stopping: bool) -> None:
+        if stopping and self.stream is not None:
+            self.stream.stop()       # a fragment in flight: the checkpoint keeps what was sent
         if stopping and self._log is not None and not any(self._next_window()[1]):
             # the run stops exactly where the epoch ends: the epoch is complete
             self.epoch_consumed = 0
@@ -357,18 +344,16 @@ class WindowedPolicy(Policy):
         worker = loop.worker
         bad = work.bad or not math.isfinite(float(np.sum(worker.params, dtype=np.float64)))
         weight = 0.0 if bad else work_weight(work.steps, self.gamma)
-        self.layout.pack(self.buf, worker.params, weight, worker.rank, {
-            "steps": work.steps, "samples": work.samples, "compute_ms": work.measured * 1e3,
-            "sync_ms": self._prev_sync_ms, "divergence": self._prev_div,
-            "loss_sum": 0.0 if bad else work.loss_sum, "correct": 0.0 if bad else work.correct,
-        })
+        ref = None if self.coded is None else self.global_params
+        self.layout.pack(self.buf, worker.params, weight, worker.rank, self.report_of(work, bad),
+                         reference=ref)
         flags, _ = loop.reduce(nonfinite=bad, reduction=self.reduction)
         report = self.layout.read(self.buf)
         if flags["nonfinite"] and loop.on_nonfinite == "stop":
             worker.params[...] = self.global_params      # the last agreed model, not this rank's window
             return flags, None
-        self._prev_div = self.layout.divergence(worker.params, self.buf, weight)
-        if self.layout.finish(self.buf, worker.params):
+        self._prev_div = self.layout.divergence(worker.params, self.buf, weight, reference=ref)
+        if self.layout.finish(self.buf, worker.params, reference=ref):
             self.outer.step(worker.params[:worker.n_trainable], inner_lr=lr if lr > 0 else worker.base_lr)
             self.global_params[...] = worker.params
             if self.outer.resets_inner:
@@ -379,6 +364,12 @@ class WindowedPolicy(Policy):
             worker.optimizer.reset()                     # its state may hold the non-finite values
         loop.lanes.refresh_device_params()
         return flags, report
+
+    def report_of(self, work: LocalWork, bad: bool) -> dict:
+        """This rank's report slots for the sync that ends `work`."""
+        return {"steps": work.steps, "samples": work.samples, "compute_ms": work.measured * 1e3,
+                "sync_ms": self._prev_sync_ms, "divergence": self._prev_div,
+                "loss_sum": 0.0 if bad else work.loss_sum, "correct": 0.0 if bad else work.correct}
 
     def _account(self, loop: Loop, report, k: int, trimmed: bool, log: EpochLog) -> None:
         """What every rank learns from the reduced report: skips, cursors, the position, the

@@ -96,13 +96,18 @@ class Run(Survives):
 
     # ---- the step's collective: flags in the bucket's tail ---------------------------------
     def reduce(self, nonfinite: bool, reduction=None) -> tuple[dict, float]:
-        """`policies.base.Loop.reduce`: the only writer of the control flags."""
+        """`policies.base.Loop.reduce`."""
+        self.write_flags(nonfinite)
+        bucket = self.worker.bucket
+        seconds = bucket.allreduce(self.worker.comm, reduction)
+        return bucket.flags(), seconds
+
+    def write_flags(self, nonfinite: bool) -> None:
+        """`policies.base.Loop.write_flags`: the only writer of the control flags."""
         bucket = self.worker.bucket
         for key, value in self._control_flags(nonfinite).items():
             bucket.put(key, value, self.worker.rank)
         self.hooks.fail_at("allreduce", self.worker.step)
-        seconds = bucket.allreduce(self.worker.comm, reduction)
-        return bucket.flags(), seconds
 
     def _control_flags(self, nonfinite: bool) -> dict:
         """This rank's control flags for the next sync (`bucket_layout.CONTROL_FLAGS`)."""

@@ -231,12 +231,17 @@ exec nsenter -t "$pid" -n -u -i -m -- taskset -c "$core" sh -c "$*"
         _sh("ip", "netns", "exec", self.netns(name), "ip", "link", "set", self.veth(name),
             "up" if up else "down")
 
-    def limit_bandwidth(self, rate: str | None) -> None:
-        """`tc tbf` on every node's interface (e.g. '1gbit'); None removes the limit."""
+    def limit_bandwidth(self, rate: str | None, delay_ms: float = 0) -> None:
+        """`tc tbf` on every node's interface (e.g. '1gbit'); with `delay_ms`, `tc netem` at that
+        rate and one-way delay instead (a slow wide-area link: '100mbit', 20); None removes the
+        limit."""
         for name in self.names:
             inn = ["ip", "netns", "exec", self.netns(name), "tc", "qdisc"]
             _sh(*inn, "del", "dev", self.veth(name), "root", check=False)
-            if rate:
+            if rate and delay_ms:
+                _sh(*inn, "add", "dev", self.veth(name), "root", "netem", "delay", f"{delay_ms}ms",
+                    "rate", rate, "limit", "100000")
+            elif rate:
                 _sh(*inn, "add", "dev", self.veth(name), "root", "tbf", "rate", rate,
                     "burst", "64kb", "latency", "50ms")
 

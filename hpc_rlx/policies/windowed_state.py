@@ -1,0 +1,103 @@
+"""A windowed policy's checkpoint state (`windowed.WindowedPolicy` inherits it): what every rank
+shares (rank 0 writes it: the controller, the positions, the outer optimizer, the epoch's log,
+and with streaming syncs the agreed model) and what each rank holds alone (`rank_state`: its
+inner optimizer state, the coded wire's residuals, with streaming syncs its parameters and the
+fragment in flight), which the checkpoint keeps per rank (`checkpoint/runtime.py`).
+
+A resume on the same world size gives every rank its own state back, so it continues bitwise
+as if never stopped. On another world size the shard plan and the segments change: every rank
+starts from rank 0's inner state and the agreed model, the residuals are dropped and the
+fragment in flight is not sent again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Loop
+from .epochlog import EpochLog
+
+
+class WindowedState:
+    """The checkpoint methods of `windowed.WindowedPolicy` (which owns every attribute used)."""
+
+    def state_dict(self) -> dict:
+        arrays = {}
+        outer = self.outer.state_dict()
+        for key in ("prev", "buf"):
+            if outer.get(key) is not None:
+                arrays[f"outer_{key}"] = np.asarray(outer[key])
+        meta = {
+            "name": self.name,
+            "controller": self.controller.state_dict(),
+            "outer": {k: v for k, v in outer.items() if k not in ("prev", "buf")},
+            "cursors": None if self.cursors is None else list(self.cursors),
+            "positions": None if self.cursors is None else list(self.cursors),
+            "epoch_consumed": int(self.epoch_consumed),
+            "recent_costs": list(self._cost.values),
+            "epoch_log": None if self._log is None else self._log.state_dict(),
+            "world_size": self.world,
+        }
+        if self.stream is not None:     # the agreed model, fragment by fragment
+            arrays["global"] = self.global_params.copy()
+            meta["streaming"] = self.stream.meta()
+        return {"arrays": arrays, "meta": meta}
+
+    def rank_state(self, worker) -> dict:
+        """What only this rank holds, for a bitwise-exact resume on the same world size: its
+        inner optimizer state (local steps make it differ between ranks), the coded wire's
+        residuals, and with streaming syncs its parameters and the fragment in flight."""
+        opt = worker.optimizer.state_dict()
+        arrays = {f"opt/{k}": np.asarray(v).copy() for k, v in opt["arrays"].items()}
+        if self.coded is not None:
+            arrays.update({f"wire/{k}": v for k, v in self.coded.state_dict().items()})
+        if self.stream is not None:
+            arrays["params"] = np.asarray(worker.params).copy()
+            arrays.update(self.stream.rank_state())
+        return {"arrays": arrays, "scalars": opt["scalars"]}
+
+    def load_rank_state(self, state: dict | None) -> None:
+        """This rank's own `rank_state` from a checkpoint of the same world size (None from
+        another: every rank then starts from rank 0's inner state, residuals dropped and the
+        agreed model as its parameters); applied at setup."""
+        self._rank_pending = state
+
+    def load_state_dict(self, state: dict) -> None:
+        meta = state.get("meta") or {}
+        same_world = int(state.get("world_size", meta.get("world_size", self.world))) == self.world
+        if "epoch_consumed" not in meta:
+            # a policy=sync checkpoint: keep the model, start this policy fresh from the
+            # position sync reached (see _setup)
+            self._adopt_position = True
+            return
+        self.epoch_consumed = int(meta["epoch_consumed"])
+        cursors = meta.get("cursors")
+        # a new world size means a new shard plan: every rank starts a fresh local pass
+        self.cursors = [int(c) for c in cursors] if (same_world and cursors) else None
+        if meta.get("name") != self.name:
+            return      # the other windowed policy: same position, this policy's own state
+        self.controller.load_state_dict(meta["controller"])
+        self._cost.values = [float(v) for v in meta.get("recent_costs", [])][-self._cost.n:]
+        log = meta.get("epoch_log")
+        self._log = EpochLog.from_state(log, self.world) if log and self.epoch_consumed else None
+        self._pending = state
+
+    def _resume_streams(self, loop: Loop, arrays: dict, streaming: dict | None) -> None:
+        """The per-rank state a checkpoint kept (`rank_state`), once the arrays exist."""
+        worker, own = loop.worker, self._rank_pending
+        self._rank_pending = None
+        if own is not None:
+            opt = {k[4:]: v for k, v in own["arrays"].items() if k.startswith("opt/")}
+            worker.load_optimizer_state({"arrays": opt, "scalars": own["scalars"]})
+            if self.coded is not None and "wire/sent_residual" in own["arrays"]:
+                self.coded.load_state_dict({k[5:]: v for k, v in own["arrays"].items() if k.startswith("wire/")})
+        if self.stream is None:
+            return
+        if "global" in arrays:
+            self.global_params[...] = arrays["global"]
+            # this rank's own parameters, or (another world size) the agreed model
+            worker.params[...] = own["arrays"]["params"] if own and "params" in own["arrays"] else arrays["global"]
+            loop.lanes.refresh_device_params()
+        if streaming:
+            self.stream.load(streaming, own["arrays"] if own else None, worker.comm)
+
