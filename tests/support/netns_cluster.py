@@ -239,8 +239,11 @@ exec nsenter -t "$pid" -n -u -i -m -- taskset -c "$core" sh -c "$*"
             inn = ["ip", "netns", "exec", self.netns(name), "tc", "qdisc"]
             _sh(*inn, "del", "dev", self.veth(name), "root", check=False)
             if rate and delay_ms:
-                _sh(*inn, "add", "dev", self.veth(name), "root", "netem", "delay", f"{delay_ms}ms",
-                    "rate", rate, "limit", "100000")
+                done = _sh(*inn, "add", "dev", self.veth(name), "root", "netem", "delay", f"{delay_ms}ms",
+                           "rate", rate, "limit", "100000", check=False)
+                if done.returncode:
+                    raise RuntimeError(f"tc netem refused ({done.stderr.strip()}): this kernel has no "
+                                       f"netem qdisc; shape the rate alone (tbf)")
             elif rate:
                 _sh(*inn, "add", "dev", self.veth(name), "root", "tbf", "rate", rate,
                     "burst", "64kb", "latency", "50ms")

@@ -214,6 +214,9 @@ CASES = [
          r"stage's only copy with it", kind="ConfigError"),
     Case("shrink_with_cadence", ("comm.on_failure=shrink", "policy=cadence"),
          r"comm\.on_failure=shrink does not run with policy=cadence: .*; use policy=sync", kind="ConfigError"),
+    Case("fragments_with_cadence", ("policy=cadence", "policy.fragments=2"),
+         r"policy\.fragments=2 policy\.fragment_delay=0 needs every rank on the same steps per sync: use "
+         r"policy=async with policy\.tune=false", kind="ConfigError"),
     Case("shrink_with_gpu_lanes", ("comm.on_failure=shrink", "device=cuda"),
          r"comm\.on_failure=shrink does not run with device=cuda: GPU lanes are not rebuilt after a failure "
          r"yet; use device=cpu", kind="ConfigError"),

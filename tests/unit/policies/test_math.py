@@ -812,6 +812,18 @@ def test_policy_config_defaults_and_normalisation():
     ({"name": "async", "outer": "diloco", "reset_inner": "yes"},
      "policy.reset_inner must be true or false, got 'yes'"),
     ({"name": "async", "outer_warmup": 3}, "policy.outer=average takes no parameters"),
+    ({"name": "cadence", "fragments": 2}, "policy.fragments=2 policy.fragment_delay=0 needs every rank on the "
+     "same steps per sync: use policy=async with policy.tune=false"),
+    ({"name": "async", "fragments": 2}, "needs a fixed K: set policy.tune=false"),
+    ({"name": "async", "tune": False, "anchor": 10, "fragments": 3},
+     "policy.fragments must divide policy.anchor (K=10)"),
+    ({"name": "async", "tune": False, "anchor": 10, "fragments": 2, "fragment_delay": 6},
+     "policy.fragment_delay=6 is longer than the 5 steps between two fragment syncs"),
+    ({"name": "async", "fragments": 0}, "policy.fragments must be an integer >= 1, got 0"),
+    ({"name": "async", "fragment_delay": -1}, "policy.fragment_delay must be an integer >= 0, got -1"),
+    ({"name": "async", "fragment_mix": 1.5}, "policy.fragment_mix must be a number in [0, 1] or null, got 1.5"),
+    ({"name": "async", "outer_wire_dtype": "int2"}, "policy.outer_wire_dtype must be null, bfloat16, float16, "
+     "int8, int4; got 'int2'"),
     ({"name": "async", "outer": "diloco", "outer_warmup": 1.5},
      "policy.outer_warmup must be an integer, got 1.5"),
 ])
