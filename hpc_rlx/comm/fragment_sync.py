@@ -55,7 +55,7 @@ class FragmentSync:
         self.sent = np.empty(max(hi - lo for lo, hi in bounds) + tail_size, dtype)
         self.fragment: int | None = None     # the fragment in flight
         self._requests: list = []
-        self._started = 0.0
+        self._cancelled = False      # the run stopped with this fragment in flight (`cancel`)
 
     def stage(self, fragment: int) -> StagedFragment:
         """The staging array of `fragment`, for the caller to fill."""
@@ -67,8 +67,8 @@ class FragmentSync:
             raise RuntimeError(f"fragment {self.fragment} is still in flight")
         staged = self._staged[fragment]
         self.sent[:staged.buffer.size] = staged.buffer
-        self.fragment, self._started = fragment, time.perf_counter()
-        self._requests = []
+        self.fragment = fragment
+        self._requests, self._cancelled = [], False
         if self.path.overlappable and comm.size > 1:
             mpi = _mpi()
             for lo, hi in chunk_bounds(staged.buffer.size, self.chunk_elems):
@@ -87,7 +87,7 @@ class FragmentSync:
     def wait(self, comm) -> tuple[int, StagedFragment, Reduced, float]:
         """Complete the sum in flight: (fragment, its summed staging, what the sum did, the
         seconds this call waited)."""
-        if self.fragment is None:
+        if self.fragment is None or self._cancelled:
             raise RuntimeError("no fragment in flight")
         t0 = time.perf_counter()
         fragment, staged = self.fragment, self._staged[self.fragment]
@@ -105,8 +105,10 @@ class FragmentSync:
         return fragment, staged, done, time.perf_counter() - t0
 
     def cancel(self) -> None:
-        """Drop the sum in flight (the run stops; a checkpoint holds `sent`, and the resumed run
-        starts it again): MPI's requests are completed, a path that runs at `wait` never ran."""
+        """The run stops with a sum in flight: MPI's requests are completed (a path that runs at
+        `wait` never ran) and the result is dropped, but the fragment stays marked in flight with
+        its `sent` contribution, so a checkpoint taken now keeps it and the resumed run starts
+        the same sum again."""
         if self._requests:
             _mpi().Request.Waitall(self._requests)
-        self.fragment, self._requests = None, []
+        self._requests, self._cancelled = [], True

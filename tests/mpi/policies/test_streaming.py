@@ -81,12 +81,13 @@ def test_each_fragment_is_applied_on_its_schedule_after_its_delay(tmp_path, digi
 
 def test_a_resume_between_fragment_syncs_is_bitwise_exact(tmp_path, digits_h5):
     # int8 wire with residuals, AdamW inside (each rank's moments differ), tau=1: the run stops
-    # at step 7 with a fragment in flight and resumes from that checkpoint
+    # at step 7 with a fragment in flight, saves (after the stop dropped the sum in flight) and
+    # resumes from that checkpoint
     setup = ["policy.anchor=4", "policy.fragments=2", "policy.fragment_delay=1",
              "policy.outer_wire_dtype=int8", "train.epochs=2"]
     _train(tmp_path / "whole", digits_h5, setup + ["checkpoint=off"])
     stopped = tmp_path / "stopped"
-    _train(stopped, digits_h5, setup + ["train.max_steps=7", "checkpoint.every_steps=7"])
+    _train(stopped, digits_h5, setup + ["train.max_steps=7"])
     state = read_checkpoint(checkpoints_dir(stopped) / checkpoint_name(7))
     assert state.meta["policy"]["state"]["streaming"]["in_flight"] is not None
     for r in (0, 1):
