@@ -35,8 +35,8 @@ from pathlib import Path
 from _common import emulated_nodes, fmt_table, machine_note, mpiexec_on_nodes, mpirun, one_thread_env
 from hpc_rlx.data.prepare import ensure_prepared  # noqa: E402  (_common puts the repo on the path)
 
-K = 25
-WINDOWED = ["policy=async", "policy.tune=false", f"policy.anchor={K}", "policy.outer=diloco"]
+K = 25                 # local steps per sync (--k)
+WINDOWED = ["policy=async", "policy.tune=false", "policy.outer=diloco"]
 ROWS = {
     "sync": ["policy=sync"],
     "diloco": WINDOWED,
@@ -47,13 +47,13 @@ ROWS = {
 }
 LABELS = {
     "sync": "policy=sync",
-    "diloco": f"DiLoCo K={K}, float32",
-    "stream": f"Streaming K={K} F=5 tau=1, float32",
-    "stream-int8": f"Streaming K={K} F=5 tau=1, int8",
-    "stream-int4": f"Streaming K={K} F=5 tau=1, int4",
-    "diloco-int4": f"DiLoCo K={K}, int4",
+    "diloco": "DiLoCo K={k}, float32",
+    "stream": "Streaming K={k} F=5 tau=1, float32",
+    "stream-int8": "Streaming K={k} F=5 tau=1, int8",
+    "stream-int4": "Streaming K={k} F=5 tau=1, int4",
+    "diloco-int4": "DiLoCo K={k}, int4",
 }
-__doc__ += "".join(f"\n- {name}: {LABELS[name]}" for name in ROWS) + "\n"
+__doc__ += "".join(f"\n- {name}: {LABELS[name].format(k='K')}" for name in ROWS) + "\n"
 
 
 def run_row(launch, ranks: int, name: str, data: str, args, workdir: Path) -> dict:
@@ -61,6 +61,8 @@ def run_row(launch, ranks: int, name: str, data: str, args, workdir: Path) -> di
     job = ["-m", "hpc_rlx", "experiment=lm", f"hydra.run.dir={run_dir}", "report.plots=false",
            "checkpoint=off", f"data.path={data}", f"train.epochs={args.epochs}",
            f"train.seed={args.seed}", "comm.shared_memory=false"] + ROWS[name] + args.extra
+    if name != "sync":
+        job.append(f"policy.anchor={args.k}")
     t0 = time.perf_counter()
     launch(ranks, job)
     wall = time.perf_counter() - t0
@@ -85,14 +87,14 @@ def time_to(curve, target: float) -> float | None:
     return None
 
 
-def table(rows: list[str], cells: dict) -> str:
+def table(rows: list[str], cells: dict, k: int) -> str:
     ref = cells["sync"]
     out = []
     for name in rows:
         c = cells[name]
         reach = time_to(c["curve"], ref["val_loss"])
         total = sum(s for s, _ in ref["curve"])
-        out.append([LABELS[name], c["syncs"], f"{c['wire'] / 2**20:.2f}",
+        out.append([LABELS[name].format(k=k), c["syncs"], f"{c['wire'] / 2**20:.2f}",
                     f"{ref['wire'] / max(c['wire'], 1):.0f}x", f"{c['val_loss']:.4f}",
                     f"{c['val_loss'] / ref['val_loss']:.4f}", "-" if reach is None else f"{reach:.1f}",
                     "-" if reach is None else f"{reach / total:.2f}", f"{c['wall_s']:.0f}"])
@@ -106,6 +108,7 @@ def main() -> None:
     ap.add_argument("--link", default=None, help="RATE[:DELAY_MS]: 2 emulated nodes joined by a link "
                                                   "of that rate (and delay) instead of this host (root)")
     ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--k", type=int, default=K, help="local steps per sync of every windowed row")
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     ap.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every row")
@@ -128,7 +131,7 @@ def main() -> None:
                 print(f"\n# 2 emulated nodes, 1 rank each, link {rate} with {delay} ms added delay, "
                       f"experiment=lm train.epochs={args.epochs} train.seed={args.seed}", flush=True)
                 cells = {name: run_row(launch, 2, name, data, args, workdir) for name in rows}
-                print(table(rows, cells), flush=True)
+                print(table(rows, cells, args.k), flush=True)
             return
         for ranks in args.ranks:
             def launch(n, job):
@@ -140,7 +143,7 @@ def main() -> None:
                 cells[name] = run_row(launch, ranks, name, data, args, workdir)
                 print(f"  {name}: val_loss {cells[name]['val_loss']:.4f} wire {cells[name]['wire']} "
                       f"wall {cells[name]['wall_s']:.0f}s", flush=True)
-            print(table(rows, cells), flush=True)
+            print(table(rows, cells, args.k), flush=True)
 
 
 if __name__ == "__main__":
