@@ -116,6 +116,11 @@ class RunDisplay:
                  f"val_loss {fmt(rec['val_loss'])}{acc}  "
                  f"{fmt(rec['samples_per_s'], 0)} samples/s  comm {fmt(comm_s, 3)}s")
 
+    def event(self, rec: dict) -> None:
+        """Rank 0: a run event (`{"event": ...}`) where the steps are recorded (TensorBoard)."""
+        if self.step_log is not None:
+            self.step_log.event(rec)
+
     def close(self) -> None:
         """End the progress bar and the step log (also when the run fails)."""
         if self.progress is not None:

@@ -104,6 +104,11 @@ class StepLog:
         if self.tensorboard is not None:
             self.tensorboard.epoch(rec)
 
+    def event(self, rec: dict) -> None:
+        """A run event (a failure): steps.jsonl carries none, TensorBoard marks it."""
+        if self.tensorboard is not None:
+            self.tensorboard.event(rec)
+
     def close(self) -> None:
         if not self.file.closed:
             self.file.close()

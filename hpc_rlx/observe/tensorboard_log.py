@@ -125,6 +125,16 @@ class TensorBoardLog:
             if _is_number(rec.get(key)):
                 self.writer.add_scalar(tag, rec[key], step)
 
+    def event(self, rec: dict) -> None:
+        """A record that is not an epoch (metrics.jsonl's `{"event": ...}`), marked at its step:
+        its fields as text under `events/<event>`, and for a failure the world size after it
+        as the scalar `events/world_size`, a step down in the plot where ranks were lost."""
+        step = int(rec.get("step") or 0)
+        fields = {k: v for k, v in rec.items() if k != "event"}
+        self.writer.add_text(f"events/{rec['event']}", json.dumps(fields, sort_keys=True), step)
+        if rec["event"] == "failure" and _is_number(rec.get("world_size_after")):
+            self.writer.add_scalar("events/world_size", rec["world_size_after"], step)
+
     def close(self) -> None:
         self.writer.file_writer.add_summary(self._sei)
         self.writer.close()

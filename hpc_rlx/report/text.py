@@ -65,6 +65,10 @@ def run_text(files: RunFiles) -> str:
     acc = f"  val_accuracy {_f(final.get('val_accuracy'))}" if "val_accuracy" in final else ""
     lines.append(f"final: train_loss {_f(final.get('train_loss'))}  val_loss {_f(final.get('val_loss'))}"
                  f"{acc}")
+    for f in s.get("failures") or []:
+        who = ", ".join(f"{r} on {h}" for r, h in zip(f["ranks"], f["hosts"]))
+        lines.append(f"failure: rank{'s' if len(f['ranks']) > 1 else ''} {who} lost at step {f['step']}; "
+                     f"{f['world_size_after']} ranks trained on after {f['recovery_s']:.2f} s of recovery")
     rates = [r["samples_per_s"] for r in m if isinstance(r.get("samples_per_s"), (int, float))]
     if rates:
         later = rates[1:] or rates   # the first epoch pays warm-up

@@ -197,6 +197,7 @@ class Survives:
             self.log(note)
         if self.outputs:
             self.outputs.event({"event": "failure", **done.record})
+        self.display.event({"event": "failure", **done.record})
         return done.totals
 
     def _take_over(self) -> None:

@@ -50,6 +50,18 @@ def model(run: Path) -> dict:
         return {k: f[k][...] for k in f}
 
 
+def tensorboard_marks(run: Path) -> dict:
+    """The run's TensorBoard event marks, read with TensorBoard's own reader: the
+    `events/world_size` points and the text tags under `events/`."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    acc = accumulator.EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    points = ([(e.step, e.value) for e in acc.Scalars("events/world_size")]
+              if "events/world_size" in tags.get("scalars", []) else [])
+    return {"world_size": points, "text": [t for t in tags.get("tensors", []) if t.startswith("events/")]}
+
+
 REFERENCES: dict[tuple, dict] = {}
 
 
@@ -57,7 +69,7 @@ def resumed_reference(tmp_path: Path, data: Path, n: int, survivors: int, step: 
                       extra: list[str]) -> tuple[dict, list]:
     """The run the shrunk job must equal: `n` ranks to `step`, then resumed on `survivors`:
     its model and its epochs' validation losses."""
-    key = (str(data), n, survivors, step, tuple(extra))
+    key = (str(data), n, survivors, step, tuple(e for e in extra if not e.startswith("report.")))
     if key not in REFERENCES:
         REFERENCES[key] = _resumed(tmp_path / "reference", data, n, survivors, step, extra)
     return REFERENCES[key]
@@ -79,7 +91,7 @@ def _resumed(ref: Path, data: Path, n: int, survivors: int, step: int, extra: li
     (4, [1, 2], "step", 5, []),
     # the next three end alike (the first step of epoch 2 is redone on 2 ranks): one reference
     # just before the step's Allreduce, MPI's own Allreduce
-    (3, 1, "allreduce", 16, ["comm.shared_memory=false"]),
+    (3, 1, "allreduce", 16, ["comm.shared_memory=false", "report.tensorboard=true"]),
     # rank 0, the writer of the run directory: the survivors' rank 0 takes it over
     (3, 0, "step", 16, ["comm.shared_memory=false"]),
     # before the validation of epoch 1: the survivors redo it over themselves
@@ -124,6 +136,14 @@ def test_shrink_survives_a_killed_rank_and_ends_as_a_resume_on_the_survivors(tmp
     assert re.search(rf"completed in .*; {len(dead)} ranks? failed during the run, {left} trained to the end", log), log
     assert "STALL" not in proc.stderr and "watchdog" in summary, summary     # rebuilt over the survivors
     assert "Traceback" not in proc.stderr, explain(proc)
+    report = subprocess.run([PYTHON, "-m", "hpc_rlx.report", str(run), "--no-plots"], cwd=REPO,
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert re.search(rf"failure: ranks? {who} lost at step {step}; {left} ranks trained on after", report.stdout), \
+        report.stdout + report.stderr
+    if "report.tensorboard=true" in extra:
+        marks = tensorboard_marks(run)
+        assert marks["world_size"] == [(step, float(left))], marks
+        assert marks["text"] and all(t.startswith("events/failure") for t in marks["text"]), marks
 
     reference, val_losses = resumed_reference(tmp_path, data, n, left, step, extra)
     assert [r["val_loss"] for r in epochs] == pytest.approx(val_losses, abs=1e-10)
