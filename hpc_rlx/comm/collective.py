@@ -24,6 +24,7 @@ from hpc_rlx.comm.bucket_layout import BucketLayout
 from hpc_rlx.comm.codec import codec_for, normalize_wire
 from hpc_rlx.comm.job_abort import abort_job
 from hpc_rlx.comm.node_memory import NodeSharedSum
+from hpc_rlx.comm.node_scatter import NodeScatteredSum
 from hpc_rlx.comm.overlap import OverlapPlan, OverlapStep
 from hpc_rlx.comm.reduce import StagedSum, ring_bytes
 from hpc_rlx.comm.registry import AUTO, exact_name, make_reduction, placement
@@ -258,6 +259,8 @@ class FusedBucket:
         if self.shard is not None:      # the reduce-scatter sums host memory: a device bucket is staged
             self.choice = choice if choice.path == cuda_mpi.HOST else cuda_mpi.PathChoice(
                 cuda_mpi.STAGED, "comm.shard=optimizer sums in host memory")
+            if self.reduction.in_node_memory and choice.path == cuda_mpi.HOST:
+                return      # reduce-scattered in the node's shared memory (`node_scatter`)
             inner = ScatteredSum(self.shard, self.chunk_elems, codec_for(self.wire))
             self.reduction = inner if choice.path == cuda_mpi.HOST else StagedSum(inner)
             return
@@ -288,17 +291,24 @@ class FusedBucket:
         `buffer` or `payload`."""
         if comm.size == 1:
             return False                 # nothing to share, nothing to report
+        sharded = self.shard is not None    # its reduce-scatter in the window (one node only)
         why_not = ("a GPU lane" if not cpu_only or self.device is not None else
-                   "comm.shard=optimizer" if self.shard is not None else
-                   "comm.deterministic=true" if self.deterministic else
+                   "comm.deterministic=true" if self.deterministic and not sharded else
                    f"comm.wire_dtype={self.wire}" if self.wire else
                    "comm.overlap=true" if self.overlap else
                    f"comm.reduction={self.reduction_name}" if self.reduction_name != AUTO else
-                   None if self.reduction.overlappable else "a reduction other than MPI's SUM")
-        shared, self.shared_memory_off = NodeSharedSum.create(
+                   None if sharded or self.reduction.overlappable else "a reduction other than MPI's SUM")
+        shared, self.shared_memory_off = (NodeScatteredSum if sharded else NodeSharedSum).create(
             comm, self.buffer.shape[0], self.buffer.dtype, self.chunk_elems, why_not)
         if shared is None:
             return False
+        if sharded:
+            if shared.cross.size > 1:      # the same on every rank: the number of nodes
+                self.shared_memory_off = (f"comm.shard=optimizer across {shared.cross.size} nodes "
+                                          f"(a slice's sum needs every node's copy: MPI's reduce-scatter)")
+                shared.free()
+                return False
+            shared.attach(self.shard, self.layout)
         shared.segment[...] = self.buffer
         self._set_host(shared.segment)
         self.reduction = shared
@@ -309,7 +319,8 @@ class FusedBucket:
         """Back to a private buffer with the last values and MPI's Allreduce (the window is
         about to be freed)."""
         if self.reduction.in_node_memory:
-            self.reduction = make_reduction(self.chunk_elems, self.deterministic, None)
+            self.reduction = (ScatteredSum(self.shard, self.chunk_elems, None) if self.shard is not None
+                              else make_reduction(self.chunk_elems, self.deterministic, None))
             self._set_host(self.buffer.copy())
 
     def abandon_node_memory(self) -> bool:

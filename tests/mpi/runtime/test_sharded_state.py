@@ -67,16 +67,23 @@ def test_sharded_state_with_the_16_bit_wire(tmp_path, digits_h5):
 def test_deterministic_sharded_runs_repeat_bitwise(tmp_path, digits_h5):
     """Under comm.deterministic the reduce-scatter adds every rank's slice in rank order (as the
     ordered Allreduce does) and the clipping norm sums the slices' shares in rank order: two
-    sharded runs are bitwise equal."""
+    sharded runs are bitwise equal. On one node the reduce-scatter runs in the node's shared
+    memory (comm/node_scatter.py) with the same additions as over MPI: a run with
+    comm.shared_memory=false is bitwise equal too."""
     overrides = BASE + [f"data.path={digits_h5}", "comm.deterministic=true", "optim.clip_grad_norm=0.5",
                         "checkpoint=off", "comm.shard=optimizer"] + ADAMW
-    runs = [tmp_path / "first", tmp_path / "again"]
-    for run in runs:
-        proc = train_job(2, run, overrides, timeout=240)
+    runs = {"first": [], "again": [], "over_mpi": ["comm.shared_memory=false"]}
+    for name, extra in runs.items():
+        proc = train_job(2, tmp_path / name, overrides + extra, timeout=240)
         assert proc.returncode == 0, explain(proc)
-    a, b = (load_params(run) for run in runs)
-    for k in a:
-        assert np.array_equal(a[k], b[k]), f"{k}: max abs difference {np.abs(a[k] - b[k]).max():.3e}"
+    logs = {name: (tmp_path / name / "hpc_rlx.log").read_text() for name in runs}
+    assert "path node shared memory (2 ranks), reduce-scatter (comm.shard=optimizer)" in logs["first"], logs["first"]
+    assert "path host" in logs["over_mpi"] and "node shared memory" not in logs["over_mpi"], logs["over_mpi"]
+    a = load_params(tmp_path / "first")
+    for name in ("again", "over_mpi"):
+        b = load_params(tmp_path / name)
+        for k in a:
+            assert np.array_equal(a[k], b[k]), f"{name}, {k}: max abs difference {np.abs(a[k] - b[k]).max():.3e}"
 
 
 @pytest.fixture(scope="module")
