@@ -111,14 +111,6 @@ class IntCodec(Codec):
             total += self.decode(block, n)
         return total
 
-    def error_bound(self, abs_sum, result, ranks: int, peak: float = 0.0) -> np.ndarray:
-        """Per element: half a step of each input's group and of the sum's, the step being the
-        largest magnitude over QMAX (``peak`` bounds every input's; the sum's is at most
-        ``ranks`` times it), plus the float32 additions."""
-        step = float(peak) / self.qmax
-        acc = ranks * 2.0 ** -24 * np.asarray(abs_sum, np.float64)
-        return np.full(np.shape(result), 0.5 * step * (ranks + ranks)) + acc
-
 
 class Int8Codec(IntCodec):
     name = "int8"

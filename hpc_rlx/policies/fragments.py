@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpc_rlx.checks import checked, integer
+from hpc_rlx.comm.wire import segments
 
 from ..errors import ConfigError
 
@@ -33,14 +34,8 @@ PAPER_MIX = 0.5      # Streaming DiLoCo's mixing factor for overlapped syncs
 
 def fragment_bounds(n: int, fragments: int) -> list[tuple[int, int]]:
     """``[0, n)`` cut into ``fragments`` contiguous ranges, the first ones one longer when the
-    division leaves a rest."""
-    base, extra = divmod(int(n), int(fragments))
-    out, lo = [], 0
-    for k in range(int(fragments)):
-        hi = lo + base + (1 if k < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
+    division leaves a rest (the cut of the wire's segments, `comm.wire.segments`)."""
+    return segments(n, fragments)
 
 
 @dataclass(frozen=True)

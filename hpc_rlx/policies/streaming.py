@@ -26,7 +26,7 @@ import numpy as np
 from hpc_rlx.comm.fragment_sync import FragmentSync
 
 from .base import StepResult
-from .consensus import consensus_into, weigh_into, work_weight
+from .consensus import consensus_into, weigh_into
 from .fragments import Streaming, fragment_bounds
 
 
@@ -71,8 +71,7 @@ class StreamingSync:
         j = self.streaming.fragment_of(self.started)
         lo, hi = self.bounds[j]
         staged = self.sync.stage(j)
-        bad = work.bad or not np.isfinite(float(np.sum(worker.params, dtype=np.float64)))
-        weight = 0.0 if bad else work_weight(work.steps, policy.gamma)
+        bad, weight = policy.weight_of(work, worker.params)
         ref = None if policy.coded is None else policy.global_params[lo:hi]
         # the report and the flags go into the bucket's tail (its one layout), then with the
         # weighted fragment into the staging array
@@ -139,10 +138,10 @@ class StreamingSync:
         for report, reduced, _, _ in done:
             for key in flags:
                 flags[key] = flags[key] or bool(reduced[key])
-            bad_mask = report["nonfinite"] > 0
-            result.samples += report.total_samples - float(np.sum(np.asarray(report["samples"])[bad_mask]))
-            result.loss_sum += float(np.sum(report["loss_sum"]))
-            result.correct += float(np.sum(report["correct"]))
+            samples, loss_sum, correct = report.counted()
+            result.samples += samples
+            result.loss_sum += loss_sum
+            result.correct += correct
         result.wall_s = time.perf_counter() - t_window
         return result
 

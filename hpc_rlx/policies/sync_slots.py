@@ -89,6 +89,13 @@ class SyncReport:
     def total_samples(self) -> int:
         return int(round(float(np.sum(self.values["samples"], dtype=np.float64))))
 
+    def counted(self) -> tuple[float, float, float]:
+        """(samples, loss sum, correct) the epoch's means count from this sync: a rank's window
+        that went non-finite is left out, its samples with its loss."""
+        bad = self.values["nonfinite"] > 0
+        samples = self.total_samples - float(np.sum(np.asarray(self.values["samples"])[bad]))
+        return samples, float(np.sum(self.values["loss_sum"])), float(np.sum(self.values["correct"]))
+
     @property
     def ms_per_step(self) -> list[float]:
         """Each rank's ms per local step; NaN for a rank that ran no step this window."""

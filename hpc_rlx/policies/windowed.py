@@ -285,10 +285,7 @@ class WindowedPolicy(WindowedState, Policy):
                              {"sync": worker.step + 1, "applied": report.applied})
         self._account(loop, report, k, trimmed, log)
         # A bad window's loss is left out, so its samples are too: the epoch's mean stays honest.
-        bad_mask = report["nonfinite"] > 0
-        result.samples = report.total_samples - float(np.sum(np.asarray(report["samples"])[bad_mask]))
-        result.loss_sum = float(np.sum(report["loss_sum"]))
-        result.correct = float(np.sum(report["correct"]))
+        result.samples, result.loss_sum, result.correct = report.counted()
         result.wall_s = time.perf_counter() - t_window
         return result
 
@@ -342,8 +339,7 @@ class WindowedPolicy(WindowedState, Policy):
         """The one collective of the window, and the consensus it gives: (flags, report);
         the report is None when the run stops on a non-finite window."""
         worker = loop.worker
-        bad = work.bad or not math.isfinite(float(np.sum(worker.params, dtype=np.float64)))
-        weight = 0.0 if bad else work_weight(work.steps, self.gamma)
+        bad, weight = self.weight_of(work, worker.params)
         ref = None if self.coded is None else self.global_params
         self.layout.pack(self.buf, worker.params, weight, worker.rank, self.report_of(work, bad),
                          reference=ref)
@@ -364,6 +360,11 @@ class WindowedPolicy(WindowedState, Policy):
             worker.optimizer.reset()                     # its state may hold the non-finite values
         loop.lanes.refresh_device_params()
         return flags, report
+
+    def weight_of(self, work: LocalWork, params) -> tuple[bool, float]:
+        """(whether this rank's window went bad, its consensus weight: 0 when it did)."""
+        bad = work.bad or not math.isfinite(float(np.sum(params, dtype=np.float64)))
+        return bad, 0.0 if bad else work_weight(work.steps, self.gamma)
 
     def report_of(self, work: LocalWork, bad: bool) -> dict:
         """This rank's report slots for the sync that ends `work`."""
