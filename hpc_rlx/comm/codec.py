@@ -113,7 +113,7 @@ class Codec:
         (rank order: the same sum on every run)."""
         total = np.zeros(n, self.accumulator)
         for block in blocks:
-            total += self.decode(block)
+            total += self.decode(block, n)
         return total
 
     def error_bound(self, abs_sum, result, ranks: int, peak: float = 0.0) -> np.ndarray:

@@ -105,12 +105,6 @@ class IntCodec(Codec):
             return full * self.group
         return full * self.group + (rest - SCALE_WORDS) * self.per_word
 
-    def sum_blocks(self, blocks, n: int) -> np.ndarray:
-        total = np.zeros(n, self.accumulator)
-        for block in blocks:
-            total += self.decode(block, n)
-        return total
-
 
 class Int8Codec(IntCodec):
     name = "int8"
