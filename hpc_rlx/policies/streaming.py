@@ -121,13 +121,7 @@ class StreamingSync:
                 worker.optimizer.reset()
         loop.lanes.refresh_device_params()
         policy._prev_sync_ms = wait_s * 1e3
-        worker.state.step_taken()
-        bad_ranks = int(np.count_nonzero(report["nonfinite"] > 0))
-        if bad_ranks:
-            worker.note_skip()
-        elif report.applied:
-            worker.apply_gradient_ok()
-        policy._log.add(report, k, bad_ranks)
+        policy.note_sync(worker, report, k, policy._log)
         return report, flags, wait_s, done
 
     def _result(self, work, done, send_s: float, t_window: float) -> StepResult:

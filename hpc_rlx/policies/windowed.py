@@ -375,15 +375,18 @@ class WindowedPolicy(WindowedState, Policy):
     def _account(self, loop: Loop, report, k: int, trimmed: bool, log: EpochLog) -> None:
         """What every rank learns from the reduced report: skips, cursors, the position, the
         epoch log and the controller."""
-        worker = loop.worker
+        for r, s in enumerate(report.steps):
+            self.cursors[r] += s
+        self.epoch_consumed += report.total_samples
+        self.note_sync(loop.worker, report, k, log)
+        self._observe(report, trimmed)
+
+    def note_sync(self, worker, report, k: int, log: EpochLog) -> None:
+        """A sync done (a whole one, or a fragment's): skips, the step count, the epoch log."""
         bad_ranks = int(np.count_nonzero(report["nonfinite"] > 0))
         if bad_ranks:
             worker.note_skip()          # counts, and stops after train.max_consecutive_skips in a row
         elif report.applied:
             worker.apply_gradient_ok()
-        for r, s in enumerate(report.steps):
-            self.cursors[r] += s
-        self.epoch_consumed += report.total_samples
         worker.state.step_taken()
         log.add(report, k, bad_ranks)
-        self._observe(report, trimmed)
