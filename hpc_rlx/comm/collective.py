@@ -303,12 +303,12 @@ class FusedBucket:
         if shared is None:
             return False
         if sharded:
-            if shared.cross.size > 1:      # the same on every rank: the number of nodes
-                self.shared_memory_off = (f"comm.shard=optimizer across {shared.cross.size} nodes "
-                                          f"(a slice's sum needs every node's copy: MPI's reduce-scatter)")
+            if shared.cross.size > 1 and self.deterministic:    # the same on every rank
+                self.shared_memory_off = (f"comm.deterministic=true across {shared.cross.size} nodes (the "
+                                          f"sharded sum adds in rank order: MPI's reduce-scatter)")
                 shared.free()
                 return False
-            shared.attach(self.shard, self.layout)
+            shared.attach(comm, self.shard, self.layout)
         shared.segment[...] = self.buffer
         self._set_host(shared.segment)
         self.reduction = shared

@@ -93,6 +93,7 @@ class NodeSharedSum(ReductionPath):
         self.segment = self._view(node.rank)
         self.parts = owned_parts(self._size, node.size)
         self.before_free = None      # a weak callback: the bucket moves off the segment first
+        self.chunk_elems = int(chunk_elems)
         self.across_nodes = HostSum(chunk_elems)    # this rank's part, chunked, over `cross`
         nodes = cross.size
         self.path = (f"node shared memory ({node.size} ranks)" if nodes == 1 else

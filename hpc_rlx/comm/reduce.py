@@ -97,7 +97,9 @@ class ReductionPath:
     - ``sums_on_device``: `sum_array` sums a device array in place (CUDA-aware MPI); a path without
       it sums a device bucket's host side (staged);
     - ``takes_codec``: it can carry the payload in a 16-bit codec (``comm.wire_dtype``);
-      ``needs_codec``: only with one.
+      ``needs_codec``: only with one;
+    - ``gathers_params``: it also gathers the sharded parameters (``comm.shard=optimizer``)
+      after the step, by its method ``allgather_params(params)``, which returns the bytes sent.
     """
 
     name = ""
@@ -109,6 +111,7 @@ class ReductionPath:
     sums_on_device = False
     takes_codec = False
     needs_codec = False
+    gathers_params = False
     path = cuda_mpi.HOST
 
     @classmethod

@@ -77,25 +77,9 @@ class ParamShard:
 
     # ---- MPI -------------------------------------------------------------------------------
     def allgather(self, comm, params, chunk_elems: int) -> int:
-        """Every rank's slice of `params` to every rank, in place. Each round is one MPI
-        Allgather of equal blocks (the pieces padded to the longest) through a scratch buffer:
-        MPICH's in-place Allgatherv of the same pieces, spread over the vector, took 10-20x
-        as long here (25 against 1.3 ms on 2 ranks, bench/README.md's bench_shard section).
-        Returns the bytes this rank sent: MPI moves them, so they are computed as a ring
-        Allgather's, (N - 1) padded blocks per round (`wire_volume.allgather_bytes`)."""
-        rounds = self.rounds(chunk_elems)
-        block = max(hi - lo for pieces in rounds for lo, hi in pieces)
-        send = np.empty(block, dtype=params.dtype)
-        recv = np.empty(block * self.world, dtype=params.dtype)
-        sent = len(rounds) * allgather_bytes(send.nbytes, self.world)
-        for pieces in rounds:
-            lo, hi = pieces[self.rank]
-            send[:hi - lo] = params[lo:hi]
-            comm.Allgather(send, recv)
-            for r, (lo, hi) in enumerate(pieces):
-                if r != self.rank:
-                    params[lo:hi] = recv[r * block: r * block + hi - lo]
-        return sent
+        """Every rank's slice of `params` to every rank, in place (`allgather_pieces` over
+        `rounds`). Returns the bytes this rank sent."""
+        return allgather_pieces(comm, params, self.rounds(chunk_elems))
 
     def gather_to_root(self, comm, local: np.ndarray) -> np.ndarray | None:
         """Rank 0: the whole trainable-sized array of which every rank holds its part (one
@@ -106,6 +90,26 @@ class ParamShard:
         comm.Gatherv(np.ascontiguousarray(local), [full, (counts, [lo for lo, _ in bounds])] if self.rank == 0
                      else None, root=0)
         return full
+
+
+def allgather_pieces(comm, params, rounds: list[list[tuple[int, int]]]) -> int:
+    """Round r's piece ``rounds[r][k]`` of `params`, held by rank k of `comm`, to every rank,
+    in place. Each round is one MPI Allgather of equal blocks (the pieces padded to the longest)
+    through a scratch buffer: MPICH's in-place Allgatherv of the same pieces, spread over the
+    vector, took 10-20x as long here (25 against 1.3 ms on 2 ranks, bench/README.md's
+    bench_shard section). Returns the bytes this rank sent: MPI moves them, so they are
+    computed as a ring Allgather's, (N - 1) padded blocks per round (`wire_volume.allgather_bytes`)."""
+    block = max(hi - lo for pieces in rounds for lo, hi in pieces)
+    send = np.empty(block, dtype=params.dtype)
+    recv = np.empty(block * comm.size, dtype=params.dtype)
+    for pieces in rounds:
+        lo, hi = pieces[comm.rank]
+        send[:hi - lo] = params[lo:hi]
+        comm.Allgather(send, recv)
+        for r, (lo, hi) in enumerate(pieces):
+            if r != comm.rank:
+                params[lo:hi] = recv[r * block: r * block + hi - lo]
+    return len(rounds) * allgather_bytes(send.nbytes, comm.size)
 
 
 class ScatteredSum(ReductionPath):

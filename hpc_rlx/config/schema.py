@@ -212,8 +212,9 @@ KEYS: tuple[Key, ...] = (
         "share (one shared window per node), then across nodes by MPI; used where every rank has "
         "CPU lanes only, every node the same number of ranks (> 1) and /dev/shm room, and neither "
         "comm.deterministic, comm.wire_dtype nor comm.overlap is set and comm.reduction is auto (else "
-        "the start-up line says which did not hold); with comm.shard=optimizer on one node, its "
-        "reduce-scatter (comm.deterministic allowed); false = MPI's Allreduce"),
+        "the start-up line says which did not hold); with comm.shard=optimizer, its reduce-scatter "
+        "and allgather within each node, then across nodes by MPI (comm.deterministic allowed on "
+        "one node); false = MPI's Allreduce"),
     Key("comm.stall_warning_s", _NUMBER, 60, "stall watchdog: report ranks that have not reached a "
         "collective after this long; null = off",
         number(0, null=True, must="must be null (off) or a number of seconds >= 0")),

@@ -217,6 +217,8 @@ class Worker:
         with trace.span("allgather", "comm"):
             if self.node_params is not None:    # the node's array: only other nodes' slices travel
                 sent = self.node_params.allgather(shard, self.bucket.chunk_elems)
+            elif self.bucket.reduction.gathers_params:      # through the node's shared memory
+                sent = self.bucket.reduction.allgather_params(self.params)
             else:
                 sent = shard.allgather(self.comm, self.params, self.bucket.chunk_elems)
         self.bucket.sent.add(sent)              # bytes on the wire (summary.json's wire_bytes)

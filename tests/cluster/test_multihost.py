@@ -120,15 +120,25 @@ def test_training_across_two_and_three_nodes_equals_one_node(cluster, shared_h5,
 def test_one_copy_of_the_parameters_per_node_across_nodes_equals_one_node(cluster, shared_h5, tmp_path):
     """comm.node_shared_params with comm.shard=optimizer on 2 nodes of 2 + 1 and 2 + 2 ranks: the
     nodes' first ranks exchange their nodes' slices, and the run ends where one rank's whole-state
-    run ends; each node's first rank alone reports the parameter bytes."""
+    run ends; each node's first rank alone reports the parameter bytes. Without shared
+    parameters, 2 nodes of 2 reduce-scatter in each node's shared memory and across the nodes
+    by columns (comm/node_scatter.py), and every rank holds the parameters."""
     base = EQUIV + [f"data.path={shared_h5}", "optim=adamw", "optim.lr=0.003"]
     ref = tmp_path / "one-rank"
     p = train(cluster, {"node1": 1}, ref, base)
     assert p.returncode == 0, explain(p)
-    for hosts, leaders in (({"node1": 2, "node2": 1}, [0, 2]), ({"node1": 2, "node2": 2}, [0, 2])):
-        name = "_".join(f"{h}x{n}" for h, n in hosts.items())
-        p = train(cluster, hosts, tmp_path / name, base + ["comm.shard=optimizer", "comm.node_shared_params=true"])
+    shared = ["comm.shard=optimizer", "comm.node_shared_params=true"]
+    for hosts, extra, leaders, path in (
+            ({"node1": 2, "node2": 1}, shared, [0, 2], "shared-memory sum off: rank 2: one rank on its node"),
+            ({"node1": 2, "node2": 2}, shared, [0, 2], "reduce-scatter across 2 nodes"),
+            ({"node1": 2, "node2": 2}, shared[:1], [0, 1, 2, 3],
+             "path node shared memory (2 ranks per node), reduce-scatter across 2 nodes"),
+            ({"node1": 2, "node2": 2}, shared[:1] + ["comm.deterministic=true"], [0, 1, 2, 3],
+             "shared-memory sum off: comm.deterministic=true across 2 nodes")):
+        name = "_".join(f"{h}x{n}" for h, n in hosts.items()) + f"_{len(extra)}"
+        p = train(cluster, hosts, tmp_path / name, base + extra)
         assert p.returncode == 0, f"{name}: " + explain(p)
+        assert path in p.stdout, f"{name}: " + explain(p)
         diff = max_rel_diff(params(ref), params(tmp_path / name))
         assert diff <= 1e-10, f"{name}: max relative parameter difference {diff:.3e}"
         ranks = json.loads((tmp_path / name / "summary.json").read_text())["ranks"]
