@@ -7,7 +7,8 @@ bucket/raw1). A ratio below the threshold (default 0.97) is flagged.
 
 OUT_DIR holds one file per run, as compare_checkouts.sh writes them (SIDE is old or new, I the
 round): engine.SIDE.I.txt (bench_engine.py's output), collective.SIDE.I.txt
-(bench_collective.py's) and full.POLICY.nN.SIDE.I.json (the hpc_rlx side of bench_ddp.py).
+(bench_collective.py's) and full.POLICY.nN.SIDE.I.json (the hpc_rlx side of bench_ddp.py);
+further tries of a run in the same round insert `.tK` before SIDE.
 """
 
 from __future__ import annotations
@@ -93,16 +94,19 @@ def full_figures(path: Path, policy: str, n: str) -> dict:
 
 def collect(out_dir: Path) -> tuple[dict, int]:
     """{(figure, kind): {side: [value per round]}}, the figures in the order their runs were
-    written, and the number of rounds seen."""
-    values: dict = {}
-    rounds = set()
+    written, and the number of rounds seen. A round may hold several tries of a run (a file
+    name with `.tK` before the side): the round's value is the best of them (the highest rate,
+    the lowest time), as one run's own figures are the best of its repeats."""
+    per_round: dict = {}
     runs = sorted((p for p in out_dir.iterdir() if p.suffix in (".txt", ".json")),
                   key=lambda p: (p.stat().st_mtime_ns, p.name))
     for p in runs:
         parts = p.name.split(".")
+        if len(parts) >= 5 and re.fullmatch(r"t\d+", parts[-4]):
+            parts = parts[:-4] + parts[-3:]          # a try of the round: kept with the others
         if len(parts) < 4 or parts[-3] not in SIDES or not parts[-2].isdigit():
             continue
-        side = parts[-3]
+        side, round_ = parts[-3], int(parts[-2])
         if parts[0] == "engine":
             figures = engine_figures(p.read_text())
         elif parts[0] == "collective":
@@ -111,10 +115,14 @@ def collect(out_dir: Path) -> tuple[dict, int]:
             figures = full_figures(p, parts[1], parts[2].lstrip("n"))
         else:
             continue
-        rounds.add(int(parts[-2]))
         for key, v in figures.items():
             if v is not None:
-                values.setdefault(key, {s: [] for s in SIDES})[side].append(v)
+                per_round.setdefault(key, {s: {} for s in SIDES})[side].setdefault(round_, []).append(v)
+    values, rounds = {}, set()
+    for key, by_side in per_round.items():
+        best = max if key[1] == RATE else min
+        values[key] = {s: [best(tries) for _, tries in sorted(by_round.items())] for s, by_round in by_side.items()}
+        rounds.update(r for by_round in by_side.values() for r in by_round)
     return values, len(rounds)
 
 

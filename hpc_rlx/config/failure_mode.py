@@ -2,7 +2,7 @@
 checked on rank 0 while the spec is built, one line each. Pure: whether MPI's fault tolerance
 (ULFM) is active is asked of every rank at start-up (`runtime/recovery.py`).
 
-`abort` (the default) runs with everything. `shrink` runs, so far, where the survivors can
+`abort` (the default) runs with everything. `shrink` and `spare` run, so far, where the survivors can
 rebuild all they hold from the state every rank has and the survivors' communicator:
 `policy=sync` on CPU lanes, each rank reading its own rows into memory, the bucket summed by
 MPI's SUM or in the node's shared memory. The rest is refused until it is rebuilt too.
@@ -53,17 +53,27 @@ def shrink_refusal(cfg: dict) -> str | None:
     return None
 
 
-def check_on_failure(cfg: dict) -> None:
-    """Refuse what `comm.on_failure` and `comm.spares` cannot run with (one line each)."""
+def check_on_failure(cfg: dict, world_size: int | None = None) -> None:
+    """Refuse what `comm.on_failure` and `comm.spares` cannot run with (one line each);
+    `world_size`: the job's ranks, spares included (None: not checked against it)."""
     c = cfg["comm"]
     mode, spares = c.get("on_failure", "abort"), int(c.get("spares") or 0)
     if spares and mode != "spare":
         raise ConfigError(f"comm.spares={spares} applies to comm.on_failure=spare, got "
                           f"comm.on_failure={mode}")
-    if mode == "spare":
-        raise ConfigError("comm.on_failure=spare is not implemented yet: use comm.on_failure=shrink "
-                          "(the survivors train on, re-planned over fewer ranks)")
-    if mode == "shrink":
+    if mode == "spare" and spares < 1:
+        raise ConfigError("comm.on_failure=spare needs comm.spares >= 1 (the ranks, launched on top of "
+                          "the training ones, that wait to take a dead rank's place)")
+    if mode == "spare" and world_size is not None and spares >= world_size:
+        raise ConfigError(f"comm.spares={spares} leaves no rank to train on {world_size} ranks: launch "
+                          f"{spares} more than the ranks that train (mpirun -n N+{spares})")
+    if mode in ("shrink", "spare"):
         why = shrink_refusal(cfg)
         if why is not None:
-            raise ConfigError(f"comm.on_failure=shrink does not run with {why}")
+            raise ConfigError(f"comm.on_failure={mode} does not run with {why}")
+
+
+def training_ranks(c: dict, world_size: int) -> int:
+    """The ranks that train: the job's, less `comm.spares` under `comm.on_failure=spare`
+    (`c`: the comm section)."""
+    return world_size - (int(c.get("spares") or 0) if c.get("on_failure") == "spare" else 0)

@@ -240,9 +240,11 @@ KEYS: tuple[Key, ...] = (
         "comm.deterministic, comm.wire_dtype or comm.overlap"),
     Key("comm.on_failure", str, "abort", "what a dead rank does to the job: `abort` ends it (resume "
         "from the last checkpoint); `shrink`: the survivors drop it and train on (MPI's ULFM: "
-        "`mpirun --with-ft ulfm`, Open MPI 5; docs/reliability.md); `spare`: not yet",
-        OneOf(*ON_FAILURE)),
-    Key("comm.spares", int, 0, "spare ranks for `comm.on_failure=spare` (not yet)", integer(0)),
+        "`mpirun --with-ft ulfm`, Open MPI 5; docs/reliability.md); `spare`: one of comm.spares "
+        "waiting ranks takes its place and its shard (the world size and data plan unchanged), as "
+        "`shrink` once none is left", OneOf(*ON_FAILURE)),
+    Key("comm.spares", int, 0, "spare ranks for `comm.on_failure=spare`: the job's last K ranks hold "
+        "the model and train nothing until one replaces a dead rank (launch N + K ranks)", integer(0)),
     Key("parallel.pipeline_stages", int, 1, "pipeline stages S: the model split into S stages on "
         "S ranks each, world size = replicas x S (1 = data parallel only)",
         Via(_check_stages, "must be a positive integer dividing the world size")),

@@ -20,7 +20,7 @@ import numpy as np
 from hpc_rlx.config import schema as schema
 from hpc_rlx.config.rundirs import fingerprint_of
 from hpc_rlx.config.section import SECTIONS, section
-from hpc_rlx.config.failure_mode import check_on_failure
+from hpc_rlx.config.failure_mode import check_on_failure, training_ranks
 from hpc_rlx.config.sharding import check_shard
 from hpc_rlx.data import hdf5
 from hpc_rlx.data.plan import plan_shards
@@ -318,7 +318,9 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     # of the config as composed (before the defaults are filled in): what rundirs sees
     fingerprint = fingerprint_of(cfg)
     cfg = completed
-    check_on_failure(cfg)     # before anything is read: a combination comm.on_failure refuses
+    check_on_failure(cfg, world_size)    # before anything is read: a combination comm.on_failure refuses
+    spares = world_size - training_ranks(cfg["comm"], world_size)
+    world_size -= spares        # comm.on_failure=spare: the data is planned over the ranks that train
     check_run_dir_writable(run_dir)
     d = cfg["data"]
     prepare_missing_data(d)
@@ -384,7 +386,8 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         comm=dict(cfg["comm"]), checkpoint=dict(cfg["checkpoint"]), debug=dict(cfg["debug"]),
         report=dict(cfg["report"]), trace=dict(cfg["trace"]),
         run_dir=str(run_dir), resume=str(cfg["resume"]), world_size=world_size,
-        config_yaml=config_yaml, parallel=dict(cfg["parallel"]), plan=plan.describe(int(cfg["parallel"]["pipeline_stages"])),
+        config_yaml=config_yaml, parallel=dict(cfg["parallel"]),
+        plan=plan.describe(int(cfg["parallel"]["pipeline_stages"])) + (f", and {spares} spare rank(s)" if spares else ""),
         config_fingerprint=fingerprint,
         model_source=source["path"] if source["kind"] == "onnx" else None)
 

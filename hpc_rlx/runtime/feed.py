@@ -64,6 +64,12 @@ def even_bounds(start: int, stop: int, world: int) -> list[tuple[int, int]]:
     return out
 
 
+def with_empty_ranks(bounds: list[tuple[int, int]], ranks: int) -> list[tuple[int, int]]:
+    """`bounds`, one range per rank that holds rows, then empty ranges up to `ranks`."""
+    end = bounds[-1][1] if bounds else 0
+    return list(bounds) + [(end, end)] * (ranks - len(bounds))
+
+
 class Feed:
     """What both caches share: the plan's orders, the per-batch cast, validation bounds."""
 
@@ -71,7 +77,8 @@ class Feed:
 
     def __init__(self, spec, comm, graph, plan):
         self.spec, self.comm, self.d = spec, comm, spec.data
-        self.rank, self.world = comm.rank, comm.size
+        # ranks past the plan's (comm.on_failure=spare's spares) hold no rows
+        self.rank, self.world = comm.rank, plan.world_size
         self.plan, self.steps = plan, plan.steps_per_epoch
         self.dtype = np.dtype(spec.train["dtype"])
         # validation is evaluated, and summed, per batch of this many rows (whatever data.cache)
@@ -85,8 +92,8 @@ class Feed:
         token = None if self.float_input else graph.token_vocab
         self.vocab = TokenVocab(*token) if token else None
         self.seed, self.shuffle = int(spec.train["seed"]), bool(self.d.shuffle)
-        self.train_bounds = plan.all_bounds()
-        self.val_bounds = even_bounds(self.d.val_start, self.d.val_stop, self.world)
+        self.train_bounds = with_empty_ranks(plan.all_bounds(), comm.size)
+        self.val_bounds = with_empty_ranks(even_bounds(self.d.val_start, self.d.val_stop, self.world), comm.size)
         self._order: tuple[int, EpochOrder] | None = None
         self.row_bytes = 0
         self.buffer_bytes = 0
@@ -165,6 +172,10 @@ class MemoryFeed(Feed):
         p, s = divmod(position, self.steps)
         idx = self._cached_order(p).step_indices(s)
         return self.cast(self.x[idx]), self.y[idx]
+
+    def no_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """A batch of no rows (a spare's), shaped as every batch is."""
+        return self.cast(self.x[:0]), self.y[:0]
 
     def val_batches(self):
         step = self.eval_batch

@@ -24,7 +24,8 @@ from pathlib import Path
 from hpc_rlx import run_dir_names as names
 from hpc_rlx.comm import ulfm, watchdog
 from hpc_rlx.comm.collective import CollectiveError
-from hpc_rlx.comm.topology import hostname
+from hpc_rlx.comm.topology import hostname, rank_span
+from hpc_rlx.config.failure_mode import training_ranks
 from hpc_rlx.errors import ConfigError, phase
 from hpc_rlx.observe.display import RunDisplay
 from hpc_rlx.observe.outputs import RunOutputs
@@ -32,7 +33,8 @@ from hpc_rlx.observe.run_lock import RunDirLock
 from hpc_rlx.runtime import recovery_plan as plan
 
 MODES = {"abort": "a rank that dies ends the job (resume from the last checkpoint)",
-         "shrink": "a rank that dies is dropped, the survivors train on (MPI's ULFM)"}
+         "shrink": "a rank that dies is dropped, the survivors train on (MPI's ULFM)",
+         "spare": "a rank that dies is replaced by a spare, which takes its shard (MPI's ULFM)"}
 
 
 class FailureHandling:
@@ -42,9 +44,13 @@ class FailureHandling:
         self.mode = spec.comm["on_failure"]
         self.failures: list[dict] = []
         self.world_ranks = list(range(comm.size))   # rank in the current comm -> MPI_COMM_WORLD rank
+        # rank in the current comm -> the shard it trains (None: a spare, comm.on_failure=spare)
+        training = training_ranks(spec.comm, comm.size)
+        self.roles: list = list(range(training)) + [None] * (comm.size - training)
         self.hosts: list[str] | None = None
         self.lock = None            # the run directory's lock, once this rank took it over
         self.watchdog = None        # the stall watchdog over the survivors, once rebuilt
+        self.latest = comm          # the newest communicator of the survivors
 
     @property
     def active(self) -> bool:
@@ -64,8 +70,14 @@ class FailureHandling:
         if self.active:
             self.hosts = comm.allgather(hostname())
 
+    @property
+    def spares(self) -> int:
+        """The spare ranks left (comm.on_failure=spare)."""
+        return sum(role is None for role in self.roles)
+
     def describe(self) -> str:
-        return f"failures: comm.on_failure={self.mode}: {MODES[self.mode]}"
+        spares = f"; {self.spares} spare rank(s): {rank_span(self.world_ranks[-self.spares:])}" if self.spares else ""
+        return f"failures: comm.on_failure={self.mode}: {MODES[self.mode]}{spares}"
 
     def _watch(self, comm, worker, stall) -> None:
         """Collective: the stall watchdog again, over the survivors (comm.stall_*; a new key,
@@ -84,7 +96,7 @@ class FailureHandling:
             return ""
         dead = sum(len(f["ranks"]) for f in self.failures)
         return (f"; {dead} rank{'s' if dead > 1 else ''} failed during the run, {world_size} trained "
-                f"to the end (comm.on_failure=shrink; summary.json failures)")
+                f"to the end (comm.on_failure={self.mode}; summary.json failures)")
 
     def handles(self, exc: BaseException, comm, others: tuple = ()) -> bool:
         """Whether `exc` is a dead rank of `comm` (or of `others`, derived from it) that this
@@ -97,28 +109,30 @@ class FailureHandling:
         dies during the recovery is shrunk away too, and the recovery starts over (one record
         for all). `stall`: this rank's debug.stall_* plan, for the watchdog over the survivors."""
         t0 = time.perf_counter()
-        world_before, writer = comm.size, self.world_ranks[0]
+        world_before, writer = worker.world, self.world_ranks[0]
         shared_off = worker.bucket.abandon_node_memory()
         watchdog.current().close("a rank failed")     # its side channel knew the old ranks
         dead: list[tuple[int, str]] = []
+        replaced: list[tuple[int, str, int]] = []
         while True:
-            new = self._shrink(comm, dead)
             try:
+                new = self._shrink(comm, dead, replaced)
                 adopted = self._continue(new, worker, writer, dead)
                 totals = _adopt(new, adopted, worker, totals)
-                worker.rejoin(new)
+                worker.rejoin(new, len(self.roles) - self.spares)
                 self._watch(new, worker, stall)
                 break
             except CollectiveError:
                 raise
             except Exception as exc:    # noqa: BLE001 - another rank died: shrink again, else re-raised
-                if not ulfm.failure_known(exc, new):
+                if not ulfm.failure_known(exc, self.latest):
                     raise
-                comm = new
+                comm = self.latest
         record = plan.failure_record(adopted.step, [r for r, _ in dead], [h for _, h in dead],
-                                     time.perf_counter() - t0, new.size)
+                                     time.perf_counter() - t0, worker.world,
+                                     self.spares if self.mode == "spare" else None, [r for r, _, _ in replaced])
         self.failures.append(record)
-        notes = [plan.failure_line(record, world_before)]
+        notes = [plan.failure_line(record, world_before, self.mode, replaced)]
         writer_failed = writer not in self.world_ranks
         if writer_failed:
             notes.append(f"rank {new.rank} on {hostname()} (rank {self.world_ranks[0]} of the job) writes "
@@ -128,14 +142,30 @@ class FailureHandling:
                          "abandoned after the failure); the bucket is summed by MPI's Allreduce")
         return Recovered(new, totals, record, tuple(notes), writer_failed=writer_failed)
 
-    def _shrink(self, comm, dead: list):
-        """The survivors' communicator; the dead ranks (job rank, host) added to `dead`."""
-        new = ulfm.shrink(comm).comm
-        survivors = _survivors(comm, new)
+    def _shrink(self, comm, dead: list, replaced: list):
+        """The survivors' communicator, renumbered where a spare took a dead rank's shard (the
+        ranks that train first, by shard, then the spares); the dead ranks (job rank, host)
+        added to `dead`, the spares that took a shard (job rank, host, shard) to `replaced`.
+        `latest` is the newest communicator, whose order `world_ranks`, `hosts` and `roles`
+        follow (the shrunk one, should a rank die during the renumbering)."""
+        shrunk = self.latest = ulfm.shrink(comm).comm
+        survivors = _survivors(comm, shrunk)
         hosts = self.hosts or ["?"] * comm.size
         dead += [(self.world_ranks[r], hosts[r]) for r in plan.failed_ranks(comm.size, survivors)]
+        world = sum(role is not None for role in self.roles)
         self.world_ranks = [self.world_ranks[r] for r in survivors]
         self.hosts = [hosts[r] for r in survivors]
+        self.roles = [self.roles[r] for r in survivors]
+        placed = plan.places(self.roles, world)
+        replaced += [(self.world_ranks[i], self.hosts[i], s) for i, s in placed.replaced]
+        if placed.keys == tuple(range(shrunk.size)):
+            self.roles = list(placed.roles)
+            return shrunk
+        new = self.latest = shrunk.Split(0, placed.keys[shrunk.rank])
+        order = sorted(range(shrunk.size), key=lambda i: placed.keys[i])
+        self.world_ranks = [self.world_ranks[i] for i in order]
+        self.hosts = [self.hosts[i] for i in order]
+        self.roles = [placed.roles[i] for i in order]
         return new
 
     def _continue(self, new, worker, writer: int, dead: list) -> plan.Adoption:
@@ -151,7 +181,7 @@ class FailureHandling:
                 return plan.adoption([s for s, _ in positions], [e for _, e in positions])
         except ValueError as e:      # the same positions on every survivor: the same error
             why = f"{e}; not survivable yet"
-        raise CollectiveError(f"{who} failed at step {worker.step}: {why} (comm.on_failure=shrink); "
+        raise CollectiveError(f"{who} failed at step {worker.step}: {why} (comm.on_failure={self.mode}); "
                               f"resume=auto in the same hydra.run.dir continues from the newest "
                               f"checkpoint", kind="RankFailure")
 

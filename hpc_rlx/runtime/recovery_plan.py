@@ -1,4 +1,4 @@
-"""The decisions of a recovery after a dead rank (`comm.on_failure=shrink`), apart from the MPI
+"""The decisions of a recovery after a dead rank (`comm.on_failure=shrink|spare`), apart from the MPI
 calls that carry them out (`runtime/recovery.py`). Pure: no MPI, no files.
 
 Which state the survivors continue from. ULFM reports a failure unevenly: a survivor may
@@ -51,6 +51,42 @@ def adoption(steps: Sequence[int], epochs: Sequence[int] | None = None) -> Adopt
     return Adoption(int(furthest), source, tuple(r for r, s in enumerate(steps) if s != furthest))
 
 
+@dataclass(frozen=True)
+class Places:
+    """Who trains which shard after a failure (``comm.on_failure=spare``; `shrink` has no
+    spares). Per survivor, in the shrunk communicator's order: ``roles[i]``, the shard it
+    trains from now on (None: a spare), and ``keys[i]``, its rank in the renumbered
+    communicator (the ranks that train first, by shard, then the spares)."""
+    roles: tuple
+    keys: tuple[int, ...]
+    world: int                              # the ranks that train from now on
+    spares: int                             # the spares left
+    replaced: tuple[tuple[int, int], ...]   # (survivor, shard): a spare that took a dead rank's shard
+
+
+def places(roles: Sequence[int | None], world: int) -> Places:
+    """`roles[i]`: the shard survivor i trained (None: a spare), of `world` shards (pure).
+    Each vacant shard, in order, goes to the next spare. Where too few spares are left, the
+    ranks that train close up over fewer shards, in their shards' order (`shrink`: a resume on
+    that many ranks); the spares stay spares."""
+    held = {s for s in roles if s is not None}
+    vacant = [s for s in range(world) if s not in held]
+    spares = [i for i, s in enumerate(roles) if s is None]
+    new = list(roles)
+    replaced = tuple(zip(spares, vacant))
+    for i, s in replaced:
+        new[i] = s
+    trainers = sorted((i for i, s in enumerate(new) if s is not None), key=lambda i: new[i])
+    if len(trainers) < world:               # no spare for every vacant shard: close up
+        for k, i in enumerate(trainers):
+            new[i] = k
+    left = [i for i in spares if new[i] is None]
+    keys = [0] * len(new)
+    for k, i in enumerate(trainers + left):
+        keys[i] = k
+    return Places(tuple(new), tuple(keys), len(trainers), len(left), replaced)
+
+
 def failed_ranks(old_size: int, survivors: Sequence[int]) -> tuple[int, ...]:
     """Ranks of the old communicator that are not among `survivors` (their old ranks)."""
     alive = set(survivors)
@@ -68,17 +104,35 @@ def takeover_problem(writer_failed: bool, run_dir_visible: bool, host: str, writ
 
 
 def failure_record(step: int, ranks: Sequence[int], hosts: Sequence[str], recovery_s: float,
-                   world_size_after: int) -> dict:
+                   world_size_after: int, spares_left: int | None = None,
+                   replaced_by: Sequence[int] = ()) -> dict:
     """One failure, as `summary.json["failures"]` and the metrics event hold it. `ranks`: the
-    dead ranks as the job's MPI_COMM_WORLD numbered them."""
-    return {"step": int(step), "ranks": [int(r) for r in ranks], "hosts": list(hosts),
-            "recovery_s": round(float(recovery_s), 4), "world_size_after": int(world_size_after)}
+    dead ranks as the job's MPI_COMM_WORLD numbered them; under ``comm.on_failure=spare`` also
+    the spares left and the job ranks of the spares that took their places."""
+    record = {"step": int(step), "ranks": [int(r) for r in ranks], "hosts": list(hosts),
+              "recovery_s": round(float(recovery_s), 4), "world_size_after": int(world_size_after)}
+    if spares_left is not None:
+        record.update(spares_left=int(spares_left), replaced_by=[int(r) for r in replaced_by])
+    return record
 
 
-def failure_line(record: dict, world_before: int) -> str:
-    """The log line of one recovered failure."""
+def failure_line(record: dict, world_before: int, mode: str = "shrink",
+                 replaced: Sequence[tuple[int, str, int]] = ()) -> str:
+    """The log line of one recovered failure; `replaced`: (job rank, host, shard) of each
+    spare that took a dead rank's place (``comm.on_failure=spare``)."""
     who = ", ".join(f"{r} on {h}" for r, h in zip(record["ranks"], record["hosts"]))
-    n = len(record["ranks"])
-    return (f"rank{'s' if n > 1 else ''} {who} failed: {record['world_size_after']} of "
+    n, after = len(record["ranks"]), record["world_size_after"]
+    how = f"recovered in {record['recovery_s']:.2f} s"
+    if mode == "spare":
+        took = [f"spare rank {r} on {h} trains shard {s}" for r, h, s in replaced]
+        left = record.get("spares_left", 0)
+        if after == world_before:
+            return (f"rank{'s' if n > 1 else ''} {who} failed: {'; '.join(took) or 'no shard lost'}; {after} ranks "
+                    f"train on from step {record['step']}, {left} spare{'s' if left != 1 else ''} left "
+                    f"(comm.on_failure=spare, {how})")
+        return (f"rank{'s' if n > 1 else ''} {who} failed: {''.join(t + '; ' for t in took)}no spare left, "
+                f"{after} of {world_before} ranks train on from step {record['step']} "
+                f"(comm.on_failure=spare goes on as shrink, {how})")
+    return (f"rank{'s' if n > 1 else ''} {who} failed: {after} of "
             f"{world_before} ranks train on from step {record['step']} "
-            f"(comm.on_failure=shrink, recovered in {record['recovery_s']:.2f} s)")
+            f"(comm.on_failure=shrink, {how})")

@@ -91,6 +91,11 @@ class Run(Survives):
                                   f"{self.worker.step}: not writing a checkpoint; the newest one on disk "
                                   f"is the last good state (lower optim.lr or set optim.clip_grad_norm)")
 
+    @property
+    def world_size(self) -> int:
+        """The ranks that train (comm.on_failure=spare's spares left out)."""
+        return self.comm.size - self.failure.spares
+
     def dropout_seed(self) -> int:
         return dropout_seed(self.spec.train["seed"], self.worker.step, self.rank)
 
@@ -247,9 +252,10 @@ class Run(Survives):
         self.stop_flag.training_started()
         self.outputs = RunOutputs(spec, worker, self.log, self.lanes.names) if self.is_root else None
         if self.outputs:
-            self.outputs.start(self.resumed_from, self.checkpoints.resumed_config_yaml, comm.size)
+            self.outputs.start(self.resumed_from, self.checkpoints.resumed_config_yaml, self.world_size)
             self.display.open_step_log(worker.steps_per_epoch, worker.step if self.resumed_from else None)
-        self.log(f"{comm.size} ranks, lanes on rank 0: {self.lanes.names}, "
+        spares = f" and {self.failure.spares} spare(s)" if self.failure.spares else ""
+        self.log(f"{self.world_size} ranks{spares}, lanes on rank 0: {self.lanes.names}, "
                  f"{worker.layout.size} parameters, {worker.steps_per_epoch} steps/epoch")
         self.checkpoints.training_starts()
 
@@ -362,7 +368,8 @@ class Run(Survives):
         mine = dict(st.report(), rank=self.rank, host=hostname(),
                     wall_s=time.perf_counter() - self.t_start, **worker.feed.report(),
                     # what this rank holds of the model (a pipelined rank: its stage's share)
-                    param_bytes=worker.held_param_bytes, optimizer_bytes=worker.optimizer.nbytes())
+                    param_bytes=worker.held_param_bytes, optimizer_bytes=worker.optimizer.nbytes(),
+                    **({"spare": worker.is_spare} if self.failure.mode == "spare" else {}))
         ranks = comm.gather(mine, root=0)
         pipelined.send_final_params(self.place, worker)
         self.lanes.close()
@@ -373,13 +380,15 @@ class Run(Survives):
             "steps": worker.step,
             "skipped_steps": worker.skipped_steps,
             "final": final,
-            "world_size": comm.size,
+            "world_size": self.world_size,
             "resumed_from": self.resumed_from,
             "trace": str(trace_path) if self.tracer is not None else None,
             "ranks": ranks,
         }
         if self.failure.active:
             result["failures"] = self.failure.failures
+        if self.failure.mode == "spare":
+            result["spares_left"] = self.failure.spares
         if self.is_root:
             self.close_displays()
             params = pipelined.final_params(self.place, worker, self.spec.graph)
@@ -388,7 +397,7 @@ class Run(Survives):
                 pass
             if self.stop_reason not in ("nonfinite", "interrupted"):   # those end with their own line
                 self.log(end_line(result["status"], mine["wall_s"], final, self.spec.run_dir)
-                         + self.failure.end_note(comm.size))
+                         + self.failure.end_note(self.world_size))
         if self.stop_reason == "nonfinite":
             # Decided from the bucket, so every rank raises this same error in the same step.
             raise collective.CollectiveError(kind="NonFiniteError", message=

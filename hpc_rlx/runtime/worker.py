@@ -12,6 +12,7 @@ from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import STEP_FIELDS
 from hpc_rlx.comm.node_params import NodeSharedParams
 from hpc_rlx.comm.shard import ParamShard
+from hpc_rlx.config.failure_mode import training_ranks
 from hpc_rlx.config.spec import TrainSpec, initial_parameters, schedule_kwargs
 from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.graph import ParamLayout
@@ -31,7 +32,10 @@ class Worker:
                  rank_fields: tuple[str, ...] = ()):
 
         self.spec, self.comm, self.log = spec, comm, log
-        self.rank, self.world = comm.rank, comm.size
+        # comm.on_failure=spare: the last ranks of `comm` are spares, which hold the model, take
+        # part in every collective with no rows, and train nothing until one takes a dead
+        # rank's place; `world` counts the ranks that train (rank r < world trains shard r)
+        self.rank, self.world = comm.rank, training_ranks(spec.comm, comm.size)
         self.dtype = np.dtype(spec.train["dtype"])
         self.graph = load_graph(spec.graph)      # a pipelined rank: its stage (runtime/pipelined.py)
         self.layout = ParamLayout(self.graph)
@@ -114,6 +118,11 @@ class Worker:
     def skipped_steps(self) -> int:
         return self.state.skipped_steps
 
+    @property
+    def is_spare(self) -> bool:
+        """A spare rank (comm.on_failure=spare) that trains no rows yet."""
+        return self.rank >= self.world
+
     # ---- data ----------------------------------------------------------------------------
     def load_data(self) -> None:
         """Collective: the feed `data.cache` and `data.distribution` ask for (runtime/feed.py)."""
@@ -125,12 +134,14 @@ class Worker:
         self.feed.load()
         self.data_s = time.perf_counter() - t0
 
-    def rejoin(self, comm) -> None:
-        """Collective over `comm`, the survivors after a dead rank (`comm.on_failure=shrink`):
-        train on over them as a resume on that many ranks would. The shards are re-planned for
-        the same global batch, the learning rate is scaled for the new world size, and this
-        rank reads its new shard; parameters, optimizer state and position stay as they are."""
-        self.comm, self.rank, self.world = comm, comm.rank, comm.size
+    def rejoin(self, comm, world: int) -> None:
+        """Collective over `comm`, the survivors after a dead rank (`comm.on_failure`), of whom
+        the first `world` train (the rest stay spares): train on over them as a resume on that
+        many ranks would. The shards are re-planned for the same global batch, the learning
+        rate is scaled for the new world size (unchanged where a spare took the dead rank's
+        place), and this rank reads its new shard; parameters, optimizer state and position
+        stay as they are."""
+        self.comm, self.rank, self.world = comm, comm.rank, int(world)
         spec, opt = self.spec, self.spec.optim
         self.plan = plan_shards(spec.data.n_train, spec.train["batch_size"], self.world, spec.data.leftover)
         if self.plan.steps_per_epoch != self.steps_per_epoch:     # the plan keeps the global batch
@@ -146,6 +157,8 @@ class Worker:
     def batch(self, position: int):
         """(x, y) of this rank's batch at `position` = pass * steps_per_epoch + step, x in
         the compute dtype; the same bytes whatever data.cache."""
+        if self.is_spare:
+            return self.feed.no_rows()      # a spare's lanes write a zero gradient
         return self.feed.batch(position)
 
     # ---- numerics ---------------------------------------------------------------------

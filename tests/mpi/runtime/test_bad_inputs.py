@@ -205,8 +205,12 @@ CASES = [
          r"comm\.on_failure=shrink needs MPI's fault tolerance \(ULFM\), which this job does not have: the "
          r"MPI library \(MPICH.*\) has no ULFM in mpi4py.*; launch with Open MPI 5's `mpirun --with-ft ulfm "
          r"-n N python -m hpc_rlx comm\.on_failure=shrink`, or use comm\.on_failure=abort", kind="ConfigError"),
-    Case("spare_not_yet", ("comm.on_failure=spare", "comm.spares=1"),
-         r"comm\.on_failure=spare is not implemented yet: use comm\.on_failure=shrink", kind="ConfigError"),
+    Case("spare_without_ulfm", ("comm.on_failure=spare", "comm.spares=1"),
+         r"comm\.on_failure=spare needs MPI's fault tolerance \(ULFM\), which this job does not have: the "
+         r"MPI library \(MPICH.*\) has no ULFM in mpi4py", kind="ConfigError"),
+    Case("spares_leave_no_rank_to_train", ("comm.on_failure=spare", "comm.spares=2"),
+         r"comm\.spares=2 leaves no rank to train on 2 ranks: launch 2 more than the ranks that train",
+         kind="ConfigError"),
     Case("spares_without_spare", ("comm.spares=2",),
          r"comm\.spares=2 applies to comm\.on_failure=spare, got comm\.on_failure=abort", kind="ConfigError"),
     Case("shrink_with_pipeline_stages", ("comm.on_failure=shrink", "parallel.pipeline_stages=2"),

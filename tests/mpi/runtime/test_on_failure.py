@@ -153,6 +153,80 @@ def test_shrink_survives_a_killed_rank_and_ends_as_a_resume_on_the_survivors(tmp
     assert worst <= 1e-10, worst
 
 
+UNINTERRUPTED: dict[tuple, tuple] = {}
+
+
+def uninterrupted(tmp_path: Path, data: Path, n: int) -> tuple[dict, list]:
+    """A plain run on `n` ranks: its model and its epochs' validation losses."""
+    if (str(data), n) not in UNINTERRUPTED:
+        ref = tmp_path / "uninterrupted"
+        proc = train_job(n, ref, [*SMALL, f"data.path={data}"], timeout=TIMEOUT)
+        assert proc.returncode == 0, explain(proc)
+        UNINTERRUPTED[(str(data), n)] = (model(ref), [r["val_loss"] for r in read_metric_events(ref) if "epoch" in r])
+    return UNINTERRUPTED[(str(data), n)]
+
+
+@pytest.mark.parametrize("dead, point, step, extra", [
+    # in forward/backward, the node's shared-memory sum on: the spare trains shard 1
+    ([1], "step", 5, []),
+    # rank 0, the writer, at the Allreduce of epoch 2: the spare trains shard 0 as rank 0
+    ([0], "allreduce", 20, ["comm.shared_memory=false"]),
+], ids=["kill_rank_1", "kill_rank_0"])
+def test_a_spare_takes_the_dead_ranks_place_and_the_run_equals_an_uninterrupted_one(tmp_path, data, dead,
+                                                                                     point, step, extra):
+    """comm.on_failure=spare, 2 ranks that train and 1 spare (the job's rank 2): the spare holds
+    the model and takes part in every step with no rows; when a rank dies it takes that rank's
+    shard, so the world size and the data plan stay, and in float64 the run ends where a plain
+    2-rank run ends."""
+    run = tmp_path / "run"
+    proc = ulfm_job(3, run, [*SMALL, f"data.path={data}", *extra, "comm.on_failure=spare", "comm.spares=1",
+                             f"debug.fail_rank={dead[0]}", f"debug.fail_point={point}", f"debug.fail_step={step}",
+                             "debug.fail_mode=kill"])
+    assert proc.returncode == 0, explain(proc)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["spares_left"] == 0, summary
+    (failure,) = summary["failures"]
+    assert failure["step"] == step and failure["ranks"] == dead and failure["replaced_by"] == [2], failure
+    assert failure["world_size_after"] == 2 and failure["spares_left"] == 0, failure
+    assert [r["spare"] for r in summary["ranks"]] == [False, False], summary["ranks"]
+    log = read_log(run)
+    assert "2 ranks and 1 spare(s)" in log and "1 spare rank(s): 2" in log, log
+    assert re.search(rf"rank {dead[0]} on \S+ failed: spare rank 2 on \S+ trains shard {dead[0]}; 2 ranks train "
+                     rf"on from step {step}, 0 spares left \(comm\.on_failure=spare", log), log
+    if dead == [0]:
+        assert re.search(r"rank 0 on \S+ \(rank 2 of the job\) writes the run directory from here on", log), log
+    assert "Traceback" not in proc.stderr, explain(proc)
+    reference, val_losses = uninterrupted(tmp_path, data, 2)
+    epochs = [r for r in read_metric_events(run) if "epoch" in r]
+    assert [r["val_loss"] for r in epochs] == pytest.approx(val_losses, abs=1e-10)
+    got = model(run)
+    worst = max(float(np.max(np.abs(got[k] - reference[k]))) for k in got)
+    assert worst <= 1e-10, worst
+
+
+def test_when_the_spares_are_used_up_spare_goes_on_as_shrink(tmp_path, data):
+    """3 ranks that train and 1 spare; ranks 1 and 2 die at once: the spare takes shard 1 and
+    the two left close up over 2 shards, as a resume on 2 ranks from that step would."""
+    run = tmp_path / "run"
+    proc = ulfm_job(4, run, [*SMALL, f"data.path={data}", "comm.on_failure=spare", "comm.spares=1",
+                             "debug.fail_rank=[1,2]", "debug.fail_point=step", "debug.fail_step=5",
+                             "debug.fail_mode=kill"])
+    assert proc.returncode == 0, explain(proc)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["spares_left"] == 0, summary
+    (failure,) = summary["failures"]
+    assert failure["ranks"] == [1, 2] and failure["replaced_by"] == [3] and failure["world_size_after"] == 2, failure
+    log = read_log(run)
+    assert re.search(r"ranks 1 on \S+, 2 on \S+ failed: spare rank 3 on \S+ trains shard 1; no spare left, 2 of 3 "
+                     r"ranks train on from step 5 \(comm\.on_failure=spare goes on as shrink", log), log
+    reference, val_losses = resumed_reference(tmp_path, data, 3, 2, 5, [])
+    epochs = [r for r in read_metric_events(run) if "epoch" in r]
+    assert [r["val_loss"] for r in epochs] == pytest.approx(val_losses, abs=1e-10)
+    got = model(run)
+    worst = max(float(np.max(np.abs(got[k] - reference[k]))) for k in got)
+    assert worst <= 1e-10, worst
+
+
 def test_the_stall_watchdog_watches_the_survivors(tmp_path, data):
     """Rebuilt over the survivors after the failure: a rank 3 s late at step 20 is reported."""
     run = tmp_path / "run"

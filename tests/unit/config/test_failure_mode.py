@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpc_rlx.config import schema
-from hpc_rlx.config.failure_mode import check_on_failure, shrink_refusal
+from hpc_rlx.config.failure_mode import check_on_failure, shrink_refusal, training_ranks
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.injection import DebugHooks
 
@@ -53,13 +53,23 @@ def test_shrink_refuses_what_it_does_not_rebuild_yet(overrides, words):
     check_on_failure(config(**overrides))      # abort runs with all of it, as before
 
 
-def test_spare_is_refused_until_it_exists_and_spares_need_it():
-    with pytest.raises(ConfigError, match=r"comm\.on_failure=spare is not implemented yet: use "
-                                          r"comm\.on_failure=shrink"):
-        check_on_failure(config(comm__on_failure="spare", comm__spares=1))
+def test_spare_needs_spares_and_spares_need_spare():
+    with pytest.raises(ConfigError, match=r"comm\.on_failure=spare needs comm\.spares >= 1"):
+        check_on_failure(config(comm__on_failure="spare"))
     with pytest.raises(ConfigError, match=r"comm\.spares=2 applies to comm\.on_failure=spare, got "
                                           r"comm\.on_failure=abort"):
         check_on_failure(config(comm__spares=2))
+    with pytest.raises(ConfigError, match=r"comm\.spares=2 leaves no rank to train on 2 ranks: launch 2 more "
+                                          r"than the ranks that train \(mpirun -n N\+2\)"):
+        check_on_failure(config(comm__on_failure="spare", comm__spares=2), world_size=2)
+    check_on_failure(config(comm__on_failure="spare", comm__spares=1), world_size=2)
+    assert training_ranks({"on_failure": "spare", "spares": 1}, 3) == 2
+    assert training_ranks({"on_failure": "shrink", "spares": 0}, 3) == 3
+
+
+def test_spare_refuses_what_shrink_refuses():
+    with pytest.raises(ConfigError, match=r"^comm\.on_failure=spare does not run with policy=cadence"):
+        check_on_failure(config(comm__on_failure="spare", comm__spares=1, policy__name="cadence"))
 
 
 def test_the_keys_are_declared_with_their_choices():

@@ -51,6 +51,38 @@ def test_the_failure_record_and_its_line():
                                          "(comm.on_failure=shrink, recovered in 0.03 s)")
 
 
+def test_a_spare_takes_the_dead_ranks_shard_and_the_ranks_are_renumbered_by_shard():
+    # 3 shards, spares 3 and 4; rank 0 died: survivors (old ranks 1, 2, 3, 4) hold shards 1, 2, spare, spare
+    placed = plan.places([1, 2, None, None], 3)
+    assert placed.roles == (1, 2, 0, None) and placed.world == 3 and placed.spares == 1
+    assert placed.replaced == ((2, 0),)                     # survivor 2 (old rank 3) trains shard 0
+    assert placed.keys == (1, 2, 0, 3)                      # it becomes rank 0, the writer
+    # two ranks die, one spare: the spare takes the first vacant shard, then the rest close up
+    placed = plan.places([0, None], 3)
+    assert placed.replaced == ((1, 1),) and placed.world == 2 and placed.spares == 0
+    assert placed.roles == (0, 1) and placed.keys == (0, 1)
+    # a spare dies: nothing moves
+    placed = plan.places([0, 1, None], 2)
+    assert placed.roles == (0, 1, None) and placed.keys == (0, 1, 2) and placed.replaced == ()
+
+
+def test_shrink_without_spares_keeps_the_survivors_order():
+    placed = plan.places([0, 2, 3], 4)
+    assert placed.roles == (0, 1, 2) and placed.keys == (0, 1, 2) and placed.world == 3 and placed.spares == 0
+
+
+def test_the_spare_failure_lines():
+    rec = plan.failure_record(5, [1], ["node2"], 0.031, 2, spares_left=0, replaced_by=[2])
+    assert rec["spares_left"] == 0 and rec["replaced_by"] == [2]
+    assert plan.failure_line(rec, 2, "spare", [(2, "node3", 1)]) == (
+        "rank 1 on node2 failed: spare rank 2 on node3 trains shard 1; 2 ranks train on from step 5, "
+        "0 spares left (comm.on_failure=spare, recovered in 0.03 s)")
+    rec = plan.failure_record(7, [0], ["node1"], 0.02, 1, spares_left=0)
+    assert plan.failure_line(rec, 2, "spare") == (
+        "rank 0 on node1 failed: no spare left, 1 of 2 ranks train on from step 7 "
+        "(comm.on_failure=spare goes on as shrink, recovered in 0.02 s)")
+
+
 # the error classes as mpi4py reports them: Open MPI 5 (75, 77, unknown 14), MPICH wheel (13 for all)
 OMPI = dict(proc_failed=75, revoked=77, unknown=14)
 MPICH = dict(proc_failed=13, revoked=13, unknown=13)
