@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Old vs new code, alternated in one run (the first side swapping every round): bench_engine, bench_collective and the hpc_rlx side of
 # bench_ddp (its run_hpc: policy=sync at 1 and 2 ranks, policy=cadence and policy=async at 2),
-# each run from each checkout with the same Python (one BLAS thread; collectives and full path
-# TRIES=2 times a side per round, the best kept), then a summary table: per
+# each run from each checkout with the same Python (one BLAS thread; every run TRIES=2 times a
+# side per round, the best kept), then a summary table: per
 # figure the median over the rounds of each side and their ratio, >= 1 meaning the new code is
 # not slower, a ratio below 0.97 flagged (bench/compare_summary.py).
 #   bash bench/compare_checkouts.sh OLD_CHECKOUT NEW_CHECKOUT [ROUNDS]      (ROUNDS: default 3)
@@ -45,19 +45,21 @@ done
 # tenant, memory reclaim after the previous run) must not always fall on the same side.
 sides() { if [ $(( $1 % 2 )) = 1 ]; then echo "$OLD $NEW"; else echo "$NEW $OLD"; fi; }
 uptime
-# A round runs the collectives and each full-path job TRIES times a side (alternated, the first
-# side swapping every try) and keeps each figure's best, as one run keeps the best of its
+# A round runs the engine, the collectives and each full-path job TRIES times a side
+# (alternated, the first side swapping every try: old new new old with 2) and keeps each figure's best, as one run keeps the best of its
 # repeats: a slow spell of the machine (raw MPI 2-3x slower for a whole run, seen here) then
 # costs a try, not the round.
 TRIES=${TRIES:-2}
 try_name() { if [ "$1" = 1 ]; then echo ""; else echo ".t$1"; fi; }
 for i in $(seq "$ROUNDS"); do
-  for side in $(sides "$i"); do
-    s=$(label "$side")
-    echo "== engine $s $side (round $i)"
-    f="$OUT/engine.$s.$i.txt"
-    side_run "$side" timeout 600 "$PY" bench/bench_engine.py > "$f" 2>&1 || { tail -n 20 "$f"; exit 1; }
-    grep -E "^[^ ]|engine |ratio" "$f" || true
+  for k in $(seq "$TRIES"); do
+    for side in $(sides $((i + k - 1))); do
+      s=$(label "$side")
+      echo "== engine $s $side (round $i, try $k)"
+      f="$OUT/engine$(try_name "$k").$s.$i.txt"
+      side_run "$side" timeout 600 "$PY" bench/bench_engine.py > "$f" 2>&1 || { tail -n 20 "$f"; exit 1; }
+      grep -E "^[^ ]|engine |ratio" "$f" || true
+    done
   done
   for k in $(seq "$TRIES"); do
     for side in $(sides $((i + k - 1))); do

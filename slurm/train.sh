@@ -120,12 +120,41 @@ ntasks=${SLURM_NTASKS:-${HPC_RLX_NTASKS:-1}}
 mpirun_bin=${HPC_RLX_MPIRUN:-mpirun}
 choice=${HPC_RLX_LAUNCHER:-auto}
 launch=()
+
+# ---- fault tolerance: comm.on_failure=shrink|spare survives a dead rank through MPI's ULFM,
+# which Open MPI 5's mpirun switches on with --with-ft ulfm; a rank started directly by srun
+# has none (the run would refuse at start-up), so such a job is launched by mpirun inside the
+# allocation. A failed node must not end the allocation either: that is sbatch's --no-kill,
+# which only the submission can ask for (sbatch --no-kill slurm/train.sh comm.on_failure=shrink).
+on_failure=""
+for arg in "$@"; do
+    case $arg in
+        comm.on_failure=*) on_failure=${arg#comm.on_failure=} ;;
+    esac
+done
+on_failure=${on_failure//[\'\"]/}
+if [[ $on_failure == shrink || $on_failure == spare ]]; then
+    if [[ $choice == srun ]]; then
+        echo "hpc_rlx: comm.on_failure=$on_failure needs MPI's fault tolerance (ULFM), which a rank" \
+             "started by srun does not have: unset HPC_RLX_LAUNCHER (mpirun --with-ft ulfm is used)" >&2
+        exit 2
+    fi
+    choice=ulfm
+    if [[ -n ${SLURM_JOB_ID:-} ]]; then
+        # a running job cannot ask for it, nor does scontrol show whether it has it
+        echo "hpc_rlx: comm.on_failure=$on_failure: a failed node ends the allocation unless the job" \
+             "was submitted with sbatch --no-kill (a Hydra sweep on Slurm adds it)"
+    fi
+fi
 # Slurm 22.05 srun does not inherit --cpus-per-task from sbatch: pass it on
 cpt=()
 if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
     cpt=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
 fi
-if [[ -z ${SLURM_JOB_ID:-} ]]; then
+if [[ $choice == ulfm ]]; then
+    launch=("$mpirun_bin" --with-ft ulfm -n "$ntasks")
+    why="comm.on_failure=$on_failure: Open MPI's ULFM, which srun cannot start"
+elif [[ -z ${SLURM_JOB_ID:-} ]]; then
     # outside Slurm (bash slurm/train.sh): a plain local MPI run
     launch=("$mpirun_bin" -n "$ntasks")
     why="not in a Slurm job"

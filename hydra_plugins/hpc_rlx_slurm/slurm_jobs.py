@@ -56,10 +56,14 @@ def sbatch_command(*, script: str, script_args: Sequence[str], job_name: str, ou
                    partition: str | None = None, account: str | None = None,
                    qos: str | None = None, mem: str | None = None,
                    constraint: str | None = None, extra: Sequence[str] = ()) -> list[str]:
-    """The sbatch line for one job. Options given here override the script's #SBATCH header."""
+    """The sbatch line for one job. Options given here override the script's #SBATCH header.
+    A job that survives a dead rank (``comm.on_failure=shrink|spare``) asks Slurm not to end
+    its allocation when a node fails (``--no-kill``)."""
     cmd = ["sbatch", "--parsable", f"--job-name={job_name}", f"--output={output}",
            f"--chdir={chdir}", f"--nodes={int(nodes)}", f"--ntasks-per-node={int(ntasks_per_node)}",
            f"--cpus-per-task={int(cpus_per_task)}"]
+    if any(a in ("comm.on_failure=shrink", "comm.on_failure=spare") for a in script_args):
+        cmd.append("--no-kill")
     optional = {"time": time, "gpus-per-node": gpus_per_node, "partition": partition,
                 "account": account, "qos": qos, "mem": mem, "constraint": constraint}
     for name, value in optional.items():

@@ -21,7 +21,8 @@ import pytest
 from hydra_plugins.hpc_rlx_slurm import launcher as slurm_launcher
 from hydra_plugins.hpc_rlx_slurm import slurm_jobs
 
-from tests.support.jobs import REPO, read_metrics
+from tests.support.jobs import REPO, read_metrics, write_small_classification
+from tests.support.mpi_launch import MPI_IMPL
 from tests.support.slurm_cluster import ClusterUnavailable, JobPoll, SlurmCluster, require_slurm
 
 # the module's cluster fixture is built once, on one pytest-xdist worker
@@ -147,6 +148,12 @@ def test_sbatch_command_options_and_script_arguments():
     i = cmd.index("/r/slurm/train.sh")
     assert all(c.startswith("--") for c in cmd[1:i])
     assert cmd[i + 1:] == ["hydra.run.dir=/s/0", "optim.lr=0.1"]
+    assert "--no-kill" not in cmd
+    # a point that survives a dead rank keeps its allocation when a node fails
+    cmd = slurm_jobs.sbatch_command(
+        script="/r/slurm/train.sh", script_args=["comm.on_failure=spare", "comm.spares=1"], job_name="p",
+        output="o", chdir="/r", nodes=2, ntasks_per_node=4, cpus_per_task=1)
+    assert "--no-kill" in cmd[:cmd.index("/r/slurm/train.sh")]
 
 
 def test_hydra_value_quotes_only_when_needed():
@@ -285,6 +292,31 @@ def test_train_sh_outside_slurm_launches_mpirun_with_one_blas_thread(tmp_path):
     report = json.loads(proc.stdout[start:end])
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
     assert all(r["env"]["OMP_NUM_THREADS"] == "1" and r["blas_threads"] == 1 for r in report["ranks"])
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi
+@pytest.mark.skipif(MPI_IMPL != "openmpi", reason="ULFM: Open MPI 5's mpirun --with-ft ulfm")
+def test_train_sh_launches_a_fault_tolerant_run_with_mpirun_with_ft_ulfm(tmp_path):
+    """comm.on_failure=shrink|spare needs ULFM, which only Open MPI's `mpirun --with-ft ulfm`
+    gives (not a rank srun starts): train.sh launches so, and a rank killed at step 5 leaves
+    the other to train on; asking for srun is refused with the reason."""
+    data = write_small_classification(tmp_path / "small.h5", 480, 0)
+    env = job_env(None, HPC_RLX_NTASKS=2, OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
+    args = ["data=file", f"data.path={data}", "train.epochs=2", "train.batch_size=24", "model.hidden=[8]",
+            "report.plots=false", "comm.on_failure=shrink"]
+    proc = run(["bash", TRAIN_SH, *args, f"hydra.run.dir={tmp_path / 'run'}", "debug.fail_rank=1",
+                "debug.fail_point=step", "debug.fail_step=5", "debug.fail_mode=kill"],
+               env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ("launcher: mpirun --with-ft ulfm -n 2 (comm.on_failure=shrink: Open MPI's ULFM, which srun "
+            "cannot start)") in proc.stdout, proc.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 1 and [f["ranks"] for f in summary["failures"]] == [[1]], summary
+    proc = run(["bash", TRAIN_SH, *args], env=dict(env, HPC_RLX_LAUNCHER="srun"), cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert ("comm.on_failure=shrink needs MPI's fault tolerance (ULFM), which a rank started by srun does "
+            "not have") in proc.stderr, proc.stderr
 
 
 # ==================================================================================================
