@@ -238,6 +238,9 @@ def main() -> None:
     # serves; the osc/ucx component prints an error on every rank while it probes a machine
     # without UCX devices (the pip wheel on a plain host). A site's own setting wins.
     os.environ.setdefault("OMPI_MCA_osc", "^ucx")
+    # mpirun --with-ft ulfm: no collective component that answers a dead rank with a wrong sum
+    from hpc_rlx.comm.ulfm import settings_before_mpi_starts
+    os.environ.update(settings_before_mpi_starts(os.environ))
     # more ranks than cores on this node: waiting ranks sleep between MPI's polls (comm/waiting.py)
     from hpc_rlx.comm.waiting import apply_before_mpi_starts
     apply_before_mpi_starts()

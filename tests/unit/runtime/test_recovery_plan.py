@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_rlx.comm.ulfm import problem_of
+from hpc_rlx.comm.ulfm import FT_ENV, problem_of, settings_before_mpi_starts
 from hpc_rlx.runtime import recovery_plan as plan
 
 
@@ -101,3 +101,9 @@ def test_ulfm_is_active_only_with_open_mpi_launched_with_ft():
                                                 "that cannot survive a dead rank")
     # a library with the error classes but not Open MPI (an MPICH build with ULFM classes)
     assert problem_of("MPICH Version: 4.2", "1", **OMPI) == "ULFM is used with Open MPI 5 only, this job runs MPICH Version: 4.2"
+
+
+def test_under_ulfm_the_collectives_that_are_not_fault_tolerant_are_switched_off():
+    assert settings_before_mpi_starts({FT_ENV: "1"}) == {"OMPI_MCA_coll": "^han"}
+    assert settings_before_mpi_starts({FT_ENV: "1", "OMPI_MCA_coll": "^tuned"}) == {}   # the site's own wins
+    assert settings_before_mpi_starts({}) == {} and settings_before_mpi_starts({FT_ENV: "0"}) == {}
