@@ -185,9 +185,16 @@ def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
         spec = TrainSpec.from_dict(collective.root_computes(comm, _spec))
         if comm.rank == 0:
             debuglog.startup(spec)
-        collective.agree(comm, lambda: DebugHooks.for_rank(spec, comm.rank).fail_at("startup"))
-        where = "training"
-        result = train(spec, comm)
+        def first(spec, comm, earlier):
+            nonlocal where
+            where = "startup"
+            rank = earlier.world_ranks[comm.rank] if earlier else comm.rank     # the job's number
+            collective.agree(comm, lambda: DebugHooks.for_rank(spec, rank).fail_at("startup"))
+            where = "training"
+
+        # comm.on_failure=shrink|spare: a rank that dies before the first step starts it over
+        from hpc_rlx.runtime.startup_recovery import train_surviving_startup
+        result = train_surviving_startup(spec, comm, train, first)
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job

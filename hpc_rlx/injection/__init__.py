@@ -4,7 +4,7 @@ simulate mixed hardware on one machine. The one place that reads the `debug` sec
 `DebugHooks.for_rank(spec, rank, world_size)` reads it once per rank; the run asks it at each
 injection point and it does nothing unless a key names this rank:
 
-- `fail_at(point, step)`: `debug.fail_*` raises `InjectedFailure` at `startup`, `data`, `step`,
+- `fail_at(point, step)`: `debug.fail_*` raises `InjectedFailure` at `startup`, `broadcast`, `data`, `step`,
   `allreduce`, `validation` or `checkpoint` (at step `fail_step` for the three with a step); with
   `debug.fail_mode=kill` the rank sends itself SIGKILL there instead (a dead rank);
 - `poisons_gradient(step)`: `debug.nan_*`, this rank puts a NaN into its gradient;

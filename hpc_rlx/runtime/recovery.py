@@ -40,10 +40,12 @@ MODES = {"abort": "a rank that dies ends the job (resume from the last checkpoin
 class FailureHandling:
     """One run's `comm.on_failure`. Collective to `start` (under `shrink`: the ranks' hosts)."""
 
-    def __init__(self, spec, comm):
+    def __init__(self, spec, comm, earlier=None):
         self.mode = spec.comm["on_failure"]
-        self.failures: list[dict] = []
-        self.world_ranks = list(range(comm.size))   # rank in the current comm -> MPI_COMM_WORLD rank
+        # `earlier`: what failed starts left (`startup_recovery.EarlierStarts`), else None
+        self.failures: list[dict] = list(earlier.failures) if earlier else []
+        # rank in the current comm -> MPI_COMM_WORLD rank
+        self.world_ranks = list(earlier.world_ranks) if earlier else list(range(comm.size))
         # rank in the current comm -> the shard it trains (None: a spare, comm.on_failure=spare)
         training = training_ranks(spec.comm, comm.size)
         self.roles: list = list(range(training)) + [None] * (comm.size - training)
@@ -149,7 +151,7 @@ class FailureHandling:
         `latest` is the newest communicator, whose order `world_ranks`, `hosts` and `roles`
         follow (the shrunk one, should a rank die during the renumbering)."""
         shrunk = self.latest = ulfm.shrink(comm).comm
-        survivors = _survivors(comm, shrunk)
+        survivors = survivors_of(comm, shrunk)
         hosts = self.hosts or ["?"] * comm.size
         dead += [(self.world_ranks[r], hosts[r]) for r in plan.failed_ranks(comm.size, survivors)]
         world = sum(role is not None for role in self.roles)
@@ -242,7 +244,7 @@ class Survives:
         self.failure.lock = RunDirLock.acquire(self.spec.run_dir, hostname())   # the dead rank's is gone
 
 
-def _survivors(old, new) -> list[int]:
+def survivors_of(old, new) -> list[int]:
     """The old ranks of the members of `new`, in `new`'s order (from the groups: the same on
     every survivor, unlike each one's own list of failed ranks)."""
     g_old, g_new = old.Get_group(), new.Get_group()

@@ -47,18 +47,20 @@ from hpc_rlx.runtime.signals import SIGNALS
 # --------------------------------------------------------------------------------------
 
 class Run(Survives):
-    def __init__(self, spec: TrainSpec, comm):
+    def __init__(self, spec: TrainSpec, comm, earlier=None):
         self.spec, self.comm = spec, comm
         self.rank = comm.rank
         self.is_root = comm.rank == 0
         self.on_nonfinite = spec.train["on_nonfinite"]
         try:
-            self.hooks = DebugHooks.for_rank(spec, comm.rank, comm.size)     # debug.*
+            # debug.*, by the job's rank numbers (a start over after a dead rank renumbers comm)
+            self.hooks = DebugHooks.for_rank(spec, earlier.world_ranks[comm.rank] if earlier else comm.rank, comm.size)
         except ConfigError as e:
             # every rank checks the same broadcast spec: already agreed, no collective needed
             raise collective.CollectiveError(str(e), kind="ConfigError", origin=0) from None
         self.stop_flag = SIGNALS     # a signal only sets a flag, carried in the next step's bucket
-        self.failure = FailureHandling(spec, comm)     # comm.on_failure
+        self.failure = FailureHandling(spec, comm, earlier)     # comm.on_failure
+        self.training = False        # set at the first step: a dead rank before it starts the run over
         self.stop_reason: str | None = None
         self.resumed_from: str | None = None
         self.carried_totals: dict | None = None     # a mid-epoch checkpoint's running totals
@@ -207,6 +209,7 @@ class Run(Survives):
         self.policy = make_policy(spec)
         # a pipelined rank's Worker holds its stage, among the stage's replicas (else: as given)
         self.place = place = pipelined.for_rank(spec, comm)
+        self.hooks.fail_at("broadcast")     # the initial weights' broadcast follows
         self.worker = worker = Worker(place.spec, place.comm, log=self.log, fields=self.policy.bucket_fields,
                                       rank_fields=self.policy.bucket_rank_fields)
         self.log(spec.plan)
@@ -258,6 +261,7 @@ class Run(Survives):
         self.log(f"{self.world_size} ranks{spares}, lanes on rank 0: {self.lanes.names}, "
                  f"{worker.layout.size} parameters, {worker.steps_per_epoch} steps/epoch")
         self.checkpoints.training_starts()
+        self.training = True
 
         epochs = int(spec.train["epochs"])
         while worker.epoch < epochs and self.stop_reason is None:
@@ -408,11 +412,13 @@ class Run(Survives):
         return result
 
 
-def train(spec: TrainSpec, comm) -> dict:
+def train(spec: TrainSpec, comm, earlier=None) -> dict:
     """Train on every rank of `comm`; returns the run result (same on every rank except
-    `ranks`, which only rank 0 holds)."""
+    `ranks`, which only rank 0 holds). `earlier`: what failed starts left
+    (`runtime.startup_recovery`); an error before the first step says so (`before_training`),
+    with the way to abandon the node's shared window (`abandon`)."""
 
-    run = Run(spec, comm)
+    run = Run(spec, comm, earlier)
 
     def position() -> int | None:
         worker = run.worker
@@ -422,6 +428,9 @@ def train(spec: TrainSpec, comm) -> dict:
         try:
             return run.execute()
         except Exception as exc:
+            if not run.training:
+                exc.before_training = True
+                exc.abandon = None if run.worker is None else run.worker.bucket.abandon_node_memory
             run.close_displays()       # no half-drawn bar above the error message
             feed = getattr(run.worker, "feed", None)
             if feed is not None:       # the reader thread stops; MPI only if every rank is here

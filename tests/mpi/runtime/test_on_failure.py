@@ -227,6 +227,36 @@ def test_when_the_spares_are_used_up_spare_goes_on_as_shrink(tmp_path, data):
     assert worst <= 1e-10, worst
 
 
+@pytest.mark.parametrize("dead, point, extra", [
+    ([1], "startup", ["comm.on_failure=shrink"]),                      # just after the spec's broadcast
+    ([0], "broadcast", ["comm.on_failure=shrink"]),                    # rank 0, before the weights' broadcast
+    ([1], "data", ["comm.on_failure=spare", "comm.spares=1"]),         # data loading; the spare trains shard 1
+], ids=["startup", "rank_0_at_the_weights_broadcast", "spare_at_data_loading"])
+def test_a_rank_that_dies_before_training_starts_the_run_over_on_the_survivors(tmp_path, data, dead, point, extra):
+    """Before the first step the survivors hold nothing a fresh setup does not rebuild: they
+    shrink and set the run up again; the run then equals a plain run on 2 ranks."""
+    run = tmp_path / "run"
+    proc = ulfm_job(3, run, [*SMALL, f"data.path={data}", *extra, f"debug.fail_rank={dead[0]}",
+                             f"debug.fail_point={point}", "debug.fail_mode=kill"])
+    assert proc.returncode == 0, explain(proc)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2, summary
+    (failure,) = summary["failures"]
+    assert failure["step"] == 0 and failure["ranks"] == dead and failure["world_size_after"] == 2, failure
+    mode = extra[0].split("=")[1]
+    assert re.search(rf"rank {dead[0]} on \S+ died before training started: 2 of 2 ranks set the run up again "
+                     rf"\(comm\.on_failure={mode}\)" if mode == "spare" else
+                     rf"rank {dead[0]} on \S+ died before training started: 2 of 3 ranks set the run up again "
+                     rf"\(comm\.on_failure={mode}\)", proc.stdout), explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+    reference, val_losses = uninterrupted(tmp_path, data, 2)
+    epochs = [r for r in read_metric_events(run) if "epoch" in r]
+    assert [r["val_loss"] for r in epochs] == pytest.approx(val_losses, abs=1e-10)
+    got = model(run)
+    worst = max(float(np.max(np.abs(got[k] - reference[k]))) for k in got)
+    assert worst <= 1e-10, worst
+
+
 def test_the_stall_watchdog_watches_the_survivors(tmp_path, data):
     """Rebuilt over the survivors after the failure: a rank 3 s late at step 20 is reported."""
     run = tmp_path / "run"

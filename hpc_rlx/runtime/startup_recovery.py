@@ -1,0 +1,92 @@
+"""A rank that dies before training starts (``comm.on_failure=shrink|spare``): the survivors
+shrink and set the run up again.
+
+Between the spec's broadcast and the first step (the weights' broadcast, data loading, the
+lanes, the node's shared window, a resume) the survivors hold nothing that a fresh setup does
+not rebuild: every one of them has the spec, rank 0's initial weights are a function of the
+seed, and a checkpoint is read again. So a dead rank there is handled by starting over:
+
+1. the node's shared window, if one was made, is abandoned (its communicators revoked, the
+   window never freed: `node_memory.NodeSharedSum.abandon`);
+2. revoke, agree, shrink (`comm/ulfm.py`), as in a recovery during training;
+3. under ``comm.on_failure=spare`` a dead rank takes a spare with it: the spec's
+   ``comm.spares`` drops by the dead count (a dead spare included), so the first spares left
+   train the dead ranks' shards, and with none left the ranks that train are fewer (`shrink`);
+4. `train` again on the survivors, with the failure as the first record of `failures`
+   (``step`` 0) and the job's rank numbers carried over, so later records name the same ranks.
+
+Rank 0's death before it broadcast the spec cannot be survived: no other rank has the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+from hpc_rlx.comm import ulfm
+from hpc_rlx.comm.topology import hostname
+from hpc_rlx.config.failure_mode import training_ranks
+from hpc_rlx.observe.run_lock import RunDirLock
+from hpc_rlx.runtime import recovery_plan as plan
+from hpc_rlx.runtime.recovery import survivors_of
+
+
+@dataclasses.dataclass
+class EarlierStarts:
+    """What failed starts leave to the next one: their failure records and, per rank of the
+    current communicator, its MPI_COMM_WORLD rank and host."""
+    failures: list
+    world_ranks: list
+    hosts: list
+
+
+def train_surviving_startup(spec, comm, train, first=lambda spec, comm, earlier: None):
+    """`first(spec, comm, earlier)`, then `train(spec, comm, earlier)` on `comm`, both started over on
+    the survivors whenever a rank dies before training starts (an error from `first`, or one
+    `train` marks `before_training`), while comm.on_failure is shrink or spare. Collective."""
+    if spec.comm.get("on_failure", "abort") == "abort":
+        first(spec, comm, None)
+        return train(spec, comm, None)
+    earlier = EarlierStarts([], list(range(comm.size)), comm.allgather(hostname()))
+    while True:
+        try:
+            try:
+                first(spec, comm, earlier)
+            except Exception as exc:
+                exc.before_training = True
+                raise
+            return train(spec, comm, earlier)
+        except Exception as exc:      # noqa: BLE001 - a dead rank before training: start over
+            if not getattr(exc, "before_training", False) or not ulfm.failure_known(exc, comm):
+                raise
+            comm, spec = _start_over(comm, spec, earlier, getattr(exc, "abandon", None))
+
+
+def _start_over(comm, spec, earlier: EarlierStarts, abandon):
+    t0 = time.perf_counter()
+    if abandon is not None:
+        abandon()                   # the node's shared window: revoked, never freed
+    new = ulfm.shrink(comm).comm
+    survivors = survivors_of(comm, new)
+    dead = plan.failed_ranks(comm.size, survivors)
+    ranks, hosts = [earlier.world_ranks[r] for r in dead], [earlier.hosts[r] for r in dead]
+    earlier.world_ranks = [earlier.world_ranks[r] for r in survivors]
+    earlier.hosts = [earlier.hosts[r] for r in survivors]
+    before = training_ranks(spec.comm, comm.size)
+    if spec.comm.get("on_failure") == "spare":
+        spares = max(0, int(spec.comm.get("spares") or 0) - len(dead))
+        spec = dataclasses.replace(spec, comm=dict(spec.comm, spares=spares))
+    after = training_ranks(spec.comm, new.size)
+    record = plan.failure_record(0, ranks, hosts, time.perf_counter() - t0, after,
+                                 *((spec.comm["spares"],) if spec.comm.get("on_failure") == "spare" else ()))
+    earlier.failures.append(record)
+    if 0 in dead and new.rank == 0:     # the run directory's writer died: this rank takes its lock
+        RunDirLock.acquire(spec.run_dir, hostname())
+    if new.rank == 0:
+        who = ", ".join(f"{r} on {h}" for r, h in zip(ranks, hosts))
+        sys.stdout.write(f"[hpc_rlx] rank{'s' if len(ranks) > 1 else ''} {who} died before training started: "
+                         f"{after} of {before} ranks set the run up again "
+                         f"(comm.on_failure={spec.comm['on_failure']})\n")
+        sys.stdout.flush()
+    return new, spec
