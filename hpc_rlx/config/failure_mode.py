@@ -4,8 +4,8 @@ checked on rank 0 while the spec is built, one line each. Pure: whether MPI's fa
 
 `abort` (the default) runs with everything. `shrink` and `spare` run, so far, where the survivors can
 rebuild all they hold from the state every rank has and the survivors' communicator:
-`policy=sync` on CPU lanes, each rank reading its own rows into memory, the bucket summed by
-MPI's SUM or in the node's shared memory. The rest is refused until it is rebuilt too.
+`policy=sync` on CPU lanes (any data distribution and cache), the bucket summed by MPI's SUM
+or in the node's shared memory. The rest is refused until it is rebuilt too.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ ON_FAILURE = ("abort", "shrink", "spare")
 
 def shrink_refusal(cfg: dict) -> str | None:
     """Why `comm.on_failure=shrink` cannot run with `cfg` yet, in words, or None (pure)."""
-    c, d = cfg["comm"], cfg["data"]
+    c = cfg["comm"]
     policy = cfg["policy"]["name"]
     stages = int(cfg["parallel"]["pipeline_stages"])
     device = cfg["device"]["kind"]
@@ -42,12 +42,6 @@ def shrink_refusal(cfg: dict) -> str | None:
     if c.get("wire_dtype"):
         return (f"comm.wire_dtype={c['wire_dtype']}: the 16-bit wire's segments are not "
                 f"re-planned yet; use comm.wire_dtype=null")
-    if d.get("distribution") != "read":
-        return (f"data.distribution={d['distribution']}: rank 0's sends are not re-planned yet; "
-                f"use data.distribution=read")
-    if d.get("cache") != "memory":
-        return (f"data.cache={d['cache']}: the reader thread's windows are not re-planned yet; "
-                f"use data.cache=memory")
     if cfg["trace"].get("enabled"):
         return "trace.enabled=true: the trace is not gathered over the survivors yet; use trace.enabled=false"
     return None

@@ -98,8 +98,10 @@ def _resumed(ref: Path, data: Path, n: int, survivors: int, step: int, extra: li
     (3, 2, "validation", 16, ["comm.shared_memory=false"]),
     # before the checkpoint of step 16 (checkpoint.every_steps=16, the shrunk job only)
     (3, 1, "checkpoint", 16, ["comm.shared_memory=false"]),
+    # rank 0, which scatters the rows and streams them: the survivors' rank 0 reads and sends them
+    (3, 0, "step", 16, ["comm.shared_memory=false", "data.distribution=scatter", "data.cache=stream"]),
 ], ids=["kill_two_ranks_in_forward_backward", "kill_at_the_allreduce", "kill_rank_0", "kill_before_validation",
-        "kill_before_a_checkpoint"])
+        "kill_before_a_checkpoint", "kill_rank_0_that_scatters_streamed_rows"])
 def test_shrink_survives_a_killed_rank_and_ends_as_a_resume_on_the_survivors(tmp_path, data, n, rank,
                                                                              point, step, extra):
     run = tmp_path / "run"

@@ -41,8 +41,6 @@ def test_abort_and_a_plain_shrink_run():
      "comm.node_shared_params=true: a node's one copy of the parameters"),
     ({"comm__overlap": True}, "comm.overlap=true: its requests in flight are not rebuilt yet"),
     ({"comm__wire_dtype": "bfloat16"}, "comm.wire_dtype=bfloat16: the 16-bit wire's segments"),
-    ({"data__distribution": "scatter"}, "data.distribution=scatter: rank 0's sends are not re-planned"),
-    ({"data__cache": "stream"}, "data.cache=stream: the reader thread's windows"),
     ({"trace__enabled": True}, "trace.enabled=true: the trace is not gathered over the survivors"),
 ])
 def test_shrink_refuses_what_it_does_not_rebuild_yet(overrides, words):
