@@ -299,10 +299,11 @@ KEYS: tuple[Key, ...] = (
         Check(lambda v: v is None or is_int(v) or (isinstance(v, list) and v and all(is_int(r) for r in v)),
               "must be null, a rank or a list of ranks")),
     Key("debug.fail_point", str, None, "... at `startup`, `broadcast` (before the initial weights'), "
-        "`data`, `step` (before its forward), "
+        "`data`, `step` (before its forward), `recovery` (fail_rank's first rank at `step`, the others "
+        "in the recovery from it), "
         "`allreduce` (before the step's Allreduce), `validation` (before the epoch's) or `checkpoint` "
         "(before one is written)"),
-    Key("debug.fail_step", int, 0, "... (`fail_point=step`, `allreduce` or `validation`) at this global step"),
+    Key("debug.fail_step", int, 0, "... (`fail_point=step`, `allreduce`, `validation` or `recovery`) at this global step"),
     Key("debug.fail_mode", str, "raise", "... `raise` an exception, or `kill`: the rank sends itself "
         "SIGKILL (a dead rank, for comm.on_failure)", OneOf(*FAIL_MODES)),
     Key("debug.stall_rank", int, None, "this rank arrives `stall_s` late at the first watched collective ..."),

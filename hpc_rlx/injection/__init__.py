@@ -5,7 +5,9 @@ simulate mixed hardware on one machine. The one place that reads the `debug` sec
 injection point and it does nothing unless a key names this rank:
 
 - `fail_at(point, step)`: `debug.fail_*` raises `InjectedFailure` at `startup`, `broadcast`, `data`, `step`,
-  `allreduce`, `validation` or `checkpoint` (at step `fail_step` for the three with a step); with
+  `allreduce`, `validation` or `checkpoint` (at step `fail_step` for the three with a step), or
+  `recovery` (`fail_rank=[a, b, ...]`: rank a fails at `step` `fail_step`, the others in the
+  recovery from it, once the survivors have shrunk); with
   `debug.fail_mode=kill` the rank sends itself SIGKILL there instead (a dead rank);
 - `poisons_gradient(step)`: `debug.nan_*`, this rank puts a NaN into its gradient;
 - `stall`: `debug.stall_*`, how the stall watchdog makes this rank late at its collectives;
@@ -27,6 +29,10 @@ from .slowdown import SlowdownInjector, parse_slowdown, slowdown_for_rank
 
 
 FAIL_MODES = ("raise", "kill")
+
+
+def _first(failing) -> int:
+    return int(failing[0]) if isinstance(failing, (list, tuple)) else int(failing)
 
 
 class InjectedFailure(RuntimeError):
@@ -66,6 +72,8 @@ class DebugHooks:
         if fails_here and debug.get("fail_point") is not None:
             hooks.fail_point, hooks.fail_step = str(debug["fail_point"]), int(debug.get("fail_step") or 0)
             hooks.fail_mode = str(debug.get("fail_mode") or "raise")
+            if hooks.fail_point == "recovery" and rank == _first(failing):
+                hooks.fail_point = "step"       # the failure the others then die recovering from
         if mine("nan_rank"):
             hooks.nan_step = int(debug.get("nan_step") or 0)
         if mine("stall_rank") and debug.get("stall_s"):

@@ -106,10 +106,11 @@ class FailureHandling:
         return self.active and ulfm.failure_known(exc, comm, others=others)
 
     # ---- one recovery ------------------------------------------------------------------
-    def recover(self, comm, worker, totals, stall=None) -> "Recovered":
+    def recover(self, comm, worker, totals, hooks=None) -> "Recovered":
         """Collective over the survivors of `comm`, after `handles` took an error. A rank that
         dies during the recovery is shrunk away too, and the recovery starts over (one record
-        for all). `stall`: this rank's debug.stall_* plan, for the watchdog over the survivors."""
+        for all). `hooks`: this rank's debug.* (`injection.DebugHooks`): a failure injected into
+        the recovery, the stall plan for the watchdog over the survivors."""
         t0 = time.perf_counter()
         world_before, writer = worker.world, self.world_ranks[0]
         shared_off = worker.bucket.abandon_node_memory()
@@ -119,10 +120,12 @@ class FailureHandling:
         while True:
             try:
                 new = self._shrink(comm, dead, replaced)
+                if hooks is not None:
+                    hooks.fail_at("recovery")     # debug.fail_point=recovery: a second failure here
                 adopted = self._continue(new, worker, writer, dead)
                 totals = _adopt(new, adopted, worker, totals)
                 worker.rejoin(new, len(self.roles) - self.spares)
-                self._watch(new, worker, stall)
+                self._watch(new, worker, None if hooks is None else hooks.stall)
                 break
             except CollectiveError:
                 raise
@@ -219,7 +222,7 @@ class Survives:
 
     def _recover(self, totals):
         with phase("recovery from a failed rank"):
-            done = self.failure.recover(self.comm, self.worker, totals, self.hooks.stall)
+            done = self.failure.recover(self.comm, self.worker, totals, self.hooks)
         self.comm = self.checkpoints.comm = done.comm
         self.rank = done.comm.rank
         self.current_totals = done.totals

@@ -89,6 +89,9 @@ def _resumed(ref: Path, data: Path, n: int, survivors: int, step: int, extra: li
     # ranks 1 and 2 at once, in forward/backward of step 5; the node's shared-memory sum (on by
     # default) is abandoned
     (4, [1, 2], "step", 5, []),
+    # rank 1 at step 5, then rank 2 in the recovery from it (once the survivors have shrunk):
+    # they shrink again, one record for both; the same reference as the case above
+    (4, [1, 2], "recovery", 5, []),
     # the next three end alike (the first step of epoch 2 is redone on 2 ranks): one reference
     # just before the step's Allreduce, MPI's own Allreduce
     (3, 1, "allreduce", 16, ["comm.shared_memory=false", "report.tensorboard=true"]),
@@ -100,7 +103,7 @@ def _resumed(ref: Path, data: Path, n: int, survivors: int, step: int, extra: li
     (3, 1, "checkpoint", 16, ["comm.shared_memory=false"]),
     # rank 0, which scatters the rows and streams them: the survivors' rank 0 reads and sends them
     (3, 0, "step", 16, ["comm.shared_memory=false", "data.distribution=scatter", "data.cache=stream"]),
-], ids=["kill_two_ranks_in_forward_backward", "kill_at_the_allreduce", "kill_rank_0", "kill_before_validation",
+], ids=["kill_two_ranks_in_forward_backward", "kill_a_rank_during_the_recovery", "kill_at_the_allreduce", "kill_rank_0", "kill_before_validation",
         "kill_before_a_checkpoint", "kill_rank_0_that_scatters_streamed_rows"])
 def test_shrink_survives_a_killed_rank_and_ends_as_a_resume_on_the_survivors(tmp_path, data, n, rank,
                                                                              point, step, extra):
