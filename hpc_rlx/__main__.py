@@ -180,9 +180,12 @@ def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
                 raise ConfigError(unset)
             lock = RunDirLock.acquire(job.run_dir, hostname())   # before this job writes anything there
             container = OmegaConf.to_container(cfg, resolve=True)
+            DebugHooks.from_section(container.get("debug") or {}, 0).fail_at("spec")   # debug.fail_point=spec
             return build_spec(container, job.run_dir, comm.size,
                               config_yaml=OmegaConf.to_yaml(cfg, resolve=True)).to_dict()
-        spec = TrainSpec.from_dict(collective.root_computes(comm, _spec))
+        from hpc_rlx.runtime.startup_recovery import ship_spec, train_surviving_startup
+        shipped, comm = ship_spec(comm, _spec)     # a dead rank: the survivors' communicator
+        spec = TrainSpec.from_dict(shipped)
         if comm.rank == 0:
             debuglog.startup(spec)
         def first(spec, comm, earlier):
@@ -193,7 +196,6 @@ def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
             where = "training"
 
         # comm.on_failure=shrink|spare: a rank that dies before the first step starts it over
-        from hpc_rlx.runtime.startup_recovery import train_surviving_startup
         result = train_surviving_startup(spec, comm, train, first)
     except SystemExit:
         raise

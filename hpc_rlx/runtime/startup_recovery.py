@@ -15,7 +15,9 @@ seed, and a checkpoint is read again. So a dead rank there is handled by startin
 4. `train` again on the survivors, with the failure as the first record of `failures`
    (``step`` 0) and the job's rank numbers carried over, so later records name the same ranks.
 
-Rank 0's death before it broadcast the spec cannot be survived: no other rank has the job.
+The spec's own broadcast (`ship_spec`): a rank that dies during it is dropped and rank 0 sends
+the spec again to the survivors; rank 0's death before it sent the spec cannot be survived (no
+other rank has the job), and ends the job with one line.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import dataclasses
 import sys
 import time
 
-from hpc_rlx.comm import ulfm
+from hpc_rlx.comm import collective, ulfm
+from hpc_rlx.comm.collective import CollectiveError
 from hpc_rlx.comm.topology import hostname
 from hpc_rlx.config.failure_mode import training_ranks
 from hpc_rlx.observe.run_lock import RunDirLock
@@ -39,6 +42,44 @@ class EarlierStarts:
     failures: list
     world_ranks: list
     hosts: list
+
+
+def ship_spec(comm, compose):
+    """Rank 0 composes the spec (`compose()`, once) and broadcasts it (`root_computes`). Under
+    ULFM a rank that dies meanwhile makes the survivors shrink: rank 0, alive, sends it again
+    when its spec's comm.on_failure is shrink or spare (else every survivor raises the failure);
+    with rank 0 dead no survivor has the job, and every survivor raises that, one line.
+    Returns (the spec as a dict, the communicator it reached). Collective."""
+    made: list = []
+
+    def once():
+        if not made:
+            try:
+                made.append(("ok", compose()))
+            except Exception as exc:        # noqa: BLE001 - broadcast as root_computes does
+                made.append(("err", exc))
+        kind, value = made[0]
+        if kind == "err":
+            raise value
+        return value
+
+    while True:
+        try:
+            return collective.root_computes(comm, once), comm
+        except Exception as exc:
+            # the idle broadcast's Ibarrier may report the dead rank as ERR_OTHER: failure_known
+            if not ulfm.is_rank_failure(exc) and not (ulfm.problem() is None and ulfm.failure_known(exc, comm)):
+                raise
+            shrunk = ulfm.shrink(comm)
+            if 0 in shrunk.failed:
+                raise CollectiveError("rank 0 died before it sent the job's spec: no other rank holds the job, so "
+                                      "it cannot go on whatever comm.on_failure says; launch it again (resume=auto "
+                                      "continues from the newest checkpoint)", kind="RankFailure", origin=0) from None
+            dead = ", ".join(map(str, shrunk.failed))
+            comm = shrunk.comm
+            if made and made[0][0] == "ok" and made[0][1]["comm"].get("on_failure", "abort") == "abort":
+                made[0] = ("err", CollectiveError(f"rank {dead} died during the spec's broadcast "
+                                                  f"(comm.on_failure=abort)", kind="RankFailure"))
 
 
 def train_surviving_startup(spec, comm, train, first=lambda spec, comm, earlier: None):

@@ -262,6 +262,19 @@ def test_a_rank_that_dies_before_training_starts_the_run_over_on_the_survivors(t
     assert worst <= 1e-10, worst
 
 
+def test_rank_0_dead_before_it_sent_the_spec_ends_the_job_with_one_line(tmp_path, data):
+    """Before the spec's broadcast no other rank has the job: whatever comm.on_failure, the
+    survivors end it with one line and exit 2, no traceback, no hang."""
+    proc = ulfm_job(3, tmp_path / "run", [*SMALL, f"data.path={data}", "comm.on_failure=shrink", "debug.fail_rank=0",
+                                          "debug.fail_point=spec", "debug.fail_mode=kill"])
+    assert proc.returncode == 2, explain(proc)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("hpc_rlx: error")]
+    assert len(errors) == 1, explain(proc)
+    assert re.search(r"\(RankFailure, .*\): rank 0 died before it sent the job's spec: no other rank holds the job",
+                     errors[0]), errors[0]
+    assert "Traceback" not in proc.stderr, explain(proc)
+
+
 def test_the_stall_watchdog_watches_the_survivors(tmp_path, data):
     """Rebuilt over the survivors after the failure: a rank 3 s late at step 20 is reported."""
     run = tmp_path / "run"
