@@ -4,8 +4,8 @@ checked on rank 0 while the spec is built, one line each. Pure: whether MPI's fa
 
 `abort` (the default) runs with everything. `shrink` and `spare` run, so far, where the survivors can
 rebuild all they hold from the state every rank has and the survivors' communicator:
-`policy=sync` on CPU lanes (any data distribution and cache), the bucket summed by MPI's SUM
-or in the node's shared memory. The rest is refused until it is rebuilt too.
+`policy=sync` on CPU lanes (any data distribution and cache, the bucket summed by any path but
+the sharded one, overlapped or not). The rest is refused until it is rebuilt too.
 """
 
 from __future__ import annotations
@@ -37,11 +37,6 @@ def shrink_refusal(cfg: dict) -> str | None:
     if c.get("shard", "none") != "none":
         return (f"comm.shard={c['shard']}: a rank holds the only copy of its slice of the "
                 f"optimizer state; use comm.shard=none")
-    if c.get("overlap"):
-        return "comm.overlap=true: its requests in flight are not rebuilt yet; use comm.overlap=false"
-    if c.get("wire_dtype"):
-        return (f"comm.wire_dtype={c['wire_dtype']}: the 16-bit wire's segments are not "
-                f"re-planned yet; use comm.wire_dtype=null")
     if cfg["trace"].get("enabled"):
         return "trace.enabled=true: the trace is not gathered over the survivors yet; use trace.enabled=false"
     return None

@@ -39,8 +39,6 @@ def test_abort_and_a_plain_shrink_run():
     ({"comm__shard": "optimizer"}, "comm.shard=optimizer: a rank holds the only copy of its slice"),
     ({"comm__node_shared_params": True, "comm__shard": "optimizer"},
      "comm.node_shared_params=true: a node's one copy of the parameters"),
-    ({"comm__overlap": True}, "comm.overlap=true: its requests in flight are not rebuilt yet"),
-    ({"comm__wire_dtype": "bfloat16"}, "comm.wire_dtype=bfloat16: the 16-bit wire's segments"),
     ({"trace__enabled": True}, "trace.enabled=true: the trace is not gathered over the survivors"),
 ])
 def test_shrink_refuses_what_it_does_not_rebuild_yet(overrides, words):
