@@ -17,6 +17,7 @@ A recovery, on every survivor, from the step whose collective reported the failu
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,7 +179,8 @@ class FailureHandling:
         from which state; a `RankFailure` on every survivor where they cannot."""
         visible = (Path(worker.spec.run_dir) / names.METRICS).is_file()
         lost = writer not in self.world_ranks
-        why = new.bcast(plan.takeover_problem(lost, visible, hostname()) if new.rank == 0 else None, root=0)
+        why = new.bcast(plan.takeover_problem(lost, visible, hostname(), unreadable=_unreadable_source(worker.spec))
+                        if new.rank == 0 else None, root=0)
         positions = new.allgather((int(worker.step), int(worker.epoch)))
         who = ", ".join(f"rank {r} on {h}" for r, h in dead)
         try:
@@ -245,6 +247,14 @@ class Survives:
         self.outputs = RunOutputs(self.spec, worker, self.log, self.lanes.names).taken_over()
         self.checkpoints.take_over()
         self.failure.lock = RunDirLock.acquire(self.spec.run_dir, hostname())   # the dead rank's is gone
+
+
+def _unreadable_source(spec) -> str | None:
+    """Under data.distribution=scatter, a data file this rank cannot read (rank 0 reads them)."""
+    d = spec.data
+    if d.distribution != "scatter":
+        return None
+    return next((p for p in dict.fromkeys((d.path, d.val_path)) if p and not os.access(p, os.R_OK)), None)
 
 
 def survivors_of(old, new) -> list[int]:

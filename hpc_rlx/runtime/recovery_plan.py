@@ -93,13 +93,19 @@ def failed_ranks(old_size: int, survivors: Sequence[int]) -> tuple[int, ...]:
     return tuple(r for r in range(old_size) if r not in alive)
 
 
-def takeover_problem(writer_failed: bool, run_dir_visible: bool, host: str, writer: int = 0) -> str | None:
-    """Why the survivors' new rank 0 cannot take over the run directory after the rank that
-    wrote it (`writer`) died, or None (also when the writer lives). `run_dir_visible`: whether
-    the new rank 0 on `host` sees the files the writer had written there."""
+def takeover_problem(writer_failed: bool, run_dir_visible: bool, host: str, writer: int = 0,
+                     unreadable: str | None = None) -> str | None:
+    """Why the survivors' new rank 0 cannot take over after the rank that wrote the run
+    directory (`writer`, which also reads and sends the rows under data.distribution=scatter)
+    died, or None (also when the writer lives). `run_dir_visible`: whether the new rank 0 on
+    `host` sees the files the writer had written there; `unreadable`: a data file the rows are
+    scattered from that it cannot read (None: none, or each rank reads its own rows)."""
     if writer_failed and not run_dir_visible:
         return (f"rank {writer} wrote the run directory, which the survivors' rank 0 on {host} does "
                 f"not see (no shared filesystem between their nodes), so no survivor can take it over")
+    if writer_failed and unreadable:
+        return (f"rank {writer} read the data and sent each rank its rows (data.distribution=scatter), "
+                f"and the survivors' rank 0 on {host} cannot read {unreadable}, so no survivor can send them")
     return None
 
 

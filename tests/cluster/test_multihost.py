@@ -200,6 +200,26 @@ def test_without_a_shared_filesystem_scatter_trains_and_read_names_the_rank_and_
     assert "data.distribution=scatter" in errors[0], errors[0]
 
 
+@pytest.mark.skipif(MPI_IMPL != "openmpi", reason="ULFM: Open MPI 5's mpirun --with-ft ulfm")
+def test_rank_0_lost_while_it_scatters_a_file_only_its_node_reads_ends_the_job_with_one_line(
+        cluster, data_on_node1_only, tmp_path):
+    """comm.on_failure=shrink with data.distribution=scatter from node1's private scratch: rank 0
+    dies at step 5; the survivors' rank 0 on node2 cannot read the file, so no survivor can send
+    the rows: one RankFailure line naming why, exit 2, no hang."""
+    cmd = launcher(cluster, {"node1": 1, "node2": 2}, [PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}"]
+                   + BASE + EQUIV + [f"data.path={data_on_node1_only}", "data.distribution=scatter",
+                                     "comm.on_failure=shrink", "debug.fail_rank=0", "debug.fail_point=step",
+                                     "debug.fail_step=5", "debug.fail_mode=kill"])
+    at = cmd.index(MPIRUN)
+    p = cluster.on("node1", cmd[:at + 1] + ["--with-ft", "ulfm"] + cmd[at + 1:], timeout=120, env=env(), cwd=REPO)
+    assert p.returncode == 2, explain(p)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("hpc_rlx: error")]
+    assert len(errors) == 1, explain(p)
+    assert re.search(r"\(RankFailure, .*\): rank 0 on node1 failed at step 5: rank 0 read the data and sent each "
+                     r"rank its rows \(data\.distribution=scatter\), and the survivors' rank 0 on node2 cannot "
+                     r"read .*small\.h5, so no survivor can send them", errors[0]), errors[0]
+
+
 def test_a_run_directory_only_node1_sees_warns_and_checkpoints_still_resume(
         cluster, data_on_node1_only, tmp_path):
     hosts = {"node1": 1, "node2": 1}

@@ -42,6 +42,10 @@ def test_failed_ranks_and_when_the_run_directory_cannot_be_taken_over():
     assert plan.takeover_problem(True, False, "node2") == (
         "rank 0 wrote the run directory, which the survivors' rank 0 on node2 does not see (no shared "
         "filesystem between their nodes), so no survivor can take it over")
+    assert plan.takeover_problem(True, True, "node2", unreadable="/scratch/d.h5") == (
+        "rank 0 read the data and sent each rank its rows (data.distribution=scatter), and the survivors' "
+        "rank 0 on node2 cannot read /scratch/d.h5, so no survivor can send them")
+    assert plan.takeover_problem(False, True, "node2", unreadable="/scratch/d.h5") is None    # rank 0 lives
 
 
 def test_the_failure_record_and_its_line():
