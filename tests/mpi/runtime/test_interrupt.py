@@ -19,11 +19,11 @@ from hpc_rlx.runtime.signals import INTERRUPT_EXIT, Signals
 from tests.support.jobs import MPI_IMPL, REPO, explain, launch_cmd, mpi_env, rank_pids, train_job
 
 LONG_RUN = ["report.plots=false", "train.epochs=5000"]
-# Steps of a second or more (sleeps, no CPU): a first Ctrl-C is still being served a second later.
-# One step per epoch (a global batch of 1024 over digits' 1438 rows), so the first epoch ends
-# after one slowed step: the slowdown multiplies the step's compute, and a first step's compute
-# on a loaded machine times 10000 once took over three minutes.
-SLOW_STEPS = ["debug.slowdown={0: 1000, 1: 1000}", "train.batch_size=512"]
+# Steps of a few seconds (sleeps, no CPU): a first Ctrl-C is still being served 1.2 s later.
+# Two steps per epoch (a global batch of 512 over digits' 1438 rows); the slowdown multiplies
+# the fastest step's compute (0.6-0.8 ms here), so a factor of 1000 gave steps of 0.6-0.8 s
+# on a fast CPU and the first Ctrl-C was served before the test's 1.2 s; 5000 gives 3-4 s.
+SLOW_STEPS = ["debug.slowdown={0: 5000, 1: 5000}", "train.batch_size=512"]
 INTERRUPTED = re.compile(r"interrupted at step (\d+); checkpoint (\S+); continue with hydra\.run\.dir=(\S+)")
 
 
