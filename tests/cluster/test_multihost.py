@@ -354,8 +354,9 @@ def test_all_ranks_of_node2_killed_ends_the_job_and_node1_alone_continues(cluste
 def test_both_ranks_of_node2_killed_the_rank_on_node1_shrinks_and_trains_on(cluster, shared_h5, tmp_path):
     """comm.on_failure=shrink across 2 emulated nodes: both ranks of node2 SIGKILL themselves
     before their forward of step 5; the rank on node1 learns it from its Allreduce, shrinks and
-    trains on alone, ending within 1e-10 of 3 ranks to step 5 resumed on 1 (node2's PRRTE daemon
-    stays up: a daemon lost with its node ends the job, docs/reliability.md). With Open MPI's
+    trains on alone, ending within 1e-10 of 3 ranks to that step resumed on 1 (node2's PRRTE daemon
+    stays up: a daemon lost with its node ends the job, docs/reliability.md); the reference
+    resumes at the record's step (4 where the survivor saw step 4's Allreduce fail). With Open MPI's
     hierarchical collectives (coll/han, which hpc_rlx switches off under ULFM) the survivor's
     Allreduce of step 5 returned a wrong sum instead of the failure: step 6 and 0.04 apart."""
     base = EQUIV + [f"data.path={shared_h5}", "comm.on_failure=shrink"]
@@ -366,10 +367,14 @@ def test_both_ranks_of_node2_killed_the_rank_on_node1_shrinks_and_trains_on(clus
     p = cluster.on("node1", cmd[:at + 1] + ["--with-ft", "ulfm"] + cmd[at + 1:], timeout=120, env=env(), cwd=REPO)
     assert p.returncode == 0, explain(p)
     (failure,) = json.loads((run / "summary.json").read_text())["failures"]
-    assert failure["ranks"] == [1, 2] and failure["hosts"] == ["node2", "node2"] and failure["step"] == 5, failure
-    assert re.search(r"ranks 1 on node2, 2 on node2 failed: 1 of 3 ranks train on from step 5", p.stdout), explain(p)
+    # ULFM reports a failure unevenly: node2's ranks may have completed step 4's Allreduce that
+    # node1's rank then saw fail, and the survivor goes on from the state it holds (step 4)
+    step = failure["step"]
+    assert failure["ranks"] == [1, 2] and failure["hosts"] == ["node2", "node2"] and step in (4, 5), failure
+    assert re.search(rf"ranks 1 on node2, 2 on node2 failed: 1 of 3 ranks train on from step {step}", p.stdout), \
+        explain(p)
     ref, saved = tmp_path / "reference", [e for e in EQUIV if e != "checkpoint=off"] + [f"data.path={shared_h5}"]
-    p = train(cluster, {"node1": 1, "node2": 2}, ref, saved + ["train.max_steps=5"])
+    p = train(cluster, {"node1": 1, "node2": 2}, ref, saved + [f"train.max_steps={step}"])
     assert p.returncode == 0, explain(p)
     p = train(cluster, {"node1": 1}, ref, saved)
     assert p.returncode == 0 and "resumed from" in p.stdout, explain(p)
