@@ -156,11 +156,10 @@ class FailureHandling:
         follow (the shrunk one, should a rank die during the renumbering)."""
         shrunk = self.latest = ulfm.shrink(comm).comm
         survivors = survivors_of(comm, shrunk)
-        hosts = self.hosts or ["?"] * comm.size
-        dead += [(self.world_ranks[r], hosts[r]) for r in plan.failed_ranks(comm.size, survivors)]
+        lost, self.world_ranks, self.hosts = plan.follow_survivors(self.world_ranks, self.hosts or ["?"] * comm.size,
+                                                                   survivors)
+        dead += lost
         world = sum(role is not None for role in self.roles)
-        self.world_ranks = [self.world_ranks[r] for r in survivors]
-        self.hosts = [hosts[r] for r in survivors]
         self.roles = [self.roles[r] for r in survivors]
         placed = plan.places(self.roles, world)
         replaced += [(self.world_ranks[i], self.hosts[i], s) for i, s in placed.replaced]

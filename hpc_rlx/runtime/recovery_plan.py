@@ -93,6 +93,14 @@ def failed_ranks(old_size: int, survivors: Sequence[int]) -> tuple[int, ...]:
     return tuple(r for r in range(old_size) if r not in alive)
 
 
+def follow_survivors(world_ranks: Sequence[int], hosts: Sequence[str], survivors: Sequence[int]):
+    """After a shrink (pure): the dead ranks as (job rank, host), and the job ranks and hosts of
+    the survivors in the new communicator's order. `world_ranks[r]`, `hosts[r]`: the old
+    communicator's rank r; `survivors`: the old ranks of the new communicator's members."""
+    dead = [(world_ranks[r], hosts[r]) for r in failed_ranks(len(world_ranks), survivors)]
+    return dead, [world_ranks[r] for r in survivors], [hosts[r] for r in survivors]
+
+
 def takeover_problem(writer_failed: bool, run_dir_visible: bool, host: str, writer: int = 0,
                      unreadable: str | None = None) -> str | None:
     """Why the survivors' new rank 0 cannot take over after the rank that wrote the run

@@ -109,20 +109,19 @@ def _start_over(comm, spec, earlier: EarlierStarts, abandon):
     if abandon is not None:
         abandon()                   # the node's shared window: revoked, never freed
     new = ulfm.shrink(comm).comm
-    survivors = survivors_of(comm, new)
-    dead = plan.failed_ranks(comm.size, survivors)
-    ranks, hosts = [earlier.world_ranks[r] for r in dead], [earlier.hosts[r] for r in dead]
-    earlier.world_ranks = [earlier.world_ranks[r] for r in survivors]
-    earlier.hosts = [earlier.hosts[r] for r in survivors]
+    writer = earlier.world_ranks[0]         # the job rank that holds the run directory's lock
+    dead, earlier.world_ranks, earlier.hosts = plan.follow_survivors(earlier.world_ranks, earlier.hosts,
+                                                                     survivors_of(comm, new))
+    ranks, hosts = [r for r, _ in dead], [h for _, h in dead]
     before = training_ranks(spec.comm, comm.size)
+    spares = None                   # comm.on_failure=shrink: no spares to count
     if spec.comm.get("on_failure") == "spare":
         spares = max(0, int(spec.comm.get("spares") or 0) - len(dead))
         spec = dataclasses.replace(spec, comm=dict(spec.comm, spares=spares))
     after = training_ranks(spec.comm, new.size)
-    record = plan.failure_record(0, ranks, hosts, time.perf_counter() - t0, after,
-                                 *((spec.comm["spares"],) if spec.comm.get("on_failure") == "spare" else ()))
+    record = plan.failure_record(0, ranks, hosts, time.perf_counter() - t0, after, spares_left=spares)
     earlier.failures.append(record)
-    if 0 in dead and new.rank == 0:     # the run directory's writer died: this rank takes its lock
+    if writer in ranks and new.rank == 0:     # the run directory's writer died: this rank takes its lock
         RunDirLock.acquire(spec.run_dir, hostname())
     if new.rank == 0:
         who = ", ".join(f"{r} on {h}" for r, h in zip(ranks, hosts))

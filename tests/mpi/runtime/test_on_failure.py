@@ -62,6 +62,17 @@ def tensorboard_marks(run: Path) -> dict:
     return {"world_size": points, "text": [t for t in tags.get("tensors", []) if t.startswith("events/")]}
 
 
+def assert_ends_as(run: Path, reference: tuple[dict, list]) -> None:
+    """The run's model and its epochs' validation losses equal `reference`'s within 1e-10."""
+    params, val_losses = reference
+    epochs = [r for r in read_metric_events(run) if "epoch" in r]
+    assert [r["val_loss"] for r in epochs] == pytest.approx(val_losses, abs=1e-10)
+    got = model(run)
+    assert sorted(got) == sorted(params)
+    worst = max(float(np.max(np.abs(got[k] - params[k]))) for k in got)
+    assert worst <= 1e-10, worst
+
+
 REFERENCES: dict[tuple, dict] = {}
 
 
@@ -155,12 +166,7 @@ def test_shrink_survives_a_killed_rank_and_ends_as_a_resume_on_the_survivors(tmp
         assert marks["world_size"] == [(step, float(left))], marks
         assert marks["text"] and all(t.startswith("events/failure") for t in marks["text"]), marks
 
-    reference, val_losses = resumed_reference(tmp_path, data, n, left, step, extra)
-    assert [r["val_loss"] for r in epochs] == pytest.approx(val_losses, abs=1e-10)
-    got = model(run)
-    assert sorted(got) == sorted(reference)
-    worst = max(float(np.max(np.abs(got[k] - reference[k]))) for k in got)
-    assert worst <= 1e-10, worst
+    assert_ends_as(run, resumed_reference(tmp_path, data, n, left, step, extra))
 
 
 UNINTERRUPTED: dict[tuple, tuple] = {}
@@ -206,12 +212,7 @@ def test_a_spare_takes_the_dead_ranks_place_and_the_run_equals_an_uninterrupted_
     if dead == [0]:
         assert re.search(r"rank 0 on \S+ \(rank 2 of the job\) writes the run directory from here on", log), log
     assert "Traceback" not in proc.stderr, explain(proc)
-    reference, val_losses = uninterrupted(tmp_path, data, 2)
-    epochs = [r for r in read_metric_events(run) if "epoch" in r]
-    assert [r["val_loss"] for r in epochs] == pytest.approx(val_losses, abs=1e-10)
-    got = model(run)
-    worst = max(float(np.max(np.abs(got[k] - reference[k]))) for k in got)
-    assert worst <= 1e-10, worst
+    assert_ends_as(run, uninterrupted(tmp_path, data, 2))
 
 
 def test_when_the_spares_are_used_up_spare_goes_on_as_shrink(tmp_path, data):
@@ -229,12 +230,7 @@ def test_when_the_spares_are_used_up_spare_goes_on_as_shrink(tmp_path, data):
     log = read_log(run)
     assert re.search(r"ranks 1 on \S+, 2 on \S+ failed: spare rank 3 on \S+ trains shard 1; no spare left, 2 of 3 "
                      r"ranks train on from step 5 \(comm\.on_failure=spare goes on as shrink", log), log
-    reference, val_losses = resumed_reference(tmp_path, data, 3, 2, 5, [])
-    epochs = [r for r in read_metric_events(run) if "epoch" in r]
-    assert [r["val_loss"] for r in epochs] == pytest.approx(val_losses, abs=1e-10)
-    got = model(run)
-    worst = max(float(np.max(np.abs(got[k] - reference[k]))) for k in got)
-    assert worst <= 1e-10, worst
+    assert_ends_as(run, resumed_reference(tmp_path, data, 3, 2, 5, []))
 
 
 @pytest.mark.parametrize("dead, point, extra", [
@@ -259,12 +255,7 @@ def test_a_rank_that_dies_before_training_starts_the_run_over_on_the_survivors(t
                      rf"rank {dead[0]} on \S+ died before training started: 2 of 3 ranks set the run up again "
                      rf"\(comm\.on_failure={mode}\)", proc.stdout), explain(proc)
     assert "Traceback" not in proc.stderr, explain(proc)
-    reference, val_losses = uninterrupted(tmp_path, data, 2)
-    epochs = [r for r in read_metric_events(run) if "epoch" in r]
-    assert [r["val_loss"] for r in epochs] == pytest.approx(val_losses, abs=1e-10)
-    got = model(run)
-    worst = max(float(np.max(np.abs(got[k] - reference[k]))) for k in got)
-    assert worst <= 1e-10, worst
+    assert_ends_as(run, uninterrupted(tmp_path, data, 2))
 
 
 def test_rank_0_dead_before_it_sent_the_spec_ends_the_job_with_one_line(tmp_path, data):

@@ -36,6 +36,9 @@ def test_survivors_further_apart_are_a_bug_not_a_state_to_adopt():
 
 def test_failed_ranks_and_when_the_run_directory_cannot_be_taken_over():
     assert plan.failed_ranks(4, [0, 1, 3]) == (2,)
+    # the job ranks 5, 7, 8, 9 on a, b, c, d; old ranks 0 and 2 survive
+    assert plan.follow_survivors([5, 7, 8, 9], ["a", "b", "c", "d"], [0, 2]) == (
+        [(7, "b"), (9, "d")], [5, 8], ["a", "c"])
     assert plan.failed_ranks(4, [1, 2]) == (0, 3)
     assert plan.takeover_problem(False, False, "node2") is None     # rank 0 lives: nothing to take over
     assert plan.takeover_problem(True, True, "node2") is None       # the new rank 0 sees the run directory
