@@ -60,6 +60,18 @@ class BucketLayout:
         self.tail_start = 0 if self.tail_first else self.payload_size       # absolute offsets
         self.payload_start = self.tail_size if self.tail_first else 0
 
+    def for_world(self, world_size: int) -> "BucketLayout":
+        """The same fields, with per-rank slots for `world_size` ranks."""
+        return BucketLayout(self.payload_size, self.fields, self.rank_fields, world_size, self.tail_first)
+
+    def within(self, buffer, larger: "BucketLayout"):
+        """This layout's bucket inside `buffer`, a bucket laid out by `larger` (the same payload,
+        a tail at least as long): the same payload memory, so views of it stay valid."""
+        if larger.payload_size != self.payload_size or larger.tail_size < self.tail_size:
+            raise ValueError(f"a bucket of tail {self.tail_size} does not fit in one of tail {larger.tail_size}")
+        start = larger.tail_size - self.tail_size if self.tail_first else 0
+        return buffer[start: start + self.size]
+
     def payload_of(self, buffer):
         """The payload view of a whole bucket array laid out by this layout."""
         return buffer[self.payload_start: self.payload_start + self.payload_size]

@@ -10,7 +10,6 @@ strings); uppercase buffer collectives for arrays, so arrays are never pickled.
 from __future__ import annotations
 
 import functools
-import math
 import time
 import traceback
 import weakref
@@ -22,6 +21,7 @@ from hpc_rlx.comm import idle_wait
 from hpc_rlx.comm import watchdog as _watchdog
 from hpc_rlx.comm.bucket_layout import BucketLayout
 from hpc_rlx.comm.codec import codec_for, normalize_wire
+from hpc_rlx.comm.finite import all_finite
 from hpc_rlx.comm.job_abort import abort_job
 from hpc_rlx.comm.node_memory import NodeSharedSum
 from hpc_rlx.comm.node_scatter import NodeScatteredSum
@@ -130,34 +130,6 @@ def abort(comm, message: str, code: int = 1) -> None:
 # The fused bucket
 # --------------------------------------------------------------------------------------
 
-_FINITE_BLOCK = 1 << 16
-
-
-def _all_finite(x: np.ndarray) -> bool:
-    """``np.isfinite(x).all()`` at the cost of one read pass: a NaN or an infinity makes the dot
-    product x.x non-finite, so a finite one proves every value finite. Only a non-finite dot
-    product (a bad value, or finite values too large to square) takes the exact check."""
-    flat = x.reshape(-1)
-    if flat.dtype.kind == "f" and flat.flags.c_contiguous:
-        with np.errstate(over="ignore", invalid="ignore"):
-            if math.isfinite(float(np.dot(flat, flat))):
-                return True
-    return finite_blockwise(flat)
-
-
-def finite_blockwise(flat: np.ndarray) -> bool:
-    """The exact check: isfinite in cache-sized blocks into one small mask (no temporary as
-    large as the gradient), stopping at the first bad block."""
-    mask = np.empty(min(flat.size, _FINITE_BLOCK), dtype=bool)
-    for lo in range(0, flat.size, _FINITE_BLOCK):
-        part = flat[lo: lo + _FINITE_BLOCK]
-        view = mask[: part.size]
-        np.isfinite(part, out=view)
-        if not view.all():
-            return False
-    return True
-
-
 class FusedBucket:
     """One contiguous array laid out by a `bucket_layout.BucketLayout`:
     [gradients or weighted params ... | summed fields | per-rank fields].
@@ -215,6 +187,7 @@ class FusedBucket:
         self.shared_memory_off: str | None = None   # why comm.shared_memory could not be used
         self.overlap_chunk_elems = max(1, int(overlap_chunk_mb * 1024 * 1024) // itemsize)
         self._overlap_plan = None
+        self._overlap_spans: dict = {}
         self._overlap_step = None
 
     def _set_host(self, buf) -> None:
@@ -376,8 +349,20 @@ class FusedBucket:
     # ---- overlap with backward (`comm.overlap`, `hpc_rlx.comm.overlap`) ---------------------
     def set_overlap_spans(self, spans: dict) -> None:
         """{name: (lo, hi)}: where each parameter's (and buffer's) gradient sits in the payload."""
+        self._overlap_spans = spans
         if self.overlap:
             self._overlap_plan = OverlapPlan(self.layout, spans, self.overlap_chunk_elems)
+
+    def relayout(self, world_size: int) -> None:
+        """The per-rank slots laid out again for `world_size` ranks (fewer: a failure shrank the
+        job), in the same memory: every view of the payload stays valid."""
+        if world_size == self.layout.world_size or not self.layout.rank_fields:
+            return
+        if self.device is not None:
+            raise HpcRlxError("a bucket with a GPU twin is not laid out again after a failure")
+        old, self.layout = self.layout, self.layout.for_world(world_size)
+        self._set_host(self.layout.within(self.buffer, old))
+        self.set_overlap_spans(self._overlap_spans)
 
     @property
     def overlaps(self) -> bool:
@@ -390,7 +375,7 @@ class FusedBucket:
         overlap is off). The next `allreduce` finishes what this started."""
         if not self.overlaps:
             return None
-        self._overlap_step = OverlapStep(self._overlap_plan, self.buffer, comm, _all_finite,
+        self._overlap_step = OverlapStep(self._overlap_plan, self.buffer, comm, all_finite,
                                          self.overlap_progress)
         return self._overlap_step.ready
 
@@ -402,7 +387,7 @@ class FusedBucket:
             xp = backend.array_module(self.device_payload)
             with backend.use_device(self.device):
                 return bool(xp.isfinite(self.device_payload).all())
-        return _all_finite(self.payload)
+        return all_finite(self.payload)
 
     # ---- the collective -------------------------------------------------------------------
     @watched("fused-bucket Allreduce")

@@ -3,9 +3,10 @@ checked on rank 0 while the spec is built, one line each. Pure: whether MPI's fa
 (ULFM) is active is asked of every rank at start-up (`runtime/recovery.py`).
 
 `abort` (the default) runs with everything. `shrink` and `spare` run, so far, where the survivors can
-rebuild all they hold from the state every rank has and the survivors' communicator:
-`policy=sync` on CPU lanes (any data distribution and cache, the bucket summed by any path but
-the sharded one, overlapped or not). The rest is refused until it is rebuilt too.
+rebuild all they hold from the state every rank has and the survivors' communicator: CPU
+lanes (any data distribution and cache, the bucket summed by any path but the sharded one,
+overlapped or not) under `policy=sync`, and under `cadence` and `async` with `shrink` (whole
+outer syncs). The rest is refused until it is rebuilt too.
 """
 
 from __future__ import annotations
@@ -16,16 +17,22 @@ from hpc_rlx.policies.registry import POLICIES
 ON_FAILURE = ("abort", "shrink", "spare")
 
 
-def shrink_refusal(cfg: dict) -> str | None:
-    """Why `comm.on_failure=shrink` cannot run with `cfg` yet, in words, or None (pure)."""
+def shrink_refusal(cfg: dict, mode: str = "shrink") -> str | None:
+    """Why `comm.on_failure=<mode>` (shrink or spare) cannot run with `cfg` yet, in words, or
+    None (pure)."""
     c = cfg["comm"]
-    policy = cfg["policy"]["name"]
+    policy = cfg["policy"]
     stages = int(cfg["parallel"]["pipeline_stages"])
     device = cfg["device"]["kind"]
-    lockstep = POLICIES[policy].steps_are_batches and not POLICIES[policy].bucket_rank_fields
-    if not lockstep:     # local steps between syncs, per-rank slots sized by the world
-        return (f"policy={policy}: its windows and per-rank slots are not rebuilt over the "
-                f"survivors yet; use policy=sync")
+    windowed = not POLICIES[policy["name"]].steps_are_batches
+    if windowed and mode == "spare":
+        return (f"policy={policy['name']}: a rank's inner optimizer state is its own (local steps), and a "
+                f"spare cannot hold the dead rank's; use comm.on_failure=shrink (the survivors all take "
+                f"rank 0's, as a resume does)")
+    if windowed and _streams(policy):
+        return ("policy.fragments / policy.fragment_delay (streaming outer syncs): the fragments in "
+                "flight are not dropped over the survivors; use policy.fragments=1 "
+                "policy.fragment_delay=0")
     if stages > 1:
         return (f"parallel.pipeline_stages={stages}: a dead rank takes a stage's only copy with "
                 f"it; use parallel.pipeline_stages=1")
@@ -40,6 +47,14 @@ def shrink_refusal(cfg: dict) -> str | None:
     if cfg["trace"].get("enabled"):
         return "trace.enabled=true: the trace is not gathered over the survivors yet; use trace.enabled=false"
     return None
+
+
+def _streams(policy: dict) -> bool:
+    """Whether a windowed policy's outer syncs stream (`policy.fragments`, `policy.fragment_delay`)."""
+    try:
+        return int(policy.get("fragments") or 1) > 1 or int(policy.get("fragment_delay") or 0) > 0
+    except (TypeError, ValueError):
+        return False        # a bad value: the policy's own check names it
 
 
 def check_on_failure(cfg: dict, world_size: int | None = None) -> None:
@@ -57,7 +72,7 @@ def check_on_failure(cfg: dict, world_size: int | None = None) -> None:
         raise ConfigError(f"comm.spares={spares} leaves no rank to train on {world_size} ranks: launch "
                           f"{spares} more than the ranks that train (mpirun -n N+{spares})")
     if mode in ("shrink", "spare"):
-        why = shrink_refusal(cfg)
+        why = shrink_refusal(cfg, mode)
         if why is not None:
             raise ConfigError(f"comm.on_failure={mode} does not run with {why}")
 

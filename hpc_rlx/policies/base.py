@@ -141,6 +141,9 @@ class Policy:
     shards_optimizer_state: bool = False
     bucket_fields: tuple[str, ...] = STEP_FIELDS
     bucket_rank_fields: tuple[str, ...] = ()
+    # Whether each rank's optimizer state is its own (local steps between syncs): after a dead
+    # rank the survivors all take rank 0's, as a resume on another world size does.
+    own_optimizer_state: bool = False
 
     def __init__(self, spec):
         self.spec = spec
@@ -181,6 +184,20 @@ class Policy:
 
     def load_rank_state(self, state: dict | None) -> None:
         """This rank's own `rank_state` back from a checkpoint (None: another world size)."""
+
+    # ---- after a dead rank (comm.on_failure=shrink: runtime/recovery.py) ----------------
+    def roll_back(self, worker) -> None:
+        """Back to the last state every rank agreed on, before the survivors agree where to go
+        on (nothing to do where every step ends agreed)."""
+
+    def recovery_state(self) -> dict | None:
+        """What the survivors continue from, beyond the worker's state (None: nothing)."""
+        return None
+
+    def rejoin(self, loop: "Loop", state: dict | None) -> None:
+        """The survivors go on from `state`, this policy's `state_dict` on the survivor they
+        continue from (None: a policy without one), as a resume of it on their world size
+        would; `loop.worker` has already re-planned the data over them."""
 
     # ---- what the loop shows and records -----------------------------------------------
     def epoch_fraction(self, worker) -> float:

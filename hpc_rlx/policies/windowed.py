@@ -90,6 +90,7 @@ class WindowedPolicy(WindowedState, Policy):
     key_docs = SHARED_DOCS
     bucket_fields = SUMMED_FIELDS
     bucket_rank_fields = FIELDS
+    own_optimizer_state = True
 
     @classmethod
     def check_config(cls, cfg: dict) -> dict:
@@ -139,6 +140,10 @@ class WindowedPolicy(WindowedState, Policy):
                                    self.cfg["fragment_mix"])
         self.stream: StreamingSync | None = None    # the fragment syncs, when they stream
         self._rank_pending = None                   # this rank's own checkpointed state
+        # comm.on_failure=shrink: the inner optimizer state of the last sync is kept (roll_back)
+        self._recovers = spec.comm.get("on_failure", "abort") != "abort"
+        self._agreed_inner = None
+        self._epoch_over = False        # a recovery during validation: the epoch has no window left
 
     # ---- the controller behind one small interface (the subclasses) ------------------------
     @property
@@ -202,6 +207,7 @@ class WindowedPolicy(WindowedState, Policy):
         if self.cursors is None:
             self.cursors = [worker.epoch * worker.steps_per_epoch] * self.world
         self.slow = loop.hooks.slowdown      # debug.slowdown: owed per step, slept before the sync
+        self._keep_restore_point(worker)
         self._ready = True
 
     def _lr_step(self, worker) -> int:
@@ -224,6 +230,7 @@ class WindowedPolicy(WindowedState, Policy):
     def begin_epoch(self, loop: Loop, first_step: int) -> None:
         if not self._ready:
             self._setup(loop)
+        self._epoch_over = False
         if self._log is None or first_step == 0:
             self._log = EpochLog(self.world)
         self._epoch_log = self._log      # the record of the epoch, kept past its end
@@ -237,6 +244,8 @@ class WindowedPolicy(WindowedState, Policy):
         return planned, plan_window(planned, self.batches, self.epoch_samples - self.epoch_consumed)
 
     def step(self, loop: Loop) -> StepResult | None:
+        if self._epoch_over:
+            return None
         planned, counts = self._next_window()
         if not any(counts):
             # the epoch is over, decided from the bucket: identically on every rank
@@ -358,6 +367,7 @@ class WindowedPolicy(WindowedState, Policy):
             worker.params[...] = self.global_params     # nobody worked: the model stays as it was
         if bad:
             worker.optimizer.reset()                     # its state may hold the non-finite values
+        self._keep_restore_point(worker)
         loop.lanes.refresh_device_params()
         return flags, report
 

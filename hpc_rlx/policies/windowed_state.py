@@ -8,6 +8,12 @@ A resume on the same world size gives every rank its own state back, so it conti
 as if never stopped. On another world size the shard plan and the segments change: every rank
 starts from rank 0's inner state and the agreed model, the residuals are dropped and the
 fragment in flight is not sent again.
+
+After a dead rank (`comm.on_failure=shrink`, `runtime/recovery.py`) the survivors go on exactly
+as that resume would, from the last sync: every survivor drops the window in flight
+(`roll_back`: the agreed model, and its inner optimizer state as that sync left it, which it
+keeps a copy of under `shrink`), all take the state of the survivor furthest on and rank 0's
+inner state, and `rejoin` sets the policy up again for their world size.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import numpy as np
 
 from .base import Loop
 from .epochlog import EpochLog
+from .outer import outer_from_config
+from .smoothing import RecentMin
 
 
 class WindowedState:
@@ -101,3 +109,53 @@ class WindowedState:
         if streaming:
             self.stream.load(streaming, own["arrays"] if own else None, worker.comm)
 
+
+    # ---- after a dead rank (comm.on_failure=shrink) ----------------------------------------
+    def _keep_restore_point(self, worker) -> None:
+        """Under comm.on_failure=shrink: this rank's inner optimizer state as the last sync left
+        it, what `roll_back` returns to (one copy of it per window)."""
+        if self._recovers:
+            opt = worker.optimizer.state_dict()
+            self._agreed_inner = {"arrays": {k: np.array(v, copy=True) for k, v in opt["arrays"].items()},
+                                  "scalars": dict(opt["scalars"])}
+
+    def roll_back(self, worker) -> None:
+        """The window in flight dropped, the same way on every survivor: the last agreed model
+        (`global_params`) and this rank's inner optimizer state as that sync left it."""
+        if not self._ready:
+            return      # no window ran yet
+        worker.params[...] = self.global_params
+        worker.optimizer.load_state_dict(self._agreed_inner)     # copied in
+
+    def recovery_state(self) -> dict:
+        """What the survivors continue from (`state_dict`), and the record of an epoch whose
+        windows are done but whose validation is not (the failure hit it)."""
+        state = self.state_dict()
+        if self._ready and self._log is None and getattr(self, "_epoch_log", None) is not None:
+            state["meta"]["finished_epoch"] = self._epoch_log.state_dict()
+        return state
+
+    def rejoin(self, loop: Loop, state: dict | None) -> None:
+        """As a resume of `state` on the survivors' world size: the controller and the outer
+        optimizer loaded from it (the controller's measurements restart), every rank a fresh
+        local pass over its new shard from the epoch's start, the coded wire's residuals
+        dropped, the bucket's slots read for the new world size. The recovery has already
+        given every survivor the same parameters and rank 0's inner optimizer state."""
+        worker, meta = loop.worker, state["meta"]
+        self.world = worker.world
+        self.controller = self.build_controller(self.cfg, self.world)
+        self.outer = outer_from_config(self.cfg)
+        self._cost = RecentMin(3)
+        self.cursors, self.epoch_consumed, self._log, self._rank_pending = None, 0, None, None
+        self._prev_sync_ms = self._prev_div = 0.0
+        self._synced, self._cold, self._adopt_position = False, True, False
+        self.load_state_dict(state)
+        self._setup(loop)
+        finished = meta.get("finished_epoch")
+        self._epoch_over = finished is not None     # its validation is redone, then the next epoch
+        if self._epoch_over:
+            self._epoch_log = EpochLog.from_state(finished, int(meta["world_size"]))
+            self.cursors = [(worker.epoch + 1) * worker.steps_per_epoch] * self.world
+        else:
+            self._log = self._log or EpochLog(self.world)
+            self._epoch_log = self._log

@@ -9,10 +9,13 @@ A recovery, on every survivor, from the step whose collective reported the failu
    this rank's own bucket memory; the bucket is summed by MPI's Allreduce from then on;
 2. revoke, acknowledge, agree, shrink (`ulfm.shrink`): the survivors' communicator;
 3. the survivors agree on the step to continue from (`recovery_plan.adoption`: forward) and
-   the ones behind take that state by broadcast;
+   the ones behind take that state by broadcast; under `cadence` and `async` every survivor
+   first drops the window in flight (back to the last sync) and all then take rank 0's inner
+   optimizer state (`policies/windowed_state.py`);
 4. the data is re-planned over the survivors exactly as a resume on that many ranks does (the
    same global batch; the learning rate scaled for the new world size), each rank reads its
-   new shard, and training goes on from the state in memory.
+   new shard, and training goes on from the state in memory (a windowed policy set up again
+   as a resume of the adopted state on that many ranks: `Policy.rejoin`).
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ class FailureHandling:
         return self.active and ulfm.failure_known(exc, comm, others=others)
 
     # ---- one recovery ------------------------------------------------------------------
-    def recover(self, comm, worker, totals, hooks=None) -> "Recovered":
+    def recover(self, comm, worker, policy, totals, hooks=None) -> "Recovered":
         """Collective over the survivors of `comm`, after `handles` took an error. A rank that
         dies during the recovery is shrunk away too, and the recovery starts over (one record
         for all). `hooks`: this rank's debug.* (`injection.DebugHooks`): a failure injected into
@@ -115,6 +118,7 @@ class FailureHandling:
         t0 = time.perf_counter()
         world_before, writer = worker.world, self.world_ranks[0]
         shared_off = worker.bucket.abandon_node_memory()
+        policy.roll_back(worker)        # a windowed policy: the window in flight is dropped
         watchdog.current().close("a rank failed")     # its side channel knew the old ranks
         dead: list[tuple[int, str]] = []
         replaced: list[tuple[int, str, int]] = []
@@ -124,7 +128,7 @@ class FailureHandling:
                 if hooks is not None:
                     hooks.fail_at("recovery")     # debug.fail_point=recovery: a second failure here
                 adopted = self._continue(new, worker, writer, dead)
-                totals = _adopt(new, adopted, worker, totals)
+                totals, policy_state = _adopt(new, adopted, worker, policy, totals)
                 worker.rejoin(new, len(self.roles) - self.spares)
                 self._watch(new, worker, None if hooks is None else hooks.stall)
                 break
@@ -143,10 +147,14 @@ class FailureHandling:
         if writer_failed:
             notes.append(f"rank {new.rank} on {hostname()} (rank {self.world_ranks[0]} of the job) writes "
                          f"the run directory from here on")
+        if policy.own_optimizer_state:
+            notes.append(f"policy={policy.name}: the window in flight is dropped; the survivors go on from the "
+                         f"sync of step {adopted.step} with rank 0's inner optimizer state, as a resume on "
+                         f"{worker.world} ranks would")
         if shared_off:
             notes.append("the node's shared-memory sum is off for the rest of the run (its window is "
                          "abandoned after the failure); the bucket is summed by MPI's Allreduce")
-        return Recovered(new, totals, record, tuple(notes), writer_failed=writer_failed)
+        return Recovered(new, totals, policy_state, record, tuple(notes), writer_failed=writer_failed)
 
     def _shrink(self, comm, dead: list, replaced: list):
         """The survivors' communicator, renumbered where a spare took a dead rank's shard (the
@@ -194,10 +202,12 @@ class FailureHandling:
 
 @dataclass(frozen=True)
 class Recovered:
-    """What a recovery leaves the run: the survivors' communicator, the epoch's totals to go on
-    with, the failure's record, the lines to log, and whether rank 0 (the writer) died."""
+    """What a recovery leaves the run: the survivors' communicator, the epoch's totals and the
+    policy's state to go on with, the failure's record, the lines to log, and whether rank 0
+    (the writer) died."""
     comm: object
     totals: object
+    policy_state: dict | None
     record: dict
     notes: tuple[str, ...]
     writer_failed: bool
@@ -223,9 +233,10 @@ class Survives:
 
     def _recover(self, totals):
         with phase("recovery from a failed rank"):
-            done = self.failure.recover(self.comm, self.worker, totals, self.hooks)
+            done = self.failure.recover(self.comm, self.worker, self.policy, totals, self.hooks)
         self.comm = self.checkpoints.comm = done.comm
         self.rank = done.comm.rank
+        self.policy.rejoin(self, done.policy_state)
         self.current_totals = done.totals
         if done.writer_failed and self.rank == 0:
             self._take_over()
@@ -267,21 +278,31 @@ def survivors_of(old, new) -> list[int]:
         g_new.Free()
 
 
-def _adopt(comm, adopted: plan.Adoption, worker, totals):
+def _adopt(comm, adopted: plan.Adoption, worker, policy, totals):
     """The survivors behind take the state of `adopted.source` (parameters, optimizer state,
-    position, the epoch's totals and history); returns the totals to go on with."""
-    if not adopted.behind:
-        return totals
+    position, the epoch's totals and history); under a windowed policy every survivor then takes
+    rank 0's inner optimizer state, as a resume on another world size does. Returns the totals
+    to go on with and the policy's state to rejoin from (`Policy.recovery_state`)."""
     src = adopted.source
-    comm.Bcast(worker.params, root=src)
+    mine = comm.rank == src
+    if adopted.behind:
+        comm.Bcast(worker.params, root=src)
+        _share_optimizer_state(comm, worker, src)
+        meta, totals, history = comm.bcast(
+            (worker.state.checkpoint_meta(), totals, worker.history) if mine else None, root=src)
+        if not mine:
+            worker.state.restore(meta, worker.steps_per_epoch, f"survivor {src}'s state")
+            worker.history = list(history)
+    if policy.own_optimizer_state:
+        _share_optimizer_state(comm, worker, 0)
+    return totals, comm.bcast(policy.recovery_state() if mine else None, root=src)
+
+
+def _share_optimizer_state(comm, worker, root: int) -> None:
+    """Every survivor takes `root`'s optimizer state (broadcast into its own arrays)."""
     state = worker.optimizer.state_dict()
     for name in sorted(state["arrays"]):
-        comm.Bcast(state["arrays"][name], root=src)
-    mine = comm.rank == src
-    meta, scalars, totals, history = comm.bcast(
-        (worker.state.checkpoint_meta(), state["scalars"], totals, worker.history) if mine else None, root=src)
-    if not mine:
+        comm.Bcast(state["arrays"][name], root=root)
+    scalars = comm.bcast(state["scalars"] if comm.rank == root else None, root=root)
+    if comm.rank != root:
         worker.optimizer.load_state_dict({"arrays": state["arrays"], "scalars": scalars})
-        worker.state.restore(meta, worker.steps_per_epoch, f"survivor {src}'s state")
-        worker.history = list(history)
-    return totals

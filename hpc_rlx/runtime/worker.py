@@ -139,8 +139,8 @@ class Worker:
         the first `world` train (the rest stay spares): train on over them as a resume on that
         many ranks would. The shards are re-planned for the same global batch, the learning
         rate is scaled for the new world size (unchanged where a spare took the dead rank's
-        place), and this rank reads its new shard; parameters, optimizer state and position
-        stay as they are."""
+        place), the bucket's per-rank slots are laid out for it, and this rank reads its new
+        shard; parameters, optimizer state and position stay as they are."""
         self.comm, self.rank, self.world = comm, comm.rank, int(world)
         spec, opt = self.spec, self.spec.optim
         self.plan = plan_shards(spec.data.n_train, spec.train["batch_size"], self.world, spec.data.leftover)
@@ -149,6 +149,7 @@ class Worker:
                                f"{self.plan.steps_per_epoch} steps instead of {self.steps_per_epoch}")
         self.base_lr = scaled_lr(float(opt["lr"]), self.world, float(opt["lr_scale_ratio"] or 0.0))
         self.schedule = make_schedule(opt["schedule"], self.base_lr, self.schedule_steps, **schedule_kwargs(opt))
+        self.bucket.relayout(self.world)        # a windowed policy's per-rank report slots
         self.feed.close(collective_ok=False)
         loaded = self.data_s
         self.load_data()

@@ -216,8 +216,13 @@ CASES = [
     Case("shrink_with_pipeline_stages", ("comm.on_failure=shrink", "parallel.pipeline_stages=2"),
          r"comm\.on_failure=shrink does not run with parallel\.pipeline_stages=2: a dead rank takes a "
          r"stage's only copy with it", kind="ConfigError"),
-    Case("shrink_with_cadence", ("comm.on_failure=shrink", "policy=cadence"),
-         r"comm\.on_failure=shrink does not run with policy=cadence: .*; use policy=sync", kind="ConfigError"),
+    Case("spare_with_cadence", ("comm.on_failure=spare", "comm.spares=1", "policy=cadence"),
+         r"comm\.on_failure=spare does not run with policy=cadence: a rank's inner optimizer state is its own "
+         r"\(local steps\), and a spare cannot hold the dead rank's; use comm\.on_failure=shrink", kind="ConfigError"),
+    Case("shrink_with_streaming_outer_syncs", ("comm.on_failure=shrink", "policy=async", "policy.tune=false",
+                                               "policy.anchor=4", "policy.fragments=2"),
+         r"comm\.on_failure=shrink does not run with policy\.fragments / policy\.fragment_delay \(streaming outer "
+         r"syncs\): the fragments in flight are not dropped over the survivors", kind="ConfigError"),
     Case("fragments_with_cadence", ("policy=cadence", "policy.fragments=2"),
          r"policy\.fragments=2 policy\.fragment_delay=0 needs every rank on the same steps per sync: use "
          r"policy=async with policy\.tune=false", kind="ConfigError"),

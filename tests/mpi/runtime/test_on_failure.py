@@ -294,3 +294,49 @@ def test_shrink_without_with_ft_ulfm_is_refused_on_every_rank(tmp_path, data):
                      r"--with-ft ulfm .*; launch with Open MPI 5.s `mpirun --with-ft ulfm -n N python -m hpc_rlx "
                      r"comm\.on_failure=shrink", errors[0]), errors[0]
     assert "Traceback" not in proc.stderr and "aborting" not in proc.stderr, explain(proc)
+
+
+# fixed windows of 4 local steps per rank (4 syncs an epoch here), so a run and its resumed
+# reference plan the same windows: async untuned; cadence in lockstep with its anchor pinned
+WINDOWED = {"async": ["policy=async", "policy.tune=false", "policy.anchor=4"],
+            "cadence": ["policy=cadence", "policy.anchor=4", "policy.max_anchor=4", "policy.max_batch_diff=0",
+                        "policy.overhead_target=1e-6"]}
+
+
+@pytest.mark.parametrize("policy, dead, point, step, extra", [
+    # in its local steps of window 3: the survivors drop the window in flight (the node's
+    # shared-memory sum on)
+    ("async", 1, "step", 3, []),
+    # at the sync's Allreduce in epoch 2, cadence
+    ("cadence", 2, "allreduce", 5, ["comm.shared_memory=false"]),
+    # rank 0: the survivors take their rank 0's inner state, which a resume from the dead rank
+    # 0's checkpoint would not; DiLoCo resetting the inner state at every sync makes them equal;
+    # the coded outer wire's residuals dropped, as a resume on another world size does
+    ("async", 0, "allreduce", 2, ["comm.shared_memory=false", "policy.outer=diloco", "policy.reset_inner=true",
+                                  "policy.outer_wire_dtype=int8"]),
+    # before the validation of epoch 1, whose windows are done: it is redone over the survivors
+    ("async", 2, "validation", 4, ["comm.shared_memory=false"]),
+], ids=["async_in_local_steps", "cadence_at_the_sync", "async_rank_0_diloco_coded_wire", "async_before_validation"])
+def test_windowed_policies_drop_the_window_in_flight_and_end_as_a_resume(tmp_path, data, policy, dead, point,
+                                                                          step, extra):
+    """`policy=cadence|async` under shrink: every survivor goes back to the last sync (the agreed
+    model, its inner state as that sync left it), takes rank 0's inner state, and the policy is
+    set up again over 2 ranks (per-rank bucket slots, controller, local passes) as a resume from
+    that sync's checkpoint on 2 ranks would be."""
+    run = tmp_path / "run"
+    extra = [*WINDOWED[policy], *extra]
+    proc = ulfm_job(3, run, [*SMALL, f"data.path={data}", *extra, "comm.on_failure=shrink", f"debug.fail_rank={dead}",
+                             f"debug.fail_point={point}", f"debug.fail_step={step}", "debug.fail_mode=kill"])
+    assert proc.returncode == 0, explain(proc)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2, summary
+    (failure,) = summary["failures"]
+    assert failure["step"] == step and failure["ranks"] == [dead] and failure["world_size_after"] == 2, failure
+    log = read_log(run)
+    assert re.search(rf"rank {dead} on \S+ failed: 2 of 3 ranks train on from step {step}", log), log
+    assert (f"policy={policy}: the window in flight is dropped; the survivors go on from the sync of step {step} "
+            f"with rank 0's inner optimizer state, as a resume on 2 ranks would") in log, log
+    epochs = [r for r in read_metric_events(run) if "epoch" in r]
+    assert [r["epoch"] for r in epochs] == [1, 2] and all(r["policy"] == policy for r in epochs), epochs
+    assert "Traceback" not in proc.stderr, explain(proc)
+    assert_ends_as(run, resumed_reference(tmp_path, data, 3, 2, step, extra))

@@ -21,8 +21,10 @@ def _epoch_records(run_dir):
 def test_max_steps_mid_epoch_writes_a_partial_record_and_final_metrics(tmp_path, digits_h5, policy):
     run_dir = tmp_path / "run"
     # windowed policies: at most 2 x 4 local steps of 32 samples per sync, so 3 syncs stay
-    # inside the 1408-sample epoch whatever the measured speeds
+    # inside the 1408-sample epoch whatever the measured speeds (cadence in lockstep: a rank
+    # measured faster under load would otherwise run more steps than the anchor)
     small = [] if policy == "sync" else ["policy.anchor=2", "policy.max_anchor=4"]
+    small += ["policy.max_batch_diff=0"] if policy == "cadence" else []
     proc = train_job(2, run_dir, [f"data.path={digits_h5}", f"policy={policy}", "train.max_steps=3"] + small)
     assert proc.returncode == 0, explain(proc)
     recs = _epoch_records(run_dir)

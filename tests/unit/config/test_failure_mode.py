@@ -28,11 +28,14 @@ def test_abort_and_a_plain_shrink_run():
     check_on_failure(config())
     check_on_failure(config(comm__on_failure="shrink"))
     assert shrink_refusal(config()) is None
+    for policy in ("cadence", "async"):       # whole outer syncs: the window in flight is dropped
+        check_on_failure(config(comm__on_failure="shrink", policy__name=policy))
+        check_on_failure(config(comm__on_failure="shrink", policy__name=policy, policy__fragments=1))
 
 
 @pytest.mark.parametrize("overrides, words", [
-    ({"policy__name": "cadence"}, "policy=cadence: its windows and per-rank slots are not rebuilt"),
-    ({"policy__name": "async"}, "policy=async: "),
+    ({"policy__name": "async", "policy__fragments": 2}, "policy.fragments / policy.fragment_delay (streaming"),
+    ({"policy__name": "async", "policy__fragment_delay": 1}, "the fragments in flight are not dropped"),
     ({"parallel__pipeline_stages": 2}, "parallel.pipeline_stages=2: a dead rank takes a stage's only copy"),
     ({"device__kind": "cuda"}, "device=cuda: GPU lanes are not rebuilt after a failure yet; use device=cpu"),
     ({"device__kind": "all"}, "device=all: GPU lanes"),
@@ -63,9 +66,13 @@ def test_spare_needs_spares_and_spares_need_spare():
     assert training_ranks({"on_failure": "shrink", "spares": 0}, 3) == 3
 
 
-def test_spare_refuses_what_shrink_refuses():
-    with pytest.raises(ConfigError, match=r"^comm\.on_failure=spare does not run with policy=cadence"):
-        check_on_failure(config(comm__on_failure="spare", comm__spares=1, policy__name="cadence"))
+def test_spare_refuses_what_shrink_refuses_and_the_windowed_policies():
+    with pytest.raises(ConfigError, match=r"^comm\.on_failure=spare does not run with device=cuda"):
+        check_on_failure(config(comm__on_failure="spare", comm__spares=1, device__kind="cuda"))
+    for policy in ("cadence", "async"):       # a spare cannot hold a dead rank's own inner state
+        with pytest.raises(ConfigError, match=rf"^comm\.on_failure=spare does not run with policy={policy}: a "
+                                              r"rank's inner optimizer state is its own"):
+            check_on_failure(config(comm__on_failure="spare", comm__spares=1, policy__name=policy))
 
 
 def test_the_keys_are_declared_with_their_choices():

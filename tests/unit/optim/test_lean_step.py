@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from hpc_rlx.comm.collective import _all_finite
+from hpc_rlx.comm.finite import all_finite
 from hpc_rlx.optim.blas import axpy, fusable, scal
 from hpc_rlx.optim import base as optim_base
 from hpc_rlx.optim.adamw import AdamW
@@ -18,17 +18,17 @@ from hpc_rlx.optim.sgd import SGD
 def test_the_finite_check_agrees_with_isfinite(dtype):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(300_000).astype(dtype)
-    assert _all_finite(x)
+    assert all_finite(x)
     big = np.finfo(dtype).max / 2
     for bad in (np.nan, np.inf, -np.inf):
         for where in (0, 70_000, x.size - 1):
             y = x.copy()
             y[where] = bad
-            assert not _all_finite(y)
+            assert not all_finite(y)
     y = x.copy()
     y[[3, 9]] = (big, -big)            # finite values whose squares overflow: the exact check says finite
-    assert _all_finite(y)
-    assert _all_finite(x[::2])         # a strided view takes the exact check
+    assert all_finite(y)
+    assert all_finite(x[::2])         # a strided view takes the exact check
 
 
 def test_blas_updates_in_place():
