@@ -302,9 +302,10 @@ KEYS: tuple[Key, ...] = (
         "`broadcast` (before the initial weights'), "
         "`data`, `step` (before its forward), `recovery` (fail_rank's first rank at `step`, the others "
         "in the recovery from it), "
-        "`allreduce` (before the step's Allreduce), `validation` (before the epoch's) or `checkpoint` "
-        "(before one is written)"),
-    Key("debug.fail_step", int, 0, "... (`fail_point=step`, `allreduce`, `validation` or `recovery`) at this global step"),
+        "`allreduce` (before the step's Allreduce), `validation` (before the epoch's), `checkpoint` "
+        "(before one is written) or `scatter` (data.distribution=scatter: the rows' scatter at load, step 0, "
+        "or the streamed round of the window from fail_step)"),
+    Key("debug.fail_step", int, 0, "... (`fail_point=step|allreduce|validation|recovery|scatter`) at this global step"),
     Key("debug.fail_mode", str, "raise", "... `raise` an exception, or `kill`: the rank sends itself "
         "SIGKILL (a dead rank, for comm.on_failure)", OneOf(*FAIL_MODES)),
     Key("debug.stall_rank", int, None, "this rank arrives `stall_s` late at the first watched collective ..."),

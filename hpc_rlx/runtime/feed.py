@@ -70,13 +70,19 @@ def with_empty_ranks(bounds: list[tuple[int, int]], ranks: int) -> list[tuple[in
     return list(bounds) + [(end, end)] * (ranks - len(bounds))
 
 
+def _no_failure(point: str, step: int | None = None) -> None:
+    """No failure injected (debug.fail_point unset)."""
+
+
 class Feed:
     """What both caches share: the plan's orders, the per-batch cast, validation bounds."""
 
     cache = "memory"
 
-    def __init__(self, spec, comm, graph, plan):
+    def __init__(self, spec, comm, graph, plan, fail_at=None):
         self.spec, self.comm, self.d = spec, comm, spec.data
+        # debug.fail_point=scatter: where rank 0 sends the ranks their rows (`DebugHooks.fail_at`)
+        self.fail_at = fail_at or _no_failure
         # ranks past the plan's (comm.on_failure=spare's spares) hold no rows
         self.rank, self.world = comm.rank, plan.world_size
         self.plan, self.steps = plan, plan.steps_per_epoch
@@ -140,6 +146,8 @@ class MemoryFeed(Feed):
         collective.agree(comm, lambda: self._check_room(want or stored, on_node))
 
         def _train():
+            if d.distribution == "scatter":
+                self.fail_at("scatter", 0)       # the load's scatter: before the first step
             x, y = load_shard(comm, d.distribution, d.path, d.x, d.y, self.train_bounds, x_dtype=want)
             check_values(x, y, self.num_classes, d.check_finite, first_row=self.train_bounds[self.rank][0],
                          vocab=self.vocab)

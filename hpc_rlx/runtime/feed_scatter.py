@@ -116,6 +116,7 @@ class ScatterStreamFeed(StreamFeed):
 
     def _post(self, key) -> None:
         p, a = key
+        self.fail_at("scatter", p * self.steps + a)     # the round of the window from that step
         tx, ty = self.types
         if self.root:
             slot = self._pre.next()

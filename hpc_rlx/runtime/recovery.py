@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from hpc_rlx import run_dir_names as names
 from hpc_rlx.comm import ulfm, watchdog
 from hpc_rlx.comm.collective import CollectiveError
@@ -282,27 +284,36 @@ def _adopt(comm, adopted: plan.Adoption, worker, policy, totals):
     """The survivors behind take the state of `adopted.source` (parameters, optimizer state,
     position, the epoch's totals and history); under a windowed policy every survivor then takes
     rank 0's inner optimizer state, as a resume on another world size does. Returns the totals
-    to go on with and the policy's state to rejoin from (`Policy.recovery_state`)."""
+    to go on with and the policy's state to rejoin from (`Policy.recovery_state`). What a rank
+    receives is taken only once all of it has arrived: where the sender dies half-way, the
+    rank keeps its own state, and the next round of the recovery adopts again."""
     src = adopted.source
     mine = comm.rank == src
     if adopted.behind:
-        comm.Bcast(worker.params, root=src)
-        _share_optimizer_state(comm, worker, src)
-        meta, totals, history = comm.bcast(
+        params = worker.params if mine else np.empty_like(worker.params)
+        comm.Bcast(params, root=src)
+        optimizer = _optimizer_state_of(comm, worker, src)
+        meta, their_totals, history = comm.bcast(
             (worker.state.checkpoint_meta(), totals, worker.history) if mine else None, root=src)
         if not mine:
+            worker.params[...] = params
+            worker.optimizer.load_state_dict(optimizer)
             worker.state.restore(meta, worker.steps_per_epoch, f"survivor {src}'s state")
             worker.history = list(history)
+        totals = their_totals
     if policy.own_optimizer_state:
-        _share_optimizer_state(comm, worker, 0)
+        inner = _optimizer_state_of(comm, worker, 0)
+        if inner is not None:
+            worker.optimizer.load_state_dict(inner)
     return totals, comm.bcast(policy.recovery_state() if mine else None, root=src)
 
 
-def _share_optimizer_state(comm, worker, root: int) -> None:
-    """Every survivor takes `root`'s optimizer state (broadcast into its own arrays)."""
+def _optimizer_state_of(comm, worker, root: int) -> dict | None:
+    """`root`'s optimizer state, received into new arrays on every other survivor (`root`:
+    None)."""
     state = worker.optimizer.state_dict()
-    for name in sorted(state["arrays"]):
-        comm.Bcast(state["arrays"][name], root=root)
+    arrays = {name: value if comm.rank == root else np.empty_like(value) for name, value in state["arrays"].items()}
+    for name in sorted(arrays):
+        comm.Bcast(arrays[name], root=root)
     scalars = comm.bcast(state["scalars"] if comm.rank == root else None, root=root)
-    if comm.rank != root:
-        worker.optimizer.load_state_dict({"arrays": state["arrays"], "scalars": scalars})
+    return None if comm.rank == root else {"arrays": arrays, "scalars": scalars}

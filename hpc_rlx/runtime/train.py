@@ -211,7 +211,7 @@ class Run(Survives):
         self.place = place = pipelined.for_rank(spec, comm)
         self.hooks.fail_at("broadcast")     # the initial weights' broadcast follows
         self.worker = worker = Worker(place.spec, place.comm, log=self.log, fields=self.policy.bucket_fields,
-                                      rank_fields=self.policy.bucket_rank_fields)
+                                      rank_fields=self.policy.bucket_rank_fields, fail_at=self.hooks.fail_at)
         self.log(spec.plan)
         cpu_mark = time.process_time()
         with phase("data loading"), trace.span("data.load", "data",

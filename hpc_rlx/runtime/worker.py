@@ -29,9 +29,10 @@ class Worker:
     """Everything one rank holds during training. Policies drive it through its methods."""
 
     def __init__(self, spec: TrainSpec, comm, log=print, fields: tuple[str, ...] = STEP_FIELDS,
-                 rank_fields: tuple[str, ...] = ()):
+                 rank_fields: tuple[str, ...] = (), fail_at=None):
 
         self.spec, self.comm, self.log = spec, comm, log
+        self.fail_at = fail_at      # debug.fail_point in the feed (`DebugHooks.fail_at`), or None
         # comm.on_failure=spare: the last ranks of `comm` are spares, which hold the model, take
         # part in every collective with no rows, and train nothing until one takes a dead
         # rank's place; `world` counts the ranks that train (rank r < world trains shard r)
@@ -130,7 +131,7 @@ class Worker:
         d = self.spec.data
         kind = (MemoryFeed if d.cache == "memory"
                 else ScatterStreamFeed if d.distribution == "scatter" else StreamFeed)
-        self.feed: Feed = kind(self.spec, self.comm, self.graph, self.plan)
+        self.feed: Feed = kind(self.spec, self.comm, self.graph, self.plan, fail_at=self.fail_at)
         self.feed.load()
         self.data_s = time.perf_counter() - t0
 

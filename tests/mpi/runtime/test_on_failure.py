@@ -340,3 +340,21 @@ def test_windowed_policies_drop_the_window_in_flight_and_end_as_a_resume(tmp_pat
     assert [r["epoch"] for r in epochs] == [1, 2] and all(r["policy"] == policy for r in epochs), epochs
     assert "Traceback" not in proc.stderr, explain(proc)
     assert_ends_as(run, resumed_reference(tmp_path, data, 3, 2, step, extra))
+
+
+def test_rank_0_killed_as_it_scatters_a_streamed_round(tmp_path, data):
+    """`debug.fail_point=scatter`: rank 0 dies as it posts the round of rows for the window from
+    step 18 (posted one window ahead, while an earlier window trains) under
+    `data.distribution=scatter data.cache=stream`: the survivors' rank 0 reads and sends the
+    rows from then on, and the run equals 3 ranks to the record's step resumed on 2."""
+    run = tmp_path / "run"
+    extra = ["comm.shared_memory=false", "data.distribution=scatter", "data.cache=stream"]
+    proc = ulfm_job(3, run, [*SMALL, f"data.path={data}", *extra, "comm.on_failure=shrink", "debug.fail_rank=0",
+                             "debug.fail_point=scatter", "debug.fail_step=18", "debug.fail_mode=kill"])
+    assert proc.returncode == 0, explain(proc)
+    summary = json.loads((run / "summary.json").read_text())
+    (failure,) = summary["failures"]
+    assert failure["ranks"] == [0] and 0 < failure["step"] < 18 and summary["world_size"] == 2, summary
+    assert re.search(r"rank 0 on \S+ \(rank 1 of the job\) writes the run directory from here on", read_log(run))
+    assert "Traceback" not in proc.stderr, explain(proc)
+    assert_ends_as(run, resumed_reference(tmp_path, data, 3, 2, failure["step"], extra))
