@@ -372,6 +372,29 @@ def test_sbatch_train_sh_trains_and_writes_everything(slurm, tmp_path):
 
 
 @pytest.mark.slurm
+@pytest.mark.openmpi
+@pytest.mark.skipif(MPI_IMPL != "openmpi", reason="ULFM: Open MPI 5's mpirun --with-ft ulfm")
+def test_sbatch_no_kill_shrink_job_trains_on_after_a_dead_rank_in_its_allocation(slurm, tmp_path):
+    """`sbatch --no-kill slurm/train.sh comm.on_failure=shrink`, in a real allocation: train.sh
+    launches `mpirun --with-ft ulfm` inside it, rank 1 dies at step 5 (SIGKILL), the survivor
+    trains on, and Slurm records the job COMPLETED."""
+    data = write_small_classification(tmp_path / "small.h5", 480, 0)
+    args = ["data=file", f"data.path={data}", "train.epochs=2", "train.batch_size=24", "model.hidden=[8]",
+            "report.plots=false", "comm.on_failure=shrink", "debug.fail_rank=1", "debug.fail_point=step",
+            "debug.fail_step=5", "debug.fail_mode=kill"]
+    job, proc = sbatch(slurm, tmp_path, args, wait=True, timeout=240, options=["--no-kill"],
+                       OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
+    log = log_of(tmp_path, job)
+    assert proc.returncode == 0, f"{proc.stderr}\n{log}"
+    assert "launcher: mpirun --with-ft ulfm -n 2 (comm.on_failure=shrink" in log, log
+    assert re.search(r"rank 1 on \S+ failed: 1 of 2 ranks train on from step 5", log), log
+    summary = json.loads((tmp_path / "outputs" / f"slurm-{job}" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 1, summary
+    assert [f["ranks"] for f in summary["failures"]] == [[1]], summary
+    assert job_fields(slurm, job)["JobState"] == "COMPLETED"
+
+
+@pytest.mark.slurm
 def test_sbatch_train_sh_as_shipped_runs_on_a_two_cpu_node(slurm, tmp_path):
     """The README's sbatch line as pasted, no resource options at all: the header's defaults
     must fit a 1-node, 2-CPU cluster (a request no node can meet pends forever with
