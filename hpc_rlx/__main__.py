@@ -183,8 +183,12 @@ def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
             DebugHooks.from_section(container.get("debug") or {}, 0).fail_at("spec")   # debug.fail_point=spec
             return build_spec(container, job.run_dir, comm.size,
                               config_yaml=OmegaConf.to_yaml(cfg, resolve=True)).to_dict()
+        from hpc_rlx.injection import spec_failure_hooks
         from hpc_rlx.runtime.startup_recovery import ship_spec, train_surviving_startup
-        shipped, comm = ship_spec(comm, _spec)     # a dead rank: the survivors' communicator
+        hooks = None if comm.rank == 0 else spec_failure_hooks(sys.argv[1:], comm.rank)
+        if hooks is not None:   # debug.fail_point=spec on another rank: read from the command line
+            hooks.fail_at("spec")
+        shipped, comm, lost = ship_spec(comm, _spec)     # a dead rank: the survivors' communicator
         spec = TrainSpec.from_dict(shipped)
         if comm.rank == 0:
             debuglog.startup(spec)
@@ -196,7 +200,7 @@ def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
             where = "training"
 
         # comm.on_failure=shrink|spare: a rank that dies before the first step starts it over
-        result = train_surviving_startup(spec, comm, train, first)
+        result = train_surviving_startup(spec, comm, train, first, lost)
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job

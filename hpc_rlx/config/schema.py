@@ -298,10 +298,10 @@ KEYS: tuple[Key, ...] = (
         "list at once (reliability tests) ...",
         Check(lambda v: v is None or is_int(v) or (isinstance(v, list) and v and all(is_int(r) for r in v)),
               "must be null, a rank or a list of ranks")),
-    Key("debug.fail_point", str, None, "... at `spec` (rank 0, before it broadcasts the spec), `startup`, "
-        "`broadcast` (before the initial weights'), "
-        "`data`, `step` (before its forward), `recovery` (fail_rank's first rank at `step`, the others "
-        "in the recovery from it), "
+    Key("debug.fail_point", str, None, "... at `spec` (before the spec's broadcast: rank 0 before it sends "
+        "it, another rank, reading debug.* from the command line, before it receives it), `startup`, "
+        "`broadcast` (before the initial weights'), `data`, `step` (before its forward), `recovery` "
+        "(fail_rank's first rank at `step`, the others in the recovery from it), "
         "`allreduce` (before the step's Allreduce), `validation` (before the epoch's), `checkpoint` "
         "(before one is written) or `scatter` (data.distribution=scatter: the rows' scatter at load, step 0, "
         "or the streamed round of the window from fail_step)"),

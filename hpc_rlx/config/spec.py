@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -387,9 +387,25 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         report=dict(cfg["report"]), trace=dict(cfg["trace"]),
         run_dir=str(run_dir), resume=str(cfg["resume"]), world_size=world_size,
         config_yaml=config_yaml, parallel=dict(cfg["parallel"]),
-        plan=plan.describe(int(cfg["parallel"]["pipeline_stages"])) + (f", and {spares} spare rank(s)" if spares else ""),
+        plan=_plan_line(plan, int(cfg["parallel"]["pipeline_stages"]), spares),
         config_fingerprint=fingerprint,
         model_source=source["path"] if source["kind"] == "onnx" else None)
+
+
+def for_job_ranks(spec: TrainSpec, job_ranks: int, spares: int | None = None) -> TrainSpec:
+    """`spec` for a job of `job_ranks` ranks (its survivors, after a rank died before training:
+    comm.on_failure), with `spares` spare ranks left (None: as before): the ranks that train and
+    the plan's line for them; the data, the batch and everything else unchanged."""
+    c = spec.comm if spares is None else dict(spec.comm, spares=spares)
+    world = training_ranks(c, job_ranks)
+    plan = plan_shards(spec.data.n_train, spec.train["batch_size"], world, spec.data.leftover)
+    return replace(spec, comm=c, world_size=world,
+                   plan=_plan_line(plan, int(spec.parallel["pipeline_stages"]), job_ranks - world))
+
+
+def _plan_line(plan, stages: int, spares: int) -> str:
+    """The start-up line of the data plan, and of the spare ranks beside it."""
+    return plan.describe(stages) + (f", and {spares} spare rank(s)" if spares else "")
 
 
 def initial_parameters(spec: TrainSpec, graph, layout) -> np.ndarray:

@@ -18,6 +18,7 @@ Pure Python: no MPI, no files.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -29,6 +30,30 @@ from .slowdown import SlowdownInjector, parse_slowdown, slowdown_for_rank
 
 
 FAIL_MODES = ("raise", "kill")
+
+
+def fail_keys_from_command_line(argv) -> dict:
+    """The `debug.fail_*` overrides of a command line, as values (`debug.fail_rank=[1,2]` ->
+    [1, 2]): what a rank other than 0 knows of them before it holds the spec
+    (debug.fail_point=spec)."""
+    out = {}
+    for arg in argv:
+        key, eq, value = str(arg).partition("=")
+        if eq and key.startswith("debug.fail_"):
+            try:        # JSON covers the values these keys take: 2, [1,2], null; else a word
+                out[key[len("debug."):]] = json.loads(value)
+            except ValueError:
+                out[key[len("debug."):]] = value.strip("'\"")
+    return out
+
+
+def spec_failure_hooks(argv, rank: int) -> "DebugHooks | None":
+    """A rank other than 0's hooks from its command line (None where the values do not read:
+    the spec's own check on rank 0 names them)."""
+    try:
+        return DebugHooks.from_section(fail_keys_from_command_line(argv), rank)
+    except (TypeError, ValueError):
+        return None
 
 
 def _first(failing) -> int:

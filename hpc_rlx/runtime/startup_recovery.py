@@ -30,9 +30,19 @@ from hpc_rlx.comm import collective, ulfm
 from hpc_rlx.comm.collective import CollectiveError
 from hpc_rlx.comm.topology import hostname
 from hpc_rlx.config.failure_mode import training_ranks
+from hpc_rlx.config.spec import for_job_ranks
 from hpc_rlx.observe.run_lock import RunDirLock
 from hpc_rlx.runtime import recovery_plan as plan
 from hpc_rlx.runtime.recovery import survivors_of
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecLoss:
+    """The ranks (of the job's communicator, `job_ranks` of them) that died during the spec's
+    broadcast, and the seconds it took; no ranks: none died."""
+    ranks: list
+    job_ranks: int
+    seconds: float
 
 
 @dataclasses.dataclass
@@ -49,8 +59,10 @@ def ship_spec(comm, compose):
     ULFM a rank that dies meanwhile makes the survivors shrink: rank 0, alive, sends it again
     when its spec's comm.on_failure is shrink or spare (else every survivor raises the failure);
     with rank 0 dead no survivor has the job, and every survivor raises that, one line.
-    Returns (the spec as a dict, the communicator it reached). Collective."""
+    Returns (the spec as a dict, the communicator it reached, the ranks of `comm` that died on
+    the way). Collective."""
     made: list = []
+    job, t0 = comm, time.perf_counter()
 
     def once():
         if not made:
@@ -65,7 +77,9 @@ def ship_spec(comm, compose):
 
     while True:
         try:
-            return collective.root_computes(comm, once), comm
+            spec = collective.root_computes(comm, once)
+            lost = [] if comm is job else sorted(set(range(job.size)) - set(survivors_of(job, comm)))
+            return spec, comm, SpecLoss(lost, job.size, time.perf_counter() - t0)
         except Exception as exc:
             # the idle broadcast's Ibarrier may report the dead rank as ERR_OTHER: failure_known
             if not ulfm.is_rank_failure(exc) and not (ulfm.problem() is None and ulfm.failure_known(exc, comm)):
@@ -82,14 +96,19 @@ def ship_spec(comm, compose):
                                                   f"(comm.on_failure=abort)", kind="RankFailure"))
 
 
-def train_surviving_startup(spec, comm, train, first=lambda spec, comm, earlier: None):
+def train_surviving_startup(spec, comm, train, first=lambda spec, comm, earlier: None, lost: SpecLoss | None = None):
     """`first(spec, comm, earlier)`, then `train(spec, comm, earlier)` on `comm`, both started over on
     the survivors whenever a rank dies before training starts (an error from `first`, or one
-    `train` marks `before_training`), while comm.on_failure is shrink or spare. Collective."""
+    `train` marks `before_training`), while comm.on_failure is shrink or spare. `lost`: the
+    ranks that died during the spec's broadcast (`ship_spec`), the first record. Collective."""
     if spec.comm.get("on_failure", "abort") == "abort":
         first(spec, comm, None)
         return train(spec, comm, None)
     earlier = EarlierStarts([], list(range(comm.size)), comm.allgather(hostname()))
+    if lost is not None and lost.ranks:
+        alive = [r for r in range(lost.job_ranks) if r not in lost.ranks]
+        earlier.world_ranks = alive
+        spec = _record_loss(spec, comm, earlier, lost.job_ranks, [(r, "?") for r in lost.ranks], lost.seconds)
     while True:
         try:
             try:
@@ -112,21 +131,28 @@ def _start_over(comm, spec, earlier: EarlierStarts, abandon):
     writer = earlier.world_ranks[0]         # the job rank that holds the run directory's lock
     dead, earlier.world_ranks, earlier.hosts = plan.follow_survivors(earlier.world_ranks, earlier.hosts,
                                                                      survivors_of(comm, new))
+    spec = _record_loss(spec, new, earlier, comm.size, dead, time.perf_counter() - t0)
+    if writer in [r for r, _ in dead] and new.rank == 0:     # the run directory's writer died: take its lock
+        RunDirLock.acquire(spec.run_dir, hostname())
+    return new, spec
+
+
+def _record_loss(spec, new, earlier: EarlierStarts, job_ranks: int, dead: list, seconds: float):
+    """The failure record of `dead` ((job rank, host) each, of a job of `job_ranks` ranks before
+    it), the line rank 0 prints, and the spec for the survivors `new` (returned): under
+    comm.on_failure=spare a dead rank takes a spare with it (the first spares left train the
+    dead ranks' shards), and the ranks that train and the plan follow the new world."""
     ranks, hosts = [r for r, _ in dead], [h for _, h in dead]
-    before = training_ranks(spec.comm, comm.size)
+    before = training_ranks(spec.comm, job_ranks)
     spares = None                   # comm.on_failure=shrink: no spares to count
     if spec.comm.get("on_failure") == "spare":
         spares = max(0, int(spec.comm.get("spares") or 0) - len(dead))
-        spec = dataclasses.replace(spec, comm=dict(spec.comm, spares=spares))
-    after = training_ranks(spec.comm, new.size)
-    record = plan.failure_record(0, ranks, hosts, time.perf_counter() - t0, after, spares_left=spares)
-    earlier.failures.append(record)
-    if writer in ranks and new.rank == 0:     # the run directory's writer died: this rank takes its lock
-        RunDirLock.acquire(spec.run_dir, hostname())
+    spec = for_job_ranks(spec, new.size, spares)
+    earlier.failures.append(plan.failure_record(0, ranks, hosts, seconds, spec.world_size, spares_left=spares))
     if new.rank == 0:
-        who = ", ".join(f"{r} on {h}" for r, h in zip(ranks, hosts))
+        who = ", ".join(f"{r} on {h}" if h != "?" else f"{r}" for r, h in dead)    # ?: before any host was asked
         sys.stdout.write(f"[hpc_rlx] rank{'s' if len(ranks) > 1 else ''} {who} died before training started: "
-                         f"{after} of {before} ranks set the run up again "
+                         f"{spec.world_size} of {before} ranks set the run up again "
                          f"(comm.on_failure={spec.comm['on_failure']})\n")
         sys.stdout.flush()
-    return new, spec
+    return spec

@@ -1,4 +1,5 @@
-"""`comm.on_failure` / `comm.spares`: what `shrink` runs with so far, one refusal line each (pure)."""
+"""`comm.on_failure` / `comm.spares`: what `shrink` runs with so far, one refusal line each; the
+spec for the survivors of a start; the debug keys a rank reads before the spec (pure)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import pytest
 
 from hpc_rlx.config import schema
 from hpc_rlx.config.failure_mode import check_on_failure, shrink_refusal, training_ranks
+from hpc_rlx.config.section import SECTIONS
+from hpc_rlx.config.spec import DataPlan, TrainSpec, for_job_ranks
 from hpc_rlx.errors import ConfigError
-from hpc_rlx.injection import DebugHooks
+from hpc_rlx.injection import DebugHooks, fail_keys_from_command_line, spec_failure_hooks
 
 
 BASE = {"device": {"kind": "cpu"}, "data": {"name": "digits"}, "model": {"name": "mlp"},
@@ -92,3 +95,34 @@ def test_fail_rank_names_one_rank_or_several_that_fail_together():
     assert DebugHooks.from_section({"fail_rank": 1, "fail_point": "data"}, 1).fail_mode == "raise"
     with pytest.raises(ConfigError, match=r"debug\.fail_rank must be null, a rank or a list of ranks, got \[\]"):
         schema.validate({**BASE, "debug": {"fail_rank": []}})
+
+
+def _spec(world_size: int, **comm):
+    data = DataPlan(path="d.h5", x="x", y="y", n_train=96, val_path=None, val_start=96, val_stop=100,
+                    distribution="read", leftover="drop", shuffle=True, check_finite=False,
+                    sample_shape=[4], x_dtype="float32", y_dtype="int64")
+    sections = {name: schema.defaults(name) for name in SECTIONS}
+    sections["comm"] = dict(sections["comm"], **comm)
+    sections["train"] = dict(sections["train"], batch_size=24)
+    return TrainSpec(graph={}, param_source={"kind": "seed", "seed": 0}, data=data, run_dir="run",
+                     resume="auto", world_size=world_size, plan="stale", **sections)
+
+
+def test_the_spec_for_the_survivors_of_a_start_plans_for_them():
+    """A rank dead before training: the spec's ranks that train and its plan line follow the
+    survivors; under spare a dead rank takes a spare with it."""
+    shrunk = for_job_ranks(_spec(3, on_failure="shrink"), 2)
+    assert shrunk.world_size == 2 and "4 steps/epoch on 2 ranks" in shrunk.plan and "spare" not in shrunk.plan
+    spare = for_job_ranks(_spec(3, on_failure="spare", spares=2), 4, spares=1)     # 5 ranks, one died
+    assert spare.world_size == 3 and spare.comm["spares"] == 1 and spare.plan.endswith(", and 1 spare rank(s)")
+    assert spare.data == shrunk.data and spare.train["batch_size"] == 24
+
+
+def test_a_rank_reads_its_debug_keys_from_the_command_line_before_it_holds_the_spec():
+    argv = ["hydra.run.dir=r", "debug.fail_rank=[1,2]", "debug.fail_point=spec", "debug.fail_mode=kill", "x=1",
+            "debug.slowdown={1:3.0}"]
+    section = fail_keys_from_command_line(argv)
+    assert section == {"fail_rank": [1, 2], "fail_point": "spec", "fail_mode": "kill"}
+    assert [spec_failure_hooks(argv, r).fail_point for r in range(3)] == [None, "spec", "spec"]
+    assert spec_failure_hooks(argv, 1).fail_mode == "kill"
+    assert spec_failure_hooks(["debug.fail_rank=abc", "debug.fail_point=spec"], 1) is None    # rank 0 names it
