@@ -246,6 +246,17 @@ if (( status > 128 )); then
 fi
 echo "hpc_rlx: $(date '+%F %T') ranks finished with status $status"
 
+# Open MPI 5 under --with-ft ulfm tears the job down and exits 0 when a node's daemon is lost with
+# its node (Open MPI issue #12227): a fault-tolerant run that left no summary did not finish
+if [[ $choice == ulfm && $status == 0 && $module == hpc_rlx && -n $run_dir && ! -f $run_dir/summary.json ]] \
+   && ! printf '%s\n' "$@" | grep -qx -e '-m' -e '--multirun' -e '--help' -e '--cfg.*' -e '-c.*'; then
+    echo "hpc_rlx: error: mpirun exited 0 but the run did not finish ($run_dir has no summary.json):" \
+         "Open MPI ends a --with-ft ulfm job with status 0 when it loses a node's daemon (a node lost" \
+         "with its daemon is not survived); resubmit with hydra.run.dir=$run_dir to resume from its" \
+         "newest checkpoint" >&2
+    status=3
+fi
+
 stopped_on_signal() {
     [[ -f $run_dir/summary.json ]] && "$python" -c 'import json, sys
 sys.exit(0 if json.load(open(sys.argv[1])).get("status") == "signal" else 1)' "$run_dir/summary.json"

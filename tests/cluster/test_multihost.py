@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -519,3 +520,39 @@ def test_a_rank_0_whose_name_resolves_to_loopback_is_still_reached(long_h5, tmp_
     assert "not arrived (1/2): ranks 1" in text, explain(p)
     assert "rank 1 on node2: busy outside any collective at step 50" in text, explain(p)
     assert "has not answered" not in text and "no heartbeat from rank" not in text, explain(p)
+
+
+@pytest.mark.skipif(MPI_IMPL != "openmpi", reason="ULFM: Open MPI 5's mpirun --with-ft ulfm")
+def test_a_node_lost_with_its_daemon_ends_train_sh_with_one_line_not_status_0(cluster, long_h5, tmp_path):
+    """`slurm/train.sh comm.on_failure=shrink` across 2 emulated nodes (mpirun on node1, given
+    the hosts by a wrapper as a site's mpirun would be): node2's ranks and its PRRTE daemon are
+    SIGKILLed, as a node that loses power. Open MPI tears the whole job down and exits 0 (no
+    survivor: a daemon's loss is not survived); train.sh sees no summary.json and ends with
+    its one line and status 3 instead of reporting success."""
+    hosts = {"node1": 1, "node2": 2}
+    cmd = cluster.openmpi_cmd(MPIRUN, hosts, [])
+    at = cmd.index("-n")
+    del cmd[at:at + 2]                      # train.sh gives -n (and --with-ft ulfm) itself
+    wrapper = tmp_path / "mpirun"
+    wrapper.write_text("#!/bin/sh\nexec " + " ".join(shlex.quote(c) for c in cmd) + ' "$@"\n')
+    wrapper.chmod(0o755)
+    run = tmp_path / "lost"
+    args = ["bash", str(REPO / "slurm" / "train.sh"), f"hydra.run.dir={run}", *BASE, f"data.path={long_h5}",
+            "train.epochs=8", "comm.on_failure=shrink", "debug.slowdown={0:30.0,1:30.0,2:30.0}"]
+    e = dict(env(), HPC_RLX_MPIRUN=str(wrapper), HPC_RLX_NTASKS="3", HPC_RLX_VENV=str(Path(PYTHON).parent.parent))
+    proc = cluster.popen_on("node1", args, env=e, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    wait_for_first_epoch(proc, run)
+    victims = cluster.processes_on("node2")
+    daemons = [pid for pid in victims if _pids_on(cluster, "node2", "prted").count(pid)]
+    assert daemons and len(_pids_on(cluster, "node2")) == 2, victims
+    for pid in _pids_on(cluster, "node2") + daemons:
+        os.kill(pid, 9)
+    p = finish(proc, 90, cluster)
+    assert "launcher: " in p.stdout and "--with-ft ulfm -n 3" in p.stdout, explain(p)
+    assert not (run / "summary.json").exists(), explain(p)
+    assert p.returncode == 3, explain(p)
+    # (PRRTE's message before it ends with a NUL byte)
+    errors = [ln.strip("\0 ") for ln in p.stderr.splitlines() if ln.strip("\0 ").startswith("hpc_rlx: error")]
+    assert len(errors) == 1 and "mpirun exited 0 but the run did not finish" in errors[0], explain(p)
+    assert f"resubmit with hydra.run.dir={run}" in errors[0], errors
