@@ -101,8 +101,10 @@ class BucketLayout:
         """Set a summed field, or this rank's slot of a per-rank field."""
         if name in self._field_index:
             tail[self._field_index[name]] = value
-        else:
+        elif 0 <= rank < self.world_size:
             tail[self._rank_start[name] + rank] = value
+        else:       # it would land in the next field's slots
+            raise ValueError(f"rank {rank} has no slot of {name!r} (slots for {self.world_size} ranks)")
 
     def read(self, tail, name: str):
         """A summed field as a float, a per-rank field as its `world_size` slots (a view)."""

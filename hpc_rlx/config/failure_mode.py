@@ -5,8 +5,9 @@ checked on rank 0 while the spec is built, one line each. Pure: whether MPI's fa
 `abort` (the default) runs with everything. `shrink` and `spare` run, so far, where the survivors can
 rebuild all they hold from the state every rank has and the survivors' communicator: CPU
 lanes (any data distribution and cache, the bucket summed by any path but the sharded one,
-overlapped or not) under `policy=sync`, and under `cadence` and `async` with `shrink` (whole
-outer syncs). The rest is refused until it is rebuilt too.
+overlapped or not) under `policy=sync`, and under `cadence` and `async` (whole outer syncs;
+with `spare`, where no rank keeps state of its own from one sync to the next). The rest is
+refused until it is rebuilt too.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ def shrink_refusal(cfg: dict, mode: str = "shrink") -> str | None:
     stages = int(cfg["parallel"]["pipeline_stages"])
     device = cfg["device"]["kind"]
     windowed = not POLICIES[policy["name"]].steps_are_batches
-    if windowed and mode == "spare":
-        return (f"policy={policy['name']}: a rank's inner optimizer state is its own (local steps), and a "
-                f"spare cannot hold the dead rank's; use comm.on_failure=shrink (the survivors all take "
-                f"rank 0's, as a resume does)")
+    if windowed and mode == "spare" and policy.get("reset_inner") is not True:
+        return (f"policy={policy['name']} without policy.reset_inner=true: a rank's inner optimizer state is "
+                f"its own (local steps), and a spare cannot hold the dead rank's; set policy.reset_inner=true "
+                f"(none is kept from one sync to the next), or use comm.on_failure=shrink")
+    if windowed and mode == "spare" and policy.get("outer_wire_dtype") not in (None, "null", "none"):
+        return (f"policy.outer_wire_dtype={policy['outer_wire_dtype']}: the coded outer wire's residuals are "
+                f"a rank's own, and a spare cannot hold the dead rank's; use policy.outer_wire_dtype=null, "
+                f"or comm.on_failure=shrink")
     if windowed and _streams(policy):
         return ("policy.fragments / policy.fragment_delay (streaming outer syncs): the fragments in "
                 "flight are not dropped over the survivors; use policy.fragments=1 "

@@ -273,7 +273,8 @@ class WindowedPolicy(WindowedState, Policy):
         worker = loop.worker
         lr = self._lr = worker.lr_at(self._lr_step(worker))
         t_window = time.perf_counter()
-        work = self._local_steps(loop, counts[loop.rank], lr)
+        # a spare (comm.on_failure=spare) trains nothing until it takes a dead rank's shard
+        work = self._local_steps(loop, counts[loop.rank], lr) if loop.rank < self.world else LocalWork()
         if trace.ACTIVE is not None:
             trace.ACTIVE.add("window", "step", trace.MAIN, t_window, time.perf_counter(),
                              {"steps": work.steps, "sync": worker.step})
@@ -350,8 +351,11 @@ class WindowedPolicy(WindowedState, Policy):
         worker = loop.worker
         bad, weight = self.weight_of(work, worker.params)
         ref = None if self.coded is None else self.global_params
-        self.layout.pack(self.buf, worker.params, weight, worker.rank, self.report_of(work, bad),
-                         reference=ref)
+        if worker.is_spare:
+            self.buf[...] = 0       # no weight, no report slot: it adds nothing to the sums
+        else:
+            self.layout.pack(self.buf, worker.params, weight, worker.rank, self.report_of(work, bad),
+                             reference=ref)
         flags, _ = loop.reduce(nonfinite=bad, reduction=self.reduction)
         report = self.layout.read(self.buf)
         if flags["nonfinite"] and loop.on_nonfinite == "stop":

@@ -113,7 +113,8 @@ class Run(Survives):
         """`policies.base.Loop.write_flags`: the only writer of the control flags."""
         bucket = self.worker.bucket
         for key, value in self._control_flags(nonfinite).items():
-            bucket.put(key, value, self.worker.rank)
+            if not (self.worker.is_spare and key in bucket.layout.rank_fields):  # a spare has no slot there
+                bucket.put(key, value, self.worker.rank)
         self.hooks.fail_at("allreduce", self.worker.step)
 
     def _control_flags(self, nonfinite: bool) -> dict:

@@ -217,8 +217,9 @@ CASES = [
          r"comm\.on_failure=shrink does not run with parallel\.pipeline_stages=2: a dead rank takes a "
          r"stage's only copy with it", kind="ConfigError"),
     Case("spare_with_cadence", ("comm.on_failure=spare", "comm.spares=1", "policy=cadence"),
-         r"comm\.on_failure=spare does not run with policy=cadence: a rank's inner optimizer state is its own "
-         r"\(local steps\), and a spare cannot hold the dead rank's; use comm\.on_failure=shrink", kind="ConfigError"),
+         r"comm\.on_failure=spare does not run with policy=cadence without policy\.reset_inner=true: a rank's "
+         r"inner optimizer state is its own \(local steps\), and a spare cannot hold the dead rank's; set "
+         r"policy\.reset_inner=true", kind="ConfigError"),
     Case("shrink_with_streaming_outer_syncs", ("comm.on_failure=shrink", "policy=async", "policy.tune=false",
                                                "policy.anchor=4", "policy.fragments=2"),
          r"comm\.on_failure=shrink does not run with policy\.fragments / policy\.fragment_delay \(streaming outer "

@@ -363,3 +363,28 @@ def test_rank_0_killed_as_it_scatters_a_streamed_round(tmp_path, data):
     assert re.search(r"rank 0 on \S+ \(rank 1 of the job\) writes the run directory from here on", read_log(run))
     assert "Traceback" not in proc.stderr, explain(proc)
     assert_ends_as(run, resumed_reference(tmp_path, data, 3, 2, failure["step"], extra))
+
+
+@pytest.mark.parametrize("policy, dead, point, step", [
+    ("async", 1, "step", 3),            # in its local steps of window 3
+    ("cadence", 0, "allreduce", 5),     # rank 0 at the sync of step 5: the spare becomes rank 0
+], ids=["async_rank_1_in_local_steps", "cadence_rank_0_at_the_sync"])
+def test_a_spare_takes_a_windowed_ranks_place_and_the_run_equals_an_uninterrupted_one(tmp_path, data, policy,
+                                                                                      dead, point, step):
+    """comm.on_failure=spare under cadence/async with policy.reset_inner=true (no rank keeps
+    state of its own from one sync to the next): the spare adds nothing to the syncs, tracks
+    every rank's position, and when a rank dies all drop the window in flight and redo it with
+    the spare on the dead rank's shard: in float64 the run ends where a plain 2-rank run ends."""
+    run = tmp_path / "run"
+    settings = [*WINDOWED[policy], "policy.reset_inner=true", "comm.shared_memory=false"]
+    proc = ulfm_job(3, run, [*SMALL, f"data.path={data}", *settings, "comm.on_failure=spare", "comm.spares=1",
+                             f"debug.fail_rank={dead}", f"debug.fail_point={point}", f"debug.fail_step={step}",
+                             "debug.fail_mode=kill"])
+    assert proc.returncode == 0, explain(proc)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["spares_left"] == 0, summary
+    (failure,) = summary["failures"]
+    assert failure["step"] == step and failure["ranks"] == [dead] and failure["replaced_by"] == [2], failure
+    assert re.search(rf"rank {dead} on \S+ failed: spare rank 2 on \S+ trains shard {dead}", read_log(run))
+    assert "Traceback" not in proc.stderr, explain(proc)
+    assert_ends_as(run, uninterrupted(tmp_path, data, 2, tuple(settings)))

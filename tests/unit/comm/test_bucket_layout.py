@@ -44,3 +44,12 @@ def test_the_bucket_lays_out_its_slots_again_and_its_payload_views_stay_valid():
     assert np.shares_memory(bucket.payload, view) and np.all(bucket.payload == 5.0)
     bucket.put("steps", 3.0, 1)
     assert list(bucket["steps"]) == [0.0, 3.0]
+
+
+def test_a_rank_without_a_slot_cannot_write_into_the_next_field():
+    layout = BucketLayout(4, ("samples",), ("steps", "stop"), world_size=2)
+    tail = np.zeros(layout.tail_size)
+    layout.write(tail, "samples", 5.0, rank=7)       # a summed field: any rank adds to it
+    with pytest.raises(ValueError, match="rank 2 has no slot of 'steps'"):
+        layout.write(tail, "steps", 1.0, rank=2)
+    assert list(layout.read(tail, "stop")) == [0.0, 0.0]

@@ -73,9 +73,15 @@ def test_spare_refuses_what_shrink_refuses_and_the_windowed_policies():
     with pytest.raises(ConfigError, match=r"^comm\.on_failure=spare does not run with device=cuda"):
         check_on_failure(config(comm__on_failure="spare", comm__spares=1, device__kind="cuda"))
     for policy in ("cadence", "async"):       # a spare cannot hold a dead rank's own inner state
-        with pytest.raises(ConfigError, match=rf"^comm\.on_failure=spare does not run with policy={policy}: a "
-                                              r"rank's inner optimizer state is its own"):
+        with pytest.raises(ConfigError, match=rf"^comm\.on_failure=spare does not run with policy={policy} "
+                                              r"without policy\.reset_inner=true: a rank's inner optimizer state"):
             check_on_failure(config(comm__on_failure="spare", comm__spares=1, policy__name=policy))
+        # none kept from one sync to the next: a spare holds all a rank holds
+        check_on_failure(config(comm__on_failure="spare", comm__spares=1, policy__name=policy,
+                                policy__reset_inner=True))
+        with pytest.raises(ConfigError, match=r"policy\.outer_wire_dtype=int8: the coded outer wire's residuals"):
+            check_on_failure(config(comm__on_failure="spare", comm__spares=1, policy__name=policy,
+                                    policy__reset_inner=True, policy__outer_wire_dtype="int8"))
 
 
 def test_the_keys_are_declared_with_their_choices():
