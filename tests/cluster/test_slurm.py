@@ -309,10 +309,15 @@ def test_train_sh_launches_a_fault_tolerant_run_with_mpirun_with_ft_ulfm(tmp_pat
                 "debug.fail_point=step", "debug.fail_step=5", "debug.fail_mode=kill"],
                env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert ("launcher: mpirun --with-ft ulfm -n 2 (comm.on_failure=shrink: Open MPI's ULFM, which srun "
-            "cannot start)") in proc.stdout, proc.stdout
+    # Open MPI's failure detector on by default: 5 s without a heartbeat, one every 1.25 s
+    assert ("launcher: mpirun --with-ft ulfm --mca mpi_ft_detector true --mca mpi_ft_detector_thread true "
+            "--mca mpi_ft_detector_timeout 5 --mca mpi_ft_detector_period 1.25 -n 2 (comm.on_failure=shrink: "
+            "Open MPI's ULFM, which srun cannot start)") in proc.stdout, proc.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 1 and [f["ranks"] for f in summary["failures"]] == [[1]], summary
+    proc = run(["bash", TRAIN_SH, *args, "--help"], env=dict(env, HPC_RLX_FT_DETECTOR_S="0"), cwd=tmp_path,
+               timeout=120)
+    assert "launcher: mpirun --with-ft ulfm -n 2 (comm.on_failure=shrink" in proc.stdout, proc.stdout
     proc = run(["bash", TRAIN_SH, *args], env=dict(env, HPC_RLX_LAUNCHER="srun"), cwd=tmp_path, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert ("comm.on_failure=shrink needs MPI's fault tolerance (ULFM), which a rank started by srun does "
@@ -386,7 +391,7 @@ def test_sbatch_no_kill_shrink_job_trains_on_after_a_dead_rank_in_its_allocation
                        OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
     log = log_of(tmp_path, job)
     assert proc.returncode == 0, f"{proc.stderr}\n{log}"
-    assert "launcher: mpirun --with-ft ulfm -n 2 (comm.on_failure=shrink" in log, log
+    assert re.search(r"launcher: mpirun --with-ft ulfm .*-n 2 \(comm\.on_failure=shrink", log), log
     assert re.search(r"rank 1 on \S+ failed: 1 of 2 ranks train on from step 5", log), log
     summary = json.loads((tmp_path / "outputs" / f"slurm-{job}" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 1, summary

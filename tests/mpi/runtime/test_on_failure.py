@@ -8,8 +8,12 @@ survivors' world size. Under MPICH the refusals are in `test_bad_inputs.py`'s ta
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import h5py
@@ -18,7 +22,7 @@ import pytest
 
 from tests.support.jobs import (MPI_IMPL, REPO, explain, launch_prefix, mpi_env, read_log,
                                 read_metric_events, train_job, write_small_classification)
-from tests.support.mpi_launch import PYTHON
+from tests.support.mpi_launch import PYTHON, rank_pids
 
 # one pytest-xdist worker: cases that end alike share their reference run (REFERENCES)
 pytestmark = [pytest.mark.mpi, pytest.mark.openmpi, pytest.mark.xdist_group("on-failure"),
@@ -388,3 +392,55 @@ def test_a_spare_takes_a_windowed_ranks_place_and_the_run_equals_an_uninterrupte
     assert re.search(rf"rank {dead} on \S+ failed: spare rank 2 on \S+ trains shard {dead}", read_log(run))
     assert "Traceback" not in proc.stderr, explain(proc)
     assert_ends_as(run, uninterrupted(tmp_path, data, 2, tuple(settings)))
+
+
+# Open MPI's own failure detector (heartbeats from a thread of each rank): a rank is suspected
+# after `mpi_ft_detector_timeout` s without one
+DETECTOR = ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
+            "--mca", "mpi_ft_detector_period", "0.5", "--mca", "mpi_ft_detector_timeout", "2"]
+
+
+def test_a_hung_rank_is_declared_failed_by_the_detector_and_the_survivors_shrink_past_it(tmp_path, data):
+    """Rank 2 of 3 frozen (SIGSTOP: alive, silent) once the progress shows step 5: with Open MPI's
+    failure detector on (2 s timeout) ULFM declares it failed and the survivors shrink past it,
+    about 2 s after the freeze, with no stall report; the run ends as 3 ranks to the record's step
+    resumed on 2. mpirun then waits for the frozen process, which the test kills."""
+    run = tmp_path / "run"
+    prefix = launch_prefix(3)
+    cmd = prefix[:1] + ["--with-ft", "ulfm", *DETECTOR] + prefix[1:] + [
+        PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run}", *SMALL, f"data.path={data}", "comm.shared_memory=false",
+        "comm.on_failure=shrink", "train.progress=lines", "train.log_every_s=0.01",
+        "debug.slowdown={0:100.0,1:100.0,2:100.0}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), ln)) for ln in proc.stdout], daemon=True)
+    reader.start()
+    frozen = None
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not any("global step 5)" in ln for _, ln in lines) and time.monotonic() < deadline:
+            assert proc.poll() is None, "".join(ln for _, ln in lines)
+            time.sleep(0.02)
+        frozen = rank_pids(proc.pid)[2]
+        os.kill(frozen, signal.SIGSTOP)
+        t_freeze = time.monotonic()
+        while not (run / "summary.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (run / "summary.json").exists(), "".join(ln for _, ln in lines)
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGKILL)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("mpirun did not end once the frozen rank was killed:\n" + "".join(ln for _, ln in lines))
+        reader.join(timeout=10)
+    out = "".join(ln for _, ln in lines)
+    assert rc == 0, out
+    (failure,) = json.loads((run / "summary.json").read_text())["failures"]
+    assert failure["ranks"] == [2] and failure["world_size_after"] == 2, failure
+    noticed = next(t for t, ln in lines if "rank 2 on" in ln and "failed:" in ln)
+    assert noticed - t_freeze < 2 + 3, f"{noticed - t_freeze:.1f} s from the freeze to the recovery line"
+    assert "STALL" not in out, out
+    assert_ends_as(run, resumed_reference(tmp_path, data, 3, 2, failure["step"], ["comm.shared_memory=false"]))
