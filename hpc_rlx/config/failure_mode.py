@@ -13,6 +13,7 @@ refused until it is rebuilt too.
 from __future__ import annotations
 
 from hpc_rlx.errors import ConfigError
+from hpc_rlx.policies.fragments import Streaming
 from hpc_rlx.policies.registry import POLICIES
 
 ON_FAILURE = ("abort", "shrink", "spare")
@@ -57,7 +58,7 @@ def shrink_refusal(cfg: dict, mode: str = "shrink") -> str | None:
 def _streams(policy: dict) -> bool:
     """Whether a windowed policy's outer syncs stream (`policy.fragments`, `policy.fragment_delay`)."""
     try:
-        return int(policy.get("fragments") or 1) > 1 or int(policy.get("fragment_delay") or 0) > 0
+        return Streaming(int(policy.get("fragments") or 1), int(policy.get("fragment_delay") or 0)).active
     except (TypeError, ValueError):
         return False        # a bad value: the policy's own check names it
 

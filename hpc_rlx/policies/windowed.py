@@ -114,36 +114,43 @@ class WindowedPolicy(WindowedState, Policy):
 
     def __init__(self, spec):
         super().__init__(spec)
-        self.world = int(spec.world_size)
         try:
             self.cfg = self.complete_config(spec.policy)
-            self.controller = self.build_controller(self.cfg, self.world)
-            self.outer = outer_from_config(self.cfg)
+            self._start_fresh(int(spec.world_size))
         except ConfigError as e:
             # Every rank checks the same broadcast spec, so every rank fails here with this
             # same message: it is already agreed, and needs no collective to say so.
             raise collective.CollectiveError(str(e), kind="ConfigError", origin=0) from None
         self.gamma = float(self.cfg["gamma"])
-        self.cursors: list[int] | None = None    # per rank: local steps taken since the start
-        self.epoch_consumed = 0                  # samples consumed so far in this epoch
         self._pending = None                     # loaded state waiting for the arrays to exist
         self._ready = False
-        self._prev_sync_ms = 0.0
-        self._prev_div = 0.0
-        self._cold = True                        # the next local step is this process's first
-        self._cost = RecentMin(3)                # sync cost filter, see _observe
         self._lr = None
-        self._log: EpochLog | None = None           # this epoch's record so far
-        self._adopt_position = False
-        self._synced = False
+        self._epoch_log: EpochLog | None = None     # the record of the epoch, kept past its end
         self.streaming = Streaming(self.cfg["fragments"], self.cfg["fragment_delay"],
                                    self.cfg["fragment_mix"])
         self.stream: StreamingSync | None = None    # the fragment syncs, when they stream
-        self._rank_pending = None                   # this rank's own checkpointed state
         # comm.on_failure=shrink: the inner optimizer state of the last sync is kept (roll_back)
         self._recovers = spec.comm.get("on_failure", "abort") != "abort"
         self._agreed_inner = None
         self._epoch_over = False        # a recovery during validation: the epoch has no window left
+
+    def _start_fresh(self, world: int) -> None:
+        """The controls of a process that starts (or, after a dead rank, restarts) on `world`
+        ranks: a new controller and outer optimizer, no position and no measurements yet; a
+        checkpoint's state (`load_state_dict`) goes over them."""
+        self.world = int(world)
+        self.controller = self.build_controller(self.cfg, self.world)
+        self.outer = outer_from_config(self.cfg)
+        self.cursors: list[int] | None = None    # per rank: local steps taken since the start
+        self.epoch_consumed = 0                  # samples consumed so far in this epoch
+        self._prev_sync_ms = 0.0
+        self._prev_div = 0.0
+        self._cold = True                        # the next local step is this process's first
+        self._cost = RecentMin(3)                # sync cost filter, see _observe
+        self._log: EpochLog | None = None           # this epoch's record so far
+        self._adopt_position = False
+        self._synced = False
+        self._rank_pending = None                   # this rank's own checkpointed state
 
     # ---- the controller behind one small interface (the subclasses) ------------------------
     @property

@@ -22,8 +22,6 @@ import numpy as np
 
 from .base import Loop
 from .epochlog import EpochLog
-from .outer import outer_from_config
-from .smoothing import RecentMin
 
 
 class WindowedState:
@@ -131,7 +129,7 @@ class WindowedState:
         """What the survivors continue from (`state_dict`), and the record of an epoch whose
         windows are done but whose validation is not (the failure hit it)."""
         state = self.state_dict()
-        if self._ready and self._log is None and getattr(self, "_epoch_log", None) is not None:
+        if self._ready and self._log is None and self._epoch_log is not None:
             state["meta"]["finished_epoch"] = self._epoch_log.state_dict()
         return state
 
@@ -142,13 +140,7 @@ class WindowedState:
         dropped, the bucket's slots read for the new world size. The recovery has already
         given every survivor the same parameters and rank 0's inner optimizer state."""
         worker, meta = loop.worker, state["meta"]
-        self.world = worker.world
-        self.controller = self.build_controller(self.cfg, self.world)
-        self.outer = outer_from_config(self.cfg)
-        self._cost = RecentMin(3)
-        self.cursors, self.epoch_consumed, self._log, self._rank_pending = None, 0, None, None
-        self._prev_sync_ms = self._prev_div = 0.0
-        self._synced, self._cold, self._adopt_position = False, True, False
+        self._start_fresh(worker.world)
         self.load_state_dict(state)
         self._setup(loop)
         finished = meta.get("finished_epoch")

@@ -38,9 +38,10 @@ from hpc_rlx.runtime.recovery import survivors_of
 
 @dataclasses.dataclass(frozen=True)
 class SpecLoss:
-    """The ranks (of the job's communicator, `job_ranks` of them) that died during the spec's
-    broadcast, and the seconds it took; no ranks: none died."""
-    ranks: list
+    """Who of the job's communicator (`job_ranks` ranks) the spec reached: `survivors`, the old
+    ranks of the members of the communicator it reached (all of them where none died), and
+    the seconds the broadcast took."""
+    survivors: list
     job_ranks: int
     seconds: float
 
@@ -59,8 +60,7 @@ def ship_spec(comm, compose):
     ULFM a rank that dies meanwhile makes the survivors shrink: rank 0, alive, sends it again
     when its spec's comm.on_failure is shrink or spare (else every survivor raises the failure);
     with rank 0 dead no survivor has the job, and every survivor raises that, one line.
-    Returns (the spec as a dict, the communicator it reached, the ranks of `comm` that died on
-    the way). Collective."""
+    Returns (the spec as a dict, the communicator it reached, `SpecLoss`). Collective."""
     made: list = []
     job, t0 = comm, time.perf_counter()
 
@@ -78,8 +78,8 @@ def ship_spec(comm, compose):
     while True:
         try:
             spec = collective.root_computes(comm, once)
-            lost = [] if comm is job else sorted(set(range(job.size)) - set(survivors_of(job, comm)))
-            return spec, comm, SpecLoss(lost, job.size, time.perf_counter() - t0)
+            survivors = list(range(job.size)) if comm is job else survivors_of(job, comm)
+            return spec, comm, SpecLoss(survivors, job.size, time.perf_counter() - t0)
         except Exception as exc:
             # the idle broadcast's Ibarrier may report the dead rank as ERR_OTHER: failure_known
             if not ulfm.is_rank_failure(exc) and not (ulfm.problem() is None and ulfm.failure_known(exc, comm)):
@@ -105,10 +105,11 @@ def train_surviving_startup(spec, comm, train, first=lambda spec, comm, earlier:
         first(spec, comm, None)
         return train(spec, comm, None)
     earlier = EarlierStarts([], list(range(comm.size)), comm.allgather(hostname()))
-    if lost is not None and lost.ranks:
-        alive = [r for r in range(lost.job_ranks) if r not in lost.ranks]
-        earlier.world_ranks = alive
-        spec = _record_loss(spec, comm, earlier, lost.job_ranks, [(r, "?") for r in lost.ranks], lost.seconds)
+    if lost is not None and len(lost.survivors) < lost.job_ranks:
+        # the dead ranks' hosts are unknown: no rank had asked for them before the spec
+        dead, earlier.world_ranks, _ = plan.follow_survivors(list(range(lost.job_ranks)), ["?"] * lost.job_ranks,
+                                                             lost.survivors)
+        spec = _record_loss(spec, comm, earlier, lost.job_ranks, dead, lost.seconds)
     while True:
         try:
             try:
