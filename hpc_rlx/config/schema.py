@@ -17,7 +17,8 @@ config table of docs/config.md is generated from it (`hpc_rlx.config.doc`).
   `Policy.check_config`) and only referred to here; so are each optimizer's own `optim.*`
   keys and its default `optim.lr` (`Optimizer.hyper`, `Optimizer.lr`: `hpc_rlx/optim/`).
 
-Adding a key: one `Key(...)` line here, the key in its YAML file, and the regenerated table
+Adding a key: one `Key(...)` line here (`data.*` in `config/keys_data.py`, `model.*` in
+`config/keys_model.py`; `Key` and the groups are `config/key.py`), the key in its YAML file, and the regenerated table
 of docs/config.md. Code reads it through the validated, completed section (`complete`), never with a
 default of its own; a TrainSpec's sections refuse any key not declared here
 (`config/section.py`).
@@ -25,12 +26,14 @@ default of its own; a TrainSpec's sections refuse any key not declared here
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 from hpc_rlx.checks import BOOL, INT64, Check, OneOf, Via, integer, is_int, is_number, number
 from hpc_rlx.comm.registry import check_settings as _check_reduction, choices as _reductions
 from hpc_rlx.config.failure_mode import ON_FAILURE
+from hpc_rlx.config.key import DATASETS, DEVICES, GROUPS, MODELS, OPTIMIZERS, Key, Options, every, selector
+from hpc_rlx.config.keys_data import DATA_KEYS, CACHES, DISTRIBUTIONS
+from hpc_rlx.config.keys_model import BUILT, MODEL_KEYS
 from hpc_rlx.device.host_blas import CPU_BLAS
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.observe.tensorboard_log import enabled as tensorboard_enabled
@@ -61,69 +64,13 @@ def _stall_abort(v) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-class Options(dict):
-    """A group key's defaults, by the group options that have the key."""
-
-
-def every(options: tuple[str, ...], value) -> Options:
-    return Options((o, value) for o in options)
-
-
-@dataclass(frozen=True)
-class Key:
-    path: str                   # "train.epochs"; "resume" for a top-level key
-    type: Any                   # a type or a tuple of types; None is always allowed as a value
-    default: Any                # the default, or Options for a key of a group section
-    doc: str                    # one line: what it does, and its choices
-    check: Check | None = None  # None: any value (or checked where it is used: see the doc)
-    label: str | None = None    # the name in messages when it is not `path`
-
-    @property
-    def section(self) -> str:
-        return self.path.split(".", 1)[0]
-
-    @property
-    def name(self) -> str:
-        return self.path.split(".", 1)[-1]
-
-    def options(self) -> tuple[str, ...] | None:
-        return tuple(self.default) if isinstance(self.default, Options) else None
-
-    def default_for(self, option: str | None = None):
-        return self.default[option] if isinstance(self.default, Options) else self.default
-
-    def validate(self, value, world_size: int | None = None) -> None:
-        INT64(self.label or self.path, value)    # every key, its own check or none
-        # a bool key without a check of its own still takes true or false only
-        check = BOOL if self.check is None and self.type is bool else self.check
-        if check is not None:
-            check(self.label or self.path, value, world_size)
-
-
-# group -> (the key that names the option, its options in the order docs/config.md lists them,
-# the option config.yaml selects)
-GROUPS: dict[str, tuple[str | None, tuple[str, ...], str]] = {
-    "model": ("name", ("mlp", "cnn", "transformer_lm", "graph", "onnx"), "mlp"),
-    "data": ("name", ("digits", "synthetic", "text", "file"), "digits"),
-    "optim": ("name", tuple(_OPTIMIZERS), "sgd"),
-    "policy": ("name", tuple(POLICIES), "sync"),
-    "device": ("kind", ("cpu", "cuda", "all", "auto"), "cpu"),
-    "checkpoint": (None, ("default", "off"), "default"),
-}
-MODELS, DATASETS = GROUPS["model"][1], GROUPS["data"][1]
-OPTIMIZERS, DEVICES = GROUPS["optim"][1], GROUPS["device"][1]
 DTYPES = ("float32", "float64")
-DISTRIBUTIONS = ("read", "scatter")
-CACHES = ("memory", "stream")
 ON_NONFINITE = ("stop", "skip")
 CKPT_METRICS = ("val_loss", "val_accuracy")
 PROGRESS = ("auto", "bar", "lines")
-_BUILT = ("mlp", "cnn", "transformer_lm")
-_PREPARED = Options(digits="digits", synthetic="synthetic", text="text", file=None)
 _NUMBER = (int, float)
 _OPT_NONNEG = number(0, null=True, must="must be a number >= 0")
 _OPT_STEPS = integer(0, null=True, must="must be an integer >= 0")
-_DATASET = Check(lambda v: isinstance(v, str) and v != "", "must be a dataset name")
 
 
 def _optimizer_keys() -> list[Key]:
@@ -145,9 +92,6 @@ def _optimizer_keys() -> list[Key]:
     return keys
 
 
-def _selector(group: str, option_key: str, options, check: Check | None = None) -> Key:
-    return Key(f"{group}.{option_key}", str, Options((o, o) for o in options),
-               f"the option of `{group}=`", check, label=group)
 
 
 KEYS: tuple[Key, ...] = (
@@ -177,7 +121,7 @@ KEYS: tuple[Key, ...] = (
         "it is not), `false`", Via(lambda v, _: tensorboard_enabled(v), "is auto, true or false")),
     Key("trace.enabled", bool, False, "Chrome trace of every rank and lane (`RUN_DIR/trace.json`)"),
     Key("trace.max_events", int, 500000, "events kept per rank (later ones are counted, not kept)"),
-    _selector("optim", "name", OPTIMIZERS),
+    selector("optim", "name", OPTIMIZERS),
     Key("optim.lr", _NUMBER, Options((n, c.lr) for n, c in _OPTIMIZERS.items()), "base learning rate",
         number(0, above=True, must="must be a positive number")),
     *_optimizer_keys(),
@@ -191,7 +135,7 @@ KEYS: tuple[Key, ...] = (
         _OPT_STEPS),
     Key("optim.gamma", _NUMBER, every(OPTIMIZERS, 0.1), "decay factor (`schedule=step`)", _OPT_NONNEG),
     Key("optim.min_lr", _NUMBER, every(OPTIMIZERS, 0.0), "floor of the cosine", _OPT_NONNEG),
-    _selector("device", "kind", DEVICES, OneOf(*DEVICES)),
+    selector("device", "kind", DEVICES, OneOf(*DEVICES)),
     Key("device.cpu_lanes", int, Options(cpu=1, cuda=0, all=1, auto=1), "CPU (NumPy) lanes per rank",
         integer(0)),
     Key("device.gpus_per_rank", int, every(DEVICES, 1), "GPU (CuPy) lanes per rank for cuda/all "
@@ -259,26 +203,7 @@ KEYS: tuple[Key, ...] = (
     Key("parallel.balance", str, "time", "without cut points: `time` (rank 0 balances the stages by "
         "parameter count plus each node's measured forward + backward time, scaled to weigh as much) "
         "or `params` (parameter count only)", OneOf("time", "params")),
-    _selector("data", "name", DATASETS),
-    Key("data.path", str, Options(digits="data/digits.h5", synthetic="data/synthetic.h5",
-                                  text="data/text.h5", file="???"), "the training file (HDF5)"),
-    Key("data.prepare", str, _PREPARED, "dataset to prepare when the group's own default `data.path` "
-        "is missing (another missing path is an error); null = never"),
-    Key("data.x", str, every(DATASETS, "x"), "input dataset name", _DATASET),
-    Key("data.y", str, every(DATASETS, "y"), "label dataset name", _DATASET),
-    Key("data.val_path", str, every(DATASETS, None), "a separate validation file (same dataset names)"),
-    Key("data.val_fraction", _NUMBER, Options(digits=0.2, synthetic=0.2, text=0.1, file=0.2),
-        "without `val_path`: the tail fraction of `path` used for validation",
-        Check(lambda v: v is None or (is_number(v) and 0 <= v < 1), "must be in [0, 1)")),
-    Key("data.distribution", str, every(DATASETS, "read"), "`read` (each rank reads its own "
-        "hyperslab) or `scatter` (rank 0 reads and sends)", OneOf(*DISTRIBUTIONS)),
-    Key("data.cache", str, every(DATASETS, "memory"), "`memory` (each rank holds its shard) or "
-        "`stream` (a background thread reads the next steps' rows into a bounded ring of buffers; "
-        "bitwise the same training)", OneOf(*CACHES)),
-    Key("data.leftover", str, every(DATASETS, "drop"), "`drop` or `partial` (sample-weighted partial "
-        "batches)"),
-    Key("data.shuffle", bool, every(DATASETS, True), "per-epoch seeded shuffling"),
-    Key("data.check_finite", bool, every(DATASETS, False), "refuse inputs with NaN/Inf at load time"),
+    *DATA_KEYS,
     Key("checkpoint.every_steps", int, every(("default", "off"), None), "checkpoint every N steps",
         integer(1, null=True, must="must be null or an integer > 0")),
     Key("checkpoint.every_epochs", int, every(("default", "off"), None), "checkpoint every N epochs",
@@ -315,32 +240,11 @@ KEYS: tuple[Key, ...] = (
     Key("debug.nan_step", int, 0, "... at this global step (exercises `train.on_nonfinite`)"),
     Key("resume", str, "auto", "`auto`, `none`, a checkpoint file, or a run directory (its newest "
         "valid checkpoint)"),
-    _selector("model", "name", MODELS),
-    Key("model.hidden", (list, int), Options(mlp=[128, 128], cnn=64), "hidden widths (mlp), "
-        "the dense layer's width (cnn)"),
-    Key("model.activation", str, Options(mlp="relu"), "`relu`, `gelu`, `tanh` or `sigmoid`"),
-    Key("model.channels", list, Options(cnn=[16, 32]), "convolution channels per block"),
-    Key("model.kernel", int, Options(cnn=3), "convolution kernel size"),
-    Key("model.pool", str, Options(cnn="max"), "`max` or `avg` pooling"),
-    Key("model.d_model", int, Options(transformer_lm=64), "transformer width"),
-    Key("model.n_heads", int, Options(transformer_lm=4), "attention heads"),
-    Key("model.n_layers", int, Options(transformer_lm=2), "transformer blocks"),
-    Key("model.d_ff", int, Options(transformer_lm=256), "feed-forward width"),
-    Key("model.dropout", _NUMBER, every(_BUILT, 0.0), "dropout probability"),
-    Key("model.num_classes", int, every(_BUILT, None), "classes (vocabulary for the LM); null = the "
-        "file's or label dataset's `num_classes`/`vocab_size` attribute, else the training labels' "
-        "largest value + 1"),
-    Key("model.path", str, Options(graph="???", onnx="???"), "the graph JSON file (`graph`) or ONNX "
-        "file (`onnx`; see docs/pytorch.md)"),
-    Key("model.loss", str, Options(onnx="auto"), "`auto` (cross-entropy for integer labels, MSE for "
-        "float targets, or the file's own scalar loss), `cross_entropy` or `mse`",
-        OneOf("auto", "cross_entropy", "mse")),
-    Key("model.init_from", str, every(MODELS, None), "HDF5 file of initial parameters (e.g. a "
-        "previous run's `model.h5`)"),
+    *MODEL_KEYS,
 )
 # the model keys a builder of graph.models takes from the config (the rest come from the data)
 BUILDER_KEYS = {m: tuple(k.name for k in KEYS if k.section == "model" and m in (k.options() or ())
-                         and k.name not in ("name", "num_classes", "init_from", "path")) for m in _BUILT}
+                         and k.name not in ("name", "num_classes", "init_from", "path")) for m in BUILT}
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}
 SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS if "." in k.path))
 TOP_LEVEL = tuple(k.path for k in KEYS if "." not in k.path)

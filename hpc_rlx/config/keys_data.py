@@ -1,0 +1,35 @@
+"""The `data.*` keys (see `config/schema.py` for what a declaration is)."""
+
+from __future__ import annotations
+
+from hpc_rlx.checks import Check, OneOf, is_number
+from hpc_rlx.config.key import DATASETS, Key, Options, every, selector
+
+DISTRIBUTIONS = ("read", "scatter")
+CACHES = ("memory", "stream")
+_PREPARED = Options(digits="digits", synthetic="synthetic", text="text", file=None)
+_NUMBER = (int, float)
+_DATASET = Check(lambda v: isinstance(v, str) and v != "", "must be a dataset name")
+
+DATA_KEYS: tuple[Key, ...] = (
+    selector("data", "name", DATASETS),
+    Key("data.path", str, Options(digits="data/digits.h5", synthetic="data/synthetic.h5",
+                                  text="data/text.h5", file="???"), "the training file (HDF5)"),
+    Key("data.prepare", str, _PREPARED, "dataset to prepare when the group's own default `data.path` "
+        "is missing (another missing path is an error); null = never"),
+    Key("data.x", str, every(DATASETS, "x"), "input dataset name", _DATASET),
+    Key("data.y", str, every(DATASETS, "y"), "label dataset name", _DATASET),
+    Key("data.val_path", str, every(DATASETS, None), "a separate validation file (same dataset names)"),
+    Key("data.val_fraction", _NUMBER, Options(digits=0.2, synthetic=0.2, text=0.1, file=0.2),
+        "without `val_path`: the tail fraction of `path` used for validation",
+        Check(lambda v: v is None or (is_number(v) and 0 <= v < 1), "must be in [0, 1)")),
+    Key("data.distribution", str, every(DATASETS, "read"), "`read` (each rank reads its own "
+        "hyperslab) or `scatter` (rank 0 reads and sends)", OneOf(*DISTRIBUTIONS)),
+    Key("data.cache", str, every(DATASETS, "memory"), "`memory` (each rank holds its shard) or "
+        "`stream` (a background thread reads the next steps' rows into a bounded ring of buffers; "
+        "bitwise the same training)", OneOf(*CACHES)),
+    Key("data.leftover", str, every(DATASETS, "drop"), "`drop` or `partial` (sample-weighted partial "
+        "batches)"),
+    Key("data.shuffle", bool, every(DATASETS, True), "per-epoch seeded shuffling"),
+    Key("data.check_finite", bool, every(DATASETS, False), "refuse inputs with NaN/Inf at load time"),
+)

@@ -1,0 +1,34 @@
+"""The `model.*` keys (see `config/schema.py` for what a declaration is)."""
+
+from __future__ import annotations
+
+from hpc_rlx.checks import OneOf
+from hpc_rlx.config.key import MODELS, Key, Options, every, selector
+
+BUILT = ("mlp", "cnn", "transformer_lm")
+_NUMBER = (int, float)
+
+MODEL_KEYS: tuple[Key, ...] = (
+    selector("model", "name", MODELS),
+    Key("model.hidden", (list, int), Options(mlp=[128, 128], cnn=64), "hidden widths (mlp), "
+        "the dense layer's width (cnn)"),
+    Key("model.activation", str, Options(mlp="relu"), "`relu`, `gelu`, `tanh` or `sigmoid`"),
+    Key("model.channels", list, Options(cnn=[16, 32]), "convolution channels per block"),
+    Key("model.kernel", int, Options(cnn=3), "convolution kernel size"),
+    Key("model.pool", str, Options(cnn="max"), "`max` or `avg` pooling"),
+    Key("model.d_model", int, Options(transformer_lm=64), "transformer width"),
+    Key("model.n_heads", int, Options(transformer_lm=4), "attention heads"),
+    Key("model.n_layers", int, Options(transformer_lm=2), "transformer blocks"),
+    Key("model.d_ff", int, Options(transformer_lm=256), "feed-forward width"),
+    Key("model.dropout", _NUMBER, every(BUILT, 0.0), "dropout probability"),
+    Key("model.num_classes", int, every(BUILT, None), "classes (vocabulary for the LM); null = the "
+        "file's or label dataset's `num_classes`/`vocab_size` attribute, else the training labels' "
+        "largest value + 1"),
+    Key("model.path", str, Options(graph="???", onnx="???"), "the graph JSON file (`graph`) or ONNX "
+        "file (`onnx`; see docs/pytorch.md)"),
+    Key("model.loss", str, Options(onnx="auto"), "`auto` (cross-entropy for integer labels, MSE for "
+        "float targets, or the file's own scalar loss), `cross_entropy` or `mse`",
+        OneOf("auto", "cross_entropy", "mse")),
+    Key("model.init_from", str, every(MODELS, None), "HDF5 file of initial parameters (e.g. a "
+        "previous run's `model.h5`)"),
+)
