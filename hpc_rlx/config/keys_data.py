@@ -10,6 +10,7 @@ CACHES = ("memory", "stream")
 _PREPARED = Options(digits="digits", synthetic="synthetic", text="text", file=None)
 _NUMBER = (int, float)
 _DATASET = Check(lambda v: isinstance(v, str) and v != "", "must be a dataset name")
+_PATH = Check(lambda v: v is None or (isinstance(v, str) and v != ""), "must be a directory or null")
 
 DATA_KEYS: tuple[Key, ...] = (
     selector("data", "name", DATASETS),
@@ -32,4 +33,9 @@ DATA_KEYS: tuple[Key, ...] = (
         "batches)"),
     Key("data.shuffle", bool, every(DATASETS, True), "per-epoch seeded shuffling"),
     Key("data.check_finite", bool, every(DATASETS, False), "refuse inputs with NaN/Inf at load time"),
+    Key("data.stage_dir", str, every(DATASETS, None), "node-local directory (`$TMPDIR`, `/dev/shm`; "
+        "variables expanded on each node) to copy each node's files to before the first step; "
+        "null = read in place", _PATH),
+    Key("data.stage_keep", bool, every(DATASETS, False), "keep the staged copies after the run "
+        "(else removed at its end, also when it fails)"),
 )
