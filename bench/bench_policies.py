@@ -19,8 +19,11 @@ with `debug.slowdown` making chosen ranks honestly slower. Columns:
   sync: time rank 0 spent in the Allreduce / epoch wall (waiting for slow ranks included);
 - rank0_wait: time rank 0 spent in collectives / epoch wall, for every policy.
 
-A policy may carry overrides of its own after '+' (`cadence+policy.gamma=1`). With several
-seeds, every column is the mean over them. `--blobs S` trains on Gaussian clusters (10 classes,
+A policy may carry overrides of its own after '+' (`cadence+policy.gamma=1`). Every cell runs
+once per seed (`--seeds`, default 1 2 3); the table shows the means, the accuracy and loss with
+their spread (lowest-highest), the speed against sync of the same seed. Each job's raw result
+goes to a JSON lines file (`--out`, default bench/results/policies.jsonl, started afresh unless
+`--append`), from which bench/tables.py makes the Markdown tables of bench/README.md. `--blobs S` trains on Gaussian clusters (10 classes,
 32 features, 10,000 rows, class centers S noise deviations apart) instead of the digits.
 
 Not a test: timings on a shared machine move from run to run.
@@ -29,13 +32,17 @@ Not a test: timings on a shared machine move from run to run.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+from tables import append_record, policies_table, read_records
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -50,6 +57,7 @@ def run_cell(ranks: int, policy: str, slowdown: str, data: str, epochs: int, ext
            "report.plots=false", "checkpoint=off", f"data.path={data}", f"policy={policy}",
            f"train.epochs={epochs}", f"++debug.slowdown={slowdown}"] + own + extra
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    load, t0 = os.getloadavg()[0], time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
@@ -74,6 +82,7 @@ def run_cell(ranks: int, policy: str, slowdown: str, data: str, epochs: int, ext
         "per_sync": per_sync,
         "share": share,
         "wait": statistics.median(r["comm_s"] / r["epoch_s"] for r in settled),
+        "wall_s": round(time.perf_counter() - t0, 1), "load_before": round(load, 2),
     }
 
 
@@ -97,10 +106,19 @@ def main() -> None:
     ap.add_argument("--data", default=None, help="a prepared digits.h5 (default: prepare one)")
     ap.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every cell")
     ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="train.seed of each repeat (means)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="train.seed of each repeat (means)")
     ap.add_argument("--blobs", type=float, default=None,
                     help="Gaussian clusters this many noise deviations apart instead of the digits")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "policies.jsonl",
+                    help="the raw results, one JSON line a job")
+    ap.add_argument("--append", action="store_true", help="add to --out instead of starting it afresh")
     args = ap.parse_args()
+    if not args.append:
+        args.out.unlink(missing_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip() or None
+    setting = {"ranks": args.ranks, "epochs": args.epochs, "extra": args.extra, "blobs": args.blobs,
+               "data": args.data}
 
     with tempfile.TemporaryDirectory(prefix="bench_policies_") as tmp:
         workdir = Path(tmp)
@@ -122,9 +140,17 @@ def main() -> None:
         for i, slowdown in enumerate(args.slowdowns):
             base = None
             for policy in args.policies:
-                cells = [run_cell(args.ranks, policy, slowdown, data, args.epochs,
-                                  args.extra + [f"train.seed={seed}"], workdir / f"slowdown{i}-seed{seed}",
-                                  args.timeout) for seed in args.seeds]
+                cells = []
+                for seed in args.seeds:
+                    cell = run_cell(args.ranks, policy, slowdown, data, args.epochs,
+                                    args.extra + [f"train.seed={seed}"], workdir / f"slowdown{i}-seed{seed}",
+                                    args.timeout)
+                    cells.append(cell)
+                    if "error" not in cell:
+                        append_record(args.out, dict(cell, bench="policies", setting=setting, policy=policy,
+                                                     slowdown=slowdown, seed=seed, commit=commit,
+                                                     date=datetime.datetime.now(datetime.timezone.utc)
+                                                     .strftime("%Y-%m-%dT%H:%MZ")))
                 failed = [c["error"] for c in cells if "error" in c]
                 if failed:
                     print(f"{policy:<24} {slowdown:<12} failed: {failed[0]}")
@@ -138,6 +164,9 @@ def main() -> None:
                 print(f"{policy:<24} {slowdown:<12} {cell['epoch_s']:>8.4f} {speedup:>8} "
                       f"{cell['val_acc']:>8.4f} {cell['val_loss']:>8.4f} {cell['syncs']:>8g} {share:>10} "
                       f"{cell['wait']:>10.3f}  [{per_sync}]", flush=True)
+    if args.out.exists():
+        print(f"\n# raw results: {args.out}\n")
+        print(policies_table(read_records(args.out)), flush=True)
 
 
 if __name__ == "__main__":
