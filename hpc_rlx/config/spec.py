@@ -53,6 +53,8 @@ class DataPlan:
     y_dtype: str
     cache: str = "memory"        # memory | stream (runtime/feed.py)
     y_shape: list = field(default_factory=list)   # per-sample label shape: a shard's size in memory
+    stage_dir: str | None = None  # data.stage_dir: node-local copies first (runtime/staging.py)
+    stage_keep: bool = False
 
 
 @dataclass
@@ -379,7 +381,8 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         val_start=val_start, val_stop=val_stop, distribution=d["distribution"],
         leftover=d["leftover"], shuffle=bool(d["shuffle"]), check_finite=bool(d["check_finite"]),
         sample_shape=list(info.x_shape), x_dtype=str(info.x_dtype), y_dtype=str(info.y_dtype),
-        cache=d["cache"], y_shape=list(info.y_shape))
+        cache=d["cache"], y_shape=list(info.y_shape), stage_dir=d.get("stage_dir"),
+        stage_keep=bool(d.get("stage_keep")))
     return TrainSpec(
         graph=graph.to_dict(), param_source=source, data=data_plan, train=dict(cfg["train"]),
         optim=dict(cfg["optim"]), policy=dict(cfg["policy"]), device=dict(cfg["device"]),
