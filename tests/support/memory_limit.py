@@ -8,7 +8,9 @@ a job over the limit is killed, not paged out.
         subprocess.run(limit.wrap(["mpirun", ...]))
         limit.peak_bytes(), limit.oom_killed()
 
-Used by tests/mpi/data/test_stream.py and bench/bench_stream.py.
+Used by tests/mpi/data/test_stream.py, tests/mpi/data/test_shard_memory.py and
+bench/bench_stream.py. A test takes its limit from `memory_limit_or_skip`: it skips with the
+reason where no cgroup can be made, and fails instead under HPC_RLX_REQUIRE_CGROUP=1 (CI).
 """
 
 from __future__ import annotations
@@ -133,3 +135,15 @@ class MemoryLimit:
 
     def __exit__(self, *exc) -> None:
         self._remove()
+
+
+def memory_limit_or_skip(limit_bytes: int) -> MemoryLimit:
+    """A `MemoryLimit` for a test; where none can be made, the test skips with the reason, or
+    fails under HPC_RLX_REQUIRE_CGROUP=1 (CI, where a skip would hide an untested limit)."""
+    import pytest
+    try:
+        return MemoryLimit(limit_bytes)
+    except LimitUnavailable as e:
+        if os.environ.get("HPC_RLX_REQUIRE_CGROUP") == "1":
+            pytest.fail(f"HPC_RLX_REQUIRE_CGROUP=1 but no memory limit is possible here: {e}", pytrace=False)
+        pytest.skip(f"no memory limit possible here: {e}")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.support.jobs import REPO, explain, launch_cmd, mpi_env
-from tests.support.memory_limit import LimitUnavailable, MemoryLimit
+from tests.support.memory_limit import memory_limit_or_skip
 
 LIMIT = 224 << 20
 FEATURES = 256          # 1 KiB of float32 per row
@@ -33,10 +33,7 @@ def _file_over(path, nbytes: int):
 
 @pytest.mark.mpi
 def test_a_shard_over_the_ranks_memory_is_refused_and_stream_trains_it(tmp_path):
-    try:
-        limit = MemoryLimit(LIMIT)
-    except LimitUnavailable as e:
-        pytest.skip(f"no memory limit possible here: {e}")
+    limit = memory_limit_or_skip(LIMIT)
     # each of the 2 ranks would hold 126 MiB: more than half the limit, whatever else is in use
     data = _file_over(tmp_path / "big.h5", 252 << 20)
 

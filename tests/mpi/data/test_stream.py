@@ -22,7 +22,7 @@ from hpc_rlx.data.stream import Prefetcher, RowSource, Slot, scan_rows
 from hpc_rlx.errors import DataError
 
 from tests.support.jobs import REPO, explain, launch_cmd, mpi_env, read_metrics, train_job
-from tests.support.memory_limit import LimitUnavailable, MemoryLimit
+from tests.support.memory_limit import memory_limit_or_skip
 
 
 # ---- pure math: windows reproduce the plan's steps ---------------------------------------------
@@ -281,10 +281,7 @@ def _big_images(path: Path, rows: int) -> Path:
 @pytest.mark.mpi
 def test_stream_trains_under_a_memory_limit_below_the_file_size(tmp_path):
     limit = 240 << 20
-    try:
-        probe = MemoryLimit(limit)
-    except LimitUnavailable as e:
-        pytest.skip(f"no memory limit possible here: {e}")
+    probe = memory_limit_or_skip(limit)
     data = _big_images(tmp_path / "big.h5", rows=110_000)          # 330 MiB of images
     assert data.stat().st_size > limit * 1.3
     base = ["data=file", f"data.path={data}", "model=mlp", "model.hidden=[16]", "train.batch_size=64",
