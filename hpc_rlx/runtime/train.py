@@ -368,7 +368,7 @@ class Run(Survives):
         st.lane_busy_s = {ln.name: ln.busy_s for ln in self.lanes.lanes}
         st.data_s = worker.data_s
         st.wire_bytes += worker.bucket.sent.epoch()     # sent after the last epoch's record
-        worker.feed.close()      # collective: data.cache=stream's rounds in flight complete
+        worker.close_data()      # collective: stream's rounds in flight complete; staged copies go
         # peak_rss_bytes next to shard_bytes (the rank's rows as stored): what data costs
         mine = dict(st.report(), rank=self.rank, host=hostname(),
                     wall_s=time.perf_counter() - self.t_start, **worker.feed.report(),
@@ -433,9 +433,8 @@ def train(spec: TrainSpec, comm, earlier=None) -> dict:
                 exc.before_training = True
                 exc.abandon = None if run.worker is None else run.worker.bucket.abandon_node_memory
             run.close_displays()       # no half-drawn bar above the error message
-            feed = getattr(run.worker, "feed", None)
-            if feed is not None:       # the reader thread stops; MPI only if every rank is here
-                feed.close(collective_ok=isinstance(exc, collective.CollectiveError))
+            if run.worker is not None:     # the reader stops, the staged copies go; MPI only if all are here
+                run.worker.close_data(collective_ok=isinstance(exc, collective.CollectiveError))
             if getattr(exc, "step", None) is None and position() is not None:
                 try:
                     exc.step = position()     # the failure message names the step

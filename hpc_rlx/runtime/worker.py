@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from hpc_rlx.runtime.feed_scatter import ScatterStreamFeed
 from hpc_rlx.observe import trace
 from hpc_rlx.optim import make_optimizer, make_schedule, optimizer_kwargs, scaled_lr
 from hpc_rlx.optim.clip import scale_to_norm_, squared_norm
+from hpc_rlx.runtime.staging import Staged, stage
 from hpc_rlx.runtime.state import TrainState
 
 
@@ -100,6 +102,7 @@ class Worker:
         # stage), over which the gradient's global norm is summed (set by runtime/pipelined.py)
         self.stage_pipe = None
         self.state = TrainState()     # step, epoch, position: advanced only through it
+        self.staged: Staged | None = None     # data.stage_dir: this node's copies (runtime/staging.py)
         self.history: list[dict] = []
 
     # ---- the position (read-only views of `state`) --------------------------------------
@@ -128,12 +131,27 @@ class Worker:
     def load_data(self) -> None:
         """Collective: the feed `data.cache` and `data.distribution` ask for (runtime/feed.py)."""
         t0 = time.perf_counter()
-        d = self.spec.data
+        d, spec = self.spec.data, self.spec
+        if d.stage_dir and self.staged is None:     # once: after a dead rank the copies stay
+            self.staged = stage(spec, self.comm, self.plan, self.log)
+        if self.staged is not None:     # read the node's copies; a file it lacks, in place
+            spec = replace(spec, data=self.staged.remap(d))
         kind = (MemoryFeed if d.cache == "memory"
                 else ScatterStreamFeed if d.distribution == "scatter" else StreamFeed)
-        self.feed: Feed = kind(self.spec, self.comm, self.graph, self.plan, fail_at=self.fail_at)
+        self.feed: Feed = kind(spec, self.comm, self.graph, self.plan, fail_at=self.fail_at)
         self.feed.load()
         self.data_s = time.perf_counter() - t0
+
+    def close_data(self, collective_ok: bool = True) -> None:
+        """The run's end or failure: the feed stops (MPI only if every rank is here, see
+        `Feed.close`) and the staged copies go (unless data.stage_keep), on every rank alive."""
+        feed = getattr(self, "feed", None)
+        try:
+            if feed is not None:
+                feed.close(collective_ok=collective_ok)
+        finally:
+            if self.staged is not None:
+                self.staged.close()
 
     def rejoin(self, comm, world: int) -> None:
         """Collective over `comm`, the survivors after a dead rank (`comm.on_failure`), of whom
