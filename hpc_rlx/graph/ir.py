@@ -417,8 +417,9 @@ class Graph:
     def num_classes(self):
         """Classes the labels index (softmax cross-entropy losses), else None."""
         node = self._loss_node()
-        if node.op == "softmax_cross_entropy":
-            return self.types[node.inputs[0]].shape[-1]
+        if node.op == "softmax_cross_entropy":     # the class axis: 1 or the last (ops/loss.py)
+            logits, labels = (self.types[r].shape for r in node.inputs)
+            return logits[_ops.loss.class_axis(logits, labels, self.norm_attrs[node.name]["axis"])]
         return None
 
     @property

@@ -225,8 +225,10 @@ def transformer_lm(vocab_size, seq_len, d_model=64, n_heads=4, n_layers=2, d_ff=
     else:
         head = b.param("head.weight", [D, V], normal)
         logits = b.op("linear", h, head, name="logits")
-    b.output("loss", b.op("softmax_cross_entropy", logits, y, name="xent"))
-    b.output("correct", b.op("correct_count", logits, y, name="correct"))
+    # (B, T, V): classes last; where V == T the shapes alone cannot tell (graph JSON unchanged otherwise)
+    side = {"axis": -1} if V == T else {}
+    b.output("loss", b.op("softmax_cross_entropy", logits, y, name="xent", **side))
+    b.output("correct", b.op("correct_count", logits, y, name="correct", **side))
     return b.build()
 
 

@@ -361,11 +361,13 @@ def _prune(d: dict) -> dict:
     return d
 
 
-def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, label_shape=None) -> ImportedModel:
+def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, label_shape=None,
+                class_axis=None) -> ImportedModel:
     """The trainable IR graph of an ONNX file (a path or its bytes).
 
     ``loss``: "auto", "cross_entropy" or "mse" (see ``onnx.loss``); ``label_dtype`` ("int64"
-    or "float") and ``label_shape`` (one sample's label dims) describe the labels when known.
+    or "float") and ``label_shape`` (one sample's label dims) describe the labels when known;
+    ``class_axis`` (1, -1 or None: from the shapes) places a cross-entropy's classes.
     A graph with two data inputs and a float scalar output is trained on that output as is.
     """
     loss_head.check_loss_args(loss, label_dtype, label_shape)
@@ -410,7 +412,7 @@ def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, labe
         if len(graph.output) > 1:
             warnings.append(f"the ONNX graph has {len(graph.output)} outputs: the first, {out_name!r}, is the model "
                             f"output; {[o.name for o in graph.output[1:]]} are not used")
-        outputs = loss_head.attach(em, out, loss, label_dtype, label_shape)
+        outputs = loss_head.attach(em, out, loss, label_dtype, label_shape, class_axis)
     for name, ref in outputs.items():
         em.b.output(name, ref)
     form = _form_warnings(em, plan, warnings)

@@ -1,7 +1,10 @@
 """The loss head of an imported ONNX model.
 
 ``loss="cross_entropy"``: softmax cross-entropy of the model output, (B, C) logits against
-(B,) int64 labels or (B, T, V) against (B, T) (a language model), plus a ``correct`` count.
+(B,) int64 labels, (B, C, *S) against (B, *S) (PyTorch's segmentation: class axis 1) or
+(B, T, V) against (B, T) (a language model: class axis last), plus a ``correct`` count. The
+labels' shape decides the class axis (``ops.loss.class_axis``); where it fits both, ``class_axis``
+(1 or -1) does. Without a label shape, (B, C, H, W) and more dims take axis 1, (B, T, V) the last.
 ``loss="mse"``: mean squared error against float targets shaped like the output.
 ``loss="auto"``: mse when the caller says the labels are float, else cross-entropy.
 
@@ -13,7 +16,8 @@ from __future__ import annotations
 
 from hpc_rlx.errors import GraphError
 from hpc_rlx.graph.onnx.emit import Emitter, Tensor
-from hpc_rlx.graph.shapes import FLOAT, INT, fmt_shape
+from hpc_rlx.graph.ops.loss import class_axis as find_class_axis
+from hpc_rlx.graph.shapes import FLOAT, INT, ShapeError, fmt_shape
 
 LOSSES = ("auto", "cross_entropy", "mse")
 LABEL_DTYPES = (None, INT, FLOAT)
@@ -39,7 +43,22 @@ def kind_of(loss: str, label_dtype) -> str:
     return loss
 
 
-def attach(em: Emitter, out: Tensor, loss: str, label_dtype, label_shape) -> dict:
+def _class_axis(shape, label_shape, axis) -> int:
+    """The class axis (1 or the last) of logits ``shape`` against one sample's ``label_shape``."""
+    if label_shape is None:
+        if axis is not None:
+            return 1 if axis == 1 else len(shape) - 1
+        return 1 if len(shape) >= 4 else len(shape) - 1
+    try:
+        return find_class_axis(shape, (None,) + tuple(label_shape), axis)
+    except ShapeError as e:
+        fits = [s for s in (shape[2:], shape[1:-1]) if tuple(label_shape) == s]
+        why = str(e) if fits else f"needs {shape[2:]} (classes on axis 1) or {shape[1:-1]} (classes last)"
+        raise GraphError(f"the labels are {tuple(label_shape)} per sample, but a cross_entropy loss of output "
+                         f"{fmt_shape(shape)} {why}") from None
+
+
+def attach(em: Emitter, out: Tensor, loss: str, label_dtype, label_shape, class_axis=None) -> dict:
     """Adds the label input ``y`` and the loss (and metric) nodes; returns the graph outputs."""
     kind = kind_of(loss, label_dtype)
     shape = out.ir_shape
@@ -50,7 +69,8 @@ def attach(em: Emitter, out: Tensor, loss: str, label_dtype, label_shape) -> dic
         if len(shape) < 2:
             raise GraphError(f"cross-entropy needs (batch, classes) logits, the model output is {fmt_shape(shape)} "
                              f"(use loss=mse for a regression)")
-        labels = shape[:-1]
+        axis = _class_axis(shape, label_shape, class_axis)
+        labels = shape[:axis] + shape[axis + 1:]
     else:
         labels = shape
     if label_shape is not None and tuple(label_shape) != labels[1:]:
@@ -59,8 +79,10 @@ def attach(em: Emitter, out: Tensor, loss: str, label_dtype, label_shape) -> dic
     y = em.input("y", labels, INT if kind == "cross_entropy" else FLOAT)
     em.at("loss", "loss", "loss")
     if kind == "cross_entropy":
-        return {"loss": em.op("softmax_cross_entropy", out.name, y.name),
-                "correct": em.op("correct_count", out.name, y.name)}
+        # the attribute only where the shapes alone cannot tell (an imported graph's JSON otherwise unchanged)
+        side = {"axis": 1 if axis == 1 else -1} if len(shape) > 2 and shape[2:] == shape[1:-1] else {}
+        return {"loss": em.op("softmax_cross_entropy", out.name, y.name, **side),
+                "correct": em.op("correct_count", out.name, y.name, **side)}
     return {"loss": em.op("mse", out.name, y.name)}
 
 
