@@ -57,7 +57,8 @@ class StreamingSync:
         if self.sync.in_flight:
             done.append(self.finish(loop, k))
         if not work.bad:                      # a non-finite step ends the rank's window
-            work = _merge(work, policy._local_steps(loop, mine - early, lr))
+            # the cursors move at the send: the second part starts after the early steps' batches
+            work = _merge(work, policy._local_steps(loop, mine - early, lr, first=early))
         t_send = time.perf_counter()
         self._send(loop, work, counts, lr)
         last = not any(policy._next_window()[1])

@@ -306,13 +306,14 @@ class WindowedPolicy(WindowedState, Policy):
         result.wall_s = time.perf_counter() - t_window
         return result
 
-    def _local_steps(self, loop: Loop, count: int, lr: float) -> LocalWork:
-        """This rank's `count` local optimizer steps on its own shard (no communication)."""
+    def _local_steps(self, loop: Loop, count: int, lr: float, first: int = 0) -> LocalWork:
+        """This rank's `count` local optimizer steps on its own shard (no communication), from
+        step `first` of the window on (a streaming sub-window runs in two parts)."""
         worker, lanes, rank = loop.worker, loop.lanes, loop.rank
         seed = worker.spec.train["seed"]
         work = LocalWork()
         cold_s = None
-        position = self.cursors[rank]
+        position = self.cursors[rank] + first
         for _ in range(count):
             t = time.perf_counter()
             loop.hooks.fail_at("step", worker.step)
