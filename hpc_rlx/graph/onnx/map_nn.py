@@ -46,24 +46,49 @@ def _image(em, v, what="input", volumes=False) -> Tensor:
     return x
 
 
-def _pads(em, at, size, kernel, strides, dilations) -> list:
-    """Symmetric padding per spatial axis from ``pads`` or ``auto_pad``."""
+def _pad_ends(at, size, kernel, strides, dilations) -> tuple[list, list]:
+    """Padding before and after each spatial axis, from ``pads`` or ``auto_pad``. SAME_UPPER
+    puts an odd one at the end (TensorFlow's and PyTorch's 'same': a k=2 kernel pads 0, 1)."""
     nd = len(size)
     auto = at.get("auto_pad", "NOTSET")
     if auto == "VALID":
-        return [0] * nd
+        return [0] * nd, [0] * nd
     if auto in ("SAME_UPPER", "SAME_LOWER"):
-        pads = []
+        begin, end = [], []
         for n, k, s, d in zip(size, kernel, strides, dilations):
             total = max((math.ceil(n / s) - 1) * s + (k - 1) * d + 1 - n, 0)
-            if total % 2:
-                raise em.fail(f"auto_pad={auto} needs uneven padding ({total} in all), which the IR lacks")
-            pads.append(total // 2)
-        return pads
+            small, large = total // 2, total - total // 2
+            begin.append(small if auto == "SAME_UPPER" else large)
+            end.append(large if auto == "SAME_UPPER" else small)
+        return begin, end
     p = list(at.get("pads", [0] * (2 * nd)))
-    if p[:nd] != p[nd:]:
-        raise em.fail(f"uneven padding {p} (begin != end) is not supported")
-    return p[:nd]
+    return p[:nd], p[nd:]
+
+
+def _pads(em, at, size, kernel, strides, dilations) -> list:
+    """Symmetric padding per spatial axis (pooling's IR form: uneven pads are refused)."""
+    begin, end = _pad_ends(at, size, kernel, strides, dilations)
+    if begin != end:
+        auto = at.get("auto_pad", "NOTSET")
+        how = f"auto_pad={auto}" if auto != "NOTSET" else f"pads {begin + end}"
+        raise em.fail(f"uneven padding ({how}: begin != end) is not supported for pooling")
+    return begin
+
+
+def _evened(em, x, begin, end) -> tuple:
+    """``x`` with the uneven part of the padding (begin != end) written as zeros by an explicit
+    ``pad``, and the symmetric rest, which the convolution pads itself. Zero padding is zeros
+    wherever it is added, so this is the convolution with the uneven pads exactly."""
+    even = [min(b, e) for b, e in zip(begin, end)]
+    extra_b, extra_e = [b - p for b, p in zip(begin, even)], [e - p for e, p in zip(end, even)]
+    if not any(extra_b + extra_e):
+        return x, even
+    if min(even) < 0:
+        raise em.fail(f"negative pads {begin + end} are not supported")
+    nd = len(begin)
+    groups = x.groups[:2] + tuple((x.groups[2 + i][0] + extra_b[i] + extra_e[i],) for i in range(nd))
+    padded = em.tensor("pad", [x], groups, pads=[0, 0] + extra_b + [0, 0] + extra_e, mode="constant", value=0.0)
+    return padded, even
 
 
 def _out_size(n, k, s, p, d, ceil_mode=False) -> int:
@@ -107,7 +132,9 @@ def _conv2d(em, ins, at, n):
     out_c, kernel = w.ir_shape[0], list(w.ir_shape[2:])
     strides, dil = list(at.get("strides", [1] * nd)), list(at.get("dilations", [1] * nd))
     size = [x.groups[i][0] for i in range(2, x.rank)]
-    pads = _pads(em, at, size, kernel, strides, dil)
+    begin, end = _pad_ends(at, size, kernel, strides, dil)
+    x, pads = _evened(em, x, begin, end)
+    size = [x.groups[i][0] for i in range(2, x.rank)]
     args = [x, w]
     b = ins[2] if len(ins) > 2 else None
     if b is not None and not (isinstance(b, Folded) and b.const and not b.value.any()):  # a zero bias is none

@@ -284,6 +284,7 @@ def test_hand_built_3d_files_match_onnxruntime_and_unsupported_ones_name_the_nod
     w = {"w": R.standard_normal((4, 2, 3, 3, 3)).astype(np.float32)}
     good = [
         one_node("Conv", x.shape, w, ["w"], {"auto_pad": "SAME_UPPER"}),
+        one_node("Conv", x.shape, w, ["w"], {"pads": [1, 1, 1, 1, 1, 0]}),     # uneven: an explicit pad
         one_node("MaxPool", x.shape, {}, [], {"kernel_shape": [3, 3, 3], "pads": [1, 1, 1, 1, 1, 1],
                                               "strides": [2, 2, 2]}),
         one_node("AveragePool", x.shape, {}, [], {"kernel_shape": [2, 3, 2], "auto_pad": "VALID"}),
@@ -297,7 +298,8 @@ def test_hand_built_3d_files_match_onnxruntime_and_unsupported_ones_name_the_nod
         ours = Executor(g, np, "float32").run(layout.views(flat), {"x": x}, [node])[node]
         assert largest_rel(ours, ort.InferenceSession(data).run(None, {"x": x})[0]) <= FLOAT32_TOL
     refused = [
-        (one_node("Conv", x.shape, w, ["w"], {"pads": [1, 1, 1, 1, 1, 0]}), "Conv", "uneven padding"),
+        (one_node("MaxPool", x.shape, {}, [], {"kernel_shape": [2, 2, 2], "pads": [1, 1, 1, 1, 1, 0]}), "MaxPool",
+         "uneven padding"),
         (one_node("MaxPool", x.shape, {}, [], {"kernel_shape": [2, 2, 2], "strides": [2, 2, 2],
                                                   "ceil_mode": 1}), "MaxPool",
          "ceil_mode=1"),
