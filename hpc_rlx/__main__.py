@@ -252,8 +252,9 @@ def main() -> None:
     # without UCX devices (the pip wheel on a plain host). A site's own setting wins.
     os.environ.setdefault("OMPI_MCA_osc", "^ucx")
     # mpirun --with-ft ulfm: no collective component that answers a dead rank with a wrong sum
-    from hpc_rlx.comm.ulfm import settings_before_mpi_starts
-    os.environ.update(settings_before_mpi_starts(os.environ))
+    # (and with Open MPI's failure detector in its thread, no MPI_Finalize: comm/ulfm.py)
+    from hpc_rlx.comm.ulfm import before_mpi_starts
+    before_mpi_starts()
     # more ranks than cores on this node: waiting ranks sleep between MPI's polls (comm/waiting.py)
     from hpc_rlx.comm.waiting import apply_before_mpi_starts
     apply_before_mpi_starts()
@@ -275,7 +276,7 @@ def main() -> None:
     channel = JobChannel(comm)
     if print_only:
         channel.others_left()    # the others returned above; nobody waits for a word
-    from hpc_rlx.comm.ulfm import leave_if_a_rank_died
+    from hpc_rlx.comm.ulfm import leave_without_finalize
     try:
         try:
             if comm.rank == 0:
@@ -287,11 +288,26 @@ def main() -> None:
             sys.stderr.write("hpc_rlx: interrupted\n")
             raise SystemExit(INTERRUPT_EXIT) from None
     except SystemExit as e:
-        leave_if_a_rank_died(e.code)     # comm.on_failure=shrink survived a rank: no MPI_Finalize
+        leave_without_finalize(e.code)   # a survived dead rank, or the detector: no MPI_Finalize
         raise
-    leave_if_a_rank_died(code)
+    leave_without_finalize(code)
     if code:
         raise SystemExit(code)
+
+
+# slurm/train.sh names a file here when it cannot know the run directory itself (a
+# fault-tolerant run outside Slurm): rank 0 writes the directory into it as the run starts, so
+# a launch whose ranks never got that far is not taken for a finished run (mpirun exits 0 then)
+RUN_DIR_REPORT_ENV = "HPC_RLX_RUN_DIR_REPORT"
+
+
+def _report_run_dir(job) -> None:
+    path = os.environ.get(RUN_DIR_REPORT_ENV)
+    if path and not job.multirun:
+        try:
+            Path(path).write_text(str(Path(job.run_dir).resolve()) + "\n")
+        except OSError as e:
+            sys.stderr.write(f"hpc_rlx: warning: cannot write the run directory to {path}: {e}\n")
 
 
 def _lead(comm, channel, rid: str, print_only: bool) -> int:
@@ -320,6 +336,7 @@ def _lead(comm, channel, rid: str, print_only: bool) -> int:
     def _task(cfg):
         hc = HydraConfig.get()
         job = Job(run_dir=str(hc.runtime.output_dir), multirun=str(hc.mode).endswith("MULTIRUN"))
+        _report_run_dir(job)
         channel.start(job)
         try:
             return run_job(job, comm, cfg, hc)

@@ -224,6 +224,15 @@ if [[ $module == hpc_rlx && -z $run_dir && -n ${SLURM_JOB_ID:-} ]]; then
     defaults+=("hydra.run.dir=$run_dir")
 fi
 
+# A fault-tolerant run outside Slurm: the run names its directory in this file as it starts
+# (hpc_rlx/__main__.py), so that an mpirun exit 0 without a finished run is told from success
+run_dir_report=""
+if [[ $choice == ulfm && $module == hpc_rlx && -z $run_dir ]]; then
+    run_dir_report=$(mktemp "${TMPDIR:-/tmp}/hpc_rlx-run-dir.XXXXXX")
+    export HPC_RLX_RUN_DIR_REPORT=$run_dir_report
+    launch+=(-x HPC_RLX_RUN_DIR_REPORT)
+fi
+
 echo "hpc_rlx: $(date '+%F %T') job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-local}) restart" \
      "${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-$(hostname)}: $ntasks ranks," \
      "$threads BLAS threads per rank"
@@ -259,14 +268,26 @@ fi
 echo "hpc_rlx: $(date '+%F %T') ranks finished with status $status"
 
 # Open MPI 5 under --with-ft ulfm tears the job down and exits 0 when a node's daemon is lost with
-# its node (Open MPI issue #12227): a fault-tolerant run that left no summary did not finish
-if [[ $choice == ulfm && $status == 0 && $module == hpc_rlx && -n $run_dir && ! -f $run_dir/summary.json ]] \
-   && ! printf '%s\n' "$@" | grep -qx -e '-m' -e '--multirun' -e '--help' -e '--cfg.*' -e '-c.*'; then
-    echo "hpc_rlx: error: mpirun exited 0 but the run did not finish ($run_dir has no summary.json):" \
-         "Open MPI ends a --with-ft ulfm job with status 0 when it loses a node's daemon (a node lost" \
-         "with its daemon is not survived); resubmit with hydra.run.dir=$run_dir to resume from its" \
-         "newest checkpoint" >&2
-    status=3
+# its node (Open MPI issue #12227), and once after ranks crashed in MPI_Init under the failure
+# detector: a fault-tolerant run that left no summary did not finish
+if [[ -n $run_dir_report ]]; then
+    [[ -s $run_dir_report ]] && run_dir=$(head -n 1 "$run_dir_report")
+    rm -f "$run_dir_report"
+fi
+if [[ $choice == ulfm && $status == 0 && $module == hpc_rlx ]] \
+   && ! printf '%s\n' "$@" | grep -qx -e '-m' -e '--multirun' -e '--help' -e '-h' -e '--hydra-help' \
+        -e '--cfg.*' -e '-c.*' -e '--info.*' -e '-i.*' -e '--shell-completion' -e '-sc.*'; then
+    if [[ -z $run_dir ]]; then
+        echo "hpc_rlx: error: mpirun exited 0 but no rank started the run (rank 0 never named its" \
+             "run directory): the launch failed; see the lines above" >&2
+        status=3
+    elif [[ ! -f $run_dir/summary.json ]]; then
+        echo "hpc_rlx: error: mpirun exited 0 but the run did not finish ($run_dir has no summary.json):" \
+             "Open MPI ends a --with-ft ulfm job with status 0 when it loses a node's daemon (a node lost" \
+             "with its daemon is not survived); resubmit with hydra.run.dir=$run_dir to resume from its" \
+             "newest checkpoint" >&2
+        status=3
+    fi
 fi
 
 stopped_on_signal() {

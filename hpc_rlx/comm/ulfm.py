@@ -65,6 +65,40 @@ def settings_before_mpi_starts(env) -> dict[str, str]:
     return {k: v for k, v in NOT_FAULT_TOLERANT.items() if k not in env}
 
 
+# Open MPI's failure detector (slurm/train.sh switches it on for comm.on_failure=shrink|spare),
+# as mpirun's `--mca` options reach the ranks' environment.
+DETECTOR_ENV = "OMPI_MCA_mpi_ft_detector"
+DETECTOR_THREAD_ENV = "OMPI_MCA_mpi_ft_detector_thread"
+
+
+def _on(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on", "enabled")
+
+
+def detector_thread_on(env) -> bool:
+    """Whether Open MPI's failure detector runs in its own thread in this rank (pure).
+
+    Then MPI_Finalize never returns in Open MPI 5.0.x: `ompi_comm_failure_detector_finalize`
+    waits for the quit heartbeat of the rank it observes in a loop that, with the detector's
+    thread active, only re-reads the thread flag; the compiled loop never reloads the
+    observed rank, so the quit that the thread receives is never seen (every rank of a
+    finished job spins there at 100% CPU; seen in the disassembly of the wheel's libmpi).
+    Without the thread the same loop calls opal_progress and ends."""
+    return _on(env.get(DETECTOR_ENV)) and _on(env.get(DETECTOR_THREAD_ENV))
+
+
+def before_mpi_starts(env=None) -> None:
+    """Every entry point that starts MPI calls this first (it must run before
+    ``from mpi4py import MPI``): the settings above, and with the detector's thread on, no
+    MPI_Finalize at exit (`detector_thread_on`): a rank leaves as after a survived failure
+    (`leave_without_finalize`), and an error's exit does not hang either."""
+    env = os.environ if env is None else env
+    env.update(settings_before_mpi_starts(env))
+    if detector_thread_on(env):
+        import mpi4py
+        mpi4py.rc.finalize = False
+
+
 def problem_of(library: str, env_value: str | None, proc_failed: int, revoked: int,
                unknown: int) -> str | None:
     """Why ULFM is not active, in words, or None when it is (pure). `library`: the MPI
@@ -182,13 +216,14 @@ def current(comm):
     return comm
 
 
-def leave_if_a_rank_died(code) -> None:
-    """After a survived failure: leave now, with `code`, without MPI_Finalize. Open MPI 5.0's
-    MPI_Finalize fences with every rank of the job, and after a rank had died that fence hung
-    the survivors in 3 of 27 jobs here (all of them inside ompi_mpi_finalize, the training
-    done and its files written); `mpirun --with-ft ulfm` takes an exit without it as a normal
-    end (exit 0 when every survivor exits 0). A no-op when no rank died."""
-    if not SUCCESSOR:
+def leave_without_finalize(code) -> None:
+    """After a survived failure, or with the failure detector's thread on: leave now, with
+    `code`, without MPI_Finalize. Open MPI 5.0's MPI_Finalize fences with every rank of the
+    job, and after a rank had died that fence hung the survivors in 3 of 27 jobs here (all of
+    them inside ompi_mpi_finalize, the training done and its files written); with the
+    detector's thread it never returns (`detector_thread_on`). `mpirun --with-ft ulfm` takes
+    an exit without it as a normal end (exit 0 when every rank exits 0). A no-op otherwise."""
+    if not SUCCESSOR and not detector_thread_on(os.environ):
         return
     # every survivor leaves together: one leaving early is, to the others still waiting for
     # rank 0's last word (comm/job_channel.py), another dead rank

@@ -24,7 +24,7 @@ from hpc_rlx.config.failure_mode import check_on_failure, training_ranks
 from hpc_rlx.config.sharding import check_shard
 from hpc_rlx.data import hdf5
 from hpc_rlx.data.plan import plan_shards
-from hpc_rlx.data.resolve import num_classes, prepare_missing_data
+from hpc_rlx.data.resolve import data_sources, num_classes, prepare_missing_data
 from hpc_rlx.errors import ConfigError, DataError, phase
 from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, init_params
 from hpc_rlx.graph.onnx.importer import import_onnx
@@ -55,6 +55,9 @@ class DataPlan:
     y_shape: list = field(default_factory=list)   # per-sample label shape: a shard's size in memory
     stage_dir: str | None = None  # data.stage_dir: node-local copies first (runtime/staging.py)
     stage_keep: bool = False
+    files: list | None = None      # [[file, samples], ...] of `path` in order (data/fileset.py)
+    val_files: list | None = None  # ... of `val_path`; None: validation is the tail of `files`
+    one_sample: bool = False       # data.one_sample_per_file
 
 
 @dataclass
@@ -326,18 +329,9 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     check_run_dir_writable(run_dir)
     d = cfg["data"]
     prepare_missing_data(d)
-    info = hdf5.describe(d["path"], d["x"], d["y"])
-
-    if d["val_path"]:
-        vinfo = hdf5.describe(d["val_path"], d["x"], d["y"])
-        n_train, val_path, val_start, val_stop = info.n, d["val_path"], 0, vinfo.n
-    else:
-        n_val = int(round(info.n * float(d["val_fraction"] or 0.0)))
-        n_train = info.n - n_val
-        val_path, val_start, val_stop = d["path"], n_train, info.n
-        if n_train <= 0:
-            raise DataError(f"data.val_fraction={d['val_fraction']} leaves no training samples "
-                            f"in {d['path']} ({info.n} samples)")
+    src = data_sources(d)      # a file, a directory or a glob: the files and their counts
+    info, vinfo, n_train, val_start, val_stop = src.info, src.vinfo, src.n_train, src.val_start, src.val_stop
+    val_path = d["val_path"] or d["path"]
 
     n_classes = _num_classes(cfg["model"], info, n_train) if cfg["model"]["name"] in schema.BUILDER_KEYS else None
     graph = _build_graph(cfg["model"], info.x_shape, info.x_dtype, n_classes, info)
@@ -382,7 +376,8 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         leftover=d["leftover"], shuffle=bool(d["shuffle"]), check_finite=bool(d["check_finite"]),
         sample_shape=list(info.x_shape), x_dtype=str(info.x_dtype), y_dtype=str(info.y_dtype),
         cache=d["cache"], y_shape=list(info.y_shape), stage_dir=d.get("stage_dir"),
-        stage_keep=bool(d.get("stage_keep")))
+        stage_keep=bool(d.get("stage_keep")), files=src.files.pairs(), one_sample=src.files.one_sample,
+        val_files=src.val_files.pairs() if src.val_files else None)
     return TrainSpec(
         graph=graph.to_dict(), param_source=source, data=data_plan, train=dict(cfg["train"]),
         optim=dict(cfg["optim"]), policy=dict(cfg["policy"]), device=dict(cfg["device"]),

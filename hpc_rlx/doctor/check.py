@@ -27,6 +27,7 @@ from pathlib import Path
 
 from hpc_rlx.comm.node_memory import SHM_DIR, largest_shared_bucket
 from hpc_rlx.comm.topology import node_layout, rank_span
+from hpc_rlx.comm.ulfm import before_mpi_starts
 from hpc_rlx.device.cuda_mpi import doctor_summary
 from hpc_rlx.doctor.config import split_run_dir, training_settings
 from hpc_rlx.doctor.probe import (
@@ -339,6 +340,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     overrides, override_dir = split_run_dir(args.overrides)
     run_dir = Path(args.run_dir or override_dir or "outputs")
+    before_mpi_starts()     # a fault-tolerant launch's settings (slurm/train.sh HPC_RLX_MODULE=...)
     try:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD

@@ -14,16 +14,19 @@ walk their shard in successive passes).
 from __future__ import annotations
 
 import resource
+import time
 
 import numpy as np
 
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.topology import hostname, ranks_per_node
 from hpc_rlx.data.distribute import load_shard
+from hpc_rlx.data.files import plan_files
 from hpc_rlx.data.hdf5 import TokenVocab, check_values
 from hpc_rlx.data.memory_room import rank_room, shard_problem
 from hpc_rlx.data.plan import EpochOrder, eval_batch_rows, window_of, window_steps
-from hpc_rlx.data.stream import Prefetcher, RowSource, Slot, scan_rows
+from hpc_rlx.data.set_source import SetSource
+from hpc_rlx.data.stream import Prefetcher, Slot, scan_rows
 from hpc_rlx.errors import DataError
 from hpc_rlx.graph.shapes import FLOAT
 
@@ -99,10 +102,31 @@ class Feed:
         self.vocab = TokenVocab(*token) if token else None
         self.seed, self.shuffle = int(spec.train["seed"]), bool(self.d.shuffle)
         self.train_bounds = with_empty_ranks(plan.all_bounds(), comm.size)
+        # the files of data.path / data.val_path as one set each, and what every file must hold
+        self.files, self.val_files, self.expect = plan_files(self.d)
         self.val_bounds = with_empty_ranks(even_bounds(self.d.val_start, self.d.val_stop, self.world), comm.size)
         self._order: tuple[int, EpochOrder] | None = None
         self.row_bytes = 0
         self.buffer_bytes = 0
+
+    def read_from(self, mapping) -> None:
+        """Read the files from other places (staged copies): `mapping` original path -> path to
+        open (a dict or a function). Before `load`; the order and the samples do not change."""
+        self.files, self.val_files = self.files.remapped(mapping), self.val_files.remapped(mapping)
+
+    def announce(self, t0: float) -> None:
+        """Rank 0's start-up line for a data set of many files: files, samples, and the time the
+        ranks took to check (and with data.cache=memory, read) them."""
+        if self.rank != 0 or (len(self.files) == 1 and not self.files.one_sample):
+            return
+        val = ("" if self.val_files is self.files else
+               f"; validation: {self.val_files.describe()} ({self.d.val_path})")
+        print(f"[hpc_rlx] data: {self.files.describe()} ({self.d.path}){val}; checked"
+              f"{' and read' if self.cache == 'memory' else ''} in {time.perf_counter() - t0:.2f} s", flush=True)
+
+    def source(self, files) -> SetSource:
+        """A reader of `files` (this feed's training or validation set) for one thread."""
+        return SetSource(files, self.d.x, self.d.y, *self.expect)
 
     def order(self, epoch: int, rank: int | None = None) -> EpochOrder:
         return EpochOrder(self.plan, self.rank if rank is None else rank, epoch, self.seed, self.shuffle)
@@ -137,7 +161,7 @@ class MemoryFeed(Feed):
     file holds floats of another width (cast while reading: the shard is never held twice)."""
 
     def load(self) -> None:
-        d, comm = self.d, self.comm
+        d, comm, t0 = self.d, self.comm, time.perf_counter()
         stored = np.dtype(d.x_dtype)
         want = self.dtype if (self.float_input and stored.kind == "f" and stored != self.dtype) else None
         # before any read: a shard over the rank's memory is killed by the kernel mid-read, with
@@ -148,7 +172,8 @@ class MemoryFeed(Feed):
         def _train():
             if d.distribution == "scatter":
                 self.fail_at("scatter", 0)       # the load's scatter: before the first step
-            x, y = load_shard(comm, d.distribution, d.path, d.x, d.y, self.train_bounds, x_dtype=want)
+            x, y = load_shard(comm, d.distribution, self.files, d.x, d.y, self.train_bounds, x_dtype=want,
+                              expect=self.expect)
             check_values(x, y, self.num_classes, d.check_finite, first_row=self.train_bounds[self.rank][0],
                          vocab=self.vocab)
             return x, y
@@ -159,11 +184,13 @@ class MemoryFeed(Feed):
         def _val():
             if d.val_stop == d.val_start:
                 return self.x[:0], self.y[:0]
-            x, y = load_shard(comm, d.distribution, d.val_path, d.x, d.y, self.val_bounds, x_dtype=want)
+            x, y = load_shard(comm, d.distribution, self.val_files, d.x, d.y, self.val_bounds, x_dtype=want,
+                              expect=self.expect)
             check_values(x, y, self.num_classes, d.check_finite, first_row=self.val_bounds[self.rank][0],
                          vocab=self.vocab)
             return x, y
         self.vx, self.vy = collective.agree(comm, _val)
+        self.announce(t0)
 
     def _check_room(self, x_dtype: np.dtype, on_node: int) -> None:
         """DataError where this rank's shard and validation slice, as held, exceed its room."""
@@ -204,27 +231,27 @@ class StreamFeed(Feed):
     _cur: Slot | None = None
 
     def load(self) -> None:
-        d, comm = self.d, self.comm
+        d, comm, t0 = self.d, self.comm, time.perf_counter()
         empty = [(0, 0)] * self.world
-        # every rank opens the files (agreed, with the shared-filesystem hint); no rows yet
-        x0, y0 = load_shard(comm, "read", d.path, d.x, d.y, empty)
-        if d.val_stop > d.val_start:
-            load_shard(comm, "read", d.val_path, d.x, d.y, empty)
+        # the shapes and stored dtypes; the files are opened and checked by _scan_mine
+        x0, y0 = load_shard(comm, "read", self.files, d.x, d.y, empty, expect=self.expect)
         self.row_bytes = row_bytes(x0.dtype, x0.shape[1:], y0)
         self._geometry(x0, y0)
         collective.agree(comm, self._scan_mine)
         if self.rank == 0:
             self._warn_if_compressed(self.slot_rows, self._n_rows(self.train_bounds))
+        self.announce(t0)
 
     def _scan_mine(self) -> None:
         """The value checks of memory mode, block by block from the file (labels are small;
         inputs are read only when check_finite or a token model asks)."""
         d = self.d
-        for path, bounds in ((d.path, self.train_bounds), (d.val_path, self.val_bounds)):
+        for files, bounds in ((self.files, self.train_bounds), (self.val_files, self.val_bounds)):
             a, b = bounds[self.rank]
             if b > a:
-                src = RowSource(path, d.x, d.y)
+                src = self.source(files)
                 try:
+                    src.check(a, b)     # every file this rank reads: its datasets (metadata only)
                     scan_rows(src, a, b, self.num_classes, d.check_finite, self.vocab, SLOT_BYTES)
                 finally:
                     src.close()
@@ -232,7 +259,7 @@ class StreamFeed(Feed):
     def _warn_if_compressed(self, window_rows: int, span_rows: int) -> None:
         """A shuffled window draws from every chunk of the shard: with compressed chunks each
         window decodes most of the shard. Said once, with the way out."""
-        src = RowSource(self.d.path, self.d.x, self.d.y)
+        src = self.source(self.files)
         try:
             factor = src.decode_factor(window_rows, span_rows)
         finally:
@@ -258,9 +285,8 @@ class StreamFeed(Feed):
         return [Slot(np.empty((rows,) + tuple(xs), dtype=xd), np.empty((rows,) + tuple(ys), dtype=yd))
                 for _ in range(count)]
 
-    def _opener(self, path):
-        d = self.d
-        return lambda: RowSource(path, d.x, d.y)
+    def _opener(self, files):
+        return lambda: self.source(files)
 
     def _windows(self, p: int, start: int, rank: int):
         """(pass, Window) from window `start` of pass `p` on, for ever (runs on the reader)."""
@@ -270,7 +296,7 @@ class StreamFeed(Feed):
                 yield p, order.window(a, min(a + self.w, self.steps))
             p, start = p + 1, 0
 
-    def _fill_window(self, source: RowSource, job, slot: Slot):
+    def _fill_window(self, source: SetSource, job, slot: Slot):
         p, win = job
         source.read(win.rows + self.train_bounds[self.rank][0], slot.x, slot.y)
         return win
@@ -293,7 +319,7 @@ class StreamFeed(Feed):
             # the first batch, or a jump (a resume): read ahead from here
             self._stop_reader()
             self._pre = Prefetcher(self._windows(p, start, self.rank), self._fill_window,
-                                   self._slots(self.slot_rows), opener=self._opener(self.d.path))
+                                   self._slots(self.slot_rows), opener=self._opener(self.files))
             slot = self._pre.next()
         self._cur = slot
         return slot
@@ -310,7 +336,7 @@ class StreamFeed(Feed):
         jobs = [(lo, min(b, lo + self.val_rows)) for lo in range(a, b, self.val_rows)]
         pre = Prefetcher(jobs, lambda src, job, slot: src.read_range(*job, slot.x, slot.y),
                          self._slots(min(self.val_rows, b - a), 2), name="hpc_rlx-val",
-                         opener=self._opener(self.d.val_path))
+                         opener=self._opener(self.val_files))
         try:
             while (slot := pre.next()) is not None:
                 n = slot.job[1] - slot.job[0]
