@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_rlx.comm.ulfm import FT_ENV, problem_of, settings_before_mpi_starts
+from hpc_rlx.comm.ulfm import FT_ENV, detector_thread_on, problem_of, settings_before_mpi_starts
 from hpc_rlx.runtime import recovery_plan as plan
 
 
@@ -114,3 +114,13 @@ def test_under_ulfm_the_collectives_that_are_not_fault_tolerant_are_switched_off
     assert settings_before_mpi_starts({FT_ENV: "1"}) == {"OMPI_MCA_coll": "^han"}
     assert settings_before_mpi_starts({FT_ENV: "1", "OMPI_MCA_coll": "^tuned"}) == {}   # the site's own wins
     assert settings_before_mpi_starts({}) == {} and settings_before_mpi_starts({FT_ENV: "0"}) == {}
+
+
+def test_the_failure_detectors_thread_is_read_from_mpiruns_mca_options():
+    """Both `--mca mpi_ft_detector true` and `--mca mpi_ft_detector_thread true` (as they reach a
+    rank's environment) mean MPI_Finalize would never return: the rank leaves without it."""
+    on = {"OMPI_MCA_mpi_ft_detector": "true", "OMPI_MCA_mpi_ft_detector_thread": "1"}
+    assert detector_thread_on(on)
+    assert not detector_thread_on({**on, "OMPI_MCA_mpi_ft_detector_thread": "false"})
+    assert not detector_thread_on({"OMPI_MCA_mpi_ft_detector_thread": "true"})   # no detector
+    assert not detector_thread_on({})
