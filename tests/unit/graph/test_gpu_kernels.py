@@ -1,9 +1,10 @@
 """The kernels the other GPU cases leave out, on a device lane against the NumPy lane, forward
 and gradients: the index ops, ``conv2d``'s dense kernels and Winograd chosen by shape (as in a
 real model, no switch forced), ``pow`` by each constant exponent that takes the host's product
-path, the recurrent ops, GELU and ``erf`` in float32, the elementwise ops, masks and random
-draws no other case runs, and every one of those ops in float64 (<= 1e-12 of the largest value,
-<= 1e-10 where a kernel sums many products) and float32 (<= 1e-5).
+path, the recurrent ops, GELU and ``erf`` in float32, cross-entropy over class axis 1 with
+class weights and an ignored label, the dense counts (correct, IoU, label weights), and the
+elementwise ops, masks and random draws no other case runs; float64 to 1e-12 of the largest
+value (1e-10 where a kernel sums many products), float32 to 1e-5.
 
 Each case runs on two lanes: ``cupy`` (marked gpu, skipped without CuPy and a CUDA device; what
 bench/gpu_check.sh runs) and ``numpy``, a second NumPy lane that takes the same code path on
@@ -19,6 +20,7 @@ import pytest
 from hpc_rlx.device import backend
 from hpc_rlx.graph import OPS, Executor, GraphBuilder, ParamLayout, build_model
 from hpc_rlx.graph.ops import conv_dense, conv_winograd, elementwise, fast_erf
+from hpc_rlx.graph.ops import loss as loss_ops
 from hpc_rlx.graph.registry import VJPS
 
 from tests.unit.graph import test_index_ops, test_onnx_ops
@@ -196,6 +198,56 @@ def test_float32_erf_is_the_fast_one_on_the_host_and_the_exact_one_on_a_device(x
     assert largest_rel(got, backend.erf(np, x.astype(np.float64))) <= 1e-6
 
 
+# ---------------------------------------------------------------- dense targets: class axis 1, weights, ignored label
+
+CROSS_ENTROPY = [  # (logits shape, labels shape, attributes)
+    ((3, 4, 5, 6), (3, 5, 6), {"weights": [0.5, 2.0, 1.0, 1.5], "ignore_index": 255}),
+    ((2, 3, 2, 4, 3), (2, 2, 4, 3), {"ignore_index": -100}),
+    ((3, 4, 5, 6), (3, 5, 6), {"weights": [0.5, 2.0, 1.0, 1.5], "ignore_index": 1}),
+    ((3, 7, 5), (3, 7), {"weights": [1.0, 0.2, 3.0, 1.0, 0.5], "axis": -1}),
+]
+
+
+def _labels(shape, classes, ignore):
+    y = R.integers(0, classes, shape)
+    if ignore is not None:
+        y[R.random(shape) < 0.3] = ignore
+    return y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zs,ys,attrs", CROSS_ENTROPY, ids=["image-w-ignore", "volume-ignore", "ignore-a-class",
+                                                            "classes-last-w"])
+def test_cross_entropy_with_class_weights_and_an_ignored_label(xp, zs, ys, attrs, dtype):
+    classes = zs[attrs.get("axis", 1)]
+    y = _labels(ys, classes, attrs.get("ignore_index"))
+    assert_lanes_agree(xp, "softmax_cross_entropy", [3 * n(*zs), y], attrs, dtype, tol64=F64_SUMS)
+
+
+def test_dense_counts_on_the_lane(xp):
+    """correct_count, iou_counts and label_weight over class axis 1 with an ignored label."""
+    z, y = n(4, 3, 5, 5), _labels((4, 5, 5), 3, 255)
+    attrs = {"axis": None, "ignore_index": 255}
+    b = GraphBuilder()
+    b.input("z", list(z.shape))
+    b.input("y", list(y.shape), "int64")
+    b.op("correct_count", "z", "y", name="correct", **attrs)
+    b.output("loss", b.op("softmax_cross_entropy", "z", "y", **attrs))
+    g = b.build()
+    counts = [backend.to_numpy(Executor(g, lane, "float64").run({}, {"z": lane.asarray(z), "y": lane.asarray(y)},
+                                                                  "correct")["correct"]) for lane in (np, xp)]
+    assert counts[1] == counts[0] == ((z.argmax(1) == y) & (y != 255)).sum()
+    host = loss_ops.iou_counts(np, z, y, attrs, 3)
+    dev = loss_ops.iou_counts(xp, xp.asarray(z), xp.asarray(y), attrs, 3)
+    for h, d in zip(host, dev):
+        np.testing.assert_array_equal(backend.to_numpy(d), h)
+        assert backend.to_numpy(d).dtype == np.int64
+    hw, htotal = loss_ops.label_weight(np, y, [1.0, 2.0, 0.5], 255)
+    dw, dtotal = loss_ops.label_weight(xp, xp.asarray(y), [1.0, 2.0, 0.5], 255)
+    np.testing.assert_array_equal(backend.to_numpy(dw), hw)
+    assert float(dtotal) == pytest.approx(float(htotal), rel=1e-15)
+
+
 # ---------------------------------------------------------------- the rest: elementwise, masks, draws
 
 ELEMENTWISE = [
@@ -278,7 +330,7 @@ def test_every_op_has_a_case_on_the_gpu_lane():
     covered = {"constant", "mul", "sum", "layer_norm", "conv2d", "pow", "erf", "gelu", "dropout", "random_like",
                "bernoulli", "isnan", "isinf", "compare", "logical", "where", "cast"}
     for cases in (test_onnx_ops.CASES, test_volume_ops.GPU_CASES, test_resampling_ops.GPU_CASES,
-                  test_index_ops.CASES, RECURRENT, ELEMENTWISE):
+                  test_index_ops.CASES, RECURRENT, ELEMENTWISE, [("softmax_cross_entropy",), ("correct_count",)]):
         covered |= {c[0] for c in cases}
     for kind, kwargs in test_gpu.MODELS:
         covered |= {node.op for node in build_model(kind, **kwargs).nodes}
