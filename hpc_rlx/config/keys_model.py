@@ -29,6 +29,9 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("model.loss", str, Options(onnx="auto"), "`auto` (cross-entropy for integer labels, MSE for "
         "float targets, or the file's own scalar loss), `cross_entropy` or `mse`",
         OneOf("auto", "cross_entropy", "mse")),
+    Key("model.sync_batch_norm", bool, Options(graph=False, onnx=False), "batch norm's statistics over "
+        "the global batch (every rank and lane, per micro-batch), as PyTorch's `SyncBatchNorm`; false: "
+        "each lane's own (docs/pytorch.md, \"Batch norm over the global batch\")"),
     Key("model.init_from", str, every(MODELS, None), "HDF5 file of initial parameters (e.g. a "
         "previous run's `model.h5`)"),
 )

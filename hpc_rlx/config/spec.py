@@ -18,6 +18,7 @@ import h5py
 import numpy as np
 
 from hpc_rlx.config import schema as schema
+from hpc_rlx.config.batch_norm_sync import check_sync_batch_norm
 from hpc_rlx.config.rundirs import fingerprint_of
 from hpc_rlx.config.section import SECTIONS, section
 from hpc_rlx.config.failure_mode import check_on_failure, training_ranks
@@ -82,6 +83,7 @@ class TrainSpec:
     plan: str = ""                          # the shard plan in words, logged at start-up
     config_fingerprint: str | None = None   # which training this is (config/fingerprint.py)
     model_source: str | None = None         # model=onnx: the file the trained weights go back into
+    sync_batch_norm: bool = False           # model.sync_batch_norm (config/batch_norm_sync.py)
 
     def __post_init__(self):
         # config sections: read-only, only their declared keys (config/section.py)
@@ -387,7 +389,8 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         config_yaml=config_yaml, parallel=dict(cfg["parallel"]),
         plan=_plan_line(plan, int(cfg["parallel"]["pipeline_stages"]), spares),
         config_fingerprint=fingerprint,
-        model_source=source["path"] if source["kind"] == "onnx" else None)
+        model_source=source["path"] if source["kind"] == "onnx" else None,
+        sync_batch_norm=check_sync_batch_norm(cfg, world_size))
 
 
 def for_job_ranks(spec: TrainSpec, job_ranks: int, spares: int | None = None) -> TrainSpec:

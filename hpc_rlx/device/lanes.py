@@ -33,8 +33,10 @@ import numpy as np
 
 from hpc_rlx.comm.wire import segments
 from hpc_rlx.device import backend, cuda_mpi
+from hpc_rlx.device.batch_sync import BatchStatSum, results_of, run_stand_in
 from hpc_rlx.device.host_blas import host_array_module
 from hpc_rlx.device.lane_plan import assign_samples, split_by_throughput
+from hpc_rlx.errors import ConfigError
 from hpc_rlx.graph import Executor
 from hpc_rlx.observe import trace
 
@@ -55,19 +57,33 @@ class Lane:
     calls: int = 0              # steps with samples (the first, with one-off costs, is not rated)
     host_params: object = None  # for device lanes: the host flat params to mirror
     device_params: object = None
+    sync: object = None         # model.sync_batch_norm: this lane's `batch_sync.LaneHook`
+    scratch_grads: object = None    # where a stand-in micro-batch's gradient goes (batch_sync)
 
     def compute(self, x, y, seed: int, on_grad_ready=None, accumulate: int = 1) -> tuple[int, float, float, float]:
         """Sample-weighted gradient of this slice into grad_flat. Returns (n, loss_sum, correct, seconds).
         ``on_grad_ready(name)``: see `Executor.forward_backward` (every name, also for no samples).
         ``accumulate`` = K: the slice runs as K micro-batches summed into grad_flat (gradient
         accumulation: activations for a Kth of the rows); only the last one reports ready
-        gradients, so `comm.overlap` overlaps the last micro-batch's backward."""
+        gradients, so `comm.overlap` overlaps the last micro-batch's backward.
+        With ``sync`` every lane runs K micro-batches, those without rows as stand-ins (batch_sync)."""
+        try:
+            return self._compute(x, y, seed, on_grad_ready, accumulate)
+        except BaseException:
+            if self.sync is not None:
+                self.sync.abort()   # the lanes waiting for this one in a batch-norm sum raise too
+            raise
+
+    def _compute(self, x, y, seed, on_grad_ready, accumulate):
         n = int(x.shape[0])
         t0 = time.perf_counter()
         # The worker thread stays on this lane's GPU (no with-block: see backend.select_device).
         backend.select_device(self.device)
+        k_sync = max(1, int(accumulate)) if self.sync is not None else 0
         if n == 0:
             self.grad_flat[...] = 0
+            for j in range(k_sync):
+                run_stand_in(self, x, y, micro_batch_seed(seed, j))
             # done before returning, like a busy lane's gradient: the main thread reads or
             # overwrites it next, maybe on another stream (per-thread default streams)
             backend.synchronize_device(self.device)
@@ -82,9 +98,11 @@ class Lane:
             out = self.executor.forward_backward(
                 self.param_views, self.grad_views, {"x": self.xp.asarray(x[lo:hi]), "y": self.xp.asarray(y[lo:hi])},
                 train=True, seed=micro_batch_seed(seed, j), grad_scale=float(hi - lo),
-                on_grad_ready=on_grad_ready if last else None, accumulate=j > 0)
+                on_grad_ready=on_grad_ready if last else None, accumulate=j > 0, sync=self.sync)
             loss_sum += out["loss"] * (hi - lo)
             correct += float(out.get("correct", 0.0))
+        for j in range(len(parts), k_sync):       # micro-batches with no rows here
+            run_stand_in(self, x, y, micro_batch_seed(seed, j))
         backend.synchronize_device(self.device)
         t1 = time.perf_counter()
         dt = t1 - t0
@@ -136,7 +154,7 @@ class LaneSet:
 
     def __init__(self, graph, lanes_spec: list[tuple[str, int]], dtype: str, params_flat: np.ndarray,
                  bucket, layout, cuda_aware="auto", query_cuda_support=None, cpu_blas="numpy",
-                 cpu_threads=1, accumulate=1):
+                 cpu_threads=1, accumulate=1, sync_comm=None):
         self.layout = layout
         self.accumulate = max(1, int(accumulate))     # train.accumulate: micro-batches per lane
         # the CPU lanes' array module: NumPy, or NumPy with MKL's GEMMs (device.cpu_blas)
@@ -150,6 +168,13 @@ class LaneSet:
                                   for kind, idx in lanes_spec]
         # CPU lanes with their own gradient buffer, added into the host payload after a step
         self._cpu_peers = [ln for ln in self.lanes if ln.kind == "cpu" and ln.grad_flat is not self.bucket_payload]
+        # model.sync_batch_norm: `sync_comm` (not None) sums batch-norm statistics over its ranks
+        # (True: over this rank's lanes alone)
+        if sync_comm is not None and any(ln.kind != "cpu" for ln in self.lanes):
+            raise ConfigError("model.sync_batch_norm=true runs on CPU lanes only for now (device=cpu)")
+        self.batch_sync = BatchStatSum(len(self.lanes), sync_comm) if sync_comm is not None else None
+        for i, ln in enumerate(self.lanes if self.batch_sync is not None else ()):
+            ln.sync = self.batch_sync.hook(i, ln.xp)
         self._pool = ThreadPoolExecutor(max_workers=len(self.lanes)) if len(self.lanes) > 1 else None
         self._params_fresh = False      # the first step or evaluation copies the parameters up
         self.steps = 0
@@ -241,11 +266,13 @@ class LaneSet:
         jobs = [(ln, x[bounds[i]:bounds[i + 1]], y[bounds[i]:bounds[i + 1]], seed * 64 + i)
                 for i, ln in enumerate(self.lanes)]
         k = self.accumulate
+        if self.batch_sync is not None:
+            self.batch_sync.start_step()
         if self._pool is None:
             ready = on_grad_ready if self.overlap_capable else None
             results = [jobs[0][0].compute(*jobs[0][1:], on_grad_ready=ready, accumulate=k)]
-        else:
-            results = list(self._pool.map(lambda j: j[0].compute(*j[1:], accumulate=k), jobs))
+        else:   # (with batch_sync, a failed lane's own error rather than the barrier's)
+            results = results_of([self._pool.submit(lambda j: j[0].compute(*j[1:], accumulate=k), j) for j in jobs])
         self._combine({id(ln) for ln, c in zip(self.lanes, counts) if c > 0})
         self.steps += 1
         self._params_fresh = False     # the caller is about to change the host parameters

@@ -24,12 +24,14 @@ _DTYPES = {"float32": np.float32, "float64": np.float64}
 
 class _Ctx:
     """What an op's forward may know about the call (dropout needs the seed and its node), and
-    where a training forward publishes a buffer's new statistic (``emit``)."""
+    where a training forward publishes a buffer's new statistic (``emit``); ``sync`` sums a small
+    array over every part of the global batch (model.sync_batch_norm; None: this part alone)."""
 
-    __slots__ = ("train", "seed", "need_saved", "index", "node", "emitted", "dtype")
+    __slots__ = ("train", "seed", "need_saved", "index", "node", "emitted", "dtype", "sync")
 
-    def __init__(self, train, seed, dtype):
+    def __init__(self, train, seed, dtype, sync=None):
         self.train, self.seed, self.dtype = train, seed, dtype  # dtype: the compute dtype (constants, casts)
+        self.sync = sync
         self.need_saved, self.index, self.node = False, 0, ""
         self.emitted = []  # (node index, argument position, value)
 
@@ -270,7 +272,7 @@ class Executor:
                 env[a] = None
 
     def forward_backward(self, param_views, grad_views, feeds, train=True, seed=None, grad_scale=1.0,
-                         on_grad_ready=None, accumulate=False) -> dict:
+                         on_grad_ready=None, accumulate=False, sync=None) -> dict:
         """Overwrite ``grad_views`` with ``grad_scale * d(mean loss)/d(param)`` (add to them with
         ``accumulate``: gradient accumulation's later micro-batches); return the outputs as floats.
 
@@ -279,7 +281,8 @@ class Executor:
         ``on_grad_ready(name)``, if given, is called once per parameter and buffer as soon as its
         slot of ``grad_views`` is final (buffers' statistics right after the forward pass, each
         parameter after the last VJP that writes it), on the calling thread, so a caller can
-        start reducing finished gradients while backward still runs (``comm.overlap``).
+        start reducing finished gradients while backward still runs (``comm.overlap``). ``sync``:
+        see ``_Ctx`` (every part must run the same graph in step: batch norm calls it in forward and backward).
         """
         if self._loss_slot is None:
             raise GraphError("forward_backward: this graph has no loss (a pipeline stage before the last: "
@@ -289,12 +292,12 @@ class Executor:
         env = [None] * self._nslots
         device = self._load(env, feeds, param_views, device)
         with backend.use_device(device):
-            return self._run_backward(env, grad_views, train, seed, grad_scale, on_grad_ready, accumulate)
+            return self._run_backward(env, grad_views, train, seed, grad_scale, on_grad_ready, accumulate, sync)
 
-    def _run_backward(self, env, grad_views, train, seed, grad_scale, ready=None, accumulate=False) -> dict:
+    def _run_backward(self, env, grad_views, train, seed, grad_scale, ready=None, accumulate=False, sync=None) -> dict:
         xp = self.xp
         saved = [None] * self._nslots
-        ctx = _Ctx(bool(train), seed, self.dtype)
+        ctx = _Ctx(bool(train), seed, self.dtype, sync)
         self._forward(self._train_plan, env, saved, ctx)
         results = [(name, env[s]) for name, s in self._outputs]
         self._write_statistics(env, ctx, grad_views, grad_scale, accumulate)

@@ -230,7 +230,7 @@ class Run(Survives):
             else collective.agree(comm, lambda: LaneSet(
             worker.graph, lanes_spec, spec.train["dtype"], worker.params, worker.bucket, worker.layout,
             cuda_aware=spec.comm["cuda_aware"], cpu_blas=spec.device["cpu_blas"], cpu_threads=self.threads,
-            accumulate=int(spec.train.get("accumulate") or 1)))
+            accumulate=int(spec.train.get("accumulate") or 1), sync_comm=worker.batch_norm_comm))
         lane_note = collective.by_rank(comm, describe_lanes(lanes_spec) + blas_note(spec.device["cpu_blas"],
                                                                                   self.threads, lanes_spec))
         bucket_note = collective.by_rank(comm, self.lanes.bucket_path)

@@ -13,9 +13,11 @@ from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import STEP_FIELDS
 from hpc_rlx.comm.node_params import NodeSharedParams
 from hpc_rlx.comm.shard import ParamShard
+from hpc_rlx.config.batch_norm_sync import describe as describe_sync_batch_norm
 from hpc_rlx.config.failure_mode import training_ranks
 from hpc_rlx.config.spec import TrainSpec, initial_parameters, schedule_kwargs
 from hpc_rlx.data.plan import plan_shards
+from hpc_rlx.errors import ConfigError
 from hpc_rlx.graph import ParamLayout
 from hpc_rlx.graph.partition import load_graph
 from hpc_rlx.runtime.feed import Feed, MemoryFeed, StreamFeed
@@ -104,6 +106,21 @@ class Worker:
         self.state = TrainState()     # step, epoch, position: advanced only through it
         self.staged: Staged | None = None     # data.stage_dir: this node's copies (runtime/staging.py)
         self.history: list[dict] = []
+        # model.sync_batch_norm: the batch-norm sums' own communicator (device/batch_sync.py)
+        self.batch_norm_comm = None
+        if spec.sync_batch_norm:
+            collective.agree(comm, self._check_sync_batch_norm)
+            self.batch_norm_comm = comm.Dup()       # so they never meet the bucket's collectives
+
+    def _check_sync_batch_norm(self) -> None:
+        """The start-up line; lanes' threads call MPI (the last lane in a batch-norm sum)."""
+        lanes = int(self.spec.device["cpu_lanes"])
+        if lanes > 1:
+            from mpi4py import MPI
+            if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+                raise ConfigError(f"model.sync_batch_norm=true with device.cpu_lanes={lanes} needs an MPI "
+                                  f"thread level of at least MPI_THREAD_SERIALIZED (the lanes' threads sum)")
+        self.log(describe_sync_batch_norm(self.graph, self.world, lanes))
 
     # ---- the position (read-only views of `state`) --------------------------------------
     @property

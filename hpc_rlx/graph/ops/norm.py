@@ -151,12 +151,18 @@ def batch_norm(xp, args, a, ctx):
     x, scale, bias, running_mean, running_var = args
     nd = x.ndim
     batch_stats = a["training"] and ctx.train
+    sync = getattr(ctx, "sync", None) if batch_stats else None
+    count = None
     if batch_stats:
-        axes = channel_axes(x)
-        mean = x.mean(axis=axes)
-        xc = x - per_channel(mean, nd)
-        var = (xc * xc).mean(axis=axes)
-        count = x.size // x.shape[1]
+        if sync is None:
+            axes = channel_axes(x)
+            mean = x.mean(axis=axes)
+            xc = x - per_channel(mean, nd)
+            var = (xc * xc).mean(axis=axes)
+            count = x.size // x.shape[1]
+        else:  # model.sync_batch_norm: the statistics of the global batch
+            mean, var, count = global_moments(xp, x, running_mean, sync)
+            xc = x - per_channel(mean, nd)
         emit = getattr(ctx, "emit", None)
         if emit is not None:
             emit(RUNNING_MEAN, mean)
@@ -174,22 +180,54 @@ def batch_norm(xp, args, a, ctx):
     xhat *= per_channel(rstd, nd)
     out = xhat * per_channel(scale, nd)
     out += per_channel(bias, nd)
-    return out, ((xhat, rstd, batch_stats) if ctx.need_saved else None)
+    return out, ((xhat, rstd, batch_stats, sync, count) if ctx.need_saved else None)
 
 
 def _bn_x(xp, g, args, ans, saved, a, out):
-    xhat, rstd, batch_stats = saved
+    xhat, rstd, batch_stats, sync, count = saved
     nd = g.ndim
     k = per_channel(args[1] * rstd, nd)  # scale / std
     if not batch_stats:  # the running statistics are constants
         return g * k
-    # The batch mean and variance depend on x too: the layer_norm rule, over the batch axes.
+    # The batch mean and variance depend on x too: the layer_norm rule, over the batch axes
+    # (with model.sync_batch_norm, over the global batch: its sums from every part).
     axes = channel_axes(g)
-    count = g.size // g.shape[1]
-    gx = g - per_channel(g.sum(axis=axes) * (1.0 / count), nd)
-    gx -= xhat * per_channel((g * xhat).sum(axis=axes) * (1.0 / count), nd)
+    if sync is None:
+        count = g.size // g.shape[1]
+        g_sum, gx_sum = g.sum(axis=axes), (g * xhat).sum(axis=axes)
+    else:
+        g_sum, gx_sum = global_sums(xp, sync, (g.sum(axis=axes), (g * xhat).sum(axis=axes)), g.dtype)
+    inv = 1.0 / max(count, 1)   # 0 rows in the whole micro-batch (stand-ins alone): all sums 0
+    gx = g - per_channel(g_sum * inv, nd)
+    gx -= xhat * per_channel(gx_sum * inv, nd)
     gx *= k
     return gx
+
+
+def global_moments(xp, x, shift, allsum):
+    """The mean, biased variance and count of ``x``'s channels over the global batch, of which
+    ``x`` is one part: ``allsum`` (the executor's ``ctx.sync``) returns an array summed over
+    every part. One call carries the count and the sums of ``x - shift`` and of its squares;
+    ``shift`` (the running mean: equal in every part) keeps the one-pass variance accurate
+    while it is near the batch mean. In float64, whatever the compute dtype."""
+    c = x.shape[1]
+    d = x - per_channel(shift, x.ndim)
+    part = xp.empty(2 * c + 1, dtype=xp.float64)
+    part[0] = x.size // c
+    part[1:c + 1] = d.sum(axis=channel_axes(x))
+    d *= d
+    part[c + 1:] = d.sum(axis=channel_axes(x))
+    total = allsum(part)
+    count = float(total[0])
+    dm = total[1:c + 1] / max(count, 1.0)      # 0: stand-ins alone (device/batch_sync.py)
+    var = xp.maximum(total[c + 1:] / max(count, 1.0) - dm * dm, 0.0)
+    return (shift + dm).astype(x.dtype), var.astype(x.dtype), count
+
+
+def global_sums(xp, allsum, sums, dtype):
+    """Per-channel ``sums`` (all of one length) summed over every part by one ``allsum`` call."""
+    total = allsum(xp.concatenate([s.astype(xp.float64) for s in sums]))
+    return [t.astype(dtype) for t in xp.split(total, len(sums))]
 
 
 def _bn_scale(xp, g, args, ans, saved, a, out):
