@@ -27,6 +27,7 @@ from hpc_rlx.comm.codec import Codec
 from hpc_rlx.comm.reduce import ReductionPath, Reduced, _mpi
 from hpc_rlx.comm.wire import segments
 from hpc_rlx.comm.wire_volume import allgather_bytes
+from hpc_rlx.optim.segments import cut_parameters
 
 SHARD_CHOICES = ("none", "optimizer")
 
@@ -90,6 +91,39 @@ class ParamShard:
         comm.Gatherv(np.ascontiguousarray(local), [full, (counts, [lo for lo, _ in bounds])] if self.rank == 0
                      else None, root=0)
         return full
+
+
+class SplitNorms:
+    """The per-parameter squared norms an optimizer computes on its slice (LAMB's and LARS's
+    trust ratios, `Optimizer.segment_norms`), completed for the parameters a slice boundary
+    cuts: their parts, from the ranks that hold them, added in rank order. The cut parameters
+    follow from the slices alone, so every rank knows them; there are at most world - 1, and
+    none: no collective. Allgather and an ordered sum rather than MPI's Allreduce: every rank
+    gets the same bits whatever the MPI's reduction order."""
+
+    def __init__(self, comm, spans, shard: ParamShard, segments):
+        self.comm = comm
+        starts = [lo for lo, _ in shard.trainable_bounds()[1:]]
+        self.cut = cut_parameters(spans, starts)
+        where = {index: k for k, index in enumerate(self.cut)}
+        # (row of the optimizer's segments, row of the exchanged array) of this rank's cut parts
+        self.rows = [(i, where[s.index]) for i, s in enumerate(segments) if s.index in where]
+
+    def __call__(self, partial: np.ndarray) -> np.ndarray:
+        if not self.cut:
+            return partial
+        mine = np.zeros((len(self.cut), partial.shape[1]))
+        for i, k in self.rows:
+            mine[k] = partial[i]
+        every = np.empty((self.comm.size,) + mine.shape)
+        self.comm.Allgather(mine, every)
+        total = every[0].copy()
+        for src in range(1, self.comm.size):
+            total += every[src]
+        out = partial.copy()
+        for i, k in self.rows:
+            out[i] = total[k]
+        return out
 
 
 def allgather_pieces(comm, params, rounds: list[list[tuple[int, int]]]) -> int:

@@ -129,11 +129,13 @@ KEYS: tuple[Key, ...] = (
         "null = no clipping", number(0, above=True, null=True)),
     Key("optim.lr_scale_ratio", _NUMBER, every(OPTIMIZERS, 0.0), "`lr × (1 + (world − 1) × ratio)`; "
         "1.0 = linear scaling rule", number(0, null=True, must="must be >= 0")),
-    Key("optim.schedule", str, every(OPTIMIZERS, "cosine"), "`constant`, `step` or `cosine`"),
+    Key("optim.schedule", str, every(OPTIMIZERS, "cosine"), "`constant`, `step`, `multistep` or `cosine`"),
     Key("optim.warmup_steps", int, every(OPTIMIZERS, 0), "linear warm-up steps", _OPT_STEPS),
     Key("optim.step_size", int, every(OPTIMIZERS, 1000), "steps between decays (`schedule=step`)",
         _OPT_STEPS),
-    Key("optim.gamma", _NUMBER, every(OPTIMIZERS, 0.1), "decay factor (`schedule=step`)", _OPT_NONNEG),
+    Key("optim.gamma", _NUMBER, every(OPTIMIZERS, 0.1), "decay factor (`schedule=step|multistep`)", _OPT_NONNEG),
+    Key("optim.milestones", list, every(OPTIMIZERS, []), "`schedule=multistep`: the steps, counted from the "
+        "end of the warm-up, at which the LR is multiplied by `gamma`"),
     Key("optim.min_lr", _NUMBER, every(OPTIMIZERS, 0.0), "floor of the cosine", _OPT_NONNEG),
     selector("device", "kind", DEVICES, OneOf(*DEVICES)),
     Key("device.cpu_lanes", int, Options(cpu=1, cuda=0, all=1, auto=1), "CPU (NumPy) lanes per rank",

@@ -134,7 +134,7 @@ def check_lane_batch(dev: dict, global_batch: int, world_size: int) -> None:
 
 
 def schedule_kwargs(opt: dict) -> dict:
-    return {k: opt[k] for k in ("warmup_steps", "step_size", "gamma", "min_lr")}
+    return {k: opt[k] for k in ("warmup_steps", "step_size", "gamma", "min_lr", "milestones")}
 
 
 def check_optimizer(opt: dict, dtype: str, schedule_steps: int) -> None:

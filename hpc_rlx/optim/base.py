@@ -11,9 +11,12 @@ An optimizer is one module of this package and one line of `registry.py`. It dec
 - ``_array_names``: the state arrays a checkpoint saves (parameter-sized, `_<name>` attributes).
 
 Parameters and gradients arrive as ONE flat array each (views into the fused bucket), so every
-update is a handful of whole-array ops. ``xp`` is the array module (NumPy or CuPy) the arrays
-live in; nothing here imports CuPy or MPI. Full-size scratch buffers are allocated once, at
-construction, so a step allocates nothing of the parameters' size.
+update is a handful of whole-array ops. Where the parameters begin and end in it are its
+``segments`` (`segments.py`; without them the array is one parameter); an update that needs
+per-parameter norms (LAMB's and LARS's trust ratios) takes them from `segment_norms`. ``xp``
+is the array module (NumPy or CuPy) the arrays live in; nothing here imports CuPy or MPI.
+Full-size scratch buffers are allocated once, at construction, so a step allocates nothing of
+the parameters' size.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 
 from hpc_rlx.checks import Check, is_integral, is_real
 from hpc_rlx.errors import CheckpointError, ConfigError, check_param
+from hpc_rlx.optim.segments import check_segments, whole_array
 
 BLOCK_BYTES = 256 * 1024     # per array: an AdamW block's 5 arrays (1.25 MiB) stay in a 2 MiB L2
 
@@ -99,6 +103,26 @@ class Optimizer:
         self.xp = xp
         self.dtype = np.dtype(dtype)
         self.step_count = 0
+        self.segments = whole_array(self.size)
+        self.combine_norms = None
+
+    def use_segments(self, segments, combine_norms=None) -> None:
+        """The parameters' segments of this optimizer's array (`segments.Segment`s tiling it)
+        and, where some are parts of parameters other ranks' slices hold the rest of, what
+        completes their squared norms: ``combine_norms(partial) -> total`` on the host array
+        (segments, k); a collective, called once per `segment_norms` on every rank."""
+        self.segments = check_segments(segments, self.size)
+        self.combine_norms = combine_norms
+
+    def segment_norms(self, *arrays) -> np.ndarray:
+        """Per segment, the L2 norm of each of ``arrays`` over the segment's whole parameter:
+        float64 on the host, shape (segments, len(arrays))."""
+        parts = [a[s.start:s.stop].dot(a[s.start:s.stop]) for s in self.segments for a in arrays]
+        squared = (_to_numpy(self.xp.stack(parts)).astype(np.float64) if parts
+                   else np.zeros(0)).reshape(len(self.segments), len(arrays))
+        if self.combine_norms is not None:
+            squared = self.combine_norms(squared)
+        return np.sqrt(squared)
 
     def _zeros(self):
         return self.xp.zeros(self.size, dtype=self.dtype)

@@ -9,6 +9,8 @@ import numpy as np
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.optim.adamw import AdamW
 from hpc_rlx.optim.base import Optimizer
+from hpc_rlx.optim.lamb import LAMB
+from hpc_rlx.optim.lars import LARS
 from hpc_rlx.optim.lion import Lion
 from hpc_rlx.optim.sgd import SGD
 
@@ -16,6 +18,8 @@ OPTIMIZERS: dict[str, type[Optimizer]] = {
     "sgd": SGD,
     "adamw": AdamW,
     "lion": Lion,
+    "lamb": LAMB,
+    "lars": LARS,
 }
 
 

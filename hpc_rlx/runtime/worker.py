@@ -12,7 +12,7 @@ import numpy as np
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import STEP_FIELDS
 from hpc_rlx.comm.node_params import NodeSharedParams
-from hpc_rlx.comm.shard import ParamShard
+from hpc_rlx.comm.shard import ParamShard, SplitNorms
 from hpc_rlx.config.batch_norm_sync import describe as describe_sync_batch_norm
 from hpc_rlx.config.failure_mode import training_ranks
 from hpc_rlx.config.spec import TrainSpec, initial_parameters, schedule_kwargs
@@ -25,6 +25,7 @@ from hpc_rlx.runtime.feed_scatter import ScatterStreamFeed
 from hpc_rlx.observe import trace
 from hpc_rlx.optim import make_optimizer, make_schedule, optimizer_kwargs, scaled_lr
 from hpc_rlx.optim.clip import scale_to_norm_, squared_norm
+from hpc_rlx.optim.segments import slice_segments
 from hpc_rlx.runtime.staging import Staged, stage
 from hpc_rlx.runtime.state import TrainState
 
@@ -92,6 +93,7 @@ class Worker:
         # statistics) move towards the step's mean statistic, carried in the same bucket slots.
         stepped = self.n_trainable if self.shard is None else self.shard.n_local
         self.optimizer = make_optimizer(opt["name"], stepped, np, self.dtype, **optimizer_kwargs(opt))
+        self._segment_optimizer()
         self.buffer_rates = self._buffer_rates()
         self.base_lr = scaled_lr(float(opt["lr"]), self.world, float(opt["lr_scale_ratio"] or 0.0))
         # The schedule spans the configured epochs; max_steps only stops early, so a run
@@ -121,6 +123,18 @@ class Worker:
                 raise ConfigError(f"model.sync_batch_norm=true with device.cpu_lanes={lanes} needs an MPI "
                                   f"thread level of at least MPI_THREAD_SERIALIZED (the lanes' threads sum)")
         self.log(describe_sync_batch_norm(self.graph, self.world, lanes))
+
+    def _segment_optimizer(self) -> None:
+        """Tell the optimizer where each trainable parameter lies in what it steps; sharded,
+        the parameters a slice boundary cuts have their norms completed across ranks."""
+        spans = [(name, self.layout.offsets[name], int(np.prod(self.layout.shapes[name], dtype=np.int64)))
+                 for name in self.layout.names if name not in self.layout.buffer_names]
+        if self.shard is None:
+            self.optimizer.use_segments(slice_segments(spans, 0, self.n_trainable))
+            return
+        mine = self.shard.trainable
+        segments = slice_segments(spans, mine.start, mine.stop)
+        self.optimizer.use_segments(segments, SplitNorms(self.comm, spans, self.shard, segments))
 
     # ---- the position (read-only views of `state`) --------------------------------------
     @property

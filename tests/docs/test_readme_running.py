@@ -95,7 +95,7 @@ def test_hpc_rlx_prints_hydras_completion_script_and_bash_completes_with_it():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "hydra_bash_completion" in proc.stdout and proc.stdout.rstrip().endswith("hpc-rlx")
-    assert _complete("hpc-rlx optim=", setup) == ["optim=adamw", "optim=lion", "optim=sgd"]
+    assert _complete("hpc-rlx optim=", setup) == ["optim=adamw", "optim=lamb", "optim=lars", "optim=lion", "optim=sgd"]
     assert "optim.lr=" in _complete("hpc-rlx optim.l", setup)
     # what the README says does not work: the script `python -m hpc_rlx` prints completes nothing
     assert _complete("python -m hpc_rlx optim=",

@@ -98,11 +98,11 @@ def test_key_in_the_wrong_section_suggests_where_it_lives(tmp_path):
 
 
 def test_key_of_another_group_option_names_the_option(tmp_path):
-    """optim.betas exists only with optim=adamw and optim=lion: say so instead of guessing a near name."""
+    """optim.betas exists only with optim=adamw, lamb and lion: say so instead of guessing a near name."""
     proc = mpirun(1, ["-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}", "train.betas=[0.9,0.99]"],
                   timeout=60)
     assert proc.returncode == 2, explain(proc)
-    assert "'optim.betas' (with optim=adamw or optim=lion)" in proc.stderr, explain(proc)
+    assert "'optim.betas' (with optim=adamw or optim=lamb or optim=lion)" in proc.stderr, explain(proc)
 
 
 def test_a_right_key_for_an_option_not_selected_names_both_options(tmp_path):
@@ -282,7 +282,7 @@ def test_key_suggestions_search_the_whole_tree_then_other_options():
     other = group_option_keys(_CONFIG_DIR)
     known = ["train", "train.epochs", "optim", "optim.lr", "optim.momentum", "model", "model.hidden"]
     assert suggest_keys("train.lr", known, other) == ["'optim.lr'"]
-    assert suggest_keys("train.betas", known, other) == ["'optim.betas' (with optim=adamw or optim=lion)"]
+    assert suggest_keys("train.betas", known, other) == ["'optim.betas' (with optim=adamw or optim=lamb or optim=lion)"]
     assert suggest_keys("train.epochz", known, other) == ["'train.epochs'"]
     assert suggest_keys("model.d_modl", known, other) == ["'model.d_model' (with model=transformer_lm)"]
     assert suggest_keys("zzz.qqq", known, other) == []

@@ -168,7 +168,7 @@ CASES = [
          kind="ConfigError"),
     Case("added_key", ("+train.warmup=3",), r"unknown config key 'train\.warmup'", kind="ConfigError"),
     Case("unknown_group_option", ("optim=adamm",),
-         r"unknown option 'adamm' for config group 'optim' \(optim=adamm\); available: adamw, lion, sgd",
+         r"unknown option 'adamm' for config group 'optim' \(optim=adamm\); available: adamw, lamb, lars, lion, sgd",
          kind="ConfigError"),
     Case("negative_lr", ("optim.lr=-0.1",), r"optim\.lr must be a positive number, got -0\.1", kind="ConfigError"),
     Case("nesterov_without_momentum", ("optim.nesterov=true", "optim.momentum=0"),

@@ -199,7 +199,7 @@ def test_unset_values_name_the_key_and_the_group_option():
     ("model", {"hidden": [128, "abc"]}, "model.hidden must be a positive int, got 'abc'"),
     ("model", {"activation": "Relu"}, "model.activation must be one of ['relu', 'gelu', 'tanh', 'sigmoid'], got 'Relu'"),
     ("optim", {"momentum": 2}, "optim.momentum must be a number in [0, 1), got 2"),
-    ("optim", {"schedule": "linear"}, "optim.schedule='linear' is not one of ['constant', 'step', 'cosine']"),
+    ("optim", {"schedule": "linear"}, "optim.schedule='linear' is not one of ['constant', 'step', 'multistep', 'cosine']"),
     ("optim", {"schedule": "step", "gamma": 5}, "optim.gamma must be a number in (0, 1], got 5"),
     ("optim", {"betas": [1, 2]}, "optim.betas[0] must be a number in [0, 1), got 1"),
 ])

@@ -187,7 +187,7 @@ def test_step_allocates_no_full_size_temporaries(name, kwargs):
         ("adamw", {"betas": (0.9,)}, "betas must be a pair"),
         ("adamw", {"eps": 0.0}, "eps must be a finite number > 0, got 0.0"),
         ("adamw", {"momentum": 0.9}, r"does not take \['momentum'\]"),
-        ("lamb", {}, r"unknown optimizer 'lamb'; choose one of \['adamw', 'lion', 'sgd'\]"),
+        ("adagrad", {}, r"unknown optimizer 'adagrad'; choose one of \['adamw', 'lamb', 'lars', 'lion', 'sgd'\]"),
     ],
 )
 def test_make_optimizer_validates(name, kwargs, pattern):
@@ -340,7 +340,7 @@ def test_errors_name_the_parameter_apart_from_the_text(build, key, detail, messa
 
 def test_errors_about_no_parameter_name_none():
     with pytest.raises(ConfigError) as err:
-        make_optimizer("lamb", 4, np, np.float64)
+        make_optimizer("adagrad", 4, np, np.float64)
     assert err.value.key is None
     with pytest.raises(ConfigError) as err:
         make_schedule("linear", 0.1, 10)
