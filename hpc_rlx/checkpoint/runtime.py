@@ -22,13 +22,8 @@ from typing import Callable
 
 import numpy as np
 
-from hpc_rlx.checkpoint import (
-    CheckpointManager,
-    CheckpointState,
-    check_compatible,
-    checkpoints_dir,
-    read_checkpoint,
-)
+from hpc_rlx.checkpoint import CheckpointManager, CheckpointState, check_compatible, checkpoints_dir, read_checkpoint
+from hpc_rlx.checkpoint.data_files import check_data_files, data_files_record
 from hpc_rlx.checkpoint.triggers import BestWatch, SaveTriggers
 from hpc_rlx.checkpoint import rank_states
 from hpc_rlx.checkpoint.graph_match import check_run_dir_graph
@@ -199,6 +194,7 @@ class RuntimeCheckpoints:
             "shard_positions": {"scheme": "rows", "epoch": worker.epoch, "step_in_epoch": worker.step_in_epoch,
                                 "per_rank": per_rank},
             "plan": self._plan(),
+            "data_files": data_files_record(spec.data),     # names and sample counts, checked at a resume
             "schedule_steps": worker.schedule_steps,
             "epoch_totals": self._totals(),
             "history": worker.history,
@@ -308,6 +304,7 @@ class RuntimeCheckpoints:
 
         worker = self.worker
         check_compatible(state, self.fingerprint)
+        check_data_files(state.meta, self.spec.data, state.path)
         if self.staged is not None:
             self.staged.check({name: tuple(shape) for name, _, shape in state.info["arrays"]},
                               worker.optimizer.state_dict()["arrays"], state.path)

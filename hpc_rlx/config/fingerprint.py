@@ -52,6 +52,9 @@ def fingerprint_record(cfg: dict, cwd: str | None = None, graph_text: str | None
     named two ways is the same data. graph_text: the content of `model.path` for model=graph.
     """
     data = dict((k, cfg.get("data", {}).get(k)) for k in _DATA_KEYS)
+    if cfg.get("data", {}).get("one_sample_per_file"):
+        # only when set: the fingerprints of configs without it stay what they were
+        data["one_sample_per_file"] = True
     for key in _PATH_KEYS:
         data[key] = _absolute(data[key], cwd)
     model = dict(cfg.get("model") or {})

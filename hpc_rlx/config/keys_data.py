@@ -15,10 +15,15 @@ _PATH = Check(lambda v: v is None or (isinstance(v, str) and v != ""), "must be 
 DATA_KEYS: tuple[Key, ...] = (
     selector("data", "name", DATASETS),
     Key("data.path", str, Options(digits="data/digits.h5", synthetic="data/synthetic.h5",
-                                  text="data/text.h5", file="???"), "the training file (HDF5)"),
+                                  text="data/text.h5", file="???"), "the training data: an HDF5 file, a "
+                                  "directory of them or a glob pattern"),
     Key("data.prepare", str, _PREPARED, "dataset to prepare when the group's own default `data.path` "
         "is missing (another missing path is an error); null = never"),
-    Key("data.x", str, every(DATASETS, "x"), "input dataset name", _DATASET),
+    Key("data.one_sample_per_file", bool, every(DATASETS, False), "each file of `path` holds one "
+        "sample, without a sample axis (DeepCAM's and CosmoFlow's layout); else each file's first "
+        "axis is its samples"),
+    Key("data.x", str, every(DATASETS, "x"), "input dataset name (a path inside the file: `climate/data`)",
+        _DATASET),
     Key("data.y", str, every(DATASETS, "y"), "label dataset name", _DATASET),
     Key("data.val_path", str, every(DATASETS, None), "a separate validation file (same dataset names)"),
     Key("data.val_fraction", _NUMBER, Options(digits=0.2, synthetic=0.2, text=0.1, file=0.2),

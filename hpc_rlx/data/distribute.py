@@ -24,7 +24,9 @@ from typing import Sequence
 import numpy as np
 
 from hpc_rlx.comm.collective import watched_call
-from hpc_rlx.data.hdf5 import describe, open_readonly, read_rows
+from hpc_rlx.data.files import Meta, SetReader, meta_of, read_set
+from hpc_rlx.data.fileset import FileSet
+from hpc_rlx.data.hdf5 import describe
 from hpc_rlx.errors import ConfigError, DataError, HpcRlxError
 
 __all__ = ["MODES", "load_shard", "round_rows"]
@@ -94,8 +96,12 @@ def round_rows(size: int, row_bytes: int, row_elems: int, chunk_bytes: int, int_
 
 
 def load_shard(comm, mode: str, path, x_name: str, y_name: str, bounds, *, chunk_bytes: int = _CHUNK_BYTES,
-               x_dtype=None):
+               x_dtype=None, expect: tuple[Meta, str] | None = None):
     """This rank's rows ``bounds[comm.rank]`` of x and y, as native-order NumPy arrays.
+
+    ``path``: one file, or a :class:`FileSet` (many files as one; a rank opens only the files
+    of its rows, and checks each against ``expect``: the (Meta, file) every file must match,
+    which a FileSet needs).
 
     ``bounds`` holds one ``(start, stop)`` per rank (identical on every rank); empty ranges are
     fine. ``x_dtype``: the type x is wanted in (a float cast, done while reading, so no rank
@@ -106,8 +112,8 @@ def load_shard(comm, mode: str, path, x_name: str, y_name: str, bounds, *, chunk
         raise ConfigError(f"unknown data distribution mode {mode!r}; choose one of {list(MODES)}")
     bounds = _check_bounds(bounds, comm.Get_size())
     if mode == "read":
-        return _load_read(comm, path, x_name, y_name, bounds, x_dtype)
-    return _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype)
+        return _load_read(comm, path, x_name, y_name, bounds, x_dtype, expect)
+    return _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype, expect)
 
 
 def _check_numeric(path, name: str, dtype: np.dtype) -> None:
@@ -116,14 +122,33 @@ def _check_numeric(path, name: str, dtype: np.dtype) -> None:
         raise DataError(f"dataset {name!r} in {path!r} has non-numeric dtype {dtype}")
 
 
-def _load_read(comm, path, x_name, y_name, bounds, x_dtype=None):
+def _as_set(path, x_name: str, y_name: str, expect) -> tuple[FileSet, Meta, str]:
+    """(the set, the Meta its files must match, the file that Meta came from); one file is
+    described here (every reading rank opens it anyway)."""
+    if isinstance(path, FileSet):
+        if expect is None:
+            raise ValueError("load_shard over a FileSet needs expect=(Meta, file)")
+        files, (ref, ref_path) = path, expect
+    else:
+        info = describe(path, x_name, y_name)
+        files, ref, ref_path = FileSet.single(path, info.n), meta_of(info), str(path)
+    _check_numeric(ref_path, x_name, ref.x_dtype)
+    _check_numeric(ref_path, y_name, ref.y_dtype)
+    return files, ref, ref_path
+
+
+def _label(path) -> str:
+    if not isinstance(path, FileSet):
+        return str(path)
+    return path.paths[0] if len(path) == 1 else f"{path.paths[0]} ... ({len(path)} files)"
+
+
+def _load_read(comm, path, x_name, y_name, bounds, x_dtype=None, expect=None):
     status = None
     x = y = None
     try:
-        info = describe(path, x_name, y_name)
-        _check_numeric(path, x_name, info.x_dtype)
-        _check_numeric(path, y_name, info.y_dtype)
-        x, y = read_rows(path, x_name, y_name, *bounds[comm.Get_rank()], x_dtype=x_dtype)
+        files, ref, ref_path = _as_set(path, x_name, y_name, expect)
+        x, y = read_set(files, x_name, y_name, *bounds[comm.Get_rank()], ref, ref_path, x_dtype=x_dtype)
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
         status = (_message(e), isinstance(e, FileNotFoundError) or "does not exist" in str(e))
     gathered = watched_call("data: read status (allgather)", comm.allgather, (status, _host()))
@@ -131,7 +156,7 @@ def _load_read(comm, path, x_name, y_name, bounds, x_dtype=None):
     missing = [st is not None and st[1] for st, _ in gathered]
     # the file missing on some ranks only: the classic sign of a node-local path
     hint = _NOT_SHARED_HINT if any(missing) and not all(missing) else ""
-    _raise_if_failed(statuses, f"reading {path!r}", [h for _, h in gathered], hint)
+    _raise_if_failed(statuses, f"reading {_label(path)!r}", [h for _, h in gathered], hint)
     return x, y
 
 
@@ -141,33 +166,27 @@ def _mpi_type(dtype: np.dtype):
     return from_numpy_dtype(dtype)
 
 
-def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype=None):
+def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype=None, expect=None):
     rank, size = comm.Get_rank(), comm.Get_size()
-    where = f"scattering {path!r}"
+    where = f"scattering {_label(path)!r}"
 
     # 1. rank 0 checks the file and the ranges, and tells everyone the shapes
     meta, status = None, None
     if rank == 0:
         try:
-            info = describe(path, x_name, y_name)
-            _check_numeric(path, x_name, info.x_dtype)
-            _check_numeric(path, y_name, info.y_dtype)
+            files, ref, ref_path = _as_set(path, x_name, y_name, expect)
             for r, (a, b) in enumerate(bounds):
-                if b > info.n:
+                if b > files.n:
                     raise DataError(
-                        f"rank {r}'s rows [{a}, {b}) are outside dataset {path!r} with {info.n} rows"
+                        f"rank {r}'s rows [{a}, {b}) are outside dataset {ref_path!r} with {files.n} rows"
                     )
-            meta = (
-                info.x_shape, info.x_dtype.newbyteorder("=").str,
-                info.y_shape, info.y_dtype.newbyteorder("=").str,
-            )
+            meta = (ref.x_shape, ref.x_dtype.str, ref.y_shape, ref.y_dtype.str)
         except Exception as e:  # noqa: BLE001
             status = _message(e)
     status, meta = watched_call("data: rank 0's file description (bcast)", comm.bcast, (status, meta), root=0)
     _raise_if_failed([status], where)
     x_shape, x_dt, y_shape, y_dt = meta
     x_dt, y_dt = np.dtype(x_dt), np.dtype(y_dt)
-    stored_x = x_dt
     if x_dtype is not None:
         x_dt = np.dtype(x_dtype)    # rank 0 casts while filling its send buffer
     x_elems = math.prod(x_shape)
@@ -178,7 +197,7 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype=None)
 
     # 2. every rank allocates; rank 0 also its reusable send buffers and the file handle
     f = None
-    out_x = out_y = send_x = send_y = raw_x = None
+    out_x = out_y = send_x = send_y = None
     status = None
     try:
         cap = round_rows(
@@ -190,9 +209,7 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype=None)
             rows0 = sum(min(cap, n) for n in lens)  # round 0 is the largest
             send_x = np.empty((rows0,) + tuple(x_shape), dtype=x_dt)
             send_y = np.empty((rows0,) + tuple(y_shape), dtype=y_dt)
-            if x_dt != stored_x:
-                raw_x = np.empty((cap,) + tuple(x_shape), dtype=stored_x)
-            f = open_readonly(path)
+            f = SetReader(files, x_name, y_name, ref, ref_path)   # casts x while reading
     except Exception as e:  # noqa: BLE001
         status = _message(e)
     statuses = watched_call("data: receive buffers (allgather)", comm.allgather, status)
@@ -210,17 +227,10 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype=None)
             status = None
             if rank == 0:
                 try:
-                    dx, dy = f[x_name], f[y_name]
                     for r, c in enumerate(counts):
                         if c:
                             a = bounds[r][0] + k * cap
-                            o = int(offs[r])
-                            if raw_x is None:
-                                dx.read_direct(send_x, source_sel=np.s_[a : a + c], dest_sel=np.s_[o : o + c])
-                            else:
-                                dx.read_direct(raw_x, source_sel=np.s_[a : a + c], dest_sel=np.s_[0:c])
-                                send_x[o : o + c] = raw_x[:c]
-                            dy.read_direct(send_y, source_sel=np.s_[a : a + c], dest_sel=np.s_[o : o + c])
+                            f.read_range(a, a + c, send_x, send_y, at=int(offs[r]))
                 except Exception as e:  # noqa: BLE001
                     status = _message(e)
             _raise_if_failed([watched_call("data: rank 0's read (bcast)", comm.bcast, status, root=0)], where)

@@ -38,6 +38,7 @@ class DatasetInfo:
     x_name: str = "x"
     y_name: str = "y"
     y_attrs: dict[str, Any] = field(default_factory=dict)  # the label dataset's own attributes
+    files: Any = None    # many files as one: their FileSet (data/files.py describe_set)
 
 
 def _plain(v):
@@ -137,7 +138,7 @@ def _check_names(f: h5py.File, path: str, x_name: str, y_name: str) -> None:
     raise DataError(text)
 
 
-def _get_dataset(f: h5py.File, path: str, name: str, role: str) -> h5py.Dataset:
+def _get_dataset(f: h5py.File, path: str, name: str, role: str, scalar_ok: bool = False) -> h5py.Dataset:
     obj = f.get(name)
     if obj is None:
         have = _list_datasets(f)
@@ -150,17 +151,23 @@ def _get_dataset(f: h5py.File, path: str, name: str, role: str) -> h5py.Dataset:
             f"{role} {name!r} in HDF5 file {path!r} is a group, not a dataset; datasets in the "
             f"file: {_list_datasets(f)}"
         )
-    if obj.shape is None or len(obj.shape) == 0:
+    if obj.shape is None or (len(obj.shape) == 0 and not scalar_ok):
         raise DataError(
             f"{role} dataset {name!r} in {path!r} is a scalar; it needs one row per sample"
         )
     return obj
 
 
-def _describe_open(f: h5py.File, path: str, x_name: str, y_name: str) -> DatasetInfo:
+def _describe_open(f: h5py.File, path: str, x_name: str, y_name: str, one_sample: bool = False) -> DatasetInfo:
+    """one_sample: the file holds one sample, without a sample axis (data.one_sample_per_file)."""
     _check_names(f, path, x_name, y_name)
-    x = _get_dataset(f, path, x_name, "input")
-    y = _get_dataset(f, path, y_name, "label")
+    x = _get_dataset(f, path, x_name, "input", scalar_ok=one_sample)
+    y = _get_dataset(f, path, y_name, "label", scalar_ok=one_sample)
+    if one_sample:
+        return DatasetInfo(path=path, n=1, x_shape=tuple(int(s) for s in x.shape), x_dtype=np.dtype(x.dtype),
+                           y_shape=tuple(int(s) for s in y.shape), y_dtype=np.dtype(y.dtype),
+                           attrs={k: _plain(v) for k, v in f.attrs.items()}, x_name=x_name, y_name=y_name,
+                           y_attrs={k: _plain(v) for k, v in y.attrs.items()})
     for name, d in ((x_name, x), (y_name, y)):
         if d.shape[0] == 0:
             raise DataError(f"dataset {name!r} in {path!r} is empty (shape {d.shape})")
@@ -184,11 +191,11 @@ def _describe_open(f: h5py.File, path: str, x_name: str, y_name: str) -> Dataset
     )
 
 
-def describe(path, x_name: str = "x", y_name: str = "y") -> DatasetInfo:
+def describe(path, x_name: str = "x", y_name: str = "y", one_sample: bool = False) -> DatasetInfo:
     """Shapes, dtypes, length and root attributes of a dataset file; reads no sample data."""
     path = os.fspath(path)
     with _open(path) as f:
-        return _describe_open(f, path, x_name, y_name)
+        return _describe_open(f, path, x_name, y_name, one_sample)
 
 
 _INPUT_KINDS = {"float": "fiub", "int": "iu"}  # integers feed float models (cast), not vice versa
@@ -328,12 +335,25 @@ def check_values(x: np.ndarray, y: np.ndarray, num_classes, check_finite: bool, 
                 )
 
 
+class Classes(int):
+    """The number of classes a label indexes, and the label exempt from the range
+    (`model.ignore_index`, which may lie outside it: 255, -100), or None."""
+
+    def __new__(cls, n: int, ignore: int | None = None):
+        out = super().__new__(cls, n)
+        out.ignore = ignore
+        return out
+
+
 def _check_labels(y: np.ndarray, num_classes: int, first_row: int) -> None:
     per_row = max(1, int(np.prod(y.shape[1:], dtype=np.int64)))
     first = None
     count = 0
+    ignore = getattr(num_classes, "ignore", None)
     for s, yb in _blocks(y):
         bad = (yb < 0) | (yb >= num_classes)
+        if ignore is not None:
+            bad &= yb != ignore
         n = int(np.count_nonzero(bad))
         if n and first is None:
             flat = int(np.flatnonzero(bad.reshape(-1))[0])
@@ -347,6 +367,7 @@ def _check_labels(y: np.ndarray, num_classes: int, first_row: int) -> None:
     if y.ndim > 1:
         pos += f" (position {tuple(int(i) for i in np.unravel_index(col, y.shape[1:]))})"
     raise DataError(
-        f"label {value} at {pos} is outside [0, {num_classes}) for num_classes={num_classes}; "
+        f"label {value} at {pos} is outside [0, {num_classes}) for num_classes={num_classes}"
+        f"{'' if ignore is None else f' (model.ignore_index={ignore} is exempt)'}; "
         f"{count} bad label(s) in rows [{first_row}, {first_row + len(y)})"
     )

@@ -11,13 +11,16 @@ The result travels to every rank inside the TrainSpec, so all ranks agree on it.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from hpc_rlx.errors import ConfigError, DataError
 
-from .hdf5 import open_readonly
+from .files import describe_set
+from .fileset import FileSet
+from .hdf5 import DatasetInfo, open_readonly
 from .prepare import ensure_prepared
 
 _GROUP_DIR = Path(__file__).resolve().parent.parent / "configs" / "data"
@@ -62,6 +65,34 @@ def prepare_missing_data(d: dict) -> None:
     ensure_prepared(path, kind)
 
 
+@dataclass(frozen=True)
+class Sources:
+    """What rank 0 plans with: the training set described as one file, its files, the
+    validation set's (None: the tail of the training files) and where each part's rows lie."""
+    info: DatasetInfo
+    files: FileSet
+    vinfo: DatasetInfo | None
+    val_files: FileSet | None
+    n_train: int
+    val_start: int
+    val_stop: int
+
+
+def data_sources(d: dict) -> Sources:
+    """`data.path` and `data.val_path` (a file, a directory or a glob) as file sets; validation
+    by `val_fraction` is the tail of the training samples (whole files with one sample each)."""
+    one = bool(d.get("one_sample_per_file"))
+    info, files = describe_set(d["path"], d["x"], d["y"], one)
+    if d["val_path"]:
+        vinfo, vfiles = describe_set(d["val_path"], d["x"], d["y"], one, key="data.val_path")
+        return Sources(info, files, vinfo, vfiles, info.n, 0, vinfo.n)
+    n_val = int(round(info.n * float(d["val_fraction"] or 0.0)))
+    if info.n - n_val <= 0:
+        raise DataError(f"data.val_fraction={d['val_fraction']} leaves no training samples "
+                        f"in {d['path']} ({info.n} samples)")
+    return Sources(info, files, None, None, info.n - n_val, info.n - n_val, info.n)
+
+
 def _positive_attr(where: str, key: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
         raise DataError(f"the {key} attribute of {where} must be a positive integer, got {v!r}")
@@ -90,18 +121,25 @@ def attribute_classes(info) -> tuple[int, str] | None:
     return n, f"the {key} attribute of {where}"
 
 
-def label_classes(path: str, y_name: str, n_rows: int, extra_names=()) -> tuple[int, int]:
+def label_classes(path, y_name: str, n_rows: int, extra_names=(), ignore=None) -> tuple[int, int]:
     """(max label + 1, rows scanned) over rows [0, n_rows) of the integer datasets `y_name`
-    (and `extra_names`, e.g. token-id inputs that index the same vocabulary), block by block."""
-
-    try:
-        return _label_classes(path, y_name, n_rows, extra_names, open_readonly)
-    except OSError as e:
-        raise DataError(f"reading the labels of {path!r} to count the classes failed: {e}") from None
-
-
-def _label_classes(path, y_name, n_rows, extra_names, open_readonly) -> tuple[int, int]:
+    (and `extra_names`, e.g. token-id inputs that index the same vocabulary), block by block.
+    `path`: a file, or a FileSet (its files in order, up to n_rows samples)."""
+    files = path if isinstance(path, FileSet) else FileSet.single(path, n_rows)
     top = -1
+    for p in files.pieces(0, min(n_rows, files.n)):
+        where = files.opened(p.file)
+        try:
+            got, _ = _label_classes(where, y_name, (p.lo, p.hi), extra_names, files.one_sample, ignore)
+        except OSError as e:
+            raise DataError(f"reading the labels of {where!r} to count the classes failed: {e}") from None
+        top = max(top, got - 1)
+    return top + 1, n_rows
+
+
+def _label_classes(path, y_name, rows, extra_names, one_sample=False, ignore=None) -> tuple[int, int]:
+    top = -1
+    lo, n_rows = rows
     with open_readonly(path) as f:
         extra = [n for n in extra_names if f[n].dtype.kind in "iu"]
         for name in (y_name, *extra):
@@ -111,10 +149,12 @@ def _label_classes(path, y_name, n_rows, extra_names, open_readonly) -> tuple[in
                     f"dataset {path!r}: labels {name!r} have dtype {d.dtype}, but the loss needs "
                     "integer class indices"
                     + (" (float labels found; store them as int64)" if d.dtype.kind == "f" else ""))
-            for start in range(0, n_rows, _SCAN_ROWS):
-                block = d[start:min(n_rows, start + _SCAN_ROWS)]
+            for start in range(lo, n_rows, _SCAN_ROWS):
+                block = d[()][None] if one_sample else d[start:min(n_rows, start + _SCAN_ROWS)]
                 if block.size == 0:
                     continue
+                if ignore is not None and name == y_name:     # model.ignore_index: no class
+                    block = np.where(block == ignore, 0, block)
                 low = int(block.min())
                 if low < 0:
                     flat = int(np.flatnonzero(block.reshape(len(block), -1).min(axis=1) < 0)[0])
@@ -139,7 +179,8 @@ def num_classes(model_cfg: dict, info, n_train: int) -> tuple[int | None, str | 
         return None, None
     # token-id inputs index the same vocabulary as the next-token labels
     extra = (info.x_name,) if model_cfg.get("name") == "transformer_lm" else ()
-    classes, rows = label_classes(info.path, info.y_name, n_train, extra)
+    classes, rows = label_classes(info.files or info.path, info.y_name, n_train, extra,
+                                  model_cfg.get("ignore_index"))
     if classes < 2:
         raise DataError(f"every training label in {info.path!r} is 0: a classifier needs at least "
                         "2 classes; set model.num_classes")

@@ -74,12 +74,19 @@ class RowSource:
     """One open HDF5 file's x and y, read into caller-owned buffers (native byte order, as
     stored). Not shared between threads: each thread that reads opens its own."""
 
-    def __init__(self, path, x_name: str, y_name: str):
+    def __init__(self, path, x_name: str, y_name: str, one_sample: bool = False):
         self.path = os.fspath(path)
         self.file = _open(self.path)
-        self.dx, self.dy = self.file[x_name], self.file[y_name]
-        self.n = int(self.dx.shape[0])
-        self.x_shape, self.y_shape = tuple(self.dx.shape[1:]), tuple(self.dy.shape[1:])
+        # one_sample: the datasets are one sample without a sample axis (read as row 0)
+        self.one_sample = one_sample
+        try:
+            self.dx, self.dy = self.file[x_name], self.file[y_name]
+        except KeyError as e:
+            self.file.close()
+            raise DataError(f"data file {self.path!r} has no dataset {e}") from None
+        self.n = 1 if one_sample else int(self.dx.shape[0])
+        lead = 0 if one_sample else 1
+        self.x_shape, self.y_shape = tuple(self.dx.shape[lead:]), tuple(self.dy.shape[lead:])
         self.x_dtype = self.dx.dtype.newbyteorder("=")
         self.y_dtype = self.dy.dtype.newbyteorder("=")
         self.row_bytes = (self.x_dtype.itemsize * int(np.prod(self.x_shape, dtype=np.int64))
@@ -88,7 +95,7 @@ class RowSource:
         self._fd = None
         self._scratch = None
         self._raw = [_raw_offset(self.dx), _raw_offset(self.dy)]
-        if None not in self._raw:
+        if None not in self._raw and not one_sample:
             self._fd = os.open(self.path, os.O_RDONLY)
             if not self._raw_matches():
                 self._close_fd()
@@ -97,8 +104,20 @@ class RowSource:
         return (np.empty((rows,) + self.x_shape, dtype=self.x_dtype),
                 np.empty((rows,) + self.y_shape, dtype=self.y_dtype))
 
+    def _read_one(self, x_out, y_out, at: int) -> None:
+        try:
+            # a (1, *shape) slice: HDF5 needs equal element counts, and out[at] of a 1-d
+            # buffer is a NumPy scalar, not a view
+            if x_out is not None:
+                self.dx.read_direct(x_out[at:at + 1])
+            self.dy.read_direct(y_out[at:at + 1])
+        except (OSError, ValueError, TypeError) as e:
+            raise DataError(f"reading {self.path!r} failed: {e}") from None
+
     def read(self, rows: np.ndarray, x_out: np.ndarray, y_out: np.ndarray, at: int = 0) -> None:
         """File rows `rows` (sorted, distinct) into x_out/y_out[at : at + len(rows)]."""
+        if self.one_sample:
+            return self._read_one(x_out, y_out, at) if len(rows) else None
         if self._fd is not None and len(rows):
             for off, out in zip(self._raw, (x_out, y_out)):
                 self._pread(off, rows, _spans(rows, _row_nbytes(out)), out, at)
@@ -115,7 +134,13 @@ class RowSource:
         except (OSError, ValueError, TypeError) as e:
             raise DataError(f"reading {len(rows)} rows of {self.path!r} failed: {e}") from None
 
-    def read_range(self, start: int, stop: int, x_out: np.ndarray, y_out: np.ndarray, at: int = 0) -> None:
+    def read_range(self, start: int, stop: int, x_out, y_out: np.ndarray, at: int = 0) -> None:
+        """Rows [start, stop) into x_out/y_out[at:]; x_out None: the labels alone."""
+        if self.one_sample:
+            return self._read_one(x_out, y_out, at) if stop > start else None
+        if self._fd is not None and stop > start and x_out is None:
+            self._pread(self._raw[1], np.arange(start, stop), [(0, stop - start, False)], y_out, at)
+            return
         if self._fd is not None and stop > start:
             rows = np.arange(start, stop)
             for off, out in zip(self._raw, (x_out, y_out)):
@@ -125,7 +150,8 @@ class RowSource:
             for a in range(start, stop, self.piece):
                 b = min(stop, a + self.piece)
                 dst = np.s_[at + a - start:at + b - start]
-                self.dx.read_direct(x_out, source_sel=np.s_[a:b], dest_sel=dst)
+                if x_out is not None:
+                    self.dx.read_direct(x_out, source_sel=np.s_[a:b], dest_sel=dst)
                 self.dy.read_direct(y_out, source_sel=np.s_[a:b], dest_sel=dst)
         except (OSError, ValueError, TypeError) as e:
             raise DataError(f"reading rows [{start}, {stop}) of {self.path!r} failed: {e}") from None
@@ -273,10 +299,10 @@ class Prefetcher:
         self._thread.join(timeout=30)
 
 
-def scan_rows(source: RowSource, start: int, stop: int, num_classes, check_finite: bool,
+def scan_rows(source, start: int, stop: int, num_classes, check_finite: bool,
               vocab: TokenVocab | None, block_bytes: int) -> None:
-    """check_values over file rows [start, stop), read in blocks of about block_bytes; x is
-    read only when a check needs it (labels alone are small)."""
+    """check_values over rows [start, stop) of a RowSource or SetSource, read in blocks of about
+    block_bytes; x is read only when a check needs it (labels alone are small)."""
     need_x = ((check_finite and source.x_dtype.kind == "f")
               or (vocab is not None and source.x_dtype.kind in "iu"))
     if num_classes is None and not need_x:
@@ -287,11 +313,6 @@ def scan_rows(source: RowSource, start: int, stop: int, num_classes, check_finit
     y_buf = np.empty((n,) + source.y_shape, dtype=source.y_dtype)
     for a in range(start, stop, block):
         b = min(stop, a + block)
-        try:
-            source.dy.read_direct(y_buf, source_sel=np.s_[a:b], dest_sel=np.s_[0:b - a])
-            if need_x:
-                source.dx.read_direct(x_buf, source_sel=np.s_[a:b], dest_sel=np.s_[0:b - a])
-        except (OSError, ValueError) as e:
-            raise DataError(f"reading rows [{a}, {b}) of {source.path!r} failed: {e}") from None
+        source.read_range(a, b, x_buf if need_x else None, y_buf)
         check_values(x_buf[:b - a], y_buf[:b - a], num_classes, check_finite and need_x, first_row=a,
                      vocab=vocab if need_x else None)

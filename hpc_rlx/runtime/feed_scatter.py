@@ -20,13 +20,15 @@ reading the next round while the ranks evaluate the current one.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
 from hpc_rlx.comm import collective
 from hpc_rlx.data.distribute import load_shard
 from hpc_rlx.data.plan import window_of, window_steps
-from hpc_rlx.data.stream import Prefetcher, RowSource, Slot, scan_rows
+from hpc_rlx.data.set_source import SetSource
+from hpc_rlx.data.stream import Prefetcher, Slot, scan_rows
 from hpc_rlx.errors import DataError
 from hpc_rlx.runtime.feed import RING, SLOT_BYTES, StreamFeed, row_bytes
 
@@ -48,12 +50,10 @@ class ScatterStreamFeed(StreamFeed):
         from mpi4py import MPI
         from mpi4py.util.dtlib import from_numpy_dtype
 
-        d, comm = self.d, self.comm
+        d, comm, t0 = self.d, self.comm, time.perf_counter()
         empty = [(0, 0)] * self.world
         # rank 0 checks the files; every rank learns the shapes and stored dtypes
-        x0, y0 = load_shard(comm, "scatter", d.path, d.x, d.y, empty)
-        if d.val_stop > d.val_start:
-            load_shard(comm, "scatter", d.val_path, d.x, d.y, empty)
+        x0, y0 = load_shard(comm, "scatter", self.files, d.x, d.y, empty, expect=self.expect)
         self.row_bytes = row_bytes(x0.dtype, x0.shape[1:], y0)
         self._geometry(x0, y0)
         # one window size for all: rank 0's send buffer holds the whole global batch's rows
@@ -78,16 +78,18 @@ class ScatterStreamFeed(StreamFeed):
         self.dcomm = comm.Dup()       # data rounds never interleave with the training collectives
         self._inflight: list[_Round] = []
         self._free = [] if self.root else self._slots(self.slot_rows, AHEAD + 1)
+        self.announce(t0)
 
     def _scan_all(self) -> None:
         """Rank 0 checks every rank's rows (the others may not see the file)."""
         if not self.root:
             return
         d = self.d
-        for path, bounds in ((d.path, self.train_bounds), (d.val_path, self.val_bounds)):
+        for files, bounds in ((self.files, self.train_bounds), (self.val_files, self.val_bounds)):
             if bounds[-1][1] > bounds[0][0]:
-                src = RowSource(path, d.x, d.y)
+                src = self.source(files)
                 try:
+                    src.check(bounds[0][0], bounds[-1][1])   # every file's datasets (metadata only)
                     scan_rows(src, bounds[0][0], bounds[-1][1], self.num_classes, d.check_finite,
                               self.vocab, SLOT_BYTES)
                 finally:
@@ -102,7 +104,7 @@ class ScatterStreamFeed(StreamFeed):
                 yield p, [o.window(a, b) for o in orders]
             p, start = p + 1, 0
 
-    def _fill_round(self, source: RowSource, job, slot: Slot):
+    def _fill_round(self, source: SetSource, job, slot: Slot):
         _, wins = job
         rows = np.concatenate([w.rows + self.train_bounds[r][0] for r, w in enumerate(wins)])
         source.read(rows, slot.x, slot.y)
@@ -164,7 +166,7 @@ class ScatterStreamFeed(StreamFeed):
             if self.root:
                 self._stop_reader()
                 self._pre = Prefetcher(self._all_windows(*key), self._fill_round,
-                                       self._slots(self.slot_rows), opener=self._opener(self.d.path))
+                                       self._slots(self.slot_rows), opener=self._opener(self.files))
             self._post(key)
             rnd = self._inflight.pop(0)
         self._wait(rnd)
@@ -186,7 +188,7 @@ class ScatterStreamFeed(StreamFeed):
         if self.root:
             jobs = [[(a + k * c, min(b, a + (k + 1) * c)) for a, b in self.val_bounds] for k in range(rounds)]
             pre = Prefetcher(jobs, self._fill_val, self._slots(self.world * c, 2), name="hpc_rlx-val",
-                             opener=self._opener(self.d.val_path))
+                             opener=self._opener(self.val_files))
         mine = self._slots(c, 1)[0] if not self.root else None
         tx, ty = self.types
         try:
@@ -201,14 +203,14 @@ class ScatterStreamFeed(StreamFeed):
                     collective.watched_call("validation Scatterv", self.comm.Scatterv, send, recv, root=0)
                 for lo in range(0, n, self.eval_batch):
                     hi = min(n, lo + self.eval_batch)
-                    yield self.cast(slot.x[lo:hi]), slot.y[lo:hi]
+                    yield self.cast(slot.x[lo:hi]), self.target(slot.y[lo:hi])
                 if self.root:
                     pre.release(slot)
         finally:
             if pre is not None:
                 pre.close()
 
-    def _fill_val(self, source: RowSource, job, slot: Slot):
+    def _fill_val(self, source: SetSource, job, slot: Slot):
         at = 0
         for a, b in job:
             source.read_range(a, b, slot.x, slot.y, at=at)

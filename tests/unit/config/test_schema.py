@@ -188,8 +188,8 @@ def test_unset_values_name_the_key_and_the_group_option():
     from hpc_rlx.config.overrides import unset_values
     cfg = OmegaConf.create({"data": {"name": "file", "path": "???"}, "model": {"name": "mlp"},
                             "hydra": {"job": {"num": "???"}}})
-    assert unset_values(cfg) == ("data=file needs data.path=<value> (the training file (HDF5)): "
-                                 "set it on the command line")
+    assert unset_values(cfg) == ("data=file needs data.path=<value> (the training data: an HDF5 file, "
+                                 "a directory of them or a glob pattern): set it on the command line")
     cfg.data.path = "mine.h5"
     assert unset_values(cfg) is None
 

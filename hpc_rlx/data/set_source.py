@@ -1,0 +1,138 @@
+"""A file set's rows read into caller-owned buffers, for `data.cache=stream` (no MPI).
+
+:class:`SetSource` has :class:`~hpc_rlx.data.stream.RowSource`'s reading interface over a
+:class:`~hpc_rlx.data.fileset.FileSet`: sorted global rows are split by file and each file's
+part read by that file's RowSource. A few files stay open (a window draws from neighbouring
+files); each file is checked against the set's datasets when it is opened.
+
+One-sample files (`data.one_sample_per_file`) are many and small: a file whose datasets are
+plain bytes is opened with HDF5 once, and later epochs read it with one `pread` per dataset at
+the offsets HDF5 gave, with no HDF5 open (a few microseconds instead of a few hundred).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import numpy as np
+
+from hpc_rlx.data.files import Meta, check_like
+from hpc_rlx.data.fileset import FileSet
+from hpc_rlx.data.stream import RowSource, _raw_offset
+from hpc_rlx.errors import DataError
+
+__all__ = ["SetSource"]
+
+_KEEP_OPEN = 8      # multi-sample files held open at once
+
+
+class SetSource:
+    """Rows of a file set, each file's datasets like `ref` (else one DataError naming it). Not
+    shared between threads: each thread that reads opens its own."""
+
+    def __init__(self, files: FileSet, x_name: str, y_name: str, ref: Meta, ref_path: str):
+        self.files, self.x_name, self.y_name, self.ref, self.ref_path = files, x_name, y_name, ref, ref_path
+        self.path = files.paths[0] if len(files) == 1 else ref_path
+        self.n = files.n
+        self.x_shape, self.y_shape = tuple(ref.x_shape), tuple(ref.y_shape)
+        self.x_dtype, self.y_dtype = np.dtype(ref.x_dtype), np.dtype(ref.y_dtype)
+        self.x_bytes = self.x_dtype.itemsize * int(np.prod(self.x_shape, dtype=np.int64))
+        self.y_bytes = self.y_dtype.itemsize * int(np.prod(self.y_shape, dtype=np.int64))
+        self.row_bytes = self.x_bytes + self.y_bytes
+        self._open: OrderedDict[int, RowSource] = OrderedDict()
+        self._raw: dict[int, tuple[int, int] | None] = {}     # one-sample files: (x, y) offsets
+
+    def empty(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        return (np.empty((rows,) + self.x_shape, dtype=self.x_dtype),
+                np.empty((rows,) + self.y_shape, dtype=self.y_dtype))
+
+    def source(self, k: int) -> RowSource:
+        """File k's RowSource, opened (and checked) if it is not open."""
+        src = self._open.get(k)
+        if src is not None:
+            self._open.move_to_end(k)
+            return src
+        files = self.files
+        src = RowSource(files.opened(k), self.x_name, self.y_name, files.one_sample)
+        try:
+            got = Meta(src.n, src.x_shape, src.x_dtype, src.y_shape, src.y_dtype)
+            check_like(got, self.ref, files.named(k), self.ref_path, self.x_name, self.y_name)
+            if src.n != files.counts[k]:
+                raise DataError(f"data file {files.named(k)!r} holds {src.n} samples, {files.counts[k]} "
+                                f"when the run started (the file changed?)")
+        except BaseException:
+            src.close()
+            raise
+        self._open[k] = src
+        while len(self._open) > (1 if files.one_sample else _KEEP_OPEN):
+            self._open.popitem(last=False)[1].close()
+        return src
+
+    def check(self, start: int, stop: int) -> None:
+        """Open (metadata only) and check every file holding rows [start, stop)."""
+        for k in self.files.files_in(start, stop):
+            self._first_open(k) if self.files.one_sample else self.source(k)
+
+    def _first_open(self, k: int) -> RowSource:
+        src = self.source(k)
+        if k not in self._raw:
+            xo, yo = _raw_offset(src.dx), _raw_offset(src.dy)
+            self._raw[k] = None if xo is None or yo is None else (xo, yo)
+        return src
+
+    def _pread_one(self, k: int, x_out, y_out, at: int) -> None:
+        """A one-sample file by its recorded offsets: no HDF5 open."""
+        xo, yo = self._raw[k]
+        named = self.files.named(k)
+        try:
+            fd = os.open(self.files.opened(k), os.O_RDONLY)
+        except OSError as e:
+            raise DataError(f"cannot open data file {named!r}: {e}") from None
+        try:
+            for off, out, nb in ((xo, x_out, self.x_bytes), (yo, y_out, self.y_bytes)):
+                if out is None:
+                    continue
+                got = os.preadv(fd, [memoryview(out[at:at + 1].reshape(-1).view(np.uint8))], off)
+                if got != nb:
+                    raise DataError(f"short read of data file {named!r}: {got} of {nb} bytes (the file "
+                                    f"changed while training?)")
+        except OSError as e:
+            raise DataError(f"reading data file {named!r} failed: {e}") from None
+        finally:
+            os.close(fd)
+
+    def _read_file(self, k: int, local: np.ndarray, x_out, y_out, at: int) -> None:
+        if self.files.one_sample:
+            if self._raw.get(k) is not None:
+                return self._pread_one(k, x_out, y_out, at)
+            src = self._first_open(k)
+            return src.read_range(0, 1, x_out, y_out, at)
+        src = self.source(k)
+        if x_out is None:
+            lo, hi = int(local[0]), int(local[-1]) + 1
+            if hi - lo == len(local):
+                return src.read_range(lo, hi, None, y_out, at)
+            raise ValueError("labels alone are read by range")
+        src.read(local, x_out, y_out, at)
+
+    def read(self, rows: np.ndarray, x_out: np.ndarray, y_out: np.ndarray, at: int = 0) -> None:
+        """Global rows `rows` (sorted, distinct) into x_out/y_out[at : at + len(rows)]."""
+        for k, local, a, _ in self.files.split(rows):
+            self._read_file(k, local, x_out, y_out, at + a)
+
+    def read_range(self, start: int, stop: int, x_out, y_out: np.ndarray, at: int = 0) -> None:
+        """Global rows [start, stop) into x_out/y_out[at:]; x_out None: the labels alone."""
+        for p in self.files.pieces(start, stop):
+            if self.files.one_sample:
+                self._read_file(p.file, None, x_out, y_out, at + p.at)
+            else:
+                self.source(p.file).read_range(p.lo, p.hi, x_out, y_out, at + p.at)
+
+    def decode_factor(self, window_rows: int, span_rows: int) -> float:
+        """As RowSource's, for the first file (the files are alike)."""
+        return self.source(0).decode_factor(window_rows, span_rows)
+
+    def close(self) -> None:
+        while self._open:
+            self._open.popitem()[1].close()
