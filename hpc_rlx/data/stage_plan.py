@@ -15,9 +15,9 @@ from __future__ import annotations
 import hashlib
 import os
 
-from hpc_rlx.data.fileset import FileSet, files_of_ranges
+from hpc_rlx.data.fileset import files_of_ranges
 
-__all__ = ["needed_files", "assign_copies", "staged_name", "space_problem", "describe_staging",
+__all__ = ["needed_files", "assign_copies", "staged_name", "space_problem", "describe_staging", "read_places",
            "human_bytes"]
 
 
@@ -92,12 +92,17 @@ def describe_staging(stage_dir: str, per_node: list[tuple[int, int]], seconds: f
             f"{len(per_node)} node(s) in {seconds:.2f} s{rate}")
 
 
-def single_file_sets(path: str, n_train: int, val_path: str | None, val_stop: int):
-    """(training FileSet, validation FileSet) of a spec naming one file each: a set of one file
-    whose count covers every range asked of it."""
-    train = FileSet.single(path, max(1, n_train))
-    if not val_path or val_stop <= 0:
-        return train, None
-    if val_path == path:
-        return FileSet.single(path, max(n_train, val_stop)), FileSet.single(path, val_stop)
-    return train, FileSet.single(val_path, val_stop)
+
+def read_places(sets_and_ranges) -> dict:
+    """How many of the files a rank reads (`needed_files`' pairs) it opens from the node's
+    copies and how many in place: a staged set's `read_paths` differ from its `paths`. Empty
+    when no set is staged (summary.json then says nothing of staging)."""
+    staged, in_place = set(), set()
+    for files, ranges in sets_and_ranges:
+        if files is None:
+            continue
+        for f in files_of_ranges(files, ranges):
+            (in_place if files.opened(f) == files.paths[f] else staged).add(files.paths[f])
+    if not any(files is not None and files.read_paths is not None for files, _ in sets_and_ranges):
+        return {}
+    return {"staged_reads": len(staged), "in_place_reads": len(in_place)}

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.topology import hostname
 from hpc_rlx.data.stage_copy import copy_checked, expand_stage_dir, free_bytes, make_stage_root, \
     remove_stage_root
+from hpc_rlx.data.files import plan_files
 from hpc_rlx.data.stage_plan import assign_copies, describe_staging, needed_files, rank_ranges, \
-    single_file_sets, space_problem, staged_name
+    space_problem, staged_name
 from hpc_rlx.errors import DataError
 from hpc_rlx.runtime.feed import even_bounds, with_empty_ranks
 
@@ -37,20 +37,11 @@ class Staged:
         (a shard taken over after a dead rank: comm.on_failure)."""
         return self.mapping.get(original, original)
 
-    def remap(self, data):
-        """The spec's data section read from the copies."""
-        return replace(data, path=self.path(data.path),
-                       val_path=self.path(data.val_path) if data.val_path else data.val_path)
-
     def close(self) -> None:
         """Remove the copies (unless data.stage_keep); no collective, safe on every rank."""
         if not self.keep:
             remove_stage_root(self.root)
             self.root = None
-
-
-def _sets(data):
-    return single_file_sets(data.path, data.n_train, data.val_path, data.val_stop)
 
 
 def _my_files(spec, comm, plan) -> list[str]:
@@ -59,7 +50,7 @@ def _my_files(spec, comm, plan) -> list[str]:
     train_bounds = with_empty_ranks(plan.all_bounds(), comm.size)
     val_bounds = with_empty_ranks(even_bounds(d.val_start, d.val_stop, world), comm.size)
     train, val = rank_ranges(comm.rank, world, train_bounds, val_bounds, d.distribution == "scatter")
-    train_set, val_set = _sets(d)
+    train_set, val_set, _ = plan_files(d)
     return needed_files([(train_set, train), (val_set, val)])
 
 

@@ -1,0 +1,106 @@
+"""`data.stage_dir`: real `mpirun -n 2` jobs over a directory of one-sample HDF5 files, staged
+to a directory of their own. A staged run trains bitwise like an unstaged one, reads the
+copies, removes them at its end (kept with `data.stage_keep=true`), stages again on a resume
+on another world size; a stage directory that is not writable or too small is one error."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hpc_rlx.data.stage_plan import staged_name
+from tests.support.jobs import (REPO, explain, launch_cmd, mpi_env, read_log, read_metrics, train_job,
+                                with_read_only)
+from tests.support.jobs import _need_mount_namespace
+
+FILES = 70      # 56 training samples (batch 16: 3 full steps, 8 leftover), 14 validation
+COMMON = ["data=file", "data.one_sample_per_file=true", "model.num_classes=3", "model.hidden=[8]",
+          "train.batch_size=16", "train.epochs=2", "train.dtype=float64", "data.leftover=partial",
+          "report.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    """A directory of one-sample files: x (6,) float32, y a class in [0, 3)."""
+    root = tmp_path_factory.mktemp("staging") / "samples"
+    root.mkdir()
+    rng = np.random.default_rng(7)
+    for i in range(FILES):
+        with h5py.File(root / f"s_{i:03d}.h5", "w") as f:
+            f["x"] = rng.standard_normal(6).astype(np.float32)
+            f["y"] = np.int64(rng.integers(0, 3))
+    return root
+
+
+def model(run: Path) -> dict:
+    with h5py.File(run / "model.h5", "r") as f:
+        return {k: f[k][...] for k in f}
+
+
+def losses(run: Path) -> list:
+    return [(r["train_loss"], r["val_loss"]) for r in read_metrics(run)]
+
+
+def test_a_staged_run_trains_bitwise_like_an_unstaged_one_and_removes_its_copies(tmp_path, files):
+    plain, staged, stage = tmp_path / "plain", tmp_path / "staged", tmp_path / "stage"
+    common = [*COMMON, f"data.path={files}"]
+    proc = train_job(2, plain, common)
+    assert proc.returncode == 0, explain(proc)
+    proc = train_job(2, staged, [*common, f"data.stage_dir={stage}"])
+    assert proc.returncode == 0, explain(proc)
+    log = read_log(staged)
+    assert re.search(rf"staged {FILES} file\(s\), [\d.]+ KiB, to data.stage_dir={stage} on 1 node\(s\) in "
+                     r"[\d.]+ s", log), log
+    # every rank read its files from the node's copies, none in place: rows of 4 and 3 samples,
+    # rank 0 the 8 rows of 4, and 7 validation files each
+    summary = json.loads((staged / "summary.json").read_text())
+    assert [(r["staged_reads"], r["in_place_reads"]) for r in summary["ranks"]] == [(39, 0), (31, 0)], summary
+    want, got = model(plain), model(staged)
+    assert sorted(want) == sorted(got)
+    for k in want:
+        assert np.array_equal(want[k], got[k]), k
+    assert losses(staged) == losses(plain)
+    assert list(stage.iterdir()) == [], list(stage.iterdir())       # removed at the end
+
+    # a resume on another world size stages again; data.stage_keep leaves the copies
+    proc = train_job(1, staged, [*common, f"data.stage_dir={stage}", "data.stage_keep=true", "train.epochs=3"])
+    assert proc.returncode == 0, explain(proc)
+    assert len(re.findall(r"staged \d+ file\(s\)", read_log(staged))) == 2, read_log(staged)
+    assert [r["epoch"] for r in read_metrics(staged)] == [1, 2, 3]
+    (kept,) = stage.glob("hpc_rlx-stage-*")
+    assert sorted(p.name for p in kept.iterdir()) == sorted(staged_name(str(p)) for p in files.iterdir())
+
+
+def _small_tmpfs(mount: Path, size: str, cmd: list[str]) -> list[str]:
+    """`cmd` in its own mount namespace with a tmpfs of `size` at `mount` (nothing leaks out)."""
+    _need_mount_namespace("a small filesystem needs root and unshare(1)")
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c",
+            'mount -t tmpfs -o size="$1" tmpfs "$0" && shift && exec "$@"', str(mount), size] + cmd
+
+
+@pytest.mark.parametrize("case", ["read_only", "too_small"])
+def test_a_stage_dir_that_is_not_writable_or_too_small_is_one_error(tmp_path, files, case):
+    place = tmp_path / "place"
+    place.mkdir()
+    stage = place / "stage"
+    args = ["-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}", "report.plots=false", *COMMON,
+            f"data.path={files}", f"data.stage_dir={stage}"]
+    cmd = launch_cmd(2, args)
+    cmd = with_read_only(place, cmd) if case == "read_only" else _small_tmpfs(place, "64k", cmd)
+    proc = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, explain(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpc_rlx: error")]
+    assert len(errors) == 1, explain(proc)     # agreed: printed once, by rank 0
+    if case == "read_only":
+        assert f"data.stage_dir={stage} is not writable" in errors[0], errors
+    else:
+        assert re.search(rf"data.stage_dir={stage} on \S+ has 64.0 KiB free, but this node's {FILES} "
+                         r"file\(s\) to stage take [\d.]+ KiB", errors[0]), errors
+    assert "Traceback" not in proc.stderr, explain(proc)
+    assert not stage.exists() or list(stage.iterdir()) == []      # nothing copied, nothing left
