@@ -16,7 +16,7 @@ MODES = ("min", "max")
 
 
 def metric_mode(metric: str, mode: str | None = None) -> str:
-    """'min' or 'max' for `metric`: explicit `mode` wins, else *loss is min and *accuracy is max."""
+    """'min' or 'max' for `metric`: explicit `mode` wins, else *loss and *mae are min, *accuracy and *iou max."""
     if mode is not None:
         if mode not in MODES:
             raise ConfigError(f"checkpoint mode must be one of {MODES}, got {mode!r}")
@@ -24,9 +24,9 @@ def metric_mode(metric: str, mode: str | None = None) -> str:
     if not isinstance(metric, str) or not metric:
         raise ConfigError(f"checkpoint.metric must be a non-empty name, got {metric!r}")
     name = metric.lower()
-    if name.endswith("loss"):
+    if name.endswith("loss") or name.endswith("mae"):
         return "min"
-    if name.endswith("accuracy") or name.endswith("acc"):
+    if name.endswith("accuracy") or name.endswith("acc") or name.endswith("iou"):
         return "max"
     raise ConfigError(
         f"checkpoint.metric={metric!r}: cannot tell whether lower or higher is better "

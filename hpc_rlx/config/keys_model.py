@@ -32,6 +32,14 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("model.sync_batch_norm", bool, Options(graph=False, onnx=False), "batch norm's statistics over "
         "the global batch (every rank and lane, per micro-batch), as PyTorch's `SyncBatchNorm`; false: "
         "each lane's own (docs/pytorch.md, \"Batch norm over the global batch\")"),
+    Key("model.class_weights", list, every(MODELS, None), "one weight per class: a weighted "
+        "cross-entropy, normalized as PyTorch's `weight=` with `reduction=\"mean\"`; null = equal "
+        "(docs/data.md, \"Dense targets\")"),
+    Key("model.ignore_index", int, every(MODELS, None), "a label (e.g. 255 or -100) left out of the "
+        "loss and the metrics; null = none"),
+    Key("model.class_axis", int, Options(onnx=None), "the class axis of a cross-entropy's logits "
+        "where the shapes fit both: `1` ((B, C, *S)) or `-1` ((B, *S, C)); null = from the shapes",
+        OneOf(None, 1, -1)),
     Key("model.init_from", str, every(MODELS, None), "HDF5 file of initial parameters (e.g. a "
         "previous run's `model.h5`)"),
 )

@@ -66,7 +66,7 @@ def _stall_abort(v) -> bool:
 
 DTYPES = ("float32", "float64")
 ON_NONFINITE = ("stop", "skip")
-CKPT_METRICS = ("val_loss", "val_accuracy")
+CKPT_METRICS = ("val_loss", "val_accuracy", "val_iou", "val_mae")
 PROGRESS = ("auto", "bar", "lines")
 _NUMBER = (int, float)
 _OPT_NONNEG = number(0, null=True, must="must be a number >= 0")
@@ -214,8 +214,8 @@ KEYS: tuple[Key, ...] = (
         "of training (always also at the end of the run and on preemption)", number(0, above=True, null=True)),
     Key("checkpoint.keep_last", int, every(("default", "off"), 2), "checkpoints kept, plus the best by "
         "`checkpoint.metric` (held in memory, written with the next save)", integer(1, must="must be >= 1")),
-    Key("checkpoint.metric", str, every(("default", "off"), "val_loss"), "`val_loss` (lower is better) "
-        "or `val_accuracy` (higher is better)", OneOf(*CKPT_METRICS)),
+    Key("checkpoint.metric", str, every(("default", "off"), "val_loss"), "`val_loss` (lower is better), "
+        "`val_accuracy` or `val_iou` (higher is better), or `val_mae` (lower is better)", OneOf(*CKPT_METRICS)),
     Key("checkpoint.requeue", bool, every(("default", "off"), False), "on SIGUSR1/SIGTERM under Slurm, "
         "rank 0 runs `scontrol requeue` (for `mpirun` inside a batch script; `slurm/train.sh` "
         "requeues by itself)"),
@@ -244,9 +244,11 @@ KEYS: tuple[Key, ...] = (
         "valid checkpoint)"),
     *MODEL_KEYS,
 )
-# the model keys a builder of graph.models takes from the config (the rest come from the data)
+# the model keys a builder of graph.models takes from the config (the rest come from the data;
+# the loss keys weigh the built graph's cross-entropy: config/loss_keys.py)
+LOSS_KEYS = ("class_weights", "ignore_index", "class_axis")
 BUILDER_KEYS = {m: tuple(k.name for k in KEYS if k.section == "model" and m in (k.options() or ())
-                         and k.name not in ("name", "num_classes", "init_from", "path")) for m in BUILT}
+                         and k.name not in ("name", "num_classes", "init_from", "path", *LOSS_KEYS)) for m in BUILT}
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}
 SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS if "." in k.path))
 TOP_LEVEL = tuple(k.path for k in KEYS if "." not in k.path)

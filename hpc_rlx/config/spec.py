@@ -22,6 +22,7 @@ from hpc_rlx.config.batch_norm_sync import check_sync_batch_norm
 from hpc_rlx.config.rundirs import fingerprint_of
 from hpc_rlx.config.section import SECTIONS, section
 from hpc_rlx.config.failure_mode import check_on_failure, training_ranks
+from hpc_rlx.config.loss_keys import apply_loss_keys, check_checkpoint_metric
 from hpc_rlx.config.sharding import check_shard
 from hpc_rlx.data import hdf5
 from hpc_rlx.data.plan import plan_shards
@@ -272,7 +273,7 @@ def _import_onnx(model_cfg: dict, info):
         raise ConfigError(f"model.path={path}: no such file")
     label_dtype = "int64" if np.dtype(info.y_dtype).kind in "iub" else "float"
     imported = import_onnx(path, loss=model_cfg["loss"], label_dtype=label_dtype,
-                           label_shape=tuple(info.y_shape))
+                           label_shape=tuple(info.y_shape), class_axis=model_cfg.get("class_axis"))
     for warning in imported.warnings:
         print(f"[hpc_rlx] warning: {path}: {warning}", flush=True)   # rank 0 only (build_spec)
     _IMPORTED[os.path.abspath(path)] = imported.initial
@@ -337,9 +338,8 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
 
     n_classes = _num_classes(cfg["model"], info, n_train) if cfg["model"]["name"] in schema.BUILDER_KEYS else None
     graph = _build_graph(cfg["model"], info.x_shape, info.x_dtype, n_classes, info)
-    if cfg["checkpoint"]["metric"] == "val_accuracy" and "correct" not in graph.outputs:
-        raise ConfigError("checkpoint.metric=val_accuracy, but this model reports no accuracy "
-                          "(its loss is a regression loss); use checkpoint.metric=val_loss")
+    graph = apply_loss_keys(graph, cfg["model"], int(cfg["parallel"]["pipeline_stages"]))
+    check_checkpoint_metric(cfg["checkpoint"]["metric"], graph)
     x_in = next(i for i in graph.inputs if i.name == "x")
     y_in = next(i for i in graph.inputs if i.name == "y")
     expect = dict(input_shape=tuple(x_in.shape[1:]),
