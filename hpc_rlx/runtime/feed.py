@@ -141,6 +141,13 @@ class Feed:
             return x.astype(self.dtype)
         return x
 
+    def target(self, y: np.ndarray) -> np.ndarray:
+        """Float targets (regression: CosmoFlow's float32 parameters) in the compute dtype, as
+        the graph's float label input takes them; integer labels stay as stored."""
+        if y.dtype.kind == "f" and y.dtype != self.dtype:
+            return y.astype(self.dtype)
+        return y
+
     def _n_rows(self, bounds) -> int:
         a, b = bounds[self.rank]
         return b - a
@@ -206,16 +213,16 @@ class MemoryFeed(Feed):
     def batch(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         p, s = divmod(position, self.steps)
         idx = self._cached_order(p).step_indices(s)
-        return self.cast(self.x[idx]), self.y[idx]
+        return self.cast(self.x[idx]), self.target(self.y[idx])
 
     def no_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """A batch of no rows (a spare's), shaped as every batch is."""
-        return self.cast(self.x[:0]), self.y[:0]
+        return self.cast(self.x[:0]), self.target(self.y[:0])
 
     def val_batches(self):
         step = self.eval_batch
         for lo in range(0, len(self.vx), step):
-            yield self.cast(self.vx[lo:lo + step]), self.vy[lo:lo + step]
+            yield self.cast(self.vx[lo:lo + step]), self.target(self.vy[lo:lo + step])
 
 
 def row_bytes(x_dtype, x_shape, y: np.ndarray) -> int:
@@ -307,7 +314,7 @@ class StreamFeed(Feed):
         if cur is None or cur.job[0] != p or not cur.info.start <= s < cur.info.stop:
             cur = self._advance(p, s)
         pos = cur.info.positions(s)
-        return self.cast(cur.x[pos]), cur.y[pos]
+        return self.cast(cur.x[pos]), self.target(cur.y[pos])
 
     def _advance(self, p: int, s: int) -> Slot:
         start = window_of(s, self.steps, self.w)[0]
@@ -342,7 +349,7 @@ class StreamFeed(Feed):
                 n = slot.job[1] - slot.job[0]
                 for lo in range(0, n, self.eval_batch):
                     hi = min(n, lo + self.eval_batch)
-                    yield self.cast(slot.x[lo:hi]), slot.y[lo:hi]
+                    yield self.cast(slot.x[lo:hi]), self.target(slot.y[lo:hi])
                 pre.release(slot)
         finally:
             pre.close()
