@@ -22,12 +22,13 @@ from hpc_rlx.comm import collective
 from hpc_rlx.comm.topology import hostname, ranks_per_node
 from hpc_rlx.data.distribute import load_shard
 from hpc_rlx.data.files import plan_files
-from hpc_rlx.data.hdf5 import TokenVocab, check_values
+from hpc_rlx.data.hdf5 import Classes, TokenVocab, check_values
 from hpc_rlx.data.memory_room import rank_room, shard_problem
 from hpc_rlx.data.plan import EpochOrder, eval_batch_rows, window_of, window_steps
 from hpc_rlx.data.set_source import SetSource
 from hpc_rlx.data.stream import Prefetcher, Slot, scan_rows
 from hpc_rlx.errors import DataError
+from hpc_rlx.graph.loss_options import loss_head
 from hpc_rlx.graph.shapes import FLOAT
 
 CACHES = ("memory", "stream")
@@ -95,7 +96,8 @@ class Feed:
         x_in = graph.input("x")     # a pipeline stage answers for the whole model
         # integer data feeding a float model (uint8 images) stays as stored; each batch is cast
         self.float_input = x_in.dtype == FLOAT
-        self.num_classes = getattr(graph, "num_classes", None)
+        n = getattr(graph, "num_classes", None)      # model.ignore_index: a label exempt from the range
+        self.num_classes = None if n is None else Classes(n, loss_head(graph).ignore_index)
         # token ids index an embedding: out-of-range ids would be used silently. The vocabulary
         # is the embedding table's size, not the head's classes (a token classifier has both).
         token = None if self.float_input else graph.token_vocab
