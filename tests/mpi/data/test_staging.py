@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from hpc_rlx.data.stage_plan import staged_name
-from tests.support.jobs import (REPO, explain, launch_cmd, mpi_env, read_log, read_metrics, train_job,
-                                with_read_only)
+from tests.support.jobs import (MPI_IMPL, REPO, explain, launch_cmd, launch_prefix, mpi_env, read_log,
+                                read_metrics, train_job, with_read_only)
 from tests.support.jobs import _need_mount_namespace
+from tests.support.mpi_launch import PYTHON
 
 FILES = 70      # 56 training samples (batch 16: 3 full steps, 8 leftover), 14 validation
 COMMON = ["data=file", "data.one_sample_per_file=true", "model.num_classes=3", "model.hidden=[8]",
@@ -104,3 +105,39 @@ def test_a_stage_dir_that_is_not_writable_or_too_small_is_one_error(tmp_path, fi
                          r"file\(s\) to stage take [\d.]+ KiB", errors[0]), errors
     assert "Traceback" not in proc.stderr, explain(proc)
     assert not stage.exists() or list(stage.iterdir()) == []      # nothing copied, nothing left
+
+
+def _ulfm(n: int, run: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    """`mpirun --with-ft ulfm -n N python -m hpc_rlx ...` (Open MPI 5: comm.on_failure=shrink)."""
+    prefix = launch_prefix(n)
+    cmd = prefix[:1] + ["--with-ft", "ulfm"] + prefix[1:] + [PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run}",
+                                                            "report.plots=false", *overrides]
+    try:
+        return subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"no exit within 120 s: {' '.join(cmd)}\n{e.stdout}\n{e.stderr}")
+
+
+@pytest.mark.openmpi
+@pytest.mark.skipif(MPI_IMPL != "openmpi", reason="ULFM: Open MPI 5's mpirun --with-ft ulfm")
+def test_after_a_dead_rank_the_survivors_read_their_new_shards_staged(tmp_path, files):
+    """comm.on_failure=shrink: rank 1 of 3 killed at step 3; the survivors re-plan over 2 ranks
+    and read their new shards (the node staged every rank's files, so from its copies), ending
+    as the same shrink without staging; the copies go at the end."""
+    stage = tmp_path / "stage"
+    common = [*COMMON, f"data.path={files}", "comm.on_failure=shrink", "comm.shared_memory=false",
+              "debug.fail_rank=[1]", "debug.fail_point=step", "debug.fail_step=3", "debug.fail_mode=kill"]
+    plain = _ulfm(3, tmp_path / "plain", common)
+    assert plain.returncode == 0, explain(plain)
+    staged = _ulfm(3, tmp_path / "staged", [*common, f"data.stage_dir={stage}"])
+    assert staged.returncode == 0, explain(staged)
+    summary = json.loads((tmp_path / "staged" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2, summary
+    assert [f["ranks"] for f in summary["failures"]] == [[1]], summary
+    # the new shards: 56 training samples over 2 ranks (rows 0-7 of 4, rows 8-15 of 3), 7 validation each
+    assert [(r["staged_reads"], r["in_place_reads"]) for r in summary["ranks"]] == [(39, 0), (31, 0)], summary
+    want, got = model(tmp_path / "plain"), model(tmp_path / "staged")
+    for k in want:
+        assert np.array_equal(want[k], got[k]), k
+    assert losses(tmp_path / "staged") == losses(tmp_path / "plain")
+    assert list(stage.iterdir()) == [], list(stage.iterdir())
