@@ -85,21 +85,28 @@ def _small_tmpfs(mount: Path, size: str, cmd: list[str]) -> list[str]:
             'mount -t tmpfs -o size="$1" tmpfs "$0" && shift && exec "$@"', str(mount), size] + cmd
 
 
-@pytest.mark.parametrize("case", ["read_only", "too_small"])
+@pytest.mark.parametrize("case", ["read_only", "too_small", "fails_after_staging"])
 def test_a_stage_dir_that_is_not_writable_or_too_small_is_one_error(tmp_path, files, case):
+    """... and a run that fails once its files are staged (labels outside model.num_classes=2,
+    found as the shards are read) removes its copies."""
     place = tmp_path / "place"
     place.mkdir()
     stage = place / "stage"
     args = ["-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}", "report.plots=false", *COMMON,
             f"data.path={files}", f"data.stage_dir={stage}"]
+    if case == "fails_after_staging":
+        args.append("model.num_classes=2")
     cmd = launch_cmd(2, args)
-    cmd = with_read_only(place, cmd) if case == "read_only" else _small_tmpfs(place, "64k", cmd)
+    cmd = (with_read_only(place, cmd) if case == "read_only" else _small_tmpfs(place, "64k", cmd)
+           if case == "too_small" else cmd)
     proc = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, explain(proc)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hpc_rlx: error")]
     assert len(errors) == 1, explain(proc)     # agreed: printed once, by rank 0
     if case == "read_only":
         assert f"data.stage_dir={stage} is not writable" in errors[0], errors
+    elif case == "fails_after_staging":
+        assert "label" in errors[0] and stage.is_dir(), errors      # staged, then failed
     else:
         assert re.search(rf"data.stage_dir={stage} on \S+ has 64.0 KiB free, but this node's {FILES} "
                          r"file\(s\) to stage take [\d.]+ KiB", errors[0]), errors
