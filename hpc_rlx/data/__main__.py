@@ -8,6 +8,7 @@ Examples::
     python -m hpc_rlx.data convert my.csv --label target --out data/my.h5
     python -m hpc_rlx.data convert my.npz --label y --out data/my.h5     # the other array is x
     python -m hpc_rlx.data info data/digits.h5
+    python -m hpc_rlx.data info 'shards/*.h5'      (a directory or a glob: the files as one set)
 """
 
 from __future__ import annotations
@@ -54,10 +55,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="number of classes (default: largest label + 1)")
     cv.add_argument("--delimiter", help="CSV field delimiter (default: guessed from the first line)")
 
-    info = sub.add_parser("info", help="print shapes, dtypes and attributes of a dataset")
+    info = sub.add_parser("info", help="print shapes, dtypes and attributes of a dataset (a file, a "
+                                       "directory of files or a glob pattern)")
     info.add_argument("path")
     info.add_argument("--x-name", default="x")
     info.add_argument("--y-name", default="y")
+    info.add_argument("--one-sample-per-file", action="store_true",
+                      help="each file holds one sample without a sample axis (data.one_sample_per_file)")
     return p
 
 
@@ -87,10 +91,15 @@ def main(argv=None) -> int:
                            delimiter=args.delimiter, num_classes=args.num_classes)
             print(done.describe())
         else:
-            from hpc_rlx.data.hdf5 import describe
+            from hpc_rlx.data.files import check_files, describe_set, meta_of
 
-            info = describe(args.path, args.x_name, args.y_name)
+            info, files = describe_set(args.path, args.x_name, args.y_name, args.one_sample_per_file)
+            if files.one_sample:      # the others were checked as their counts were read
+                check_files(files, range(1, len(files)), args.x_name, args.y_name, meta_of(info), files.paths[0])
             print(f"path: {info.path}")
+            if len(files) > 1 or files.one_sample:
+                print(f"files: {len(files)} ({files.paths[0]} ... {files.paths[-1]})"
+                      + (", one sample each" if files.one_sample else ""))
             print(f"rows: {info.n}")
             print(f"{info.x_name}: per-sample shape {info.x_shape}, dtype {info.x_dtype}")
             print(f"{info.y_name}: per-sample shape {info.y_shape}, dtype {info.y_dtype}")

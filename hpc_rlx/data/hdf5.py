@@ -153,7 +153,8 @@ def _get_dataset(f: h5py.File, path: str, name: str, role: str, scalar_ok: bool 
         )
     if obj.shape is None or (len(obj.shape) == 0 and not scalar_ok):
         raise DataError(
-            f"{role} dataset {name!r} in {path!r} is a scalar; it needs one row per sample"
+            f"{role} dataset {name!r} in {path!r} is a scalar; it needs one row per sample (a file "
+            f"that holds one sample without a sample axis: data.one_sample_per_file=true)"
         )
     return obj
 

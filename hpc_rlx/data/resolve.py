@@ -18,7 +18,7 @@ import numpy as np
 
 from hpc_rlx.errors import ConfigError, DataError
 
-from .files import describe_set
+from .files import check_like, describe_set, meta_of
 from .fileset import FileSet
 from .hdf5 import DatasetInfo, open_readonly
 from .prepare import ensure_prepared
@@ -85,6 +85,8 @@ def data_sources(d: dict) -> Sources:
     info, files = describe_set(d["path"], d["x"], d["y"], one)
     if d["val_path"]:
         vinfo, vfiles = describe_set(d["val_path"], d["x"], d["y"], one, key="data.val_path")
+        # every file of both sets is read into the same buffers: the same datasets throughout
+        check_like(meta_of(vinfo), meta_of(info), vfiles.paths[0], files.paths[0], d["x"], d["y"])
         return Sources(info, files, vinfo, vfiles, info.n, 0, vinfo.n)
     n_val = int(round(info.n * float(d["val_fraction"] or 0.0)))
     if info.n - n_val <= 0:

@@ -3,6 +3,7 @@ directory (no collective here; `doctor` gathers the records and analyses them)."
 
 from __future__ import annotations
 
+import glob
 import os
 import platform
 import shutil
@@ -18,11 +19,12 @@ from threadpoolctl import threadpool_info
 
 import hpc_rlx
 from hpc_rlx.comm.node_memory import shm_free_bytes
+from hpc_rlx.data.files import resolve
 from hpc_rlx.device import backend
 from hpc_rlx.device.cuda_mpi import query_cuda_support
 from hpc_rlx.device.lane_plan import assign_gpus, resolve_lanes
 from hpc_rlx.doctor.threads import THREAD_ENV
-from hpc_rlx.errors import HpcRlxError
+from hpc_rlx.errors import DataError, HpcRlxError
 
 SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_CPUS_PER_TASK", "SLURM_JOB_NODELIST",
              "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_MPI_TYPE", "SLURM_RESTART_COUNT")
@@ -117,14 +119,22 @@ def nearest_existing(path: Path) -> Path:
 
 
 def data_file_problem(path: str) -> str | None:
-    """None if `path` opens as HDF5 here, else why not (in words)."""
-    if not Path(path).exists():
+    """None if `path` (a file, a directory of HDF5 files or a glob, as data.path takes) opens as
+    HDF5 here, else why not (in words). Of many files, the first and the last are opened."""
+    if not glob.has_magic(path) and not Path(path).exists():
         return "does not exist"
     try:
-        with h5py.File(path, "r"):
-            return None
-    except OSError as exc:
-        return f"cannot be opened as HDF5 ({exc})"
+        paths = resolve(path)
+    except DataError as e:        # "data.path=<path> matches no file": the words after the path
+        return str(e).removeprefix(f"data.path={path}").lstrip(":").strip()
+    for p in dict.fromkeys((paths[0], paths[-1])):
+        try:
+            with h5py.File(p, "r"):
+                pass
+        except OSError as exc:
+            return (f"cannot be opened as HDF5 ({exc})" if len(paths) == 1
+                    else f"holds {p}, which cannot be opened as HDF5 ({exc})")
+    return None
 
 
 def writable(directory: Path) -> tuple[bool, str]:
