@@ -151,6 +151,34 @@ def test_one_copy_of_the_parameters_per_node_across_nodes_equals_one_node(cluste
         assert sum(rec["optimizer_bytes"] for rec in ranks) == one["optimizer_bytes"], f"{name}: {ranks}"
 
 
+def test_each_node_stages_its_own_ranks_files_and_trains_as_unstaged(cluster, tmp_path):
+    """data.stage_dir on each node's private scratch, 2 nodes of 1 rank: node1 copies the files
+    of rank 0's block and validation slice, node2 those of rank 1, and the run equals the
+    unstaged one bitwise. data.stage_keep=true leaves the copies to look at."""
+    from hpc_rlx.data.stage_plan import staged_name
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    rng = np.random.default_rng(3)
+    for i in range(40):      # 32 training (rows of 2, 8 a rank), 8 validation (4 a rank)
+        with h5py.File(samples / f"s_{i:02d}.h5", "w") as f:
+            f["x"] = rng.standard_normal(6).astype(np.float32)
+            f["y"] = np.int64(rng.integers(0, 3))
+    names = sorted(str(p) for p in samples.iterdir())
+    base = EQUIV + [f"data.path={samples}", "data.one_sample_per_file=true", "model.num_classes=3"]
+    hosts = {"node1": 1, "node2": 1}
+    p = train(cluster, hosts, tmp_path / "plain", base)
+    assert p.returncode == 0, explain(p)
+    p = train(cluster, hosts, tmp_path / "staged", base + [f"data.stage_dir={SCRATCH}/stage", "data.stage_keep=true"])
+    assert p.returncode == 0, explain(p)
+    assert re.search(r"staged 40 file\(s\), [\d.]+ KiB, to data.stage_dir=\S+ on 2 node\(s\)", p.stdout), explain(p)
+    mine = {"node1": names[:16] + names[32:36], "node2": names[16:32] + names[36:]}
+    for node, want in mine.items():
+        (kept,) = (cluster.scratch(node) / "stage").glob("hpc_rlx-stage-*")
+        assert sorted(q.name for q in kept.iterdir()) == sorted(staged_name(n) for n in want), node
+    a, b = params(tmp_path / "plain"), params(tmp_path / "staged")
+    assert all(np.array_equal(a[k], b[k]) for k in a), max_rel_diff(a, b)
+
+
 LAUNCHED_BY = {"mpich": "MPICH mpirun / mpiexec (hydra)", "openmpi": "Open MPI mpirun (prterun)"}[MPI_IMPL]
 
 
