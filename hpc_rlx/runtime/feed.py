@@ -25,6 +25,7 @@ from hpc_rlx.data.files import plan_files
 from hpc_rlx.data.hdf5 import Classes, TokenVocab, check_values
 from hpc_rlx.data.memory_room import rank_room, shard_problem
 from hpc_rlx.data.plan import EpochOrder, eval_batch_rows, window_of, window_steps
+from hpc_rlx.data.stage_plan import rank_ranges, read_places
 from hpc_rlx.data.set_source import SetSource
 from hpc_rlx.data.stream import Prefetcher, Slot, scan_rows
 from hpc_rlx.errors import DataError
@@ -159,7 +160,13 @@ class Feed:
         rows = self._n_rows(self.train_bounds) + self._n_rows(self.val_bounds)
         return {"data_cache": self.cache, "shard_bytes": int(rows * self.row_bytes),
                 "buffer_bytes": int(self.buffer_bytes), "peak_rss_bytes": peak_rss_bytes(),
-                "eval_batch_rows": int(self.eval_batch)}
+                "eval_batch_rows": int(self.eval_batch), **self._read_places()}
+
+    def _read_places(self) -> dict:
+        """data.stage_dir: how many of the files this rank reads come from the node's copies."""
+        mine = rank_ranges(self.rank, self.world, self.train_bounds, self.val_bounds,
+                           self.d.distribution == "scatter")
+        return read_places(list(zip((self.files, self.val_files), mine)))
 
     def close(self, collective_ok: bool = True) -> None:
         """Release what the feed holds; collective_ok: every rank is here (the run's end)."""

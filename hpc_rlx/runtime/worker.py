@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
 
 import numpy as np
 
@@ -162,14 +161,14 @@ class Worker:
     def load_data(self) -> None:
         """Collective: the feed `data.cache` and `data.distribution` ask for (runtime/feed.py)."""
         t0 = time.perf_counter()
-        d, spec = self.spec.data, self.spec
+        d = self.spec.data
         if d.stage_dir and self.staged is None:     # once: after a dead rank the copies stay
-            self.staged = stage(spec, self.comm, self.plan, self.log)
-        if self.staged is not None:     # read the node's copies; a file it lacks, in place
-            spec = replace(spec, data=self.staged.remap(d))
+            self.staged = stage(self.spec, self.comm, self.plan, self.log)
         kind = (MemoryFeed if d.cache == "memory"
                 else ScatterStreamFeed if d.distribution == "scatter" else StreamFeed)
-        self.feed: Feed = kind(spec, self.comm, self.graph, self.plan, fail_at=self.fail_at)
+        self.feed: Feed = kind(self.spec, self.comm, self.graph, self.plan, fail_at=self.fail_at)
+        if self.staged is not None:     # the node's copies; a file it lacks is read in place
+            self.feed.read_from(self.staged.path)
         self.feed.load()
         self.data_s = time.perf_counter() - t0
 
