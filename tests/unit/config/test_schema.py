@@ -202,6 +202,10 @@ def test_unset_values_name_the_key_and_the_group_option():
     ("optim", {"schedule": "linear"}, "optim.schedule='linear' is not one of ['constant', 'step', 'multistep', 'cosine']"),
     ("optim", {"schedule": "step", "gamma": 5}, "optim.gamma must be a number in (0, 1], got 5"),
     ("optim", {"betas": [1, 2]}, "optim.betas[0] must be a number in [0, 1), got 1"),
+    ("optim", {"schedule": "multistep"}, "optim.milestones must be a non-empty list of steps after the "
+     "warm-up, got []"),
+    ("optim", {"schedule": "multistep", "milestones": [40, 120]}, "optim.milestones[1] (120) is not before "
+     "the schedule's end: 100 steps follow the warm-up (milestones count optimizer steps after it)"),
 ])
 def test_builder_and_optimizer_errors_name_the_config_key(section, override, message):
     """The builders and optimizers name their own parameters (library API); from a config the

@@ -275,6 +275,33 @@ def test_constant_schedule_with_warmup_matches_torch():
     np.testing.assert_allclose(ours, ref, rtol=1e-12)
 
 
+def test_multistep_schedule_matches_torch():
+    ref = _torch_lrs(lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones=[5, 12, 13], gamma=0.3), 30, 0.2)
+    ours = _ours(make_schedule("multistep", 0.2, 30, milestones=[5, 12, 13], gamma=0.3), 30)
+    np.testing.assert_allclose(ours, ref, rtol=1e-12)
+    assert ours[4] == 0.2 and ours[5] == pytest.approx(0.06) and ours[-1] == pytest.approx(0.2 * 0.3**3)
+
+
+def test_multistep_milestones_count_from_the_end_of_the_warm_up():
+    """As torch's SequentialLR hands over to MultiStepLR at the warm-up's end (its milestones
+    then count from there), and as schedule=step counts; against the formula too."""
+    w, total, milestones = 4, 25, [3, 10]
+
+    def torch_sched(o):
+        warm = torch.optim.lr_scheduler.LinearLR(o, start_factor=1 / w, end_factor=1.0, total_iters=w - 1)
+        decay = torch.optim.lr_scheduler.MultiStepLR(o, milestones=milestones, gamma=0.5)
+        return torch.optim.lr_scheduler.SequentialLR(o, [warm, decay], milestones=[w])
+
+    ours = _ours(make_schedule("multistep", 0.4, total, warmup_steps=w, milestones=milestones, gamma=0.5), total)
+    np.testing.assert_allclose(ours, _torch_lrs(torch_sched, total, 0.4), rtol=0, atol=1e-12)
+    formula = [0.4 * (k + 1) / w if k < w else 0.4 * 0.5 ** sum(m <= k - w for m in milestones)
+               for k in range(total)]
+    np.testing.assert_allclose(ours, formula, rtol=1e-15)
+    assert ours[w + 2] == 0.4 and ours[w + 3] == 0.2 and ours[w + 10] == 0.1
+    floored = make_schedule("multistep", 1.0, 20, milestones=[1, 2, 3], gamma=0.1, min_lr=0.05)
+    assert [floored(k) for k in range(4)] == [1.0, 0.1, 0.05, 0.05]
+
+
 def test_cosine_holds_min_lr_after_total_and_step_floor():
     s = make_schedule("cosine", 1.0, 10, warmup_steps=2, min_lr=0.05)
     assert s(10) == 0.05 and s(1000) == 0.05
@@ -296,6 +323,12 @@ def test_cosine_holds_min_lr_after_total_and_step_floor():
         (("cosine", 0.1, 10), {"min_lr": 0.2}, r"min_lr \(0.2\) is above base_lr \(0.1\)"),
         (("cosine", 0.1, 0), {}, "total_steps must be >= 1, got 0"),
         (("cosine", -0.1, 10), {}, "base_lr must be a finite number >= 0, got -0.1"),
+        (("multistep", 0.1, 10), {}, r"milestones must be a non-empty list of steps after the warm-up, got \(\)"),
+        (("multistep", 0.1, 10), {"milestones": [3, 3]}, r"milestones must be strictly increasing, got \[3, 3\]"),
+        (("multistep", 0.1, 10), {"milestones": [0]}, r"milestones\[0\] must be an integer >= 1, got 0"),
+        (("multistep", 0.1, 10), {"milestones": [2, 8], "warmup_steps": 2},
+         r"milestones\[1\] \(8\) is not before the schedule's end: 8 steps follow the warm-up"),
+        (("multistep", 0.1, 10), {"milestones": [2], "gamma": 0.0}, r"gamma must be a number in \(0, 1\]"),
     ],
 )
 def test_make_schedule_validates(args, kwargs, pattern):
