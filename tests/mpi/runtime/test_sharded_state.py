@@ -10,8 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hpc_rlx.comm.codec import CODECS
+from hpc_rlx.comm.wire import segments
+
 from tests.mpi.runtime.test_end_to_end import load_params, max_rel_diff
-from tests.support.jobs import explain, read_metrics, train_job
+from tests.support.jobs import explain, mpirun, train_job
 
 pytestmark = pytest.mark.mpi
 
@@ -53,15 +56,76 @@ def test_sharded_state_trains_the_same_model_and_holds_a_slice(tmp_path, digits_
     assert "reduce-scatter (comm.shard=optimizer)" in (sharded / "hpc_rlx.log").read_text()
 
 
-def test_sharded_state_with_the_16_bit_wire(tmp_path, digits_h5):
-    """The reduce-scatter carries bfloat16 words, summed in float32 by each slice's owner: the
-    run trains as the unsharded run on the same wire does, within the wire's rounding."""
-    overrides = BASE + [f"data.path={digits_h5}", "comm.wire_dtype=bfloat16"] + ADAMW
-    whole, sharded = _pair(tmp_path, 2, overrides, "wire")
-    assert "wire bfloat16" in (sharded / "hpc_rlx.log").read_text()
-    losses = [read_metrics(run)[-1]["val_loss"] for run in (whole, sharded)]
-    assert losses[1] == pytest.approx(losses[0], rel=0.02), losses
-    assert max_rel_diff(load_params(whole), load_params(sharded)) <= 0.05
+WIRE_STEPS = Path(__file__).resolve().parents[2] / "support" / "mpi_scripts" / "wire_steps.py"
+BF16 = CODECS["bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def wire_job(tmp_path_factory, digits_h5) -> Path:
+    """One 3-rank job: the two paths on the same buckets, and one training step each way."""
+    out = tmp_path_factory.mktemp("wire_steps")
+    proc = mpirun(3, [str(WIRE_STEPS), str(digits_h5), str(out), "paths", "wire", "wire_sharded"], timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    return out
+
+
+def _owner_sum(codec, inputs: np.ndarray, blocks) -> np.ndarray:
+    """What an owner adds: every rank's coded block decoded, in float32, in rank order."""
+    total = np.zeros(inputs.shape[1], np.float32)
+    for x in inputs:
+        total += np.concatenate([codec.round_trip(x[a:b]) for a, b in blocks])
+    return total
+
+
+def test_the_sharded_and_the_whole_16_bit_wire_add_the_same_codes(wire_job):
+    """Both paths code every rank's values and add the codes in float32 in rank order at the
+    owner: the sums are bitwise the same. They differ in one rounding: the whole wire codes each
+    owner's sum once more for the other ranks, the sharded one steps the owner's slice with the
+    float32 sum (its allgather carries parameters, not codes). So whole == the codec's rounding
+    of sharded, bitwise, which is within one 16-bit rounding of it (2**-8 relative for bfloat16;
+    float16's block scale keeps its 2**-11 above the subnormals)."""
+    seen = sorted(p.name for p in wire_job.glob("paths-*.npz"))
+    assert seen == ["paths-bfloat16-1.npz", "paths-bfloat16-4.npz", "paths-float16-1.npz"], seen
+    for path in seen:
+        got = np.load(wire_job / path)
+        codec = CODECS[path.split("-")[1]]
+        inputs = got["inputs"]
+        # one chunk: both cut the payload into the same owner segments, so the float16 blocks
+        # (one scale each) are the same; bfloat16 codes each value alone, so any cut will do
+        blocks = segments(inputs.shape[1], inputs.shape[0])
+        total = _owner_sum(codec, inputs, blocks)
+        assert np.array_equal(got["sharded"], total), path
+        again = np.concatenate([codec.round_trip(total[a:b].astype(np.float64)) for a, b in blocks])
+        assert np.array_equal(got["whole"], again), path
+        bound = codec.unit_roundoff * np.abs(total) + (2.0 ** -134 if codec.name == "bfloat16" else
+                                                        2.0 ** -37 * float(np.abs(total).max()))
+        assert np.all(np.abs(got["whole"] - got["sharded"]) <= bound), path
+        assert np.any(got["whole"] != got["sharded"]), path       # the one rounding is there
+
+
+def test_a_sharded_step_on_the_16_bit_wire_is_the_whole_step_within_one_rounding(wire_job):
+    """One SGD step of the same run, whole and sharded, on a bfloat16 wire: the same start and
+    the same gradients sent; the sharded owner steps with the float32 sum S of the decoded
+    codes, the whole wire with bfloat16(S), bitwise. The parameters are then bitwise equal where
+    bfloat16(S) = S and elsewhere within lr / samples x |bfloat16(S) - S| <= lr / samples x
+    2**-8 |S| (and the last bits of the subtraction)."""
+    whole, sharded = np.load(wire_job / "wire.npz"), np.load(wire_job / "wire_sharded.npz")
+    ranks, n = whole["sent"].shape
+    assert np.array_equal(whole["before"], sharded["before"]) and np.array_equal(whole["sent"], sharded["sent"])
+    total = _owner_sum(BF16, whole["sent"], [(0, n)]).astype(np.float64)
+    coded = BF16.round_trip(total).astype(np.float64)
+    for r, (lo, hi) in enumerate(segments(n, ranks)):
+        assert np.array_equal(whole["applied"][r], coded), r
+        assert np.array_equal(sharded["applied"][r][lo:hi], total[lo:hi]), r
+    scale = float(whole["scale"][0])
+    a, b = whole["after"][0], sharded["after"][0]
+    assert all(np.array_equal(b, other) for other in sharded["after"])    # the allgather: one model
+    same = coded == total
+    assert np.array_equal(a[same], b[same])
+    slack = 2 * np.spacing(np.maximum(np.abs(a), np.abs(b)))
+    assert np.all(np.abs(a - b) <= scale * np.abs(coded - total) + slack)
+    assert np.all(np.abs(a - b) <= scale * 2.0 ** -8 * np.abs(total) + slack)
+    assert not np.all(same)
 
 
 def test_deterministic_sharded_runs_repeat_bitwise(tmp_path, digits_h5):
