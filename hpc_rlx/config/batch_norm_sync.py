@@ -44,6 +44,6 @@ def describe(graph, world_size: int, lanes: int) -> str:
     values = sum(2 * c + 1 for c in channels) + sum(2 * c for c in channels)
     where = f"{lanes} lane(s) x {world_size} rank(s)"
     return (f"model.sync_batch_norm: {len(channels)} batch-norm layer(s) normalise with the statistics of "
-            f"the global batch ({where}): per micro-batch, one Allreduce per layer in the forward and one "
-            f"in the backward, {values} float64 values ({values * 8} bytes) in all, each a wait for "
-            f"every lane and rank")
+            f"the global batch ({where}): per micro-batch, one Allreduce per layer in the forward and, "
+            f"where its input needs a gradient, one in the backward; at most {values} float64 values "
+            f"({values * 8} bytes) in all, each a wait for every lane and rank")

@@ -109,7 +109,8 @@ def _micro_batch_reference(g, layout, params, x, y, counts, k):
 
 @pytest.mark.parametrize("rows,lanes,k", [(9, 1, 1), (9, 3, 1), (2, 3, 1), (5, 2, 2), (3, 2, 3)])
 def test_lanes_with_sync_equal_their_micro_batches_normalised_together(rows, lanes, k):
-    """(2, 3, 1): a lane without rows; (5, 2, 2), (3, 2, 3): micro-batches without rows on a lane."""
+    """(2, 3, 1): a lane without rows; (5, 2, 2): micro-batches of unequal sizes; (3, 2, 3): a
+    micro-batch without rows on a lane, and one without rows anywhere."""
     g, layout, params, x, y = _setup(rows)
     payload = np.zeros(layout.size)
     ls = LaneSet(g, [("cpu", i) for i in range(lanes)], "float64", params, payload, layout,
