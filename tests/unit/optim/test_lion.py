@@ -81,6 +81,8 @@ def test_every_declared_key_is_a_schema_key_with_that_optimizers_default():
     ({"name": "sgd", "momentum": 0.9, "nesterov": True, "weight_decay": 0.0}, 3),
     ({"name": "adamw", "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}, 3),  # m, v, scratch
     ({"name": "lion", "betas": [0.9, 0.99], "weight_decay": 0.1}, 2),                  # m, scratch
+    ({"name": "lamb", "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.01}, 3),   # m, v, scratch
+    ({"name": "lars", "momentum": 0.9, "weight_decay": 1e-4, "trust_coefficient": 1e-3}, 2),  # v, scratch
 ])
 def test_the_memory_estimate_counts_what_the_optimizer_holds(section, copies):
     assert parameter_copies(section) == copies

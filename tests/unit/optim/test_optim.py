@@ -160,7 +160,7 @@ def test_float32_stays_float32(name, kwargs):
 
 
 @pytest.mark.parametrize("name,kwargs", [("sgd", {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1}),
-                                         ("sgd", {}), ("adamw", {})])
+                                         ("sgd", {}), ("adamw", {}), ("lamb", {}), ("lars", {})])
 def test_step_allocates_no_full_size_temporaries(name, kwargs):
     n = 1_000_000  # 8 MB per float64 array
     p, g = np.ones(n), np.full(n, 0.5)
