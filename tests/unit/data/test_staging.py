@@ -125,3 +125,13 @@ def test_shuffled_orders_stay_in_the_block_over_many_epochs():
             order = EpochOrder(plan, rank, epoch, seed=1, shuffle=True)
             idx = np.concatenate([order.step_indices(s) for s in range(plan.steps_per_epoch)])
             assert idx.min() >= 0 and idx.max() < b - a
+
+
+def test_where_a_run_stages_is_not_part_of_its_config_fingerprint():
+    """A resume may stage elsewhere (another node's $TMPDIR) or not at all: the same training."""
+    from hpc_rlx.config.fingerprint import config_fingerprint
+    cfg = {"data": {"path": "/d/train", "x": "x", "y": "y", "stage_dir": None, "stage_keep": False},
+           "train": {"batch_size": 8, "seed": 0, "dtype": "float32"}}
+    staged = {**cfg, "data": {**cfg["data"], "stage_dir": "/dev/shm", "stage_keep": True}}
+    moved = {**cfg, "data": {**cfg["data"], "path": "/d/other"}}
+    assert config_fingerprint(cfg, "/") == config_fingerprint(staged, "/") != config_fingerprint(moved, "/")
