@@ -6,7 +6,7 @@ sub-window, each fragment's own outer Nesterov step after its own warm-up, the r
 with the new global fragment, and int8/int4 codes with error feedback at the inputs and at each
 owner's sum.
 
-One MPI job per world size (2 and 3 ranks) runs every case through the real classes
+One 3-rank MPI job (its 2-rank cases on its first two ranks) runs every case through the real classes
 (`tests/support/mpi_scripts/streaming_cases.py`: the real policy, `StreamingSync`,
 `FragmentSync`, `FeedbackWireSum` and outer optimizer, with fixed dyadic gradients and start).
 
@@ -176,15 +176,19 @@ def _name(case) -> str:
     return ",".join(str(c) for c in case)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
-def runs(request, tmp_path_factory):
-    ranks = request.param
-    tmp = tmp_path_factory.mktemp(f"streaming{ranks}")
-    data = write_small_classification(tmp / "data.h5", 15 * job.BATCH * ranks, seed=0)
-    names = [_name(c) for c in cases(ranks) + whole(ranks)] + ["forced," + _name(c) for c in whole(ranks)]
-    proc = mpirun(ranks, [str(SCRIPT), str(data), str(tmp)] + names, timeout=180)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """{ranks: {case: what the run kept}}: one 3-rank job, its 2-rank cases on the first two."""
+    tmp = tmp_path_factory.mktemp("streaming")
+    args = [str(SCRIPT), str(tmp)]
+    names = {}
+    for ranks in (3, 2):
+        data = write_small_classification(tmp / f"data{ranks}.h5", 15 * job.BATCH * ranks, seed=0)
+        names[ranks] = [_name(c) for c in cases(ranks) + whole(ranks)] + ["forced," + _name(c) for c in whole(ranks)]
+        args += ["--ranks", str(ranks), str(data)] + names[ranks]
+    proc = mpirun(3, args, timeout=240)
     assert proc.returncode == 0, explain(proc)
-    return ranks, {c: dict(np.load(tmp / f"{c}.npz")) for c in names}
+    return {ranks: {c: dict(np.load(tmp / str(ranks) / f"{c}.npz")) for c in names[ranks]} for ranks in names}
 
 
 def _check(ranks, got, ref, exact: bool, what: str) -> float:
@@ -204,8 +208,9 @@ def _check(ranks, got, ref, exact: bool, what: str) -> float:
     return 0.0
 
 
-def test_streaming_diloco_equals_the_reference(runs):
-    ranks, got = runs
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_streaming_diloco_equals_the_reference(runs, ranks):
+    got = runs[ranks]
     for case in cases(ranks) + whole(ranks):
         f, tau, wire = int(case[0]), int(case[1]), case[2]
         ref = Reference(ranks, f, tau, wire).run(job.EPOCHS)
@@ -214,8 +219,9 @@ def test_streaming_diloco_equals_the_reference(runs):
         assert not np.array_equal(got[_name(case)]["global"], job.start_params(N_PARAMS))
 
 
-def test_the_fragment_path_with_one_fragment_and_no_delay_is_the_whole_sync_bitwise(runs):
-    ranks, got = runs
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_fragment_path_with_one_fragment_and_no_delay_is_the_whole_sync_bitwise(runs, ranks):
+    got = runs[ranks]
     for case in whole(ranks):
         whole_sync, forced = got[_name(case)], got["forced," + _name(case)]
         for key in whole_sync:

@@ -1,10 +1,11 @@
 """Runs many streaming outer-sync cases in one MPI job and keeps what each computed, for a test
 to hold against its own NumPy reference (`tests/mpi/policies/test_streaming_reference.py`).
 
-Usage: mpirun -n N python streaming_cases.py DATA.h5 OUT_DIR CASE [CASE ...]
+Usage: mpirun -n N python streaming_cases.py OUT_DIR --ranks R DATA.h5 CASE [CASE ...] [--ranks ...]
 
-A CASE is ``F,TAU,WIRE`` (WIRE: null, int8 or int4), or ``forced`` followed by those three: the
-whole DiLoCo sync's config (F=1, tau=0) with `StreamingSync` built all the same.
+Each group runs its cases on the first R ranks of the job (R <= N), on DATA.h5. A CASE is
+``F,TAU,WIRE`` (WIRE: null, int8 or int4), or ``forced`` followed by those three: the whole
+DiLoCo sync's config (F=1, tau=0) with `StreamingSync` built all the same.
 
 Each case is a real run (`runtime.train.Run`: the policy, its `StreamingSync`, `FragmentSync`,
 the coded wire and the outer optimizer over the real communicator) with two things fixed so a
@@ -13,7 +14,7 @@ local step at position k (its k-th local step since the run began, `Worker.batch
 is `gradient(r, k, n)`, dyadic and independent of the parameters. With SGD at a power-of-two
 learning rate and no momentum, every inner step is one exactly rounded subtraction.
 
-Rank 0 writes OUT_DIR/CASE.npz: every rank's parameters (`local`, one row per rank), the agreed
+Rank 0 writes OUT_DIR/R/CASE.npz: every rank's parameters (`local`, one row per rank), the agreed
 model (`global`), with the coded wire each rank's residuals (`sent_residual`, `sum_residual`),
 and the seconds the run took.
 """
@@ -48,6 +49,7 @@ CONFIGS = REPO / "hpc_rlx" / "configs"
 class Fixed:
     """The patches that fix the start and the gradients (and, for a forced case, the sync)."""
     force_streaming = False
+    rank = 0                        # in the communicator the case runs on
 
 
 def _batch(self, position):
@@ -58,7 +60,7 @@ def _lanes_step(self, x, y, seed, on_grad_ready=None):
     n = BATCH
     payload = self.bucket_payload
     # the summed gradient of n samples; the worker divides by n (SGD's grad_scale)
-    payload[...] = gradient(MPI.COMM_WORLD.rank, int(x), payload.size) * n
+    payload[...] = gradient(Fixed.rank, int(x), payload.size) * n
     self._params_fresh = False
     return n, 0.0, 0.0, 0.0
 
@@ -75,25 +77,33 @@ def _fixed_setup(self, loop):
         self.stream = StreamingSync(self, loop.worker, Streaming(1, 0, 0.0), path)
 
 
-def main() -> None:
-    data, out_dir = sys.argv[1:3]
-    comm = MPI.COMM_WORLD
-    Worker.batch = _batch
-    CpuLanes.step = _lanes_step
-    WindowedPolicy._setup = _fixed_setup
-    if not OmegaConf.has_resolver("rlx_run_id"):
-        OmegaConf.register_new_resolver("rlx_run_id", lambda: "streaming")
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        base = OmegaConf.to_container(compose("config", overrides=overrides(data, comm.size)), resolve=True)
-    for case in sys.argv[3:]:
+def groups(args: list[str]) -> list[tuple[int, str, list[str]]]:
+    """``RANKS DATA CASE ...`` groups, each after ``--ranks``."""
+    out = []
+    for token in args:
+        if token == "--ranks":
+            out.append([None, None, []])
+        elif out[-1][0] is None:
+            out[-1][0] = int(token)
+        elif out[-1][1] is None:
+            out[-1][1] = token
+        else:
+            out[-1][2].append(token)
+    return [tuple(g) for g in out]
+
+
+def run_cases(comm, base: dict, data: str, cases: list[str], out_dir: Path) -> None:
+    Fixed.rank = comm.rank
+    for case in cases:
         parts = case.split(",")
         Fixed.force_streaming = parts[0] == "forced"
         f, tau, wire = parts[-3:]
         cfg = copy.deepcopy(base)        # composed once: Hydra takes longer than a case's run
+        cfg["data"]["path"] = data
+        cfg["train"]["batch_size"] = BATCH * comm.size
         cfg["policy"].update(case_keys(int(f), int(tau), wire))
-        run_dir = Path(out_dir) / case.replace(",", "_")
         t0 = time.perf_counter()
-        spec = build_spec(cfg, str(run_dir), comm.size)
+        spec = build_spec(cfg, str(out_dir / case.replace(",", "_")), comm.size)
         run = Run(spec, comm)
         result = run.execute()
         assert result["status"] == "completed", result
@@ -108,8 +118,27 @@ def main() -> None:
             if residuals[0] is not None:
                 arrays["sent_residual"] = np.stack([r[0] for r in residuals])
                 arrays["sum_residual"] = np.stack([r[1] for r in residuals])
-            np.savez(Path(out_dir) / f"{case}.npz", **arrays)
-            print(f"{case}: {arrays['seconds']:.2f} s", flush=True)
+            np.savez(out_dir / f"{case}.npz", **arrays)
+            print(f"{comm.size} ranks, {case}: {arrays['seconds']:.2f} s", flush=True)
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    world = MPI.COMM_WORLD
+    Worker.batch = _batch
+    CpuLanes.step = _lanes_step
+    WindowedPolicy._setup = _fixed_setup
+    if not OmegaConf.has_resolver("rlx_run_id"):
+        OmegaConf.register_new_resolver("rlx_run_id", lambda: "streaming")
+    todo = groups(sys.argv[2:])
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        base = OmegaConf.to_container(compose("config", overrides=overrides(todo[0][1], world.size)), resolve=True)
+    for ranks, data, cases in todo:
+        # a smaller world on the first ranks of the job: one job (one start-up) for every size
+        comm = world if ranks == world.size else world.Split(0 if world.rank < ranks else MPI.UNDEFINED, world.rank)
+        if comm != MPI.COMM_NULL:
+            (out_dir / str(ranks)).mkdir(parents=True, exist_ok=True)
+            run_cases(comm, base, data, cases, out_dir / str(ranks))
 
 
 if __name__ == "__main__":
