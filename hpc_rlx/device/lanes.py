@@ -34,10 +34,12 @@ import numpy as np
 from hpc_rlx.comm.wire import segments
 from hpc_rlx.device import backend, cuda_mpi
 from hpc_rlx.device.batch_sync import BatchStatSum, results_of, run_stand_in
+from hpc_rlx.device.eval_counts import evaluate_counts
 from hpc_rlx.device.host_blas import host_array_module
 from hpc_rlx.device.lane_plan import assign_samples, split_by_throughput
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.graph import Executor
+from hpc_rlx.graph.loss_options import loss_head
 from hpc_rlx.observe import trace
 
 
@@ -59,6 +61,8 @@ class Lane:
     device_params: object = None
     sync: object = None         # model.sync_batch_norm: this lane's `batch_sync.LaneHook`
     scratch_grads: object = None    # where a stand-in micro-batch's gradient goes (batch_sync)
+    weigh: object = None        # a weighted loss: labels -> (its mean's denominator, labelled positions)
+    counted: tuple = (0.0, 0)   # ... summed over the last step's micro-batches
 
     def compute(self, x, y, seed: int, on_grad_ready=None, accumulate: int = 1) -> tuple[int, float, float, float]:
         """Sample-weighted gradient of this slice into grad_flat. Returns (n, loss_sum, correct, seconds).
@@ -76,6 +80,7 @@ class Lane:
 
     def _compute(self, x, y, seed, on_grad_ready, accumulate):
         n = int(x.shape[0])
+        self.counted = (0.0, 0)
         t0 = time.perf_counter()
         # The worker thread stays on this lane's GPU (no with-block: see backend.select_device).
         backend.select_device(self.device)
@@ -95,11 +100,15 @@ class Lane:
         parts = micro_batches(n, accumulate)
         for j, (lo, hi) in enumerate(parts):
             last = j == len(parts) - 1
+            scale = float(hi - lo)    # a weighted loss: its own denominator, the statistics by rows
+            if self.weigh is not None:
+                w, labelled = self.weigh(y[lo:hi])
+                self.counted, scale = (self.counted[0] + w, self.counted[1] + labelled), (w, scale)
             out = self.executor.forward_backward(
                 self.param_views, self.grad_views, {"x": self.xp.asarray(x[lo:hi]), "y": self.xp.asarray(y[lo:hi])},
-                train=True, seed=micro_batch_seed(seed, j), grad_scale=float(hi - lo),
+                train=True, seed=micro_batch_seed(seed, j), grad_scale=scale,
                 on_grad_ready=on_grad_ready if last else None, accumulate=j > 0, sync=self.sync)
-            loss_sum += out["loss"] * (hi - lo)
+            loss_sum += out["loss"] * (scale[0] if self.weigh is not None else scale)
             correct += float(out.get("correct", 0.0))
         for j in range(len(parts), k_sync):       # micro-batches with no rows here
             run_stand_in(self, x, y, micro_batch_seed(seed, j))
@@ -175,6 +184,9 @@ class LaneSet:
         self.batch_sync = BatchStatSum(len(self.lanes), sync_comm) if sync_comm is not None else None
         for i, ln in enumerate(self.lanes if self.batch_sync is not None else ()):
             ln.sync = self.batch_sync.hook(i, ln.xp)
+        self.head = loss_head(graph)
+        for ln in self.lanes if self.head.weighted else ():
+            ln.weigh = self.head.weight_of
         self._pool = ThreadPoolExecutor(max_workers=len(self.lanes)) if len(self.lanes) > 1 else None
         self._params_fresh = False      # the first step or evaluation copies the parameters up
         self.steps = 0
@@ -280,6 +292,7 @@ class LaneSet:
         loss_sum = sum(r[1] for r in results)
         correct = sum(r[2] for r in results)
         wall = max(r[3] for r in results)
+        self.counted = tuple(map(sum, zip(*(ln.counted for ln in self.lanes))))    # a weighted loss's
         return n, loss_sum, correct, wall
 
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch: int = 1024) -> tuple[float, float]:
@@ -294,6 +307,11 @@ class LaneSet:
                 loss_sum += out["loss"] * xb.shape[0]
                 correct += float(out.get("correct", 0.0))
         return loss_sum, correct
+
+    def evaluate_counts(self, x: np.ndarray, y: np.ndarray, batch: int = 1024) -> dict:
+        """Validation's additive counts over a host array, on the first lane (`eval_counts`)."""
+        self._ensure_fresh_params()
+        return evaluate_counts(self.lanes[0], self.head, x, y, batch)
 
     def close(self) -> None:
         if self._pool is not None:

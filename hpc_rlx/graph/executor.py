@@ -283,6 +283,7 @@ class Executor:
         parameter after the last VJP that writes it), on the calling thread, so a caller can
         start reducing finished gradients while backward still runs (``comm.overlap``). ``sync``:
         see ``_Ctx`` (every part must run the same graph in step: batch norm calls it in forward and backward).
+        ``grad_scale`` may be a pair: (the loss's weight, the buffers' statistics' weight).
         """
         if self._loss_slot is None:
             raise GraphError("forward_backward: this graph has no loss (a pipeline stage before the last: "
@@ -300,7 +301,8 @@ class Executor:
         ctx = _Ctx(bool(train), seed, self.dtype, sync)
         self._forward(self._train_plan, env, saved, ctx)
         results = [(name, env[s]) for name, s in self._outputs]
-        self._write_statistics(env, ctx, grad_views, grad_scale, accumulate)
+        grad_scale, stat_scale = grad_scale if isinstance(grad_scale, tuple) else (grad_scale, grad_scale)
+        self._write_statistics(env, ctx, grad_views, stat_scale, accumulate)
 
         cot = [None] * self._nslots
         cot[self._loss_slot] = xp.asarray(grad_scale, dtype=self.dtype)

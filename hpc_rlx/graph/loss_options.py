@@ -46,6 +46,18 @@ class LossHead:
     def reports_mae(self) -> bool:
         return self.kind == "mse"
 
+    @property
+    def reports(self) -> tuple[str, ...]:
+        """The validation metrics it reports (`observe/metrics/validation.py`)."""
+        if self.kind == "cross_entropy":
+            return ("val_loss", "val_accuracy") + (("val_iou",) if self.reports_iou else ())
+        return ("val_loss", "val_mae") if self.kind == "mse" else ("val_loss",)
+
+    @property
+    def counts_validation(self) -> bool:
+        """Validation needs counts beyond the loss and the correct predictions."""
+        return self.weighted or self.reports_iou or self.reports_mae
+
     def weight_of(self, labels) -> tuple[float, int]:
         """(the summed weight of ``labels``' labelled positions, how many are labelled): a
         batch's share of the mean's denominator, and of the accuracy's."""
@@ -105,3 +117,13 @@ def with_class_weighting(graph: Graph, weights=None, ignore_index=None) -> Graph
             if ignore_index is not None:
                 node["attrs"]["ignore_index"] = int(ignore_index)
     return Graph.from_dict(d)
+
+
+def weighted_loss(graph_dict: dict) -> bool:
+    """Whether a graph's JSON form (a spec's) has a cross-entropy with class weights or an
+    ignored label, without building the graph."""
+    name = graph_dict.get("outputs", {}).get(LOSS)
+    node = next((n for n in graph_dict.get("nodes", ()) if n["name"] == name), None)
+    attrs = (node or {}).get("attrs") or {}
+    return (node or {}).get("op") == "softmax_cross_entropy" and (
+        attrs.get("weights") is not None or attrs.get("ignore_index") is not None)

@@ -16,6 +16,7 @@ import time
 from hpc_rlx.observe import trace
 
 from .base import EpochTotals, Loop, Policy, StepResult
+from .loss_weight import WEIGHT_FIELDS, is_weighted, mean_scale
 
 
 class SyncPolicy(Policy):
@@ -23,6 +24,12 @@ class SyncPolicy(Policy):
     defaults = {}
     steps_are_batches = True
     shards_optimizer_state = True
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        # a weighted loss: its global denominator travels in the bucket too (loss_weight.py)
+        self.weighted = is_weighted(spec)
+        self.bucket_fields = self.bucket_fields + (WEIGHT_FIELDS if self.weighted else ())
 
     def step_label(self, worker) -> str:
         return f"step {worker.step_in_epoch}/{worker.steps_per_epoch}"
@@ -51,6 +58,8 @@ class SyncPolicy(Policy):
         compute = time.perf_counter() - t_data
         bucket.zero_tail()
         bucket["samples"], bucket["loss_sum"], bucket["correct"] = n, loss_sum, correct
+        if self.weighted:
+            bucket["loss_weight"], bucket["labelled"] = loop.lanes.counted
         if loop.hooks.poisons_gradient(worker.step):
             bucket.payload_to_host()            # GPU-only lanes left the gradient on the GPU
             bucket.payload[0] = float("nan")    # debug.nan_*: a non-finite gradient, on purpose
@@ -66,12 +75,16 @@ class SyncPolicy(Policy):
         else:
             if total_n > 0:
                 bucket.payload_to_host()      # a CUDA-aware Allreduce leaves the sum on the GPU
+                scale = (mean_scale(bucket.payload, worker.n_trainable, bucket["loss_weight"], total_n)
+                         if self.weighted else 1.0 / total_n)
                 with trace.span("optimizer", "optim"):
                     # comm.shard=optimizer: the parameters' allgather is part of the step's communication
                     result.comm_s += worker.apply_gradient(bucket.payload, worker.lr_at(worker.step),
-                                                           grad_scale=1.0 / total_n)
+                                                           grad_scale=scale)
                 worker.apply_gradient_ok()
             result.samples, result.loss_sum, result.correct = total_n, bucket["loss_sum"], bucket["correct"]
+            if self.weighted:
+                result.sums.update({k: bucket[k] for k in WEIGHT_FIELDS})
         worker.state.step_taken(s + 1)
         t_end = time.perf_counter()
         result.wall_s = t_end - t_step

@@ -31,6 +31,7 @@ from hpc_rlx.injection import DebugHooks
 from hpc_rlx.observe import trace
 from hpc_rlx.observe.display import RunDisplay, Where
 from hpc_rlx.observe.metrics import Window, epoch_values
+from hpc_rlx.observe.metrics.validation import PER_CLASS, VAL_KEYS
 from hpc_rlx.observe.outputs import RunOutputs
 from hpc_rlx.observe.progress import end_line
 from hpc_rlx.policies.base import EpochTotals, dropout_seed
@@ -329,8 +330,7 @@ class Run(Survives):
             "epoch": worker.epoch + 1,
             "step": worker.step,
             **metrics,
-            "val_loss": val["val_loss"],
-            "val_accuracy": val["val_accuracy"],
+            **val,      # val_loss, val_accuracy, val_iou, val_mae: what the model reports
             "compute_s": totals.compute_s,
             "comm_s": totals.comm_s,
             "data_s": worker.data_s if worker.epoch == 0 else 0.0,
@@ -345,7 +345,7 @@ class Run(Survives):
             rec.pop("val_accuracy", None)
         if partial:
             rec.update(partial=True, epoch_fraction=round(self.policy.epoch_fraction(worker), 6))
-        entry = {k: rec[k] for k in ("epoch", "step", "val_loss", "val_accuracy", "train_loss") if k in rec}
+        entry = {k: rec[k] for k in ("epoch", "step", *VAL_KEYS, PER_CLASS, "train_loss") if k in rec}
         if partial:
             # summary.json's final metrics, but not the history: a resume trains the epoch to its
             # end, and the best checkpoint is ranked by whole epochs only

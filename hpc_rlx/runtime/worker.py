@@ -21,7 +21,9 @@ from hpc_rlx.graph import ParamLayout
 from hpc_rlx.graph.partition import load_graph
 from hpc_rlx.runtime.feed import Feed, MemoryFeed, StreamFeed
 from hpc_rlx.runtime.feed_scatter import ScatterStreamFeed
+from hpc_rlx.device.eval_counts import pack_counts, unpack_counts
 from hpc_rlx.observe import trace
+from hpc_rlx.observe.metrics.validation import val_values
 from hpc_rlx.optim import make_optimizer, make_schedule, optimizer_kwargs, scaled_lr
 from hpc_rlx.optim.clip import scale_to_norm_, squared_norm
 from hpc_rlx.optim.segments import slice_segments
@@ -356,6 +358,16 @@ class Worker:
         """Global validation loss/accuracy: every rank scores its slice, one small Allreduce.
         Summed per evaluation batch (`feed.eval_batch` rows) in order, whatever data.cache."""
         from mpi4py import MPI
+        head = getattr(lanes, "head", None)
+        if head is not None and head.counts_validation:    # weights, IoU or MAE: the counts of eval_counts.py
+            total: dict = {}
+            for xb, yb in self.feed.val_batches():
+                for key, value in lanes.evaluate_counts(xb, yb, batch=self.feed.eval_batch).items():
+                    total[key] = total.get(key, 0) + value
+            classes = head.classes if head.reports_iou else 0
+            buf = pack_counts(total, classes)
+            collective.watched_call("validation Allreduce", self.comm.Allreduce, MPI.IN_PLACE, buf, op=MPI.SUM)
+            return val_values(unpack_counts(buf, classes), head.reports)
         loss_sum = correct = 0.0
         n = 0
         for xb, yb in self.feed.val_batches():

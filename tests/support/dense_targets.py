@@ -43,3 +43,20 @@ def write_data(path: Path, rows: int, seed: int = 0, ignore: int | None = 255) -
         f["x"], f["y"] = x, y
         f.attrs["num_classes"] = CLASSES
     return path
+
+
+def write_regression(graph_path: Path, data_path: Path, rows: int, seed: int = 1) -> tuple[Path, Path]:
+    """A per-pixel regression: one 3x3 convolution, (B, 2, 8, 8) to (B, 1, 8, 8), MSE against
+    float targets; and its data."""
+    b = GraphBuilder("tiny_regression")
+    x = b.input("x", [None, 2, SIDE, SIDE])
+    y = b.input("y", [None, 1, SIDE, SIDE])
+    w = b.param("c.weight", [1, 2, 3, 3], {"scheme": "he_normal", "fan_in": 18})
+    bias = b.param("c.bias", [1], {"scheme": "zeros"})
+    b.output("loss", b.op("mse", b.op("conv2d", x, w, bias, name="pred", padding=1), y, name="mse"))
+    b.build().to_file(graph_path)
+    rng = np.random.default_rng(seed)
+    xs = rng.standard_normal((rows, 2, SIDE, SIDE))
+    with h5py.File(data_path, "w") as f:
+        f["x"], f["y"] = xs, 0.5 * xs[:, :1] - 0.25 * xs[:, 1:] + 0.1 * rng.standard_normal((rows, 1, SIDE, SIDE))
+    return graph_path, data_path

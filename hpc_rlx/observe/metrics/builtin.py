@@ -6,21 +6,23 @@ from .base import Metric, Window
 
 
 class TrainLoss(Metric):
-    """The mean training loss of the span's samples (a skipped step's are not counted)."""
+    """The mean training loss of the span's samples (a skipped step's are not counted); a
+    weighted loss's over its summed label weight (`policies/loss_weight.py`)."""
     step_key, epoch_key, label = "loss", "train_loss", "loss"
 
     def value(self, window: Window) -> float | None:
-        n = window["samples"]
+        n = window["loss_weight"] if "loss_weight" in window.counts else window["samples"]
         return window["loss_sum"] / n if n > 0 else None
 
 
 class TrainAccuracy(Metric):
-    """The fraction of correct predictions over the span's samples."""
+    """The fraction of correct predictions over the span's labelled positions (pixel accuracy
+    for a label per pixel; an ignored label's positions left out)."""
     epoch_key = "train_accuracy"
 
     def value(self, window: Window) -> float | None:
-        n = window["samples"]
-        return window["correct"] / (n * window.per_sample) if n > 0 else None
+        n = window["labelled"] if "labelled" in window.counts else window["samples"] * window.per_sample
+        return window["correct"] / n if n > 0 else None
 
 
 class SamplesPerSecond(Metric):
