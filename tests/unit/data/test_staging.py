@@ -135,3 +135,21 @@ def test_where_a_run_stages_is_not_part_of_its_config_fingerprint():
     staged = {**cfg, "data": {**cfg["data"], "stage_dir": "/dev/shm", "stage_keep": True}}
     moved = {**cfg, "data": {**cfg["data"], "path": "/d/other"}}
     assert config_fingerprint(cfg, "/") == config_fingerprint(staged, "/") != config_fingerprint(moved, "/")
+
+
+def test_a_file_the_node_did_not_stage_is_read_in_place(tmp_path):
+    """After a dead rank a shard may move to a node that lacks some of its files (a spare on
+    another node): those are read from data.path; `close` removes the copies unless kept."""
+    from hpc_rlx.runtime.staging import Staged
+    root = make_stage_root(str(tmp_path / "stage"), "hpc_rlx-stage-t")
+    files = FileSet(("/d/a.h5", "/d/b.h5", "/d/c.h5"), (1, 1, 1), one_sample=True)
+    staged = Staged(root, {"/d/a.h5": f"{root}/a", "/d/c.h5": f"{root}/c"}, keep=False)
+    read = files.remapped(staged.path)
+    assert [read.opened(f) for f in range(3)] == [f"{root}/a", "/d/b.h5", f"{root}/c"]
+    from hpc_rlx.data.stage_plan import read_places
+    assert read_places([(read, [(0, 2)]), (read, [(2, 3)])]) == {"staged_reads": 2, "in_place_reads": 1}
+    assert read_places([(files, [(0, 3)])]) == {}          # not staged: summary.json says nothing
+    Staged(root, {}, keep=True).close()
+    assert os.path.isdir(root)
+    staged.close()
+    assert not os.path.exists(root)
