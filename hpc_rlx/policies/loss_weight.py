@@ -31,3 +31,16 @@ def mean_scale(payload, n_trainable: int, weight: float, samples: float) -> floa
     if payload.shape[0] > n_trainable:
         payload[n_trainable:] *= weight / samples
     return 1.0 / weight
+
+
+def local_mean(payload, n_trainable: int, counted, samples: int, loss_sum: float,
+               correct: float, per_sample: int) -> tuple[float, float, float]:
+    """cadence/async: a local step of a weighted loss takes its own batch's mean (what one rank
+    of PyTorch computes); (the gradient factor, and the loss and correct counts rescaled so the
+    epoch's sample-weighted means are the means of those local means). `counted`: the lanes'
+    (summed label weight, labelled positions)."""
+    weight, labelled = counted
+    scale = mean_scale(payload, n_trainable, weight, samples)
+    loss = loss_sum / weight * samples if weight > 0 else 0.0
+    accuracy = correct / labelled * samples * per_sample if labelled > 0 else 0.0
+    return scale, loss, accuracy

@@ -59,6 +59,7 @@ from .consensus import work_weight
 from .epochlog import EpochLog
 from .fragments import Streaming, check_streaming
 from .keys import SHARED_DEFAULTS, SHARED_DOCS, check_outer_keys, integer_key, number_key
+from .loss_weight import is_weighted, local_mean
 from .outer import outer_from_config
 from .smoothing import RecentMin
 from .streaming import StreamingSync
@@ -310,7 +311,7 @@ class WindowedPolicy(WindowedState, Policy):
         """This rank's `count` local optimizer steps on its own shard (no communication), from
         step `first` of the window on (a streaming sub-window runs in two parts)."""
         worker, lanes, rank = loop.worker, loop.lanes, loop.rank
-        seed = worker.spec.train["seed"]
+        seed, weighted = worker.spec.train["seed"], is_weighted(worker.spec)
         work = LocalWork()
         cold_s = None
         position = self.cursors[rank] + first
@@ -327,11 +328,15 @@ class WindowedPolicy(WindowedState, Policy):
                 if not math.isfinite(ls):
                     work.bad = True
                 else:
+                    worker.bucket.payload_to_host()      # GPU-only lanes sum on the GPU
+                    scale = 1.0 / n
+                    if weighted:        # a weighted loss: this rank's own batch mean (loss_weight.py)
+                        scale, ls, corr = local_mean(worker.bucket.payload, worker.n_trainable, lanes.counted,
+                                                     n, ls, corr, worker.per_sample)
                     work.loss_sum += ls
                     work.correct += corr
-                    worker.bucket.payload_to_host()      # GPU-only lanes sum on the GPU
                     with trace.span("optimizer", "optim"):
-                        worker.apply_gradient(worker.bucket.payload, lr, grad_scale=1.0 / n)
+                        worker.apply_gradient(worker.bucket.payload, lr, grad_scale=scale)
                     lanes.refresh_device_params()
             dt = time.perf_counter() - t
             # slowdown: (f - 1) x the whole step, slept once before the sync
