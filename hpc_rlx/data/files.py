@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import h5py
 import numpy as np
-from h5py import h5d, h5f, h5p
+from h5py import h5d, h5f, h5p, h5s
 
 from hpc_rlx.data.fileset import FileSet
 from hpc_rlx.data.hdf5 import DatasetInfo, _describe_open, _open, describe
@@ -100,6 +100,63 @@ def _fast_meta(path: str, x_name: str, y_name: str, one_sample: bool) -> Meta | 
     if not xs or not ys or xs[0] != ys[0] or xs[0] == 0:
         return None
     return Meta(xs[0], xs[1:], xd, ys[1:], yd)
+
+
+def _plain_offset(d) -> int | None:
+    """The file offset of a low-level dataset stored as plain native bytes, else None."""
+    try:
+        plist = d.get_create_plist()
+        if (plist.get_layout() != h5d.CONTIGUOUS or plist.get_nfilters() or plist.get_external_count()
+                or not d.dtype.isnative or d.dtype.kind not in "biuf"):
+            return None
+        return d.get_offset()
+    except Exception:  # noqa: BLE001 - HDF5 reads it then
+        return None
+
+
+def read_one_sample(path: str, named: str, x_name: str, y_name: str, ref: Meta, ref_path: str,
+                    x_out, y_out, at: int) -> tuple[int, int] | None:
+    """A one-sample file through HDF5's low-level calls (a few times cheaper than h5py.File),
+    checked against `ref`, into x_out[at] (None: skipped) and y_out[at]; returns the datasets'
+    file offsets when both are plain bytes (a later read may pread them), else None. A file
+    the low-level calls cannot open or lacks a dataset gets the full description's message."""
+    try:
+        fid = h5f.open(os.fsencode(path), h5f.ACC_RDONLY, fapl=_FAPL)
+    except Exception:  # noqa: BLE001
+        fid = None
+    if fid is None:
+        describe(path, x_name, y_name, True)      # raises the message (missing, not HDF5, ...)
+        raise DataError(f"cannot open data file {named!r}")
+    try:
+        try:
+            dx, dy = h5d.open(fid, x_name.encode()), h5d.open(fid, y_name.encode())
+        except Exception:  # noqa: BLE001
+            meta_of(_describe_open_path(path, named, x_name, y_name))     # raises the message
+            raise
+        got = Meta(1, tuple(dx.shape), np.dtype(dx.dtype).newbyteorder("="), tuple(dy.shape),
+                   np.dtype(dy.dtype).newbyteorder("="))
+        check_like(got, ref, named, ref_path, x_name, y_name)
+        for d, out, stored in ((dx, x_out, got.x_dtype), (dy, y_out, got.y_dtype)):
+            if out is None:
+                continue
+            view = out[at:at + 1]
+            if out.dtype == stored:
+                d.read(h5s.create_simple(view.shape), h5s.ALL, view)
+            else:     # a cast: NumPy's, as every other path casts
+                tmp = np.empty(view.shape, stored)
+                d.read(h5s.create_simple(tmp.shape), h5s.ALL, tmp)
+                view[...] = tmp
+        xo, yo = _plain_offset(dx), _plain_offset(dy)
+        return None if xo is None or yo is None else (xo, yo)
+    except (OSError, ValueError, TypeError) as e:
+        raise DataError(f"reading data file {named!r} failed: {e}") from None
+    finally:
+        fid.close()
+
+
+def _describe_open_path(path: str, named: str, x_name: str, y_name: str) -> DatasetInfo:
+    with _open(path) as f:
+        return _describe_open(f, named, x_name, y_name, True)
 
 
 def file_meta(path: str, x_name: str, y_name: str, one_sample: bool = False) -> Meta:
@@ -208,6 +265,10 @@ class SetReader:
 
     def read_range(self, start: int, stop: int, x_out: np.ndarray, y_out: np.ndarray, at: int = 0) -> None:
         for p in self.files.pieces(start, stop):
+            if self.files.one_sample:
+                read_one_sample(self.files.opened(p.file), self.files.named(p.file), self.x_name, self.y_name,
+                                self.ref, self.ref_path, x_out, y_out, at + p.at)
+                continue
             f = self._open_file(p.file)
             try:
                 _read_piece(f[self.x_name], p.lo, p.hi, x_out, at + p.at, self.files.one_sample)

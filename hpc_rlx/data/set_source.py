@@ -17,9 +17,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from hpc_rlx.data.files import Meta, check_like
+from hpc_rlx.data.files import Meta, check_like, read_one_sample
 from hpc_rlx.data.fileset import FileSet
-from hpc_rlx.data.stream import RowSource, _raw_offset
+from hpc_rlx.data.stream import RowSource
 from hpc_rlx.errors import DataError
 
 __all__ = ["SetSource"]
@@ -72,14 +72,14 @@ class SetSource:
     def check(self, start: int, stop: int) -> None:
         """Open (metadata only) and check every file holding rows [start, stop)."""
         for k in self.files.files_in(start, stop):
-            self._first_open(k) if self.files.one_sample else self.source(k)
+            self._probe(k) if self.files.one_sample else self.source(k)
 
-    def _first_open(self, k: int) -> RowSource:
-        src = self.source(k)
-        if k not in self._raw:
-            xo, yo = _raw_offset(src.dx), _raw_offset(src.dy)
-            self._raw[k] = None if xo is None or yo is None else (xo, yo)
-        return src
+    def _probe(self, k: int, x_out=None, y_out=None, at: int = 0) -> None:
+        """A one-sample file's first open: checked (and read into the buffers given), its
+        datasets' offsets recorded for later reads."""
+        y_out = np.empty((1,) + self.y_shape, self.y_dtype) if y_out is None else y_out
+        self._raw[k] = read_one_sample(self.files.opened(k), self.files.named(k), self.x_name, self.y_name,
+                                       self.ref, self.ref_path, x_out, y_out, at)
 
     def _pread_one(self, k: int, x_out, y_out, at: int) -> None:
         """A one-sample file by its recorded offsets: no HDF5 open."""
@@ -102,30 +102,28 @@ class SetSource:
         finally:
             os.close(fd)
 
-    def _read_file(self, k: int, local: np.ndarray, x_out, y_out, at: int) -> None:
-        if self.files.one_sample:
-            if self._raw.get(k) is not None:
-                return self._pread_one(k, x_out, y_out, at)
-            src = self._first_open(k)
-            return src.read_range(0, 1, x_out, y_out, at)
-        src = self.source(k)
-        if x_out is None:
-            lo, hi = int(local[0]), int(local[-1]) + 1
-            if hi - lo == len(local):
-                return src.read_range(lo, hi, None, y_out, at)
-            raise ValueError("labels alone are read by range")
-        src.read(local, x_out, y_out, at)
+    def _read_one(self, k: int, x_out, y_out, at: int) -> None:
+        if k not in self._raw:
+            return self._probe(k, x_out, y_out, at)
+        if self._raw[k] is not None:
+            return self._pread_one(k, x_out, y_out, at)
+        # not plain bytes (compressed, chunked): HDF5 reads it, every time
+        read_one_sample(self.files.opened(k), self.files.named(k), self.x_name, self.y_name, self.ref,
+                        self.ref_path, x_out, y_out, at)
 
     def read(self, rows: np.ndarray, x_out: np.ndarray, y_out: np.ndarray, at: int = 0) -> None:
         """Global rows `rows` (sorted, distinct) into x_out/y_out[at : at + len(rows)]."""
-        for k, local, a, _ in self.files.split(rows):
-            self._read_file(k, local, x_out, y_out, at + a)
+        for k, local, a, b in self.files.split(rows):
+            if self.files.one_sample:
+                self._read_one(k, x_out, y_out, at + a)
+            else:
+                self.source(k).read(local, x_out, y_out, at + a)
 
     def read_range(self, start: int, stop: int, x_out, y_out: np.ndarray, at: int = 0) -> None:
         """Global rows [start, stop) into x_out/y_out[at:]; x_out None: the labels alone."""
         for p in self.files.pieces(start, stop):
             if self.files.one_sample:
-                self._read_file(p.file, None, x_out, y_out, at + p.at)
+                self._read_one(p.file, x_out, y_out, at + p.at)
             else:
                 self.source(p.file).read_range(p.lo, p.hi, x_out, y_out, at + p.at)
 
