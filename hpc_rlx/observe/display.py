@@ -12,6 +12,7 @@ from typing import Callable
 from hpc_rlx import run_dir_names as names
 from hpc_rlx.observe import tensorboard_log
 from hpc_rlx.observe.metrics import Window, shown
+from hpc_rlx.observe.metrics.validation import VAL_KEYS
 from hpc_rlx.observe.progress import Snapshot, make_progress, run_fraction
 from hpc_rlx.observe.step_log import StepLog
 
@@ -110,7 +111,7 @@ class RunDisplay:
             self.step_log.epoch(rec)
         if self.progress is not None:
             self.progress.end_epoch()
-        acc = f"  val_accuracy {fmt(rec['val_accuracy'])}" if "val_accuracy" in rec else ""
+        acc = "".join(f"  {k} {fmt(rec[k])}" for k in VAL_KEYS[1:] if k in rec)   # what the model reports
         part = f" (partial: {steps} steps)" if partial else ""
         self.log(f"epoch {rec['epoch']}/{self.spec.train['epochs']}{part}  train_loss {fmt(rec['train_loss'])}  "
                  f"val_loss {fmt(rec['val_loss'])}{acc}  "

@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 
 from hpc_rlx.observe.launcher import display_for
+from hpc_rlx.observe.metrics.validation import VAL_KEYS
 
 BAR_REDRAWS_PER_S = 4
 
@@ -109,7 +110,7 @@ def end_line(status: str, wall_s: float, final: dict | None, run_dir: str, detai
     """The run's last line: status, wall time, final metrics and the run directory."""
     final = final or {}
     words = END_WORDS.get(status, status)
-    metrics = "  ".join(f"{k} {sig(final[k])}" for k in ("train_loss", "val_loss", "val_accuracy")
+    metrics = "  ".join(f"{k} {sig(final[k])}" for k in ("train_loss", *VAL_KEYS)
                         if isinstance(final.get(k), (int, float)))
     where = f"epoch {final['epoch']}{' (partial)' if final.get('partial') else ''}, " \
             f"step {final['step']}: " if "epoch" in final and "step" in final else ""

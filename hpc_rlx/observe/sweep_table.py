@@ -8,8 +8,10 @@ import json
 from pathlib import Path
 
 from hpc_rlx import run_dir_names as names
+from hpc_rlx.observe.metrics.validation import VAL_KEYS
 
-COLUMNS = ("val_loss", "val_accuracy", "train_loss", "epochs_completed", "status")
+OPTIONAL = VAL_KEYS[1:]     # reported by some models only (val_accuracy, val_iou, val_mae)
+COLUMNS = ("val_loss", *OPTIONAL, "train_loss", "epochs_completed", "status")
 
 
 def collect(sweep_dir: Path) -> list[dict]:
@@ -26,8 +28,8 @@ def collect(sweep_dir: Path) -> list[dict]:
             s = json.loads(summary.read_text())
             final = s.get("final") or {}
             # a regression point has no val_accuracy key at all: keep it absent
-            row.update({k: final.get(k) for k in ("val_loss", "val_accuracy", "train_loss")
-                        if k in final or k != "val_accuracy"})
+            row.update({k: final.get(k) for k in ("val_loss", *OPTIONAL, "train_loss")
+                        if k in final or k not in OPTIONAL})
             row["epochs_completed"] = s.get("epochs_completed")
             row["status"] = s.get("status")
         else:
@@ -37,7 +39,7 @@ def collect(sweep_dir: Path) -> list[dict]:
 
 
 def render(rows: list[dict]) -> str:
-    columns = [c for c in COLUMNS if c != "val_accuracy" or any(c in r for r in rows)]
+    columns = [c for c in COLUMNS if c not in OPTIONAL or any(c in r for r in rows)]
     head = "| point | overrides | " + " | ".join(columns) + " |"
     sep = "|" + "---|" * (len(columns) + 2)
     lines = [head, sep]

@@ -26,11 +26,12 @@ from pathlib import Path
 from hpc_rlx import run_dir_names as names
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.observe.metrics import METRICS
+from hpc_rlx.observe.metrics.validation import VAL_TAGS
 
 SETTINGS = ("auto", "true", "false")
 HPARAM_GROUPS = ("model", "data", "optim", "policy", "train", "device", "comm")
 HPARAM_METRICS = ("val/loss", "val/accuracy")
-VALIDATION_TAGS = {"val_loss": "val/loss", "val_accuracy": "val/accuracy"}   # metrics.jsonl key: tag
+VALIDATION_TAGS = VAL_TAGS      # metrics.jsonl key: tag (val_loss: val/loss, val_iou: val/iou, ...)
 INSTALL_HINT = "pip install tensorboardX (or install hpc_rlx with the [report] extra)"
 
 

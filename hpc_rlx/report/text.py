@@ -41,6 +41,7 @@ from hpc_rlx.observe.run_files import (
     varied_overrides,
 )
 from hpc_rlx.observe.pipeline_bubble import stage_bubbles
+from hpc_rlx.observe.metrics.validation import VAL_KEYS
 from hpc_rlx.observe.sweep_table import render
 from hpc_rlx.observe.trace import summarize
 
@@ -62,7 +63,7 @@ def run_text(files: RunFiles) -> str:
                  f"{s.get('world_size', '?')} ranks, policy {m[-1].get('policy', '?') if m else '?'}")
     final = s.get("final") or (m[-1] if m else {})
     # a regression run has no accuracy: no "val_accuracy -" either
-    acc = f"  val_accuracy {_f(final.get('val_accuracy'))}" if "val_accuracy" in final else ""
+    acc = "".join(f"  {k} {_f(final.get(k))}" for k in VAL_KEYS[1:] if k in final)
     lines.append(f"final: train_loss {_f(final.get('train_loss'))}  val_loss {_f(final.get('val_loss'))}"
                  f"{acc}")
     for f in s.get("failures") or []:
