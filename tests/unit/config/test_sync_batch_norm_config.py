@@ -3,6 +3,8 @@ start-up line."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -14,36 +16,46 @@ from hpc_rlx.errors import ConfigError
 from hpc_rlx.graph import GraphBuilder, build_model
 
 
-def _cfg(overrides: list[str]) -> dict:
+@pytest.fixture(scope="module")
+def base() -> dict:
+    """A composed and validated model=onnx config (composed once: Hydra takes a second)."""
     if not OmegaConf.has_resolver("rlx_run_id"):
         OmegaConf.register_new_resolver("rlx_run_id", lambda: "sync_bn")
     with initialize_config_dir(config_dir=_CONFIG_DIR, version_base="1.3", job_name="sync_bn"):
-        cfg = OmegaConf.to_container(compose("config", overrides=["model=onnx", "model.path=m.onnx"] + overrides),
+        cfg = OmegaConf.to_container(compose("config", overrides=["model=onnx", "model.path=m.onnx", "device=cpu"]),
                                      resolve=True)
     return validate_config(cfg, world_size=2)
 
 
-def test_off_by_default_and_on_with_sync_on_cpu():
-    assert check_sync_batch_norm(_cfg([]), 2) is False
-    assert check_sync_batch_norm(_cfg(["model.sync_batch_norm=true", "device=cpu"]), 2) is True
+def _with(cfg: dict, **keys) -> dict:
+    """``cfg`` with dotted keys set (``model__sync_batch_norm=True``)."""
+    out = copy.deepcopy(cfg)
+    for dotted, value in keys.items():
+        section, name = dotted.split("__")
+        out[section][name] = value
+    return out
 
 
-@pytest.mark.parametrize("overrides,names", [
-    (["parallel.pipeline_stages=2"], "parallel.pipeline_stages"),
-    (["policy=cadence"], "policy=cadence"),
-    (["comm.on_failure=shrink"], "comm.on_failure=shrink"),
-    (["device=cuda"], "device=cuda"),
+def test_off_by_default_and_on_with_sync_on_cpu(base):
+    assert check_sync_batch_norm(base, 2) is False
+    assert check_sync_batch_norm(_with(base, model__sync_batch_norm=True), 2) is True
+
+
+@pytest.mark.parametrize("keys,names", [
+    ({"parallel__pipeline_stages": 2}, "parallel.pipeline_stages"),
+    ({"policy__name": "cadence"}, "policy=cadence"),
+    ({"comm__on_failure": "shrink"}, "comm.on_failure=shrink"),
+    ({"device__kind": "cuda"}, "device=cuda"),
 ])
-def test_what_it_cannot_run_with_is_one_error(overrides, names):
-    cfg = _cfg(["model.sync_batch_norm=true"] + overrides)
+def test_what_it_cannot_run_with_is_one_error(base, keys, names):
     with pytest.raises(ConfigError) as e:
-        check_sync_batch_norm(cfg, 2)
+        check_sync_batch_norm(_with(base, model__sync_batch_norm=True, **keys), 2)
     assert "model.sync_batch_norm=true" in str(e.value) and names in str(e.value)
     assert "\n" not in str(e.value)
 
 
-def test_a_windowed_policy_on_one_rank_has_no_ranks_to_wait_for():
-    assert check_sync_batch_norm(_cfg(["model.sync_batch_norm=true", "policy=cadence", "device=cpu"]), 1)
+def test_a_windowed_policy_on_one_rank_has_no_ranks_to_wait_for(base):
+    assert check_sync_batch_norm(_with(base, model__sync_batch_norm=True, policy__name="cadence"), 1)
 
 
 def test_the_start_up_line_counts_the_layers_and_the_values():
