@@ -115,7 +115,9 @@ class Feed:
     def read_from(self, mapping) -> None:
         """Read the files from other places (staged copies): `mapping` original path -> path to
         open (a dict or a function). Before `load`; the order and the samples do not change."""
-        self.files, self.val_files = self.files.remapped(mapping), self.val_files.remapped(mapping)
+        same = self.val_files is self.files      # validation from the tail of the same set
+        self.files = self.files.remapped(mapping)
+        self.val_files = self.files if same else self.val_files.remapped(mapping)
 
     def announce(self, t0: float) -> None:
         """Rank 0's start-up line for a data set of many files: files, samples, and the time the
