@@ -308,7 +308,7 @@ def plan_files(d) -> tuple[FileSet, FileSet, tuple[Meta, str]]:
     must match, the file it was read from)). A plan without a file list (one written before
     data sets) is its one file."""
     one = bool(getattr(d, "one_sample", False))
-    pairs = getattr(d, "files", None) or [[d.path, d.n_train if d.val_path else d.val_stop]]
+    pairs = getattr(d, "files", None) or [[d.path, d.val_stop if d.val_path in (None, d.path) else d.n_train]]
     files = FileSet.from_plan(pairs, one)
     if d.val_path and d.val_path != d.path:
         vpairs = getattr(d, "val_files", None) or [[d.val_path, d.val_stop]]

@@ -227,3 +227,13 @@ def test_a_set_read_from_copies_checks_each_copy_and_names_both(tmp_path):
     with pytest.raises(DataError, match=rf"'{copy} \(a copy of {fs.paths[1]}\)' holds 4 samples, 5 when"):
         read_set(staged, "x", "y", 0, 10, meta_of(info), fs.paths[0])
     assert isinstance(meta_of(info), Meta)
+
+
+def test_one_sample_per_file_joins_the_fingerprint_only_when_set():
+    from hpc_rlx.config.fingerprint import config_fingerprint
+    cfg = {"data": {"path": "/d", "x": "x", "y": "y"}, "model": {"name": "mlp"}}
+    plain = config_fingerprint(cfg)
+    assert config_fingerprint({**cfg, "data": {**cfg["data"], "one_sample_per_file": False}}) == plain
+    assert config_fingerprint({**cfg, "data": {**cfg["data"], "one_sample_per_file": True}}) != plain
+    staged = {**cfg["data"], "stage_dir": "/dev/shm/x", "stage_keep": True}
+    assert config_fingerprint({**cfg, "data": staged}) == plain
