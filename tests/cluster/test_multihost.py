@@ -151,18 +151,24 @@ def test_one_copy_of_the_parameters_per_node_across_nodes_equals_one_node(cluste
         assert sum(rec["optimizer_bytes"] for rec in ranks) == one["optimizer_bytes"], f"{name}: {ranks}"
 
 
+def one_sample_files(root: Path, count: int = 40) -> Path:
+    """A directory of one-sample files: with 40, 32 training (rows of 2, 8 a rank on 2 ranks)
+    and 8 validation (4 a rank)."""
+    root.mkdir()
+    rng = np.random.default_rng(3)
+    for i in range(count):
+        with h5py.File(root / f"s_{i:02d}.h5", "w") as f:
+            f["x"] = rng.standard_normal(6).astype(np.float32)
+            f["y"] = np.int64(rng.integers(0, 3))
+    return root
+
+
 def test_each_node_stages_its_own_ranks_files_and_trains_as_unstaged(cluster, tmp_path):
     """data.stage_dir on each node's private scratch, 2 nodes of 1 rank: node1 copies the files
     of rank 0's block and validation slice, node2 those of rank 1, and the run equals the
     unstaged one bitwise. data.stage_keep=true leaves the copies to look at."""
     from hpc_rlx.data.stage_plan import staged_name
-    samples = tmp_path / "samples"
-    samples.mkdir()
-    rng = np.random.default_rng(3)
-    for i in range(40):      # 32 training (rows of 2, 8 a rank), 8 validation (4 a rank)
-        with h5py.File(samples / f"s_{i:02d}.h5", "w") as f:
-            f["x"] = rng.standard_normal(6).astype(np.float32)
-            f["y"] = np.int64(rng.integers(0, 3))
+    samples = one_sample_files(tmp_path / "samples")
     names = sorted(str(p) for p in samples.iterdir())
     base = EQUIV + [f"data.path={samples}", "data.one_sample_per_file=true", "model.num_classes=3"]
     hosts = {"node1": 1, "node2": 1}
@@ -409,6 +415,30 @@ def test_both_ranks_of_node2_killed_the_rank_on_node1_shrinks_and_trains_on(clus
     assert p.returncode == 0 and "resumed from" in p.stdout, explain(p)
     diff = max_rel_diff(params(ref), params(run))
     assert diff <= 1e-10, f"max relative parameter difference {diff:.3e}"
+
+
+@pytest.mark.skipif(MPI_IMPL != "openmpi", reason="ULFM: Open MPI 5's mpirun --with-ft ulfm")
+def test_a_shard_moved_to_a_node_that_did_not_stage_it_is_read_in_place(cluster, tmp_path):
+    """comm.on_failure=shrink with data.stage_dir, 1 rank on each of 2 nodes: node2's rank dies at
+    step 3, and node1's takes every row. The files of node2's old block were staged on node2
+    only, so node1's rank reads them from data.path: half its files from its node's copies,
+    half in place. Its copies go at the end; node2's, whose only rank was SIGKILLed, stay."""
+    samples = one_sample_files(tmp_path / "samples")
+    run = tmp_path / "shrunk"
+    cmd = launcher(cluster, {"node1": 1, "node2": 1}, [PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run}"] + BASE + EQUIV
+                   + [f"data.path={samples}", "data.one_sample_per_file=true", "model.num_classes=3",
+                      f"data.stage_dir={SCRATCH}/stage-moved", "comm.on_failure=shrink", "debug.fail_rank=[1]",
+                      "debug.fail_point=step", "debug.fail_step=3", "debug.fail_mode=kill"])
+    at = cmd.index(MPIRUN)
+    p = cluster.on("node1", cmd[:at + 1] + ["--with-ft", "ulfm"] + cmd[at + 1:], timeout=120, env=env(), cwd=REPO)
+    assert p.returncode == 0, explain(p)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and [f["ranks"] for f in summary["failures"]] == [[1]], summary
+    (survivor,) = summary["ranks"]
+    assert (survivor["staged_reads"], survivor["in_place_reads"]) == (20, 20), survivor
+    assert list((cluster.scratch("node1") / "stage-moved").iterdir()) == []
+    (left,) = (cluster.scratch("node2") / "stage-moved").glob("hpc_rlx-stage-*")
+    assert len(list(left.iterdir())) == 20
 
 
 # --------------------------------------------------------------------------------------
