@@ -17,8 +17,8 @@ import os
 
 from hpc_rlx.data.fileset import files_of_ranges
 
-__all__ = ["needed_files", "assign_copies", "staged_name", "space_problem", "describe_staging", "read_places",
-           "human_bytes"]
+__all__ = ["needed_files", "rank_ranges", "assign_copies", "staged_name", "space_problem", "describe_staging",
+           "read_places", "human_bytes"]
 
 
 def needed_files(sets_and_ranges) -> list[str]:
