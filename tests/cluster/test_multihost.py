@@ -163,6 +163,8 @@ def one_sample_files(root: Path, count: int = 40) -> Path:
     return root
 
 
+@pytest.mark.skipif(MPI_IMPL == "openmpi", reason="CI time: the MPICH pass runs it, the Open MPI pass the "
+                                                 "staged dead-rank case below")
 def test_each_node_stages_its_own_ranks_files_and_trains_as_unstaged(cluster, tmp_path):
     """data.stage_dir on each node's private scratch, 2 nodes of 1 rank: node1 copies the files
     of rank 0's block and validation slice, node2 those of rank 1, and the run equals the
