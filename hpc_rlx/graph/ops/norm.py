@@ -161,8 +161,7 @@ def batch_norm(xp, args, a, ctx):
             var = (xc * xc).mean(axis=axes)
             count = x.size // x.shape[1]
         else:  # model.sync_batch_norm: the statistics of the global batch
-            mean, var, count = global_moments(xp, x, running_mean, sync)
-            xc = x - per_channel(mean, nd)
+            mean, var, count, xc = global_moments(xp, x, running_mean, sync)
         emit = getattr(ctx, "emit", None)
         if emit is not None:
             emit(RUNNING_MEAN, mean)
@@ -206,22 +205,27 @@ def _bn_x(xp, g, args, ans, saved, a, out):
 
 def global_moments(xp, x, shift, allsum):
     """The mean, biased variance and count of ``x``'s channels over the global batch, of which
-    ``x`` is one part: ``allsum`` (the executor's ``ctx.sync``) returns an array summed over
-    every part. One call carries the count and the sums of ``x - shift`` and of its squares;
-    ``shift`` (the running mean: equal in every part) keeps the one-pass variance accurate
-    while it is near the batch mean. In float64, whatever the compute dtype."""
-    c = x.shape[1]
-    d = x - per_channel(shift, x.ndim)
+    ``x`` is one part, and ``x`` centred on that mean: ``allsum`` (the executor's ``ctx.sync``)
+    returns an array summed over every part. One call carries the count and the sums of
+    ``x - shift`` and of its squares, formed in float64 from this part's own mean and centred
+    sum of squares (two passes in the compute dtype, as the unsynchronised layer does), so the
+    variance is as accurate as that layer's however far the mean lies from ``shift`` (the
+    running mean: equal in every part)."""
+    c, axes = x.shape[1], channel_axes(x)
+    n = x.size // c
+    mean = x.mean(axis=axes)
+    xc = x - per_channel(mean, x.ndim)
+    d = mean.astype(xp.float64) - shift.astype(xp.float64)
     part = xp.empty(2 * c + 1, dtype=xp.float64)
-    part[0] = x.size // c
-    part[1:c + 1] = d.sum(axis=channel_axes(x))
-    d *= d
-    part[c + 1:] = d.sum(axis=channel_axes(x))
+    part[0] = n
+    part[1:c + 1] = n * d
+    part[c + 1:] = (xc * xc).sum(axis=axes).astype(xp.float64) + n * d * d
     total = allsum(part)
     count = float(total[0])
     dm = total[1:c + 1] / max(count, 1.0)      # 0: stand-ins alone (device/batch_sync.py)
     var = xp.maximum(total[c + 1:] / max(count, 1.0) - dm * dm, 0.0)
-    return (shift + dm).astype(x.dtype), var.astype(x.dtype), count
+    xc += per_channel((d - dm).astype(x.dtype), x.ndim)    # x - the global mean
+    return (shift + dm).astype(x.dtype), var.astype(x.dtype), count, xc
 
 
 def global_sums(xp, allsum, sums, dtype):

@@ -144,3 +144,27 @@ def test_a_failing_lane_releases_the_others_with_its_own_error():
             results_of([pool.submit(waits), pool.submit(fails)])
     summer.start_step()                     # whole again for the next step
     assert not summer._barrier.broken
+
+
+def test_float32_statistics_stay_exact_far_from_the_running_mean():
+    """A one-pass sum of squares about the running mean (0 at the start) would lose the
+    variance of inputs centred at 300 in float32; the parts' own centred sums keep it."""
+    from hpc_rlx.graph.ops.norm import global_moments
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((24, 4, 8, 8)) + 300.0).astype(np.float32)
+    parts, summer, out = [x[:15], x[15:]], BatchStatSum(2), [None, None]
+
+    def part(i):
+        out[i] = global_moments(np, parts[i], np.zeros(4, np.float32), summer.hook(i, np))
+
+    threads = [threading.Thread(target=part, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    ref = x.astype(np.float64)
+    mean, var, count, xc = out[1]
+    assert count == 24 * 64
+    np.testing.assert_allclose(var, ref.var(axis=(0, 2, 3)), rtol=1e-5)
+    np.testing.assert_allclose(mean, ref.mean(axis=(0, 2, 3)), rtol=1e-6)
+    np.testing.assert_allclose(xc, ref[15:] - ref.mean(axis=(0, 2, 3))[None, :, None, None], atol=1e-4)
