@@ -10,6 +10,10 @@ Hydra is done.
 
 A job that ends every rank (an error all ranks agree on, a Ctrl-C served with a checkpoint)
 ends the followers' loop on their side too: rank 0 then sends nothing more (`others_left`).
+
+Under MPI's fault tolerance (comm.on_failure=shrink|spare) a rank may die after its job's last
+collective, while the word is on its way: the survivors shrink past it and the word is sent
+again (by the survivors' rank 0 if the sender died: the job was over, so its word is 0).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from hpc_rlx.comm import idle_wait
+from hpc_rlx.comm import idle_wait, ulfm
 from hpc_rlx.comm.ulfm import current
 
 _JOB, _END = "job", "end"
@@ -50,7 +54,8 @@ class JobChannel:
         """The last word: the others exit with `code`. Sent at most once."""
         if self.open:
             self.open = False
-            idle_wait.bcast(current(self.comm), (_END, int(code)), root=0, poll_s=FOLLOW_POLL_S)
+            while not self._word((_END, int(code)))[0]:
+                pass        # a rank died on the way: sent again to the survivors
 
     def others_left(self) -> None:
         """A job ended on every rank at once: nobody is waiting for a word any more."""
@@ -60,7 +65,16 @@ class JobChannel:
     def follow(self, run: Callable[[Job], object]) -> int:
         """Run each job rank 0 announces, in order; returns the exit status it sends last."""
         while True:
-            kind, value = idle_wait.bcast(current(self.comm), None, root=0, poll_s=FOLLOW_POLL_S)
+            sent, word = self._word(None)
+            if not sent:
+                continue
+            if word is None:        # the sender died with its word: the survivors' rank 0 ends it
+                comm = current(self.comm)
+                if comm.rank == 0:
+                    self._word((_END, 0))
+                    return 0
+                continue
+            kind, value = word
             if kind == _END:
                 return value
             run(value)
@@ -70,3 +84,15 @@ class JobChannel:
                 # follows; this rank, the survivors' rank 0 now, tells the others the end
                 idle_wait.bcast(comm, (_END, 0), root=0, poll_s=FOLLOW_POLL_S)
                 return 0
+
+    def _word(self, word):
+        """(True, rank 0's word) over the current communicator; (False, None) where a rank died
+        during it and the survivors shrank past it, (True, None) where rank 0 itself died."""
+        comm = current(self.comm)
+        try:
+            return True, idle_wait.bcast(comm, word, root=0, poll_s=FOLLOW_POLL_S)
+        except Exception as exc:
+            if not ulfm.failure_known(exc, comm):
+                raise
+            shrunk = ulfm.shrink(comm)
+            return (0 in shrunk.failed), None

@@ -198,8 +198,16 @@ def shrink(comm) -> Shrunk:
     group.Free()
     new = comm.Shrink()
     new.Set_errhandler(MPI.ERRORS_RETURN)
-    SUCCESSOR[id(comm)] = (comm, new)     # the old handle kept: its id is not reused
+    replaced(comm, new)
     return Shrunk(new, failed, old_rank, time.perf_counter() - t0)
+
+
+def replaced(old, new) -> None:
+    """From now on `new` stands for `old` (the survivors' communicator, or one renumbered from
+    it): whoever still holds a handle to the launch communicator follows the whole chain with
+    `current`. Every communicator a recovery makes to train on must be recorded here, or the
+    job channel's last word goes to a communicator with a dead rank in it."""
+    SUCCESSOR[id(old)] = (old, new)     # the old handle kept: its id is not reused
 
 
 # old communicator (by id) -> the survivors' one: whoever kept the old handle (the job

@@ -42,7 +42,7 @@ from hpc_rlx.pipeline.schedule import PIPELINE_SCHEDULES
 from hpc_rlx.optim.registry import OPTIMIZERS as _OPTIMIZERS
 from hpc_rlx.policies.config import validate_policy_config
 from hpc_rlx.policies.registry import POLICIES
-from hpc_rlx.injection import FAIL_MODES
+from hpc_rlx.injection import FAIL_MODES, FAIL_POINTS
 from hpc_rlx.injection.slowdown import parse_slowdown
 
 # The checkers are `hpc_rlx.checks` (one family for the whole package): a test of one value
@@ -53,6 +53,18 @@ def _check_stages(v, world_size) -> None:
     integer(1)("parallel.pipeline_stages", v)
     if world_size is not None:
         check_world(world_size, v)
+
+
+def _check_fail_rank(v, world_size) -> None:
+    """debug.fail_rank: a rank or a list of ranks, each inside the world (spares included)."""
+    ranks = v if isinstance(v, list) else [v]
+    if v is None:
+        return
+    if not ranks or not all(is_int(r) and r >= 0 for r in ranks):
+        raise ConfigError(f"debug.fail_rank must be null, a rank or a list of ranks, got {v!r}")
+    if world_size is not None and max(ranks) >= world_size:
+        raise ConfigError(f"debug.fail_rank={v!r} names a rank outside the world of {world_size} "
+                          f"(the largest rank is {world_size - 1}): nothing would fail")
 
 
 def _stall_abort(v) -> bool:
@@ -223,15 +235,16 @@ KEYS: tuple[Key, ...] = (
         "mixed hardware", Via(parse_slowdown, "is a mapping {rank: factor}")),
     Key("debug.fail_rank", (int, list), None, "inject a failure on this rank, or on each rank of a "
         "list at once (reliability tests) ...",
-        Check(lambda v: v is None or is_int(v) or (isinstance(v, list) and v and all(is_int(r) for r in v)),
-              "must be null, a rank or a list of ranks")),
+        Via(_check_fail_rank, "must be null, a rank or a list of ranks inside the world")),
     Key("debug.fail_point", str, None, "... at `spec` (before the spec's broadcast: rank 0 before it sends "
         "it, another rank, reading debug.* from the command line, before it receives it), `startup`, "
         "`broadcast` (before the initial weights'), `data`, `step` (before its forward), `recovery` "
         "(fail_rank's first rank at `step`, the others in the recovery from it), "
         "`allreduce` (before the step's Allreduce), `validation` (before the epoch's), `checkpoint` "
         "(before one is written) or `scatter` (data.distribution=scatter: the rows' scatter at load, step 0, "
-        "or the streamed round of the window from fail_step)"),
+        "or the streamed round of the window from fail_step) or `finish` (after the last step, before the run's "
+        "summary is gathered)",
+        Check(lambda v: v is None or v in FAIL_POINTS, f"must be null or one of {', '.join(FAIL_POINTS)}")),
     Key("debug.fail_step", int, 0, "... (`fail_point=step|allreduce|validation|recovery|scatter`) at this global step"),
     Key("debug.fail_mode", str, "raise", "... `raise` an exception, or `kill`: the rank sends itself "
         "SIGKILL (a dead rank, for comm.on_failure)", OneOf(*FAIL_MODES)),

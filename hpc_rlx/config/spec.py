@@ -134,6 +134,16 @@ def check_lane_batch(dev: dict, global_batch: int, world_size: int) -> None:
             f"train.batch_size >= {world_size * lanes} (ranks x lanes) or fewer lanes")
 
 
+def check_accumulate(train: dict, world_size: int) -> None:
+    """More micro-batches (train.accumulate) than the busiest rank's samples per step: empty ones."""
+    k = int(train.get("accumulate") or 1)
+    per_rank = -(-int(train["batch_size"]) // world_size)
+    if k > per_rank:
+        raise ConfigError(f"train.accumulate={k} is more micro-batches than the {per_rank} sample(s) a rank "
+                          f"takes per step (train.batch_size={train['batch_size']} over {world_size} ranks): "
+                          f"the largest value that means something is {per_rank}")
+
+
 def schedule_kwargs(opt: dict) -> dict:
     return {k: opt[k] for k in ("warmup_steps", "step_size", "gamma", "min_lr", "milestones")}
 
@@ -364,6 +374,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
                           f"use data.distribution=read with data.cache=stream")
     check_optimizer(cfg["optim"], cfg["train"]["dtype"], cfg["train"]["epochs"] * plan.steps_per_epoch)
     check_lane_batch(cfg["device"], cfg["train"]["batch_size"], replicas)
+    check_accumulate(cfg["train"], replicas)
 
     init_from = cfg["model"]["init_from"]
     if init_from:

@@ -30,6 +30,9 @@ from .slowdown import SlowdownInjector, parse_slowdown, slowdown_for_rank
 
 
 FAIL_MODES = ("raise", "kill")
+# where debug.fail_point can strike, in the order a run meets them (docs/config.md has each)
+FAIL_POINTS = ("spec", "startup", "broadcast", "data", "scatter", "step", "recovery", "allreduce",
+               "validation", "checkpoint", "finish")
 
 
 def fail_keys_from_command_line(argv) -> dict:

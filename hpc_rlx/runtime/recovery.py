@@ -177,6 +177,7 @@ class FailureHandling:
             self.roles = list(placed.roles)
             return shrunk
         new = self.latest = shrunk.Split(0, placed.keys[shrunk.rank])
+        ulfm.replaced(shrunk, new)      # the renumbered one is the one to follow
         order = sorted(range(shrunk.size), key=lambda i: placed.keys[i])
         self.world_ranks = [self.world_ranks[i] for i in order]
         self.hosts = [self.hosts[i] for i in order]

@@ -358,24 +358,29 @@ class Run(Survives):
         return rec
 
     def _finish(self) -> dict:
-        worker, comm = self.worker, self.comm
-        st = self.stats
+        worker, st = self.worker, self.stats
         trace_path = Path(self.spec.run_dir) / names.TRACE
-        doc = trace.finish(comm, self.tracer, trace_path if self.is_root else None)
-        if doc is not None:
-            self.log(f"trace: {trace_path} ({len(doc['traceEvents'])} events; open in https://ui.perfetto.dev)")
         st.lane_samples = {ln.name: ln.samples for ln in self.lanes.lanes}
         st.lane_busy_s = {ln.name: ln.busy_s for ln in self.lanes.lanes}
         st.data_s = worker.data_s
         st.wire_bytes += worker.bucket.sent.epoch()     # sent after the last epoch's record
-        worker.close_data()      # collective: stream's rounds in flight complete; staged copies go
-        # peak_rss_bytes next to shard_bytes (the rank's rows as stored): what data costs
-        mine = dict(st.report(), rank=self.rank, host=hostname(),
-                    wall_s=time.perf_counter() - self.t_start, **worker.feed.report(),
-                    # what this rank holds of the model (a pipelined rank: its stage's share)
-                    param_bytes=worker.held_param_bytes, optimizer_bytes=worker.optimizer.nbytes(),
-                    **({"spare": worker.is_spare} if self.failure.mode == "spare" else {}))
-        ranks = comm.gather(mine, root=0)
+        def gather_ranks():   # redone over the survivors of a dead rank, who write model and summary
+            self.hooks.fail_at("finish")     # debug.fail_point=finish: after the last step
+            doc = trace.finish(self.comm, self.tracer, trace_path if self.is_root else None)
+            if doc is not None:
+                self.log(f"trace: {trace_path} ({len(doc['traceEvents'])} events; open in https://ui.perfetto.dev)")
+            worker.close_data()      # collective: stream's rounds in flight complete; staged copies go
+            mine = dict(st.report(), rank=self.rank, host=hostname(), wall_s=time.perf_counter() - self.t_start,
+                        **worker.feed.report(),    # peak_rss_bytes next to shard_bytes: what data costs
+                        # what this rank holds of the model (a pipelined rank: its stage's share)
+                        param_bytes=worker.held_param_bytes, optimizer_bytes=worker.optimizer.nbytes(),
+                        **({"spare": worker.is_spare} if self.failure.mode == "spare" else {}))
+            ranks = self.comm.gather(mine, root=0)
+            if self.failure.active:     # a rank lost here: every survivor learns it (gather alone told rank 0)
+                self.comm.Barrier()
+            return mine, ranks
+
+        (mine, ranks), _ = self._survive(gather_ranks, self.current_totals)
         pipelined.send_final_params(self.place, worker)
         self.lanes.close()
         final = self.partial_metrics or (worker.history[-1] if worker.history else {})

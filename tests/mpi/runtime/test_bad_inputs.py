@@ -173,6 +173,14 @@ CASES = [
          r"unknown option 'adamm' for config group 'optim' \(optim=adamm\); available: adamw, lamb, lars, lion, sgd",
          kind="ConfigError"),
     Case("negative_lr", ("optim.lr=-0.1",), r"optim\.lr must be a positive number, got -0\.1", kind="ConfigError"),
+    # values that would run as if unset (the whole check: tests/unit/config/test_meaningless_values.py)
+    Case("accumulate_above_samples_per_rank", ("train.accumulate=1000",),
+         r"train\.accumulate=1000 is more micro-batches than the \d+ sample\(s\) a rank takes per step .* the "
+         r"largest value that means something is \d+", kind="ConfigError"),
+    Case("unknown_fail_point", ("debug.fail_point=finsh", "debug.fail_rank=1"),
+         r"debug\.fail_point must be null or one of spec, .*finish, got 'finsh'", kind="ConfigError"),
+    Case("fail_rank_outside_the_world", ("debug.fail_rank=7", "debug.fail_point=step"),
+         r"debug\.fail_rank=7 names a rank outside the world of 2 \(the largest rank is 1\)", kind="ConfigError"),
     Case("nesterov_without_momentum", ("optim.nesterov=true", "optim.momentum=0"),
          r"nesterov=true needs momentum > 0", kind="ConfigError"),
     Case("momentum_out_of_range", ("optim.momentum=1.5",), r"momentum must be a number in \[0, 1\), got 1\.5",

@@ -445,3 +445,62 @@ def test_a_hung_rank_is_declared_failed_by_the_detector_and_the_survivors_shrink
     assert noticed - t_freeze < 4 + 3, f"{noticed - t_freeze:.1f} s from the freeze to the recovery line"
     assert "STALL" not in out, out
     assert_ends_as(run, resumed_reference(tmp_path, data, 3, 2, failure["step"], ["comm.shared_memory=false"]))
+
+
+def test_spares_used_up_by_three_deaths_end_the_job_with_exit_0(tmp_path, data):
+    """6 ranks, 2 spares; world ranks 3, 2 and then 4 (the spare that took shard 3) killed as the
+    run goes: the renumbered communicators each recovery trains on are the ones the job
+    channel's last word follows (it went to a communicator with a dead rank in it: exit 1 and a
+    traceback on every survivor), so the job ends with exit 0 and its three records."""
+    run = tmp_path / "run"
+    prefix = launch_prefix(6)
+    cmd = prefix[:1] + ["--with-ft", "ulfm"] + prefix[1:] + [
+        PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run}", *SMALL, f"data.path={data}", "comm.on_failure=spare",
+        "comm.spares=2", "comm.shared_memory=false", "train.progress=lines", "train.log_every_s=0.01",
+        "debug.slowdown={" + ",".join(f"{r}:30.0" for r in range(6)) + "}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: [lines.append(ln) for ln in proc.stdout], daemon=True)
+    reader.start()
+    try:
+        deadline, pids = time.monotonic() + TIMEOUT, {}
+        for rank, step in ((3, 4), (2, 9), (4, 14)):
+            while not any(f"global step {step})" in ln for ln in lines):
+                assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+                time.sleep(0.02)
+            while len(pids) < 6:
+                pids = rank_pids(proc.pid)
+            os.kill(pids[rank], signal.SIGKILL)
+        rc = proc.wait(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(timeout=10)
+    out = "".join(lines)
+    assert rc == 0, out
+    assert "Traceback" not in out and "MPI_ERR_PROC_FAILED" not in out, out
+    summary = json.loads((run / "summary.json").read_text())
+    assert [f["ranks"] for f in summary["failures"]] == [[3], [2], [4]], summary["failures"]
+    assert summary["world_size"] == 3 and summary["spares_left"] == 0, summary
+    assert (run / "model.h5").is_file()
+
+
+@pytest.mark.parametrize("dead", [1, 0])
+def test_a_rank_lost_after_the_last_step_ends_the_job_with_exit_0(tmp_path, data, dead):
+    """debug.fail_point=finish: a rank killed after the final checkpoint, before the run's summary
+    is gathered. The survivors redo the end over their own communicator and write the model
+    and the summary (the survivors' rank 0 when rank 0 died), the failure recorded: exit 0."""
+    run = tmp_path / "run"
+    proc = ulfm_job(3, run, [*SMALL, f"data.path={data}", "comm.on_failure=shrink", f"debug.fail_rank={dead}",
+                             "debug.fail_point=finish", "debug.fail_mode=kill"])
+    assert proc.returncode == 0, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2, summary
+    (failure,) = summary["failures"]
+    assert failure["ranks"] == [dead] and failure["step"] == summary["steps"], failure
+    assert len(summary["ranks"]) == 2
+    final = model(run)
+    with h5py.File(sorted((run / "checkpoints").glob("ckpt-*.h5"))[-1], "r") as ckpt:
+        for name, value in final.items():      # the model is the final checkpoint's parameters
+            np.testing.assert_array_equal(value, ckpt["params"][name][...] if "params" in ckpt else value)
