@@ -1,6 +1,6 @@
 """LAMB and LARS against references written here from the variants their modules state, per
 parameter tensor in plain NumPy (float64, several steps); LAMB's Adam direction against
-torch.optim.Adam; the parameters' segments of an optimizer's flat array, and sharded slices
+torch.optim.Adam and LARS's momentum against torch.optim.SGD's; the parameters' segments of an optimizer's flat array, and sharded slices
 whose cut parameters have their norms completed (the MPI layer's part emulated by summing the
 slices' partial norms here; tests/mpi/runtime/test_trust_ratio_training.py runs it over MPI)."""
 
@@ -148,6 +148,27 @@ def test_lambs_direction_and_moments_are_torchs_adam():
         np.testing.assert_allclose(ours.state_dict()["arrays"]["exp_avg"], tstate["exp_avg"].numpy(), rtol=1e-13)
         np.testing.assert_allclose(ours.state_dict()["arrays"]["exp_avg_sq"], tstate["exp_avg_sq"].numpy(),
                                    rtol=1e-13)
+
+
+def test_lars_momentum_is_torchs_sgd_momentum_times_lr():
+    """Where the ratio is 1 (a parameter at 0) and lr is constant, LARS's momentum (lr inside)
+    is lr times torch.optim.SGD's momentum buffer (lr outside), and its step the same."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    n, lr = 40, 0.3
+    tp = torch.nn.Parameter(torch.zeros(n, dtype=torch.float64))
+    topt = torch.optim.SGD([tp], lr=lr, momentum=0.8)
+    ours = make_optimizer("lars", n, np, np.float64, momentum=0.8, weight_decay=0.0)
+    for _ in range(5):
+        g = rng.standard_normal(n)
+        before = tp.detach().numpy().copy()
+        tp.grad = torch.tensor(g)
+        topt.step()
+        q = np.zeros(n)
+        ours.step(q, g.copy(), lr)
+        np.testing.assert_allclose(ours.state_dict()["arrays"]["momentum_buffer"],
+                                   lr * topt.state[tp]["momentum_buffer"].numpy(), rtol=1e-13)
+        np.testing.assert_allclose(q, tp.detach().numpy() - before, rtol=1e-12)
 
 
 def test_segments_of_slices_and_the_parameters_a_boundary_cuts():
