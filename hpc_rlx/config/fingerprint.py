@@ -58,12 +58,15 @@ def fingerprint_record(cfg: dict, cwd: str | None = None, graph_text: str | None
     for key in _PATH_KEYS:
         data[key] = _absolute(data[key], cwd)
     model = dict(cfg.get("model") or {})
+    optim = dict(cfg.get("optim") or {})
+    if not optim.get("milestones"):
+        optim.pop("milestones", None)       # unset (schedule=multistep's): fingerprints stay as they were
     if graph_text is not None:
         model["graph_sha256"] = hashlib.sha256(graph_text.encode("utf-8")).hexdigest()
     return {
         "model": model,
         "data": data,
-        "optim": dict(cfg.get("optim") or {}),
+        "optim": optim,
         "policy": dict(cfg.get("policy") or {}),
         "train": {k: (cfg.get("train") or {}).get(k) for k in _TRAIN_KEYS},
     }

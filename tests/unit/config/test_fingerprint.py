@@ -27,7 +27,7 @@ def fp(cfg: dict, **changes) -> str:
 
 
 @pytest.mark.parametrize("change", [
-    {"optim__lr": 0.05}, {"optim__schedule": "constant"}, {"optim__momentum": 0.5},
+    {"optim__lr": 0.05}, {"optim__schedule": "constant"}, {"optim__momentum": 0.5}, {"optim__milestones": [5]},
     {"policy__name": "cadence"}, {"model__hidden": [64]}, {"model__activation": "tanh"},
     {"data__path": "data/other.h5"}, {"data__val_fraction": 0.1}, {"data__leftover": "partial"},
     {"train__batch_size": 32}, {"train__seed": 1}, {"train__dtype": "float64"},
@@ -52,6 +52,14 @@ def test_the_same_settings_spelled_differently_give_the_same_fingerprint(default
     cfg["data"]["path"] = "/work/data/digits.h5"
     assert config_fingerprint(cfg, cwd="/elsewhere") == config_fingerprint(default_cfg, cwd="/work")
     assert config_fingerprint(default_cfg, cwd="/work") != config_fingerprint(default_cfg, cwd="/elsewhere")
+
+
+def test_a_key_added_at_its_unset_default_keeps_older_fingerprints(default_cfg):
+    """optim.milestones came after runs were fingerprinted: empty, it is left out."""
+    older = copy.deepcopy(default_cfg)
+    del older["optim"]["milestones"]
+    assert default_cfg["optim"]["milestones"] == []
+    assert config_fingerprint(older, cwd="/work") == fp(default_cfg)
 
 
 def test_a_graph_file_counts_by_content():
