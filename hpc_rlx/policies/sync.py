@@ -65,7 +65,8 @@ class SyncPolicy(Policy):
             bucket.payload[0] = float("nan")    # debug.nan_*: a non-finite gradient, on purpose
         bad = not math.isfinite(loss_sum) or not bucket.payload_finite()   # on the GPU for a device bucket
         flags, comm_s = loop.reduce(nonfinite=bad)
-        result = StepResult(flags=flags, rank_samples=n, rank_loss=loss_sum / max(n, 1),
+        mine = loop.lanes.counted[0] if self.weighted else n     # this rank's mean's denominator
+        result = StepResult(flags=flags, rank_samples=n, rank_loss=loss_sum / mine if mine else 0.0,
                             compute_s=compute, comm_s=comm_s, data_s=t_data - t_step)
         if flags["nonfinite"] and loop.on_nonfinite == "stop":
             return result           # the loop stops the run; the parameters stay as they were
