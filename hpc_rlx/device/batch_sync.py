@@ -33,7 +33,7 @@ class BatchStatSum:
         self._parts: list = [None] * lanes
         self._total = None
         self._barrier = threading.Barrier(lanes, action=self._reduce)
-        self.calls = 0      # sums taken (per rank): the cost the bench reports
+        self.calls = 0      # sums taken on this rank (the tests count them)
 
     def hook(self, index: int, xp) -> "LaneHook":
         return LaneHook(self, index, xp)
