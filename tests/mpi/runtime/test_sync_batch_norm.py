@@ -1,6 +1,7 @@
 """model.sync_batch_norm=true under real mpirun: batch norm's statistics over the global batch,
 so a PyTorch batch-norm CNN trains in float64 on 2 ranks, and on 1 rank x 2 lanes, exactly as on
-1 rank, which equals PyTorch's own loop (as its SyncBatchNorm would)."""
+1 rank, which equals PyTorch's own loop (as its SyncBatchNorm would). The last step is partial,
+with rows on rank 0 alone: rank 1 takes part in its batch-norm sums with none."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ nn = torch.nn
 pytestmark = pytest.mark.mpi
 
 BATCH, STEPS, LR = 16, 4, 0.2
+EXTRA = 2       # rows 0 and 1 hold one sample more: a last, partial step that only rank 0 has rows in
+LENGTHS = [STEPS + 1 if j < EXTRA else STEPS for j in range(BATCH)]
+STARTS = np.concatenate([[0], np.cumsum(LENGTHS)]).astype(int)
 
 
 class TwoBatchNormNet(nn.Module):
@@ -37,12 +41,13 @@ class TwoBatchNormNet(nn.Module):
 
 
 def _data(folder: Path) -> tuple[Path, Path, np.ndarray, np.ndarray]:
-    """BATCH x STEPS training samples (one epoch of STEPS steps) and a small validation file;
-    the inputs are off-centre, so the per-rank and global statistics differ clearly."""
+    """BATCH x STEPS + EXTRA training samples (one epoch of STEPS + 1 steps with
+    data.leftover=partial) and a small validation file; the inputs are off-centre, so the
+    per-rank and global statistics differ clearly."""
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((BATCH * STEPS, 1, 8, 8)) * 2.0 + 1.0
-    x[: BATCH * STEPS // 2] += 1.5          # rank 0's rows (the first half) sit elsewhere
-    y = rng.integers(0, 10, BATCH * STEPS)
+    x = rng.standard_normal((STARTS[-1], 1, 8, 8)) * 2.0 + 1.0
+    x[: STARTS[BATCH // 2]] += 1.5          # rank 0's rows (the first half) sit elsewhere
+    y = rng.integers(0, 10, STARTS[-1])
     train, val = folder / "train.h5", folder / "val.h5"
     with h5py.File(train, "w") as f:
         f["x"], f["y"] = x, y
@@ -62,11 +67,11 @@ def _max_rel_diff(a: dict, b: dict) -> float:
 
 
 def _torch_loop(module: nn.Module, x: np.ndarray, y: np.ndarray) -> dict:
-    """Plain SGD in float64; step s takes sample s of every row of STEPS samples (the plan)."""
+    """Plain SGD in float64; step s takes sample s of every row that has one (the plan)."""
     module = module.double().train()
     opt = torch.optim.SGD(module.parameters(), lr=LR)
-    for s in range(STEPS):
-        rows = [j * STEPS + s for j in range(BATCH)]
+    for s in range(STEPS + 1):
+        rows = [STARTS[j] + s for j in range(BATCH) if s < LENGTHS[j]]
         opt.zero_grad()
         nn.functional.cross_entropy(module(torch.from_numpy(x[rows])), torch.from_numpy(y[rows])).backward()
         opt.step()
@@ -82,6 +87,7 @@ def test_sync_batch_norm_two_ranks_and_two_lanes_equal_one_rank_and_pytorch(tmp_
     train, val, x, y = _data(tmp_path)
     base = ["train.dtype=float64", "train.epochs=1", f"train.batch_size={BATCH}", f"optim.lr={LR}",
             "optim.momentum=0.0", "optim.schedule=constant", "checkpoint=off", "data.shuffle=false",
+            "data.leftover=partial",
             f"data.path={train}", f"data.val_path={val}", "model=onnx", f"model.path={onnx_file}",
             "model.sync_batch_norm=true"]
     # w2 with comm.overlap: the bucket's chunks start reducing during the backward that holds
