@@ -31,7 +31,8 @@ class SetSource:
     """Rows of a file set, each file's datasets like `ref` (else one DataError naming it). Not
     shared between threads: each thread that reads opens its own."""
 
-    def __init__(self, files: FileSet, x_name: str, y_name: str, ref: Meta, ref_path: str):
+    def __init__(self, files: FileSet, x_name: str, y_name: str, ref: Meta, ref_path: str,
+                 offsets: dict | None = None):
         self.files, self.x_name, self.y_name, self.ref, self.ref_path = files, x_name, y_name, ref, ref_path
         self.path = files.paths[0] if len(files) == 1 else ref_path
         self.n = files.n
@@ -41,7 +42,10 @@ class SetSource:
         self.y_bytes = self.y_dtype.itemsize * int(np.prod(self.y_shape, dtype=np.int64))
         self.row_bytes = self.x_bytes + self.y_bytes
         self._open: OrderedDict[int, RowSource] = OrderedDict()
-        self._raw: dict[int, tuple[int, int] | None] = {}     # one-sample files: (x, y) offsets
+        # one-sample files: path -> (x, y) offsets, or None (HDF5 reads it); a dict the caller
+        # may share between the sources of one run, so the start-up check's opens serve every
+        # later read (entries are only ever added: safe across the reader threads)
+        self._raw: dict[str, tuple[int, int] | None] = {} if offsets is None else offsets
 
     def empty(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
         return (np.empty((rows,) + self.x_shape, dtype=self.x_dtype),
@@ -78,12 +82,12 @@ class SetSource:
         """A one-sample file's first open: checked (and read into the buffers given), its
         datasets' offsets recorded for later reads."""
         y_out = np.empty((1,) + self.y_shape, self.y_dtype) if y_out is None else y_out
-        self._raw[k] = read_one_sample(self.files.opened(k), self.files.named(k), self.x_name, self.y_name,
+        self._raw[self.files.opened(k)] = read_one_sample(self.files.opened(k), self.files.named(k), self.x_name, self.y_name,
                                        self.ref, self.ref_path, x_out, y_out, at)
 
     def _pread_one(self, k: int, x_out, y_out, at: int) -> None:
         """A one-sample file by its recorded offsets: no HDF5 open."""
-        xo, yo = self._raw[k]
+        xo, yo = self._raw[self.files.opened(k)]
         named = self.files.named(k)
         try:
             fd = os.open(self.files.opened(k), os.O_RDONLY)
@@ -103,9 +107,10 @@ class SetSource:
             os.close(fd)
 
     def _read_one(self, k: int, x_out, y_out, at: int) -> None:
-        if k not in self._raw:
+        path = self.files.opened(k)
+        if path not in self._raw:
             return self._probe(k, x_out, y_out, at)
-        if self._raw[k] is not None:
+        if self._raw[path] is not None:
             return self._pread_one(k, x_out, y_out, at)
         # not plain bytes (compressed, chunked): HDF5 reads it, every time
         read_one_sample(self.files.opened(k), self.files.named(k), self.x_name, self.y_name, self.ref,

@@ -107,6 +107,7 @@ class Feed:
         self.train_bounds = with_empty_ranks(plan.all_bounds(), comm.size)
         # the files of data.path / data.val_path as one set each, and what every file must hold
         self.files, self.val_files, self.expect = plan_files(self.d)
+        self._offsets: dict = {}
         self.val_bounds = with_empty_ranks(even_bounds(self.d.val_start, self.d.val_stop, self.world), comm.size)
         self._order: tuple[int, EpochOrder] | None = None
         self.row_bytes = 0
@@ -130,8 +131,9 @@ class Feed:
               f"{' and read' if self.cache == 'memory' else ''} in {time.perf_counter() - t0:.2f} s", flush=True)
 
     def source(self, files) -> SetSource:
-        """A reader of `files` (this feed's training or validation set) for one thread."""
-        return SetSource(files, self.d.x, self.d.y, *self.expect)
+        """A reader of `files` (this feed's training or validation set) for one thread; the
+        one-sample files' offsets that any of them found serve them all (`SetSource`)."""
+        return SetSource(files, self.d.x, self.d.y, *self.expect, offsets=self._offsets)
 
     def order(self, epoch: int, rank: int | None = None) -> EpochOrder:
         return EpochOrder(self.plan, self.rank if rank is None else rank, epoch, self.seed, self.shuffle)

@@ -200,7 +200,7 @@ def test_one_sample_files_read_by_offset_after_the_first_open_and_a_lost_file_is
         bx, by = src.empty(4)
         src.read(rows, bx, by)
         assert np.array_equal(bx, x[rows]) and np.array_equal(by, y[rows])
-    assert all(src._raw[k] is not None for k in rows.tolist())
+    assert all(src._raw[fs.paths[k]] is not None for k in rows.tolist())
     scan_rows(src, 0, 9, 4, False, None, 1 << 20)             # the labels in [0, 4)
     with pytest.raises(DataError, match=r"label 3 at row \d is outside \[0, 3\)"):
         scan_rows(src, 0, 9, 3, False, None, 1 << 20)
