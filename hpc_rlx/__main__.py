@@ -261,6 +261,8 @@ def main() -> None:
     from mpi4py import MPI
 
     from hpc_rlx.comm.job_channel import JobChannel
+    from hpc_rlx.comm.launcher_watch import watch_parent
+    watch_parent()      # a rank whose launcher died leaves instead of waiting for ever
     comm = MPI.COMM_WORLD
     SIGNALS.install(comm.rank, comm)    # a Ctrl-C that came while MPI started exits here
     print_only = any(a.split("=", 1)[0] in PRINT_ONLY_FLAGS for a in sys.argv[1:])

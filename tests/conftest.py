@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import mpi_launch
+from tests.support import leftovers, mpi_launch
 from tests.support.shared import MachineShare, exclusive, run_dir
 
 TESTS = Path(__file__).resolve().parent
@@ -53,10 +53,20 @@ def pytest_runtest_call(item):
     # the launcher refuses a launch from a test without the `mpi` marker: `-m "not mpi"` must
     # mean what it says
     mpi_launch.RUNNING_TEST = item
+    # every process the test starts inherits its mark: none of its jobs' may outlive the test
+    watch = item.get_closest_marker("mpi") is not None
+    mark = os.environ[leftovers.MARK] = leftovers.new_mark()
+    outcome = None
     try:
-        yield
+        outcome = yield
     finally:
         mpi_launch.RUNNING_TEST = None
+        os.environ.pop(leftovers.MARK, None)
+    left = leftovers.left_behind(mark) if watch else []
+    if left and outcome is not None and outcome.excinfo is None:
+        lines = "\n".join(f"  pid {pid}: {cmd[:300]}" for pid, cmd in left)
+        outcome.force_exception(AssertionError(
+            f"{item.nodeid} left {len(left)} process(es) of its jobs running (killed now):\n{lines}"))
 
 
 @pytest.fixture(scope="session")

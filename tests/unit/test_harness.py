@@ -60,3 +60,29 @@ def test_a_memory_limit_kills_a_process_over_it_and_reads_the_peak_of_one_under_
         peak = lim.peak_bytes()
         assert peak is not None and 16 << 20 <= peak <= 64 << 20, peak
         assert not lim.oom_killed()
+
+
+def test_a_job_process_left_behind_by_a_test_is_found_and_killed():
+    """The check tests/conftest.py runs after every MPI test: a process carrying the test's mark
+    that runs a job's program is reported and killed; one without the mark is left alone."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.support import leftovers
+
+    mark = leftovers.new_mark()
+    script = "import time; time.sleep(60)  # python -m hpc_rlx"
+    leaked = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, leftovers.MARK: mark})
+    other = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, leftovers.MARK: "another"})
+    try:
+        time.sleep(0.3)
+        found = leftovers.left_behind(mark, grace_s=0.5)
+        assert [pid for pid, _ in found] == [leaked.pid]
+        assert leaked.wait(timeout=10) == -9
+        assert other.poll() is None
+        assert leftovers.left_behind(mark, grace_s=0.1) == []
+    finally:
+        for p in (leaked, other):
+            p.kill()
+            p.wait(timeout=10)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -18,10 +19,10 @@ import pytest
 
 from tests.support.jobs import (MPI_IMPL, REPO, explain, launch_prefix, mpi_env,
                                 write_small_classification)
-from tests.support.mpi_launch import PYTHON
+from tests.support.mpi_launch import PYTHON, rank_pids
 
-pytestmark = [pytest.mark.mpi, pytest.mark.openmpi,
-              pytest.mark.skipif(MPI_IMPL != "openmpi", reason="ULFM: Open MPI 5's mpirun --with-ft ulfm")]
+pytestmark = [pytest.mark.mpi, pytest.mark.openmpi]
+ULFM = pytest.mark.skipif(MPI_IMPL != "openmpi", reason="ULFM: Open MPI 5's mpirun --with-ft ulfm")
 
 TRAIN_SH = REPO / "slurm" / "train.sh"
 SMALL = ["report.plots=false", "report.tensorboard=false", "data=file", "train.epochs=1",
@@ -60,6 +61,7 @@ def _train_sh_env(n: int, **extra) -> dict:
     return env
 
 
+@ULFM
 @pytest.mark.parametrize("n", [2, 4])
 def test_train_sh_with_the_detector_and_no_failure_exits_0_promptly(tmp_path, data, n):
     """`bash slurm/train.sh comm.on_failure=shrink` outside Slurm, the detector on by default:
@@ -74,6 +76,7 @@ def test_train_sh_with_the_detector_and_no_failure_exits_0_promptly(tmp_path, da
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
 
 
+@ULFM
 @pytest.mark.parametrize("n", [2, 4])
 def test_plain_mpirun_with_ft_ulfm_and_the_detector_exits_0_promptly(tmp_path, data, n):
     prefix = launch_prefix(n)
@@ -85,6 +88,7 @@ def test_plain_mpirun_with_ft_ulfm_and_the_detector_exits_0_promptly(tmp_path, d
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"
 
 
+@ULFM
 def test_a_launch_whose_ranks_never_started_the_run_is_not_a_success(tmp_path):
     """mpirun exits 0 without a rank having started the run (as once after ranks crashed in
     MPI_Init under the detector): train.sh says so and exits 3, outside Slurm as inside."""
@@ -99,3 +103,43 @@ def test_a_launch_whose_ranks_never_started_the_run_is_not_a_success(tmp_path):
     assert "ranks finished with status 0" in proc.stdout, explain(proc)
     assert "hpc_rlx: error: mpirun exited 0 but no rank started the run" in proc.stderr, explain(proc)
     assert not list(tmp.iterdir()), "train.sh leaves no file behind"
+
+
+def test_ranks_whose_launcher_died_leave_within_seconds(tmp_path, data):
+    """The launcher's process that is the ranks' parent (MPICH's hydra_pmi_proxy, Open MPI's
+    prterun) SIGKILLed mid-run, as when a job's mpirun is killed with it: nobody is left to end
+    the ranks, which used to poll for ever; each leaves within a few seconds."""
+    prefix = launch_prefix(2)
+    cmd = prefix + [PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={tmp_path / 'run'}", *SMALL[:-1], f"data.path={data}",
+                    "train.epochs=50", "train.progress=lines", "train.log_every_s=0.01", "debug.slowdown={0:50.0,1:50.0}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    ranks: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        for line in proc.stdout:
+            if "global step 2)" in line:
+                break
+            assert time.monotonic() < deadline
+        ranks = rank_pids(proc.pid)
+        assert len(ranks) == 2, ranks
+        parents = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in ranks.values()}
+        for parent in parents:          # the ranks' parent(s) on this host
+            os.kill(parent, signal.SIGKILL)
+        t0 = time.monotonic()
+        alive = list(ranks.values())
+        while alive and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+            alive = [pid for pid in alive if _running(pid)]
+        assert not alive, f"ranks {alive} still running {time.monotonic() - t0:.1f} s after their launcher died"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
