@@ -4,8 +4,9 @@ to hold against its own NumPy reference (`tests/mpi/policies/test_streaming_refe
 Usage: mpirun -n N python streaming_cases.py OUT_DIR --ranks R DATA.h5 CASE [CASE ...] [--ranks ...]
 
 Each group runs its cases on the first R ranks of the job (R <= N), on DATA.h5. A CASE is
-``F,TAU,WIRE`` (WIRE: null, int8 or int4), or ``forced`` followed by those three: the whole
-DiLoCo sync's config (F=1, tau=0) with `StreamingSync` built all the same.
+``F,TAU,WIRE`` (WIRE: null, int8 or int4), after ``ordered,`` with comm.deterministic=true
+(every sum in rank order), and after ``forced,`` the whole DiLoCo sync's config (F=1, tau=0)
+with `StreamingSync` built all the same.
 
 Each case is a real run (`runtime.train.Run`: the policy, its `StreamingSync`, `FragmentSync`,
 the coded wire and the outer optimizer over the real communicator) with two things fixed so a
@@ -96,11 +97,12 @@ def run_cases(comm, base: dict, data: str, cases: list[str], out_dir: Path) -> N
     Fixed.rank = comm.rank
     for case in cases:
         parts = case.split(",")
-        Fixed.force_streaming = parts[0] == "forced"
+        Fixed.force_streaming = "forced" in parts[:-3]
         f, tau, wire = parts[-3:]
         cfg = copy.deepcopy(base)        # composed once: Hydra takes longer than a case's run
         cfg["data"]["path"] = data
         cfg["train"]["batch_size"] = BATCH * comm.size
+        cfg["comm"]["deterministic"] = "ordered" in parts[:-3]
         cfg["policy"].update(case_keys(int(f), int(tau), wire))
         t0 = time.perf_counter()
         spec = build_spec(cfg, str(out_dir / case.replace(",", "_")), comm.size)
