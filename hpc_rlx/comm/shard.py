@@ -12,7 +12,10 @@ of the whole payload, trainable parameters then buffers). Per step:
 The reduce-scatter moves the same bytes as the first half of a ring Allreduce and the allgather
 the second half. With ``comm.wire_dtype`` the reduce-scatter carries the codec's 16-bit words
 (`codec.Codec`) and the owner adds them in float32; the allgather carries the parameters as
-they are (every rank must step from the same values). Both run in rounds of at most ``comm.bucket_cap_mb`` per rank (MPICH slows on
+they are (every rank must step from the same values). The owner's float32 sum is bitwise the
+one the unsharded wire (`reduce.WireSum`) forms, which codes it once more for the other ranks:
+a sharded step differs from an unsharded one by that one 16-bit rounding of the sum
+(`tests/mpi/runtime/test_sharded_state.py`). Both run in rounds of at most ``comm.bucket_cap_mb`` per rank (MPICH slows on
 messages above 32 MiB). Each rank adds the slices it receives in rank order, so the sum is
 bitwise the one `reduce.OrderedSum` gives (``comm.deterministic``) and repeats run to run.
 """
