@@ -210,10 +210,12 @@ class _Slices:
 
 
 @pytest.mark.parametrize("name", ["lamb", "lars"])
-def test_sliced_state_with_cut_parameters_equals_the_whole(name):
+@pytest.mark.parametrize("starts, cut", [((28, 40), [0, 2]), ((10, 20), [0])],
+                         ids=["two-cut", "one-over-three-slices"])
+def test_sliced_state_with_cut_parameters_equals_the_whole(name, starts, cut):
     spans, size, p0, grads, lrs = _problem(5, 5)
-    bounds = [(0, 28), (28, 40), (40, size)]        # cut p0 and p2
-    assert cut_parameters(spans, [lo for lo, _ in bounds[1:]]) == [0, 2]
+    bounds = list(zip((0,) + starts, starts + (size,)))
+    assert cut_parameters(spans, starts) == cut
     whole = make_optimizer(name, size, np, np.float64)
     whole.use_segments(slice_segments(spans, 0, size))
     slices = _Slices(spans, bounds)
@@ -235,12 +237,13 @@ def test_sliced_state_with_cut_parameters_equals_the_whole(name):
             t.join(timeout=30)
     np.testing.assert_allclose(q, p, rtol=1e-12, atol=1e-15)
     # and without completing the norms the slices step differently: the test can see it
-    alone = make_optimizer(name, 28, np, np.float64)
-    alone.use_segments(slice_segments(spans, 0, 28))
-    r = p0[:28].copy()
+    first = starts[0]
+    alone = make_optimizer(name, first, np, np.float64)
+    alone.use_segments(slice_segments(spans, 0, first))
+    r = p0[:first].copy()
     for g, lr in zip(grads, lrs):
-        alone.step(r, g[:28].copy(), lr)
-    assert np.abs(r - p[:28]).max() > 1e-8
+        alone.step(r, g[:first].copy(), lr)
+    assert np.abs(r - p[:first]).max() > 1e-8
 
 
 @pytest.mark.parametrize("name,kwargs", [("lamb", {}), ("lars", {})])
