@@ -115,10 +115,11 @@ def _plain_offset(d) -> int | None:
 
 
 def read_one_sample(path: str, named: str, x_name: str, y_name: str, ref: Meta, ref_path: str,
-                    x_out, y_out, at: int) -> tuple[int, int] | None:
+                    x_out, y_out, at: int, offsets: bool = False) -> tuple[int, int] | None:
     """A one-sample file through HDF5's low-level calls (a few times cheaper than h5py.File),
     checked against `ref`, into x_out[at] (None: skipped) and y_out[at]; returns the datasets'
-    file offsets when both are plain bytes (a later read may pread them), else None. A file
+    file offsets (`offsets=True`) when both are plain bytes (a later read may pread them), else
+    None. A file
     the low-level calls cannot open or lacks a dataset gets the full description's message."""
     try:
         fid = h5f.open(os.fsencode(path), h5f.ACC_RDONLY, fapl=_FAPL)
@@ -146,7 +147,7 @@ def read_one_sample(path: str, named: str, x_name: str, y_name: str, ref: Meta, 
                 tmp = np.empty(view.shape, stored)
                 d.read(h5s.create_simple(tmp.shape), h5s.ALL, tmp)
                 view[...] = tmp
-        xo, yo = _plain_offset(dx), _plain_offset(dy)
+        xo, yo = (_plain_offset(dx), _plain_offset(dy)) if offsets else (None, None)
         return None if xo is None or yo is None else (xo, yo)
     except (OSError, ValueError, TypeError) as e:
         raise DataError(f"reading data file {named!r} failed: {e}") from None

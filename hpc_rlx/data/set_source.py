@@ -82,8 +82,9 @@ class SetSource:
         """A one-sample file's first open: checked (and read into the buffers given), its
         datasets' offsets recorded for later reads."""
         y_out = np.empty((1,) + self.y_shape, self.y_dtype) if y_out is None else y_out
-        self._raw[self.files.opened(k)] = read_one_sample(self.files.opened(k), self.files.named(k), self.x_name, self.y_name,
-                                       self.ref, self.ref_path, x_out, y_out, at)
+        path = self.files.opened(k)
+        self._raw[path] = read_one_sample(path, self.files.named(k), self.x_name, self.y_name, self.ref,
+                                          self.ref_path, x_out, y_out, at, offsets=True)
 
     def _pread_one(self, k: int, x_out, y_out, at: int) -> None:
         """A one-sample file by its recorded offsets: no HDF5 open."""
