@@ -35,7 +35,9 @@ def test_nonfinite_skip_skips_the_step_on_every_stage_like_one_rank(tmp_path, di
     assert_same_training(ref, run)    # the skipped step moved no stage's parameters
 
 
-@pytest.mark.parametrize("stall_rank", [0, 1], ids=["stage0", "stage1"])
+# stage0 under Open MPI too: a rank of that case outlived its job once (MPICH, after CI); the
+# harness now fails any test whose job leaves a process behind (tests/support/leftovers.py)
+@pytest.mark.parametrize("stall_rank", [pytest.param(0, marks=pytest.mark.openmpi), 1], ids=["stage0", "stage1"])
 def test_stall_abort_ends_a_pipelined_job_with_the_report(tmp_path, digits_h5, stall_rank):
     run = tmp_path / "run"
     t0 = time.monotonic()
