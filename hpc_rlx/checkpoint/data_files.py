@@ -30,11 +30,9 @@ def check_data_files(meta: dict, d, where) -> None:
     saved = meta.get("data_files")
     if not saved:
         return
-    now = data_files_record(d)
-    for part, key in (("train", "data.path"), ("val", "data.val_path")):
-        if saved.get(part) is None and now[part] is None:
-            continue
-        diff = first_difference(saved.get(part) or {}, now[part] or {}, key)
-        if diff:
-            raise CheckpointError(f"checkpoint {where} was trained on other data files: {diff}; resume "
-                                  f"over the files it was trained on, or start a new run")
+    # the training files only: a separate validation set (recorded too) moves no sample of
+    # training, and changing it is a choice of what to measure
+    diff = first_difference(saved.get("train") or {}, data_files_record(d)["train"], "data.path")
+    if diff:
+        raise CheckpointError(f"checkpoint {where} was trained on other data files: {diff}; resume "
+                              f"over the files it was trained on, or start a new run")

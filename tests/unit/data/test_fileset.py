@@ -237,3 +237,21 @@ def test_one_sample_per_file_joins_the_fingerprint_only_when_set():
     assert config_fingerprint({**cfg, "data": {**cfg["data"], "one_sample_per_file": True}}) != plain
     staged = {**cfg["data"], "stage_dir": "/dev/shm/x", "stage_keep": True}
     assert config_fingerprint({**cfg, "data": staged}) == plain
+
+
+def test_a_resume_checks_the_training_files_and_not_a_separate_validation_set():
+    from types import SimpleNamespace
+
+    from hpc_rlx.checkpoint.data_files import check_data_files, data_files_record
+    from hpc_rlx.errors import CheckpointError
+
+    def plan(files, val_files=None):
+        return SimpleNamespace(path="/d", val_path="/v" if val_files else "/d", files=files, val_files=val_files,
+                               one_sample=False, n_train=10, val_stop=10, sample_shape=[3], x_dtype="float32",
+                               y_shape=[], y_dtype="int64")
+    saved = {"data_files": data_files_record(plan([["/d/a.h5", 4], ["/d/b.h5", 6]], [["/v/c.h5", 2]]))}
+    check_data_files(saved, plan([["/e/a.h5", 4], ["/e/b.h5", 6]], [["/v/other.h5", 5]]), "ckpt.h5")
+    check_data_files({}, plan([["/d/z.h5", 1]]), "old.h5")          # written before lists were kept
+    with pytest.raises(CheckpointError, match=r"checkpoint ckpt.h5 was trained on other data files: data.path's "
+                                              r"file 'b.h5' held 6 samples, now 7"):
+        check_data_files(saved, plan([["/d/a.h5", 4], ["/d/b.h5", 7]]), "ckpt.h5")
