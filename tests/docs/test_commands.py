@@ -51,6 +51,12 @@ RUN_BY_TESTS: dict[tuple[str, str], list[str]] = {
         f"{EXAMPLES}::test_export_a_trained_run"],
     ("docs/pytorch.md", ".venv/bin/mpirun -n 2 .venv/bin/python -m hpc_rlx model=graph model.path=logreg.json"): [
         f"{EXAMPLES}::test_a_graph_written_with_graph_builder"],
+    ("docs/mlperf_hpc.md", ".venv/bin/python cut_universes.py universes/train cosmo/train 32"): [
+        f"{EXAMPLES}::test_mlperf_hpc_cosmoflow_end_to_end"],
+    ("docs/mlperf_hpc.md", ".venv/bin/python cosmoflow.py"): [
+        f"{EXAMPLES}::test_mlperf_hpc_cosmoflow_end_to_end"],
+    ("docs/mlperf_hpc.md", ".venv/bin/python deepcam.py"): [
+        f"{EXAMPLES}::test_mlperf_hpc_deepcam_end_to_end"],
 }
 
 # why an example block does not run in a test: a placeholder, or something this machine is not

@@ -53,6 +53,11 @@ RUNS = {
         ("docs/pytorch.md", ".venv/bin/mpirun -n 2 .venv/bin/python -m hpc_rlx hydra.run.dir=runs/mlp")],
     "test_a_graph_written_with_graph_builder": [
         ("docs/pytorch.md", ".venv/bin/mpirun -n 2 .venv/bin/python -m hpc_rlx model=graph model.path=logreg.json")],
+    "test_mlperf_hpc_cosmoflow_end_to_end": [
+        ("docs/mlperf_hpc.md", ".venv/bin/python cut_universes.py universes/train cosmo/train 32"),
+        ("docs/mlperf_hpc.md", ".venv/bin/python cosmoflow.py")],
+    "test_mlperf_hpc_deepcam_end_to_end": [
+        ("docs/mlperf_hpc.md", ".venv/bin/python deepcam.py")],
 }
 # lines of the README's Running block that other tests run: the console script
 # (tests/docs/test_readme_running.py) and the Slurm batch job (tests/cluster/test_slurm.py)
@@ -248,6 +253,61 @@ def test_a_graph_written_with_graph_builder(workdir):
                  workdir)
     (run,) = (workdir / "outputs").iterdir()
     assert completed(run)["world_size"] == 2
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_mlperf_hpc_cosmoflow_end_to_end(workdir):
+    """docs/mlperf_hpc.md's CosmoFlow: universes cut into one-sample files by the page's script,
+    its model exported, checked, trained on 2 ranks and loaded back into PyTorch."""
+    for module in ("torch", "onnx", "onnxscript", "onnxruntime", "safetensors"):
+        pytest.importorskip(module)
+    import h5py
+    import numpy as np
+    rng = np.random.default_rng(0)
+    for split, names in (("train", ["univ_a", "univ_b"]), ("validation", ["univ_c"])):
+        (workdir / "universes" / split).mkdir(parents=True)
+        for name in names:                     # 64^3 universes: 8 samples of 32^3 each
+            params = rng.uniform(-1, 1, 4)
+            with h5py.File(workdir / "universes" / split / f"{name}.hdf5", "w") as f:
+                f["full"] = rng.poisson(np.exp(1.5 + params), (64, 64, 64, 4)).astype(np.int16)
+                f["unitPar"] = params
+    for first_line, name in (("# cut_universes.py: one HDF5 file per sub-volume, x (size, size, size, 4) int16 "
+                              "and y (4,) float32", "cut_universes.py"),
+                             ("# cosmoflow.py: CosmoFlow with its input normalisation inside", "cosmoflow.py"),
+                             ("# back in PyTorch: the trained CosmoFlow", "load_back.py")):
+        write_block("docs/mlperf_hpc.md", first_line, workdir / name)
+    proc = run_commands(page_commands("test_mlperf_hpc_cosmoflow_end_to_end") + [".venv/bin/python load_back.py"],
+                        workdir)
+    assert len(list((workdir / "cosmo" / "train").glob("*.h5"))) == 16
+    assert "cosmoflow.onnx: imports for training" in proc.stdout, proc.stdout
+    summary = completed(workdir / "runs" / "cosmoflow")
+    assert summary["world_size"] == 2
+    assert "val_mae" in (workdir / "runs" / "cosmoflow" / "metrics.jsonl").read_text()
+    assert (workdir / "cosmoflow-trained.onnx").is_file()
+    assert proc.stdout.strip().splitlines()[-1] == "<All keys matched successfully>", proc.stdout[-2000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_mlperf_hpc_deepcam_end_to_end(workdir):
+    """docs/mlperf_hpc.md's DeepCAM: one-sample files as downloaded (climate/data, labels_0 and
+    stats.h5 beside the directories), the page's model exported, checked, trained on 2 ranks
+    with class weights and LAMB, and loaded back into PyTorch."""
+    for module in ("torch", "onnx", "onnxscript", "onnxruntime", "safetensors"):
+        pytest.importorskip(module)
+    from tests.support.mlperf_hpc import write_deepcam
+    write_deepcam(workdir / "deepcam", train=16, val=4)       # 4 steps of 4: the warm-up and the milestone fit
+    for first_line, name in (("# deepcam.py: a small DeepLabv3+ with DeepCAM's normalisation and transpose inside",
+                              "deepcam.py"),
+                             ("# back in PyTorch: the trained DeepLabv3+", "load_back.py")):
+        write_block("docs/mlperf_hpc.md", first_line, workdir / name)
+    proc = run_commands(page_commands("test_mlperf_hpc_deepcam_end_to_end") + [".venv/bin/python load_back.py"],
+                        workdir)
+    assert "deepcam.onnx: imports for training" in proc.stdout, proc.stdout
+    assert completed(workdir / "runs" / "deepcam")["world_size"] == 2
+    assert "val_iou" in (workdir / "runs" / "deepcam" / "metrics.jsonl").read_text()
+    assert proc.stdout.strip().splitlines()[-1] == "<All keys matched successfully>", proc.stdout[-2000:]
 
 
 def test_as_run_here_changes_only_the_launcher_and_the_length_of_training():

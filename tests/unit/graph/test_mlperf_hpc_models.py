@@ -150,3 +150,28 @@ def test_mini_deepcam_imports_and_its_training_forward_equals_pytorch(tmp_path):
         ref = mlperf_hpc.as_imported(module).train()(torch.from_numpy(x)).numpy()
     assert ours.shape == (2, mlperf_hpc.DEEPCAM_CLASSES, *mlperf_hpc.DEEPCAM_SHAPE[:2])
     assert rel(ours, ref) <= 1e-10
+
+
+def test_the_export_check_feeds_a_model_of_logarithms_non_negative_inputs(tmp_path):
+    """`python -m hpc_rlx.export`'s ONNX Runtime check draws a random batch; a model that takes
+    log(1 + x) of its input (CosmoFlow) is NaN on negative draws, so the check draws again from
+    non-negative values instead of failing the export (it failed with 'differs by nan')."""
+    from hpc_rlx.export.ir_to_onnx import needed_by
+    from hpc_rlx.export.trained import TrainedModel
+    from hpc_rlx.export.verify import check_with_runtime
+
+    class LogLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.fc(torch.log1p(x))
+
+    path = mlperf_hpc.export(LogLinear(), torch.rand(2, 6), tmp_path / "log.onnx", "torchscript")
+    imported = import_onnx(str(path), loss="mse", label_dtype="float")
+    g = imported.graph
+    node = g.meta["onnx"]["output_node"]
+    trained = TrainedModel(g, {k: v.astype(np.float32) for k, v in imported.initial.items()}, path, tmp_path)
+    diff = check_with_runtime(onnx.load(str(path)), trained, node, {"x": "x"}, needed_by(g, node))
+    assert diff is not None and diff <= 1e-5
