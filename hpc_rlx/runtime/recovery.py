@@ -32,6 +32,7 @@ from hpc_rlx.comm import ulfm, watchdog
 from hpc_rlx.comm.collective import CollectiveError
 from hpc_rlx.comm.topology import hostname, rank_span
 from hpc_rlx.config.failure_mode import training_ranks
+from hpc_rlx.data.files import plan_files
 from hpc_rlx.errors import ConfigError, phase
 from hpc_rlx.observe.display import RunDisplay
 from hpc_rlx.observe.outputs import RunOutputs
@@ -263,11 +264,13 @@ class Survives:
 
 
 def _unreadable_source(spec) -> str | None:
-    """Under data.distribution=scatter, a data file this rank cannot read (rank 0 reads them)."""
+    """Under data.distribution=scatter, a data file this rank cannot read (rank 0 reads them):
+    the first file of each set (a directory or a glob is not itself a file to read)."""
     d = spec.data
     if d.distribution != "scatter":
         return None
-    return next((p for p in dict.fromkeys((d.path, d.val_path)) if p and not os.access(p, os.R_OK)), None)
+    files, val, _ = plan_files(d)
+    return next((p for p in dict.fromkeys((files.opened(0), val.opened(0))) if not os.access(p, os.R_OK)), None)
 
 
 def survivors_of(old, new) -> list[int]:
