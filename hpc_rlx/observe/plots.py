@@ -93,7 +93,8 @@ def _step_x(rec: dict) -> float:
     return float(rec.get("epoch") or 0.0)
 
 
-CURVE_PANELS = (("loss", ("train_loss", "val_loss")), ("accuracy", ("train_accuracy", "val_accuracy")))
+CURVE_PANELS = (("loss", ("train_loss", "val_loss")), ("accuracy", ("train_accuracy", "val_accuracy")),
+                ("IoU", ("val_iou",)), ("MAE", ("val_mae",)))
 
 
 def curve_panels(metrics: list[dict]) -> dict[str, tuple]:
@@ -270,7 +271,7 @@ def lanes_figure(files: RunFiles):
 
 def sweep_figure(rows: list[dict]):
     from matplotlib.patches import Patch
-    keys = [k for k in ("val_loss", "val_accuracy", "train_loss")
+    keys = [k for k in ("val_loss", "val_accuracy", "val_iou", "val_mae", "train_loss")
             if any(isinstance(r.get(k), (int, float)) for r in rows)][:2]
     if not keys:
         return None
@@ -281,7 +282,7 @@ def sweep_figure(rows: list[dict]):
     for ax, key in zip(axes, keys):
         vals = [r.get(key) if isinstance(r.get(key), (int, float)) else float("nan") for r in rows]
         finite = [v for v in vals if math.isfinite(v)]
-        best = (min(finite) if "loss" in key else max(finite)) if finite else None
+        best = (min(finite) if "loss" in key or "mae" in key else max(finite)) if finite else None
         colors = ["#d62728" if v == best else "#1f77b4" for v in vals]
         ax.barh(ys, [0 if not math.isfinite(v) else v for v in vals], color=colors)
         for y, v in zip(ys, vals):
