@@ -80,13 +80,16 @@ def test_weighted_ignored_loss_is_the_global_mean_on_ranks_lanes_and_micro_batch
     # 2 lanes of 2 micro-batches each in one run: a wrong denominator in either shows
     for name, n, extra in [("one", 1, []), ("two", 2, ["checkpoint=default", "checkpoint.metric=val_iou",
                                                       "checkpoint.every_epochs=1"]),
-                           ("lanes", 1, ["device.cpu_lanes=2", "train.accumulate=2"])]:
+                           ("lanes", 1, ["device.cpu_lanes=2", "train.accumulate=2"]),
+                           # cadence's local steps each divide by their own batch's weight: on
+                           # one rank they are the sync steps
+                           ("cadence", 1, ["policy=cadence"])]:
         runs[name] = tmp_path / name
         proc = train_job(n, runs[name], base + extra, timeout=120)
         assert proc.returncode == 0, explain(proc)
     one = params(runs["one"])
     assert rel(torch_reference(graph, data), one) <= 1e-10       # PyTorch's mean over the batch
-    for name in ("two", "lanes"):
+    for name in ("two", "lanes", "cadence"):
         assert rel(one, params(runs[name])) <= 1e-10, name
     m1, m2 = read_metrics(runs["one"])[-1], read_metrics(runs["two"])[-1]
     assert abs(m1["train_loss"] - m2["train_loss"]) <= 1e-10 * abs(m1["train_loss"])
