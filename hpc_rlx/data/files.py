@@ -23,7 +23,7 @@ from hpc_rlx.data.fileset import FileSet
 from hpc_rlx.data.hdf5 import DatasetInfo, _describe_open, _open, describe
 from hpc_rlx.errors import DataError
 
-__all__ = ["resolve", "Meta", "file_meta", "check_like", "describe_set", "read_set", "meta_of", "SetReader",
+__all__ = ["resolve", "read_whole", "Meta", "file_meta", "check_like", "describe_set", "read_set", "meta_of", "SetReader",
            "check_files"]
 
 _CAST_BYTES = 16 << 20     # a cast while reading goes through a buffer of about this size
@@ -151,6 +151,27 @@ def read_one_sample(path: str, named: str, x_name: str, y_name: str, ref: Meta, 
         return None if xo is None or yo is None else (xo, yo)
     except (OSError, ValueError, TypeError) as e:
         raise DataError(f"reading data file {named!r} failed: {e}") from None
+    finally:
+        fid.close()
+
+
+def read_whole(path: str, name: str) -> np.ndarray:
+    """One dataset of a file, whole, through HDF5's low-level calls (a one-sample file's label);
+    a file or dataset they cannot open gets h5py's message."""
+    try:
+        fid = h5f.open(os.fsencode(path), h5f.ACC_RDONLY, fapl=_FAPL)
+    except Exception:  # noqa: BLE001
+        _open(path).close()         # raises the message (missing, not HDF5, ...)
+        raise DataError(f"cannot open data file {path!r}") from None
+    try:
+        d = h5d.open(fid, name.encode())
+        out = np.empty(tuple(d.shape), np.dtype(d.dtype).newbyteorder("="))
+        d.read(h5s.create_simple(out.shape) if out.shape else h5s.create(h5s.SCALAR), h5s.ALL, out)
+        return out
+    except KeyError:
+        raise DataError(f"data file {path!r} has no dataset {name!r}") from None
+    except (OSError, ValueError, TypeError) as e:
+        raise DataError(f"reading {name!r} of {path!r} failed: {e}") from None
     finally:
         fid.close()
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from hpc_rlx.errors import ConfigError, DataError
 
-from .files import check_like, describe_set, meta_of
+from .files import check_like, describe_set, meta_of, read_whole
 from .fileset import FileSet
 from .hdf5 import DatasetInfo, open_readonly
 from .prepare import ensure_prepared
@@ -128,6 +128,8 @@ def label_classes(path, y_name: str, n_rows: int, extra_names=(), ignore=None) -
     (and `extra_names`, e.g. token-id inputs that index the same vocabulary), block by block.
     `path`: a file, or a FileSet (its files in order, up to n_rows samples)."""
     files = path if isinstance(path, FileSet) else FileSet.single(path, n_rows)
+    if files.one_sample and not extra_names:
+        return _one_sample_classes(files, y_name, n_rows, ignore), n_rows
     top = -1
     for p in files.pieces(0, min(n_rows, files.n)):
         where = files.opened(p.file)
@@ -137,6 +139,28 @@ def label_classes(path, y_name: str, n_rows: int, extra_names=(), ignore=None) -
             raise DataError(f"reading the labels of {where!r} to count the classes failed: {e}") from None
         top = max(top, got - 1)
     return top + 1, n_rows
+
+
+def _one_sample_classes(files: FileSet, y_name: str, n_rows: int, ignore) -> int:
+    """Max label + 1 over the first n_rows one-sample files, each label read through HDF5's
+    low-level calls (rank 0 reads every file before planning: a few times cheaper)."""
+    top = -1
+    for k in range(min(n_rows, files.n)):
+        block = read_whole(files.opened(k), y_name)
+        if block.dtype.kind not in "iu":
+            raise DataError(f"dataset {files.opened(k)!r}: labels {y_name!r} have dtype {block.dtype}, but the "
+                            "loss needs integer class indices"
+                            + (" (float labels found; store them as int64)" if block.dtype.kind == "f" else ""))
+        if block.size == 0:
+            continue
+        if ignore is not None:     # model.ignore_index: no class
+            block = np.where(block == ignore, 0, block)
+        low = int(block.min())
+        if low < 0:
+            raise DataError(f"label {low} of {y_name!r} in {files.opened(k)!r} is negative: class labels are "
+                            "indices 0 .. num_classes-1")
+        top = max(top, int(block.max()))
+    return top + 1
 
 
 def _label_classes(path, y_name, rows, extra_names, one_sample=False, ignore=None) -> tuple[int, int]:
