@@ -26,9 +26,10 @@ def apply_loss_keys(graph, model_cfg: dict, pipeline_stages: int = 1):
     keys = " and ".join(given)
     head = loss_head(graph)
     if head.kind == "own":
-        raise ConfigError(f"{keys}: the ONNX file computes its own loss (x, y -> loss), which these keys "
-                          f"cannot weigh; export the model without its loss (hpc_rlx adds a cross-entropy), "
-                          f"or drop {keys}")
+        where = "the ONNX file computes its own loss (x, y -> loss)" if model_cfg.get("name") == "onnx" else \
+            "the graph's loss is its own, not a softmax_cross_entropy"
+        raise ConfigError(f"{keys}: {where}, which these keys cannot weigh; export the model without its "
+                          f"loss (hpc_rlx adds a cross-entropy), or drop {keys}")
     if head.kind != "cross_entropy":
         raise ConfigError(f"{keys} need a cross-entropy loss, but this model's loss is {head.kind} "
                           f"(float targets)")

@@ -14,7 +14,7 @@ from hpc_rlx.config.loss_keys import apply_loss_keys, check_checkpoint_metric
 from hpc_rlx.data.hdf5 import Classes, check_values
 from hpc_rlx.data.resolve import label_classes
 from hpc_rlx.errors import ConfigError, DataError
-from hpc_rlx.graph import Graph, GraphBuilder, build_model
+from hpc_rlx.graph import Graph, build_model
 from hpc_rlx.graph.loss_options import loss_head
 from hpc_rlx.observe.metrics.validation import val_values
 from hpc_rlx.observe.progress import end_line
@@ -23,12 +23,18 @@ from tests.support.dense_targets import write_graph, write_regression
 
 
 def own_loss_graph() -> Graph:
-    """What the import makes of an ONNX file computing its own loss: (x, y) -> a scalar."""
-    b = GraphBuilder()
-    x, y = b.input("x", [None, 3]), b.input("y", [None, 3])
-    d = b.op("sub", x, y)
-    b.output("loss", b.op("mean", b.op("mul", d, d)))
-    return b.build()
+    """An ONNX file computing its own loss, (x, target) -> a scalar mean, imported."""
+    onnx = pytest.importorskip("onnx")
+    from hpc_rlx.graph.onnx.importer import import_onnx
+    h = onnx.helper
+    nodes = [h.make_node("MatMul", ["x", "w"], ["pred"]), h.make_node("Sub", ["pred", "target"], ["d"]),
+             h.make_node("Mul", ["d", "d"], ["sq"]), h.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0)]
+    graph = h.make_graph(nodes, "own", [h.make_tensor_value_info("x", 1, ["batch", 3]),
+                                        h.make_tensor_value_info("target", 1, ["batch", 2])],
+                         [h.make_tensor_value_info("loss", 1, [])],
+                         [onnx.numpy_helper.from_array(np.ones((3, 2), np.float32), "w")])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    return import_onnx(model.SerializeToString()).graph
 
 
 def test_the_keys_weigh_the_cross_entropy_and_its_accuracy(tmp_path):
@@ -52,7 +58,7 @@ def test_each_misuse_is_one_error_naming_the_key(tmp_path, cfg, graph, words):
     g = {"seg": lambda: Graph.from_file(write_graph(tmp_path / "g.json")), "own": own_loss_graph,
          "mse": lambda: Graph.from_file(write_regression(tmp_path / "r.json", tmp_path / "r.h5", 4)[0])}[graph]()
     with pytest.raises(ConfigError, match=words):
-        apply_loss_keys(g, cfg)
+        apply_loss_keys(g, dict(cfg, name="onnx" if graph == "own" else "graph"))
 
 
 def test_checkpoint_metric_must_be_reported(tmp_path):
