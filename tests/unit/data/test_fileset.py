@@ -255,3 +255,27 @@ def test_a_resume_checks_the_training_files_and_not_a_separate_validation_set():
     with pytest.raises(CheckpointError, match=r"checkpoint ckpt.h5 was trained on other data files: data.path's "
                                               r"file 'b.h5' held 6 samples, now 7"):
         check_data_files(saved, plan([["/d/a.h5", 4], ["/d/b.h5", 7]]), "ckpt.h5")
+
+
+def test_group_paths_in_one_file_and_the_info_command_and_doctor_over_a_directory(tmp_path, capsys):
+    from hpc_rlx.data.__main__ import main
+    from hpc_rlx.doctor.probe import data_file_problem
+    one = tmp_path / "one.h5"
+    with h5py.File(one, "w") as f:
+        f["climate/data"], f["climate/labels_0"] = np.ones((5, 2, 2), np.float32), np.arange(5)
+    info, fs = describe_set(str(one), "climate/data", "climate/labels_0")
+    assert (info.n, info.x_shape, len(fs)) == (5, (2, 2), 1) and info.path == str(one)
+    gx, gy = read_set(fs, "climate/data", "climate/labels_0", 1, 4, meta_of(info), str(one))
+    assert gx.shape == (3, 2, 2) and gy.tolist() == [1, 2, 3]
+    d = tmp_path / "vols"
+    _one_sample_dir(d, 4)
+    assert main(["info", str(d), "--x-name", "climate/data", "--y-name", "climate/labels",
+                 "--one-sample-per-file"]) == 0
+    out = capsys.readouterr().out
+    assert "files: 4 (" in out and "one sample each" in out and "rows: 4" in out
+    assert main(["info", str(d), "--x-name", "climate/data", "--y-name", "climate/labels"]) == 1
+    assert "data.one_sample_per_file=true" in capsys.readouterr().err       # a scalar label says how
+    assert data_file_problem(str(d)) is None and data_file_problem(str(d / "*.h5")) is None
+    assert data_file_problem(str(d / "x_*.h5")) == "matches no file"
+    (d / "notes.txt").write_text("")
+    assert "notes.txt' in that directory is not an HDF5 file" in data_file_problem(str(d))
