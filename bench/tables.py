@@ -61,6 +61,14 @@ def _by(records: list[dict], key: str) -> dict[str, dict[int, dict]]:
     return out
 
 
+def _when(records: list[dict]) -> str:
+    """', DATE, load average LO-HI at the jobs' starts' from the records that carry them."""
+    loads = [r["load_before"] for r in records if r.get("load_before") is not None]
+    dates = sorted(r["date"] for r in records if r.get("date"))
+    out = f", {dates[0][:16].replace('T', ' ')}-{dates[-1][11:16]} UTC" if dates else ""
+    return out + (f", load average {min(loads):.1f}-{max(loads):.1f} at the jobs' starts" if loads else "")
+
+
 def _md(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -94,9 +102,8 @@ def streaming_table(records: list[dict]) -> str:
         if not seeds:
             continue
         where = f"link {s['link']}" if s.get("link") else "this host"
-        out.append(f"{s['ranks']} ranks, {where}, K={s['k']}, {s['epochs']} epochs, "
-                   f"seeds {', '.join(map(str, seeds))}" + (f", {' '.join(s['extra'])}" if s.get("extra") else "")
-                   + ":\n\n")
+        head = (f"{s['ranks']} ranks, {where}, K={s['k']}, {s['epochs']} epochs, seeds {', '.join(map(str, seeds))}"
+                + (f", {' '.join(s['extra'])}" if s.get("extra") else "") + _when(recs) + ":\n\n")
         table = []
         for name, by_seed in rows.items():
             cs = [by_seed[seed] for seed in seeds]
@@ -109,12 +116,12 @@ def streaming_table(records: list[dict]) -> str:
                 to_r = spread([t / tot for t, tot in zip(reach, total)], ".2f")
             else:
                 to_s = to_r = f"- ({sum(t is not None for t in reach)} of {len(seeds)})"
-            table.append([cs[0]["label"], f"{statistics.mean(c['syncs'] for c in cs):g}",
+            table.append([cs[0]["label"], f"{statistics.mean(c['syncs'] for c in cs):.3g}",
                           f"{statistics.mean(c['wire'] for c in cs) / 2**20:.2f}",
                           f"{statistics.mean(r['wire'] / max(c['wire'], 1) for c, r in zip(cs, rs)):.0f}x",
                           spread([c["val_loss"] for c in cs], ".4f"), spread(ratio, ".4f"), to_s, to_r])
-        out.append(_md(["run", "syncs/ep", "wire MB", "fewer", "val_loss", "vs sync", "to sync's loss (s)",
-                        "vs sync's time"], table))
+        out.append(head + _md(["run", "syncs/ep", "wire MB", "fewer", "val_loss", "vs sync", "to sync's loss (s)",
+                               "vs sync's time"], table))
     return "\n".join(out)
 
 
@@ -133,21 +140,21 @@ def policies_table(records: list[dict]) -> str:
             ref = rows.get("sync", {})
             seeds = sorted(set.intersection(*(set(r) for r in rows.values())))
             data = f"blobs {s['blobs']}" if s.get("blobs") is not None else "digits"
-            out.append(f"{s['ranks']} ranks, slowdown {slowdown}, {data}, {s['epochs']} epochs, seeds "
-                       f"{', '.join(map(str, seeds))}" + (f", {' '.join(s['extra'])}" if s.get("extra") else "")
-                       + ":\n\n")
+            head = (f"{s['ranks']} ranks, slowdown {slowdown}, {data}, {s['epochs']} epochs, seeds "
+                    f"{', '.join(map(str, seeds))}" + (f", {' '.join(s['extra'])}" if s.get("extra") else "") + _when(srecs)
+                    + ":\n\n")
             table = []
             for policy, by_seed in rows.items():
                 cs = [by_seed[seed] for seed in seeds]
-                speed = (spread([ref[seed]["epoch_s"] / c["epoch_s"] for seed, c in zip(seeds, cs)], ".2f") + "x"
-                         if set(seeds) <= set(ref) else "-")
+                speed = (spread([ref[seed]["epoch_s"] / c["epoch_s"] for seed, c in zip(seeds, cs)], ".2f")
+                         .replace(" (", "x (", 1) if set(seeds) <= set(ref) else "-")
                 per_sync = [statistics.mean(c["per_sync"][i] for c in cs) for i in range(len(cs[0]["per_sync"]))]
                 table.append([policy, f"{statistics.mean(c['epoch_s'] for c in cs):.4f}", speed,
                               spread([c["val_acc"] for c in cs], ".4f"), spread([c["val_loss"] for c in cs], ".4f"),
-                              f"{statistics.mean(c['syncs'] for c in cs):g}",
+                              f"{statistics.mean(c['syncs'] for c in cs):.3g}",
                               ", ".join(f"{v:.3g}" for v in per_sync)])
-            out.append(_md(["policy", "epoch_s", "speed", "val_accuracy", "val_loss", "syncs/ep",
-                            "local steps per sync"], table))
+            out.append(head + _md(["policy", "epoch_s", "speed", "val_accuracy", "val_loss", "syncs/ep",
+                                   "local steps per sync"], table))
     return "\n".join(out)
 
 
