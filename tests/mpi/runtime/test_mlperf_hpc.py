@@ -8,8 +8,9 @@ model).
   files to <= 1e-10. The loop builds each batch as the data plan does (hpc_rlx/data/plan.py):
   the N files are cut into B rows of N/B consecutive files, and step s takes file s of every
   row (not B consecutive files).
-- DeepCAM with class weights and an ignored label (a border of label 255): 2 ranks equal 1
-  rank x 2 lanes in float64 (batch norm normalises per lane or rank: the two see the same
+- DeepCAM with class weights and an ignored label (a border of label 255): with
+  ``model.sync_batch_norm=true``, 2 ranks equal that PyTorch loop too; without it, 2 ranks
+  equal 1 rank x 2 lanes in float64 (batch norm normalises per lane or rank: the two see the same
   micro-batches), the loss falls and ``val_iou`` is recorded; CosmoFlow trains on 2 ranks with
   its loss falling and ``val_mae`` recorded.
 """
@@ -131,7 +132,7 @@ def _deepcam(tmp_path: Path):
     return data, module, overrides
 
 
-def test_mini_deepcam_with_class_weights_and_an_ignored_label_equals_a_pytorch_loop(tmp_path):
+def test_mini_deepcam_with_class_weights_and_an_ignored_label_equals_a_pytorch_loop_also_with_sync_bn(tmp_path):
     data, module, overrides = _deepcam(tmp_path)
     lr = 0.1
     proc = train_job(1, tmp_path / "w1", overrides + [f"optim.lr={lr}", "train.epochs=1"], timeout=180)
@@ -149,6 +150,14 @@ def test_mini_deepcam_with_class_weights_and_an_ignored_label_equals_a_pytorch_l
     ours = params_of(tmp_path / "w1")
     assert any(k.endswith("running_mean") for k in ours)          # batch norm's statistics compared too
     assert max_rel_diff(ours, ref_state) <= 1e-10
+
+    # model.sync_batch_norm: 2 ranks of one sample each normalise over the global batch, as
+    # the one rank (and PyTorch) did; the weighted loss's denominator is global too
+    proc = train_job(2, tmp_path / "w2_sync", overrides + [f"optim.lr={lr}", "train.epochs=1",
+                                                           "model.sync_batch_norm=true"], timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    assert_equal_losses(step_losses(tmp_path / "w2_sync")[:STEPS], ref_losses)
+    assert max_rel_diff(params_of(tmp_path / "w2_sync"), ref_state) <= 1e-10
 
 
 def test_mini_deepcam_two_ranks_equal_two_lanes_and_the_loss_falls_with_val_iou(tmp_path):
