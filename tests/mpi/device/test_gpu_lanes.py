@@ -575,3 +575,36 @@ def test_real_gpu_training_reaches_accuracy(tmp_path, digits_h5, n, overrides):
     assert proc.returncode == 0, explain(proc)
     assert read_metrics(run)[-1]["val_accuracy"] >= 0.9
     assert "bucket on" in proc.stdout
+
+
+def integer_input_jobs(tmp_path, devices):
+    """`device=D` jobs (1 rank, float64) on an int16 file (CosmoFlow's counts): the feed holds
+    the inputs as stored and casts each batch, which a GPU lane then copies up. Returns the
+    metrics of each job, in the order of ``devices``."""
+    import h5py
+
+    from tests.support.jobs import train_job
+    rng = np.random.default_rng(3)
+    path = tmp_path / "counts.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = rng.integers(-20, 40, (640, 12)).astype(np.int16)
+        f["y"] = rng.integers(0, 3, 640).astype(np.int64)
+        f.attrs["num_classes"] = 3
+    base = ["data=file", f"data.path={path}", "model=mlp", "model.hidden=[16]", "train.dtype=float64",
+            "train.epochs=2", "train.batch_size=32", "optim.lr=0.001", "checkpoint=off"]
+    out = []
+    for i, device in enumerate(devices):
+        proc = train_job(1, tmp_path / f"{device}-{i}", base + [f"device={device}"], timeout=120)
+        assert proc.returncode == 0, explain(proc)
+        out.append(read_metrics(tmp_path / f"{device}-{i}"))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason=GPU_REASON)
+def test_real_gpu_lane_trains_integer_inputs_as_the_cpu_lane(tmp_path):
+    cpu, cuda = integer_input_jobs(tmp_path, ["cpu", "cuda"])
+    assert len(cpu) == len(cuda) == 2
+    for a, b in zip(cpu, cuda):
+        for key in ("train_loss", "val_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-9), (key, a[key], b[key])
