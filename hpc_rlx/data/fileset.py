@@ -130,8 +130,8 @@ class FileSet:
     def names(self) -> list[str]:
         """The files' names as the checkpoint records them: relative to the folder they share,
         so a moved (or staged) directory is the same data."""
-        if len(self.paths) == 1:
-            return [os.path.basename(self.paths[0])]
+        if len({os.path.dirname(p) for p in self.paths}) == 1:      # one folder: the common case
+            return [os.path.basename(p) for p in self.paths]
         root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in self.paths])
         return [os.path.relpath(os.path.abspath(p), root) for p in self.paths]
 
