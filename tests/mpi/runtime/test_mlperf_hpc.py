@@ -163,7 +163,7 @@ def test_mini_deepcam_with_class_weights_and_an_ignored_label_equals_a_pytorch_l
 def test_mini_deepcam_two_ranks_equal_two_lanes_and_the_loss_falls_with_val_iou(tmp_path):
     data, module, overrides = _deepcam(tmp_path)
     # a partial last step would be split 1/1 over lanes but 1/0 over ranks: leftover=drop
-    common = overrides + ["optim.lr=0.1", "train.epochs=3", "comm.deterministic=true", "data.leftover=drop"]
+    common = overrides + ["optim.lr=0.1", "train.epochs=2", "comm.deterministic=true", "data.leftover=drop"]
     runs = {"w2": (2, []), "w1_lanes2": (1, ["device=cpu", "device.cpu_lanes=2"])}
     for name, (n, extra) in runs.items():
         proc = train_job(n, tmp_path / name, common + extra, timeout=240)
