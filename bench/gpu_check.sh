@@ -22,7 +22,7 @@
 #
 # Sections (each continues after a failure of the previous one):
 #   preflight   GPU, driver, CuPy, PyTorch, MPI and whether it is CUDA-aware; the doctor
-#   gradcheck   every gpu-marked test (pytest -m gpu over tests/unit and tests/mpi): each kernel of
+#   gradcheck   every gpu-marked test (pytest -m gpu over the files that hold one): each kernel of
 #               the graph engine on CuPy vs NumPy, forward and gradients, float64 and float32; the
 #               optimizers on CuPy arrays; GPU lanes and GPU training; the cases it ran, passed,
 #               failed or skipped, go to results.md ("Kernels covered", bench/gpu/covered.py)
@@ -45,18 +45,18 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"                # works even
 T_START=$SECONDS
 
 # Section limits, seconds. With the install (or the wheelhouse install) they add up to at most
-# CHECK_S: 140 + 3 x 8 (the mpirun probe) + 30 + 25 + 160 + 70 + 85 + 30 + 10, plus KILL_AFTER for
+# CHECK_S: 135 + 3 x 8 (the mpirun probe) + 45 + 20 + 160 + 70 + 85 + 25 + 10, plus KILL_AFTER for
 # each of the 7 sections that run under it = 595.
 CHECK_S=${CHECK_S:-600}
 KILL_AFTER=3
-LIMIT_INSTALL=140
+LIMIT_INSTALL=135
 LIMIT_PROBE=8
-LIMIT_PREFLIGHT=30
-LIMIT_DOCTOR=25
+LIMIT_PREFLIGHT=45
+LIMIT_DOCTOR=20
 LIMIT_GRADCHECK=160
 LIMIT_TRAIN1=70      # 3 runs of at most 22 s
 LIMIT_TRAIN2=85      # 4 runs of at most 20 s
-LIMIT_THROUGHPUT=30
+LIMIT_THROUGHPUT=25
 LIMIT_COVERED=10
 
 NAMES=()
@@ -181,9 +181,11 @@ if [ -n "${INSTALL_ONLY:-}" ]; then
     exit 0
 fi
 run_section doctor "$LIMIT_DOCTOR" "$MPIRUN" -n 2 "$PY" -m hpc_rlx.doctor
-# every gpu-marked test, wherever it lives (tests/unit/test_gpu_check.py: none outside these)
+# every gpu-marked test, from the files that hold one (collecting only those keeps the section's
+# time for the tests)
+mapfile -t GPU_TESTS < <(grep -rlE 'mark\.gpu\b' tests --include='test_*.py' | sort)
 run_section gradcheck "$LIMIT_GRADCHECK" "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu \
-    --junitxml="$WORK/gpu_tests.xml" tests/unit tests/mpi
+    --junitxml="$WORK/gpu_tests.xml" "${GPU_TESTS[@]}"
 # tests that skip (no CuPy, one GPU for a 2-GPU test) are not a pass: say so in the summary
 last=$((${#STATES[@]} - 1))
 skipped=$(grep -Eo '[0-9]+ skipped' "$WORK/gradcheck.log" | tail -n 1 || true)
