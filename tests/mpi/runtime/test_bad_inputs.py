@@ -58,6 +58,14 @@ def _make_inputs(root: Path) -> dict:
     x, y = _good_xy()
     p = {"good": _write(root / "good.h5", x, y)}
     p["empty"] = _write(root / "empty.h5", x[:0], y[:0])
+    # many files as one set (data.path a directory or a glob)
+    (root / "empty_dir").mkdir()
+    p["empty_dir"] = root / "empty_dir"
+    p["no_match"] = root / "nothing_*.h5"
+    (root / "mixed_dir").mkdir()
+    _write(root / "mixed_dir" / "part_0.h5", x[:60], y[:60])
+    _write(root / "mixed_dir" / "part_1.h5", x[60:, :-1], y[60:])      # one feature short
+    p["mixed_dir"] = root / "mixed_dir"
     p["float_labels"] = _write(root / "float_labels.h5", x, y.astype(np.float32))
     bad = y.copy()
     bad[10] = CLASSES + 4
@@ -152,6 +160,11 @@ CASES = [
     Case("nan_inputs_checked", ("data.check_finite=true",), r"input row 7 contains a non-finite value \(nan\)",
          data="nan"),
     Case("not_hdf5", (), r"dataset file '.*not_hdf5\.h5' is not an HDF5 file", data="not_h5"),
+    Case("empty_directory", (), r"data\.path=.*empty_dir is a directory with no files in it", data="empty_dir"),
+    Case("glob_matching_nothing", (), r"data\.path=.*nothing_\*\.h5 matches no file", data="no_match"),
+    Case("a_file_of_the_set_with_another_shape", (),
+         r"data file '.*part_1\.h5' differs from '.*part_0\.h5': input 'x' has per-sample shape \(5,\) there, "
+         r"\(6,\) in", data="mixed_dir"),
     # ---- sizes
     Case("fewer_samples_than_ranks", ("data.val_fraction=0", "train.batch_size=1"),
          r"more ranks \(2\) than training samples \(1\)", kind="ConfigError", data="tiny"),
