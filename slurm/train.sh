@@ -227,7 +227,13 @@ fi
 # A fault-tolerant run outside Slurm: the run names its directory in this file as it starts
 # (hpc_rlx/__main__.py), so that an mpirun exit 0 without a finished run is told from success
 run_dir_report=""
-if [[ $choice == ulfm && $module == hpc_rlx && -z $run_dir ]]; then
+# arguments under which the run names no one directory: a sweep, or Hydra printing and exiting
+one_run=1
+if printf '%s\n' "$@" | grep -qx -e '-m' -e '--multirun' -e '--help' -e '-h' -e '--hydra-help' -e '--cfg.*' \
+        -e '-c.*' -e '--info.*' -e '-i.*' -e '--shell-completion' -e '-sc.*'; then
+    one_run=0
+fi
+if [[ $choice == ulfm && $module == hpc_rlx && -z $run_dir && $one_run == 1 ]]; then
     run_dir_report=$(mktemp "${TMPDIR:-/tmp}/hpc_rlx-run-dir.XXXXXX")
     export HPC_RLX_RUN_DIR_REPORT=$run_dir_report
     launch+=(-x HPC_RLX_RUN_DIR_REPORT)
@@ -274,9 +280,7 @@ if [[ -n $run_dir_report ]]; then
     [[ -s $run_dir_report ]] && run_dir=$(head -n 1 "$run_dir_report")
     rm -f "$run_dir_report"
 fi
-if [[ $choice == ulfm && $status == 0 && $module == hpc_rlx ]] \
-   && ! printf '%s\n' "$@" | grep -qx -e '-m' -e '--multirun' -e '--help' -e '-h' -e '--hydra-help' \
-        -e '--cfg.*' -e '-c.*' -e '--info.*' -e '-i.*' -e '--shell-completion' -e '-sc.*'; then
+if [[ $choice == ulfm && $status == 0 && $module == hpc_rlx && $one_run == 1 ]]; then
     if [[ -z $run_dir ]]; then
         echo "hpc_rlx: error: mpirun exited 0 but no rank started the run (rank 0 never named its" \
              "run directory): the launch failed; see the lines above" >&2
