@@ -308,8 +308,9 @@ def wait_for_first_epoch(proc, run_dir: Path, timeout: float = 90) -> None:
         if metrics.exists() and metrics.read_text().strip():
             return
         time.sleep(0.2)
-    finish(proc, 5, None)
-    pytest.fail(f"the job did not finish an epoch in {timeout}s (rc {proc.returncode})")
+    done = finish(proc, 5, None)
+    pytest.fail(f"the job did not finish an epoch in {timeout}s (rc {proc.returncode})\n"
+                f"{(done.stdout or '')[-3000:]}\n{(done.stderr or '')[-3000:]}")
 
 
 def finish(proc, timeout: float, cluster: EmulatedCluster | None = None):

@@ -457,19 +457,26 @@ def test_spares_used_up_by_three_deaths_end_the_job_with_exit_0(tmp_path, data):
     cmd = prefix[:1] + ["--with-ft", "ulfm"] + prefix[1:] + [
         PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run}", *SMALL, f"data.path={data}", "comm.on_failure=spare",
         "comm.spares=2", "comm.shared_memory=false", "train.progress=lines", "train.log_every_s=0.01",
-        "debug.slowdown={" + ",".join(f"{r}:30.0" for r in range(6)) + "}"]
+        "train.epochs=6", "debug.slowdown={" + ",".join(f"{r}:300.0" for r in range(6)) + "}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: [lines.append(ln) for ln in proc.stdout], daemon=True)
     reader.start()
+
+    def last_step() -> int:     # the progress lines skip steps: the highest one printed so far
+        return max((int(m.group(1)) for ln in list(lines) for m in [re.search(r"global step (\d+)\)", ln)] if m),
+                   default=0)
+
     try:
-        deadline, pids = time.monotonic() + TIMEOUT, {}
-        for rank, step in ((3, 4), (2, 9), (4, 14)):
-            while not any(f"global step {step})" in ln for ln in lines):
+        deadline, pids, killed_at = time.monotonic() + TIMEOUT, {}, 0
+        for k, rank in enumerate((3, 2, 4)):
+            # each death once the run has recovered from the one before and gone 3 steps on
+            while sum("failed:" in ln for ln in list(lines)) < k or last_step() < killed_at + 3:
                 assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
                 time.sleep(0.02)
             while len(pids) < 6:
                 pids = rank_pids(proc.pid)
+            killed_at = last_step()
             os.kill(pids[rank], signal.SIGKILL)
         rc = proc.wait(timeout=TIMEOUT)
     finally:
