@@ -225,16 +225,21 @@ def describe_set(spec, x_name: str, y_name: str, one_sample: bool = False,
     return info, files
 
 
+def check_unchanged(meta: Meta, files: FileSet, k: int, ref: Meta, ref_path: str, x_name: str, y_name: str) -> None:
+    """File k of `files`, read as `meta`, still holds datasets like `ref` and the sample count the
+    run was planned with: one DataError naming it otherwise."""
+    check_like(meta, ref, files.named(k), ref_path, x_name, y_name)
+    if meta.n != files.counts[k]:
+        raise DataError(f"data file {files.named(k)!r} holds {meta.n} samples, {files.counts[k]} when the "
+                        f"run started (the file changed?)")
+
+
 def check_files(files: FileSet, indices, x_name: str, y_name: str, ref: Meta, ref_path: str) -> None:
     """Every file of `indices` holds datasets like `ref` (metadata only): one DataError naming
     the first that does not."""
     for f in indices:
-        path = files.opened(f)
-        m = file_meta(path, x_name, y_name, files.one_sample)
-        check_like(m, ref, files.named(f), ref_path, x_name, y_name)
-        if m.n != files.counts[f]:
-            raise DataError(f"data file {files.named(f)!r} holds {m.n} samples, {files.counts[f]} when the "
-                            f"run started (the file changed?)")
+        check_unchanged(file_meta(files.opened(f), x_name, y_name, files.one_sample), files, f, ref, ref_path,
+                        x_name, y_name)
 
 
 def _read_piece(d, lo: int, hi: int, out: np.ndarray, at: int, one_sample: bool) -> None:
@@ -275,10 +280,7 @@ class SetReader:
         f = _open(files.opened(k))
         try:
             info = _describe_open(f, named, self.x_name, self.y_name, files.one_sample)
-            check_like(meta_of(info), self.ref, named, self.ref_path, self.x_name, self.y_name)
-            if info.n != files.counts[k]:
-                raise DataError(f"data file {named!r} holds {info.n} samples, {files.counts[k]} when "
-                                f"the run started (the file changed?)")
+            check_unchanged(meta_of(info), files, k, self.ref, self.ref_path, self.x_name, self.y_name)
         except BaseException:
             f.close()
             raise

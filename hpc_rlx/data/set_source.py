@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from hpc_rlx.data.files import Meta, check_like, read_one_sample
+from hpc_rlx.data.files import Meta, check_unchanged, read_one_sample
 from hpc_rlx.data.fileset import FileSet
 from hpc_rlx.data.stream import RowSource
 from hpc_rlx.errors import DataError
@@ -61,10 +61,7 @@ class SetSource:
         src = RowSource(files.opened(k), self.x_name, self.y_name, files.one_sample)
         try:
             got = Meta(src.n, src.x_shape, src.x_dtype, src.y_shape, src.y_dtype)
-            check_like(got, self.ref, files.named(k), self.ref_path, self.x_name, self.y_name)
-            if src.n != files.counts[k]:
-                raise DataError(f"data file {files.named(k)!r} holds {src.n} samples, {files.counts[k]} "
-                                f"when the run started (the file changed?)")
+            check_unchanged(got, files, k, self.ref, self.ref_path, self.x_name, self.y_name)
         except BaseException:
             src.close()
             raise
