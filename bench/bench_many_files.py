@@ -4,6 +4,7 @@ the same samples, 2 ranks, `data.cache=memory` and `stream`.
 
     .venv/bin/python bench/bench_many_files.py                       # 10,000 x 64 KiB, 3 rounds
     .venv/bin/python bench/bench_many_files.py --files 2000 --rounds 1 --out /tmp/m.jsonl
+    .venv/bin/python bench/bench_many_files.py --table        # the tables of the kept lines
 
 Each sample: x float32 16x32x32 (64 KiB), y an int64 class in [0, 10). The model and batch:
 `model=mlp model.hidden=[32] model.num_classes=10` (given: rank 0 does not read every label to
@@ -103,7 +104,12 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--dir", type=Path, help="where the files are written (kept); default: a temp dir")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "many_files.jsonl")
+    ap.add_argument("--label", default="", help="names the code measured; the table has one block per label")
+    ap.add_argument("--table", action="store_true", help="only print the table of the lines in --out")
     args = ap.parse_args()
+    if args.table:
+        print(tables([json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]))
+        return
     work = args.dir or Path(tempfile.mkdtemp(prefix="hpc_rlx_many_"))
     try:
         t = time.perf_counter()
@@ -112,7 +118,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         lines = []
         for r in range(args.rounds):
-            rec = {"bench": "many_files", "round": r, "files": args.files, "epochs": args.epochs,
+            rec = {"bench": "many_files", "label": args.label, "round": r, "files": args.files, "epochs": args.epochs,
                    "plan_one_sample_s": plan_seconds(many, True),
                    "plan_multi_sample_s": plan_seconds(small, False), "machine": machine_note()}
             for cache in ("memory", "stream"):
@@ -124,7 +130,7 @@ def main() -> None:
             lines.append(rec)
             with open(args.out, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-        print(table(lines))
+        print(tables(lines))
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -132,6 +138,13 @@ def main() -> None:
 
 def _spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def tables(lines: list[dict]) -> str:
+    """One table per label, in the order the labels first appear."""
+    labels = list(dict.fromkeys(r.get("label", "") for r in lines))
+    return "\n\n".join((f"{label}:\n" if label else "") + table([r for r in lines if r.get("label", "") == label])
+                       for label in labels)
 
 
 def table(lines: list[dict]) -> str:

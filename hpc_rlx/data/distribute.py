@@ -24,7 +24,8 @@ from typing import Sequence
 import numpy as np
 
 from hpc_rlx.comm.collective import watched_call
-from hpc_rlx.data.files import Meta, SetReader, meta_of, read_set
+from hpc_rlx.data.files import Meta, meta_of
+from hpc_rlx.data.set_reader import SetReader, read_set
 from hpc_rlx.data.fileset import FileSet
 from hpc_rlx.data.hdf5 import describe
 from hpc_rlx.errors import ConfigError, DataError, HpcRlxError

@@ -6,7 +6,10 @@ check that they all hold the same datasets (no MPI).
   (about 0.2 ms a file: no sample data, no Python objects for the file);
 - :func:`describe_set` is rank 0's view before planning: the first file described in full, and
   every file's count (read only when the files hold several samples each);
-- :func:`read_set` reads a contiguous range of the set's samples, file by file.
+- :func:`read_one_sample` reads a one-sample file through HDF5 (`data/one_sample.py` skips HDF5
+  for files laid out like one it has read).
+
+Reading ranges of a set is `data/set_reader.py`.
 """
 
 from __future__ import annotations
@@ -23,11 +26,8 @@ from hpc_rlx.data.fileset import FileSet
 from hpc_rlx.data.hdf5 import DatasetInfo, _describe_open, _open, describe
 from hpc_rlx.errors import DataError
 
-__all__ = ["resolve", "read_whole", "Meta", "file_meta", "check_like", "describe_set", "read_set", "meta_of", "SetReader",
-           "check_files"]
-
-_CAST_BYTES = 16 << 20     # a cast while reading goes through a buffer of about this size
-
+__all__ = ["resolve", "read_whole", "Meta", "file_meta", "check_like", "describe_set", "meta_of", "check_files",
+           "read_one_sample", "plan_files"]
 
 def _is_hdf5(path: str) -> bool:
     try:
@@ -240,91 +240,6 @@ def check_files(files: FileSet, indices, x_name: str, y_name: str, ref: Meta, re
     for f in indices:
         check_unchanged(file_meta(files.opened(f), x_name, y_name, files.one_sample), files, f, ref, ref_path,
                         x_name, y_name)
-
-
-def _read_piece(d, lo: int, hi: int, out: np.ndarray, at: int, one_sample: bool) -> None:
-    stored = d.dtype.newbyteorder("=")
-    if one_sample:
-        if out.dtype == stored:
-            d.read_direct(out[at:at + 1])      # out[at] of a 1-d buffer is a scalar, not a view
-        else:
-            out[at] = d[()]
-        return
-    if out.dtype == stored:
-        d.read_direct(out, source_sel=np.s_[lo:hi], dest_sel=np.s_[at:at + hi - lo])
-        return
-    # a cast (float64 file, float32 run): through a bounded buffer, so the shard is never held
-    # twice; NumPy's cast, the one the per-batch path of data.cache=stream uses
-    row = stored.itemsize * int(np.prod(d.shape[1:], dtype=np.int64))
-    block = max(1, _CAST_BYTES // max(1, row))
-    buf = np.empty((min(block, hi - lo),) + tuple(d.shape[1:]), dtype=stored)
-    for a in range(lo, hi, block):
-        b = min(hi, a + block)
-        d.read_direct(buf, source_sel=np.s_[a:b], dest_sel=np.s_[0:b - a])
-        out[at + a - lo:at + b - lo] = buf[:b - a]
-
-
-class SetReader:
-    """Contiguous sample ranges of a set read with HDF5, one file open at a time; each file is
-    checked against `ref` (its datasets, metadata only) when it is opened."""
-
-    def __init__(self, files: FileSet, x_name: str, y_name: str, ref: Meta, ref_path: str):
-        self.files, self.x_name, self.y_name, self.ref, self.ref_path = files, x_name, y_name, ref, ref_path
-        self._cur = None        # (file index, h5py.File)
-
-    def _open_file(self, k: int):
-        if self._cur is not None and self._cur[0] == k:
-            return self._cur[1]
-        self.close()
-        files, named = self.files, self.files.named(k)
-        f = _open(files.opened(k))
-        try:
-            info = _describe_open(f, named, self.x_name, self.y_name, files.one_sample)
-            check_unchanged(meta_of(info), files, k, self.ref, self.ref_path, self.x_name, self.y_name)
-        except BaseException:
-            f.close()
-            raise
-        self._cur = (k, f)
-        return f
-
-    def read_range(self, start: int, stop: int, x_out: np.ndarray, y_out: np.ndarray, at: int = 0) -> None:
-        for p in self.files.pieces(start, stop):
-            if self.files.one_sample:
-                read_one_sample(self.files.opened(p.file), self.files.named(p.file), self.x_name, self.y_name,
-                                self.ref, self.ref_path, x_out, y_out, at + p.at)
-                continue
-            f = self._open_file(p.file)
-            try:
-                _read_piece(f[self.x_name], p.lo, p.hi, x_out, at + p.at, self.files.one_sample)
-                _read_piece(f[self.y_name], p.lo, p.hi, y_out, at + p.at, self.files.one_sample)
-            except (OSError, ValueError, TypeError) as e:
-                where = (f"{self.files.named(p.file)!r}" if len(self.files) > 1 or self.files.one_sample
-                         else f"{self.files.named(p.file)!r} rows [{p.lo}, {p.hi})")
-                raise DataError(f"reading {where} failed: {e}") from None
-
-    def close(self) -> None:
-        if self._cur is not None:
-            try:
-                self._cur[1].close()
-            except (OSError, ValueError):
-                pass
-            self._cur = None
-
-
-def read_set(files: FileSet, x_name: str, y_name: str, start: int, stop: int, ref: Meta,
-             ref_path: str, x_dtype=None) -> tuple[np.ndarray, np.ndarray]:
-    """Samples [start, stop) of the set, x in `x_dtype` (else as stored)."""
-    if not 0 <= start <= stop <= files.n:
-        where = files.paths[0] if len(files) == 1 else f"the {len(files)} files of {ref_path!r}..."
-        raise DataError(f"row range [{start}, {stop}) is outside dataset {where!r} with {files.n} rows")
-    out_x = np.empty((stop - start,) + tuple(ref.x_shape), dtype=ref.x_dtype if x_dtype is None else x_dtype)
-    out_y = np.empty((stop - start,) + tuple(ref.y_shape), dtype=ref.y_dtype)
-    reader = SetReader(files, x_name, y_name, ref, ref_path)
-    try:
-        reader.read_range(start, stop, out_x, out_y)
-    finally:
-        reader.close()
-    return out_x, out_y
 
 
 def plan_files(d) -> tuple[FileSet, FileSet, tuple[Meta, str]]:

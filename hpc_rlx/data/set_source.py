@@ -5,22 +5,21 @@
 part read by that file's RowSource. A few files stay open (a window draws from neighbouring
 files); each file is checked against the set's datasets when it is opened.
 
-One-sample files (`data.one_sample_per_file`) are many and small: a file whose datasets are
-plain bytes is opened with HDF5 once, and later epochs read it with one `pread` per dataset at
-the offsets HDF5 gave, with no HDF5 open (a few microseconds instead of a few hundred).
+One-sample files (`data.one_sample_per_file`) are many and small: they go through
+:class:`~hpc_rlx.data.one_sample.OneSampleReader`, which opens HDF5 only for a file unlike those
+it has read, and reads the others with one `preadv` (a few microseconds instead of a few hundred).
 """
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import numpy as np
 
-from hpc_rlx.data.files import Meta, check_unchanged, read_one_sample
+from hpc_rlx.data.files import Meta, check_unchanged
 from hpc_rlx.data.fileset import FileSet
+from hpc_rlx.data.one_sample import OneSampleReader
 from hpc_rlx.data.stream import RowSource
-from hpc_rlx.errors import DataError
 
 __all__ = ["SetSource"]
 
@@ -42,10 +41,10 @@ class SetSource:
         self.y_bytes = self.y_dtype.itemsize * int(np.prod(self.y_shape, dtype=np.int64))
         self.row_bytes = self.x_bytes + self.y_bytes
         self._open: OrderedDict[int, RowSource] = OrderedDict()
-        # one-sample files: path -> (x, y) offsets, or None (HDF5 reads it); a dict the caller
-        # may share between the sources of one run, so the start-up check's opens serve every
-        # later read (entries are only ever added: safe across the reader threads)
-        self._raw: dict[str, tuple[int, int] | None] = {} if offsets is None else offsets
+        # one-sample files: `offsets` (path -> (x, y) offsets, or None: HDF5 reads it) may be
+        # shared between the sources of one run, so the start-up check's opens serve every later
+        # read (entries are only ever added: safe across the reader threads)
+        self._one = OneSampleReader(x_name, y_name, ref, ref_path, offsets)
 
     def empty(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
         return (np.empty((rows,) + self.x_shape, dtype=self.x_dtype),
@@ -75,44 +74,12 @@ class SetSource:
         for k in self.files.files_in(start, stop):
             self._probe(k) if self.files.one_sample else self.source(k)
 
-    def _probe(self, k: int, x_out=None, y_out=None, at: int = 0) -> None:
-        """A one-sample file's first open: checked (and read into the buffers given), its
-        datasets' offsets recorded for later reads."""
-        y_out = np.empty((1,) + self.y_shape, self.y_dtype) if y_out is None else y_out
-        path = self.files.opened(k)
-        self._raw[path] = read_one_sample(path, self.files.named(k), self.x_name, self.y_name, self.ref,
-                                          self.ref_path, x_out, y_out, at, offsets=True)
-
-    def _pread_one(self, k: int, x_out, y_out, at: int) -> None:
-        """A one-sample file by its recorded offsets: no HDF5 open."""
-        xo, yo = self._raw[self.files.opened(k)]
-        named = self.files.named(k)
-        try:
-            fd = os.open(self.files.opened(k), os.O_RDONLY)
-        except OSError as e:
-            raise DataError(f"cannot open data file {named!r}: {e}") from None
-        try:
-            for off, out, nb in ((xo, x_out, self.x_bytes), (yo, y_out, self.y_bytes)):
-                if out is None:
-                    continue
-                got = os.preadv(fd, [memoryview(out[at:at + 1].reshape(-1).view(np.uint8))], off)
-                if got != nb:
-                    raise DataError(f"short read of data file {named!r}: {got} of {nb} bytes (the file "
-                                    f"changed while training?)")
-        except OSError as e:
-            raise DataError(f"reading data file {named!r} failed: {e}") from None
-        finally:
-            os.close(fd)
+    def _probe(self, k: int) -> None:
+        """A one-sample file's first open, its labels read: checked, its layout learnt for later reads."""
+        self._read_one(k, None, np.empty((1,) + self.y_shape, self.y_dtype), 0)
 
     def _read_one(self, k: int, x_out, y_out, at: int) -> None:
-        path = self.files.opened(k)
-        if path not in self._raw:
-            return self._probe(k, x_out, y_out, at)
-        if self._raw[path] is not None:
-            return self._pread_one(k, x_out, y_out, at)
-        # not plain bytes (compressed, chunked): HDF5 reads it, every time
-        read_one_sample(self.files.opened(k), self.files.named(k), self.x_name, self.y_name, self.ref,
-                        self.ref_path, x_out, y_out, at)
+        self._one.read(self.files.opened(k), self.files.named(k), x_out, y_out, at)
 
     def read(self, rows: np.ndarray, x_out: np.ndarray, y_out: np.ndarray, at: int = 0) -> None:
         """Global rows `rows` (sorted, distinct) into x_out/y_out[at : at + len(rows)]."""

@@ -137,6 +137,6 @@ def test_a_file_lost_mid_run_ends_the_run_with_one_error_naming_it(tmp_path):
             proc.kill()
             proc.communicate()
     assert proc.returncode != 0, out[-2000:] + err[-2000:]
-    assert f"cannot open data file '{data / 's_020.h5'}'" in err, err[-3000:]
+    assert f"dataset file '{data / 's_020.h5'}' does not exist" in err, err[-3000:]
     for ckpt in (run / "checkpoints").glob("ckpt-*.h5"):
         read_checkpoint(ckpt)          # each one whole: its checksum verified
