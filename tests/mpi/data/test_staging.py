@@ -78,6 +78,24 @@ def test_a_staged_run_trains_bitwise_like_an_unstaged_one_and_removes_its_copies
     assert sorted(p.name for p in kept.iterdir()) == sorted(staged_name(str(p)) for p in files.iterdir())
 
 
+def test_with_scatter_only_rank_0_stages_and_reads_and_the_run_equals_an_unstaged_one(tmp_path, files):
+    plain, staged, stage = tmp_path / "plain", tmp_path / "staged", tmp_path / "stage"
+    common = [*COMMON, f"data.path={files}", "data.distribution=scatter"]
+    proc = train_job(2, plain, common)
+    assert proc.returncode == 0, explain(proc)
+    proc = train_job(2, staged, [*common, f"data.stage_dir={stage}"])
+    assert proc.returncode == 0, explain(proc)
+    assert re.search(rf"staged {FILES} file\(s\), [\d.]+ KiB, to data.stage_dir={stage} on 1 node\(s\)",
+                     read_log(staged)), read_log(staged)
+    # rank 0 read every training and validation file from its copies, rank 1 none at all
+    summary = json.loads((staged / "summary.json").read_text())
+    assert [(r["staged_reads"], r["in_place_reads"]) for r in summary["ranks"]] == [(FILES, 0), (0, 0)], summary
+    want, got = model(plain), model(staged)
+    assert sorted(want) == sorted(got) and all(np.array_equal(want[k], got[k]) for k in want)
+    assert losses(staged) == losses(plain)
+    assert list(stage.iterdir()) == []
+
+
 def _small_tmpfs(mount: Path, size: str, cmd: list[str]) -> list[str]:
     """`cmd` in its own mount namespace with a tmpfs of `size` at `mount` (nothing leaks out)."""
     _need_mount_namespace("a small filesystem needs root and unshare(1)")

@@ -122,3 +122,24 @@ def test_val_mae_is_numpys_over_the_files(tmp_path):
         x, y = f["x"][TRAIN:], f["y"][TRAIN:]
     assert m["val_mae"] == pytest.approx(np.abs(forward(run, graph, x) - y).mean(), rel=1e-12)
     assert "val_accuracy" not in m and "val_iou" not in m
+
+
+def test_weighted_loss_sharded_overlapped_and_resumed_on_another_world_size_stays_the_global_mean(tmp_path):
+    """The denominator travels with every reduction path: the optimizer's state sharded over 2
+    ranks, the gradients' Allreduce overlapped with backward, and a run stopped on 2 ranks and
+    resumed on 1 all train PyTorch's parameters (float64, to 1e-10)."""
+    graph, data = write_graph(tmp_path / "g.json"), write_data(tmp_path / "d.h5", ROWS)
+    base = COMMON + WEIGHTED + [f"model.path={graph}", f"data.path={data}"]
+    runs = {}
+    for name, n, extra in [("one", 1, []), ("sharded", 2, ["comm.shard=optimizer"]),
+                           ("overlap", 2, ["comm.overlap=true", "comm.overlap_chunk_mb=0.0001"]),
+                           ("resumed", 2, ["checkpoint=default", "checkpoint.every_steps=1", "train.max_steps=2"]),
+                           ("resumed", 1, ["checkpoint=default", "checkpoint.every_steps=1"])]:
+        runs[name] = tmp_path / name
+        proc = train_job(n, runs[name], base + extra, timeout=120)
+        assert proc.returncode == 0, explain(proc)
+    assert json.loads((runs["resumed"] / "summary.json").read_text())["resumed_from"]
+    one = params(runs["one"])
+    assert rel(torch_reference(graph, data), one) <= 1e-10       # PyTorch's mean over the batch
+    for name in ("sharded", "overlap", "resumed"):
+        assert rel(one, params(runs[name])) <= 1e-10, name
