@@ -7,6 +7,7 @@ changed file list and a file lost mid-run are one error each."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -110,7 +111,15 @@ def test_multi_sample_files_of_unequal_sizes_stream_and_scatter_on_two_ranks_as_
     assert sum(r["shard_bytes"] for r in ranks) == 80 * (5 * 4 + 8)     # int32 as stored
 
 
-def test_a_file_lost_mid_run_ends_the_run_with_one_error_naming_it(tmp_path):
+# Root reads a file of mode 000: the unreadable case runs the job without the capabilities that
+# let it (setpriv drops them from the bounding set of every process mpirun starts).
+NO_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+
+
+@pytest.mark.parametrize("how", ["deleted", "unreadable"])
+def test_a_file_lost_mid_run_ends_the_run_with_one_error_naming_it(tmp_path, how):
+    if how == "unreadable" and shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux) to drop root's file-permission override")
     data = tmp_path / "samples"
     data.mkdir()
     rng = np.random.default_rng(5)
@@ -123,6 +132,8 @@ def test_a_file_lost_mid_run_ends_the_run_with_one_error_naming_it(tmp_path):
                          f"data.path={data}", "data.one_sample_per_file=true", "data.cache=stream",
                          "model=mlp", "model.hidden=[4]", "model.num_classes=3", "train.batch_size=8",
                          "train.epochs=100000", "checkpoint.every_steps=8", "report.tensorboard=false"])
+    if how == "unreadable":
+        cmd = NO_OVERRIDE + cmd
     proc = subprocess.Popen(cmd, cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -130,13 +141,18 @@ def test_a_file_lost_mid_run_ends_the_run_with_one_error_naming_it(tmp_path):
         while not list((run / "checkpoints").glob("ckpt-*.h5")):
             assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint written"
             time.sleep(0.2)
-        (data / "s_020.h5").unlink()
+        if how == "deleted":
+            (data / "s_020.h5").unlink()
+        else:
+            (data / "s_020.h5").chmod(0)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert proc.returncode != 0, out[-2000:] + err[-2000:]
-    assert f"dataset file '{data / 's_020.h5'}' does not exist" in err, err[-3000:]
+    said = ("does not exist" if how == "deleted" else "Permission denied")
+    assert f"file '{data / 's_020.h5'}'" in err and said in err, err[-3000:]
+    assert err.count(str(data / "s_020.h5")) <= 2, err[-3000:]      # one error (one rank's line + its echo)
     for ckpt in (run / "checkpoints").glob("ckpt-*.h5"):
         read_checkpoint(ckpt)          # each one whole: its checksum verified
