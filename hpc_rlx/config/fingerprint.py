@@ -61,6 +61,9 @@ def fingerprint_record(cfg: dict, cwd: str | None = None, graph_text: str | None
     optim = dict(cfg.get("optim") or {})
     if not optim.get("milestones"):
         optim.pop("milestones", None)       # unset (schedule=multistep's): fingerprints stay as they were
+    for key in ("no_decay", "lr_mult"):
+        if not optim.get(key):
+            optim.pop(key, None)            # unset: fingerprints stay as they were
     if graph_text is not None:
         model["graph_sha256"] = hashlib.sha256(graph_text.encode("utf-8")).hexdigest()
     return {

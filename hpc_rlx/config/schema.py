@@ -149,6 +149,12 @@ KEYS: tuple[Key, ...] = (
     Key("optim.milestones", list, every(OPTIMIZERS, []), "`schedule=multistep`: the steps, counted from the "
         "end of the warm-up, at which the LR is multiplied by `gamma`"),
     Key("optim.min_lr", _NUMBER, every(OPTIMIZERS, 0.0), "floor of the cosine", _OPT_NONNEG),
+    Key("optim.no_decay", list, every(OPTIMIZERS, []), "parameter-name globs (PyTorch names for "
+        "`model=onnx`) without weight decay; with LAMB and LARS also without a trust ratio",
+        Check(lambda v: v is None or (isinstance(v, list) and all(isinstance(g, str) and g for g in v)),
+              "must be a list of parameter-name globs")),
+    Key("optim.lr_mult", dict, every(OPTIMIZERS, None), "`{glob: factor}`: a parameter's learning rate "
+        "times the factor of the first glob that matches its name"),
     selector("device", "kind", DEVICES, OneOf(*DEVICES)),
     Key("device.cpu_lanes", int, Options(cpu=1, cuda=0, all=1, auto=1), "CPU (NumPy) lanes per rank",
         integer(0)),

@@ -28,13 +28,13 @@ from hpc_rlx.data import hdf5
 from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.data.resolve import data_sources, num_classes, prepare_missing_data
 from hpc_rlx.errors import ConfigError, DataError, phase
-from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, init_params
+from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, init_params, trainable_user_names
 from hpc_rlx.graph.onnx.importer import import_onnx
 from hpc_rlx.graph.node_timing import node_times, time_cost
 from hpc_rlx.graph.partition import partition
 from hpc_rlx.pipeline.grid import check_world
 from hpc_rlx.policies.registry import POLICIES
-from hpc_rlx.optim import LR_SCHEDULES, make_optimizer, make_schedule, optimizer_kwargs, parameter_copies
+from hpc_rlx.optim import LR_SCHEDULES, make_optimizer, make_schedule, optimizer_kwargs, parameter_copies, settings_for
 
 
 @dataclass
@@ -148,9 +148,10 @@ def schedule_kwargs(opt: dict) -> dict:
     return {k: opt[k] for k in ("warmup_steps", "step_size", "gamma", "min_lr", "milestones")}
 
 
-def check_optimizer(opt: dict, dtype: str, schedule_steps: int) -> None:
-    """Build the optimizer and schedule once on rank 0, so bad values are one clear startup
-    error instead of a failure on every rank later."""
+def check_optimizer(opt: dict, dtype: str, schedule_steps: int, graph=None) -> None:
+    """Build the optimizer and schedule (and match optim.no_decay/lr_mult) once on rank 0: one error."""
+    if graph is not None:
+        settings_for(trainable_user_names(graph), opt.get("no_decay") or [], opt.get("lr_mult") or {})
     if opt["schedule"] not in LR_SCHEDULES:
         raise ConfigError(f"optim.schedule={opt['schedule']!r} is not one of {list(LR_SCHEDULES)}")
     try:
@@ -372,7 +373,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
         raise ConfigError(f"data.cache=stream with data.distribution=scatter needs every step to be "
                           f"a sync (policy=sync); policy={cfg['policy']['name']} lets ranks step apart: "
                           f"use data.distribution=read with data.cache=stream")
-    check_optimizer(cfg["optim"], cfg["train"]["dtype"], cfg["train"]["epochs"] * plan.steps_per_epoch)
+    check_optimizer(cfg["optim"], cfg["train"]["dtype"], cfg["train"]["epochs"] * plan.steps_per_epoch, graph)
     check_lane_batch(cfg["device"], cfg["train"]["batch_size"], replicas)
     check_accumulate(cfg["train"], replicas)
 

@@ -17,6 +17,7 @@ import numpy as np
 from hpc_rlx.export.onnx_writer import BATCH, check_model
 from hpc_rlx.export.trained import ExportError, TrainedModel
 from hpc_rlx.graph import Graph
+from hpc_rlx.graph.param_names import pytorch_name
 from hpc_rlx.graph.onnx.untie import untie_merged_initializers
 
 SOURCE_FILE = "model.source.onnx"
@@ -91,7 +92,6 @@ def original_state_dict(trained: TrainedModel, onnx=None) -> dict:
     """PyTorch name -> float32 value for every IR parameter and buffer. With ``onnx`` the
     source file's initializer shapes are used for the untransposed ones."""
     meta = _meta(trained.graph)
-    torch_names = meta.get("torch_names") or {}
     shapes, constants = {}, {}
     if onnx is not None and (trained.run_dir / SOURCE_FILE).is_file():
         source_model = load_source(onnx, trained)
@@ -109,8 +109,7 @@ def original_state_dict(trained: TrainedModel, onnx=None) -> dict:
             raise ExportError(f"parameter {p.name!r} has no source initializer in meta.onnx.params")
         if p.name not in meta.get("transposed", {}) and source in shapes:
             value = _in_shape(p.name, source, value, shapes[source])
-        # a transposed copy the importer recognised is trained under its PyTorch name
-        name = torch_names.get(p.name) or (p.name if p.name in meta.get("transposed", {}) else source)
+        name = pytorch_name(meta, p.name)
         if name in out:
             raise ExportError(f"parameters map to the same state-dict name {name!r}")
         out[name] = value

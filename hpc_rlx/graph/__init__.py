@@ -14,10 +14,12 @@ from hpc_rlx.graph.builder import GraphBuilder
 from hpc_rlx.graph.executor import Executor
 from hpc_rlx.graph.ir import SCHEMA_VERSION, Graph, InputSpec, Node, ParamSpec
 from hpc_rlx.graph.models import BUILDERS, build_model, cnn, mlp, transformer_lm
+from hpc_rlx.graph.param_names import trainable_user_names
 from hpc_rlx.graph.params import INIT_SCHEMES, ParamLayout, init_params
 from hpc_rlx.graph.registry import OPS, defvjp, register_op, unregister_op
 
 __all__ = [
+    "trainable_user_names",
     "BUILDERS",
     "Executor",
     "Graph",

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from hpc_rlx.errors import check_param
-from hpc_rlx.optim.base import NONNEG, POSITIVE, Hyper, Optimizer, blocks, decay_pair, nonneg
+from hpc_rlx.optim.base import NONNEG, POSITIVE, Hyper, Optimizer, decay_pair, nonneg
 from hpc_rlx.optim.blas import axpy, fusable, scal
 
 
@@ -33,11 +33,9 @@ class AdamW(Optimizer):
         self._exp_avg = self._zeros()
         self._exp_avg_sq = self._zeros()
         self._scratch = self._zeros()
-        self._ranges = blocks(self.size, self.dtype.itemsize)
 
-    def step(self, params, grads, lr: float, grad_scale: float = 1.0) -> None:
+    def _step(self, params, grads, lr: float, grad_scale: float) -> None:
         """One step with the gradient ``grad_scale * grads``; ``grads`` may be overwritten."""
-        self._check_args(params, grads)
         lr, scale = float(lr), float(grad_scale)
         self.step_count += 1
         if fusable(params, grads):

@@ -21,6 +21,7 @@ the parameters' size.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -29,6 +30,7 @@ import numpy as np
 
 from hpc_rlx.checks import Check, is_integral, is_real
 from hpc_rlx.errors import CheckpointError, ConfigError, check_param
+from hpc_rlx.optim.groups import DEFAULT, ParamSetting, runs
 from hpc_rlx.optim.segments import check_segments, whole_array
 
 BLOCK_BYTES = 256 * 1024     # per array: an AdamW block's 5 arrays (1.25 MiB) stay in a 2 MiB L2
@@ -96,6 +98,9 @@ class Optimizer:
     lr: float = 0.0                     # the config's default base learning rate
     hyper: tuple[Hyper, ...] = ()       # the optimizer's own `optim.*` keys
     _array_names: tuple[str, ...] = ()  # the state a checkpoint holds
+    # True: `_step` applies the per-segment settings itself (LAMB, LARS: their trust ratios'
+    # norms are one collective a step, so the array cannot be stepped run by run)
+    steps_settings_itself = False
 
     def __init__(self, size: int, xp, dtype):
         COUNT(f"{self.name}: parameter count", size)
@@ -105,6 +110,9 @@ class Optimizer:
         self.step_count = 0
         self.segments = whole_array(self.size)
         self.combine_norms = None
+        self.settings: tuple[ParamSetting, ...] | None = None    # per segment; None: all DEFAULT
+        self._ranges = blocks(self.size, self.dtype.itemsize)
+        self._runs: list | None = None
 
     def use_segments(self, segments, combine_norms=None) -> None:
         """The parameters' segments of this optimizer's array (`segments.Segment`s tiling it)
@@ -113,6 +121,51 @@ class Optimizer:
         (segments, k); a collective, called once per `segment_norms` on every rank."""
         self.segments = check_segments(segments, self.size)
         self.combine_norms = combine_norms
+
+    def use_settings(self, by_param) -> None:
+        """Per-parameter settings (`groups.ParamSetting`, indexed by the segments' parameter
+        ``index``: optim.no_decay, optim.lr_mult); all default: the plain step, unchanged."""
+        settings = tuple(by_param[seg.index] for seg in self.segments)
+        if all(s == DEFAULT for s in settings):
+            self.settings, self._runs = None, None
+            return
+        self.settings = settings
+        if not self.steps_settings_itself:
+            self._runs = [(lo, hi, s.lr_mult, self._view(lo, hi, s)) for lo, hi, s in runs(self.segments, by_param)]
+
+    def _view(self, lo: int, hi: int, setting: ParamSetting) -> "Optimizer":
+        """This optimizer over [lo, hi) of its array: the same hyper-parameters and state (views
+        of its arrays), without weight decay where `setting` says so."""
+        view = copy.copy(self)
+        for name, value in vars(self).items():
+            if getattr(value, "shape", None) == (self.size,):
+                setattr(view, name, value[lo:hi])
+        view.size = hi - lo
+        view._ranges = blocks(view.size, view.dtype.itemsize)
+        view.segments, view.settings, view._runs = whole_array(view.size), None, None
+        if not setting.decay:
+            view.weight_decay = 0.0
+        return view
+
+    def step(self, params, grads, lr: float, grad_scale: float = 1.0) -> None:
+        """One step with the gradient ``grad_scale * grads`` (the runtime passes the summed
+        gradient and 1 / samples); ``grads`` may be overwritten. With per-parameter settings,
+        each run of one setting is stepped as its own parameter group (its learning rate times
+        its factor), the step count shared."""
+        self._check_args(params, grads)
+        lr, grad_scale = float(lr), float(grad_scale)
+        if self._runs is None:
+            self._step(params, grads, lr, grad_scale)
+            return
+        count = self.step_count
+        for lo, hi, factor, view in self._runs:
+            view.step_count = count
+            view._step(params[lo:hi], grads[lo:hi], lr * factor, grad_scale)
+        self.step_count = count + 1
+
+    def setting_of(self, k: int) -> ParamSetting:
+        """Segment k's setting."""
+        return DEFAULT if self.settings is None else self.settings[k]
 
     def segment_norms(self, *arrays) -> np.ndarray:
         """Per segment, the L2 norm of each of ``arrays`` over the segment's whole parameter:
@@ -134,9 +187,8 @@ class Optimizer:
                 f"{tuple(params.shape)} and grads {tuple(grads.shape)}"
             )
 
-    def step(self, params, grads, lr: float, grad_scale: float = 1.0) -> None:
-        """One step with the gradient ``grad_scale * grads`` (the runtime passes the summed
-        gradient and 1 / samples); ``grads`` may be overwritten."""
+    def _step(self, params, grads, lr: float, grad_scale: float) -> None:
+        """The update over the whole array (checked by `step`)."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, dict[str, Any]]:

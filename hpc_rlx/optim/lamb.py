@@ -12,7 +12,9 @@ a trust ratio. The variant, per parameter tensor, at step t (from 1), gradient g
   enters ||u|| (apex's FusedLAMB with ``adam_w_mode=True``, as DeepCAM's reference trains);
 - the ratio is the identity phi of the paper (no clamp), and applies to every parameter, also
   one whose weight decay is 0 (apex's ``use_nvlamb=True``; apex's default skips the ratio
-  for a parameter group with weight decay 0, which no parameter is here);
+  for a parameter group with weight decay 0); a parameter in `optim.no_decay` has neither weight
+  decay nor a trust ratio (ratio 1: apex's default for such a group, TensorFlow's
+  ``exclude_from_layer_adaptation``), and `optim.lr_mult` scales its learning rate;
 - no gradient clipping of its own: `optim.clip_grad_norm` clips the global norm before the
   step as torch's ``clip_grad_norm_`` does (apex clips by ``max_grad_norm``, 1.0 unless set,
   with the coefficient ``max / max(norm, max)``: the same up to torch's 1e-6 in the denominator).
@@ -32,6 +34,7 @@ class LAMB(Optimizer):
 
     name = "lamb"
     lr = 0.01
+    steps_settings_itself = True
     hyper = (
         Hyper("betas", [0.9, 0.999], "decay rates of the moment estimates", None, type=list, to_arg=tuple),
         Hyper("eps", 1e-6, "denominator term", POSITIVE),
@@ -48,10 +51,9 @@ class LAMB(Optimizer):
         self._exp_avg_sq = self._zeros()
         self._scratch = self._zeros()
 
-    def step(self, params, grads, lr: float, grad_scale: float = 1.0) -> None:
+    def _step(self, params, grads, lr: float, grad_scale: float) -> None:
         """One step with the gradient ``grad_scale * grads``; ``grads`` is overwritten. A
         collective under sharded state (the cut parameters' norms: `segment_norms`)."""
-        self._check_args(params, grads)
         xp, lr, scale = self.xp, float(lr), float(grad_scale)
         self.step_count += 1
         k = self.step_count
@@ -71,11 +73,19 @@ class LAMB(Optimizer):
         u += self.eps
         xp.divide(m, u, out=u)
         u /= 1.0 - self.beta1**k
-        if self.weight_decay:
+        if self.weight_decay and self.settings is None:
             xp.multiply(params, self.weight_decay, out=grads)     # the gradient is spent
             u += grads
-        for seg, (p_norm, u_norm) in zip(self.segments, self.segment_norms(params, u)):
-            ratio = p_norm / u_norm if p_norm > 0.0 and u_norm > 0.0 else 1.0
+        elif self.weight_decay:         # optim.no_decay: only the decayed parameters
+            for k, seg in enumerate(self.segments):
+                if self.setting_of(k).decay:
+                    a, b = seg.start, seg.stop
+                    xp.multiply(params[a:b], self.weight_decay, out=grads[a:b])
+                    u[a:b] += grads[a:b]
+        for k, (seg, (p_norm, u_norm)) in enumerate(zip(self.segments, self.segment_norms(params, u))):
+            setting = self.setting_of(k)
+            # a parameter without weight decay keeps a ratio of 1 (optim/groups.py)
+            adapt = setting.decay and p_norm > 0.0 and u_norm > 0.0
             part = u[seg.start:seg.stop]
-            part *= lr * ratio
+            part *= lr * setting.lr_mult * (p_norm / u_norm if adapt else 1.0)
             params[seg.start:seg.stop] -= part

@@ -10,8 +10,9 @@ variant, per parameter tensor, gradient g:
   reference's LARS); the momentum starts at zero; no Nesterov;
 - weight decay: L2, added to the gradient after the trust ratio is computed, and in the
   ratio's denominator as ``wd * ||p||``; no epsilon;
-- every parameter is adapted and decayed, biases and normalization weights included (the
-  MLPerf reference exempts those; a per-parameter exemption is not built yet);
+- every parameter is adapted and decayed unless `optim.no_decay` names it: then it has neither
+  weight decay nor adaptation (ratio 1), as the MLPerf reference exempts biases and
+  normalization weights from both; `optim.lr_mult` scales a parameter's learning rate;
 - no gradient clipping of its own (`optim.clip_grad_norm` clips before the step).
 
 The norms are over each whole parameter: under `comm.shard=optimizer` the parts of a parameter
@@ -29,6 +30,7 @@ class LARS(Optimizer):
 
     name = "lars"
     lr = 2.0
+    steps_settings_itself = True
     hyper = (
         Hyper("momentum", 0.9, "momentum (the learning rate inside it)", IN_UNIT),
         Hyper("weight_decay", 0.0001, "L2 weight decay, also in the trust ratio's denominator", NONNEG),
@@ -44,10 +46,9 @@ class LARS(Optimizer):
         self._momentum_buffer = self._zeros()
         self._scratch = self._zeros()
 
-    def step(self, params, grads, lr: float, grad_scale: float = 1.0) -> None:
+    def _step(self, params, grads, lr: float, grad_scale: float) -> None:
         """One step with the gradient ``grad_scale * grads``; ``grads`` may be overwritten. A
         collective under sharded state (the cut parameters' norms: `segment_norms`)."""
-        self._check_args(params, grads)
         xp, lr, scale, wd = self.xp, float(lr), float(grad_scale), self.weight_decay
         if scale != 1.0:
             grads *= scale
@@ -57,11 +58,14 @@ class LARS(Optimizer):
             d = self._scratch
             xp.multiply(params, wd, out=d)
             d += grads
-        for seg, (p_norm, g_norm) in zip(self.segments, norms):
-            ratio = (self.trust_coefficient * p_norm / (g_norm + wd * p_norm)
-                     if p_norm > 0.0 and g_norm > 0.0 else 1.0)
+        for k, (seg, (p_norm, g_norm)) in enumerate(zip(self.segments, norms)):
+            setting = self.setting_of(k)
             part = d[seg.start:seg.stop]
-            part *= lr * ratio
+            if not setting.decay:       # optim.no_decay: the plain gradient, a ratio of 1
+                xp.copyto(part, grads[seg.start:seg.stop])
+            adapt = setting.decay and p_norm > 0.0 and g_norm > 0.0
+            ratio = self.trust_coefficient * p_norm / (g_norm + wd * p_norm) if adapt else 1.0
+            part *= lr * setting.lr_mult * ratio
         v = self._momentum_buffer
         v *= self.momentum
         v += d

@@ -34,9 +34,8 @@ class Lion(Optimizer):
         self._exp_avg = self._zeros()
         self._scratch = self._zeros()
 
-    def step(self, params, grads, lr: float, grad_scale: float = 1.0) -> None:
+    def _step(self, params, grads, lr: float, grad_scale: float) -> None:
         """One step with the gradient ``grad_scale * grads``; ``grads`` is overwritten."""
-        self._check_args(params, grads)
         xp, lr = self.xp, float(lr)
         m, g, c = self._exp_avg, self._scratch, grads
         xp.multiply(grads, float(grad_scale), out=g)

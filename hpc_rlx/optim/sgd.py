@@ -8,7 +8,7 @@ import numpy as np
 
 from hpc_rlx.checks import BOOL
 from hpc_rlx.errors import ConfigError, check_param
-from hpc_rlx.optim.base import IN_UNIT, NONNEG, Hyper, Optimizer, blocks, in_unit, nonneg
+from hpc_rlx.optim.base import IN_UNIT, NONNEG, Hyper, Optimizer, in_unit, nonneg
 from hpc_rlx.optim.blas import axpy, fusable, scal
 
 
@@ -36,13 +36,11 @@ class SGD(Optimizer):
             self._momentum_buffer = self._zeros()
         self._scratch = self._zeros()
         self._scratch2 = self._zeros() if nesterov else None
-        self._ranges = blocks(self.size, self.dtype.itemsize)
 
-    def step(self, params, grads, lr: float, grad_scale: float = 1.0) -> None:
+    def _step(self, params, grads, lr: float, grad_scale: float) -> None:
         """One step with the gradient ``grad_scale * grads`` (the runtime passes the summed
         gradient and 1 / samples: the mean is never written out as its own pass). ``grads``
         may be overwritten."""
-        self._check_args(params, grads)
         lr, scale = float(lr), float(grad_scale)
         if not self.nesterov and fusable(params, grads):
             self._fused_step(params, grads, lr, scale)

@@ -18,6 +18,7 @@ from hpc_rlx.config.spec import TrainSpec, initial_parameters, schedule_kwargs
 from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.graph import ParamLayout
+from hpc_rlx.graph.param_names import names_by_meta
 from hpc_rlx.graph.partition import load_graph
 from hpc_rlx.runtime.feed import Feed, MemoryFeed, StreamFeed
 from hpc_rlx.runtime.feed_scatter import ScatterStreamFeed
@@ -26,6 +27,7 @@ from hpc_rlx.observe import trace
 from hpc_rlx.observe.metrics.validation import val_values
 from hpc_rlx.optim import make_optimizer, make_schedule, optimizer_kwargs, scaled_lr
 from hpc_rlx.optim.clip import scale_to_norm_, squared_norm
+from hpc_rlx.optim.groups import settings_for
 from hpc_rlx.optim.segments import slice_segments
 from hpc_rlx.runtime.staging import Staged, stage
 from hpc_rlx.runtime.state import TrainState
@@ -132,10 +134,15 @@ class Worker:
                  for name in self.layout.names if name not in self.layout.buffer_names]
         if self.shard is None:
             self.optimizer.use_segments(slice_segments(spans, 0, self.n_trainable))
-            return
-        mine = self.shard.trainable
-        segments = slice_segments(spans, mine.start, mine.stop)
-        self.optimizer.use_segments(segments, SplitNorms(self.comm, spans, self.shard, segments))
+        else:
+            mine = self.shard.trainable
+            segments = slice_segments(spans, mine.start, mine.stop)
+            self.optimizer.use_segments(segments, SplitNorms(self.comm, spans, self.shard, segments))
+        opt = self.spec.optim
+        if opt.get("no_decay") or opt.get("lr_mult"):     # parameter groups, by their users' names
+            names = names_by_meta(self.spec.graph.get("meta"), [name for name, _, _ in spans])
+            self.optimizer.use_settings(settings_for(names, opt.get("no_decay") or (), opt.get("lr_mult") or {},
+                                                     every_glob_matches=False))
 
     # ---- the position (read-only views of `state`) --------------------------------------
     @property

@@ -1,0 +1,39 @@
+"""The names users know a model's parameters by: an imported ONNX model's PyTorch state-dict
+keys (recorded by the import in the graph's ``meta.onnx``), otherwise the graph's own names (a
+builder's or a graph file's, as `model.h5` stores them). What `optim.no_decay` and
+`optim.lr_mult` select by, and what `export --state-dict` writes."""
+
+from __future__ import annotations
+
+__all__ = ["pytorch_name", "user_names", "names_by_meta", "trainable_user_names"]
+
+
+def pytorch_name(meta: dict, ir_name: str) -> str | None:
+    """The PyTorch state-dict key of IR parameter `ir_name` from an import's ``meta.onnx``
+    (None: the import recorded no source for it). A transposed copy the importer recognised is
+    trained under its PyTorch name; the others under their initializer's."""
+    source = (meta.get("params") or {}).get(ir_name)
+    if source is None:
+        return None
+    return (meta.get("torch_names") or {}).get(ir_name) or \
+        (ir_name if ir_name in (meta.get("transposed") or {}) else source)
+
+
+def names_by_meta(meta, ir_names) -> list[str]:
+    """The user-facing names of `ir_names`, from a graph's ``meta`` dict (its ``onnx`` entry)."""
+    onnx = meta.get("onnx") if isinstance(meta, dict) else None
+    if not isinstance(onnx, dict) or not isinstance(onnx.get("params"), dict):
+        return list(ir_names)
+    return [pytorch_name(onnx, n) or n for n in ir_names]
+
+
+def user_names(graph) -> dict[str, str]:
+    """IR parameter name -> the name a user selects it by."""
+    ir = [p.name for p in graph.params]
+    return dict(zip(ir, names_by_meta(graph.meta, ir)))
+
+
+def trainable_user_names(graph) -> list[str]:
+    """The trainable parameters' user-facing names, in the graph's order."""
+    names = user_names(graph)
+    return [names[p.name] for p in graph.params if p.trainable]
