@@ -116,12 +116,15 @@ def make_case(case: Case, work: Path, data: Path) -> dict:
     return meta
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+
 def _commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                          check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "hpc_rlx"],
-                           cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    return head + (" (with uncommitted changes under hpc_rlx/)" if dirty else "")
+    """The checkout's commit, and the last one that changed hpc_rlx/ (the code the fixtures stand for)."""
+    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", "hpc_rlx")
+    return (f"{_git('rev-parse', 'HEAD')} (hpc_rlx/ last changed in {_git('log', '-1', '--format=%H', '--', 'hpc_rlx')}"
+            + (", with uncommitted changes there)" if dirty else ")"))
 
 
 def main() -> None:
