@@ -25,7 +25,8 @@ def _engine(wall: float, mkl_wall: float, cpu: float) -> str:
 
 
 def _collective(bucket: float, raw1: float) -> str:
-    return f"# bench_collective\nMiB  bucket ms  bucket/raw1\n---  ---------  -----------\n1  {bucket:.3f}  {raw1:.3f}\n"
+    return ("# bench_collective\nMiB  bucket ms  bucket/raw1\n---  ---------  -----------\n"
+            f"1  {bucket:.3f}  {raw1:.3f}\n")
 
 
 @pytest.fixture
@@ -53,7 +54,8 @@ def test_the_means_count_each_figure_once(out_dir):
     assert means["all"][0] == pytest.approx((1.25 * 0.8 * 0.9 * 0.96 * 1.10) ** (1 / 5))
     assert engine[1] == ["engine MLP: engine step, best wall (ms)", "engine MLP: engine-mkl step, best wall (ms)"]
     assert collective[1] == ["collective 1 MiB: bucket (ms)"]
-    assert full[1] == ["full path, policy=sync, 2 rank(s): samples/s", "full path, policy=sync, 2 rank(s): p25 step samples/s"]
+    assert full[1] == ["full path, policy=sync, 2 rank(s): samples/s",
+                       "full path, policy=sync, 2 rank(s): p25 step samples/s"]
     assert sorted(means["all"][1]) == sorted(engine[1] + collective[1] + full[1])
 
 
