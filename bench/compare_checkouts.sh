@@ -4,7 +4,9 @@
 # each run from each checkout with the same Python (one BLAS thread; every run TRIES=2 times a
 # side per round, the best kept), then a summary table: per
 # figure the median over the rounds of each side and their ratio, >= 1 meaning the new code is
-# not slower, a ratio below 0.97 flagged (bench/compare_summary.py).
+# not slower, a ratio below 0.97 flagged, then the geometric means over all figures and over the
+# engine, collective and full-path groups against their bars (bench/compare_summary.py). The load
+# average is printed at the start, at each round and at the end: a busy machine shows there.
 #   bash bench/compare_checkouts.sh OLD_CHECKOUT NEW_CHECKOUT [ROUNDS]      (ROUNDS: default 3)
 # e.g. git worktree add /tmp/old 7bd88fd && bash bench/compare_checkouts.sh /tmp/old .
 # FULL='sync:1 sync:2 cadence:2 async:2' chooses the full-path runs (policy:ranks); OUT=DIR keeps
@@ -44,6 +46,7 @@ done
 # The side that runs first changes every round: a machine's drift within a round (another
 # tenant, memory reclaim after the previous run) must not always fall on the same side.
 sides() { if [ $(( $1 % 2 )) = 1 ]; then echo "$OLD $NEW"; else echo "$NEW $OLD"; fi; }
+load() { echo "== $1, load average $(cut -d' ' -f1-3 /proc/loadavg)"; }
 uptime
 # A round runs the engine, the collectives and each full-path job TRIES times a side
 # (alternated, the first side swapping every try: old new new old with 2) and keeps each figure's best, as one run keeps the best of its
@@ -52,6 +55,7 @@ uptime
 TRIES=${TRIES:-2}
 try_name() { if [ "$1" = 1 ]; then echo ""; else echo ".t$1"; fi; }
 for i in $(seq "$ROUNDS"); do
+  load "round $i (engine, collective)"
   for k in $(seq "$TRIES"); do
     for side in $(sides $((i + k - 1))); do
       s=$(label "$side")
@@ -78,6 +82,7 @@ done
 # 25th-percentile step rate is left out (run_hpc would fail on it).
 echo "== full path (hpc_rlx side of bench_ddp), samples/s"
 for i in $(seq "$ROUNDS"); do
+  load "round $i (full path)"
   for run in $FULL; do
     policy=${run%%:*}; n=${run##*:}
     for k in $(seq "$TRIES"); do

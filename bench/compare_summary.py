@@ -1,7 +1,11 @@
 """The summary table of bench/compare_checkouts.sh: per figure, the median over the rounds of the
 old and of the new checkout, and their ratio, oriented so that >= 1 means the new code is not
 slower: new/old for rates (samples/s), old/new for times (ms) and for time ratios (engine/torch,
-bucket/raw1). A ratio below the threshold (default 0.97) is flagged.
+bucket/raw1). A ratio below the threshold (default 0.97) is flagged. Then the geometric means
+of those ratios over all figures and over each group (engine, collective, full path), each
+figure once: the cpu-time twins of the engine's wall times and the ratios derived from other
+figures (engine/torch, bucket/raw1) are left out. A mean below its bar (all figures 0.98, each
+group 0.97) is flagged.
 
     .venv/bin/python bench/compare_summary.py OUT_DIR [--threshold 0.97]
 
@@ -21,6 +25,11 @@ from pathlib import Path
 
 SIDES = ("old", "new")
 RATE, TIME = "rate", "time"          # higher is better / lower is better
+# A figure's key is (name, kind, group); group None: not in the geometric means, as it repeats
+# another figure (a cpu-time twin) or is derived from others (engine/torch, bucket/raw1).
+ENGINE, COLLECTIVE, FULL = "engine", "collective", "full path"
+GROUPS = (ENGINE, COLLECTIVE, FULL)
+BAR_ALL, BAR_GROUP = 0.98, 0.97
 
 # bench_engine.py: "  engine         wall best    9.71 ms  median    9.80 ms  cpu best    9.70 ms ..."
 CONTENDER = re.compile(r"^\s+(\S+)\s+wall best\s+([\d.]+) ms\s+median\s+([\d.]+) ms\s+cpu best\s+([\d.]+) ms")
@@ -56,10 +65,10 @@ def engine_figures(text: str) -> dict:
             if name not in contenders:
                 continue
             wall, cpu = contenders[name]
-            figures[(f"engine {case}: {name} step, best wall (ms)", TIME)] = wall
-            figures[(f"engine {case}: {name} step, best cpu (ms)", TIME)] = cpu
+            figures[(f"engine {case}: {name} step, best wall (ms)", TIME, ENGINE)] = wall
+            figures[(f"engine {case}: {name} step, best cpu (ms)", TIME, None)] = cpu
             if contenders.get("torch", (0.0,))[0] > 0:
-                figures[(f"engine {case}: {name}/torch, best wall", TIME)] = wall / contenders["torch"][0]
+                figures[(f"engine {case}: {name}/torch, best wall", TIME, None)] = wall / contenders["torch"][0]
     return figures
 
 
@@ -78,22 +87,22 @@ def collective_figures(text: str) -> dict:
         for name in BUCKETS:
             value = row.get(f"{name} ms", "-")
             if value != "-":
-                figures[(f"collective {row['MiB']} MiB: {name} (ms)", TIME)] = float(value.replace(",", ""))
+                figures[(f"collective {row['MiB']} MiB: {name} (ms)", TIME, COLLECTIVE)] = float(value.replace(",", ""))
         if row.get("bucket/raw1", "-") != "-":
-            figures[(f"collective {row['MiB']} MiB: bucket/raw1", TIME)] = float(row["bucket/raw1"])
+            figures[(f"collective {row['MiB']} MiB: bucket/raw1", TIME, None)] = float(row["bucket/raw1"])
     return figures
 
 
 def full_figures(path: Path, policy: str, n: str) -> dict:
     out = json.loads(path.read_text())
-    figures = {(f"full path, policy={policy}, {n} rank(s): samples/s", RATE): out.get("samples_per_s")}
+    figures = {(f"full path, policy={policy}, {n} rank(s): samples/s", RATE, FULL): out.get("samples_per_s")}
     if out.get("p25_samples_per_s") is not None:
-        figures[(f"full path, policy={policy}, {n} rank(s): p25 step samples/s", RATE)] = out["p25_samples_per_s"]
+        figures[(f"full path, policy={policy}, {n} rank(s): p25 step samples/s", RATE, FULL)] = out["p25_samples_per_s"]
     return figures
 
 
 def collect(out_dir: Path) -> tuple[dict, int]:
-    """{(figure, kind): {side: [value per round]}}, the figures in the order their runs were
+    """{(figure, kind, group): {side: [value per round]}}, the figures in the order their runs were
     written, and the number of rounds seen. A round may hold several tries of a run (a file
     name with `.tK` before the side): the round's value is the best of them (the highest rate,
     the lowest time), as one run's own figures are the best of its repeats."""
@@ -132,17 +141,61 @@ def fmt(v: float | None) -> str:
     return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3f}" if abs(v) < 10 else f"{v:.2f}"
 
 
+def ratios(values: dict) -> dict:
+    """{key: (old median, new median, ratio)}: ratio >= 1 when the new code is not slower (None
+    where a side has no value)."""
+    out = {}
+    for key, by_side in values.items():
+        old = statistics.median(by_side["old"]) if by_side["old"] else None
+        new = statistics.median(by_side["new"]) if by_side["new"] else None
+        ratio = None
+        if old and new:
+            ratio = new / old if key[1] == RATE else old / new
+        out[key] = (old, new, ratio)
+    return out
+
+
+def geometric_means(ratio_of: dict) -> dict:
+    """{"all" and each group: (geometric mean of its figures' ratios or None, [figure names])},
+    each figure once: a key whose group is None is left out, and so is a figure without a ratio."""
+    members: dict[str, list] = {"all": [], **{g: [] for g in GROUPS}}
+    for (figure, _kind, group), ratio in ratio_of.items():
+        if group is None or ratio is None:
+            continue
+        members["all"].append((figure, ratio))
+        members[group].append((figure, ratio))
+    return {name: (statistics.geometric_mean([r for _, r in found]) if found else None,
+                   [f for f, _ in found])
+            for name, found in members.items()}
+
+
+def means_lines(means: dict) -> tuple[list[str], int]:
+    """The means, each against its bar ('<' below it), then which figures each one covers; and
+    how many means are below their bar."""
+    lines = [f"== geometric means of the ratios, each figure once (the cpu-time twins and the derived "
+             f"ratios engine/torch and bucket/raw1 left out); '<' marks a mean below its bar"]
+    low = 0
+    for name, (mean, figures) in means.items():
+        bar = BAR_ALL if name == "all" else BAR_GROUP
+        below = mean is not None and mean < bar
+        low += below
+        shown = "-" if mean is None else f"{mean:.3f}"
+        lines.append(f"{name + ' figures' if name == 'all' else name:<12}  {shown:>5}  (bar {bar:.2f}, "
+                     f"{len(figures)} figures)  {'<' if below else ''}".rstrip())
+    lines.append(f"{low} of {len(means)} means below their bar" if low else "every mean at or above its bar")
+    for name in GROUPS:
+        lines.append(f"-- {name} group:")
+        lines.extend(f"   {figure}" for figure in means[name][1])
+    return lines, low
+
+
 def summary(values: dict, rounds: int, threshold: float) -> tuple[list[str], int]:
     lines = [f"== summary: median over {rounds} round(s) of each side; ratio = new/old for rates "
              f"(samples/s), old/new for times (ms) and time ratios (engine/torch, bucket/raw1): "
              f">= 1.00 means the new code is not slower; '<' marks a ratio below {threshold:.2f}"]
     rows, low = [], []
-    for (figure, kind), by_side in values.items():
-        old = statistics.median(by_side["old"]) if by_side["old"] else None
-        new = statistics.median(by_side["new"]) if by_side["new"] else None
-        ratio = None
-        if old and new:
-            ratio = new / old if kind == RATE else old / new
+    ratio_of = ratios(values)
+    for (figure, _kind, _group), (old, new, ratio) in ratio_of.items():
         flag = "<" if ratio is not None and ratio < threshold else ""
         if flag:
             low.append(figure)
@@ -157,7 +210,8 @@ def summary(values: dict, rounds: int, threshold: float) -> tuple[list[str], int
         lines.append(f"{len(low)} of {compared} figures below {threshold:.2f} (marked '<')")
     else:
         lines.append(f"all {compared} figures at or above {threshold:.2f}")
-    return lines, len(low)
+    mean_lines, _ = means_lines(geometric_means({k: r for k, (_, _, r) in ratio_of.items()}))
+    return lines + mean_lines, len(low)
 
 
 def main(argv=None) -> None:
