@@ -19,6 +19,7 @@ from hpc_rlx.export.safetensors_file import write_safetensors
 from hpc_rlx.export.trained import TrainedModel, load_trained, model_output
 from hpc_rlx.export.verify import check_with_runtime
 from hpc_rlx.graph.onnx.importer import import_onnx
+from hpc_rlx.graph.param_names import user_names
 
 PROG = "python -m hpc_rlx.export"
 EXIT_ERROR = 2
@@ -95,6 +96,11 @@ def check_onnx_file(path) -> list[str]:
              f"{g.num_params:,} trainable parameters in {sum(p.trainable for p in g.params)} tensors",
              "ops: " + ", ".join(f"{op} x{k}" for op, k in sorted(ops.items()))]
     lines += [f"warning: {w}" for w in imported.warnings]
+    # every parameter the import will train, by its PyTorch name: one that PyTorch keeps fixed
+    # (requires_grad=False) is an initializer like the others in the file and shows up here
+    names = user_names(g)
+    lines.append("trains: " + ", ".join(f"{names[p.name]} ({int(np.prod(p.shape)):,})" for p in g.params
+                                        if p.trainable))
     return lines
 
 

@@ -333,6 +333,13 @@ def _check_declared(graph, out: Tensor) -> None:
 
 def _form_warnings(em: Emitter, plan, warnings: list) -> str:
     frozen_bn, off = em.forms["bn_frozen"], em.forms["dropout_off"]
+    if off and em.forms["dropout"]:
+        # a training export whose exporter left some dropouts without their training flag (the
+        # dynamo exporter does for attention dropout): module.train() was used and cannot help
+        warnings.append(f"dropout {off} is inactive: the exporter wrote it without its training flag, "
+                        f"although the file's other {len(em.forms['dropout'])} dropout(s) have it, so the "
+                        f"model trains without it; exporting again from module.train() does not change that")
+        off = []
     if frozen_bn or off:
         parts = []
         if frozen_bn:

@@ -460,6 +460,7 @@ def test_export_check_says_what_a_file_holds_or_every_node_it_cannot_take(tmp_pa
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"{good}: imports for training") and "6 trainable parameters" in out[1], out
     assert out[2].startswith("ops: ") and "linear x1" in out[2], out
+    assert out[-1] == "trains: w (6)", out       # every parameter the import will train
 
     h = onnx.helper
     bad = tmp_path / "hardmax.onnx"
@@ -471,3 +472,22 @@ def test_export_check_says_what_a_file_holds_or_every_node_it_cannot_take(tmp_pa
                           "  Hardmax x1: not supported; 'hm'"), err
     assert main(["--check", str(good), "--onnx", str(tmp_path / "out.onnx")]) == 2
     assert "--check takes the ONNX file alone" in capsys.readouterr().err
+
+
+def test_a_dropout_the_exporter_left_without_its_flag_in_a_training_export_is_named_as_such():
+    """One Dropout with training_mode, one without (as dynamo writes attention dropout): the
+    warning says the exporter did it and that module.train() does not help; the form stays
+    training and the other dropout trains."""
+    h = onnx.helper
+    ratio = onnx.numpy_helper.from_array(np.array(0.25, np.float32), "ratio")
+    on = onnx.numpy_helper.from_array(np.array(True), "on")
+    w = onnx.numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(3, 2) / 7, "w")
+    nodes = [h.make_node("Dropout", ["x", "ratio", "on"], ["xd"], name="drop_on"),
+             h.make_node("MatMul", ["xd", "w"], ["h"], name="mm"),
+             h.make_node("Dropout", ["h", "ratio"], ["logits"], name="attn_drop")]
+    imported = import_onnx(_tiny(nodes, [_info("x", ["batch", 3])], [_info("logits", ["batch", 2])], [ratio, on, w]))
+    (warning,) = imported.warnings
+    assert "attn_drop" in warning and "without its training flag" in warning and "does not change" in warning
+    assert "Export from module.train()" not in warning
+    assert imported.graph.meta["onnx"]["form"] == "training"
+    assert [n.op for n in imported.graph.nodes].count("dropout") == 1
