@@ -157,15 +157,16 @@ def test_lars_sharded_over_two_ranks_with_a_cut_parameter_equals_the_reference_l
     _assert_matches(run, losses, final, "lars on 2 ranks, comm.shard=optimizer")
 
 
-def test_sharded_lamb_with_a_cut_parameter_resumes_on_one_rank_unsharded(tmp_path):
+@pytest.mark.parametrize("opt, schedule", [(LAMB, MULTISTEP), (LARS, None)], ids=["lamb-multistep", "lars"])
+def test_sharded_state_with_a_cut_parameter_resumes_on_one_rank_unsharded(tmp_path, opt, schedule):
     """3 steps on 2 ranks with sliced state (fc0.weight cut), then the checkpoint's LAMB
-    moments, gathered whole, resume on 1 rank without sharding: all 5 steps equal the
-    reference loop."""
+    moments (LARS's momentum), gathered whole, resume on 1 rank without sharding: all 5 steps
+    equal the reference loop."""
     assert _cut_by_two_slices() == [0]
     data, init, x, y, params = _files(tmp_path)
-    losses, final = _reference(LAMB, params, x, y, MULTISTEP)
+    losses, final = _reference(opt, params, x, y, schedule)
     run = tmp_path / "run"
-    common = _overrides(data, init, LAMB, MULTISTEP) + ["checkpoint.every_epochs=1"]
+    common = _overrides(data, init, opt, schedule) + ["checkpoint.every_epochs=1"]
     proc = train_job(2, run, common + ["comm.shard=optimizer", "train.max_steps=3"], timeout=240)
     assert proc.returncode == 0, explain(proc)
     sharded = [r["train_loss"] for r in read_metrics(run)]
@@ -173,4 +174,4 @@ def test_sharded_lamb_with_a_cut_parameter_resumes_on_one_rank_unsharded(tmp_pat
     proc = train_job(1, run, common, timeout=240)
     assert proc.returncode == 0, explain(proc)
     assert "written on 2 ranks, shards re-planned for 1" in proc.stdout, explain(proc)
-    _assert_matches(run, losses, final, "lamb resumed on 1 rank from a 2-rank sharded checkpoint")
+    _assert_matches(run, losses, final, f"{opt['name']} resumed on 1 rank from a 2-rank sharded checkpoint")
