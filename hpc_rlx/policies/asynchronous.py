@@ -38,7 +38,7 @@ class AsyncPolicy(WindowedPolicy):
 
     def planned_counts(self) -> list[int]:
         # K, stretched so the epoch's windows come out even (see stretch_to_epoch)
-        left = (self.epoch_samples - self.epoch_consumed) // max(1, sum(self.batches))
+        left = self.window.samples_left() // max(1, sum(self.window.batches))
         # untuned (policy.tune=false): exactly the anchor, the epoch's last window may be shorter
         cap = (min(self.controller.ceiling, self.controller.max_anchor) if self.controller.tune
                else self.controller.k)

@@ -40,7 +40,7 @@ class CadencePolicy(WindowedPolicy):
         # Sync cost: the smallest of the last few, so one preempted sync on a shared node
         # does not multiply the anchor (growth is multiplicative, decay one step). A window
         # cut short by the end of the epoch would read as high overhead: no anchor update.
-        cost = self._cost.add(report.comm_ms)
+        cost = self.window.costs.add(report.comm_ms)
         self.controller.observe(report.ms_per_step, cost, None if trimmed else report.window_ms)
 
     def _controller_record(self, metrics: dict) -> dict:

@@ -8,39 +8,75 @@ One sub-window (K / F local steps), on every rank:
     -> stage fragment j mod F and the report, start its sum (in flight during the next
        sub-window's first tau steps; at once when tau = 0 or the epoch ends here)
 
-Applying fragment f: the consensus of its sum (`consensus.consensus_into`), the outer optimizer
-on the fragment's trainable part (`outer.OuterOptimizer.step` with `part`, `fragment`), the new
-global fragment into `global_params`, and the rank's own copy merged with it
-(`policy.fragment_mix`). The report that rode with the fragment feeds the epoch log and the
-loop's flags as a whole sync's does; the cursors and the epoch's samples move when a sub-window
-is sent, from the planned counts every rank knows (async: the same on every rank), so the next
-sub-window is planned without waiting for the sum.
+Applying fragment f is the policy's `apply_consensus`, as for a whole sync: the consensus of
+its sum, the outer optimizer on the fragment's trainable part (`outer.OuterOptimizer.step` with
+`part`, `fragment`), the new global fragment into `global_params`, and the rank's own copy
+merged with it (`policy.fragment_mix`). The report that rode with the fragment feeds the epoch
+log and the loop's flags as a whole sync's does; the cursors and the epoch's samples move when
+a sub-window is sent, from the planned counts every rank knows (async: the same on every rank),
+so the next sub-window is planned without waiting for the sum.
+
+The policy is seen only through `WindowHost`: its window state (positions, LR, timings) and a
+few public methods.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import numpy as np
 
 from hpc_rlx.comm.fragment_sync import FragmentSync
 
-from .base import StepResult
-from .consensus import consensus_into, weigh_into
+from .base import Loop, StepResult
+from .consensus import weigh_into
 from .fragments import Streaming, fragment_bounds
+from .sync_slots import SyncReport
+from .window import LocalWork, WindowState
+
+
+class WindowHost(Protocol):
+    """What `StreamingSync` uses of its windowed policy (`windowed.WindowedPolicy`)."""
+
+    window: WindowState     # the positions move at the send, the LR and timings per sub-window
+
+    def next_window(self) -> tuple[list[int], list[int]]:
+        """(planned, counts) of the next sub-window; counts all zero: the epoch is over."""
+
+    def local_steps(self, loop: Loop, count: int, lr: float, first: int = 0) -> LocalWork:
+        """This rank's local steps, from step `first` of the sub-window on."""
+
+    def stage_report(self, loop: Loop, work: LocalWork) -> tuple[bool, float]:
+        """(bad, weight); the weight, the report and the flags into the bucket's tail."""
+
+    def reference(self, part: slice):
+        """What the coded wire sends differences from in `part`, None uncoded."""
+
+    def read_report(self) -> SyncReport:
+        """Every rank's report, from the bucket's reduced tail."""
+
+    def restore_agreed(self, worker, part: slice) -> None:
+        """`part` of the rank's parameters back to the last agreed model."""
+
+    def apply_consensus(self, worker, payload, total: float, part: slice, inner_lr: float | None,
+                        fragment: int = 0, mix: float = 0.0, out=None) -> bool:
+        """The summed `payload` of `part` made the agreed model; False when nobody worked."""
+
+    def note_sync(self, worker, report: SyncReport, k: int) -> None:
+        """A sync done: skips, the step count, the epoch log."""
 
 
 class StreamingSync:
     """The fragment syncs of one windowed policy (built at its setup)."""
 
-    def __init__(self, policy, worker, streaming: Streaming, path):
+    def __init__(self, policy: WindowHost, worker, streaming: Streaming, path):
         self.policy = policy
         self.streaming = streaming
-        n = policy.layout.n_params
-        self.bounds = fragment_bounds(n, streaming.fragments)
-        self.n_trainable = int(worker.n_trainable)
-        tail = policy.bucket.layout.tail_size
-        self.sync = FragmentSync(path, policy.bucket.chunk_elems, self.bounds, tail, worker.params.dtype)
+        bucket = worker.bucket      # the policy's sync bucket: its report rides in the tail
+        self.bounds = fragment_bounds(bucket.layout.payload_size, streaming.fragments)
+        self.sync = FragmentSync(path, bucket.chunk_elems, self.bounds, bucket.layout.tail_size,
+                                 worker.params.dtype)
         self.consensus = np.empty(max(hi - lo for lo, hi in self.bounds), worker.params.dtype)
         self.started = 0            # fragment syncs started since the run began
         self.lr_at_send = None      # the inner LR of the sub-window the fragment in flight ended
@@ -48,20 +84,20 @@ class StreamingSync:
     # ---- one sub-window --------------------------------------------------------------------
     def window(self, loop, counts: list[int], k: int) -> StepResult:
         policy, worker = self.policy, loop.worker
-        lr = policy._lr = worker.lr_at(policy._lr_step(worker))
+        lr = policy.window.begin(worker)
         t_window = time.perf_counter()
         mine = counts[loop.rank]
         early = min(self.streaming.delay, mine) if self.sync.in_flight else 0
-        work = policy._local_steps(loop, early, lr)
+        work = policy.local_steps(loop, early, lr)
         done = []
         if self.sync.in_flight:
             done.append(self.finish(loop, k))
         if not work.bad:                      # a non-finite step ends the rank's window
             # the cursors move at the send: the second part starts after the early steps' batches
-            work = _merge(work, policy._local_steps(loop, mine - early, lr, first=early))
+            work = _merge(work, policy.local_steps(loop, mine - early, lr, first=early))
         t_send = time.perf_counter()
         self._send(loop, work, counts, lr)
-        last = not any(policy._next_window()[1])
+        last = not any(policy.next_window()[1])
         if last or self.streaming.delay == 0:
             done.append(self.finish(loop, k))
         send_s = time.perf_counter() - t_send
@@ -72,20 +108,15 @@ class StreamingSync:
         j = self.streaming.fragment_of(self.started)
         lo, hi = self.bounds[j]
         staged = self.sync.stage(j)
-        bad, weight = policy.weight_of(work, worker.params)
-        ref = None if policy.coded is None else policy.global_params[lo:hi]
         # the report and the flags go into the bucket's tail (its one layout), then with the
         # weighted fragment into the staging array
-        policy.layout.pack_tail(policy.buf, weight, worker.rank, policy.report_of(work, bad))
-        loop.write_flags(nonfinite=bad)
-        staged.tail[...] = policy.bucket.tail
-        weigh_into(worker.params[lo:hi], weight, staged.payload, ref)
+        bad, weight = policy.stage_report(loop, work)
+        staged.tail[...] = worker.bucket.tail
+        weigh_into(worker.params[lo:hi], weight, staged.payload, policy.reference(slice(lo, hi)))
         self.sync.start(worker.comm, j)
         self.started += 1
         self.lr_at_send = lr
-        for r, c in enumerate(counts):           # planned, known to every rank: no need to wait
-            policy.cursors[r] += c
-            policy.epoch_consumed += c * policy.batches[r]
+        policy.window.advance_planned(counts)    # planned, known to every rank: no need to wait
         if bad:
             worker.optimizer.reset()             # its state may hold the non-finite values
 
@@ -95,34 +126,17 @@ class StreamingSync:
         j, staged, done, wait_s = self.sync.wait(worker.comm)
         worker.bucket.sent.add(done.wire_bytes)
         lo, hi = self.bounds[j]
-        policy.bucket.tail[...] = staged.tail
-        report = policy.layout.read(policy.buf)
+        worker.bucket.tail[...] = staged.tail
+        report = policy.read_report()
         flags = worker.bucket.flags()
-        total = report.total_weight
-        new = self.consensus[:hi - lo]
-        ref = None if policy.coded is None else policy.global_params[lo:hi]
         if flags["nonfinite"] and loop.on_nonfinite == "stop":
-            worker.params[lo:hi] = policy.global_params[lo:hi]
+            policy.restore_agreed(worker, slice(lo, hi))
             return report, flags, wait_s, done
-        if consensus_into(staged.payload, total, new, ref):
-            top = min(hi, self.n_trainable)
-            if top > lo:
-                lr = self.lr_at_send
-                policy.outer.step(new[:top - lo], inner_lr=lr if lr and lr > 0 else worker.base_lr,
-                                  part=slice(lo, top), fragment=j)
-            policy.global_params[lo:hi] = new
-            mix = self.streaming.mix
-            local = worker.params[lo:hi]
-            if mix == 0:
-                local[...] = new
-            else:             # the steps since the send stay, in part (Streaming DiLoCo's merge)
-                local *= mix
-                local += (1.0 - mix) * new
-            if policy.outer.resets_inner:
-                worker.optimizer.reset()
+        policy.apply_consensus(worker, staged.payload, report.total_weight, slice(lo, hi), self.lr_at_send,
+                               fragment=j, mix=self.streaming.mix, out=self.consensus[:hi - lo])
         loop.lanes.refresh_device_params()
-        policy._prev_sync_ms = wait_s * 1e3
-        policy.note_sync(worker, report, k, policy._log)
+        policy.window.waited(wait_s)
+        policy.note_sync(worker, report, k)
         return report, flags, wait_s, done
 
     def _result(self, work, done, send_s: float, t_window: float) -> StepResult:

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,32 +54,18 @@ from hpc_rlx.observe import trace
 
 from ..errors import ConfigError
 from .base import EpochTotals, Loop, Policy, StepResult, dropout_seed
-from .consensus import work_weight
+from .consensus import consensus_into, work_weight
 from .epochlog import EpochLog
 from .fragments import Streaming, check_streaming
 from .keys import SHARED_DEFAULTS, SHARED_DOCS, check_outer_keys, integer_key, number_key
 from .loss_weight import is_weighted, local_mean
 from .outer import outer_from_config
-from .smoothing import RecentMin
 from .streaming import StreamingSync
-from .sync_slots import REPORT_FIELDS, SUMMED_FIELDS, SyncLayout
-from .window import plan_window
+from .sync_slots import REPORT_FIELDS, SUMMED_FIELDS, SyncLayout, SyncReport
+from .window import LocalWork, WindowState
 from .windowed_state import WindowedState
 
 FIELDS = REPORT_FIELDS + ("loss_sum", "correct") + CONTROL_FLAGS     # per-rank slots of the sync
-
-
-@dataclass
-class LocalWork:
-    """What one rank's local steps of a window did."""
-    steps: int = 0
-    samples: int = 0
-    loss_sum: float = 0.0
-    correct: float = 0.0
-    compute: float = 0.0        # seconds, the slowdown's sleep included
-    measured: float = 0.0       # compute, the process's cold first step extrapolated away
-    data_s: float = 0.0         # gathering batches
-    bad: bool = False           # a non-finite loss: the window is dropped
 
 
 class WindowedPolicy(WindowedState, Policy):
@@ -117,6 +102,7 @@ class WindowedPolicy(WindowedState, Policy):
         super().__init__(spec)
         try:
             self.cfg = self.complete_config(spec.policy)
+            self.window = WindowState(int(spec.world_size))     # the positions, LR, timings, record
             self._start_fresh(int(spec.world_size))
         except ConfigError as e:
             # Every rank checks the same broadcast spec, so every rank fails here with this
@@ -125,33 +111,26 @@ class WindowedPolicy(WindowedState, Policy):
         self.gamma = float(self.cfg["gamma"])
         self._pending = None                     # loaded state waiting for the arrays to exist
         self._ready = False
-        self._lr = None
-        self._epoch_log: EpochLog | None = None     # the record of the epoch, kept past its end
         self.streaming = Streaming(self.cfg["fragments"], self.cfg["fragment_delay"],
                                    self.cfg["fragment_mix"])
         self.stream: StreamingSync | None = None    # the fragment syncs, when they stream
         # comm.on_failure=shrink: the inner optimizer state of the last sync is kept (roll_back)
         self._recovers = spec.comm.get("on_failure", "abort") != "abort"
         self._agreed_inner = None
-        self._epoch_over = False        # a recovery during validation: the epoch has no window left
 
     def _start_fresh(self, world: int) -> None:
         """The controls of a process that starts (or, after a dead rank, restarts) on `world`
         ranks: a new controller and outer optimizer, no position and no measurements yet; a
         checkpoint's state (`load_state_dict`) goes over them."""
-        self.world = int(world)
+        self.window.restart(world)
         self.controller = self.build_controller(self.cfg, self.world)
         self.outer = outer_from_config(self.cfg)
-        self.cursors: list[int] | None = None    # per rank: local steps taken since the start
-        self.epoch_consumed = 0                  # samples consumed so far in this epoch
-        self._prev_sync_ms = 0.0
-        self._prev_div = 0.0
-        self._cold = True                        # the next local step is this process's first
-        self._cost = RecentMin(3)                # sync cost filter, see _observe
-        self._log: EpochLog | None = None           # this epoch's record so far
-        self._adopt_position = False
-        self._synced = False
         self._rank_pending = None                   # this rank's own checkpointed state
+
+    @property
+    def world(self) -> int:
+        """The ranks that train (the window state's)."""
+        return self.window.world
 
     # ---- the controller behind one small interface (the subclasses) ------------------------
     @property
@@ -204,85 +183,79 @@ class WindowedPolicy(WindowedState, Policy):
                 self.outer.load_state_dict(outer_meta)
             self._resume_streams(loop, arrays, (self._pending.get("meta") or {}).get("streaming"))
             self._pending = None
-        self.batches = [worker.plan.rank_batch(r) for r in range(self.world)]
-        self.epoch_samples = int(worker.plan.samples_per_epoch)
-        if self._adopt_position and worker.step_in_epoch:
+        w = self.window
+        w.batches = [worker.plan.rank_batch(r) for r in range(self.world)]
+        w.epoch_samples = int(worker.plan.samples_per_epoch)
+        if w.adopt_position and worker.step_in_epoch:
             # a policy=sync checkpoint mid-epoch: every rank stopped at the same step of its
             # rows, each step having used a global batch (exact with data.leftover=drop)
-            self.epoch_consumed = min(self.epoch_samples,
-                                      worker.step_in_epoch * int(worker.plan.global_batch))
-            self.cursors = [worker.epoch * worker.steps_per_epoch + worker.step_in_epoch] * self.world
-        if self.cursors is None:
-            self.cursors = [worker.epoch * worker.steps_per_epoch] * self.world
+            w.epoch_consumed = min(w.epoch_samples, worker.step_in_epoch * int(worker.plan.global_batch))
+            w.cursors = [worker.epoch * worker.steps_per_epoch + worker.step_in_epoch] * self.world
+        if w.cursors is None:
+            w.cursors = [worker.epoch * worker.steps_per_epoch] * self.world
         self.slow = loop.hooks.slowdown      # debug.slowdown: owed per step, slept before the sync
         self._keep_restore_point(worker)
         self._ready = True
-
-    def _lr_step(self, worker) -> int:
-        """Data progress in global batches: the LR clock of policy=sync, whose schedule spans
-        the configured epochs (max_steps, which counts syncs here, only stops early)."""
-        within = self.epoch_consumed * worker.steps_per_epoch // max(1, self.epoch_samples)
-        return worker.epoch * worker.steps_per_epoch + int(within)
 
     def epoch_fraction(self, worker) -> float:
         """How much of the current epoch is trained: samples consumed over the epoch's."""
         if not self._ready:
             return worker.step_in_epoch / max(1, worker.steps_per_epoch)
-        return self.epoch_consumed / max(1, self.epoch_samples)
+        return self.window.fraction()
 
     def current_lr(self, worker) -> float | None:
-        """The learning rate of the last window (it follows data progress, see _lr_step)."""
-        return self._lr
+        """The learning rate of the last window (it follows data progress, `WindowState.lr_step`)."""
+        return self.window.lr
 
     # ---- one epoch: windows until the epoch's samples are consumed ---------------------------
     def begin_epoch(self, loop: Loop, first_step: int) -> None:
         if not self._ready:
             self._setup(loop)
-        self._epoch_over = False
-        if self._log is None or first_step == 0:
-            self._log = EpochLog(self.world)
-        self._epoch_log = self._log      # the record of the epoch, kept past its end
+        w = self.window
+        w.epoch_over = False
+        if w.log is None or first_step == 0:
+            w.log = EpochLog(self.world)
+        w.epoch_log = w.log      # the record of the epoch, kept past its end
 
-    def _next_window(self) -> tuple[list[int], list[int]]:
+    def next_window(self) -> tuple[list[int], list[int]]:
         """(planned, counts): the next full window's step counts and those trimmed to what is
         left of the epoch (all zero when nothing is left)."""
         planned = self.planned_counts()
         if self.stream is not None:          # sub-windows of K / F steps (fragments.py)
             planned = [self.streaming.sub_window(self.k)] * self.world
-        return planned, plan_window(planned, self.batches, self.epoch_samples - self.epoch_consumed)
+        return planned, self.window.trim(planned)
 
     def step(self, loop: Loop) -> StepResult | None:
-        if self._epoch_over:
+        if self.window.epoch_over:
             return None
-        planned, counts = self._next_window()
+        planned, counts = self.next_window()
         if not any(counts):
             # the epoch is over, decided from the bucket: identically on every rank
-            self.epoch_consumed = 0
-            self._log = None
+            self.window.end_epoch()
             return None
         if self.stream is not None:
             return self.stream.window(loop, counts, self.window_k(planned))
-        return self._window(loop, counts, counts != planned, self._log, self.window_k(planned))
+        return self._window(loop, counts, counts != planned, self.window_k(planned))
 
     def end_epoch(self, loop: Loop, totals: EpochTotals, stopping: bool) -> None:
+        w = self.window
         if stopping and self.stream is not None:
             self.stream.stop()       # a fragment in flight: the checkpoint keeps what was sent
-        if stopping and self._log is not None and not any(self._next_window()[1]):
+        if stopping and w.log is not None and not any(self.next_window()[1]):
             # the run stops exactly where the epoch ends: the epoch is complete
-            self.epoch_consumed = 0
-            self._log = None
+            w.end_epoch()
             totals.complete = True
-        extra = {"outer": self.outer.name, "lr": self._lr}
+        extra = {"outer": self.outer.name, "lr": w.lr}
         extra.update(self._controller_record(self.controller.metrics()))
-        totals.extra = self._epoch_log.record(self.k, self.planned_counts(), **extra)
+        totals.extra = w.epoch_log.record(self.k, self.planned_counts(), **extra)
 
-    def _window(self, loop: Loop, counts, trimmed: bool, log: EpochLog, k: int) -> StepResult:
+    def _window(self, loop: Loop, counts, trimmed: bool, k: int) -> StepResult:
         """Local steps, then the sync."""
         worker = loop.worker
-        lr = self._lr = worker.lr_at(self._lr_step(worker))
+        lr = self.window.begin(worker)
         t_window = time.perf_counter()
         # a spare (comm.on_failure=spare) trains nothing until it takes a dead rank's shard
-        work = self._local_steps(loop, counts[loop.rank], lr) if loop.rank < self.world else LocalWork()
+        work = self.local_steps(loop, counts[loop.rank], lr) if loop.rank < self.world else LocalWork()
         if trace.ACTIVE is not None:
             trace.ACTIVE.add("window", "step", trace.MAIN, t_window, time.perf_counter(),
                              {"steps": work.steps, "sync": worker.step})
@@ -294,27 +267,24 @@ class WindowedPolicy(WindowedState, Policy):
                             comm_s=sync_s, data_s=work.data_s)
         if report is None:
             return result          # non-finite with train.on_nonfinite=stop: the loop stops
-        # this process's first sync pays one-off setup (buffers, connections): not a cost
-        # the controllers should plan with, so it is not reported
-        self._prev_sync_ms = sync_s * 1e3 if self._synced else 0.0
-        self._synced = True
+        self.window.timed_sync(sync_s)
         if trace.ACTIVE is not None:
             trace.ACTIVE.add("sync", "comm", trace.MAIN, t_sync, t_sync + sync_s,
                              {"sync": worker.step + 1, "applied": report.applied})
-        self._account(loop, report, k, trimmed, log)
+        self._account(loop, report, k, trimmed)
         # A bad window's loss is left out, so its samples are too: the epoch's mean stays honest.
         result.samples, result.loss_sum, result.correct = report.counted()
         result.wall_s = time.perf_counter() - t_window
         return result
 
-    def _local_steps(self, loop: Loop, count: int, lr: float, first: int = 0) -> LocalWork:
+    def local_steps(self, loop: Loop, count: int, lr: float, first: int = 0) -> LocalWork:
         """This rank's `count` local optimizer steps on its own shard (no communication), from
         step `first` of the window on (a streaming sub-window runs in two parts)."""
         worker, lanes, rank = loop.worker, loop.lanes, loop.rank
         seed, weighted = worker.spec.train["seed"], is_weighted(worker.spec)
         work = LocalWork()
         cold_s = None
-        position = self.cursors[rank] + first
+        position = self.window.cursors[rank] + first
         for _ in range(count):
             t = time.perf_counter()
             loop.hooks.fail_at("step", worker.step)
@@ -342,8 +312,8 @@ class WindowedPolicy(WindowedState, Policy):
             # slowdown: (f - 1) x the whole step, slept once before the sync
             self.slow.owe(dt)
             work.compute += dt
-            if self._cold:
-                cold_s, self._cold = dt, False
+            if self.window.cold:
+                cold_s, self.window.cold = dt, False
             if work.bad:
                 break   # the window is lost anyway; report what was consumed
         if self.slow.active:
@@ -363,30 +333,75 @@ class WindowedPolicy(WindowedState, Policy):
         the report is None when the run stops on a non-finite window."""
         worker = loop.worker
         bad, weight = self.weight_of(work, worker.params)
-        ref = None if self.coded is None else self.global_params
+        whole = slice(0, self.layout.n_params)
+        ref = self.reference(whole)
         if worker.is_spare:
             self.buf[...] = 0       # no weight, no report slot: it adds nothing to the sums
         else:
             self.layout.pack(self.buf, worker.params, weight, worker.rank, self.report_of(work, bad),
                              reference=ref)
         flags, _ = loop.reduce(nonfinite=bad, reduction=self.reduction)
-        report = self.layout.read(self.buf)
+        report = self.read_report()
         if flags["nonfinite"] and loop.on_nonfinite == "stop":
-            worker.params[...] = self.global_params      # the last agreed model, not this rank's window
+            self.restore_agreed(worker, whole)      # the last agreed model, not this rank's window
             return flags, None
-        self._prev_div = self.layout.divergence(worker.params, self.buf, weight, reference=ref)
-        if self.layout.finish(self.buf, worker.params, reference=ref):
-            self.outer.step(worker.params[:worker.n_trainable], inner_lr=lr if lr > 0 else worker.base_lr)
-            self.global_params[...] = worker.params
-            if self.outer.resets_inner:
-                worker.optimizer.reset()
-        else:
-            worker.params[...] = self.global_params     # nobody worked: the model stays as it was
+        self.window.divergence = self.layout.divergence(worker.params, self.buf, weight, reference=ref)
+        payload, total = self.layout.bucket.payload_of(self.buf), self.layout.total_weight(self.buf)
+        if not self.apply_consensus(worker, payload, total, whole, lr):
+            self.restore_agreed(worker, whole)      # nobody worked: the model stays as it was
         if bad:
             worker.optimizer.reset()                     # its state may hold the non-finite values
         self._keep_restore_point(worker)
         loop.lanes.refresh_device_params()
         return flags, report
+
+    # ---- the consensus: the whole sync's and each streaming fragment's --------------------
+    def apply_consensus(self, worker, payload, total: float, part: slice, inner_lr: float | None,
+                        fragment: int = 0, mix: float = 0.0, out=None) -> bool:
+        """The summed `payload` of the parameters' `part` becomes the agreed model there: the
+        consensus (`payload / total`, from `global_params` with the coded wire), the outer
+        optimizer's step on its trainable part, then the rank's own copy, which takes it (mix 0)
+        or keeps `mix` of its steps since the send (a streaming fragment). `out`: where the
+        consensus is made (None: in the rank's parameters, which then take it as it is). False,
+        nothing changed, when every rank was idle (`total` 0)."""
+        local = worker.params[part]
+        new = local if out is None else out
+        if not consensus_into(payload, total, new, self.reference(part)):
+            return False
+        top = min(part.stop, worker.n_trainable)
+        if top > part.start:
+            self.outer.step(new[:top - part.start], part=slice(part.start, top), fragment=fragment,
+                            inner_lr=inner_lr if inner_lr and inner_lr > 0 else worker.base_lr)
+        self.global_params[part] = new
+        if out is not None:
+            if mix == 0:
+                local[...] = new
+            else:             # the steps since the send stay, in part (Streaming DiLoCo's merge)
+                local *= mix
+                local += (1.0 - mix) * new
+        if self.outer.resets_inner:
+            worker.optimizer.reset()
+        return True
+
+    def restore_agreed(self, worker, part: slice) -> None:
+        """The rank's parameters in `part` back to the last agreed model."""
+        worker.params[part] = self.global_params[part]
+
+    def reference(self, part: slice):
+        """What the coded wire sends differences from (`global_params`), None uncoded."""
+        return None if self.coded is None else self.global_params[part]
+
+    def stage_report(self, loop: Loop, work: LocalWork) -> tuple[bool, float]:
+        """(bad, weight) of this rank's window; its weight, report and flags into the bucket's
+        tail (a streaming sync stages the payload's fragment itself)."""
+        bad, weight = self.weight_of(work, loop.worker.params)
+        self.layout.pack_tail(self.buf, weight, loop.worker.rank, self.report_of(work, bad))
+        loop.write_flags(nonfinite=bad)
+        return bad, weight
+
+    def read_report(self) -> SyncReport:
+        """Every rank's report, from the bucket's reduced tail."""
+        return self.layout.read(self.buf)
 
     def weight_of(self, work: LocalWork, params) -> tuple[bool, float]:
         """(whether this rank's window went bad, its consensus weight: 0 when it did)."""
@@ -396,19 +411,17 @@ class WindowedPolicy(WindowedState, Policy):
     def report_of(self, work: LocalWork, bad: bool) -> dict:
         """This rank's report slots for the sync that ends `work`."""
         return {"steps": work.steps, "samples": work.samples, "compute_ms": work.measured * 1e3,
-                "sync_ms": self._prev_sync_ms, "divergence": self._prev_div,
+                "sync_ms": self.window.sync_ms, "divergence": self.window.divergence,
                 "loss_sum": 0.0 if bad else work.loss_sum, "correct": 0.0 if bad else work.correct}
 
-    def _account(self, loop: Loop, report, k: int, trimmed: bool, log: EpochLog) -> None:
+    def _account(self, loop: Loop, report, k: int, trimmed: bool) -> None:
         """What every rank learns from the reduced report: skips, cursors, the position, the
         epoch log and the controller."""
-        for r, s in enumerate(report.steps):
-            self.cursors[r] += s
-        self.epoch_consumed += report.total_samples
-        self.note_sync(loop.worker, report, k, log)
+        self.window.advance(report.steps, report.total_samples)
+        self.note_sync(loop.worker, report, k)
         self._observe(report, trimmed)
 
-    def note_sync(self, worker, report, k: int, log: EpochLog) -> None:
+    def note_sync(self, worker, report, k: int) -> None:
         """A sync done (a whole one, or a fragment's): skips, the step count, the epoch log."""
         bad_ranks = int(np.count_nonzero(report["nonfinite"] > 0))
         if bad_ranks:
@@ -416,4 +429,4 @@ class WindowedPolicy(WindowedState, Policy):
         elif report.applied:
             worker.apply_gradient_ok()
         worker.state.step_taken()
-        log.add(report, k, bad_ranks)
+        self.window.log.add(report, k, bad_ranks)

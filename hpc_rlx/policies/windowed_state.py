@@ -25,10 +25,11 @@ from .epochlog import EpochLog
 
 
 class WindowedState:
-    """The checkpoint methods of `windowed.WindowedPolicy` (which owns every attribute used)."""
+    """The checkpoint methods of `windowed.WindowedPolicy` (which owns every attribute used; the
+    positions, the cost filter and the epoch's log are its `window`, a `window.WindowState`)."""
 
     def state_dict(self) -> dict:
-        arrays = {}
+        arrays, w = {}, self.window
         outer = self.outer.state_dict()
         for key in ("prev", "buf"):
             if outer.get(key) is not None:
@@ -37,11 +38,11 @@ class WindowedState:
             "name": self.name,
             "controller": self.controller.state_dict(),
             "outer": {k: v for k, v in outer.items() if k not in ("prev", "buf")},
-            "cursors": None if self.cursors is None else list(self.cursors),
-            "positions": None if self.cursors is None else list(self.cursors),
-            "epoch_consumed": int(self.epoch_consumed),
-            "recent_costs": list(self._cost.values),
-            "epoch_log": None if self._log is None else self._log.state_dict(),
+            "cursors": None if w.cursors is None else list(w.cursors),
+            "positions": None if w.cursors is None else list(w.cursors),
+            "epoch_consumed": int(w.epoch_consumed),
+            "recent_costs": list(w.costs.values),
+            "epoch_log": None if w.log is None else w.log.state_dict(),
             "world_size": self.world,
         }
         if self.stream is not None:     # the agreed model, fragment by fragment
@@ -69,23 +70,23 @@ class WindowedState:
         self._rank_pending = state
 
     def load_state_dict(self, state: dict) -> None:
-        meta = state.get("meta") or {}
+        meta, w = state.get("meta") or {}, self.window
         same_world = int(state.get("world_size", meta.get("world_size", self.world))) == self.world
         if "epoch_consumed" not in meta:
             # a policy=sync checkpoint: keep the model, start this policy fresh from the
             # position sync reached (see _setup)
-            self._adopt_position = True
+            w.adopt_position = True
             return
-        self.epoch_consumed = int(meta["epoch_consumed"])
+        w.epoch_consumed = int(meta["epoch_consumed"])
         cursors = meta.get("cursors")
         # a new world size means a new shard plan: every rank starts a fresh local pass
-        self.cursors = [int(c) for c in cursors] if (same_world and cursors) else None
+        w.cursors = [int(c) for c in cursors] if (same_world and cursors) else None
         if meta.get("name") != self.name:
             return      # the other windowed policy: same position, this policy's own state
         self.controller.load_state_dict(meta["controller"])
-        self._cost.values = [float(v) for v in meta.get("recent_costs", [])][-self._cost.n:]
+        w.costs.values = [float(v) for v in meta.get("recent_costs", [])][-w.costs.n:]
         log = meta.get("epoch_log")
-        self._log = EpochLog.from_state(log, self.world) if log and self.epoch_consumed else None
+        w.log = EpochLog.from_state(log, self.world) if log and w.epoch_consumed else None
         self._pending = state
 
     def _resume_streams(self, loop: Loop, arrays: dict, streaming: dict | None) -> None:
@@ -129,8 +130,8 @@ class WindowedState:
         """What the survivors continue from (`state_dict`), and the record of an epoch whose
         windows are done but whose validation is not (the failure hit it)."""
         state = self.state_dict()
-        if self._ready and self._log is None and self._epoch_log is not None:
-            state["meta"]["finished_epoch"] = self._epoch_log.state_dict()
+        if self._ready and self.window.log is None and self.window.epoch_log is not None:
+            state["meta"]["finished_epoch"] = self.window.epoch_log.state_dict()
         return state
 
     def rejoin(self, loop: Loop, state: dict | None) -> None:
@@ -139,15 +140,15 @@ class WindowedState:
         local pass over its new shard from the epoch's start, the coded wire's residuals
         dropped, the bucket's slots read for the new world size. The recovery has already
         given every survivor the same parameters and rank 0's inner optimizer state."""
-        worker, meta = loop.worker, state["meta"]
+        worker, meta, w = loop.worker, state["meta"], self.window
         self._start_fresh(worker.world)
         self.load_state_dict(state)
         self._setup(loop)
         finished = meta.get("finished_epoch")
-        self._epoch_over = finished is not None     # its validation is redone, then the next epoch
-        if self._epoch_over:
-            self._epoch_log = EpochLog.from_state(finished, int(meta["world_size"]))
-            self.cursors = [(worker.epoch + 1) * worker.steps_per_epoch] * self.world
+        w.epoch_over = finished is not None     # its validation is redone, then the next epoch
+        if w.epoch_over:
+            w.epoch_log = EpochLog.from_state(finished, int(meta["world_size"]))
+            w.cursors = [(worker.epoch + 1) * worker.steps_per_epoch] * self.world
         else:
-            self._log = self._log or EpochLog(self.world)
-            self._epoch_log = self._log
+            w.log = w.log or EpochLog(self.world)
+            w.epoch_log = w.log
