@@ -1,7 +1,8 @@
 """Everything MPI: collective error agreement, spec/array broadcast, the fused bucket and abort.
 
-The bucket's reduction paths (host, ordered, 16-bit wire, staged, CUDA-aware) are in `reduce`,
-by name in `registry` (``comm.reduction``).
+The bucket's memory (layout, host arrays, device twin, transfers) is `bucket_memory`'s; its
+reduction paths (host, ordered, 16-bit wire, staged, CUDA-aware) are in `reduce`, by name in
+`registry` (``comm.reduction``), and which one sums it is `path_choice`'s decision.
 
 Idioms: lowercase `bcast`/`allgather` only for small Python objects (the spec, status
 strings); uppercase buffer collectives for arrays, so arrays are never pickled.
@@ -20,18 +21,20 @@ import numpy as np
 from hpc_rlx.comm import idle_wait
 from hpc_rlx.comm import watchdog as _watchdog
 from hpc_rlx.comm.bucket_layout import BucketLayout
-from hpc_rlx.comm.codec import codec_for, normalize_wire
+from hpc_rlx.comm.bucket_memory import BucketMemory
 from hpc_rlx.comm.finite import all_finite
 from hpc_rlx.comm.job_abort import abort_job
 from hpc_rlx.comm.node_memory import NodeSharedSum
 from hpc_rlx.comm.node_scatter import NodeScatteredSum
 from hpc_rlx.comm.overlap import OverlapPlan, OverlapStep
-from hpc_rlx.comm.reduce import StagedSum, ring_bytes
-from hpc_rlx.comm.registry import AUTO, exact_name, make_reduction, placement
-from hpc_rlx.comm.shard import ParamShard, ScatteredSum
+from hpc_rlx.comm.path_choice import (ReductionSettings, choose_reduction, exact_path, placement_for,
+                                      shared_memory_refusal)
+from hpc_rlx.comm.reduce import ring_bytes
+from hpc_rlx.comm.registry import AUTO
+from hpc_rlx.comm.shard import ParamShard
 from hpc_rlx.comm.topology import hostname, rank_span
 from hpc_rlx.comm.wire_volume import WireCount
-from hpc_rlx.device import backend, cuda_mpi
+from hpc_rlx.device import cuda_mpi
 from hpc_rlx.errors import HpcRlxError
 from hpc_rlx.observe import trace
 
@@ -138,172 +141,139 @@ class FusedBucket:
     and flags into the tail, and one in-place SUM Allreduce (chunked under the size cap)
     gives every rank the global sums of all of it at once.
 
-    `buffer`, `payload` and `tail` are plain host arrays. On a rank whose lanes are all GPUs
-    the bucket also has a twin on the lead GPU (`attach_device`): the lanes sum their
-    gradients there (`mark_device_fresh`), and the payload comes to the page-locked host array
-    only through an explicit `payload_to_host()` (a no-op when the host is newest), which
-    whoever reads or writes `payload` after the lanes or the Allreduce calls first. The tail
-    always lives on the host and is never compressed.
+    The bucket's memory is one `bucket_memory.BucketMemory` (`memory`): the layout, the host
+    arrays (`buffer`, `payload`, `tail`), the device twin on the lead GPU (`attach_device`) and
+    the explicit transfers between the two (`payload_to_host`, ...); the bucket's users read
+    them under those names here (`MEMORY_NAMES`). The bucket itself holds how it is summed.
 
-    How the Allreduce runs is one `hpc_rlx.comm.reduce` path, chosen when the lanes place the
-    bucket (`attach_device` / `set_choice`) and kept for the run: the one ``reduction`` names
-    (``comm.reduction``, `hpc_rlx.comm.registry`), or by default host, ordered
-    (``comm.deterministic``) or 16-bit wire (``comm.wire_dtype``: bfloat16 | float16, half the
-    bytes, float32 sums); staged through the host, or CUDA-aware directly on the device.
+    How the Allreduce runs is one `hpc_rlx.comm.reduce` path (`reduction`), which
+    `path_choice.choose_reduction` picks again whenever the memory or the world changes
+    (`_choose`): the one ``reduction`` names (``comm.reduction``, `hpc_rlx.comm.registry`), or
+    by default host, ordered (``comm.deterministic``) or 16-bit wire (``comm.wire_dtype``:
+    bfloat16 | float16, half the bytes, float32 sums); staged through the host, or CUDA-aware
+    directly on the device; the node's shared window (`share_node_memory`); reduce-scattered
+    under ``comm.shard=optimizer``, where the path also gathers the parameters back
+    (`gather_params`).
     """
 
     overlap_progress = True     # comm.overlap: MPI Test calls from the executor's callback
                                 # (measured by bench/bench_overlap.py, which turns it off)
 
+    # what the bucket's users read of its memory and of its settings, by these names
+    MEMORY_NAMES = frozenset({"layout", "buffer", "payload", "tail", "payload_size", "device", "device_buffer",
+                              "device_payload", "device_tail", "device_is_newest", "put", "flags",
+                              "zero_tail", "mark_device_fresh", "payload_to_host", "tail_to_device",
+                              "tail_to_host"})
+    SETTING_NAMES = frozenset({"chunk_elems", "deterministic", "wire", "reduction_name", "shard"})
+
     def __init__(self, payload_size: int, tail_fields: Sequence[str], dtype, xp=np,
                  cap_mb: float = 16.0, deterministic: bool = False, wire_dtype: str | None = None,
                  rank_fields: Sequence[str] = (), world_size: int = 1,
                  overlap: bool = False, overlap_chunk_mb: float = 1.0, reduction: str = AUTO,
-                 shard: ParamShard | None = None):
+                 shard: ParamShard | None = None, shared_params=None):
         # comm.overlap: tail first, so the chunk started last (backward ends at the payload's
         # start) carries the tail (`comm.overlap`)
-        self.layout = BucketLayout(payload_size, tail_fields, rank_fields, world_size, tail_first=overlap)
-        self.payload_size = self.layout.payload_size
-        self._set_host(xp.zeros(self.layout.size, dtype=dtype))
+        layout = BucketLayout(payload_size, tail_fields, rank_fields, world_size, tail_first=overlap)
+        self.memory = BucketMemory(layout, dtype, xp)
         itemsize = np.dtype(dtype).itemsize
-        self.chunk_elems = max(1, int(cap_mb * 1024 * 1024) // itemsize)
-        self.deterministic = deterministic
-        self.wire = normalize_wire(wire_dtype)
+        self.settings = ReductionSettings.of(max(1, int(cap_mb * 1024 * 1024) // itemsize), deterministic,
+                                             wire_dtype, reduction, shard, shared_params)
         self.last_chunks = 0
         self.last_wire_bytes = 0        # bytes this rank sent in the last allreduce
-        self.sent = WireCount()         # ... in every allreduce, and the sharded allgather (Worker)
+        self.sent = WireCount()         # ... in every allreduce, and the sharded allgather
         self.last_path = cuda_mpi.HOST
-        self.device = None              # lead GPU of the device twin, if any
-        self.device_buffer = None
-        self.device_payload = None
-        self.device_tail = None
-        self.device_is_newest = False   # the lanes or the Allreduce left the newest payload there
         self.choice = None              # cuda_mpi.PathChoice once lanes placed the bucket
-        self.reduction_name = AUTO if reduction is None else reduction     # comm.reduction
-        self.shard = shard          # comm.shard=optimizer: the payload is reduce-scattered
-        self.reduction = (ScatteredSum(shard, self.chunk_elems, codec_for(self.wire)) if shard is not None else
-                          make_reduction(self.chunk_elems, deterministic, self.wire, name=self.reduction_name))
         self.overlap = bool(overlap)
         self.shared_memory_off: str | None = None   # why comm.shared_memory could not be used
         self.overlap_chunk_elems = max(1, int(overlap_chunk_mb * 1024 * 1024) // itemsize)
         self._overlap_plan = None
         self._overlap_spans: dict = {}
         self._overlap_step = None
+        self._choose()
 
-    def _set_host(self, buf) -> None:
-        self.buffer = buf
-        self.payload = self.layout.payload_of(buf)
-        self.tail = self.layout.tail_of(buf)
+    def __getattr__(self, name: str):
+        if name in FusedBucket.MEMORY_NAMES:
+            return getattr(self.memory, name)
+        if name in FusedBucket.SETTING_NAMES:
+            return getattr(self.settings, name)
+        raise AttributeError(f"'FusedBucket' object has no attribute '{name}'")
 
     def __getitem__(self, field: str):
         """A summed field as a float; a per-rank field as its slots (a view of the tail)."""
-        return self.layout.read(self.tail, field)
+        return self.memory[field]
 
     def __setitem__(self, field: str, value: float) -> None:
-        self.layout.write(self.tail, field, value)
+        self.memory[field] = value
 
-    def put(self, field: str, value: float, rank: int) -> None:
-        """This rank's slot of a per-rank field (or a summed field: `rank` is ignored)."""
-        self.layout.write(self.tail, field, value, rank)
-
-    def flags(self) -> dict[str, bool]:
-        """The reduced control flags (`bucket_layout.CONTROL_FLAGS`) after the Allreduce."""
-        return self.layout.flags(self.tail)
-
-    def zero_tail(self) -> None:
-        self.tail[...] = 0
+    def _choose(self) -> None:
+        """The memory or the world changed: the reduction path again (the only place it is set)."""
+        self.reduction = choose_reduction(self.settings, self.choice, self.memory.window)
 
     # ---- placement: chosen once, when the lanes are built -----------------------------------
     def attach_device(self, device: int, choice) -> None:
         """Give the bucket a twin on GPU `device`, move the host side to page-locked memory,
         and reduce by `choice` (staged or CUDA-aware). Call before anyone keeps a view of
         `payload` or `buffer`."""
-        host = backend.pinned_empty(self.buffer.shape[0], self.buffer.dtype)
-        host[...] = self.buffer
-        self._set_host(host)
-        self.device = int(device)
-        self.device_buffer = backend.device_zeros(host.shape[0], host.dtype, self.device)
-        self.device_payload = self.layout.payload_of(self.device_buffer)
-        self.device_tail = self.layout.tail_of(self.device_buffer)
-        self.device_is_newest = False
+        self.memory.attach_device(device)
         self.set_choice(choice)
 
     def set_choice(self, choice) -> None:
-        if self.shard is not None:      # the reduce-scatter sums host memory: a device bucket is staged
-            self.choice = choice if choice.path == cuda_mpi.HOST else cuda_mpi.PathChoice(
-                cuda_mpi.STAGED, "comm.shard=optimizer sums in host memory")
-            if self.reduction.in_node_memory and choice.path == cuda_mpi.HOST:
-                return      # reduce-scattered in the node's shared memory (`node_scatter`)
-            inner = ScatteredSum(self.shard, self.chunk_elems, codec_for(self.wire))
-            self.reduction = inner if choice.path == cuda_mpi.HOST else StagedSum(inner)
-            return
-        # a device bucket whose path sums host memory is staged
-        self.choice = choice = placement(self.reduction_name, self.deterministic,
-                                         codec_for(self.wire), choice)
-        if self.reduction.in_node_memory and choice.path == cuda_mpi.HOST:
-            return          # already in the node's shared memory: the host path, summed there
-        self.reduction = make_reduction(self.chunk_elems, self.deterministic, self.wire, choice,
-                                        name=self.reduction_name)
+        """Reduce where the lanes placed the bucket (`cuda_mpi.PathChoice`); a device bucket
+        whose path sums host memory is staged."""
+        self.choice = placement_for(self.settings, choice)
+        self._choose()
 
     def exact_reduction(self):
         """The path of a use that must sum the host array as it is, whatever the step's path
-        (16-bit wire, device twin): MPI's SUM, or the ordered sum under ``comm.deterministic``,
-        chunked as the bucket is, or the node's shared memory when the bucket lives there, or
-        the path ``comm.reduction`` names when it is exact. The windowed policies' sync picks it
-        once, at its setup, and hands it to every `allreduce`."""
-        if self.reduction.in_node_memory:
-            return self.reduction
-        return make_reduction(self.chunk_elems, self.deterministic, None,
-                              name=exact_name(self.reduction_name))
+        (`path_choice.exact_path`). The windowed policies' sync picks it once, at its setup,
+        and hands it to every `allreduce`."""
+        return exact_path(self.settings, self.reduction)
 
+    # ---- the node's shared memory (comm.shared_memory) ---------------------------------------
     def share_node_memory(self, comm, cpu_only: bool) -> bool:
         """Collective: move the bucket into the node's shared window and sum it there
         (`hpc_rlx.comm.node_memory`) when every rank can; True where it did (on every rank).
-        Only for a host bucket summed by MPI's SUM (not ordered, not the 16-bit wire, not
-        overlapped, not a path ``comm.reduction`` names), and before anyone keeps a view of
-        `buffer` or `payload`."""
+        Only where `path_choice.shared_memory_refusal` has no reason, and before anyone keeps
+        a view of `buffer` or `payload`."""
         if comm.size == 1:
             return False                 # nothing to share, nothing to report
-        sharded = self.shard is not None    # its reduce-scatter in the window (one node only)
-        why_not = ("a GPU lane" if not cpu_only or self.device is not None else
-                   "comm.deterministic=true" if self.deterministic and not sharded else
-                   f"comm.wire_dtype={self.wire}" if self.wire else
-                   "comm.overlap=true" if self.overlap else
-                   f"comm.reduction={self.reduction_name}" if self.reduction_name != AUTO else
-                   None if sharded or self.reduction.overlappable else "a reduction other than MPI's SUM")
+        sharded = self.settings.shard is not None    # its reduce-scatter in the window (one node only)
+        memory = self.memory
+        why_not = shared_memory_refusal(self.settings, self.reduction, cpu_only=cpu_only,
+                                        on_device=memory.device is not None, overlap=self.overlap)
         shared, self.shared_memory_off = (NodeScatteredSum if sharded else NodeSharedSum).create(
-            comm, self.buffer.shape[0], self.buffer.dtype, self.chunk_elems, why_not)
+            comm, memory.buffer.shape[0], memory.buffer.dtype, self.settings.chunk_elems, why_not)
         if shared is None:
             return False
         if sharded:
-            if shared.cross.size > 1 and self.deterministic:    # the same on every rank
+            if shared.cross.size > 1 and self.settings.deterministic:    # the same on every rank
                 self.shared_memory_off = (f"comm.deterministic=true across {shared.cross.size} nodes (the "
                                           f"sharded sum adds in rank order: MPI's reduce-scatter)")
                 shared.free()
                 return False
-            shared.attach(comm, self.shard, self.layout)
-        shared.segment[...] = self.buffer
-        self._set_host(shared.segment)
-        self.reduction = shared
+            shared.attach(comm, self.settings.shard, memory.layout, self.settings.shared_params)
+        memory.share(shared)
         shared.before_free = weakref.WeakMethod(self._leave_node_memory)
+        self._choose()
         return True
 
     def _leave_node_memory(self) -> None:
         """Back to a private buffer with the last values and MPI's Allreduce (the window is
         about to be freed)."""
-        if self.reduction.in_node_memory:
-            self.reduction = (ScatteredSum(self.shard, self.chunk_elems, None) if self.shard is not None
-                              else make_reduction(self.chunk_elems, self.deterministic, None))
-            self._set_host(self.buffer.copy())
+        if self.memory.window is not None:
+            self.memory.leave_window(copy=True)
+            self._choose()
 
     def abandon_node_memory(self) -> bool:
         """After a rank of the job died: leave the node's shared window without freeing it
         (`NodeSharedSum.abandon`); its segment stays this rank's buffer, so every view of the
         bucket stays valid, and MPI's Allreduce sums it from now on. True where it was shared."""
-        if not self.reduction.in_node_memory:
+        window = self.memory.window
+        if window is None:
             return False
-        self.reduction.abandon()
-        self.reduction = make_reduction(self.chunk_elems, self.deterministic, None)
+        window.abandon()
+        self.memory.leave_window(copy=False)
+        self._choose()
         self.shared_memory_off = "abandoned after a failure"
         return True
 
@@ -312,70 +282,49 @@ class FusedBucket:
         copy of its last values. A run leaves its window to the next window's setup (one per
         process at a time: sharing another bucket releases this one) or to MPI_Finalize, so
         views of the bucket taken during the run stay valid; see `node_memory`."""
-        if self.reduction.in_node_memory:
-            self.reduction.free()
+        if self.memory.window is not None:
+            self.memory.window.free()
+
+    # ---- the world changed (a failure shrank the job) ----------------------------------------
+    def world_changed(self, world_size: int) -> bool:
+        """The ranks changed: `world_size` now train. The node's shared window is left (without
+        freeing: `abandon_node_memory`), the per-rank slots are laid out for `world_size` ranks
+        in the same memory (every view of the payload stays valid), and the path is chosen
+        again. True where the shared window was left here."""
+        left = self.abandon_node_memory()
+        if self.memory.relayout(world_size):
+            self.set_overlap_spans(self._overlap_spans)
+        self._choose()
+        return left
 
     def describe(self) -> str:
         """Where the bucket lives and how it is reduced, in one line (logged at start-up)."""
-        where = "host" if self.device is None else f"GPU {self.device}"
+        settings, device = self.settings, self.memory.device
+        where = "host" if device is None else f"GPU {device}"
         path = self.choice.describe() if self.choice is not None else "host"
         if self.reduction.in_node_memory:
             path = self.reduction.path
-        wire = f", wire {self.wire} (float32 sums; tail uncompressed)" if self.wire else ""
-        named = f", reduction {self.reduction_name}" if self.reduction_name != AUTO else ""
-        named += ", reduce-scatter (comm.shard=optimizer)" if self.shard is not None else ""
+        wire = f", wire {settings.wire} (float32 sums; tail uncompressed)" if settings.wire else ""
+        named = f", reduction {settings.reduction_name}" if settings.reduction_name != AUTO else ""
+        named += ", reduce-scatter (comm.shard=optimizer)" if settings.shard is not None else ""
         off = f"; shared-memory sum off: {self.shared_memory_off}" if self.shared_memory_off else ""
         return f"bucket on {where}, path {path}{wire}{named}{off}"
-
-    # ---- explicit transfers between the host arrays and the device twin ----------------------
-    def mark_device_fresh(self) -> None:
-        """The lanes (or a CUDA-aware Allreduce) left the newest payload in `device_payload`."""
-        if self.device_buffer is None:
-            raise HpcRlxError("mark_device_fresh on a bucket without a device twin")
-        self.device_is_newest = True
-
-    def payload_to_host(self) -> None:
-        """Bring a device-side payload down to `payload` (a no-op when the host is newest)."""
-        if self.device_is_newest:
-            backend.copy_to_host(self.payload, self.device_payload)
-            self.device_is_newest = False
-
-    def tail_to_device(self) -> None:
-        backend.copy_to_device(self.device_tail, self.tail)
-
-    def tail_to_host(self) -> None:
-        backend.copy_to_host(self.tail, self.device_tail)
 
     # ---- overlap with backward (`comm.overlap`, `hpc_rlx.comm.overlap`) ---------------------
     def set_overlap_spans(self, spans: dict) -> None:
         """{name: (lo, hi)}: where each parameter's (and buffer's) gradient sits in the payload."""
         self._overlap_spans = spans
         if self.overlap:
-            self._overlap_plan = OverlapPlan(self.layout, spans, self.overlap_chunk_elems)
-
-    def relayout(self, world_size: int) -> None:
-        """The per-rank slots laid out again for `world_size` ranks (fewer: a failure shrank the
-        job), in the same memory: every view of the payload stays valid."""
-        if world_size == self.layout.world_size or not self.layout.rank_fields:
-            return
-        if self.device is not None:
-            raise HpcRlxError("a bucket with a GPU twin is not laid out again after a failure")
-        old, self.layout = self.layout, self.layout.for_world(world_size)
-        self._set_host(self.layout.within(self.buffer, old))
-        self.set_overlap_spans(self._overlap_spans)
-
-    @property
-    def overlaps(self) -> bool:
-        """Overlap is on and possible: a host bucket summed by MPI's own SUM (not ordered, not
-        the 16-bit wire, no GPU twin)."""
-        return self._overlap_plan is not None and self.reduction.overlappable and self.device is None
+            self._overlap_plan = OverlapPlan(self.memory.layout, spans, self.overlap_chunk_elems)
 
     def begin_overlap(self, comm):
         """Start a step's overlap; returns the executor's ``on_grad_ready`` callback (None when
-        overlap is off). The next `allreduce` finishes what this started."""
-        if not self.overlaps:
+        overlap is off or not possible: only a host bucket summed by MPI's own SUM, not
+        ordered, not the 16-bit wire, no GPU twin). The next `allreduce` finishes what this
+        started."""
+        if self._overlap_plan is None or not self.reduction.overlappable or self.memory.device is not None:
             return None
-        self._overlap_step = OverlapStep(self._overlap_plan, self.buffer, comm, all_finite,
+        self._overlap_step = OverlapStep(self._overlap_plan, self.memory.buffer, comm, all_finite,
                                          self.overlap_progress)
         return self._overlap_step.ready
 
@@ -383,13 +332,9 @@ class FusedBucket:
         """Whether every payload value is finite, checked where the newest payload lives."""
         if self._overlap_step is not None:
             return self._overlap_step.payload_finite()
-        if self.device_is_newest:
-            xp = backend.array_module(self.device_payload)
-            with backend.use_device(self.device):
-                return bool(xp.isfinite(self.device_payload).all())
-        return all_finite(self.payload)
+        return self.memory.payload_finite()
 
-    # ---- the collective -------------------------------------------------------------------
+    # ---- the collectives ------------------------------------------------------------------
     @watched("fused-bucket Allreduce")
     def allreduce(self, comm, reduction=None) -> float:
         """Sum the whole bucket over all ranks in place, by this bucket's reduction path, or by
@@ -401,22 +346,32 @@ class FusedBucket:
         seq = tr.next_seq() if tr is not None else 0
         step, self._overlap_step = self._overlap_step, None
         span_t0 = t0
+        nbytes = int(self.memory.buffer.nbytes)
         if step is not None:
             self.last_chunks = step.finish(seq)
-            self.last_wire_bytes = ring_bytes(comm, self.buffer.nbytes)    # MPI's Allreduce: computed
+            self.last_wire_bytes = ring_bytes(comm, nbytes)    # MPI's Allreduce: computed
             self.last_path = "host, overlapped"
             span_t0 = min(t0, step.t_first or t0)   # the span starts with the first chunk, in backward
         else:
-            done = (self.reduction if reduction is None else reduction).run(self, comm, seq)
+            done = (self.reduction if reduction is None else reduction).run(self.memory, comm, seq)
             self.last_chunks = done.chunks
             self.last_wire_bytes = done.wire_bytes
             self.last_path = done.path
         self.sent.add(self.last_wire_bytes)
         t1 = time.perf_counter()
         if tr is not None:
-            tr.add("allreduce", "comm", trace.MAIN, span_t0, t1, {"seq": seq, "bytes": int(self.buffer.nbytes),
+            tr.add("allreduce", "comm", trace.MAIN, span_t0, t1, {"seq": seq, "bytes": nbytes,
                                                              "chunks": self.last_chunks, "path": self.last_path})
         return t1 - t0
+
+    def gather_params(self, comm, params) -> None:
+        """``comm.shard=optimizer``, after each rank stepped its slice: every slice of `params`
+        to every rank, in place, the way the reduction path gathers (its `gather_params`: MPI
+        rounds, the node's segments, or the node's one parameter array); its bytes count in
+        `sent`."""
+        if not self.reduction.gathers_params:
+            raise HpcRlxError(f"the bucket's path ({self.reduction.path}) does not gather parameters")
+        self.sent.add(self.reduction.gather_params(comm, params))
 
 
 def by_rank(comm, text: str) -> str | None:

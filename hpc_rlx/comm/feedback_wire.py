@@ -27,6 +27,7 @@ class FeedbackWireSum(WireSum):
     """`WireSum` whose two codings carry what they round away to the next sync."""
 
     name = ""            # not a ``comm.reduction`` choice: the windowed policies build it
+    keeps_state_by_index = True     # its residuals: a fragment's sum sets `offset`
     offset = 0           # where the summed array starts in the parameters (a fragment's start)
 
     def __init__(self, codec, chunk_elems: int, n_payload: int, dtype, deterministic: bool,

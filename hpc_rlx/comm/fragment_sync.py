@@ -96,7 +96,7 @@ class FragmentSync:
             done = Reduced(len(self._requests), ring_bytes(comm, staged.buffer.nbytes),
                            f"{self.path.path}, fragment")
         elif comm.size > 1:
-            if hasattr(self.path, "offset"):     # the coded wire keeps residuals by parameter index
+            if self.path.keeps_state_by_index:     # the coded wire keeps residuals by parameter index
                 self.path.offset = self.bounds[fragment][0]
             done = self.path.run(staged, comm, 0)
         else:

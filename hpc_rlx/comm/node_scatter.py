@@ -21,7 +21,7 @@ every blocking collective waits for a rank the scheduler has not run yet. Across
 1/L of the payload leaves a node's rank (L ranks per node), as in `node_memory`'s hierarchical
 sum, where `ScatteredSum` sends (N - 1)/N of it over the whole job.
 
-The parameters' allgather (`allgather_params`) runs the other way: the column's Allgather
+The parameters' allgather (`gather_params`) runs the other way: the column's Allgather
 across nodes, then each rank copies its column's slices into its own segment (the step's
 gradients are spent by then), a node barrier, each rank copies the other columns' slices out
 of their owners' segments, and a node barrier before the next step's backward overwrites them.
@@ -46,10 +46,12 @@ class NodeScatteredSum(NodeSharedSum):
 
     gathers_params = True
 
-    def attach(self, comm, shard, layout) -> None:
+    def attach(self, comm, shard, layout, shared_params=None) -> None:
         """Collective over ``comm``: the slices every rank owns (`ParamShard`) and where the
-        payload and the tail sit in a segment (`bucket_layout.BucketLayout`)."""
-        self.shard, self.layout = shard, layout
+        payload and the tail sit in a segment (`bucket_layout.BucketLayout`); with
+        ``comm.node_shared_params``, the node's parameter array (`node_params.NodeSharedParams`),
+        which then gathers the parameters instead of the segments."""
+        self.shard, self.layout, self.shared_params = shard, layout, shared_params
         nodes = self.cross.size
         self.path = (f"node shared memory ({self.node.size} ranks)" if nodes == 1 else
                      f"node shared memory ({self.node.size} ranks per node), reduce-scatter across {nodes} nodes")
@@ -115,9 +117,12 @@ class NodeScatteredSum(NodeSharedSum):
             self.segment[start + lo: start + hi] = total[head:]
         return Reduced(len(self._rounds), sent, self.path)
 
-    def allgather_params(self, params: np.ndarray) -> int:
+    def gather_params(self, comm, params: np.ndarray) -> int:
         """Every rank's updated slice of `params` to every rank, in place: across nodes within
-        the column (MPI), then within the node through the segments. Returns the bytes sent."""
+        the column (MPI), then within the node through the segments (or the node's parameter
+        array's own allgather). Returns the bytes sent."""
+        if self.shared_params is not None:
+            return self.shared_params.allgather(self.shard, self.chunk_elems)
         sent = allgather_pieces(self.cross, params, self._rounds) if self.cross.size > 1 else 0
         node, start = self.node, self._start
         for pieces in self._rounds:

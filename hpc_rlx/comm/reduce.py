@@ -10,17 +10,18 @@
 | `NodeSharedSum` | (``comm.shared_memory``: CPU lanes, > 1 rank per node) | each rank sums its part of the node's shared window, MPI across nodes (`hpc_rlx.comm.node_memory`) |
 
 `registry.make_reduction` builds one from the settings (`comm.reduction`, `comm.deterministic`,
-`comm.wire_dtype`) and the lanes' `cuda_mpi.PathChoice`; the bucket keeps it for the whole run
-(`FusedBucket.share_node_memory` swaps in `NodeSharedSum` before the lanes are built). Every
-path cuts the bucket into chunks of at most ``comm.bucket_cap_mb``: MPICH slows down sharply on
+`comm.wire_dtype`) and the lanes' `cuda_mpi.PathChoice`; `path_choice.choose_reduction` picks
+the bucket's path again whenever its memory or the world changes (`NodeSharedSum` once
+`FusedBucket.share_node_memory` put the bucket in the node's window). Every path cuts the bucket into chunks of at most ``comm.bucket_cap_mb``: MPICH slows down sharply on
 single messages above 32 MiB.
 
 A path's ``run(bucket, comm, seq)`` returns a `Reduced`: chunks, bytes this rank sent, and the
 path's name as logged and traced. What a path can do it declares (`ReductionPath`: its registry
 name, overlappable, in the node's memory, exact, ordered, on the device, with a codec); the
 bucket and the registry read those, never the path's class. A path is built from a `Request`
-(`ReductionPath.build`). Paths touch the bucket only through its arrays and its explicit
-transfer methods (`payload_to_host`, `tail_to_device`, `tail_to_host`).
+(`ReductionPath.build`). A path's ``bucket`` is the bucket's memory (`bucket_memory.BucketMemory`,
+or a fragment's staging, `fragment_sync.StagedFragment`): paths touch only its arrays and its
+explicit transfer methods (`payload_to_host`, `tail_to_device`, `tail_to_host`).
 """
 
 from __future__ import annotations
@@ -99,7 +100,11 @@ class ReductionPath:
     - ``takes_codec``: it can carry the payload in a 16-bit codec (``comm.wire_dtype``);
       ``needs_codec``: only with one;
     - ``gathers_params``: it also gathers the sharded parameters (``comm.shard=optimizer``)
-      after the step, by its method ``allgather_params(params)``, which returns the bytes sent.
+      after the step, its own way, by its method ``gather_params(comm, params)``, which returns
+      the bytes sent;
+    - ``keeps_state_by_index``: it keeps state per payload index (the outer wire's error
+      feedback), so a sum of a slice of the payload (a fragment) first sets ``offset``, where
+      the slice starts.
     """
 
     name = ""
@@ -112,6 +117,7 @@ class ReductionPath:
     takes_codec = False
     needs_codec = False
     gathers_params = False
+    keeps_state_by_index = False
     path = cuda_mpi.HOST
 
     @classmethod
@@ -121,6 +127,11 @@ class ReductionPath:
 
     def run(self, bucket, comm, seq: int) -> Reduced:
         raise NotImplementedError
+
+    def gather_params(self, comm, params) -> int:
+        """Every rank's updated slice of `params` to every rank, in place; the bytes sent
+        (only a path that ``gathers_params``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not gather parameters")
 
 
 # ---- sums on whole arrays, in chunks ----------------------------------------------------------
@@ -303,10 +314,14 @@ class StagedSum(ReductionPath):
         self.inner = inner
         self.path = inner.path
         self.name, self.exact, self.ordered = inner.name, inner.exact, inner.ordered
+        self.gathers_params = inner.gathers_params      # the parameters stay on the host
 
     def run(self, bucket, comm, seq: int) -> Reduced:
         bucket.payload_to_host()
         return self.inner.run(bucket, comm, seq)
+
+    def gather_params(self, comm, params) -> int:
+        return self.inner.gather_params(comm, params)
 
 
 class CudaDirectSum(ReductionPath):

@@ -152,18 +152,27 @@ def allgather_pieces(comm, params, rounds: list[list[tuple[int, int]]]) -> int:
 class ScatteredSum(ReductionPath):
     """The fused bucket reduce-scattered (`comm.shard=optimizer`): the tail summed on every
     rank, the payload summed only in this rank's slice (`ParamShard`), by one Alltoallv per
-    round and additions in rank order."""
+    round and additions in rank order. It gathers the parameters back (`gather_params`): MPI's
+    rounds (`ParamShard.allgather`), or, with ``comm.node_shared_params``, the node's one array
+    (`node_params.NodeSharedParams`: only other nodes' slices travel)."""
 
     exact = True
     ordered = True
+    gathers_params = True
 
-    def __init__(self, shard: ParamShard, chunk_elems: int, codec: Codec | None = None):
+    def __init__(self, shard: ParamShard, chunk_elems: int, codec: Codec | None = None, shared_params=None):
         self.shard = shard
         self.codec = codec                  # comm.wire_dtype: the payload travels coded
         self.exact = codec is None
         self.chunk_elems = int(chunk_elems)
+        self.shared_params = shared_params  # comm.node_shared_params: the node's parameter array
         self._rounds = None
         self._scratch = None
+
+    def gather_params(self, comm, params) -> int:
+        if self.shared_params is not None:
+            return self.shared_params.allgather(self.shard, self.chunk_elems)
+        return self.shard.allgather(comm, params, self.chunk_elems)
 
     def _sum_tail(self, comm, tail) -> int:
         """The tail summed on every rank (MPI's Allgather: its bytes computed, not counted)."""

@@ -87,7 +87,7 @@ class Worker:
             cap_mb=float(spec.comm["bucket_cap_mb"]), deterministic=bool(spec.comm["deterministic"]),
             wire_dtype=spec.comm["wire_dtype"], overlap=bool(spec.comm["overlap"]),
             overlap_chunk_mb=float(spec.comm["overlap_chunk_mb"]), reduction=spec.comm["reduction"],
-            shard=self.shard))
+            shard=self.shard, shared_params=self.node_params))
         # comm.overlap: where each gradient sits, so a chunk can start once backward finished it
         self.bucket.set_overlap_spans({name: (off, off + int(np.prod(self.layout.shapes[name], dtype=np.int64)))
                                        for name, off in self.layout.offsets.items()})
@@ -207,7 +207,7 @@ class Worker:
                                f"{self.plan.steps_per_epoch} steps instead of {self.steps_per_epoch}")
         self.base_lr = scaled_lr(float(opt["lr"]), self.world, float(opt["lr_scale_ratio"] or 0.0))
         self.schedule = make_schedule(opt["schedule"], self.base_lr, self.schedule_steps, **schedule_kwargs(opt))
-        self.bucket.relayout(self.world)        # a windowed policy's per-rank report slots
+        self.bucket.world_changed(self.world)   # a windowed policy's per-rank report slots
         self.feed.close(collective_ok=False)
         loaded = self.data_s
         self.load_data()
@@ -286,14 +286,8 @@ class Worker:
             buffers = self.params[own]
             buffers += rates * (grad[own] * grad_scale - buffers)
         t0 = time.perf_counter()
-        with trace.span("allgather", "comm"):
-            if self.node_params is not None:    # the node's array: only other nodes' slices travel
-                sent = self.node_params.allgather(shard, self.bucket.chunk_elems)
-            elif self.bucket.reduction.gathers_params:      # through the node's shared memory
-                sent = self.bucket.reduction.allgather_params(self.params)
-            else:
-                sent = shard.allgather(self.comm, self.params, self.bucket.chunk_elems)
-        self.bucket.sent.add(sent)              # bytes on the wire (summary.json's wire_bytes)
+        with trace.span("allgather", "comm"):   # the bucket's path gathers its own way; bytes in `sent`
+            self.bucket.gather_params(self.comm, self.params)
         return time.perf_counter() - t0
 
     def set_params(self, values) -> None:

@@ -459,6 +459,33 @@ def test_no_code_tells_reduction_paths_apart_by_class():
     assert not offenders, offenders
 
 
+def test_no_code_finds_what_a_path_can_do_with_hasattr():
+    """A path's capabilities are declared (`ReductionPath.keeps_state_by_index`, ...); a
+    `hasattr` on a path would miss a new path that declares it."""
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "hasattr" and node.args:
+                subject = ast.unparse(node.args[0])
+                if "path" in subject or "reduction" in subject:
+                    offenders.append(f"{path.relative_to(PKG)}:{node.lineno} hasattr({subject}, ...)")
+    assert not offenders, offenders
+
+
+def test_only_the_bucket_reads_its_reduction_path():
+    """The bucket's users call the bucket (`FusedBucket.gather_params`, `exact_reduction`,
+    `allreduce`), which asks its path; none reaches into `bucket.reduction` to pick a route."""
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        if path.relative_to(PKG).parts[0] == "comm":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "reduction" \
+                    and ast.unparse(node.value).split(".")[-1].endswith("bucket"):
+                offenders.append(f"{path.relative_to(PKG)}:{node.lineno} {ast.unparse(node)}")
+    assert not offenders, offenders
+
+
 # ---------------------------------------------------------------------------------------------
 # A run directory's file names have one home
 # ---------------------------------------------------------------------------------------------
