@@ -192,6 +192,7 @@ class FusedBucket:
         self._choose()
 
     def __getattr__(self, name: str):
+        # only names not set on the bucket itself arrive here: the memory's and the settings'
         if name in FusedBucket.MEMORY_NAMES:
             return getattr(self.memory, name)
         if name in FusedBucket.SETTING_NAMES:
