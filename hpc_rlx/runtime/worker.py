@@ -207,7 +207,7 @@ class Worker:
                                f"{self.plan.steps_per_epoch} steps instead of {self.steps_per_epoch}")
         self.base_lr = scaled_lr(float(opt["lr"]), self.world, float(opt["lr_scale_ratio"] or 0.0))
         self.schedule = make_schedule(opt["schedule"], self.base_lr, self.schedule_steps, **schedule_kwargs(opt))
-        self.bucket.world_changed(self.world)   # a windowed policy's per-rank report slots
+        self.bucket.world_changed(self.world)   # its per-rank slots laid out again, its path re-chosen
         self.feed.close(collective_ok=False)
         loaded = self.data_s
         self.load_data()
