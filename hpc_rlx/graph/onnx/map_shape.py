@@ -315,7 +315,15 @@ def tile(em, ins, at, n):
 
 
 def _sym(counts) -> str:
-    return str([a if a == b else "batch" if (a, b) == TRACE_BATCHES else f"{a} (varies)" for a, b in zip(*counts)])
+    """Tile's counts, those that vary with the batch size written as multiples of it."""
+    b1, b2 = TRACE_BATCHES
+
+    def one(a, b):
+        if a == b:
+            return a
+        k = a // b1
+        return ("batch" if k == 1 else f"{k}*batch") if a == k * b1 and b == k * b2 else "varies"
+    return str([one(a, b) for a, b in zip(*counts)])
 
 
 def reduce(op: str, square: bool = False, root: bool = False):
