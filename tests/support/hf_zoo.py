@@ -103,6 +103,14 @@ def llama_cls():
         intermediate_size=64, num_labels=10, pad_token_id=PAD, attention_dropout=0.0))
 
 
+def mistral_cls():
+    """The same head on Mistral (grouped-query attention: dynamo only)."""
+    import transformers as t
+    return t.MistralForSequenceClassification(t.MistralConfig(
+        **SMALL, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, num_labels=10, pad_token_id=PAD, attention_dropout=0.0))
+
+
 def deberta():
     """DeBERTa-v2: log-bucketed relative positions (Sign) and their keys and queries repeated per
     sample (Tile by the batch size), gathered per score (GatherElements)."""
@@ -116,7 +124,7 @@ def deberta():
 # The padding token of the decoder-only classifiers; their sample rows end in it, row r in r of
 # them (row 0 in none), so that each row pools at a position of its own.
 PAD = 0
-PADDED = ("qwen2_cls", "llama_cls")
+PADDED = ("qwen2_cls", "llama_cls", "mistral_cls")
 
 # The end-of-sequence token of the models that pool at it: every row must hold it equally often
 # (the models raise otherwise), as a tokenizer writes it, once and last.
@@ -145,4 +153,4 @@ def end_sequences(name: str, tokens):
 HF_ZOO = {name: (lambda build=build: Logits(build()), (SEQ,), VOCAB)
           for name, build in (("bert", bert), ("distilbert", distilbert), ("gpt2", gpt2), ("llama", llama),
                               ("roberta", roberta), ("bart", bart), ("t5", t5), ("qwen2_cls", qwen2_cls),
-                              ("llama_cls", llama_cls), ("deberta", deberta))}
+                              ("llama_cls", llama_cls), ("mistral_cls", mistral_cls), ("deberta", deberta))}
