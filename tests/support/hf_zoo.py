@@ -1,7 +1,8 @@
 """Models from Hugging Face transformers, built from their config classes with random weights
 (nothing is downloaded: HF_HUB_OFFLINE=1), small enough that an export and a gradient check take
-seconds. Each takes token ids (batch, 12) from a 1,000-token vocabulary and returns logits:
-sequence classifiers 10 classes, language models the vocabulary.
+seconds. Each takes token ids (batch, 12) from a 1,000-token vocabulary (the audio classifier:
+400 raw samples) and returns logits: sequence classifiers 10 classes, language models the
+vocabulary.
 
 Dropout is 0 in every config: the gradient checks compare against PyTorch's autograd, whose
 masks are its own (the import's dropout is tested on the project's own zoo)."""
@@ -15,6 +16,7 @@ import torch.nn as nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VOCAB, SEQ = 1000, 12
+AUDIO = 400   # raw samples of the audio classifier
 SMALL = dict(vocab_size=VOCAB, max_position_embeddings=64)
 
 
@@ -27,6 +29,17 @@ class Logits(nn.Module):
 
     def forward(self, x):
         return self.model(input_ids=x).logits
+
+
+class AudioLogits(nn.Module):
+    """`model(input_values=x).logits` for an audio classifier fed raw samples."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(input_values=x).logits
 
 
 def bert():
@@ -121,6 +134,19 @@ def deberta():
         relative_attention=True, position_buckets=8, max_relative_positions=16, pos_att_type=["p2c", "c2p"]))
 
 
+def wav2vec2():
+    """An audio encoder: a convolutional feature extractor whose first layer has GroupNorm (one
+    group per channel: InstanceNormalization in both exporters), a weight-normed convolutional
+    position embedding, then a transformer; fed 400 raw samples."""
+    import transformers as t
+    return t.Wav2Vec2ForSequenceClassification(t.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), feat_extract_norm="group", num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, num_labels=10, classifier_proj_size=16, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0,
+        apply_spec_augment=False, mask_time_prob=0.0))   # no SpecAugment: no masked_spec_embed
+
+
 # The padding token of the decoder-only classifiers; their sample rows end in it, row r in r of
 # them (row 0 in none), so that each row pools at a position of its own.
 PAD = 0
@@ -154,3 +180,4 @@ HF_ZOO = {name: (lambda build=build: Logits(build()), (SEQ,), VOCAB)
           for name, build in (("bert", bert), ("distilbert", distilbert), ("gpt2", gpt2), ("llama", llama),
                               ("roberta", roberta), ("bart", bart), ("t5", t5), ("qwen2_cls", qwen2_cls),
                               ("llama_cls", llama_cls), ("mistral_cls", mistral_cls), ("deberta", deberta))}
+HF_ZOO["wav2vec2"] = (lambda: AudioLogits(wav2vec2()), (AUDIO,), None)
