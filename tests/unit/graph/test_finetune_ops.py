@@ -116,6 +116,27 @@ def test_argmax_on_data_matches_onnxruntime(x_type, attrs):
     np.testing.assert_array_equal(ours, ref)
 
 
+def test_argmax_and_sign_of_constants_are_folded():
+    """On constants the import evaluates them (ONNX's rules: keepdims by default, the last
+    largest with select_last_index) and gathers x at the result."""
+    table = np.array([[3, 1, 3], [0, -2, 2]], np.int64)
+    nodes = [helper.make_node("ArgMax", ["t"], ["first"], axis=1, keepdims=0),
+             helper.make_node("ArgMax", ["t"], ["last"], axis=1, select_last_index=1),
+             helper.make_node("Sign", ["t"], ["signs"]),
+             helper.make_node("ReduceSum", ["signs"], ["total"], keepdims=0),
+             helper.make_node("Reshape", ["last", "flat"], ["last1"]),
+             helper.make_node("Reshape", ["total", "flat"], ["total1"]),
+             helper.make_node("Concat", ["first", "last1", "total1"], ["at"], axis=0),
+             helper.make_node("Gather", ["x", "at"], ["out"], axis=1)]
+    model = _file(nodes, ["batch", 6], inits=[("t", table), ("flat", np.array([-1]))])
+    g = import_onnx(model).graph
+    assert not {"argmax", "sign"} & {node.op for node in g.nodes}
+    x = n(3, 6).astype(np.float32)
+    ours, ref = _ours_and_ort(model, x, loss="mse")
+    np.testing.assert_array_equal(ours, ref)
+    np.testing.assert_array_equal(ours, x[:, [0, 2, 2, 2, 3]])
+
+
 @pytest.mark.parametrize("x_type", [TensorProto.FLOAT, TensorProto.INT64])
 def test_sign_on_data_matches_onnxruntime(x_type):
     x = R.integers(-2, 3, (4, 6))
