@@ -289,17 +289,21 @@ def tile(em, ins, at, n):
     counts = [ints(reps.at(t)) for t in range(len(TRACE_BATCHES))]
     if len(counts[0]) != x.rank:
         raise em.fail(f"Tile's repeats {counts[0]} do not match its input's rank {x.rank}")
-    ones, fixed, groups = [], [], []
+    ones, fixed, groups = [], [], []    # the input's groups with the copies' dims: 1, constant, batch
+    by_batch = False
     for g, r1, r2 in zip(x.groups, *counts):
         if r1 == r2 == 1:
-            ones.append(g), fixed.append(g), groups.append(g)
+            copies = ()
         elif r1 == r2 and r1 > 1:
-            ones.append((1,) + g), fixed.append((r1,) + g), groups.append((r1,) + g)
-        elif (r1, r2) == TRACE_BATCHES and x.batch_axis is None and (None,) not in [h[:1] for h in groups]:
-            ones.append((1,) + g), fixed.append((1,) + g), groups.append((None,) + g)
+            copies = (r1,)
+        elif (r1, r2) == TRACE_BATCHES and x.batch_axis is None and not by_batch:
+            copies, by_batch = (None,), True
         else:
             raise em.fail(f"Tile by {_sym(counts)}: each count must be a constant of at least 1, or the "
                           f"batch size once on an input without the batch")
+        ones.append((1,) * len(copies) + g)
+        fixed.append(tuple(1 if c is None else c for c in copies) + g)
+        groups.append(copies + g)
     y = em.reshape(x, tuple(ones))
     if flat(fixed) != y.ir_shape:
         y = em.tensor("expand", [y], tuple(fixed), shape=list(flat(fixed)))
