@@ -132,8 +132,7 @@ ONNX_OPS = {
     "ReduceSumSquare": Rule(f.reducer(lambda x, **kw: np.sum(x * x, **kw)), s.reduce("sum", square=True)),
     "ReduceL2": Rule(f.reducer(lambda x, **kw: np.sqrt(np.sum(x * x, **kw))), s.reduce("sum", square=True, root=True)),
     # running sums and index ops, on float data (differentiated) or int data (at run time);
-    # NonZero only as pooling at one token per row (map_index); ArgMax's index picks one entry
-    # per row (map_rows)
+    # NonZero only as pooling at one token per row (map_index), ArgMax's index as a per-row pick (map_rows)
     "CumSum": Rule(f.cumsum, ix.cumsum),
     "ArgMax": Rule(ix.fold_argmax, ix.argmax),
     "GatherElements": Rule(f.gather_elements, ix.gather_elements),
