@@ -226,6 +226,59 @@ class UNet(nn.Module):
         return self.head(h.mean((2, 3)))
 
 
+class GroupNormNet(nn.Module):
+    """Group norm as audio encoders and U-Nets use it (both exporters write InstanceNormalization
+    between reshapes): 2 groups of 4 channels, one group per channel (wav2vec2's first layer),
+    and InstanceNorm2d with its own affine."""
+
+    def __init__(self, c=3, n=10):
+        super().__init__()
+        self.conv1, self.gn1 = nn.Conv2d(c, 8, 3, padding=1), nn.GroupNorm(2, 8)
+        self.conv2, self.gn2 = nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(8, 8)
+        self.inorm, self.fc = nn.InstanceNorm2d(8, affine=True), nn.Linear(8, n)
+
+    def forward(self, x):
+        h = F.gelu(self.gn1(self.conv1(x)))
+        h = F.silu(self.inorm(self.gn2(self.conv2(h)) + h))
+        return self.fc(h.mean((2, 3)))
+
+
+class LastToken(nn.Module):
+    """A decoder-only classifier's pooling, as transformers writes it: per-token logits, then
+    each row's entry at its last non-padding token (id 0 pads), found by an ArgMax over the
+    positions times the mask and picked by ``logits[arange(batch), index]``."""
+
+    def __init__(self, v=32, d=16, n=10):
+        super().__init__()
+        self.emb, self.fc, self.head = nn.Embedding(v, d), nn.Linear(d, d), nn.Linear(d, n)
+
+    def forward(self, idx):
+        logits = self.head(torch.tanh(self.fc(self.emb(idx))).cumsum(1))
+        last = (torch.arange(idx.shape[1]) * (idx != 0).int()).argmax(-1)
+        return logits[torch.arange(idx.shape[0]), last]
+
+
+class Relative(nn.Module):
+    """DeBERTa's ops on run-time data: the sign of the token ids' differences (int64) picks a
+    relative-position embedding, shared keys are repeated per sample (Tile by the batch size)
+    and gathered per score, and sign(h) scales h (no gradient through the sign)."""
+
+    def __init__(self, v=32, d=16, n=10, t=8):
+        super().__init__()
+        self.emb, self.rel = nn.Embedding(v, d), nn.Embedding(3, 1)
+        self.keys, self.head = nn.Parameter(torch.zeros(2, t, d)), nn.Linear(d, n)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        h = self.emb(idx)                                            # (b, t, d)
+        side = torch.sign(idx[:, :, None] - idx[:, None, :]) + 1      # (b, t, t) in 0..2
+        keys = self.keys.repeat(b, 1, 1).view(b, 2, t, -1)           # (2b, t, d) -> (b, 2, t, d)
+        scores = (h[:, None] @ keys.transpose(-1, -2)).sum(1)        # (b, t, t)
+        scores = scores + self.rel(side)[..., 0]
+        h = torch.softmax(scores, -1) @ (h * torch.sign(h))
+        return self.head(h.mean(1))
+
+
 # name -> (constructor, one sample's input shape, token vocabulary or None for float inputs)
 ZOO = {
     "lenet": (LeNet5, (1, 12, 12), None),
@@ -241,6 +294,9 @@ ZOO = {
     "unet_interpolate": (lambda: UNet(up="interpolate"), (3, 15, 15), None),
     "lstm_text": (lambda: RecurrentText(nn.LSTM), (8,), 32),
     "gru_text": (lambda: RecurrentText(nn.GRU, num_layers=2, bidirectional=True), (8,), 32),
+    "groupnorm": (GroupNormNet, (3, 8, 8), None),
+    "last_token": (LastToken, (8,), 32),
+    "relative": (Relative, (8,), 32),
 }
 
 
@@ -290,6 +346,12 @@ def sample_input(name: str, batch: int, seed: int = 0) -> torch.Tensor:
 
 def has_batch_norm(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+def has_group_norm(module: nn.Module) -> bool:
+    """GroupNorm's weight and bias: dynamo's optimizer folds their reshape to (C, 1, 1) into new
+    initializers, which train apart from the PyTorch parameters (the import warns)."""
+    return any(isinstance(m, nn.GroupNorm) for m in module.modules())
 
 
 def exports_by_mode(module: nn.Module) -> bool:

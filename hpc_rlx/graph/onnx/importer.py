@@ -39,6 +39,7 @@ from hpc_rlx.graph.onnx import map_nn as nn
 from hpc_rlx.graph.onnx import map_random as r
 from hpc_rlx.graph.onnx import map_recurrent as rc
 from hpc_rlx.graph.onnx import map_resample as rs
+from hpc_rlx.graph.onnx import map_rows as rows
 from hpc_rlx.graph.onnx import map_shape as s
 from hpc_rlx.graph.ir import Graph
 from hpc_rlx.graph.onnx.emit import Emitter, Tensor, dims_at, sanitise
@@ -80,6 +81,7 @@ ONNX_OPS = {
     "HardSwish": Rule(f.hard_swish, m.unary("hard_swish")),
     "Gelu": Rule(None, m.gelu),
     "Erf": Rule(f.erf, m.unary("erf")),
+    "Sign": Rule(f.unary(np.sign), m.sign),
     "Softmax": Rule(None, m.softmax("softmax")),
     "LogSoftmax": Rule(None, m.softmax("log_softmax")),
     "Clip": Rule(f.clip, m.clip),
@@ -95,6 +97,7 @@ ONNX_OPS = {
     "GlobalAveragePool": Rule(None, nn.global_average_pool),
     "BatchNormalization": Rule(None, nn.batch_norm),
     "LayerNormalization": Rule(None, nn.layer_norm),
+    "InstanceNormalization": Rule(None, nn.instance_norm),
     "Dropout": Rule(None, nn.dropout),
     # spatial resampling: padding, interpolation, transposed convolution (map_resample)
     "Pad": Rule(rs.fold_pad, rs.pad),
@@ -121,6 +124,7 @@ ONNX_OPS = {
     "Slice": Rule(f.slice_, s.slice_),
     "Gather": Rule(f.gather, s.gather),
     "Expand": Rule(f.expand, s.expand),
+    "Tile": Rule(f.tile, s.tile),
     "Shape": Rule(f.shape, s.shape),
     "Size": Rule(f.size, s.size),
     "ReduceMean": Rule(f.reducer(np.mean), s.reduce("mean")),
@@ -128,8 +132,9 @@ ONNX_OPS = {
     "ReduceSumSquare": Rule(f.reducer(lambda x, **kw: np.sum(x * x, **kw)), s.reduce("sum", square=True)),
     "ReduceL2": Rule(f.reducer(lambda x, **kw: np.sqrt(np.sum(x * x, **kw))), s.reduce("sum", square=True, root=True)),
     # running sums and index ops, on float data (differentiated) or int data (at run time);
-    # NonZero only as pooling at one token per row (map_index)
+    # NonZero only as pooling at one token per row (map_index), ArgMax's index as a per-row pick (map_rows)
     "CumSum": Rule(f.cumsum, ix.cumsum),
+    "ArgMax": Rule(ix.fold_argmax, ix.argmax),
     "GatherElements": Rule(f.gather_elements, ix.gather_elements),
     "GatherND": Rule(f.gather_nd, ix.gather_nd),
     "ScatterElements": Rule(f.scatter_elements, ix.scatter_elements),
@@ -159,7 +164,6 @@ ONNX_OPS = {
     "Abs": Rule(f.unary(np.abs)),
     "Floor": Rule(f.unary(np.floor)),
     "Ceil": Rule(f.unary(np.ceil)),
-    "Tile": Rule(f.tile),
     "ReduceProd": Rule(f.reducer(np.prod)),
     "ReduceMax": Rule(f.reducer(np.max)),
     "ReduceMin": Rule(f.reducer(np.min)),
@@ -289,19 +293,21 @@ def _walk(em: Emitter, graph, env: dict) -> None:
         attrs = _attrs(node)
         em.at(node.name, node.op_type, node.output[0] if node.output else node.name)
         em.proto = node
+        marked = any(isinstance(v, rows.MARKERS) for v in ins)  # on the way to a gather (map_rows)
         if rule.fold is not None and all(v is None or isinstance(v, Folded) for v in ins):
             try:
                 outs = evaluate(rule.fold, ins, attrs)
             except (FoldError, ValueError, TypeError, IndexError, KeyError) as exc:
                 raise em.fail(f"cannot evaluate it on its constant inputs: {exc}") from None
-        elif rule.emit is None and not any(isinstance(v, ix.Hits) for v in ins):
-            data_bound.append(node)
-            unknown.update(o for o in node.output if o)
-            continue
         else:
             try:
-                if any(isinstance(v, ix.Hits) for v in ins):  # NonZero's output, on its way to a gather
-                    outs = ix.follow_hits(em, node.op_type, ins, attrs)
+                met = None if marked else rows.meet(em, node.op_type, ins, attrs)
+                if met is None and not marked and rule.emit is None:
+                    data_bound.append(node)
+                    unknown.update(o for o in node.output if o)
+                    continue
+                if met is not None or marked:
+                    outs = met or rows.follow(em, node.op_type, ins, attrs)
                 else:
                     outs = rule.emit(em, ins, attrs, len(node.output))
             except GraphError as exc:

@@ -1,4 +1,4 @@
-"""ONNX -> IR for running sums and index ops: CumSum, GatherElements, GatherND,
+"""ONNX -> IR for running sums and index ops: CumSum, ArgMax, GatherElements, GatherND,
 ScatterElements, ScatterND, and NonZero as the pooling pattern it serves (see ``map_math`` for
 the mapping convention).
 
@@ -67,6 +67,32 @@ def cumsum(em, ins, at, n):
                       reverse=bool(at.get("reverse", 0)))]
 
 
+# ---------------------------------------------------------------- argmax
+
+
+def _argmax_attrs(at, rank: int) -> tuple:
+    return at.get("axis", 0) % rank, bool(at.get("keepdims", 1)), bool(at.get("select_last_index", 0))
+
+
+def fold_argmax(ins, at):
+    x = np.asarray(ins[0])
+    axis, keep, last = _argmax_attrs(at, x.ndim)
+    out = x.shape[axis] - 1 - np.flip(x, axis).argmax(axis) if last else x.argmax(axis)
+    return np.expand_dims(out, axis).astype(np.int64) if keep else out.astype(np.int64)
+
+
+def argmax(em, ins, at, n):
+    """On data (a decoder-only classifier's last non-padding token: the largest of position
+    times mask): an int64 index without gradient."""
+    x = _plain_tensor(em, ins[0], "ArgMax's input")
+    axis, keep, last = _argmax_attrs(at, x.rank)
+    if not x.plain(axis):
+        raise em.fail(f"ArgMax along axis {axis}, which holds the batch")
+    groups = tuple((1,) if i == axis else g for i, g in enumerate(x.groups)) if keep else \
+        tuple(g for i, g in enumerate(x.groups) if i != axis)
+    return [em.tensor("argmax", [x], groups, axis=axis, keepdims=keep, select_last_index=last)]
+
+
 # ---------------------------------------------------------------- along an axis
 
 
@@ -92,12 +118,17 @@ def _reduction(em, at) -> str:
 
 
 def gather_elements(em, ins, at, n):
-    data = _plain_tensor(em, ins[0], "GatherElements' data")
-    idx = _int_indices(em, ins[1])
+    data, idx = em.as_tensor(ins[0]), em.as_tensor(ins[1])
     axis = at.get("axis", 0) % data.rank
-    if not data.plain(axis):
+    if idx.rank != data.rank or any(g != h for i, (g, h) in enumerate(zip(data.groups, idx.groups)) if i != axis):
+        # a batch merged with another dim is indexable where the indices merge it alike
+        # (DeBERTa's (batch*heads, T, 2k) relative-position scores)
+        data, idx = _plain_tensor(em, data, "GatherElements' data"), _plain_tensor(em, idx, "indices")
+    if idx.dtype != INT:
+        raise em.fail("indices must be integers")
+    if not data.plain(axis) or not idx.plain(axis):
         raise em.fail(f"GatherElements along axis {axis}, which holds the batch")
-    return [em.tensor("gather_elements", [data, idx], idx.groups, axis=axis)]
+    return [em.tensor("gather_elements", [data, idx], idx.groups, axis=_ir_axis(data, axis))]
 
 
 def scatter_elements(em, ins, at, n):

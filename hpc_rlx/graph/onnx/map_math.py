@@ -32,6 +32,12 @@ def unary(op: str, **attrs):
     return emit
 
 
+def sign(em, ins, at, n):
+    """On float data (zero gradient) or int64 data (DeBERTa's relative positions)."""
+    x = em.as_tensor(ins[0])
+    return [em.tensor("sign", [x], x.groups)]
+
+
 def hard_sigmoid(em, ins, at, n):
     x = float_tensor(em, ins[0])
     return [em.tensor("hard_sigmoid", [x], x.groups, alpha=decimal32(at.get("alpha", 0.2)),

@@ -3,7 +3,8 @@
 
 Conv, MaxPool and AveragePool take images (rank 4) and volumes (rank 5, the 3-D layers) to
 the same IR ops, which work over either spatial rank; 1-D signals (rank 3) become (B, C, 1, L)
-images. LayerNormalization normalises over every axis from ``axis`` on.
+images. LayerNormalization normalises over every axis from ``axis`` on; InstanceNormalization
+(PyTorch's GroupNorm and InstanceNorm) over every axis from 2 on, per sample and channel.
 
 Batch norm and dropout come in two forms. A training-form export (TorchScript with
 ``training=TrainingMode.TRAINING``) marks them: BatchNormalization ``training_mode=1``, Dropout
@@ -243,6 +244,22 @@ def layer_norm(em, ins, at, n):
     eps = decimal32(float(at.get("epsilon", 1e-5)))
     attrs = {"eps": eps} if len(axes) == 1 else {"eps": eps, "trailing_axes": len(axes)}
     return [em.tensor("layer_norm", [x, scale, bias], x.groups, **attrs)] + [None] * (n - 1)
+
+
+def instance_norm(em, ins, at, n):
+    """Per sample and channel over the spatial dims, then scale and bias per channel: both
+    exporters write nn.GroupNorm as this over (B, groups, rest), scale 1 and bias 0, between
+    two reshapes, with the module's affine after."""
+    x = float_tensor(em, ins[0])
+    if x.rank < 3 or x.groups[0] != (None,) or not x.plain(1) or any(None in g for g in x.groups[2:]):
+        raise em.fail(f"InstanceNormalization of dims {x.groups}: it needs (batch, channels, spatial...) "
+                      f"with the batch first and on its own")
+    channels = x.groups[1][0]
+    scale, bias = (float_tensor(em, v, what) for v, what in zip(ins[1:3], ("scale", "bias")))
+    for t in (scale, bias):
+        if t.ir_shape != (channels,):
+            raise em.fail(f"scale and bias must be ({channels},), got {t.ir_shape}")
+    return [em.tensor("instance_norm", [x, scale, bias], x.groups, eps=decimal32(float(at.get("epsilon", 1e-5))))]
 
 
 def dropout(em, ins, at, n):

@@ -12,7 +12,7 @@ import numpy as np
 from hpc_rlx.graph.onnx import fold
 from hpc_rlx.graph.onnx.emit import Tensor, dims_at, flat, reshape_groups, shape_group_error, single
 from hpc_rlx.graph.onnx.fold import TRACE_BATCHES, Folded, FoldError, ints
-from hpc_rlx.graph.shapes import INT
+from hpc_rlx.graph.shapes import FLOAT, INT
 
 
 def _ir_axis(t: Tensor, axis: int) -> int:
@@ -277,6 +277,57 @@ def expand(em, ins, at, n):
     if flat(no_batch) != x.ir_shape:
         y = em.tensor("expand", [x], no_batch, shape=list(flat(no_batch)))
     return [em.with_batch(y, tuple(groups)) if new_batch else y]
+
+
+def tile(em, ins, at, n):
+    """ONNX Tile on data: an axis's copies become an IR dim of their own in front of the
+    axis's IR dims (the ONNX dim is their product, as a reshape would merge them), broadcast,
+    so the gradient sums the copies. A count may be the batch size: DeBERTa repeats its
+    relative-position keys per sample, (heads, ...) to (batch*heads, ...)."""
+    x = em.as_tensor(ins[0])
+    reps = _folded(em, ins[1], "Tile's repeats")
+    counts = [ints(reps.at(t)) for t in range(len(TRACE_BATCHES))]
+    if len(counts[0]) != x.rank:
+        raise em.fail(f"Tile's repeats {counts[0]} do not match its input's rank {x.rank}")
+    ones, fixed, groups = [], [], []    # the input's groups with the copies' dims: 1, constant, batch
+    by_batch = False
+    for g, r1, r2 in zip(x.groups, *counts):
+        if r1 == r2 == 1:
+            copies = ()
+        elif r1 == r2 and r1 > 1:
+            copies = (r1,)
+        elif (r1, r2) == TRACE_BATCHES and x.batch_axis is None and not by_batch:
+            copies, by_batch = (None,), True
+        else:
+            raise em.fail(f"Tile by {_sym(counts)}: each count must be a constant of at least 1, or the "
+                          f"batch size once on an input without the batch")
+        ones.append((1,) * len(copies) + g)
+        fixed.append(tuple(1 if c is None else c for c in copies) + g)
+        groups.append(copies + g)
+    y = em.reshape(x, tuple(ones))
+    if flat(fixed) != y.ir_shape:
+        y = em.tensor("expand", [y], tuple(fixed), shape=list(flat(fixed)))
+    groups = tuple(groups)
+    if groups == tuple(fixed):
+        return [y]
+    # IR broadcasting dim by dim against zeros with the batch (ONNX's would see B*k against k)
+    zeros = em.batch_zeros(groups)
+    if y.dtype == FLOAT:
+        return [em.tensor("add", [y, zeros], groups)]
+    as_float = em.tensor("cast", [y], y.groups, to=FLOAT)
+    return [em.tensor("cast", [em.tensor("add", [as_float, zeros], groups)], groups, to=INT)]
+
+
+def _sym(counts) -> str:
+    """Tile's counts, those that vary with the batch size written as multiples of it."""
+    b1, b2 = TRACE_BATCHES
+
+    def one(a, b):
+        if a == b:
+            return a
+        k = a // b1
+        return ("batch" if k == 1 else f"{k}*batch") if a == k * b1 and b == k * b2 else "varies"
+    return str([one(a, b) for a, b in zip(*counts)])
 
 
 def reduce(op: str, square: bool = False, root: bool = False):

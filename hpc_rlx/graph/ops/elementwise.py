@@ -1,5 +1,5 @@
 """Elementwise arithmetic: ``scale``, ``neg``, ``sqrt``, ``exp``, ``log``, ``reciprocal``,
-``cos``, ``sin``, ``erf`` and ``clip``, then the broadcasting ``add``, ``sub``, ``mul``, ``div``, ``pow``,
+``cos``, ``sin``, ``erf``, ``sign`` and ``clip``, then the broadcasting ``add``, ``sub``, ``mul``, ``div``, ``pow``,
 ``bias_add`` and ``where`` (conventions in ``hpc_rlx.graph.ops``)."""
 
 from __future__ import annotations
@@ -109,6 +109,20 @@ def _erf_x(xp, g, args, ans, s, a, out):
 
 
 defvjp("erf", _erf_x)
+
+
+def _sign_type(types, attrs):
+    """Float or int64 in, the same out: DeBERTa's relative positions are int64."""
+    return types[0]
+
+
+@defop("sign", _sign_type, (1, 1))
+def sign(xp, args, a, ctx):
+    return xp.sign(args[0]), None
+
+
+# flat almost everywhere: PyTorch's gradient of sign is zero (int64 inputs get none)
+defvjp("sign", lambda xp, g, args, ans, s, a, out: xp.zeros_like(g), needs_args=())
 
 
 def _clip_check(a):

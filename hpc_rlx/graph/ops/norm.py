@@ -1,5 +1,5 @@
-"""Normalisations: ``layer_norm``, ``batch_norm``, ``softmax`` and ``log_softmax`` (conventions
-in ``hpc_rlx.graph.ops``)."""
+"""Normalisations: ``layer_norm``, ``instance_norm``, ``batch_norm``, ``softmax`` and
+``log_softmax`` (conventions in ``hpc_rlx.graph.ops``)."""
 
 from __future__ import annotations
 
@@ -244,6 +244,61 @@ def _bn_bias(xp, g, args, ans, saved, a, out):
 
 # The running statistics are buffers: never differentiated.
 defvjp("batch_norm", _bn_x, _bn_scale, _bn_bias, None, None, needs_args=(1,))
+
+
+# ---------------------------------------------------------------- instance norm
+
+
+def _instance_norm_type(types, a):
+    x = types[0]
+    require_float(x, "input")
+    if x.ndim < 3 or None in x.shape[1:]:
+        raise ShapeError(f"instance_norm needs (B, C, spatial...) input with C and the spatial dims known, "
+                         f"got {fmt_shape(x.shape)}")
+    for t, what in zip(types[1:], ("scale", "bias")):
+        require_float(t, what)
+        if t.shape != (x.shape[1],):
+            raise ShapeError(f"{what} shape {fmt_shape(t.shape)} must be ({x.shape[1]},)")
+    return x
+
+
+@defop("instance_norm", _instance_norm_type, (3, 3), attrs={"eps": 1e-5}, check=_eps_check,
+       arg_names=("x", "scale", "bias"))
+def instance_norm(xp, args, a, ctx):
+    """ONNX InstanceNormalization: each sample's channel normalised over its spatial dims
+    (biased variance), then a scale and bias per channel. PyTorch's GroupNorm exports as this
+    over (B, groups, rest) with scale 1 and bias 0, its affine applied after."""
+    x, scale, bias = args
+    rows = _rows(x, x.ndim - 2)       # (B*C, spatial)
+    xc = rows - _row_means(xp, rows)
+    rstd = _row_means(xp, xc * xc)
+    rstd += a["eps"]
+    xp.sqrt(rstd, out=rstd)
+    xp.divide(1.0, rstd, out=rstd)
+    xc *= rstd
+    xhat = xc.reshape(x.shape)
+    out = xhat * per_channel(scale, x.ndim)
+    out += per_channel(bias, x.ndim)
+    return out, ((xhat, rstd) if ctx.need_saved else None)
+
+
+def _instance_norm_x(xp, g, args, ans, saved, a, out):
+    """The layer_norm rule per (sample, channel) row, with the channel's scale."""
+    xhat, rstd = saved
+    k = g.ndim - 2
+    gx = _rows(g * per_channel(args[1], g.ndim), k)
+    xr = _rows(xhat, k)
+    m1 = _row_means(xp, gx)
+    m2 = _row_means(xp, gx * xr)
+    gx -= m1
+    gx -= xr * m2
+    gx *= rstd
+    return gx.reshape(g.shape)
+
+
+defvjp("instance_norm", _instance_norm_x,
+       lambda xp, g, args, ans, saved, a, out: sum_to(xp, g * saved[0], channel_axes(g), out),
+       lambda xp, g, args, ans, saved, a, out: sum_to(xp, g, channel_axes(g), out), needs_args=(1,))
 
 
 # ---------------------------------------------------------------- softmax

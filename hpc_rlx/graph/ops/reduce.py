@@ -1,9 +1,10 @@
-"""Reductions: ``sum`` and ``mean`` over some axes or all (conventions in ``hpc_rlx.graph.ops``)."""
+"""Reductions: ``sum`` and ``mean`` over some axes or all, and ``argmax`` along one axis (an
+int64 index without gradient) (conventions in ``hpc_rlx.graph.ops``)."""
 
 from __future__ import annotations
 
 from hpc_rlx.graph.registry import defop, defvjp
-from hpc_rlx.graph.shapes import FLOAT, ShapeError, TensorType, axis_index, require_float
+from hpc_rlx.graph.shapes import FLOAT, INT, ShapeError, TensorType, axis_index, require_float
 
 
 def _axes_check(a):
@@ -64,3 +65,40 @@ def _mean_x(xp, g, args, ans, shape, a, out):
 
 defvjp("sum", lambda xp, g, args, ans, shape, a, out: _expand(xp, g, shape, a), needs_args=())
 defvjp("mean", _mean_x, needs_args=())
+
+
+# ---------------------------------------------------------------- argmax
+
+
+def _argmax_check(a):
+    if isinstance(a["axis"], bool) or not isinstance(a["axis"], int):
+        raise ShapeError(f"attribute 'axis' must be an int, got {a['axis']!r}")
+    for k in ("keepdims", "select_last_index"):
+        if not isinstance(a[k], bool):
+            raise ShapeError(f"attribute '{k}' must be true or false, got {a[k]!r}")
+    return a
+
+
+def _argmax_type(types, a):
+    x = types[0]
+    ax = axis_index(a["axis"], x.ndim)
+    if x.shape[ax] is None:
+        raise ShapeError("argmax along the batch dim: each lane holds a slice of the batch")
+    shape = tuple(1 if i == ax else d for i, d in enumerate(x.shape)) if a["keepdims"] else \
+        tuple(d for i, d in enumerate(x.shape) if i != ax)
+    return TensorType(shape, INT)
+
+
+@defop("argmax", _argmax_type, (1, 1), attrs={"axis": 0, "keepdims": False, "select_last_index": False},
+       check=_argmax_check)
+def argmax(xp, args, a, ctx):
+    """ONNX ArgMax on float or int64 data: the first largest entry's index, or the last with
+    ``select_last_index`` (a decoder's last non-padding token, found as the largest position
+    times the mask). An int64 output: no gradient."""
+    x, ax = args[0], a["axis"] % args[0].ndim
+    if a["select_last_index"]:
+        out = x.shape[ax] - 1 - xp.flip(x, axis=ax).argmax(axis=ax)
+    else:
+        out = x.argmax(axis=ax)
+    out = out.astype(xp.int64)
+    return (xp.expand_dims(out, ax) if a["keepdims"] else out), None

@@ -395,8 +395,11 @@ def test_a_token_classifier_takes_ids_up_to_its_embedding_size(tmp_path):
 # dynamo.
 HF_FORMS = {"dynamo": ("dynamo", False, "random"), "torchscript": ("torchscript", False, "random"),
             "dynamo-defaults": ("dynamo", True, "fresh")}
-HF_CANNOT_EXPORT = {("llama", "torchscript"), ("t5", "dynamo"), ("t5", "dynamo-defaults")}
-HF_HEADS = {"classifier": ["bert", "distilbert", "roberta", "bart", "t5"], "language_model": ["gpt2", "llama"]}
+HF_CANNOT_EXPORT = {("llama", "torchscript"), ("t5", "dynamo"), ("t5", "dynamo-defaults"),
+                    ("qwen2_cls", "torchscript"), ("mistral_cls", "torchscript")}
+HF_HEADS = {"classifier": ["bert", "distilbert", "roberta", "bart", "t5", "qwen2_cls", "llama_cls", "mistral_cls",
+                           "deberta"],
+            "language_model": ["gpt2", "llama"]}
 
 
 @pytest.mark.slow

@@ -268,6 +268,30 @@ def test_elementwise(xp, op, args, attrs, dtype):
     assert_lanes_agree(xp, op, args, attrs, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 4, 50), (2, 8, 5, 6)], ids=["signal", "image"])
+def test_instance_norm(xp, shape, dtype):
+    assert_lanes_agree(xp, "instance_norm", [3 * n(*shape) + 1, n(shape[1]), n(shape[1])], {}, dtype,
+                       tol64=F64_SUMS)
+
+
+def test_argmax_and_sign_are_the_same_on_both_lanes(xp):
+    """Integer results without gradient: a last non-padding token's position, relative
+    positions' signs; ties (the values are small integers) pick the first or last alike."""
+    ids = R.integers(-2, 3, (6, 9))
+    b = GraphBuilder()
+    xi = b.input("x", list(ids.shape), "int64")
+    outs = [b.op("argmax", xi, axis=1), b.op("argmax", xi, axis=0, keepdims=True, select_last_index=True),
+            b.op("sign", xi), b.op("sign", b.op("cast", xi, to="float"))]
+    b.output("loss", b.op("sum", b.op("cast", outs[0], to="float")))
+    g = b.build()
+    ref = Executor(g, np, "float64").run({}, {"x": ids}, outs)
+    got = Executor(g, xp, "float64").run({}, {"x": xp.asarray(ids)}, outs)
+    for v in outs:
+        np.testing.assert_array_equal(backend.to_numpy(got[v]), ref[v], err_msg=v)
+        assert backend.to_numpy(got[v]).dtype == ref[v].dtype
+
+
 def test_masks_are_the_same_on_both_lanes(xp):
     x = np.array([[1.0, np.nan, -np.inf, np.inf, 0.0, -2.0, 0.25]])
     b = GraphBuilder()
@@ -328,7 +352,8 @@ def test_every_op_has_a_case_on_the_gpu_lane():
     op graph also runs constant, mul and sum). A new op needs a case before a GPU run."""
     from tests.unit.graph import test_gpu, test_resampling_ops, test_volume_ops
     covered = {"constant", "mul", "sum", "layer_norm", "conv2d", "pow", "erf", "gelu", "dropout", "random_like",
-               "bernoulli", "isnan", "isinf", "compare", "logical", "where", "cast"}
+               "bernoulli", "isnan", "isinf", "compare", "logical", "where", "cast", "argmax", "sign",
+               "instance_norm"}
     for cases in (test_onnx_ops.CASES, test_volume_ops.GPU_CASES, test_resampling_ops.GPU_CASES,
                   test_index_ops.CASES, RECURRENT, ELEMENTWISE, [("softmax_cross_entropy",), ("correct_count",)]):
         covered |= {c[0] for c in cases}

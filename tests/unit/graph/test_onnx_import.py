@@ -45,7 +45,8 @@ CASES = [(m, e, mode) for m in zoo.ZOO for e in ("dynamo", "torchscript") for mo
 # The default suite: every model with the quick TorchScript exporter, and the dynamo exporter on
 # the models whose import needs the most (batch-norm metadata, folded transposes, attention).
 FAST = {c for c in CASES if c[1] == "torchscript"} | {("mobilenet", "dynamo", "train"), ("vit", "dynamo", "eval"),
-                                                       ("gpt", "dynamo", "train")}
+                                                       ("gpt", "dynamo", "train"), ("last_token", "dynamo", "train"),
+                                                       ("relative", "dynamo", "train")}
 
 
 def _cases(dtypes=(None,)):
@@ -63,13 +64,15 @@ def exported(tmp_path_factory):
     """(module, path, ImportedModel) per case, exported once. Batch norm stays apart from the
     convolutions only without the exporters' graph optimisations (dynamo's optimize, TorchScript's
     constant folding in eval mode): a fused batch norm has no PyTorch parameters to compare
-    gradients with one by one (see test_fused_batch_norm_trains_as_a_fixed_scale_and_shift)."""
+    gradients with one by one (see test_fused_batch_norm_trains_as_a_fixed_scale_and_shift), and
+    GroupNorm's affine keeps its PyTorch parameters only without dynamo's optimizer."""
     cache, files = {}, run_dir(tmp_path_factory, "onnx-zoo")
 
     def get(name, exporter, mode):
         key = (name, exporter, mode)
         if key not in cache:
-            optimize = not zoo.has_batch_norm(zoo.make(name))
+            module = zoo.make(name)
+            optimize = not (zoo.has_batch_norm(module) or zoo.has_group_norm(module))
             module, path = zoo.export_zoo_model(name, files, exporter, mode, optimize)
             cache[key] = (module, path, import_onnx(path))
         return cache[key]

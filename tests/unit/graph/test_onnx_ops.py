@@ -81,6 +81,9 @@ CASES = [
     ("hard_sigmoid", [4 * n(3, 5)], {}),
     ("hard_sigmoid", [4 * n(3, 5)], {"alpha": 1 / 6, "beta": 0.5}),
     ("hard_swish", [4 * n(3, 5)], {}),
+    ("sign", [n(3, 4)], {}),                   # flat: a zero gradient, as PyTorch's
+    ("instance_norm", [n(3, 4, 5), n(4), n(4)], {}),
+    ("instance_norm", [n(2, 3, 4, 5), n(3), n(3)], {"eps": 1e-3}),
     # recurrent layers (more in tests/unit/graph/test_recurrent_ops.py): lengths, states, directions
     ("lstm", [n(2, 3, 2), n(1, 8, 2), n(1, 8, 2), n(1, 16), n(2, 1, 2), n(2, 1, 2), ids(0, 4, 2)], {}),
     ("gru", [n(2, 3, 2), n(2, 6, 2), n(2, 6, 2), n(2, 12)], {"direction": "bidirectional", "linear_before_reset": True}),
@@ -89,7 +92,7 @@ CASES = [
 
 # Forward-only: no float argument to differentiate, an int64 mask that carries no gradient, or
 # a random draw, whose zero gradient tests/unit/graph/test_random_ops.py checks in a model.
-FORWARD_ONLY = {"constant", "isnan", "isinf", "compare", "logical", "random_like", "bernoulli"}
+FORWARD_ONLY = {"constant", "isnan", "isinf", "compare", "logical", "random_like", "bernoulli", "argmax"}
 # checked in tests/unit/graph/test_index_ops.py (which asserts that it covers each)
 INDEX_OPS = {"cumsum", "gather_elements", "gather_nd", "scatter_elements", "scatter_nd"}
 CHECKED = {c[0] for c in CASES} | FORWARD_ONLY | INDEX_OPS
