@@ -6,7 +6,7 @@
 1. Startup: CPU seconds (user + system, every process of the job) of a 1-epoch default job,
    per rank, on 1, 2 and 4 ranks. Training is a fraction of a second here, so this is
    mostly each rank's start: Python, NumPy, h5py, MPI, and on rank 0 alone Hydra composing the
-   config (the other ranks follow rank 0's jobs, hpc_rlx/comm/job_channel.py).
+   config (the other ranks follow rank 0's jobs, hpc_rlx/runtime/job_channel.py).
 2. Waiting: an 8-rank, 2-epoch job on this machine's cores, alternating hpc_rlx's default
    (waiting ranks sleep between MPI polls when ranks outnumber cores, hpc_rlx/comm/waiting.py)
    with MPICH's own busy polling (the same variables set to MPICH's defaults, which hpc_rlx

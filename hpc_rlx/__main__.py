@@ -73,16 +73,16 @@ def _all_ranks_done_with_run_dir(comm, timeout_s: float = RUN_DIR_AGREE_S) -> bo
         return False
 
 
-# Innermost function on the failing call stack -> what the job was doing.
-def _error_exit(comm, exc: BaseException, where: str) -> None:
+def _error_exit(comm, failure) -> None:
     """Errors agreed by every rank print once (rank 0) and exit 2; anything else prints one
-    message from the failing rank (rank, host, what it was doing, step, cause) and aborts."""
+    message from the failing rank (rank, host, what it was doing, step, cause) and aborts.
+    `failure`: a `resilience.failure.RunFailure`."""
     from hpc_rlx.comm.collective import CollectiveError, abort
     from hpc_rlx.comm.topology import hostname
 
-    from .errors import HpcRlxError, phase_of
+    from .errors import HpcRlxError
 
-    step = getattr(exc, "step", None)
+    exc, step = failure.cause, failure.step
     at = "" if step is None else f" at step {step}"
     if isinstance(exc, CollectiveError) or (isinstance(exc, HpcRlxError) and getattr(exc, "agreed", False)):
         origin = getattr(exc, "origin", 0)
@@ -98,7 +98,7 @@ def _error_exit(comm, exc: BaseException, where: str) -> None:
                 # an unexpected exception that every rank agreed on: the cause first, then where
                 cause = text.rstrip().splitlines()[-1]
                 sys.stderr.write(f"hpc_rlx: error ({kind}, reported by {who}) during "
-                                 f"{phase_of(exc, where)}{at}: {cause}\n{text}\n")
+                                 f"{failure.doing}{at}: {cause}\n{text}\n")
             else:
                 sys.stderr.write(f"hpc_rlx: error ({kind}, reported by {who}): {text}\n")
             sys.stderr.flush()
@@ -111,7 +111,7 @@ def _error_exit(comm, exc: BaseException, where: str) -> None:
         cause = "".join(traceback.format_exception_only(exc)).strip()
         detail = "\n" + "".join(traceback.format_exception(exc)).rstrip()
     _remove_unused_run_dir()     # the failing rank: the others are about to be killed
-    abort(comm, f"hpc_rlx: rank {comm.rank} on {hostname()} failed during {phase_of(exc, where)}"
+    abort(comm, f"hpc_rlx: rank {comm.rank} on {hostname()} failed during {failure.doing}"
                 f"{at}: {cause}{detail}\n"
                 f"hpc_rlx: aborting all {comm.size} ranks", code=1)
 
@@ -139,18 +139,18 @@ def _added_keys(task_overrides) -> list[str]:
 
 def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
     """Compose the spec on rank 0, ship it, train. Returns the final val_loss (for sweeps).
-    `job` comes from Hydra on rank 0 and from rank 0's word on the others (comm.job_channel);
+    `job` comes from Hydra on rank 0 and from rank 0's word on the others (runtime.job_channel);
     `cfg` and `hydra_cfg`, the composed config and Hydra's own, exist on rank 0 only."""
-    from hpc_rlx.comm.ulfm import current
+    from hpc_rlx.resilience.ulfm import current
     comm = current(comm)    # after a dead rank (comm.on_failure=shrink): the survivors' communicator
-    where = "startup"
-    lock = None
+    locks: list = []        # the run directory's lock, once rank 0 took it
     try:
         # Inside the try: a rank that cannot even import must take the job down, not leave the
         # others waiting in the spec broadcast.
         from hpc_rlx.comm import collective
         from hpc_rlx.config.spec import TrainSpec
-        from hpc_rlx.injection import DebugHooks
+        from hpc_rlx.injection import DebugHooks, spec_failure_hooks
+        from hpc_rlx.resilience.startup import ship_spec, train_surviving_startup
         from hpc_rlx.runtime.train import train
 
         # Hydra makes the directory on rank 0; a rank on a node that does not share its
@@ -159,45 +159,18 @@ def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
         if comm.rank == 0:
             from hpc_rlx.observe import debuglog
             debuglog.configure(hydra_cfg.verbose)
-
-        def _spec():
-            nonlocal lock
-            from omegaconf import OmegaConf
-
-            from hpc_rlx.comm.topology import hostname
-            from hpc_rlx.config.overrides import unset_values
-            from hpc_rlx.config.spec import build_spec
-            from hpc_rlx.observe.run_lock import RunDirLock
-
-            from .errors import ConfigError
-
-            added = _added_keys(hydra_cfg.overrides.task)
-            if added:
-                raise ConfigError(f"unknown config key(s) {', '.join(added)}: hpc_rlx rejects keys it "
-                                  f"does not read (see configs/config.yaml and configs/<group>/)")
-            unset = unset_values(cfg)     # checked before Hydra too, but not for a sweep's points
-            if unset:
-                raise ConfigError(unset)
-            lock = RunDirLock.acquire(job.run_dir, hostname())   # before this job writes anything there
-            container = OmegaConf.to_container(cfg, resolve=True)
-            DebugHooks.from_section(container.get("debug") or {}, 0).fail_at("spec")   # debug.fail_point=spec
-            return build_spec(container, job.run_dir, comm.size,
-                              config_yaml=OmegaConf.to_yaml(cfg, resolve=True)).to_dict()
-        from hpc_rlx.injection import spec_failure_hooks
-        from hpc_rlx.runtime.startup_recovery import ship_spec, train_surviving_startup
         hooks = None if comm.rank == 0 else spec_failure_hooks(sys.argv[1:], comm.rank)
         if hooks is not None:   # debug.fail_point=spec on another rank: read from the command line
             hooks.fail_at("spec")
-        shipped, comm, lost = ship_spec(comm, _spec)     # a dead rank: the survivors' communicator
+        # a dead rank: the survivors' communicator
+        shipped, comm, lost = ship_spec(comm, lambda: _compose_spec(job, comm, cfg, hydra_cfg, locks))
         spec = TrainSpec.from_dict(shipped)
         if comm.rank == 0:
             debuglog.startup(spec)
+
         def first(spec, comm, earlier):
-            nonlocal where
-            where = "startup"
             rank = earlier.world_ranks[comm.rank] if earlier else comm.rank     # the job's number
             collective.agree(comm, lambda: DebugHooks.for_rank(spec, rank).fail_at("startup"))
-            where = "training"
 
         # comm.on_failure=shrink|spare: a rank that dies before the first step starts it over
         result = train_surviving_startup(spec, comm, train, first, lost)
@@ -206,21 +179,50 @@ def run_job(job, comm, cfg=None, hydra_cfg=None) -> float | None:
     except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
         if isinstance(exc, KeyboardInterrupt):
             raise
+        from hpc_rlx.resilience.failure import failure_of
+        failure = failure_of(exc)      # before `train`: a failure of the start-up
         comm = current(comm)     # a rank died during this job: the survivors' word, not the old world's
-        if job.multirun and _is_agreed(exc):
+        if job.multirun and _is_agreed(failure.cause):
             # One bad sweep point: every rank agrees on it, so record it and go on to the next.
-            _record_failed_point(comm, exc, Path(job.run_dir))
+            _record_failed_point(comm, failure.cause, Path(job.run_dir))
             return None
-        _error_exit(comm, exc, where)
+        _error_exit(comm, failure)
         raise
     finally:
-        if lock is not None:
+        for lock in locks:
             lock.release()    # a sweep's next point, or this directory's next job, may take it
     if result.get("status") == "interrupted":
         from hpc_rlx.runtime.signals import INTERRUPT_EXIT
         raise SystemExit(INTERRUPT_EXIT)     # Ctrl-C: the checkpoint is written; a sweep stops too
     final = result.get("final") or {}
     return final.get("val_loss")
+
+
+def _compose_spec(job, comm, cfg, hydra_cfg, locks: list) -> dict:
+    """Rank 0: the spec of the composed config `cfg`, as a dict; the run directory's lock,
+    taken before this job writes anything there, added to `locks`."""
+    from omegaconf import OmegaConf
+
+    from hpc_rlx.comm.topology import hostname
+    from hpc_rlx.config.overrides import unset_values
+    from hpc_rlx.config.spec import build_spec
+    from hpc_rlx.injection import DebugHooks
+    from hpc_rlx.observe.run_lock import RunDirLock
+
+    from .errors import ConfigError
+
+    added = _added_keys(hydra_cfg.overrides.task)
+    if added:
+        raise ConfigError(f"unknown config key(s) {', '.join(added)}: hpc_rlx rejects keys it "
+                          f"does not read (see configs/config.yaml and configs/<group>/)")
+    unset = unset_values(cfg)     # checked before Hydra too, but not for a sweep's points
+    if unset:
+        raise ConfigError(unset)
+    locks.append(RunDirLock.acquire(job.run_dir, hostname()))
+    container = OmegaConf.to_container(cfg, resolve=True)
+    DebugHooks.from_section(container.get("debug") or {}, 0).fail_at("spec")   # debug.fail_point=spec
+    return build_spec(container, job.run_dir, comm.size,
+                      config_yaml=OmegaConf.to_yaml(cfg, resolve=True)).to_dict()
 
 
 def _is_agreed(exc: BaseException) -> bool:
@@ -252,15 +254,15 @@ def main() -> None:
     # without UCX devices (the pip wheel on a plain host). A site's own setting wins.
     os.environ.setdefault("OMPI_MCA_osc", "^ucx")
     # mpirun --with-ft ulfm: no collective component that answers a dead rank with a wrong sum
-    # (and with Open MPI's failure detector in its thread, no MPI_Finalize: comm/ulfm.py)
-    from hpc_rlx.comm.ulfm import before_mpi_starts
+    # (and with Open MPI's failure detector in its thread, no MPI_Finalize: resilience/ulfm.py)
+    from hpc_rlx.resilience.ulfm import before_mpi_starts
     before_mpi_starts()
     # more ranks than cores on this node: waiting ranks sleep between MPI's polls (comm/waiting.py)
     from hpc_rlx.comm.waiting import apply_before_mpi_starts
     apply_before_mpi_starts()
     from mpi4py import MPI
 
-    from hpc_rlx.comm.job_channel import JobChannel
+    from hpc_rlx.runtime.job_channel import JobChannel
     from hpc_rlx.comm.launcher_watch import watch_parent
     watch_parent()      # a rank whose launcher died leaves instead of waiting for ever
     comm = MPI.COMM_WORLD
@@ -278,7 +280,7 @@ def main() -> None:
     channel = JobChannel(comm)
     if print_only:
         channel.others_left()    # the others returned above; nobody waits for a word
-    from hpc_rlx.comm.ulfm import leave_without_finalize
+    from hpc_rlx.resilience.ulfm import leave_without_finalize
     try:
         try:
             if comm.rank == 0:
@@ -317,7 +319,7 @@ def _lead(comm, channel, rid: str, print_only: bool) -> int:
     Returns the exit status."""
     from omegaconf import OmegaConf
 
-    from hpc_rlx.comm.job_channel import Job
+    from hpc_rlx.runtime.job_channel import Job
     from hpc_rlx.config.overrides import config_problem
 
     if not OmegaConf.has_resolver("rlx_run_id"):

@@ -101,6 +101,9 @@ class RuntimeCheckpoints:
         self._unsaved_best: tuple | None = None
         self.resumed_config_yaml: str | None = None   # what the resumed checkpoint trained with
 
+    def rebuild(self, survivors) -> None:     # after a dead rank: resilience.hooks.RankLossHook
+        self.comm = survivors.comm
+
     def take_over(self) -> None:
         """After rank 0 died, on the survivors' rank 0: this rank writes the checkpoints now (the
         best epoch rank 0 held in memory only, not yet on disk, is lost with it)."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from hpc_rlx.config.failure_mode import on_failure_of
 from hpc_rlx.errors import ConfigError
 from hpc_rlx.policies.registry import POLICIES
 
@@ -20,8 +21,8 @@ def check_sync_batch_norm(cfg: dict, world_size: int) -> bool:
     elif world_size > 1 and not POLICIES[cfg["policy"]["name"]].steps_are_batches:
         why = (f"with policy={cfg['policy']['name']} on {world_size} ranks: its ranks take different "
                f"numbers of steps, and a batch-norm sum waits for every rank (use policy=sync)")
-    elif cfg["comm"]["on_failure"] != "abort":
-        why = (f"with comm.on_failure={cfg['comm']['on_failure']}: a rank lost inside a forward's "
+    elif on_failure_of(cfg["comm"]) != "abort":
+        why = (f"with comm.on_failure={on_failure_of(cfg['comm'])}: a rank lost inside a forward's "
                f"batch-norm sum cannot be recovered from yet (use comm.on_failure=abort)")
     elif cfg["device"]["kind"] in ("cuda", "all"):
         why = f"on GPU lanes yet (device={cfg['device']['kind']}; use device=cpu)"

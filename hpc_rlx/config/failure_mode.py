@@ -1,6 +1,6 @@
 """What a job may run with when a dead rank must not end it (`comm.on_failure`, `comm.spares`):
 checked on rank 0 while the spec is built, one line each. Pure: whether MPI's fault tolerance
-(ULFM) is active is asked of every rank at start-up (`runtime/recovery.py`).
+(ULFM) is active is asked of every rank at start-up (`resilience/in_run.py`).
 
 `abort` (the default) runs with everything. `shrink` and `spare` run, so far, where the survivors can
 rebuild all they hold from the state every rank has and the survivors' communicator: CPU
@@ -67,7 +67,7 @@ def check_on_failure(cfg: dict, world_size: int | None = None) -> None:
     """Refuse what `comm.on_failure` and `comm.spares` cannot run with (one line each);
     `world_size`: the job's ranks, spares included (None: not checked against it)."""
     c = cfg["comm"]
-    mode, spares = c.get("on_failure", "abort"), int(c.get("spares") or 0)
+    mode, spares = on_failure_of(c), int(c.get("spares") or 0)
     if spares and mode != "spare":
         raise ConfigError(f"comm.spares={spares} applies to comm.on_failure=spare, got "
                           f"comm.on_failure={mode}")
@@ -83,7 +83,13 @@ def check_on_failure(cfg: dict, world_size: int | None = None) -> None:
             raise ConfigError(f"comm.on_failure={mode} does not run with {why}")
 
 
-def training_ranks(c: dict, world_size: int) -> int:
+def on_failure_of(c) -> str:
+    """`comm.on_failure` of the comm section `c` (a config's dict or a spec's section): the one
+    reader of the key; what it means is `resilience/mode.py`'s."""
+    return c.get("on_failure", "abort")
+
+
+def training_ranks(c, world_size: int) -> int:
     """The ranks that train: the job's, less `comm.spares` under `comm.on_failure=spare`
     (`c`: the comm section)."""
-    return world_size - (int(c.get("spares") or 0) if c.get("on_failure") == "spare" else 0)
+    return world_size - (int(c.get("spares") or 0) if on_failure_of(c) == "spare" else 0)

@@ -185,7 +185,11 @@ class Policy:
     def load_rank_state(self, state: dict | None) -> None:
         """This rank's own `rank_state` back from a checkpoint (None: another world size)."""
 
-    # ---- after a dead rank (comm.on_failure=shrink: runtime/recovery.py) ----------------
+    # ---- after a dead rank (comm.on_failure=shrink: resilience/in_run.py) ----------------
+    def keep_restore_points(self) -> None:
+        """The run survives a dead rank (`resilience.hooks.PolicyRecovery`): keep what
+        `roll_back` returns to (nothing to keep where every step ends agreed)."""
+
     def roll_back(self, worker) -> None:
         """Back to the last state every rank agreed on, before the survivors agree where to go
         on (nothing to do where every step ends agreed)."""

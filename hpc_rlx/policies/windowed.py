@@ -114,8 +114,9 @@ class WindowedPolicy(WindowedState, Policy):
         self.streaming = Streaming(self.cfg["fragments"], self.cfg["fragment_delay"],
                                    self.cfg["fragment_mix"])
         self.stream: StreamingSync | None = None    # the fragment syncs, when they stream
-        # comm.on_failure=shrink: the inner optimizer state of the last sync is kept (roll_back)
-        self._recovers = spec.comm.get("on_failure", "abort") != "abort"
+        # a run that survives a dead rank keeps the inner optimizer state of the last sync
+        # (roll_back): `keep_restore_points`, asked by hpc_rlx/resilience
+        self._recovers = False
         self._agreed_inner = None
 
     def _start_fresh(self, world: int) -> None:
@@ -255,7 +256,7 @@ class WindowedPolicy(WindowedState, Policy):
         lr = self.window.begin(worker)
         t_window = time.perf_counter()
         # a spare (comm.on_failure=spare) trains nothing until it takes a dead rank's shard
-        work = self.local_steps(loop, counts[loop.rank], lr) if loop.rank < self.world else LocalWork()
+        work = LocalWork() if worker.is_spare else self.local_steps(loop, counts[loop.rank], lr)
         if trace.ACTIVE is not None:
             trace.ACTIVE.add("window", "step", trace.MAIN, t_window, time.perf_counter(),
                              {"steps": work.steps, "sync": worker.step})

@@ -9,7 +9,7 @@ as if never stopped. On another world size the shard plan and the segments chang
 starts from rank 0's inner state and the agreed model, the residuals are dropped and the
 fragment in flight is not sent again.
 
-After a dead rank (`comm.on_failure=shrink`, `runtime/recovery.py`) the survivors go on exactly
+After a dead rank (`comm.on_failure=shrink`, `resilience/in_run.py`) the survivors go on exactly
 as that resume would, from the last sync: every survivor drops the window in flight
 (`roll_back`: the agreed model, and its inner optimizer state as that sync left it, which it
 keeps a copy of under `shrink`), all take the state of the survivor furthest on and rank 0's
@@ -110,6 +110,10 @@ class WindowedState:
 
 
     # ---- after a dead rank (comm.on_failure=shrink) ----------------------------------------
+    def keep_restore_points(self) -> None:
+        """The run survives a dead rank: keep each sync's inner optimizer state."""
+        self._recovers = True
+
     def _keep_restore_point(self, worker) -> None:
         """Under comm.on_failure=shrink: this rank's inner optimizer state as the last sync left
         it, what `roll_back` returns to (one copy of it per window)."""

@@ -1,6 +1,7 @@
 """The training loop: `train(spec, comm) -> result`. Importable and testable without Hydra.
 
-`Run` sets up a rank (data, lanes, checkpoints, outputs), then trains epoch by epoch:
+`Run` sets up a rank (data, lanes, checkpoints, outputs: its `RunContext`, which a recovery
+after a dead rank replaces), then trains epoch by epoch:
 `train_epoch` asks the policy (`policies/`: how steps become synchronised parameters) for one
 step at a time and owns everything around it (the control flags, the epoch's totals, the
 records and display, checkpoints, stopping); `_end_epoch` validates and records. Policies see
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -19,12 +21,10 @@ from hpc_rlx.checkpoint.runtime import RuntimeCheckpoints
 from hpc_rlx.checkpoint.triggers import INTERVAL_REASON
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import flag_values
-from hpc_rlx.comm.topology import hostname, local_rank
+from hpc_rlx.comm.topology import hostname
 from hpc_rlx.comm.watchdog import StallWatchdog
 from hpc_rlx.config.spec import TrainSpec
-from hpc_rlx.device.host_blas import blas_note
-from hpc_rlx.device.lane_plan import describe_lanes, inventory, resolve_lanes
-from hpc_rlx.device.lanes import LaneSet
+from hpc_rlx.device.lane_plan import inventory
 from hpc_rlx.device.threads import limit_threads, thread_lanes
 from hpc_rlx.errors import CheckpointError, ConfigError, phase
 from hpc_rlx.injection import DebugHooks
@@ -37,8 +37,10 @@ from hpc_rlx.observe.progress import end_line
 from hpc_rlx.policies.base import EpochTotals, dropout_seed
 from hpc_rlx.policies.registry import make_policy
 from hpc_rlx.runtime import pipelined
+from hpc_rlx.resilience.failure import FINISH, SETUP, TRAINING, RunFailed, RunFailure
+from hpc_rlx.resilience.in_run import FailureHandling, Survives
+from hpc_rlx.runtime.context import RunContext, set_up_lanes
 from hpc_rlx.runtime.rank_stats import RankStats
-from hpc_rlx.runtime.recovery import FailureHandling, Survives
 from hpc_rlx.runtime.worker import Worker
 from hpc_rlx.runtime.signals import SIGNALS
 
@@ -47,11 +49,19 @@ from hpc_rlx.runtime.signals import SIGNALS
 # The run: setup, epochs, checkpoints, outputs.
 # --------------------------------------------------------------------------------------
 
+def _part(get) -> property:
+    """A part of the run's context (`RunContext`), or what set-up has built of it so far."""
+    return property(lambda run: get(run.ctx if run.ctx is not None else run.building))
+
+
 class Run(Survives):
+    comm, rank, is_root = _part(lambda c: c.comm), _part(lambda c: c.rank), _part(lambda c: c.is_root)
+    worker, lanes, policy = _part(lambda c: c.worker), _part(lambda c: c.lanes), _part(lambda c: c.policy)
+    checkpoints, outputs, display = _part(lambda c: c.checkpoints), _part(lambda c: c.outputs), \
+        _part(lambda c: c.display)
+
     def __init__(self, spec: TrainSpec, comm, earlier=None):
-        self.spec, self.comm = spec, comm
-        self.rank = comm.rank
-        self.is_root = comm.rank == 0
+        self.spec = spec
         self.on_nonfinite = spec.train["on_nonfinite"]
         try:
             # debug.*, by the job's rank numbers (a start over after a dead rank renumbers comm)
@@ -61,25 +71,22 @@ class Run(Survives):
             raise collective.CollectiveError(str(e), kind="ConfigError", origin=0) from None
         self.stop_flag = SIGNALS     # a signal only sets a flag, carried in the next step's bucket
         self.failure = FailureHandling(spec, comm, earlier)     # comm.on_failure
-        self.training = False        # set at the first step: a dead rank before it starts the run over
+        self.phase = SETUP           # TRAINING from the first step: a dead rank before it starts the run over
         self.stop_reason: str | None = None
         self.resumed_from: str | None = None
         self.carried_totals: dict | None = None     # a mid-epoch checkpoint's running totals
         self.current_totals: EpochTotals | None = None
         self.t_start = time.perf_counter()
-        # rank 0's progress display and per-step records (steps.jsonl, TensorBoard)
-        self.display = RunDisplay(spec, self.is_root, self.t_start)
         self.partial_metrics: dict | None = None     # the validation of a run ending mid-epoch
         self.tracer = None
-        # set up by execute(), in this order
         self.threads: int | None = None
         self.place = None       # pipelined.RankPlace: this rank's stage, if pipelined
-        self.worker: Worker | None = None
-        self.lanes = None
         self.stats: RankStats | None = None
-        self.policy = None
-        self.checkpoints: RuntimeCheckpoints | None = None
-        self.outputs: RunOutputs | None = None
+        # the context the epochs run on, once `_set_up` made it; until then what it has built
+        self.ctx: RunContext | None = None
+        self.building = SimpleNamespace(comm=comm, rank=comm.rank, is_root=comm.rank == 0,
+                                        display=RunDisplay(spec, comm.rank == 0, self.t_start), policy=None,
+                                        worker=None, lanes=None, checkpoints=None, outputs=None)
 
     # ---- logging ----------------------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -197,23 +204,43 @@ class Run(Survives):
 
     # ---- main -------------------------------------------------------------------------
     def execute(self) -> dict:
-        spec, comm = self.spec, self.comm
+        self.ctx = self._set_up()
+        self.phase = TRAINING
+        spec, worker = self.spec, self.worker
+        self._epochs()
+        if self.stop_reason == "signal" and self.comm.allreduce(int(self.stop_flag.interrupted)):
+            self.stop_reason = "interrupted"   # Ctrl-C reached some rank: exit 130, no requeue
+        if self.stop_reason in (None, "max_steps") and self.checkpoints.enabled:
+            # The end of a run is always resumable (e.g. with more epochs).
+            self.save_checkpoint("final", self._last_metric())
+        result = self._finish()
+        if self.stop_reason == "interrupted" and self.is_root:
+            self.log(f"interrupted at step {worker.step}; checkpoint "
+                     f"{self.checkpoints.manager.path_for(self.checkpoints.saved_step)}; "
+                     f"continue with hydra.run.dir={spec.run_dir}")
+        if self.stop_reason == "signal":
+            self.stop_flag.stop_served()
+            self.checkpoints.maybe_requeue()   # last: Slurm ends the job right away
+        return result
+
+    def _set_up(self) -> RunContext:
+        """Everything before the first step; returns the context the epochs run on."""
+        spec, comm, parts = self.spec, self.comm, self.building
         # Early, so a signal during startup becomes a stop at the first step, not a dead rank.
         self.stop_flag.install(self.rank)
         self.hooks.fail_at("startup")
-        if self.failure.active:     # the same spec on every rank: all take this branch or none
-            collective.agree(comm, self.failure.check_launch)     # shrink only where ULFM is active
-            self.failure.start(comm)
+        self.failure.start(comm)
         self.threads = limit_threads(comm, spec.train["threads_per_rank"],
                                      lanes=thread_lanes(spec.device["cpu_lanes"]))
         self.tracer = trace.start(comm, bool(spec.trace["enabled"]), host=hostname(),
                                   max_events=spec.trace["max_events"])
-        self.policy = make_policy(spec)
+        parts.policy = policy = make_policy(spec)
+        self.failure.protect(policy)
         # a pipelined rank's Worker holds its stage, among the stage's replicas (else: as given)
         self.place = place = pipelined.for_rank(spec, comm)
         self.hooks.fail_at("broadcast")     # the initial weights' broadcast follows
-        self.worker = worker = Worker(place.spec, place.comm, log=self.log, fields=self.policy.bucket_fields,
-                                      rank_fields=self.policy.bucket_rank_fields, fail_at=self.hooks.fail_at)
+        parts.worker = worker = Worker(place.spec, place.comm, log=self.log, fields=policy.bucket_fields,
+                                          rank_fields=policy.bucket_rank_fields, fail_at=self.hooks.fail_at)
         self.log(spec.plan)
         cpu_mark = time.process_time()
         with phase("data loading"), trace.span("data.load", "data",
@@ -221,27 +248,29 @@ class Run(Survives):
             # before the feed's collectives: a failure takes the abort path, not a hang
             self.hooks.fail_at("data")
             worker.load_data()
-        lanes_spec = collective.agree(comm, lambda: resolve_lanes(
-            spec.device["kind"], int(spec.device["cpu_lanes"]), int(spec.device["gpus_per_rank"]),
-            local_rank(comm)))
-        if spec.comm["shared_memory"] and not place.comms:   # before the lanes take views of it
-            worker.bucket.share_node_memory(comm, cpu_only=all(kind == "cpu" for kind, _ in lanes_spec))
-        # Lanes place the bucket (device twin or host) and pick its Allreduce path.
-        self.lanes = pipelined.lane_set(place, worker, self.threads) if place.comms \
-            else collective.agree(comm, lambda: LaneSet(
-            worker.graph, lanes_spec, spec.train["dtype"], worker.params, worker.bucket, worker.layout,
-            cuda_aware=spec.comm["cuda_aware"], cpu_blas=spec.device["cpu_blas"], cpu_threads=self.threads,
-            accumulate=int(spec.train.get("accumulate") or 1), sync_comm=worker.batch_norm_comm))
-        lane_note = collective.by_rank(comm, describe_lanes(lanes_spec) + blas_note(spec.device["cpu_blas"],
-                                                                                  self.threads, lanes_spec))
-        bucket_note = collective.by_rank(comm, self.lanes.bucket_path)
-        self.log(f"lanes: {lane_note}")
-        self.log(f"{bucket_note}")
+        parts.lanes = set_up_lanes(spec, comm, place, worker, self.threads, self.log)
         self.log(self.failure.describe())
         self.stats = RankStats(lanes=self.lanes.names, inventory=inventory(), threads=self.threads)
         self.stats.start_clock(cpu_mark)
-        self.checkpoints = RuntimeCheckpoints(spec, comm, worker, self.policy, self.log,
-                                              lambda: self.current_totals, pipeline=place.comms)
+        parts.checkpoints = RuntimeCheckpoints(spec, comm, worker, policy, self.log,
+                                                  lambda: self.current_totals, pipeline=place.comms)
+        self._resume(worker)
+        # Ctrl-C now stops at the next step, with a checkpoint: from here on the run writes its
+        # segment (config, metrics records), which an exit on the spot would leave half-made.
+        self.stop_flag.training_started()
+        parts.outputs = RunOutputs(spec, worker, self.log, self.lanes.names) if self.is_root else None
+        if self.outputs:
+            self.outputs.start(self.resumed_from, self.checkpoints.resumed_config_yaml, self.world_size)
+            self.display.open_step_log(worker.steps_per_epoch, worker.step if self.resumed_from else None)
+        spares = f" and {self.failure.spares} spare(s)" if self.failure.spares else ""
+        self.log(f"{self.world_size} ranks{spares}, lanes on rank 0: {self.lanes.names}, "
+                 f"{worker.layout.size} parameters, {worker.steps_per_epoch} steps/epoch")
+        self.checkpoints.training_starts()
+        return RunContext(**vars(parts))
+
+    def _resume(self, worker) -> None:
+        """From the newest checkpoint, where there is one to resume."""
+        spec = self.spec
         with phase("resume from a checkpoint"):
             resumed = self.checkpoints.maybe_resume()
         if resumed is not None:
@@ -252,19 +281,10 @@ class Run(Survives):
         if self.resumed_from and worker.epoch >= int(spec.train["epochs"]):
             self.log(f"the checkpoint is at epoch {worker.epoch}, train.epochs={spec.train['epochs']}: "
                      f"nothing to train (raise train.epochs to train on)")
-        # Ctrl-C now stops at the next step, with a checkpoint: from here on the run writes its
-        # segment (config, metrics records), which an exit on the spot would leave half-made.
-        self.stop_flag.training_started()
-        self.outputs = RunOutputs(spec, worker, self.log, self.lanes.names) if self.is_root else None
-        if self.outputs:
-            self.outputs.start(self.resumed_from, self.checkpoints.resumed_config_yaml, self.world_size)
-            self.display.open_step_log(worker.steps_per_epoch, worker.step if self.resumed_from else None)
-        spares = f" and {self.failure.spares} spare(s)" if self.failure.spares else ""
-        self.log(f"{self.world_size} ranks{spares}, lanes on rank 0: {self.lanes.names}, "
-                 f"{worker.layout.size} parameters, {worker.steps_per_epoch} steps/epoch")
-        self.checkpoints.training_starts()
-        self.training = True
 
+    def _epochs(self) -> None:
+        """Epoch by epoch until train.epochs or a stop: validation, records, checkpoints."""
+        spec, worker = self.spec, self.worker
         epochs = int(spec.train["epochs"])
         while worker.epoch < epochs and self.stop_reason is None:
             t_epoch = time.perf_counter()
@@ -293,20 +313,6 @@ class Run(Survives):
             if self.stop_reason == "signal":
                 self.log(f"stop requested (signal) at step {worker.step}: writing a checkpoint")
                 self.save_checkpoint("preempt", metrics.get(spec.checkpoint["metric"]) if metrics else None)
-        if self.stop_reason == "signal" and self.comm.allreduce(int(self.stop_flag.interrupted)):
-            self.stop_reason = "interrupted"   # Ctrl-C reached some rank: exit 130, no requeue
-        if self.stop_reason in (None, "max_steps") and self.checkpoints.enabled:
-            # The end of a run is always resumable (e.g. with more epochs).
-            self.save_checkpoint("final", self._last_metric())
-        result = self._finish()
-        if self.stop_reason == "interrupted" and self.is_root:
-            self.log(f"interrupted at step {worker.step}; checkpoint "
-                     f"{self.checkpoints.manager.path_for(self.checkpoints.saved_step)}; "
-                     f"continue with hydra.run.dir={spec.run_dir}")
-        if self.stop_reason == "signal":
-            self.stop_flag.stop_served()
-            self.checkpoints.maybe_requeue()   # last: Slurm ends the job right away
-        return result
 
     def _last_metric(self) -> float | None:
         """The metric of the current parameters: only if they are those of the last validation."""
@@ -358,6 +364,7 @@ class Run(Survives):
         return rec
 
     def _finish(self) -> dict:
+        self.phase = FINISH
         worker, st = self.worker, self.stats
         trace_path = Path(self.spec.run_dir) / names.TRACE
         st.lane_samples = {ln.name: ln.samples for ln in self.lanes.lanes}
@@ -374,7 +381,7 @@ class Run(Survives):
                         **worker.feed.report(),    # peak_rss_bytes next to shard_bytes: what data costs
                         # what this rank holds of the model (a pipelined rank: its stage's share)
                         param_bytes=worker.held_param_bytes, optimizer_bytes=worker.optimizer.nbytes(),
-                        **({"spare": worker.is_spare} if self.failure.mode == "spare" else {}))
+                        **({"spare": worker.is_spare} if self.failure.has_spares else {}))
             ranks = self.comm.gather(mine, root=0)
             if self.failure.active:     # a rank lost here: every survivor learns it (gather alone told rank 0)
                 self.comm.Barrier()
@@ -397,7 +404,7 @@ class Run(Survives):
         }
         if self.failure.active:
             result["failures"] = self.failure.failures
-        if self.failure.mode == "spare":
+        if self.failure.has_spares:
             result["spares_left"] = self.failure.spares
         if self.is_root:
             self.close_displays()
@@ -421,8 +428,8 @@ class Run(Survives):
 def train(spec: TrainSpec, comm, earlier=None) -> dict:
     """Train on every rank of `comm`; returns the run result (same on every rank except
     `ranks`, which only rank 0 holds). `earlier`: what failed starts left
-    (`runtime.startup_recovery`); an error before the first step says so (`before_training`),
-    with the way to abandon the node's shared window (`abandon`)."""
+    (`resilience.startup`). An error leaves as `RunFailed`: its `RunFailure` names the step,
+    the run's phase and the way to abandon the node's shared window."""
 
     run = Run(spec, comm, earlier)
 
@@ -434,17 +441,10 @@ def train(spec: TrainSpec, comm, earlier=None) -> dict:
         try:
             return run.execute()
         except Exception as exc:
-            if not run.training:
-                exc.before_training = True
-                exc.abandon = None if run.worker is None else run.worker.bucket.abandon_node_memory
             run.close_displays()       # no half-drawn bar above the error message
             if run.worker is not None:     # the reader stops, the staged copies go; MPI only if all are here
                 run.worker.close_data(collective_ok=isinstance(exc, collective.CollectiveError))
-            if getattr(exc, "step", None) is None and position() is not None:
-                try:
-                    exc.step = position()     # the failure message names the step
-                except AttributeError:
-                    pass
-            raise
+            abandon = None if run.worker is None else run.worker.bucket.abandon_node_memory
+            raise RunFailed(RunFailure(exc, position(), run.phase, abandon)) from exc
         finally:
             run.failure.close()      # the watchdog a recovery started over the survivors

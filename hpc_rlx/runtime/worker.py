@@ -13,7 +13,6 @@ from hpc_rlx.comm.bucket_layout import STEP_FIELDS
 from hpc_rlx.comm.node_params import NodeSharedParams
 from hpc_rlx.comm.shard import ParamShard, SplitNorms
 from hpc_rlx.config.batch_norm_sync import describe as describe_sync_batch_norm
-from hpc_rlx.config.failure_mode import training_ranks
 from hpc_rlx.config.spec import TrainSpec, initial_parameters, schedule_kwargs
 from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.errors import ConfigError
@@ -29,6 +28,8 @@ from hpc_rlx.optim import make_optimizer, make_schedule, optimizer_kwargs, scale
 from hpc_rlx.optim.clip import scale_to_norm_, squared_norm
 from hpc_rlx.optim.groups import settings_for
 from hpc_rlx.optim.segments import slice_segments
+from hpc_rlx.resilience.hooks import Survivors
+from hpc_rlx.resilience.mode import FailureMode, is_spare
 from hpc_rlx.runtime.staging import Staged, stage
 from hpc_rlx.runtime.state import TrainState
 
@@ -44,7 +45,7 @@ class Worker:
         # comm.on_failure=spare: the last ranks of `comm` are spares, which hold the model, take
         # part in every collective with no rows, and train nothing until one takes a dead
         # rank's place; `world` counts the ranks that train (rank r < world trains shard r)
-        self.rank, self.world = comm.rank, training_ranks(spec.comm, comm.size)
+        self.rank, self.world = comm.rank, FailureMode.of(spec.comm).training_ranks(comm.size)
         self.dtype = np.dtype(spec.train["dtype"])
         self.graph = load_graph(spec.graph)      # a pipelined rank: its stage (runtime/pipelined.py)
         self.layout = ParamLayout(self.graph)
@@ -164,7 +165,7 @@ class Worker:
     @property
     def is_spare(self) -> bool:
         """A spare rank (comm.on_failure=spare) that trains no rows yet."""
-        return self.rank >= self.world
+        return is_spare(self.rank, self.world)
 
     # ---- data ----------------------------------------------------------------------------
     def load_data(self) -> None:
@@ -192,14 +193,14 @@ class Worker:
             if self.staged is not None:
                 self.staged.close()
 
-    def rejoin(self, comm, world: int) -> None:
-        """Collective over `comm`, the survivors after a dead rank (`comm.on_failure`), of whom
-        the first `world` train (the rest stay spares): train on over them as a resume on that
-        many ranks would. The shards are re-planned for the same global batch, the learning
+    def rebuild(self, survivors: Survivors) -> None:
+        """`resilience.hooks.RankLossHook`: collective over the survivors after a dead rank, of
+        whom the first `survivors.training` train (the rest stay spares): train on over them as
+        a resume on that many ranks would. The shards are re-planned for the same global batch, the learning
         rate is scaled for the new world size (unchanged where a spare took the dead rank's
         place), the bucket's per-rank slots are laid out for it, and this rank reads its new
         shard; parameters, optimizer state and position stay as they are."""
-        self.comm, self.rank, self.world = comm, comm.rank, int(world)
+        self.comm, self.rank, self.world = survivors.comm, survivors.rank, int(survivors.training)
         spec, opt = self.spec, self.spec.optim
         self.plan = plan_shards(spec.data.n_train, spec.train["batch_size"], self.world, spec.data.leftover)
         if self.plan.steps_per_epoch != self.steps_per_epoch:     # the plan keeps the global batch

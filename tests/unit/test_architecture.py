@@ -567,7 +567,7 @@ LAZY_IMPORTS = {
     "onnx": "optional (onnx extra): only rank 0 of a model=onnx run and the exporter read ONNX",
     "onnxruntime": "optional: the exporter's check of the file it wrote",
     "scipy": "erf for exact GELU on NumPy, loaded by the first erf; optim/blas falls back to scipy.linalg",
-    # only rank 0 composes the config (comm/job_channel.py): the other ranks must not pay for
+    # only rank 0 composes the config (runtime/job_channel.py): the other ranks must not pay for
     # Hydra, OmegaConf or YAML in modules they import
     "hydra": "rank 0 alone composes; config/rundirs composes a Slurm job's config on rank 0",
     "omegaconf": "rank 0 alone reads the config's YAML (data/resolve, config/rundirs)",
@@ -597,8 +597,8 @@ def test_imports_inside_functions_are_only_the_lazy_ones():
 
 
 # What a following rank loads: everything a rank other than 0 imports to train, and nothing of
-# Hydra, OmegaConf or YAML (only rank 0 composes; see comm/job_channel.py)
-FOLLOWER_MODULES = ("hpc_rlx.__main__", "hpc_rlx.comm.job_channel", "hpc_rlx.config.spec",
+# Hydra, OmegaConf or YAML (only rank 0 composes; see runtime/job_channel.py)
+FOLLOWER_MODULES = ("hpc_rlx.__main__", "hpc_rlx.runtime.job_channel", "hpc_rlx.config.spec",
                     "hpc_rlx.runtime.train", "hpc_rlx.injection", "hpc_rlx.comm.collective")
 
 
@@ -616,8 +616,8 @@ def test_a_following_rank_imports_no_hydra_omegaconf_or_yaml():
 # ---------------------------------------------------------------------------------------------
 
 # Low to high. BASE modules may be imported from anywhere (errors, trace spans, array modules).
-LAYERS = ["injection", "graph", "optim", "comm", "data", "device", "pipeline", "policies", "checkpoint", "config", "observe", "runtime",
-          "report", "export", "rundirs", "doctor", "__main__"]
+LAYERS = ["injection", "graph", "optim", "comm", "data", "device", "pipeline", "policies", "checkpoint", "config", "observe",
+          "resilience", "runtime", "report", "export", "rundirs", "doctor", "__main__"]
 BASE = {"hpc_rlx", "hpc_rlx.errors", "hpc_rlx.checks", "hpc_rlx.run_dir_names", "hpc_rlx.observe.trace",
         "hpc_rlx.device.backend", "hpc_rlx.device.cuda_mpi"}
 # Known upward imports, each with its reason; the list may only shrink.

@@ -1,7 +1,7 @@
 """Fault-tolerant runs end cleanly (Open MPI 5, `mpirun --with-ft ulfm`).
 
 With Open MPI's failure detector in its own thread (slurm/train.sh's default for
-comm.on_failure=shrink|spare) MPI_Finalize never returns in Open MPI 5.0 (hpc_rlx/comm/ulfm.py,
+comm.on_failure=shrink|spare) MPI_Finalize never returns in Open MPI 5.0 (hpc_rlx/resilience/ulfm.py,
 `detector_thread_on`): the ranks leave without it, and a run without a failure exits 0 within
 seconds of its end. A launch that never started the run is not taken for a success.
 """

@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from hpc_rlx.comm import idle_wait, ulfm
-from hpc_rlx.comm.ulfm import current
+from hpc_rlx.comm import idle_wait
+from hpc_rlx.resilience import ulfm
+from hpc_rlx.resilience.ulfm import current
 
 _JOB, _END = "job", "end"
 # The followers wait out rank 0's whole Hydra start (a second or more): waking every 20 ms

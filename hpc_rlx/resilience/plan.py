@@ -1,5 +1,5 @@
 """The decisions of a recovery after a dead rank (`comm.on_failure=shrink|spare`), apart from the MPI
-calls that carry them out (`runtime/recovery.py`). Pure: no MPI, no files.
+calls that carry them out (`resilience/in_run.py`). Pure: no MPI, no files.
 
 Which state the survivors continue from. ULFM reports a failure unevenly: a survivor may
 complete the step's Allreduce (every contribution arrived, the dead rank's included) and

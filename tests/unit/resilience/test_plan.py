@@ -1,12 +1,12 @@
-"""The decisions of a recovery after a dead rank (`runtime/recovery_plan.py`) and the test of
-whether ULFM is active (`comm/ulfm.problem_of`): pure, no MPI."""
+"""The decisions of a recovery after a dead rank (`resilience/plan.py`) and the test of
+whether ULFM is active (`resilience/ulfm.problem_of`): pure, no MPI."""
 
 from __future__ import annotations
 
 import pytest
 
-from hpc_rlx.comm.ulfm import FT_ENV, detector_thread_on, problem_of, settings_before_mpi_starts
-from hpc_rlx.runtime import recovery_plan as plan
+from hpc_rlx.resilience.ulfm import FT_ENV, detector_thread_on, problem_of, settings_before_mpi_starts
+from hpc_rlx.resilience import plan
 
 
 def test_survivors_at_one_step_adopt_nothing():

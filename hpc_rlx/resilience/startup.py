@@ -8,7 +8,7 @@ seed, and a checkpoint is read again. So a dead rank there is handled by startin
 
 1. the node's shared window, if one was made, is abandoned (its communicators revoked, the
    window never freed: `node_memory.NodeSharedSum.abandon`);
-2. revoke, agree, shrink (`comm/ulfm.py`), as in a recovery during training;
+2. revoke, agree, shrink (`resilience/ulfm.py`), as in a recovery during training;
 3. under ``comm.on_failure=spare`` a dead rank takes a spare with it: the spec's
    ``comm.spares`` drops by the dead count (a dead spare included), so the first spares left
    train the dead ranks' shards, and with none left the ranks that train are fewer (`shrink`);
@@ -26,14 +26,16 @@ import dataclasses
 import sys
 import time
 
-from hpc_rlx.comm import collective, ulfm
+from hpc_rlx.comm import collective
+from hpc_rlx.resilience import ulfm
 from hpc_rlx.comm.collective import CollectiveError
 from hpc_rlx.comm.topology import hostname
-from hpc_rlx.config.failure_mode import training_ranks
 from hpc_rlx.config.spec import for_job_ranks
 from hpc_rlx.observe.run_lock import RunDirLock
-from hpc_rlx.runtime import recovery_plan as plan
-from hpc_rlx.runtime.recovery import survivors_of
+from hpc_rlx.resilience import plan
+from hpc_rlx.resilience.failure import STARTUP, RunFailed, RunFailure, failure_of
+from hpc_rlx.resilience.in_run import survivors_of
+from hpc_rlx.resilience.mode import FailureMode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,18 +93,19 @@ def ship_spec(comm, compose):
                                       "continues from the newest checkpoint)", kind="RankFailure", origin=0) from None
             dead = ", ".join(map(str, shrunk.failed))
             comm = shrunk.comm
-            if made and made[0][0] == "ok" and made[0][1]["comm"].get("on_failure", "abort") == "abort":
+            if made and made[0][0] == "ok" and not FailureMode.of(made[0][1]["comm"]).active:
                 made[0] = ("err", CollectiveError(f"rank {dead} died during the spec's broadcast "
                                                   f"(comm.on_failure=abort)", kind="RankFailure"))
 
 
 def train_surviving_startup(spec, comm, train, first=lambda spec, comm, earlier: None, lost: SpecLoss | None = None):
     """`first(spec, comm, earlier)`, then `train(spec, comm, earlier)` on `comm`, both started over on
-    the survivors whenever a rank dies before training starts (an error from `first`, or one
-    `train` marks `before_training`), while comm.on_failure is shrink or spare. `lost`: the
-    ranks that died during the spec's broadcast (`ship_spec`), the first record. Collective."""
-    if spec.comm.get("on_failure", "abort") == "abort":
-        first(spec, comm, None)
+    the survivors whenever a rank dies before training starts (an error from `first`, or a
+    `RunFailed` from `train` whose failure is `before_training`), while comm.on_failure is
+    shrink or spare. `lost`: the ranks that died during the spec's broadcast (`ship_spec`), the
+    first record. Collective. An error from `first` leaves as `RunFailed` (phase `startup`)."""
+    if not FailureMode.of(spec.comm).active:
+        _first(first, spec, comm, None)
         return train(spec, comm, None)
     earlier = EarlierStarts([], list(range(comm.size)), comm.allgather(hostname()))
     if lost is not None and len(lost.survivors) < lost.job_ranks:
@@ -112,16 +115,20 @@ def train_surviving_startup(spec, comm, train, first=lambda spec, comm, earlier:
         spec = _record_loss(spec, comm, earlier, lost.job_ranks, dead, lost.seconds)
     while True:
         try:
-            try:
-                first(spec, comm, earlier)
-            except Exception as exc:
-                exc.before_training = True
-                raise
+            _first(first, spec, comm, earlier)
             return train(spec, comm, earlier)
-        except Exception as exc:      # noqa: BLE001 - a dead rank before training: start over
-            if not getattr(exc, "before_training", False) or not ulfm.failure_known(exc, comm):
+        except RunFailed as exc:      # a dead rank before training: start over
+            failure = failure_of(exc)
+            if not failure.before_training or not ulfm.failure_known(failure.cause, comm):
                 raise
-            comm, spec = _start_over(comm, spec, earlier, getattr(exc, "abandon", None))
+            comm, spec = _start_over(comm, spec, earlier, failure.abandon)
+
+
+def _first(first, spec, comm, earlier) -> None:
+    try:
+        first(spec, comm, earlier)
+    except Exception as exc:
+        raise RunFailed(RunFailure(exc, phase=STARTUP)) from exc
 
 
 def _start_over(comm, spec, earlier: EarlierStarts, abandon):
@@ -144,16 +151,15 @@ def _record_loss(spec, new, earlier: EarlierStarts, job_ranks: int, dead: list, 
     comm.on_failure=spare a dead rank takes a spare with it (the first spares left train the
     dead ranks' shards), and the ranks that train and the plan follow the new world."""
     ranks, hosts = [r for r, _ in dead], [h for _, h in dead]
-    before = training_ranks(spec.comm, job_ranks)
-    spares = None                   # comm.on_failure=shrink: no spares to count
-    if spec.comm.get("on_failure") == "spare":
-        spares = max(0, int(spec.comm.get("spares") or 0) - len(dead))
+    mode = FailureMode.of(spec.comm)
+    before = mode.training_ranks(job_ranks)
+    spares = mode.spares_after(len(dead))       # None under shrink: no spares to count
     spec = for_job_ranks(spec, new.size, spares)
     earlier.failures.append(plan.failure_record(0, ranks, hosts, seconds, spec.world_size, spares_left=spares))
     if new.rank == 0:
         who = ", ".join(f"{r} on {h}" if h != "?" else f"{r}" for r, h in dead)    # ?: before any host was asked
         sys.stdout.write(f"[hpc_rlx] rank{'s' if len(ranks) > 1 else ''} {who} died before training started: "
                          f"{spec.world_size} of {before} ranks set the run up again "
-                         f"(comm.on_failure={spec.comm['on_failure']})\n")
+                         f"(comm.on_failure={mode.name})\n")
         sys.stdout.flush()
     return spec

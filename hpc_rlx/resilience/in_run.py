@@ -1,6 +1,6 @@
 """`comm.on_failure`: what a dead rank does to the run. `abort` (the default): nothing here, the
 job ends as it always did. `shrink`: the survivors carry on, by MPI's fault tolerance (ULFM,
-`comm/ulfm.py`); the decisions are `runtime/recovery_plan.py`'s.
+`resilience/ulfm.py`); the decisions are `resilience/plan.py`'s.
 
 A recovery, on every survivor, from the step whose collective reported the failure:
 
@@ -8,7 +8,7 @@ A recovery, on every survivor, from the step whose collective reported the failu
    no rank stays in its barriers, the window never freed (that may hang), its segment kept as
    this rank's own bucket memory; the bucket is summed by MPI's Allreduce from then on;
 2. revoke, acknowledge, agree, shrink (`ulfm.shrink`): the survivors' communicator;
-3. the survivors agree on the step to continue from (`recovery_plan.adoption`: forward) and
+3. the survivors agree on the step to continue from (`plan.adoption`: forward) and
    the ones behind take that state by broadcast; under `cadence` and `async` every survivor
    first drops the window in flight (back to the last sync) and all then take rank 0's inner
    optimizer state (`policies/windowed_state.py`);
@@ -22,39 +22,36 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from hpc_rlx import run_dir_names as names
-from hpc_rlx.comm import ulfm, watchdog
+from hpc_rlx.comm import collective, watchdog
 from hpc_rlx.comm.collective import CollectiveError
 from hpc_rlx.comm.topology import hostname, rank_span
-from hpc_rlx.config.failure_mode import training_ranks
 from hpc_rlx.data.files import plan_files
 from hpc_rlx.errors import ConfigError, phase
 from hpc_rlx.observe.display import RunDisplay
 from hpc_rlx.observe.outputs import RunOutputs
 from hpc_rlx.observe.run_lock import RunDirLock
-from hpc_rlx.runtime import recovery_plan as plan
-
-MODES = {"abort": "a rank that dies ends the job (resume from the last checkpoint)",
-         "shrink": "a rank that dies is dropped, the survivors train on (MPI's ULFM)",
-         "spare": "a rank that dies is replaced by a spare, which takes its shard (MPI's ULFM)"}
-
+from hpc_rlx.resilience import plan, ulfm
+from hpc_rlx.resilience.hooks import Survivors
+from hpc_rlx.resilience.mode import FailureMode
 
 class FailureHandling:
     """One run's `comm.on_failure`. Collective to `start` (under `shrink`: the ranks' hosts)."""
 
     def __init__(self, spec, comm, earlier=None):
-        self.mode = spec.comm["on_failure"]
-        # `earlier`: what failed starts left (`startup_recovery.EarlierStarts`), else None
+        self.failure_mode = FailureMode.of(spec.comm)
+        self.mode = self.failure_mode.name
+        # `earlier`: what failed starts left (`resilience.startup.EarlierStarts`), else None
         self.failures: list[dict] = list(earlier.failures) if earlier else []
         # rank in the current comm -> MPI_COMM_WORLD rank
         self.world_ranks = list(earlier.world_ranks) if earlier else list(range(comm.size))
         # rank in the current comm -> the shard it trains (None: a spare, comm.on_failure=spare)
-        training = training_ranks(spec.comm, comm.size)
+        training = self.failure_mode.training_ranks(comm.size)
         self.roles: list = list(range(training)) + [None] * (comm.size - training)
         self.hosts: list[str] | None = None
         self.lock = None            # the run directory's lock, once this rank took it over
@@ -63,7 +60,12 @@ class FailureHandling:
 
     @property
     def active(self) -> bool:
-        return self.mode != "abort"
+        return self.failure_mode.active
+
+    @property
+    def has_spares(self) -> bool:
+        """Whether the run keeps spare ranks (comm.on_failure=spare)."""
+        return self.failure_mode.has_spares
 
     def check_launch(self) -> None:
         """This rank's refusal of `shrink` where ULFM is not active (run under `agree`)."""
@@ -76,8 +78,15 @@ class FailureHandling:
                               f"comm.on_failure=abort")
 
     def start(self, comm) -> None:
-        if self.active:
+        """Collective where active: the refusal where ULFM is not, and the ranks' hosts."""
+        if self.active:     # the same spec on every rank: all take this branch or none
+            collective.agree(comm, self.check_launch)     # shrink only where ULFM is active
             self.hosts = comm.allgather(hostname())
+
+    def protect(self, policy) -> None:
+        """Where active: the policy keeps what it rolls back to (`hooks.PolicyRecovery`)."""
+        if self.active:
+            policy.keep_restore_points()
 
     @property
     def spares(self) -> int:
@@ -86,7 +95,7 @@ class FailureHandling:
 
     def describe(self) -> str:
         spares = f"; {self.spares} spare rank(s): {rank_span(self.world_ranks[-self.spares:])}" if self.spares else ""
-        return f"failures: comm.on_failure={self.mode}: {MODES[self.mode]}{spares}"
+        return f"failures: {self.failure_mode.describe()}{spares}"
 
     def _watch(self, comm, worker, stall) -> None:
         """Collective: the stall watchdog again, over the survivors (comm.stall_*; a new key,
@@ -113,11 +122,12 @@ class FailureHandling:
         return self.active and ulfm.failure_known(exc, comm, others=others)
 
     # ---- one recovery ------------------------------------------------------------------
-    def recover(self, comm, worker, policy, totals, hooks=None) -> "Recovered":
+    def recover(self, comm, worker, policy, totals, hooks=None, components=()) -> "Recovered":
         """Collective over the survivors of `comm`, after `handles` took an error. A rank that
         dies during the recovery is shrunk away too, and the recovery starts over (one record
         for all). `hooks`: this rank's debug.* (`injection.DebugHooks`): a failure injected into
-        the recovery, the stall plan for the watchdog over the survivors."""
+        the recovery, the stall plan for the watchdog over the survivors. The worker, then each
+        of `components` (`hooks.RankLossHook`), rebuilds over the survivors."""
         t0 = time.perf_counter()
         world_before, writer = worker.world, self.world_ranks[0]
         shared_off = worker.bucket.abandon_node_memory()
@@ -132,7 +142,9 @@ class FailureHandling:
                     hooks.fail_at("recovery")     # debug.fail_point=recovery: a second failure here
                 adopted = self._continue(new, worker, writer, dead)
                 totals, policy_state = _adopt(new, adopted, worker, policy, totals)
-                worker.rejoin(new, len(self.roles) - self.spares)
+                survivors = Survivors(new, len(self.roles) - self.spares)
+                for component in (worker, *components):
+                    component.rebuild(survivors)
                 self._watch(new, worker, None if hooks is None else hooks.stall)
                 break
             except CollectiveError:
@@ -143,7 +155,7 @@ class FailureHandling:
                 comm = self.latest
         record = plan.failure_record(adopted.step, [r for r, _ in dead], [h for _, h in dead],
                                      time.perf_counter() - t0, worker.world,
-                                     self.spares if self.mode == "spare" else None, [r for r, _, _ in replaced])
+                                     self.spares if self.has_spares else None, [r for r, _, _ in replaced])
         self.failures.append(record)
         notes = [plan.failure_line(record, world_before, self.mode, replaced)]
         writer_failed = writer not in self.world_ranks
@@ -220,7 +232,8 @@ class Recovered:
 class Survives:
     """The loop's side of `comm.on_failure` (`runtime.train.Run` is one): a part of training
     run through `_survive` is redone over the survivors after a dead rank, from the state they
-    continue from. Uses the run's comm, worker, failure handling, checkpoints and outputs."""
+    continue from. Uses the run's failure handling and its context (`ctx`: comm, worker,
+    policy, checkpoints, outputs), which a recovery replaces with the survivors' one."""
 
     def _survive(self, call, totals):
         """(`call()`, the epoch's totals to go on with)."""
@@ -237,9 +250,9 @@ class Survives:
 
     def _recover(self, totals):
         with phase("recovery from a failed rank"):
-            done = self.failure.recover(self.comm, self.worker, self.policy, totals, self.hooks)
-        self.comm = self.checkpoints.comm = done.comm
-        self.rank = done.comm.rank
+            done = self.failure.recover(self.comm, self.worker, self.policy, totals, self.hooks,
+                                        components=(self.checkpoints,))
+        self.ctx = self._survivors_context(done)
         self.policy.rejoin(self, done.policy_state)
         self.current_totals = done.totals
         if done.writer_failed and self.rank == 0:
@@ -251,14 +264,24 @@ class Survives:
         self.display.event({"event": "failure", **done.record})
         return done.totals
 
+    def _survivors_context(self, done: Recovered):
+        """The run's context for the survivors, in place of this one: their communicator and
+        this rank's number in it; where rank 0 (the writer) died, the survivors' rank 0 writes
+        the run directory from here on (the log, the progress display, steps.jsonl,
+        metrics.jsonl)."""
+        ctx, rank = self.ctx, done.comm.rank
+        if not (done.writer_failed and rank == 0):
+            return replace(ctx, comm=done.comm, rank=rank)
+        outputs = RunOutputs(self.spec, self.worker, self.log, self.lanes.names).taken_over()
+        return replace(ctx, comm=done.comm, rank=rank, is_root=True, outputs=outputs,
+                       display=RunDisplay(self.spec, True, self.t_start))
+
     def _take_over(self) -> None:
-        """Rank 0 died; this rank, the survivors' rank 0, writes the run directory from here on:
-        the log, the progress display, steps.jsonl, metrics.jsonl, checkpoints, the run lock."""
-        worker, self.is_root = self.worker, True
-        self.display = RunDisplay(self.spec, True, self.t_start)
+        """Rank 0 died; this rank, the survivors' rank 0, starts the display's epoch again and
+        takes over the checkpoints and the run lock."""
+        worker = self.worker
         self.display.open_step_log(worker.steps_per_epoch, worker.step)
         self.display.epoch_start(worker, self._where(), self.current_totals)
-        self.outputs = RunOutputs(self.spec, worker, self.log, self.lanes.names).taken_over()
         self.checkpoints.take_over()
         self.failure.lock = RunDirLock.acquire(self.spec.run_dir, hostname())   # the dead rank's is gone
 

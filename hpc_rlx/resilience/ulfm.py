@@ -234,7 +234,7 @@ def leave_without_finalize(code) -> None:
     if not SUCCESSOR and not detector_thread_on(os.environ):
         return
     # every survivor leaves together: one leaving early is, to the others still waiting for
-    # rank 0's last word (comm/job_channel.py), another dead rank
+    # rank 0's last word (runtime/job_channel.py), another dead rank
     _barrier(current(_mpi().COMM_WORLD), LEAVE_WAIT_S)
     logging.shutdown()
     sys.stdout.flush()

@@ -1,0 +1,48 @@
+"""What a component offers the recovery when the ranks change. A component that holds state
+shaped by the ranks (a shard of the data, per-rank slots, a communicator) implements
+`RankLossHook.rebuild`; the recovery calls it on every survivor, in the order the run lists
+them, once the survivors hold the state they go on from. It does not ask `comm.on_failure`:
+it is called only where a dead rank was survived."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class Survivors:
+    """The ranks that go on: their communicator (this rank's number in it: `comm.rank`) and how
+    many of them train (the first `training`; the rest are spares)."""
+    comm: Any
+    training: int
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+
+@runtime_checkable
+class RankLossHook(Protocol):
+    """A component that survives a dead rank: one method."""
+
+    def rebuild(self, survivors: Survivors) -> None:
+        """Collective over `survivors.comm`: go on over the survivors as a resume on that many
+        ranks would."""
+
+
+@runtime_checkable
+class PolicyRecovery(Protocol):
+    """The policy's side (`policies.base.Policy`): its state in a window in flight."""
+
+    def keep_restore_points(self) -> None:
+        """The run survives a dead rank: keep what `roll_back` returns to."""
+
+    def roll_back(self, worker) -> None:
+        """Back to the last state every rank agreed on."""
+
+    def recovery_state(self) -> dict | None:
+        """What the survivors go on from, beyond the worker's state (None: nothing)."""
+
+    def rejoin(self, loop, state: dict | None) -> None:
+        """Go on from `state` as a resume of it on the survivors' world size would."""
