@@ -1,12 +1,13 @@
 """What a component offers the recovery when the ranks change. A component that holds state
 shaped by the ranks (a shard of the data, per-rank slots, a communicator) implements
 `RankLossHook.rebuild`; the recovery calls it on every survivor, in the order the run lists
-them, once the survivors hold the state they go on from. It does not ask `comm.on_failure`:
-it is called only where a dead rank was survived."""
+them (`rank_loss_hooks`: the parts of the run's context that offer it), once the survivors
+hold the state they go on from. It does not ask `comm.on_failure`: it is called only where a
+dead rank was survived. A new part that must survive a dead rank is that one method."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -46,3 +47,10 @@ class PolicyRecovery(Protocol):
 
     def rejoin(self, loop, state: dict | None) -> None:
         """Go on from `state` as a resume of it on the survivors' world size would."""
+
+
+def rank_loss_hooks(context) -> tuple[RankLossHook, ...]:
+    """The parts of `context` (a dataclass: the run's `RunContext`) that rebuild over the
+    survivors, in its field order (the worker first: the others read its new shard)."""
+    parts = [getattr(context, f.name) for f in fields(context)]
+    return tuple(part for part in parts if isinstance(part, RankLossHook))

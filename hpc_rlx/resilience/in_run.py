@@ -37,7 +37,7 @@ from hpc_rlx.observe.display import RunDisplay
 from hpc_rlx.observe.outputs import RunOutputs
 from hpc_rlx.observe.run_lock import RunDirLock
 from hpc_rlx.resilience import plan, ulfm
-from hpc_rlx.resilience.hooks import Survivors
+from hpc_rlx.resilience.hooks import Survivors, rank_loss_hooks
 from hpc_rlx.resilience.mode import FailureMode
 
 class FailureHandling:
@@ -122,12 +122,12 @@ class FailureHandling:
         return self.active and ulfm.failure_known(exc, comm, others=others)
 
     # ---- one recovery ------------------------------------------------------------------
-    def recover(self, comm, worker, policy, totals, hooks=None, components=()) -> "Recovered":
+    def recover(self, comm, worker, policy, totals, hooks=None, components: tuple = ()) -> "Recovered":
         """Collective over the survivors of `comm`, after `handles` took an error. A rank that
         dies during the recovery is shrunk away too, and the recovery starts over (one record
         for all). `hooks`: this rank's debug.* (`injection.DebugHooks`): a failure injected into
-        the recovery, the stall plan for the watchdog over the survivors. The worker, then each
-        of `components` (`hooks.RankLossHook`), rebuilds over the survivors."""
+        the recovery, the stall plan for the watchdog over the survivors. `components`
+        (`hooks.RankLossHook`, the worker first) rebuild over the survivors, in order."""
         t0 = time.perf_counter()
         world_before, writer = worker.world, self.world_ranks[0]
         shared_off = worker.bucket.abandon_node_memory()
@@ -143,7 +143,7 @@ class FailureHandling:
                 adopted = self._continue(new, worker, writer, dead)
                 totals, policy_state = _adopt(new, adopted, worker, policy, totals)
                 survivors = Survivors(new, len(self.roles) - self.spares)
-                for component in (worker, *components):
+                for component in components:
                     component.rebuild(survivors)
                 self._watch(new, worker, None if hooks is None else hooks.stall)
                 break
@@ -251,7 +251,7 @@ class Survives:
     def _recover(self, totals):
         with phase("recovery from a failed rank"):
             done = self.failure.recover(self.comm, self.worker, self.policy, totals, self.hooks,
-                                        components=(self.checkpoints,))
+                                        components=rank_loss_hooks(self.ctx))
         self.ctx = self._survivors_context(done)
         self.policy.rejoin(self, done.policy_state)
         self.current_totals = done.totals

@@ -16,7 +16,8 @@ import pytest
 
 from hpc_rlx.policies.registry import POLICIES
 
-from tests.support.jobs import REPO, explain, launch_cmd, mpi_env, read_metrics, write_small_classification
+from tests.support.jobs import (MPI_IMPL, PYTHON, REPO, explain, launch_cmd, launch_prefix, mpi_env, read_log,
+                                read_metrics, write_small_classification)
 
 PKG = REPO / "hpc_rlx"
 
@@ -395,6 +396,116 @@ def test_a_new_config_key_is_one_schema_line_and_its_yaml_default(tmp_path):
     assert "toy_limit: 5" in (run_dir / "config.yaml").read_text()
     bad, _ = _train_copy(copy, tmp_path, ["train.toy_limit=0", "hydra.run.dir=" + str(tmp_path / "bad")])
     assert bad.returncode == 2 and "train.toy_limit" in bad.stderr, explain(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault tolerance is one package; a part that survives a dead rank is one method
+# ---------------------------------------------------------------------------------------------
+
+# The one home of what `comm.on_failure` means (hpc_rlx/resilience/), and the config's own
+# checks of what it runs with (the schema's: config/failure_mode.py's `on_failure_of` reads it)
+ON_FAILURE_READERS = ("resilience/", "config/schema.py", "config/failure_mode.py")
+
+
+def _reads_on_failure(node) -> bool:
+    """`x["on_failure"]`, `x.get("on_failure", ...)`, `getattr(x, "on_failure")`, `x.on_failure`;
+    or a comparison with one of its values that only a mode test would make."""
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "on_failure"
+    if isinstance(node, ast.Call) and node.args:
+        name = ast.unparse(node.func)
+        key = node.args[1] if name == "getattr" and len(node.args) > 1 else node.args[0]
+        return (name == "getattr" or name.endswith(".get")) and getattr(key, "value", None) == "on_failure"
+    if isinstance(node, ast.Attribute):
+        return node.attr == "on_failure"
+    if isinstance(node, ast.Compare):
+        consts = [c for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+        return any(c.value in ("shrink", "spare") for c in consts)
+    return False
+
+
+def test_comm_on_failure_is_read_only_by_the_resilience_package_and_the_schema():
+    """Other parts offer a hook (`resilience.hooks`) and never test the mode themselves."""
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        rel = str(path.relative_to(PKG))
+        if rel.startswith(ON_FAILURE_READERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if _reads_on_failure(node):
+                offenders.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    assert not offenders, offenders
+    # the check finds each way of reading it
+    for text in ('c["on_failure"]', 'c.get("on_failure", "abort")', 'getattr(c, "on_failure")',
+                 "c.on_failure", 'mode == "spare"'):
+        assert any(_reads_on_failure(n) for n in ast.walk(ast.parse(text))), text
+    assert not any(_reads_on_failure(n) for n in ast.walk(ast.parse('c.get("spares")')))
+
+
+FAILURE_FIELDS = ("step", "before_training", "abandon")
+
+
+def test_a_failure_travels_typed_not_as_attributes_on_the_exception():
+    """`train` raises `resilience.failure.RunFailed` with its `RunFailure`; nothing sticks the
+    step, whether training had begun, or the way out on a caught exception, or reads one back."""
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        caught = {h.name for h in ast.walk(tree) if isinstance(h, ast.ExceptHandler) and h.name}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id in caught and node.attr in FAILURE_FIELDS:
+                offenders.append(f"{path.relative_to(PKG)}:{node.lineno} {ast.unparse(node)} =")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and len(node.args) > 1 \
+                    and getattr(node.args[1], "value", None) in FAILURE_FIELDS:
+                offenders.append(f"{path.relative_to(PKG)}:{node.lineno} {ast.unparse(node)}")
+    assert not offenders, offenders
+
+
+def test_the_run_and_the_job_each_read_in_under_80_lines():
+    """`Run.execute` set-up, epochs, end; `run_job` ship, train, one error: each under 80 lines."""
+    lengths = {}
+    for rel, name in (("runtime/train.py", "execute"), ("runtime/train.py", "_set_up"), ("__main__.py", "run_job")):
+        for node in ast.walk(ast.parse((PKG / rel).read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name == name:
+                lengths[name] = node.end_lineno - node.lineno + 1
+    assert len(lengths) == 3 and max(lengths.values()) < 80, lengths
+
+
+REBUILT_DISPLAY = '''
+    def rebuild(self, survivors) -> None:
+        """After a dead rank: go on over the survivors (here: say so)."""
+        self.log(f"display rebuilt: {survivors.comm.size} ranks, {survivors.training} train")
+
+'''
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi
+@pytest.mark.skipif(MPI_IMPL != "openmpi", reason="a dead rank survived: Open MPI 5's mpirun --with-ft ulfm")
+def test_a_part_that_survives_a_dead_rank_is_one_method(tmp_path):
+    """In a copy of the package: one method, `rebuild(survivors)`, on a part of the run's
+    context (the progress display, observe/display.py): one file changed, no registration. A
+    job of 3 ranks that loses rank 2 at step 5 (comm.on_failure=shrink) calls it once on each
+    survivor and trains to the end."""
+    copy = _copy_package(tmp_path)
+    _add_line_after(copy / "hpc_rlx" / "observe" / "display.py", "class RunDisplay:\n",
+                    textwrap.indent(textwrap.dedent(REBUILT_DISPLAY), "    "))
+    data = write_small_classification(tmp_path / "d.h5", rows=480, seed=0)
+    run_dir = tmp_path / "run"
+    prefix = launch_prefix(3)
+    cmd = prefix[:1] + ["--with-ft", "ulfm"] + prefix[1:] + [
+        PYTHON, "-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "data=file", f"data.path={data}", "train.epochs=2",
+        "train.batch_size=24", "model.hidden=[8]", "report.plots=false", "report.tensorboard=false",
+        "comm.shared_memory=false", "comm.on_failure=shrink", "debug.fail_rank=2", "debug.fail_point=step",
+        "debug.fail_step=5", "debug.fail_mode=kill"]
+    proc = subprocess.run(cmd, cwd=copy, env=mpi_env({"PYTHONPATH": str(copy)}), capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    log = read_log(run_dir)
+    assert log.count("display rebuilt: 2 ranks, 2 train") == 1, log
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+    assert not hasattr(__import__("hpc_rlx.observe.display", fromlist=["RunDisplay"]).RunDisplay, "rebuild")
 
 
 # ---------------------------------------------------------------------------------------------

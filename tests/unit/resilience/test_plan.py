@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_rlx.resilience.ulfm import FT_ENV, detector_thread_on, problem_of, settings_before_mpi_starts
 from hpc_rlx.resilience import plan
+from hpc_rlx.resilience.ulfm import FT_ENV, detector_thread_on, problem_of, settings_before_mpi_starts
 
 
 def test_survivors_at_one_step_adopt_nothing():
