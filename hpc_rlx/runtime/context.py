@@ -1,6 +1,7 @@
 """What a run's epochs run on: one rank's communicator and the parts set up over it. Set-up
 makes it once; a recovery after a dead rank (`resilience.in_run`) returns the survivors' one
-in its place. Nothing assigns to it: a change is a new context."""
+in its place. Nothing assigns to it: a change is a new context. `set_up_lanes`: the part of
+set-up that makes its lanes."""
 
 from __future__ import annotations
 
