@@ -37,7 +37,7 @@ from hpc_rlx.observe.display import RunDisplay
 from hpc_rlx.observe.outputs import RunOutputs
 from hpc_rlx.observe.run_lock import RunDirLock
 from hpc_rlx.resilience import plan, ulfm
-from hpc_rlx.resilience.hooks import Survivors, rank_loss_hooks
+from hpc_rlx.resilience.hooks import PolicyRecovery, RankLossHook, Survivors, rank_loss_hooks
 from hpc_rlx.resilience.mode import FailureMode
 
 class FailureHandling:
@@ -83,7 +83,7 @@ class FailureHandling:
             collective.agree(comm, self.check_launch)     # shrink only where ULFM is active
             self.hosts = comm.allgather(hostname())
 
-    def protect(self, policy) -> None:
+    def protect(self, policy: PolicyRecovery) -> None:
         """Where active: the policy keeps what it rolls back to (`hooks.PolicyRecovery`)."""
         if self.active:
             policy.keep_restore_points()
@@ -122,7 +122,8 @@ class FailureHandling:
         return self.active and ulfm.failure_known(exc, comm, others=others)
 
     # ---- one recovery ------------------------------------------------------------------
-    def recover(self, comm, worker, policy, totals, hooks=None, components: tuple = ()) -> "Recovered":
+    def recover(self, comm, worker, policy: PolicyRecovery, totals, hooks=None,
+                components: tuple[RankLossHook, ...] = ()) -> "Recovered":
         """Collective over the survivors of `comm`, after `handles` took an error. A rank that
         dies during the recovery is shrunk away too, and the recovery starts over (one record
         for all). `hooks`: this rank's debug.* (`injection.DebugHooks`): a failure injected into
