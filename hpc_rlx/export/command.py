@@ -15,8 +15,8 @@ from hpc_rlx.errors import HpcRlxError
 from hpc_rlx.export.ir_to_onnx import ir_to_onnx, needed_by
 from hpc_rlx.export.onnx_source import is_imported, original_onnx, original_state_dict
 from hpc_rlx.export.onnx_writer import optional_onnx, require_onnx, save_model
-from hpc_rlx.export.safetensors_file import write_safetensors
-from hpc_rlx.export.trained import TrainedModel, load_trained, model_output
+from hpc_rlx.export.safetensors_file import read_float_tensors, write_safetensors
+from hpc_rlx.export.trained import ExportError, TrainedModel, load_trained, model_output
 from hpc_rlx.export.verify import check_with_runtime
 from hpc_rlx.graph.onnx.importer import import_onnx
 from hpc_rlx.graph.param_names import user_names
@@ -50,16 +50,20 @@ def export_onnx(trained: TrainedModel, path, output: str | None = None, check: b
     return what
 
 
-def state_dict(trained: TrainedModel) -> dict:
+def state_dict(trained: TrainedModel, base=None) -> dict:
     """name -> float32 array: every parameter and buffer, under the names and in the layout of
-    the model the run started from (the graph's own names for a builder model)."""
+    the model the run started from (the graph's own names for a builder model). ``base``: a
+    safetensors file of the PyTorch module's original weights, for the parameters of an
+    imported model that dynamo's optimizer folded or dropped."""
     if is_imported(trained.graph):
-        return original_state_dict(trained, optional_onnx())
+        return original_state_dict(trained, optional_onnx(), None if base is None else read_float_tensors(base))
+    if base is not None:
+        raise ExportError("--base is for a model imported from ONNX (model=onnx); this run's model was not")
     return {p.name: np.asarray(trained.params[p.name], dtype=np.float32) for p in trained.graph.params}
 
 
-def export_state_dict(trained: TrainedModel, path) -> int:
-    tensors = state_dict(trained)
+def export_state_dict(trained: TrainedModel, path, base=None) -> int:
+    tensors = state_dict(trained, base)
     write_safetensors(path, tensors, {"format": "pt", "hpc_rlx_model": trained.graph.name,
                                       "hpc_rlx_source": str(trained.source)})
     return len(tensors)
@@ -75,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--onnx", metavar="OUT.onnx", help="write the inference ONNX model here")
     p.add_argument("--state-dict", metavar="OUT.safetensors", help="write the parameters and "
                    "batch-norm running statistics here (float32, the original model's names)")
+    p.add_argument("--base", metavar="ORIGINAL.safetensors", default=None,
+                   help="the PyTorch module's original weights: with --state-dict, a parameter dynamo's "
+                   "optimizer sliced (a position table) goes back whole, its untrained rest from here")
     p.add_argument("--checkpoint", metavar="latest|best|PATH", default=None,
                    help="export this checkpoint instead of the final model.h5")
     p.add_argument("--output", metavar="NODE", default=None,
@@ -133,7 +140,7 @@ def main(argv=None) -> int:
         if args.onnx:
             print(f"{export_onnx(trained, args.onnx, args.output, not args.no_check)}: {args.onnx}")
         if args.state_dict:
-            count = export_state_dict(trained, args.state_dict)
+            count = export_state_dict(trained, args.state_dict, args.base)
             print(f"state dict ({count} tensors, float32): {args.state_dict}")
     except HpcRlxError as e:  # ExportError and the graph's, checkpoint's errors
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpc_rlx.export.base_weights import place_parts
 from hpc_rlx.export.onnx_writer import BATCH, check_model
 from hpc_rlx.export.trained import ExportError, TrainedModel
 from hpc_rlx.graph import Graph
@@ -88,15 +89,24 @@ def read_external(onnx, model, run_dir) -> None:
         del tensor.external_data[:]
 
 
-def original_state_dict(trained: TrainedModel, onnx=None) -> dict:
+def original_state_dict(trained: TrainedModel, onnx=None, base: dict | None = None) -> dict:
     """PyTorch name -> float32 value for every IR parameter and buffer. With ``onnx`` the
-    source file's initializer shapes are used for the untransposed ones."""
+    source file's initializer shapes are used for the untransposed ones. ``base``: the PyTorch
+    module's original weights (name -> float32), for what the file lacks (export/base_weights)."""
     meta = _meta(trained.graph)
-    shapes, constants = {}, {}
+    shapes, constants, parts = {}, {}, {}
+    if base is not None and meta.get("slices") and (onnx is None or not (trained.run_dir / SOURCE_FILE).is_file()):
+        raise ExportError(f"--base needs the onnx package and {SOURCE_FILE} in the run directory (the initial "
+                          f"values of the parameters it places)")
     if onnx is not None and (trained.run_dir / SOURCE_FILE).is_file():
         source_model = load_source(onnx, trained)
         shapes = {t.name: tuple(t.dims) for t in source_model.graph.initializer}
         wanted = set(meta.get("state_constants") or ())
+        if base is not None and meta.get("slices"):
+            read_external(onnx, source_model, trained.run_dir)
+            held = {t.name: t for t in source_model.graph.initializer}
+            parts = {ir: onnx.numpy_helper.to_array(held[meta["params"][ir]]).astype(np.float32)
+                     for ir in meta["slices"] if meta["params"].get(ir) in held}
         if wanted:
             read_external(onnx, source_model, trained.run_dir)
             constants = {t.name: onnx.numpy_helper.to_array(t).astype(np.float32)
@@ -119,6 +129,8 @@ def original_state_dict(trained: TrainedModel, onnx=None) -> dict:
     for alias, ir in (meta.get("aliases") or {}).items():
         if ir in trained.params and alias not in out:
             out[alias] = np.asarray(trained.params[ir], dtype=np.float32)
+    if base is not None:
+        place_parts(out, meta, parts, base)
     return out
 
 

@@ -56,3 +56,32 @@ def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None
         except OSError:
             pass
         raise ExportError(f"cannot write {path}: {e}") from None
+
+
+_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
+
+
+def read_float_tensors(path) -> dict:
+    """The floating-point tensors of a safetensors file (name -> float32 array; bfloat16 widened),
+    e.g. a PyTorch module's original weights; other dtypes are left out."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+            data = f.read()
+    except (OSError, ValueError) as e:
+        raise ExportError(f"cannot read {path} as safetensors: {e}") from None
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__" or not isinstance(entry, dict):
+            continue
+        begin, end = entry["data_offsets"]
+        raw, code = data[begin:end], entry.get("dtype")
+        if code == "BF16":  # the upper half of a float32
+            value = (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
+        elif code in _FLOATS:
+            value = np.frombuffer(raw, _FLOATS[code]).astype(np.float32)
+        else:
+            continue
+        out[name] = value.reshape(entry["shape"])
+    return out

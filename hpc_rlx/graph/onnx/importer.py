@@ -20,8 +20,11 @@ input and output), ``output_node`` (the IR node holding the model output), ``par
 parameter: the initializer holding it}), ``transposed`` ({IR parameter: PyTorch name} for those
 whose initializer holds the transpose), ``tied`` ({initializer: IR parameter} for initializers
 that are a transposed copy of a parameter stored elsewhere too), ``torch_names`` ({IR
-parameter: PyTorch state-dict name} where the file says it) and, for a model that draws random
-values, ``expectations`` ({ONNX tensor: its value at inference}: map_random).
+parameter: PyTorch state-dict name} where the file says it), ``slices`` ({IR parameter: the
+PyTorch parameter it is a part of}, folded by dynamo's optimizer), ``aliases`` ({PyTorch name:
+the IR parameter it is tied to}), ``removed`` (PyTorch parameters the optimizer dropped) and,
+for a model that draws random values, ``expectations`` ({ONNX tensor: its value at inference}:
+map_random).
 """
 
 from __future__ import annotations
@@ -248,6 +251,8 @@ def _bind_initializers(em: Emitter, plan, env: dict, meta: dict, initial: dict) 
             initial[ir], meta["params"][ir] = value.astype(np.float64), name
             if name in plan.torch_name:
                 meta["torch_names"][ir] = plan.torch_name[name]
+            if name in plan.slice_of:
+                meta.setdefault("slices", {})[ir] = plan.slice_of[name]
     made: dict = {}  # PyTorch weights not in the file, made from a first transposed copy
     for name, source in plan.source.items():
         value = plan.values[name]
@@ -440,5 +445,13 @@ def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, labe
     for table in ("params", "transposed", "torch_names"):
         meta[table] = {k: v for k, v in meta[table].items() if k in kept}
     meta["tied"] = {k: v for k, v in meta["tied"].items() if v in kept}
+    if "slices" in meta:
+        meta["slices"] = {k: v for k, v in meta["slices"].items() if k in kept}
+    held = {torch: ir for ir, torch in meta["torch_names"].items()}
+    aliases = {alias: held[name] for alias, name in plan.aliases.items() if name in held}
+    if aliases:
+        meta["aliases"] = aliases
+    if plan.removed:
+        meta["removed"] = list(plan.removed)
     d["meta"] = {"onnx": meta}
     return ImportedModel(Graph.from_dict(d), {k: v for k, v in initial.items() if k in kept}, warnings)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpc_rlx.errors import GraphError
+from hpc_rlx.graph.onnx.scopes import module_of
 
 MIN_OPSET = 13
 FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
@@ -120,6 +121,9 @@ class InitPlan:
     torch_name: dict = field(default_factory=dict)   # initializer (or source) name -> PyTorch name
     fused: set = field(default_factory=set)          # initializers batch norm was folded into
     state_consts: set = field(default_factory=set)   # float buffers of the module's state read as constants
+    slice_of: dict = field(default_factory=dict)     # initializer -> the one PyTorch parameter it is a part of
+    aliases: dict = field(default_factory=dict)      # PyTorch name -> the PyTorch name of the tensor it is tied to
+    removed: list = field(default_factory=list)      # PyTorch parameters the exporter's optimizer dropped
 
 
 def _read_values(model) -> dict:
@@ -204,8 +208,18 @@ def plan_initializers(model, warnings: list) -> InitPlan:
                 plan.torch_name[name] = name
     _tie_transposed_copies(plan, uses)
     for name, state in derived:
-        warnings.append(f"initializer {name!r} was computed from {state} by the exporter's optimizer: it trains "
-                        f"as its own parameter (export with optimize=False to keep PyTorch's parameters)")
+        if len(state) == 1:  # a slice of one parameter (pos[:, :t], rows gathered at fixed positions)
+            plan.slice_of[name] = state[0]
+            warnings.append(
+                f"initializer {name!r} is a part of PyTorch parameter {state[0]!r} that the exporter's optimizer "
+                f"computed (a slice, or rows gathered at fixed positions): it trains as its own parameter. The "
+                f"file keeps neither the rest of {state[0]!r} nor where the part lies, so `python -m "
+                f"hpc_rlx.export --state-dict` writes it back into {state[0]!r} only with --base (the module's "
+                f"original weights), and under {name!r} without")
+        else:
+            warnings.append(f"initializer {name!r} was computed from {state} by the exporter's optimizer: it "
+                            f"trains as its own parameter and cannot be written back into them, since it mixes "
+                            f"several (export with optimize=False to keep PyTorch's parameters)")
     fused = sorted(plan.fused | {n for n, _ in folded_state})
     if fused and torchscript:
         warnings.append(f"TorchScript constant folding rewrote the convolution weights {fused}: batch norm after "
@@ -263,6 +277,8 @@ def _missing_state(model, plan: InitPlan, targets: set, vmeta: dict, warnings: l
     present = set(plan.values) | set(plan.source.values()) | folded
     float_targets = {t for t in targets if not t.endswith("num_batches_tracked")}
     missing = sorted(t for t in float_targets - present if t not in plan.fused)
+    plan.aliases, untold = tied_names(model, plan, missing)
+    missing = plan.removed = [t for t in missing if t not in plan.aliases and t not in untold]
     uses: dict = {}
     for node in model.graph.node:
         for pos, name in enumerate(node.input):
@@ -275,8 +291,50 @@ def _missing_state(model, plan: InitPlan, targets: set, vmeta: dict, warnings: l
         warnings.append(f"the PyTorch module's {missing} are not in the file: the exporter's optimizer removed "
                         f"them (a bias of zeros, say, whose addition it dropped), so they do not train and the "
                         f"exported state dict lacks them: export with optimize=False to keep them")
+    if untold:
+        warnings.append(f"the PyTorch module's {untold} are not in the file and no node reads them: names PyTorch "
+                        f"ties to another parameter (the exporter keeps one name of a tied tensor), but the file "
+                        f"does not say which, so the exported state dict lacks them; loading it with "
+                        f"strict=False leaves them tied to the parameter that holds the values")
     if shared and not targets:
         warnings.append(f"parameters {shared} feed several nodes of the same kind: they train as one shared "
                         f"parameter each. Unless the module shares them, the exporter's optimizer merged "
                         f"initializers of equal value (dynamo's optimize=True does, e.g. for freshly initialised "
                         f"layer-norm weights): export with optimize=False")
+
+
+def _placeholder(target: str) -> str:
+    """The exported program's input name of a PyTorch parameter ('%p_a_b_weight' for 'a.b.weight')."""
+    return "%p_" + target.replace(".", "_")
+
+
+def tied_names(model, plan: InitPlan, missing: list) -> tuple[dict, list]:
+    """({missing PyTorch name: the PyTorch name it is tied to}, the missing names left untold).
+
+    The exporter keeps one name of a tied tensor (BART's shared, encoder and decoder token
+    embeddings): a node of module M that reads parameter P where the graph signature lists
+    M.<leaf> and the file does not is M.<leaf> tied to P. A missing name no node records at
+    all (BART's model.shared.weight, which no forward reads by that path) is tied to the one
+    parameter found tied that way with the same leaf name, where there is exactly one."""
+    by_init = {n: plan.torch_name[n] for n, k in plan.kind.items() if k == "param" and n in plan.torch_name}
+    by_init.update({n: plan.torch_name[s] for n, s in plan.source.items() if s in plan.torch_name})
+    wanted, aliases, recorded = set(missing), {}, ""
+    for node in model.graph.node:
+        recorded += node_meta(node, FX_NODE) or ""
+        module = module_of(node)
+        for name in node.input if module else ():
+            held = by_init.get(name)
+            own = f"{module}.{held.rsplit('.', 1)[-1]}" if held else None
+            if own in wanted and own != held:
+                aliases[own] = held
+    untold = []
+    for name in sorted(wanted - set(aliases)):
+        if re.search(re.escape(_placeholder(name)) + r"\b", recorded):
+            continue  # a node used it: the optimizer removed it (a bias of zeros), not a tie
+        leaf = name.rsplit(".", 1)[-1]
+        groups = sorted({held for held in aliases.values() if held.rsplit(".", 1)[-1] == leaf})
+        if len(groups) == 1:
+            aliases[name] = groups[0]
+        else:
+            untold.append(name)
+    return aliases, untold
