@@ -38,10 +38,21 @@ def locate(part: np.ndarray, full: np.ndarray) -> tuple | None:
     return tuple(slice(a, a + n) for a, n in zip(found[0], part.shape)) if found else None
 
 
-def place_parts(out: dict, meta: dict, initial: dict, base: dict) -> None:
+def _gathered(part: np.ndarray, full: np.ndarray) -> bool:
+    """Whether every row of ``part`` (over the last axis) is a row of ``full``: rows gathered
+    out of order or repeated (Swin's relative position bias), which have no one place to go."""
+    if part.size == 0 or full.ndim == 0 or part.shape[-1:] != full.shape[-1:]:
+        return False
+    rows = {r.tobytes() for r in full.reshape(-1, full.shape[-1])}
+    return all(r.tobytes() in rows for r in part.reshape(-1, part.shape[-1]))
+
+
+def place_parts(out: dict, meta: dict, initial: dict, base: dict) -> list[str]:
     """Write each trained part back into its full parameter (in ``out``, in place), and the
     parameters the optimizer dropped, from ``base`` (PyTorch name -> original float32 value).
-    ``initial``: IR parameter -> the part's value in the source file."""
+    ``initial``: IR parameter -> the part's value in the source file. Returns a note for each
+    part that stays under its file's name (gathered rows)."""
+    notes = []
     for ir, full_name in (meta.get("slices") or {}).items():
         name = meta["params"][ir]
         if full_name not in base:
@@ -51,6 +62,10 @@ def place_parts(out: dict, meta: dict, initial: dict, base: dict) -> None:
             where = locate(initial[ir], full)
         except ExportError as e:
             raise ExportError(f"{name!r} in --base's {full_name!r}: {e}") from None
+        if where is None and _gathered(initial[ir], full):
+            notes.append(f"{name!r} holds rows of {full_name!r} gathered out of order or repeated, whose trained "
+                         f"copies have no one place in it: it stays under {name!r}")
+            continue
         if where is None:
             raise ExportError(f"the initial values of {name!r} are no part of --base's {full_name!r} (shape "
                               f"{tuple(full.shape)}): is --base the weights the ONNX file was exported with?")
@@ -60,3 +75,4 @@ def place_parts(out: dict, meta: dict, initial: dict, base: dict) -> None:
     for name in meta.get("removed") or ():
         if name in base:
             out.setdefault(name, base[name])
+    return notes

@@ -50,20 +50,25 @@ def export_onnx(trained: TrainedModel, path, output: str | None = None, check: b
     return what
 
 
-def state_dict(trained: TrainedModel, base=None) -> dict:
+def state_dict(trained: TrainedModel, base=None, notes: list | None = None) -> dict:
     """name -> float32 array: every parameter and buffer, under the names and in the layout of
     the model the run started from (the graph's own names for a builder model). ``base``: a
     safetensors file of the PyTorch module's original weights, for the parameters of an
-    imported model that dynamo's optimizer folded or dropped."""
+    imported model that dynamo's optimizer folded or dropped; ``notes`` collects what
+    could not go back."""
     if is_imported(trained.graph):
-        return original_state_dict(trained, optional_onnx(), None if base is None else read_float_tensors(base))
+        return original_state_dict(trained, optional_onnx(), None if base is None else read_float_tensors(base),
+                                   notes)
     if base is not None:
         raise ExportError("--base is for a model imported from ONNX (model=onnx); this run's model was not")
     return {p.name: np.asarray(trained.params[p.name], dtype=np.float32) for p in trained.graph.params}
 
 
 def export_state_dict(trained: TrainedModel, path, base=None) -> int:
-    tensors = state_dict(trained, base)
+    notes: list = []
+    tensors = state_dict(trained, base, notes)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     write_safetensors(path, tensors, {"format": "pt", "hpc_rlx_model": trained.graph.name,
                                       "hpc_rlx_source": str(trained.source)})
     return len(tensors)
@@ -127,6 +132,9 @@ def main(argv=None) -> int:
         return 0
     if not args.run_dir:
         print(f"{PROG}: error: give the run directory to export from (or --check MODEL.onnx)", file=sys.stderr)
+        return EXIT_ERROR
+    if args.base and not args.state_dict:
+        print(f"{PROG}: error: --base goes with --state-dict (the weights it completes)", file=sys.stderr)
         return EXIT_ERROR
     if not args.onnx and not args.state_dict:
         print(f"{PROG}: error: nothing to write: give --onnx OUT.onnx and/or --state-dict OUT.safetensors",

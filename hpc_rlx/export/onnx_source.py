@@ -89,10 +89,11 @@ def read_external(onnx, model, run_dir) -> None:
         del tensor.external_data[:]
 
 
-def original_state_dict(trained: TrainedModel, onnx=None, base: dict | None = None) -> dict:
+def original_state_dict(trained: TrainedModel, onnx=None, base: dict | None = None, notes: list | None = None) -> dict:
     """PyTorch name -> float32 value for every IR parameter and buffer. With ``onnx`` the
     source file's initializer shapes are used for the untransposed ones. ``base``: the PyTorch
-    module's original weights (name -> float32), for what the file lacks (export/base_weights)."""
+    module's original weights (name -> float32), for what the file lacks (export/base_weights);
+    ``notes`` collects what of it could not be used."""
     meta = _meta(trained.graph)
     shapes, constants, parts = {}, {}, {}
     if base is not None and meta.get("slices") and (onnx is None or not (trained.run_dir / SOURCE_FILE).is_file()):
@@ -130,7 +131,7 @@ def original_state_dict(trained: TrainedModel, onnx=None, base: dict | None = No
         if ir in trained.params and alias not in out:
             out[alias] = np.asarray(trained.params[ir], dtype=np.float32)
     if base is not None:
-        place_parts(out, meta, parts, base)
+        (notes if notes is not None else []).extend(place_parts(out, meta, parts, base))
     return out
 
 

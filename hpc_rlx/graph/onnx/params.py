@@ -211,11 +211,12 @@ def plan_initializers(model, warnings: list) -> InitPlan:
         if len(state) == 1:  # a slice of one parameter (pos[:, :t], rows gathered at fixed positions)
             plan.slice_of[name] = state[0]
             warnings.append(
-                f"initializer {name!r} is a part of PyTorch parameter {state[0]!r} that the exporter's optimizer "
-                f"computed (a slice, or rows gathered at fixed positions): it trains as its own parameter. The "
-                f"file keeps neither the rest of {state[0]!r} nor where the part lies, so `python -m "
-                f"hpc_rlx.export --state-dict` writes it back into {state[0]!r} only with --base (the module's "
-                f"original weights), and under {name!r} without")
+                f"initializer {name!r} was computed from PyTorch parameter {state[0]!r} by the exporter's "
+                f"optimizer (a slice such as pos[:, :t], or rows gathered at fixed positions): it trains as its "
+                f"own parameter. The file keeps neither the rest of {state[0]!r} nor where the part lies: "
+                f"`python -m hpc_rlx.export --state-dict OUT --base ORIGINAL.safetensors` (the module's original "
+                f"weights) writes a slice back into {state[0]!r}, the rest unchanged; rows gathered out of order "
+                f"or repeated cannot go back and stay under {name!r}, as without --base")
         else:
             warnings.append(f"initializer {name!r} was computed from {state} by the exporter's optimizer: it "
                             f"trains as its own parameter and cannot be written back into them, since it mixes "
