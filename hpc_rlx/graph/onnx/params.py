@@ -145,12 +145,16 @@ def _value_meta(model) -> dict:
     return {vi.name: {p.key: p.value for p in vi.metadata_props} for vi in model.graph.value_info}
 
 
+def _signature_text(model) -> str:
+    props = list(model.metadata_props) + list(getattr(model.graph, "metadata_props", []))
+    return next((p.value for p in props if p.key == SIGNATURE), "")
+
+
 def signature_targets(model) -> set:
     """The PyTorch parameter and buffer names the dynamo exporter's graph signature lists, but
     for buffers that are not part of the state dict (persistent=False: Llama's rotary
     frequencies), which are constants of the model, not state."""
-    props = list(model.metadata_props) + list(getattr(model.graph, "metadata_props", []))
-    text = next((p.value for p in props if p.key == SIGNATURE), "")
+    text = _signature_text(model)
     return {m.group(2) for m in _SIGNATURE_TARGET.finditer(text) if not m.group(3)}
 
 
@@ -279,7 +283,10 @@ def _missing_state(model, plan: InitPlan, targets: set, vmeta: dict, warnings: l
     float_targets = {t for t in targets if not t.endswith("num_batches_tracked")}
     missing = sorted(t for t in float_targets - present if t not in plan.fused)
     plan.aliases, untold = tied_names(model, plan, missing)
-    missing = plan.removed = [t for t in missing if t not in plan.aliases and t not in untold]
+    missing = [t for t in missing if t not in plan.aliases and t not in untold]
+    # with batch norm fused into convolutions, the original values of its parameters do not
+    # belong beside the fused weights: only then are they not written back from `export --base`
+    plan.removed = [] if plan.fused else list(missing)
     uses: dict = {}
     for node in model.graph.node:
         for pos, name in enumerate(node.input):
@@ -291,12 +298,15 @@ def _missing_state(model, plan: InitPlan, targets: set, vmeta: dict, warnings: l
         # more, such as zero biases whose additions the optimizer removed
         warnings.append(f"the PyTorch module's {missing} are not in the file: the exporter's optimizer removed "
                         f"them (a bias of zeros, say, whose addition it dropped), so they do not train and the "
-                        f"exported state dict lacks them: export with optimize=False to keep them")
+                        f"exported state dict lacks them"
+                        + ("" if plan.fused else " unless `python -m hpc_rlx.export` is given the module's "
+                           "original weights (--base), which hold their values")
+                        + ": export with optimize=False to keep them")
     if untold:
-        warnings.append(f"the PyTorch module's {untold} are not in the file and no node reads them: names PyTorch "
-                        f"ties to another parameter (the exporter keeps one name of a tied tensor), but the file "
-                        f"does not say which, so the exported state dict lacks them; loading it with "
-                        f"strict=False leaves them tied to the parameter that holds the values")
+        warnings.append(f"the PyTorch module's parameters {untold} are not in the file and no node records reading "
+                        f"them: either PyTorch ties each to another parameter (the exporter keeps one name of a "
+                        f"tied tensor) or the exporter's optimizer removed them, and the file does not say which, "
+                        f"so the exported state dict lacks them (export with optimize=False to keep them)")
     if shared and not targets:
         warnings.append(f"parameters {shared} feed several nodes of the same kind: they train as one shared "
                         f"parameter each. Unless the module shares them, the exporter's optimizer merged "
@@ -328,10 +338,13 @@ def tied_names(model, plan: InitPlan, missing: list) -> tuple[dict, list]:
             own = f"{module}.{held.rsplit('.', 1)[-1]}" if held else None
             if own in wanted and own != held:
                 aliases[own] = held
-    untold = []
+    untold, text = [], _signature_text(model)
     for name in sorted(wanted - set(aliases)):
-        if re.search(re.escape(_placeholder(name)) + r"\b", recorded):
-            continue  # a node used it: the optimizer removed it (a bias of zeros), not a tie
+        if re.search(re.escape(_placeholder(name)) + r"\b", recorded) or f"PARAMETER target='{name}'" not in text:
+            continue  # a node used it (the optimizer removed a bias of zeros), or a buffer: not a tie
+        if plan.fused:  # batch norm fused away may leave its parameters unrecorded too: no guess
+            untold.append(name)
+            continue
         leaf = name.rsplit(".", 1)[-1]
         groups = sorted({held for held in aliases.values() if held.rsplit(".", 1)[-1] == leaf})
         if len(groups) == 1:
