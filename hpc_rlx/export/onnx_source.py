@@ -5,7 +5,9 @@ The run keeps the file it imported as RUN_DIR/model.source.onnx; graph.meta["onn
 IR parameter to the initializer it came from ("params"), names those stored transposed
 relative to it ("transposed"), and may name their PyTorch state-dict key ("torch_names");
 "tied" names initializers that are a transposed copy of a parameter held elsewhere too,
-"aliases" (optional) the other PyTorch names of a tied parameter, and "state_constants"
+"aliases" (optional) the other PyTorch names of a tied parameter, "slices" and "removed"
+(optional) the parts of parameters dynamo's optimizer folded and the parameters it dropped
+(export/base_weights: written back from the module's original weights), and "state_constants"
 (optional) the float buffers of the module's state dict that the import read as constants
 (Swin V2's relative_coords_table): the state dict takes them from the source file.
 """
@@ -89,7 +91,8 @@ def read_external(onnx, model, run_dir) -> None:
         del tensor.external_data[:]
 
 
-def original_state_dict(trained: TrainedModel, onnx=None, base: dict | None = None, notes: list | None = None) -> dict:
+def original_state_dict(trained: TrainedModel, onnx=None, base: dict | None = None,
+                        notes: list | None = None) -> dict:
     """PyTorch name -> float32 value for every IR parameter and buffer. With ``onnx`` the
     source file's initializer shapes are used for the untransposed ones. ``base``: the PyTorch
     module's original weights (name -> float32), for what the file lacks (export/base_weights);
