@@ -47,7 +47,7 @@ from hpc_rlx.graph.onnx import map_shape as s
 from hpc_rlx.graph.ir import Graph
 from hpc_rlx.graph.onnx.emit import Emitter, Tensor, dims_at, sanitise
 from hpc_rlx.graph.onnx.fold import TRACE_BATCHES, Folded, FoldError, evaluate
-from hpc_rlx.graph.onnx.params import exporter_of, load_model, opset_of, plan_initializers
+from hpc_rlx.graph.onnx.params import exporter_of, load_model, opset_of, plan_initializers, record_folded
 from hpc_rlx.graph.onnx.refusals import unsupported_error
 from hpc_rlx.graph.onnx.untie import untie_merged_initializers
 from hpc_rlx.graph.shapes import FLOAT, INT
@@ -251,8 +251,6 @@ def _bind_initializers(em: Emitter, plan, env: dict, meta: dict, initial: dict) 
             initial[ir], meta["params"][ir] = value.astype(np.float64), name
             if name in plan.torch_name:
                 meta["torch_names"][ir] = plan.torch_name[name]
-            if name in plan.slice_of:
-                meta.setdefault("slices", {})[ir] = plan.slice_of[name]
     made: dict = {}  # PyTorch weights not in the file, made from a first transposed copy
     for name, source in plan.source.items():
         value = plan.values[name]
@@ -445,13 +443,6 @@ def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, labe
     for table in ("params", "transposed", "torch_names"):
         meta[table] = {k: v for k, v in meta[table].items() if k in kept}
     meta["tied"] = {k: v for k, v in meta["tied"].items() if v in kept}
-    if "slices" in meta:
-        meta["slices"] = {k: v for k, v in meta["slices"].items() if k in kept}
-    held = {torch: ir for ir, torch in meta["torch_names"].items()}
-    aliases = {alias: held[name] for alias, name in plan.aliases.items() if name in held}
-    if aliases:
-        meta["aliases"] = aliases
-    if plan.removed:
-        meta["removed"] = list(plan.removed)
+    record_folded(plan, meta)
     d["meta"] = {"onnx": meta}
     return ImportedModel(Graph.from_dict(d), {k: v for k, v in initial.items() if k in kept}, warnings)

@@ -238,6 +238,18 @@ def plan_initializers(model, warnings: list) -> InitPlan:
     return plan
 
 
+def record_folded(plan: InitPlan, meta: dict) -> None:
+    """What an export needs of dynamo's folds, in the import's ``meta`` (its kept ``params`` and
+    ``torch_names``): ``slices`` {IR parameter: the PyTorch parameter it is a part of},
+    ``aliases`` {PyTorch name: the IR parameter it is tied to}, ``removed`` [PyTorch names]."""
+    slices = {ir: plan.slice_of[init] for ir, init in meta["params"].items() if init in plan.slice_of}
+    held = {torch: ir for ir, torch in meta["torch_names"].items()}
+    aliases = {alias: held[name] for alias, name in plan.aliases.items() if name in held}
+    for key, value in (("slices", slices), ("aliases", aliases), ("removed", list(plan.removed))):
+        if value:
+            meta[key] = value
+
+
 def _linear_weight(plan: InitPlan, consumers: dict, name: str) -> str | None:
     """The PyTorch weight a TorchScript-folded MatMul operand transposes, named after the bias
     the product is added to ("blocks.0.fc1.bias" -> "blocks.0.fc1.weight"): an nn.Linear."""
