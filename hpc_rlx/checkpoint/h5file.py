@@ -42,18 +42,18 @@ FORMAT_VERSION = 1
 POINTER = "latest"
 BEST_POINTER = "best"
 
-_CKPT_RE = re.compile(r"ckpt-(\d{8,})\.h5")
+CKPT_RE = re.compile(r"ckpt-(\d{8,})\.h5")
 # only temporaries this module creates; retention and cleanup never touch any other name
-_TMP_RE = re.compile(r"\.(?:ckpt-\d{8,}\.h5|latest|best)\.tmp-[0-9a-f]{12}")
+TMP_RE = re.compile(r"\.(?:ckpt-\d{8,}\.h5|latest|best)\.tmp-[0-9a-f]{12}")
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 _BLOCK_BYTES = 64 << 20  # verification streams large arrays in blocks of this size
-_SLACK_BYTES = 1 << 20  # HDF5 metadata on top of the raw array bytes
+SLACK_BYTES = 1 << 20  # HDF5 metadata on top of the raw array bytes
 _DTYPE_KINDS = {"b": 1, "i": 8, "u": 8, "f": 8, "c": 16}  # kind -> largest itemsize stored
 
 Warn = Callable[[str], None]
 
 
-def _warn_stderr(message: str) -> None:
+def warn_stderr(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
@@ -88,7 +88,7 @@ class CheckpointState:
 
 # ---------------------------------------------------------------- validation of what is saved
 
-def _normalise_meta(value, where: str = "meta"):
+def normalise_meta(value, where: str = "meta"):
     """A JSON-exact copy of `value`: tuples become lists, NumPy scalars Python numbers."""
     if value is None or isinstance(value, (str, bool)):
         return value
@@ -104,15 +104,15 @@ def _normalise_meta(value, where: str = "meta"):
             if not isinstance(key, str):
                 raise TypeError(f"checkpoint {where} has key {key!r} of type {type(key).__name__}; "
                                 f"meta keys must be strings (JSON would silently turn them into text)")
-            out[key] = _normalise_meta(item, f"{where}[{key!r}]")
+            out[key] = normalise_meta(item, f"{where}[{key!r}]")
         return out
     if isinstance(value, (list, tuple)):
-        return [_normalise_meta(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        return [normalise_meta(item, f"{where}[{i}]") for i, item in enumerate(value)]
     raise TypeError(f"checkpoint {where} is a {type(value).__name__}; meta must be JSON-able "
                     f"(dict, list, str, int, float, bool, None): put arrays in CheckpointState.arrays")
 
 
-def _check_arrays(arrays) -> dict[str, np.ndarray]:
+def check_arrays(arrays) -> dict[str, np.ndarray]:
     if not isinstance(arrays, dict):
         raise TypeError(f"CheckpointState.arrays must be a dict of NumPy arrays, got {type(arrays).__name__}")
     out: dict[str, np.ndarray] = {}
@@ -140,28 +140,28 @@ def _check_arrays(arrays) -> dict[str, np.ndarray]:
 
 # ---------------------------------------------------------------- checksum
 
-def _raw(a: np.ndarray) -> np.ndarray:
+def raw_bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
-def _feed(h, data) -> None:
+def feed(h, data) -> None:
     h.update(memoryview(data).nbytes.to_bytes(8, "little"))
     h.update(data)
 
 
-def _checksum(manifest: bytes, meta: bytes, arrays: dict[str, np.ndarray]) -> str:
+def checksum(manifest: bytes, meta: bytes, arrays: dict[str, np.ndarray]) -> str:
     h = hashlib.sha256()
-    _feed(h, manifest)
-    _feed(h, meta)
+    feed(h, manifest)
+    feed(h, meta)
     for a in arrays.values():
-        _feed(h, _raw(a))
+        feed(h, raw_bytes(a))
     return "sha256:" + h.hexdigest()
 
 
 # ---------------------------------------------------------------- low-level file steps
 # Module-level so tests can interrupt the protocol between any two of them.
 
-class _GuardedFile:
+class GuardedFile:
     """The file HDF5 writes through (h5py's file-object driver), holding back write errors.
 
     HDF5 2.0 can crash the process when a write fails inside a flush (seen with a full disk and
@@ -218,10 +218,10 @@ class _GuardedFile:
         self._f.close()
 
 
-def _write_header(f: h5py.File, manifest: bytes, meta: bytes) -> h5py.Group:
+def write_header(f: h5py.File, manifest: bytes, meta: bytes) -> h5py.Group:
     """The format attributes, manifest and meta of a new file; returns its empty ``arrays``
     group. The checksum attribute is the caller's: known before the arrays are written
-    (``_write_h5``) or only after they are read back (``staged_file``)."""
+    (``write_h5``) or only after they are read back (``staged_file``)."""
     text = h5py.string_dtype("utf-8")
     f.attrs["format"] = FORMAT
     f.attrs["format_version"] = FORMAT_VERSION
@@ -230,13 +230,13 @@ def _write_header(f: h5py.File, manifest: bytes, meta: bytes) -> h5py.Group:
     return f.create_group("arrays")
 
 
-def _write_h5(path: Path, manifest: bytes, meta: bytes, arrays: dict[str, np.ndarray],
+def write_h5(path: Path, manifest: bytes, meta: bytes, arrays: dict[str, np.ndarray],
               checksum: str) -> None:
-    guarded = _GuardedFile(path)
+    guarded = GuardedFile(path)
     try:
         f = h5py.File(guarded, "w")
         try:
-            group = _write_header(f, manifest, meta)
+            group = write_header(f, manifest, meta)
             f.attrs["checksum"] = checksum
             for name, a in arrays.items():
                 group.create_dataset(name, data=a)
@@ -248,7 +248,7 @@ def _write_h5(path: Path, manifest: bytes, meta: bytes, arrays: dict[str, np.nda
         guarded.close()
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDWR)
     try:
         os.fsync(fd)
@@ -256,7 +256,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make a rename durable; some network filesystems refuse fsync on directories."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -271,33 +271,33 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _replace(src: Path, dst: Path) -> None:
+def replace_file(src: Path, dst: Path) -> None:
     os.replace(src, dst)
 
 
-def _unlink_quiet(path: Path) -> None:
+def unlink_quiet(path: Path) -> None:
     try:
         os.unlink(path)
     except OSError:
         pass
 
 
-def _temp_name(final: Path) -> Path:
+def temp_name(final: Path) -> Path:
     return final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = _temp_name(path)
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = temp_name(path)
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        _replace(tmp, path)
+        replace_file(tmp, path)
     except BaseException:
-        _unlink_quiet(tmp)
+        unlink_quiet(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 # ---------------------------------------------------------------- reading and verifying
@@ -307,7 +307,7 @@ def _read_text(f: h5py.File, name: str) -> bytes:
     return raw.encode("utf-8") if isinstance(raw, str) else bytes(raw)
 
 
-def _read_array(ds) -> np.ndarray:
+def read_array(ds) -> np.ndarray:
     if ds.shape == ():
         return np.asarray(ds[()], dtype=ds.dtype)
     out = np.empty(ds.shape, dtype=ds.dtype)
@@ -320,11 +320,11 @@ def _hash_dataset(h, ds, nbytes: int) -> None:
     """Feed a dataset into the checksum without holding all of a large one in memory."""
     h.update(nbytes.to_bytes(8, "little"))
     if ds.ndim == 0 or nbytes <= _BLOCK_BYTES:
-        h.update(_raw(_read_array(ds)))
+        h.update(raw_bytes(read_array(ds)))
         return
     rows = max(1, _BLOCK_BYTES // max(1, nbytes // ds.shape[0]))
     for start in range(0, ds.shape[0], rows):
-        h.update(_raw(np.ascontiguousarray(ds[start:start + rows])))
+        h.update(raw_bytes(np.ascontiguousarray(ds[start:start + rows])))
 
 
 def _read(path, keep_arrays: bool) -> tuple[dict, bytes, dict[str, np.ndarray]]:
@@ -345,8 +345,8 @@ def _read(path, keep_arrays: bool) -> tuple[dict, bytes, dict[str, np.ndarray]]:
             stored = str(f.attrs["checksum"])
             manifest_bytes, meta_bytes = _read_text(f, "manifest"), _read_text(f, "meta")
             h = hashlib.sha256()
-            _feed(h, manifest_bytes)
-            _feed(h, meta_bytes)
+            feed(h, manifest_bytes)
+            feed(h, meta_bytes)
             manifest = json.loads(manifest_bytes)
             arrays: dict[str, np.ndarray] = {}
             for name, dtype, shape in manifest["arrays"]:
@@ -356,8 +356,8 @@ def _read(path, keep_arrays: bool) -> tuple[dict, bytes, dict[str, np.ndarray]]:
                         f"checkpoint {path}: array {name!r} is {ds.dtype.str}{list(ds.shape)} in the "
                         f"file but {dtype}{list(shape)} in its manifest; the file is corrupt")
                 if keep_arrays:
-                    arrays[name] = a = _read_array(ds)
-                    _feed(h, _raw(a))
+                    arrays[name] = a = read_array(ds)
+                    feed(h, raw_bytes(a))
                 else:
                     _hash_dataset(h, ds, int(np.prod(shape, dtype=np.int64)) * ds.dtype.itemsize)
     except CheckpointError:

@@ -31,7 +31,7 @@ from hpc_rlx.checkpoint.h5file import (
     POINTER,
     CheckpointState,
     Warn,
-    _warn_stderr,
+    warn_stderr,
     checkpoint_name,
     read_checkpoint,
     verify_checkpoint,
@@ -89,7 +89,7 @@ class CheckpointManager:
             return []
         found = []
         for entry in entries:
-            m = hf._CKPT_RE.fullmatch(entry.name)
+            m = hf.CKPT_RE.fullmatch(entry.name)
             if m and entry.is_file():
                 found.append(int(m.group(1)))
         return sorted(found)
@@ -118,8 +118,8 @@ class CheckpointManager:
             raise ValueError(f"checkpoint step must be an integer >= 0, got {step!r}")
         # StagedArrays: written piece by piece (a pipelined run's stages), same file
         staged = state.arrays if isinstance(state.arrays, StagedArrays) else None
-        arrays = staged if staged is not None else hf._check_arrays(state.arrays)
-        meta = hf._normalise_meta(state.meta)
+        arrays = staged if staged is not None else hf.check_arrays(state.arrays)
+        meta = hf.normalise_meta(state.meta)
         if not isinstance(meta, dict):
             raise TypeError(f"checkpoint meta must be a dict, got {type(meta).__name__}")
         if "step" in meta and meta["step"] != step:
@@ -139,7 +139,7 @@ class CheckpointManager:
             else [[name, a.dtype.str, list(a.shape)] for name, a in arrays.items()],
         }
         manifest_bytes, meta_bytes = _dump(manifest), _dump(meta)
-        checksum = None if staged is not None else hf._checksum(manifest_bytes, meta_bytes, arrays)
+        checksum = None if staged is not None else hf.checksum(manifest_bytes, meta_bytes, arrays)
 
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -148,27 +148,27 @@ class CheckpointManager:
         self._remove_stale_temps()
         need = (staged.nbytes if staged is not None else sum(a.nbytes for a in arrays.values())) \
             + len(manifest_bytes) + len(meta_bytes)
-        self._check_space(final, need + hf._SLACK_BYTES)
+        self._check_space(final, need + hf.SLACK_BYTES)
 
-        tmp = hf._temp_name(final)
+        tmp = hf.temp_name(final)
         try:
             if staged is not None:
                 write_staged(tmp, manifest_bytes, meta_bytes, staged)
             else:
-                hf._write_h5(tmp, manifest_bytes, meta_bytes, arrays, checksum)
-            hf._fsync_file(tmp)
+                hf.write_h5(tmp, manifest_bytes, meta_bytes, arrays, checksum)
+            hf.fsync_file(tmp)
             if self.verify_writes:
                 verify_checkpoint(tmp)
-            hf._replace(tmp, final)
+            hf.replace_file(tmp, final)
         except BaseException as e:
-            hf._unlink_quiet(tmp)
+            hf.unlink_quiet(tmp)
             if isinstance(e, (OSError, RuntimeError, CheckpointError)):
                 raise CheckpointError(self._failure(final, e)) from e
             raise
         self._previous_uid, self._history = uid, history  # the new file is complete from here on
         try:
-            hf._fsync_dir(self.directory)
-            hf._write_text_atomic(self.directory / POINTER, final.name + "\n")
+            hf.fsync_dir(self.directory)
+            hf.write_text_atomic(self.directory / POINTER, final.name + "\n")
         except OSError as e:
             raise CheckpointError(
                 f"checkpoint {final} was written but the '{POINTER}' pointer could not be updated: "
@@ -185,7 +185,7 @@ class CheckpointManager:
             except FileNotFoundError:
                 pass
             except OSError as e:
-                _warn_stderr(f"could not delete old checkpoint {self.path_for(s)}: {e}")
+                warn_stderr(f"could not delete old checkpoint {self.path_for(s)}: {e}")
         return final
 
     def _failure(self, final: Path, e: BaseException) -> str:
@@ -213,21 +213,21 @@ class CheckpointManager:
     def _remove_stale_temps(self) -> None:
         """Temporaries left by a writer that was killed; they can be as large as a checkpoint."""
         for entry in os.scandir(self.directory):
-            if hf._TMP_RE.fullmatch(entry.name) and entry.is_file():
-                hf._unlink_quiet(Path(entry.path))
+            if hf.TMP_RE.fullmatch(entry.name) and entry.is_file():
+                hf.unlink_quiet(Path(entry.path))
 
     def _write_best_pointer(self) -> None:
         """``best`` names the best checkpoint, for people and tools; resume never reads it."""
         if self.best_path is None:
             if (self.directory / BEST_POINTER).is_file():
-                hf._unlink_quiet(self.directory / BEST_POINTER)  # it may name a checkpoint moved aside
+                hf.unlink_quiet(self.directory / BEST_POINTER)  # it may name a checkpoint moved aside
             return
         if self._read_name(BEST_POINTER) == self.best_path.name:
             return
         try:
-            hf._write_text_atomic(self.directory / BEST_POINTER, self.best_path.name + "\n")
+            hf.write_text_atomic(self.directory / BEST_POINTER, self.best_path.name + "\n")
         except OSError as e:
-            _warn_stderr(f"could not update {self.directory / BEST_POINTER}: {e}")
+            warn_stderr(f"could not update {self.directory / BEST_POINTER}: {e}")
 
     # ------------------------------------------------------------ resuming
     def _read_name(self, pointer: str) -> str | None:
@@ -245,7 +245,7 @@ class CheckpointManager:
         # resumed one cannot mislead this because `restore_history` moves them aside.
         return [self.path_for(s) for s in reversed(self.steps())]
 
-    def latest_valid(self, warn: Warn = _warn_stderr) -> Path | None:
+    def latest_valid(self, warn: Warn = warn_stderr) -> Path | None:
         """The newest checkpoint that verifies, or None; each one skipped is reported via `warn`."""
         for path in self._resume_order():
             try:
@@ -255,7 +255,7 @@ class CheckpointManager:
                 warn(f"skipping checkpoint {path}: {e}")
         return None
 
-    def load_latest(self, warn: Warn = _warn_stderr, arrays: bool = True) -> CheckpointState | None:
+    def load_latest(self, warn: Warn = warn_stderr, arrays: bool = True) -> CheckpointState | None:
         """Like `latest_valid`, but returns the loaded state (each file is read once; arrays=False:
         verified, its arrays left in the file, see `read_checkpoint`)."""
         for path in self._resume_order():
@@ -265,7 +265,7 @@ class CheckpointManager:
                 warn(f"skipping checkpoint {path}: {e}")
         return None
 
-    def restore_history(self, source, warn: Warn = _warn_stderr) -> None:
+    def restore_history(self, source, warn: Warn = warn_stderr) -> None:
         """Continue from a checkpoint (a path or a state from `read_checkpoint`).
 
         Call it on every resume, before training continues. It rebuilds best tracking from the
@@ -295,7 +295,7 @@ class CheckpointManager:
         self._move_aside([s for s in sorted(present) if s > step], Path(where).name, warn)
         if self._pointer_name() != Path(where).name:
             try:
-                hf._write_text_atomic(self.directory / POINTER, Path(where).name + "\n")
+                hf.write_text_atomic(self.directory / POINTER, Path(where).name + "\n")
             except OSError as e:
                 raise CheckpointError(f"could not point {self.directory / POINTER} at the resumed "
                                       f"checkpoint {Path(where).name}: {e}") from e
@@ -315,12 +315,12 @@ class CheckpointManager:
             src = self.path_for(s)
             dst = self.directory / f"ckpt-{s:08d}.abandoned-{tag}.h5"
             try:
-                hf._replace(src, dst)
+                hf.replace_file(src, dst)
             except OSError as e:
                 raise CheckpointError(f"resuming from {resumed}: could not move the later checkpoint "
                                       f"{src} aside to {dst.name}: {e}") from e
             moved.append(dst.name)
-        hf._fsync_dir(self.directory)
+        hf.fsync_dir(self.directory)
         warn(f"resuming from {resumed} in {self.directory}: later checkpoints were moved aside (kept, "
              f"never deleted by hpc_rlx): {', '.join(moved)}")
 

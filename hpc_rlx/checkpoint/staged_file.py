@@ -46,28 +46,28 @@ def _hash_blocks(h, ds) -> None:
     nbytes = int(np.prod(ds.shape, dtype=np.int64)) * ds.dtype.itemsize
     h.update(nbytes.to_bytes(8, "little"))
     if ds.ndim == 0:
-        h.update(hf._raw(hf._read_array(ds)))
+        h.update(hf.raw_bytes(hf.read_array(ds)))
         return
     rows = max(1, BLOCK_BYTES // max(1, nbytes // max(1, ds.shape[0])))
     for start in range(0, ds.shape[0], rows):
-        h.update(hf._raw(np.ascontiguousarray(ds[start:start + rows])))
+        h.update(hf.raw_bytes(np.ascontiguousarray(ds[start:start + rows])))
 
 
 def write_staged(path: Path, manifest: bytes, meta: bytes, staged: StagedArrays) -> None:
-    """``h5file._write_h5`` for piece-by-piece arrays; the checksum attribute comes last."""
-    guarded = hf._GuardedFile(path)
+    """``h5file.write_h5`` for piece-by-piece arrays; the checksum attribute comes last."""
+    guarded = hf.GuardedFile(path)
     try:
         f = h5py.File(guarded, "w")
         try:
-            group = hf._write_header(f, manifest, meta)
+            group = hf.write_header(f, manifest, meta)
             datasets = {name: group.create_dataset(name, shape=tuple(shape), dtype=np.dtype(dt))
                         for name, (dt, shape) in staged.specs.items()}
             staged.fill(datasets)
             f.flush()
             guarded.raise_recorded()    # a failed write (disk full): no reading back garbage
             h = hashlib.sha256()
-            hf._feed(h, manifest)
-            hf._feed(h, meta)
+            hf.feed(h, manifest)
+            hf.feed(h, meta)
             for name in staged.specs:
                 _hash_blocks(h, datasets[name])
             f.attrs["checksum"] = "sha256:" + h.hexdigest()

@@ -29,7 +29,7 @@ import os
 
 import numpy as np
 
-from hpc_rlx.comm.reduce import HostSum, Reduced, ReductionPath, _mpi
+from hpc_rlx.comm.reduce import HostSum, Reduced, ReductionPath, mpi_module
 
 SHM_DIR = "/dev/shm"
 SHM_HEADROOM = 1.25      # the node's segments must fit /dev/shm's free space with this margin
@@ -122,7 +122,7 @@ class NodeSharedSum(ReductionPath):
         """Collective over ``comm``: (the node's window of one ``size``-element segment per
         rank, None), or (None, why not) on every rank when some rank cannot share (see
         `refusal`; ``why_not``: this rank's own reason, e.g. a GPU lane)."""
-        mpi = _mpi()
+        mpi = mpi_module()
         cls.free_open()
         node = comm.Split_type(mpi.COMM_TYPE_SHARED, key=comm.rank)
         itemsize = np.dtype(dtype).itemsize

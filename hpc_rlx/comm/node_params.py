@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpc_rlx.comm.reduce import _mpi
+from hpc_rlx.comm.reduce import mpi_module
 from hpc_rlx.comm.wire_volume import allgatherv_bytes
 
 
@@ -36,7 +36,7 @@ class NodeSharedParams:
     @classmethod
     def create(cls, comm, size: int, dtype) -> "NodeSharedParams":
         """Collective over `comm`: the node's window of `size` values."""
-        mpi = _mpi()
+        mpi = mpi_module()
         node = comm.Split_type(mpi.COMM_TYPE_SHARED, key=comm.rank)
         itemsize = np.dtype(dtype).itemsize
         # the node's first rank allocates the whole array; the others attach to it
@@ -85,7 +85,7 @@ class NodeSharedParams:
                 for lo, hi in per_node[me]:
                     packed[at: at + hi - lo] = self.array[lo:hi]
                     at += hi - lo
-                self.leaders.Allgatherv(_mpi().IN_PLACE, [packed, (counts, offsets)])
+                self.leaders.Allgatherv(mpi_module().IN_PLACE, [packed, (counts, offsets)])
                 sent += allgatherv_bytes([c * packed.itemsize for c in counts], me)
                 for k, mine in enumerate(per_node):
                     if k == me:
@@ -100,6 +100,6 @@ class NodeSharedParams:
     def free(self) -> None:
         """Collective over the node: views of `array` must not be used after this."""
         self.window.Free()
-        if self.leaders != _mpi().COMM_NULL:
+        if self.leaders != mpi_module().COMM_NULL:
             self.leaders.Free()
         self.node.Free()

@@ -38,11 +38,14 @@ from hpc_rlx.device import backend, cuda_mpi
 from hpc_rlx.observe import trace
 
 
-def _mpi():
+def mpi_module():
     """mpi4py's MPI module, imported on first use: importing it initialises MPI, which a
     process that only builds a bucket (tests, the doctor's config checks) must not do."""
     from mpi4py import MPI
     return MPI
+
+
+_mpi = mpi_module   # the name comm/fragment_sync.py still imports
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,7 @@ class HostSum(ChunkedSum):
     sums_on_device = True
 
     def sum_chunk(self, comm, part) -> None:
-        mpi = _mpi()
+        mpi = mpi_module()
         comm.Allreduce(mpi.IN_PLACE, part, op=mpi.SUM)
 
 
@@ -262,7 +265,7 @@ class WireSum(ReductionPath):
     def _sum_chunk(self, comm, payload, lo: int, hi: int, tail, tail_words) -> tuple[int, int]:
         """Sum ``payload[lo:hi]`` (and the tail, when given) over all ranks in place.
         Returns (bytes of this rank's outgoing words, bytes that left this rank)."""
-        ranks, me, codec, words16 = comm.size, comm.rank, self.codec, _mpi().UINT16_T
+        ranks, me, codec, words16 = comm.size, comm.rank, self.codec, mpi_module().UINT16_T
         owned = [(lo + a, lo + b) for a, b in segments(hi - lo, ranks)]   # segment of each owner
         body_words = [codec.words(b - a) for a, b in owned]
         words = list(body_words)                # per owner, with the tail behind owner 0's block

@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from hpc_rlx.comm.codec import Codec
-from hpc_rlx.comm.reduce import ReductionPath, Reduced, _mpi
+from hpc_rlx.comm.reduce import ReductionPath, Reduced, mpi_module
 from hpc_rlx.comm.wire import segments
 from hpc_rlx.comm.wire_volume import allgather_bytes
 from hpc_rlx.optim.segments import cut_parameters
@@ -213,7 +213,7 @@ class ScatteredSum(ReductionPath):
     def _run_coded(self, comm, payload, tail_sent: int) -> Reduced:
         """The reduce-scatter in the codec's words: every rank codes its piece of each owner's
         slice, each owner decodes and adds them in float32, in rank order."""
-        codec, words16, rank, sent = self.codec, _mpi().UINT16_T, comm.rank, tail_sent
+        codec, words16, rank, sent = self.codec, mpi_module().UINT16_T, comm.rank, tail_sent
         for pieces in self._rounds:
             words = [codec.words(b - a) for a, b in pieces]
             offsets = np.concatenate([[0], np.cumsum(words[:-1])]).astype(int).tolist()

@@ -168,12 +168,28 @@ def _mpi_type(dtype: np.dtype):
 
 
 def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype=None, expect=None):
-    rank, size = comm.Get_rank(), comm.Get_size()
     where = f"scattering {_label(path)!r}"
-
     # 1. rank 0 checks the file and the ranges, and tells everyone the shapes
-    meta, status = None, None
-    if rank == 0:
+    (x_shape, x_dt, y_shape, y_dt), source = _scatter_description(comm, path, x_name, y_name, bounds, expect, where)
+    if x_dtype is not None:
+        x_dt = np.dtype(x_dtype)    # rank 0 casts while filling its send buffer
+    lens = [b - a for a, b in bounds]
+    # 2. every rank allocates; rank 0 also its reusable send buffers and the file handle
+    cap, f, out, send = _scatter_buffers(comm, (x_shape, x_dt, y_shape, y_dt), lens, chunk_bytes, source,
+                                         x_name, y_name, where)
+    # 3. rounds: rank 0 reads, everyone hears whether it worked, then two Scatterv
+    try:
+        _scatter_rounds(comm, f, bounds, lens, cap, send, out, (math.prod(x_shape), math.prod(y_shape)), where)
+    finally:
+        if f is not None:
+            f.close()
+    return out
+
+
+def _scatter_description(comm, path, x_name, y_name, bounds, expect, where):
+    """((x shape, x dtype, y shape, y dtype), rank 0's (file set, reference, its path); None elsewhere)."""
+    meta, status, source = None, None, None
+    if comm.Get_rank() == 0:
         try:
             files, ref, ref_path = _as_set(path, x_name, y_name, expect)
             for r, (a, b) in enumerate(bounds):
@@ -182,21 +198,21 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype=None,
                         f"rank {r}'s rows [{a}, {b}) are outside dataset {ref_path!r} with {files.n} rows"
                     )
             meta = (ref.x_shape, ref.x_dtype.str, ref.y_shape, ref.y_dtype.str)
+            source = (files, ref, ref_path)
         except Exception as e:  # noqa: BLE001
             status = _message(e)
     status, meta = watched_call("data: rank 0's file description (bcast)", comm.bcast, (status, meta), root=0)
     _raise_if_failed([status], where)
     x_shape, x_dt, y_shape, y_dt = meta
-    x_dt, y_dt = np.dtype(x_dt), np.dtype(y_dt)
-    if x_dtype is not None:
-        x_dt = np.dtype(x_dtype)    # rank 0 casts while filling its send buffer
-    x_elems = math.prod(x_shape)
-    y_elems = math.prod(y_shape)
+    return (x_shape, np.dtype(x_dt), y_shape, np.dtype(y_dt)), source
 
-    lens = [b - a for a, b in bounds]
-    my_len = lens[rank]
 
-    # 2. every rank allocates; rank 0 also its reusable send buffers and the file handle
+def _scatter_buffers(comm, meta, lens, chunk_bytes, source, x_name, y_name, where):
+    """(rows per round, rank 0's open file set, (out_x, out_y), rank 0's (send_x, send_y)),
+    allocated on every rank before any reads; a failure anywhere fails all of them."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x_shape, x_dt, y_shape, y_dt = meta
+    x_elems, y_elems = math.prod(x_shape), math.prod(y_shape)
     f = None
     out_x = out_y = send_x = send_y = None
     status = None
@@ -204,51 +220,52 @@ def _load_scatter(comm, path, x_name, y_name, bounds, chunk_bytes, x_dtype=None,
         cap = round_rows(
             size, x_dt.itemsize * x_elems + y_dt.itemsize * y_elems, max(x_elems, y_elems), chunk_bytes, _INT_MAX
         )
-        out_x = np.empty((my_len,) + tuple(x_shape), dtype=x_dt)
-        out_y = np.empty((my_len,) + tuple(y_shape), dtype=y_dt)
+        out_x = np.empty((lens[rank],) + tuple(x_shape), dtype=x_dt)
+        out_y = np.empty((lens[rank],) + tuple(y_shape), dtype=y_dt)
         if rank == 0:
             rows0 = sum(min(cap, n) for n in lens)  # round 0 is the largest
             send_x = np.empty((rows0,) + tuple(x_shape), dtype=x_dt)
             send_y = np.empty((rows0,) + tuple(y_shape), dtype=y_dt)
-            f = SetReader(files, x_name, y_name, ref, ref_path)   # casts x while reading
+            f = SetReader(source[0], x_name, y_name, source[1], source[2])   # casts x while reading
     except Exception as e:  # noqa: BLE001
         status = _message(e)
     statuses = watched_call("data: receive buffers (allgather)", comm.allgather, status)
     if any(s is not None for s in statuses) and f is not None:
         f.close()
     _raise_if_failed(statuses, where)
+    return cap, f, (out_x, out_y), (send_x, send_y)
 
-    # 3. rounds: rank 0 reads, everyone hears whether it worked, then two Scatterv
-    try:
-        tx, ty = _mpi_type(x_dt), _mpi_type(y_dt)
-        rounds = max((math.ceil(n / cap) for n in lens), default=0)
-        for k in range(rounds):
-            counts = [max(0, min(cap, n - k * cap)) for n in lens]
-            offs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-            status = None
+
+def _scatter_rounds(comm, f, bounds, lens, cap, send, out, elems, where) -> None:
+    """Rank 0 reads each round's rows of every rank; everyone hears whether it worked; then
+    one Scatterv for x and one for y."""
+    rank = comm.Get_rank()
+    (send_x, send_y), (out_x, out_y) = send, out
+    tx, ty = _mpi_type(out_x.dtype), _mpi_type(out_y.dtype)
+    rounds = max((math.ceil(n / cap) for n in lens), default=0)
+    for k in range(rounds):
+        counts = [max(0, min(cap, n - k * cap)) for n in lens]
+        offs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+        status = None
+        if rank == 0:
+            try:
+                for r, c in enumerate(counts):
+                    if c:
+                        a = bounds[r][0] + k * cap
+                        f.read_range(a, a + c, send_x, send_y, at=int(offs[r]))
+            except Exception as e:  # noqa: BLE001
+                status = _message(e)
+        _raise_if_failed([watched_call("data: rank 0's read (bcast)", comm.bcast, status, root=0)], where)
+
+        lo, hi = k * cap, k * cap + counts[rank]
+        for snd, dst, n_elems, mt in ((send_x, out_x, elems[0], tx), (send_y, out_y, elems[1], ty)):
+            sendspec = None
             if rank == 0:
-                try:
-                    for r, c in enumerate(counts):
-                        if c:
-                            a = bounds[r][0] + k * cap
-                            f.read_range(a, a + c, send_x, send_y, at=int(offs[r]))
-                except Exception as e:  # noqa: BLE001
-                    status = _message(e)
-            _raise_if_failed([watched_call("data: rank 0's read (bcast)", comm.bcast, status, root=0)], where)
-
-            lo, hi = k * cap, k * cap + counts[rank]
-            for send, out, elems, mt in ((send_x, out_x, x_elems, tx), (send_y, out_y, y_elems, ty)):
-                sendspec = None
-                if rank == 0:
-                    sendspec = [
-                        send.reshape(-1),
-                        [c * elems for c in counts],
-                        [int(o) * elems for o in offs],
-                        mt,
-                    ]
-                watched_call("data: shard round (Scatterv)", comm.Scatterv, sendspec, [out[lo:hi].reshape(-1), mt],
-                             root=0)
-    finally:
-        if f is not None:
-            f.close()
-    return out_x, out_y
+                sendspec = [
+                    snd.reshape(-1),
+                    [c * n_elems for c in counts],
+                    [int(o) * n_elems for o in offs],
+                    mt,
+                ]
+            watched_call("data: shard round (Scatterv)", comm.Scatterv, sendspec, [dst[lo:hi].reshape(-1), mt],
+                         root=0)

@@ -23,7 +23,7 @@ import numpy as np
 from h5py import h5d, h5f, h5p, h5s
 
 from hpc_rlx.data.fileset import FileSet
-from hpc_rlx.data.hdf5 import DatasetInfo, _describe_open, _open, describe
+from hpc_rlx.data.hdf5 import DatasetInfo, describe, describe_open_file, open_dataset_file
 from hpc_rlx.errors import DataError
 
 __all__ = ["resolve", "read_whole", "Meta", "file_meta", "check_like", "describe_set", "meta_of", "check_files",
@@ -56,7 +56,7 @@ def resolve(spec, key: str = "data.path") -> list[str]:
         if not paths:
             raise DataError(f"{key}={spec} matches no file")
         return paths
-    return [spec]     # one file; _open says what is wrong with it
+    return [spec]     # one file; open_dataset_file says what is wrong with it
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def read_whole(path: str, name: str) -> np.ndarray:
     try:
         fid = h5f.open(os.fsencode(path), h5f.ACC_RDONLY, fapl=_FAPL)
     except Exception:  # noqa: BLE001
-        _open(path).close()         # raises the message (missing, not HDF5, ...)
+        open_dataset_file(path).close()         # raises the message (missing, not HDF5, ...)
         raise DataError(f"cannot open data file {path!r}") from None
     try:
         d = h5d.open(fid, name.encode())
@@ -177,8 +177,8 @@ def read_whole(path: str, name: str) -> np.ndarray:
 
 
 def _describe_open_path(path: str, named: str, x_name: str, y_name: str) -> DatasetInfo:
-    with _open(path) as f:
-        return _describe_open(f, named, x_name, y_name, True)
+    with open_dataset_file(path) as f:
+        return describe_open_file(f, named, x_name, y_name, True)
 
 
 def file_meta(path: str, x_name: str, y_name: str, one_sample: bool = False) -> Meta:

@@ -58,7 +58,8 @@ def _list_datasets(f: h5py.File) -> list[str]:
     return names
 
 
-def _open(path) -> h5py.File:
+def open_dataset_file(path) -> h5py.File:
+    """Open a dataset file for reading; a DataError that says what is wrong with it otherwise."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise DataError(f"dataset file {path!r} does not exist")
@@ -159,7 +160,7 @@ def _get_dataset(f: h5py.File, path: str, name: str, role: str, scalar_ok: bool 
     return obj
 
 
-def _describe_open(f: h5py.File, path: str, x_name: str, y_name: str, one_sample: bool = False) -> DatasetInfo:
+def describe_open_file(f: h5py.File, path: str, x_name: str, y_name: str, one_sample: bool = False) -> DatasetInfo:
     """one_sample: the file holds one sample, without a sample axis (data.one_sample_per_file)."""
     _check_names(f, path, x_name, y_name)
     x = _get_dataset(f, path, x_name, "input", scalar_ok=one_sample)
@@ -195,8 +196,8 @@ def _describe_open(f: h5py.File, path: str, x_name: str, y_name: str, one_sample
 def describe(path, x_name: str = "x", y_name: str = "y", one_sample: bool = False) -> DatasetInfo:
     """Shapes, dtypes, length and root attributes of a dataset file; reads no sample data."""
     path = os.fspath(path)
-    with _open(path) as f:
-        return _describe_open(f, path, x_name, y_name, one_sample)
+    with open_dataset_file(path) as f:
+        return describe_open_file(f, path, x_name, y_name, one_sample)
 
 
 _INPUT_KINDS = {"float": "fiub", "int": "iu"}  # integers feed float models (cast), not vice versa
@@ -275,8 +276,8 @@ def read_rows(path, x_name: str, y_name: str, start: int, stop: int, x_dtype=Non
     """Rows ``[start, stop)`` of x and y; reads only that hyperslab from disk. ``x_dtype``:
     the type x is wanted in (cast block by block while reading), else as stored."""
     path = os.fspath(path)
-    with _open(path) as f:
-        info = _describe_open(f, path, x_name, y_name)
+    with open_dataset_file(path) as f:
+        info = describe_open_file(f, path, x_name, y_name)
         if not (0 <= start <= stop <= info.n):
             raise DataError(
                 f"row range [{start}, {stop}) is outside dataset {path!r} with {info.n} rows"

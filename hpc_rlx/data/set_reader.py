@@ -12,7 +12,7 @@ import numpy as np
 
 from hpc_rlx.data.files import Meta, check_unchanged, meta_of
 from hpc_rlx.data.fileset import FileSet
-from hpc_rlx.data.hdf5 import _describe_open, _open
+from hpc_rlx.data.hdf5 import describe_open_file, open_dataset_file
 from hpc_rlx.data.one_sample import OneSampleReader
 from hpc_rlx.errors import DataError
 
@@ -51,9 +51,9 @@ class SetReader:
             return self._cur[1]
         self.close()
         files, named = self.files, self.files.named(k)
-        f = _open(files.opened(k))
+        f = open_dataset_file(files.opened(k))
         try:
-            info = _describe_open(f, named, self.x_name, self.y_name, files.one_sample)
+            info = describe_open_file(f, named, self.x_name, self.y_name, files.one_sample)
             check_unchanged(meta_of(info), files, k, self.ref, self.ref_path, self.x_name, self.y_name)
         except BaseException:
             f.close()

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import numpy as np
 from h5py import h5d
 
-from hpc_rlx.data.hdf5 import TokenVocab, _open, check_values
+from hpc_rlx.data.hdf5 import TokenVocab, check_values, open_dataset_file
 from hpc_rlx.errors import DataError
 
 __all__ = ["RowSource", "Prefetcher", "Slot", "scan_rows"]
@@ -76,7 +76,7 @@ class RowSource:
 
     def __init__(self, path, x_name: str, y_name: str, one_sample: bool = False):
         self.path = os.fspath(path)
-        self.file = _open(self.path)
+        self.file = open_dataset_file(self.path)
         # one_sample: the datasets are one sample without a sample axis (read as row 0)
         self.one_sample = one_sample
         try:

@@ -50,6 +50,12 @@ class BatchStatSum:
         self._total = total
         self.calls += 1
 
+    def contribute(self, index: int, part: np.ndarray) -> np.ndarray:
+        """Lane ``index``'s part in; once every lane's is in, their sum over the ranks out."""
+        self._parts[index] = part
+        self._barrier.wait()
+        return self._total
+
     def start_step(self) -> None:
         """Before a step: a barrier a failed step broke is whole again."""
         if self._barrier.broken:
@@ -73,9 +79,7 @@ class LaneHook:
         part = np.array(part, dtype=np.float64)      # a copy the other lanes may read
         if self.idle:
             part[...] = 0.0
-        self.owner._parts[self.index] = part
-        self.owner._barrier.wait()
-        return self.xp.array(self.owner._total)      # each lane its own copy
+        return self.xp.array(self.owner.contribute(self.index, part))      # each lane its own copy
 
     def abort(self) -> None:
         self.owner.abort()

@@ -72,32 +72,7 @@ def analyse(records: list[dict], *, shared: dict | None = None, cwd_files: dict 
     warnings = []
     size = records[0]["size"] if records else 1
     for host, recs in sorted(by_host(records).items()):
-        n = len(recs)
-        union = set().union(*(set(r["cores"]) for r in recs))
-        cores = len(union)
-        threads = [r["blas_threads"] for r in recs]
-        if n > cores:
-            warnings.append(
-                f"{host}: {n} ranks share {cores} usable cores: every rank waits for a core at every "
-                f"step (oversubscribed {n / cores:.1f}x). Start at most {cores} ranks on this node.")
-        else:
-            # Without an explicit setting training takes cores / ranks per node, which fits.
-            warnings += thread_warnings(host, recs, cores, settings)
-        if n > 1 and all(len(r["cores"]) == 1 for r in recs) and cores < n:
-            warnings.append(f"{host}: ranks are pinned to the same core(s) {sorted(union)}: "
-                            "check the launcher's binding options (--cpu-bind / -bind-to).")
-        fit = shm_fit(recs)
-        if n > 1 and fit is not None and fit[1] < SHM_WARN_BUCKET:
-            warnings.append(
-                f"{host}: {SHM_DIR} has {fit[0] / MIB:.0f} MiB free, so the sum in the node's shared "
-                f"memory (comm.shared_memory) takes buckets of at most {fit[1] / MIB:.1f} MiB a rank "
-                f"({fit[1] // 4 / 1e6:.1f} M float32 parameters) with {n} ranks here; larger models "
-                "use MPI's Allreduce (slower). Give the job a larger /dev/shm (a container's "
-                "--shm-size) or fewer ranks per node.")
-        cpt = recs[0]["env"].get("SLURM_CPUS_PER_TASK")
-        if cpt and cpt.isdigit() and max(threads) > int(cpt):
-            warnings.append(f"{host}: Slurm gave each task {cpt} CPUs but BLAS runs {max(threads)} "
-                            f"threads per rank: set OMP_NUM_THREADS={cpt}.")
+        warnings += _host_warnings(host, recs, settings)
     # srun whose PMI does not match the MPI library starts N lone rank-0 processes
     for r in records:
         step_tasks = r["env"].get("SLURM_STEP_NUM_TASKS", "")
@@ -133,7 +108,45 @@ def analyse(records: list[dict], *, shared: dict | None = None, cwd_files: dict 
                             "gradients will be copied through host memory each step (slower).")
             break
     warnings += data_file_warnings(records, settings)
-    # run directory
+    warnings += _run_dir_warnings(records, shared, cwd_files)
+    return warnings
+
+
+def _host_warnings(host: str, recs: list[dict], settings: dict | None) -> list[str]:
+    """One node's: oversubscribed or shared cores, BLAS threads, /dev/shm, Slurm's CPUs per task."""
+    warnings = []
+    n = len(recs)
+    union = set().union(*(set(r["cores"]) for r in recs))
+    cores = len(union)
+    threads = [r["blas_threads"] for r in recs]
+    if n > cores:
+        warnings.append(
+            f"{host}: {n} ranks share {cores} usable cores: every rank waits for a core at every "
+            f"step (oversubscribed {n / cores:.1f}x). Start at most {cores} ranks on this node.")
+    else:
+        # Without an explicit setting training takes cores / ranks per node, which fits.
+        warnings += thread_warnings(host, recs, cores, settings)
+    if n > 1 and all(len(r["cores"]) == 1 for r in recs) and cores < n:
+        warnings.append(f"{host}: ranks are pinned to the same core(s) {sorted(union)}: "
+                        "check the launcher's binding options (--cpu-bind / -bind-to).")
+    fit = shm_fit(recs)
+    if n > 1 and fit is not None and fit[1] < SHM_WARN_BUCKET:
+        warnings.append(
+            f"{host}: {SHM_DIR} has {fit[0] / MIB:.0f} MiB free, so the sum in the node's shared "
+            f"memory (comm.shared_memory) takes buckets of at most {fit[1] / MIB:.1f} MiB a rank "
+            f"({fit[1] // 4 / 1e6:.1f} M float32 parameters) with {n} ranks here; larger models "
+            "use MPI's Allreduce (slower). Give the job a larger /dev/shm (a container's "
+            "--shm-size) or fewer ranks per node.")
+    cpt = recs[0]["env"].get("SLURM_CPUS_PER_TASK")
+    if cpt and cpt.isdigit() and max(threads) > int(cpt):
+        warnings.append(f"{host}: Slurm gave each task {cpt} CPUs but BLAS runs {max(threads)} "
+                        f"threads per rank: set OMP_NUM_THREADS={cpt}.")
+    return warnings
+
+
+def _run_dir_warnings(records: list[dict], shared: dict | None, cwd_files: dict | None) -> list[str]:
+    """The run directory: writable on every rank, shared between nodes; slurm/train.sh's logs/."""
+    warnings = []
     bad = [r for r in records if not r["run_dir"]["writable"]]
     if bad:
         r = bad[0]

@@ -1,7 +1,7 @@
 """Runs a Graph on NumPy or CuPy: forward, and reverse-mode gradients into caller-owned views.
 
-Everything that can be decided from the graph alone is decided once, in the constructor: the
-execution order, which nodes the loss depends on differentiably, which VJP serves each
+Everything that can be decided from the graph alone is decided once, in the constructor
+(``plan.py``): the execution order, which nodes the loss depends on differentiably, which VJP serves each
 argument, which forward values the backward pass will read (the rest are dropped as soon as
 their last consumer ran), and which parameter-gradient write comes first (that one goes
 straight into the caller's view; later ones accumulate into it).
@@ -16,38 +16,10 @@ from hpc_rlx.errors import DataError, DeviceError, GraphError
 from hpc_rlx.graph import rewrite as rewrite_mod
 from hpc_rlx.graph.ir import Graph
 from hpc_rlx.graph.params import ParamLayout
-from hpc_rlx.graph.registry import OPS, VJPS, vjp_fn
+from hpc_rlx.graph.plan import OpContext, backward_steps, differentiable_reach, forward_steps, live_slots
 from hpc_rlx.graph.shapes import FLOAT, fmt_shape
 
 _DTYPES = {"float32": np.float32, "float64": np.float64}
-
-
-class _Ctx:
-    """What an op's forward may know about the call (dropout needs the seed and its node), and
-    where a training forward publishes a buffer's new statistic (``emit``); ``sync`` sums a small
-    array over every part of the global batch (model.sync_batch_norm; None: this part alone)."""
-
-    __slots__ = ("train", "seed", "need_saved", "index", "node", "emitted", "dtype", "sync")
-
-    def __init__(self, train, seed, dtype, sync=None):
-        self.train, self.seed, self.dtype = train, seed, dtype  # dtype: the compute dtype (constants, casts)
-        self.sync = sync
-        self.need_saved, self.index, self.node = False, 0, ""
-        self.emitted = []  # (node index, argument position, value)
-
-    def emit(self, position: int, value) -> None:
-        """Publish ``value`` as this step's statistic for the buffer wired to argument ``position``
-        (batch norm's batch mean and variance); the executor writes it into the buffer's slot of
-        the gradient vector, scaled like the gradients."""
-        self.emitted.append((self.index, position, value))
-
-
-class _Step:
-    __slots__ = ("index", "name", "forward", "attrs", "args", "slot", "need_saved", "release")
-
-
-class _BackStep:
-    __slots__ = ("slot", "attrs", "args", "grads", "done")
 
 
 class StageRun:
@@ -81,19 +53,23 @@ class Executor:
         self._g, self._plain = g, None
         self._inputs = [(s.name, s.shape, s.dtype) for s in g.inputs]
         self._params = [(p.name, tuple(p.shape)) for p in g.params]
+        self._slot_values(g)
+        self._plan_steps(g)
+
+    def _slot_values(self, g: Graph) -> None:
+        """Every value gets a slot: the inputs, the parameters, then the nodes in order."""
         slot = {s.name: i for i, s in enumerate(g.inputs)}
         slot.update({p.name: len(g.inputs) + i for i, p in enumerate(g.params)})
-        n_leaf = len(slot)
+        self._first_node_slot = len(slot)
         for k, idx in enumerate(g.order):
-            slot[g.nodes[idx].name] = n_leaf + k
+            slot[g.nodes[idx].name] = self._first_node_slot + k
         self._nslots = len(slot)
         self._outputs = [(out, slot[ref]) for out, ref in g.outputs.items()]
-        self._loss_slot = slot[g.outputs[g.loss_name]] if g.loss_name in g.outputs else None
+        self.loss_slot = slot[g.outputs[g.loss_name]] if g.loss_name in g.outputs else None
         # A pipeline stage: values it hands on (seeded with their gradients in backward) and
         # the float values it receives (whose gradients backward returns).
         self._bout = [(name, slot[name]) for name in g.boundary_outputs]
         self._bin = [(name, slot[name]) for name in g.boundary_inputs if g.types[name].dtype == FLOAT]
-        param_of = {slot[p.name]: p.name for p in g.params if p.trainable}
         self._buffer_slots = [(p.name, slot[p.name]) for p in g.params if not p.trainable]
         buffer_of = {s: name for name, s in self._buffer_slots}
         # (node index, argument position) -> the buffer an emitted statistic updates
@@ -101,90 +77,35 @@ class Executor:
                              for pos, r in enumerate(n.inputs) if slot[r] in buffer_of}
         self._slot = slot
 
+    def _plan_steps(self, g: Graph) -> None:
+        """The backward steps, then the training and evaluation forwards (``plan.py``)."""
+        slot = self._slot
         nodes = [g.nodes[i] for i in g.order]  # topological
         node_slot = [slot[n.name] for n in nodes]
         node_args = [[slot[r] for r in n.inputs] for n in nodes]
-
         # Only nodes some output depends on run at all.
-        live = {s for _, s in self._outputs + self._bout}
-        for k in range(len(nodes) - 1, -1, -1):
-            if node_slot[k] in live:
-                live.update(node_args[k])
-
-        # Differentiable reach: which values get a cotangent from the loss.
-        requires = set(param_of) | {s for _, s in self._bin}
-        for k, n in enumerate(nodes):
-            if g.types[n.name].dtype == FLOAT and any(a in requires for a in node_args[k]):
-                requires.add(node_slot[k])
-        reached = {s for s in [self._loss_slot] + [s for _, s in self._bout] if s in requires}
-        for k in range(len(nodes) - 1, -1, -1):
-            if node_slot[k] in reached:
-                reached.update(a for a in node_args[k] if a in requires)
-
-        backward, kept, first_write = [], set(), set()
-        for k in range(len(nodes) - 1, -1, -1):
-            n, s = nodes[k], node_slot[k]
-            if s not in reached:
-                continue
-            rule = VJPS.get(n.op)
-            if rule is None:
-                raise GraphError(f"node '{n.name}': op '{n.op}' has no VJP, but the loss is differentiated through it")
-            bs = _BackStep()
-            bs.slot, bs.attrs, bs.args, bs.grads = s, g.norm_attrs[n.name], node_args[k], []
-            for pos, a in enumerate(node_args[k]):
-                if a not in reached:
-                    continue
-                fn = vjp_fn(n.op, pos)
-                if fn is None:
-                    arg = OPS[n.op].arg_names[pos] if pos < len(OPS[n.op].arg_names) else pos
-                    raise GraphError(
-                        f"node '{n.name}': op '{n.op}' has no VJP for argument {arg!r} ('{n.inputs[pos]}'), "
-                        "but the loss is differentiated through it"
-                    )
-                pname = param_of.get(a)
-                first = pname is not None and a not in first_write
-                if first:
-                    first_write.add(a)
-                bs.grads.append((a, fn, pname, first))
-            kept.update(node_args[k][i] for i in rule.needs_args if i < len(node_args[k]))
-            if rule.needs_ans:
-                kept.add(s)
-            backward.append(bs)
-        # The last write of each parameter gradient: after that step ``on_grad_ready`` hears of it.
-        last = {pname: k for k, bs in enumerate(backward) for _, _, pname, _ in bs.grads if pname is not None}
-        for k, bs in enumerate(backward):
-            bs.done = [name for name, j in last.items() if j == k]
-        self._backward = backward
+        live = live_slots(node_slot, node_args, [s for _, s in self._outputs + self._bout])
+        param_of = {slot[p.name]: p.name for p in g.params if p.trainable}
+        sources = set(param_of) | {s for _, s in self._bin}
+        roots = [self.loss_slot] + [s for _, s in self._bout]
+        _, reached = differentiable_reach(g, nodes, node_slot, node_args, sources, roots)
+        backward, kept, first_write = backward_steps(g, nodes, node_slot, node_args, reached, param_of)
+        self.backward_plan = backward
         self._unreached_params = [name for s, name in param_of.items() if s not in first_write]
-        self._first_node_slot = n_leaf
-        self._train_plan = self._plan(nodes, node_slot, node_args, live, kept, {b.slot for b in backward})
+        self.train_plan = self._plan(nodes, node_slot, node_args, live, kept, {b.slot for b in backward})
         self._eval_plan = self._plan(nodes, node_slot, node_args, live, set(), set())
 
     def _plan(self, nodes, node_slot, node_args, live, kept, saving, outputs=None):
         """Forward steps; each releases the values no later step (or the backward pass) reads."""
         keep = set(kept) | {s for _, s in (self._outputs + self._bout if outputs is None else outputs)}
-        last_use = {}
-        for k, args in enumerate(node_args):
-            if node_slot[k] in live:
-                for a in args:
-                    last_use[a] = k
-        steps = []
-        for k, n in enumerate(nodes):
-            if node_slot[k] not in live:
-                continue
-            st = _Step()
-            st.index, st.name = self._g.order[k], n.name
-            st.forward, st.attrs = OPS[n.op].forward, self._g.norm_attrs[n.name]
-            st.args, st.slot = node_args[k], node_slot[k]
-            st.need_saved = node_slot[k] in saving
-            # Inputs and parameters belong to the caller and are never released.
-            st.release = [
-                a for a in set(node_args[k]) if a >= self._first_node_slot and last_use.get(a) == k and a not in keep
-            ]
-            if node_slot[k] not in last_use and node_slot[k] not in keep:
-                st.release.append(node_slot[k])
-            steps.append(st)
-        return steps
+        return forward_steps(self._g, nodes, node_slot, node_args, live, keep, saving, self._first_node_slot)
+
+    def load_slots(self, feeds, params) -> list:
+        """The value slots of one pass: ``feeds`` (checked like a step's) and ``params`` in place,
+        every node's value empty; for a tool that walks ``train_plan`` and ``backward_plan`` itself."""
+        env = [None] * self._nslots
+        self._load(env, feeds, params, None)
+        return env
 
     # ------------------------------------------------------------------ argument checks
 
@@ -282,10 +203,11 @@ class Executor:
         slot of ``grad_views`` is final (buffers' statistics right after the forward pass, each
         parameter after the last VJP that writes it), on the calling thread, so a caller can
         start reducing finished gradients while backward still runs (``comm.overlap``). ``sync``:
-        see ``_Ctx`` (every part must run the same graph in step: batch norm calls it in forward and backward).
+        see ``plan.OpContext`` (every part must run the same graph in step: batch norm calls it in
+        forward and backward).
         ``grad_scale`` may be a pair: (the loss's weight, the buffers' statistics' weight).
         """
-        if self._loss_slot is None:
+        if self.loss_slot is None:
             raise GraphError("forward_backward: this graph has no loss (a pipeline stage before the last: "
                              "use stage_forward and stage_backward)")
         device = self._check_arrays(param_views, "param_views")
@@ -298,14 +220,14 @@ class Executor:
     def _run_backward(self, env, grad_views, train, seed, grad_scale, ready=None, accumulate=False, sync=None) -> dict:
         xp = self.xp
         saved = [None] * self._nslots
-        ctx = _Ctx(bool(train), seed, self.dtype, sync)
-        self._forward(self._train_plan, env, saved, ctx)
+        ctx = OpContext(bool(train), seed, self.dtype, sync)
+        self._forward(self.train_plan, env, saved, ctx)
         results = [(name, env[s]) for name, s in self._outputs]
         grad_scale, stat_scale = grad_scale if isinstance(grad_scale, tuple) else (grad_scale, grad_scale)
         self._write_statistics(env, ctx, grad_views, stat_scale, accumulate)
 
         cot = [None] * self._nslots
-        cot[self._loss_slot] = xp.asarray(grad_scale, dtype=self.dtype)
+        cot[self.loss_slot] = xp.asarray(grad_scale, dtype=self.dtype)
         self._backward_pass(env, saved, cot, grad_views, ready, accumulate)
         return {name: float(v) for name, v in results}
 
@@ -322,7 +244,7 @@ class Executor:
                 ready(name)
             for name in self._unreached_params:
                 ready(name)
-        for bs in self._backward:
+        for bs in self.backward_plan:
             g = cot[bs.slot]
             cot[bs.slot] = None
             args = [env[a] for a in bs.args]
@@ -371,9 +293,9 @@ class Executor:
         device = self._load(env, feeds, param_views, device)
         run = StageRun()
         run.env, run.saved, run.device = env, [None] * self._nslots, device
-        run.ctx = _Ctx(bool(train), seed, self.dtype)
+        run.ctx = OpContext(bool(train), seed, self.dtype)
         with backend.use_device(device):
-            self._forward(self._train_plan, env, run.saved, run.ctx)
+            self._forward(self.train_plan, env, run.saved, run.ctx)
         run.outputs = {name: float(env[s]) for name, s in self._outputs}
         run.boundary = {name: env[s] for name, s in self._bout}
         return run
@@ -389,8 +311,8 @@ class Executor:
             raise GraphError("stage_backward: this StageRun's backward already ran")
         self._check_arrays(grad_views, "grad_views", run.device)
         xp, env, cot = self.xp, run.env, [None] * self._nslots
-        if self._loss_slot is not None:
-            cot[self._loss_slot] = xp.asarray(grad_scale, dtype=self.dtype)
+        if self.loss_slot is not None:
+            cot[self.loss_slot] = xp.asarray(grad_scale, dtype=self.dtype)
         for name, s in self._bout:
             if self._g.types[name].dtype != FLOAT:
                 continue
@@ -421,17 +343,14 @@ class Executor:
                 raise GraphError(f"fetch: {name!r} is not a node of the graph")
         node_slot = [self._slot[n.name] for n in nodes]
         node_args = [[self._slot[r] for r in n.inputs] for n in nodes]
-        live = {self._slot[n] for n in names}
-        for k in range(len(nodes) - 1, -1, -1):
-            if node_slot[k] in live:
-                live.update(node_args[k])
+        live = live_slots(node_slot, node_args, [self._slot[n] for n in names])
         plan = self._plan(nodes, node_slot, node_args, live, set(), set(),
                           outputs=[(n, self._slot[n]) for n in names])
         device = self._check_arrays(param_views, "param_views")
         env = [None] * self._nslots
         device = self._load(env, feeds, param_views, device, needed=live)
         with backend.use_device(device):
-            self._forward(plan, env, [None] * self._nslots, _Ctx(bool(train), seed, self.dtype))
+            self._forward(plan, env, [None] * self._nslots, OpContext(bool(train), seed, self.dtype))
             return {n: env[self._slot[n]] for n in names}
 
     def forward(self, param_views, feeds, train=False, seed=None) -> dict:
@@ -440,7 +359,7 @@ class Executor:
         env = [None] * self._nslots
         device = self._load(env, feeds, param_views, device)
         with backend.use_device(device):
-            self._forward(self._eval_plan, env, [None] * self._nslots, _Ctx(bool(train), seed, self.dtype))
+            self._forward(self._eval_plan, env, [None] * self._nslots, OpContext(bool(train), seed, self.dtype))
             return {name: float(env[s]) for name, s in self._outputs}
 
     def evaluate(self, param_views, feeds) -> dict:

@@ -110,6 +110,43 @@ def _json_copy(value, where):
         raise _err(where, f"is not plain JSON ({exc})") from None
 
 
+def _read_param(i: int, obj, claim) -> ParamSpec:
+    _check_keys(obj, ["name", "shape", "init"], ["dtype", "trainable"], f"parameter #{i}")
+    name = _name(obj, f"parameter #{i}")
+    claim(name, "parameter")
+    where = f"parameter '{name}'"
+    shape = _shape(obj["shape"], where, False)
+    init = _json_copy(obj["init"], where + " init")
+    try:
+        check_init(init, shape)
+    except ValueError as exc:
+        raise _err(where, str(exc)) from None
+    if obj.get("dtype", FLOAT) != FLOAT:
+        raise _err(where, f"dtype must be 'float' (the compute dtype), got {obj['dtype']!r}")
+    trainable = obj.get("trainable", True)
+    if not isinstance(trainable, bool):
+        raise _err(where, f"trainable must be true or false, got {trainable!r}")
+    return ParamSpec(name, shape, init, trainable=trainable)
+
+
+def _read_node(i: int, obj, claim) -> Node:
+    _check_keys(obj, ["name", "op", "inputs", "shape", "dtype"], ["attrs"], f"node #{i}")
+    name = _name(obj, f"node #{i}")
+    claim(name, "node")
+    where = f"node '{name}'"
+    op = obj["op"]
+    if not isinstance(op, str) or op not in OPS:
+        raise _err(where, f"unknown op {op!r} (known: {', '.join(sorted(OPS))})")
+    refs = obj["inputs"]
+    if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
+        raise _err(where, f"inputs must be a list of names, got {refs!r}")
+    attrs = _json_copy(obj.get("attrs", {}), where + " attrs")
+    if not isinstance(attrs, dict):
+        raise _err(where, "attrs must be a JSON object")
+    shape = _shape(obj["shape"], where, True)
+    return Node(name, op, tuple(refs), attrs, shape, _dtype(obj["dtype"], where))
+
+
 # Ops whose output holds the same ids as their first input, only moved or copied.
 ID_MOVING_OPS = frozenset({"reshape", "transpose", "slice", "flatten", "concat", "expand", "cast",
                            "gather"})
@@ -156,44 +193,8 @@ class Graph:
             claim(name, "input")
             where = f"input '{name}'"
             self.inputs.append(InputSpec(name, _shape(obj["shape"], where, True), _dtype(obj["dtype"], where)))
-
-        self.params: list[ParamSpec] = []
-        for i, obj in enumerate(d["params"]):
-            _check_keys(obj, ["name", "shape", "init"], ["dtype", "trainable"], f"parameter #{i}")
-            name = _name(obj, f"parameter #{i}")
-            claim(name, "parameter")
-            where = f"parameter '{name}'"
-            shape = _shape(obj["shape"], where, False)
-            init = _json_copy(obj["init"], where + " init")
-            try:
-                check_init(init, shape)
-            except ValueError as exc:
-                raise _err(where, str(exc)) from None
-            if obj.get("dtype", FLOAT) != FLOAT:
-                raise _err(where, f"dtype must be 'float' (the compute dtype), got {obj['dtype']!r}")
-            trainable = obj.get("trainable", True)
-            if not isinstance(trainable, bool):
-                raise _err(where, f"trainable must be true or false, got {trainable!r}")
-            self.params.append(ParamSpec(name, shape, init, trainable=trainable))
-
-        self.nodes: list[Node] = []
-        for i, obj in enumerate(d["nodes"]):
-            _check_keys(obj, ["name", "op", "inputs", "shape", "dtype"], ["attrs"], f"node #{i}")
-            name = _name(obj, f"node #{i}")
-            claim(name, "node")
-            where = f"node '{name}'"
-            op = obj["op"]
-            if not isinstance(op, str) or op not in OPS:
-                raise _err(where, f"unknown op {op!r} (known: {', '.join(sorted(OPS))})")
-            refs = obj["inputs"]
-            if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
-                raise _err(where, f"inputs must be a list of names, got {refs!r}")
-            attrs = _json_copy(obj.get("attrs", {}), where + " attrs")
-            if not isinstance(attrs, dict):
-                raise _err(where, "attrs must be a JSON object")
-            shape = _shape(obj["shape"], where, True)
-            self.nodes.append(Node(name, op, tuple(refs), attrs, shape, _dtype(obj["dtype"], where)))
-
+        self.params: list[ParamSpec] = [_read_param(i, obj, claim) for i, obj in enumerate(d["params"])]
+        self.nodes: list[Node] = [_read_node(i, obj, claim) for i, obj in enumerate(d["nodes"])]
         for node in self.nodes:
             for ref in node.inputs:
                 if ref not in kinds:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpc_rlx.device import backend
 from hpc_rlx.graph.ir import LOSS, Graph
 from hpc_rlx.graph.ops.loss import class_axis, iou_counts, label_weight, labelled_count
 
@@ -75,12 +76,8 @@ class LossHead:
         if self.reports_iou:
             attrs = {"axis": self.axis, "ignore_index": self.ignore_index}
             inter, union = iou_counts(xp, output, labels, attrs, self.classes)
-            out["inter"], out["union"] = _host(inter), _host(union)
+            out["inter"], out["union"] = backend.to_numpy(inter), backend.to_numpy(union)
         return out
-
-
-def _host(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 def loss_head(graph: Graph) -> LossHead:

@@ -19,8 +19,9 @@ import time
 
 import numpy as np
 
-from hpc_rlx.graph.executor import Executor, _Ctx
+from hpc_rlx.graph.executor import Executor
 from hpc_rlx.graph.params import ParamLayout, init_params
+from hpc_rlx.graph.plan import OpContext
 from hpc_rlx.graph.shapes import FLOAT, known_prod
 
 
@@ -37,11 +38,10 @@ def synthetic_feeds(graph, rows: int, dtype, seed: int = 0) -> dict:
 
 
 def _one_pass(ex: Executor, feeds: dict, params: dict, grads: dict, names: dict, acc: dict) -> None:
-    xp, env = ex.xp, [None] * ex._nslots
-    ex._load(env, feeds, params, None)
-    saved = [None] * ex._nslots
-    ctx = _Ctx(True, 0, ex.dtype)
-    for st in ex._train_plan:                      # forward: no slot released (backward reads them)
+    xp, env = ex.xp, ex.load_slots(feeds, params)
+    saved = [None] * len(env)
+    ctx = OpContext(True, 0, ex.dtype)
+    for st in ex.train_plan:                      # forward: no slot released (backward reads them)
         ctx.index, ctx.node, ctx.need_saved = st.index, st.name, st.need_saved
         t0 = time.perf_counter()
         out, sv = st.forward(xp, [env[a] for a in st.args], st.attrs, ctx)
@@ -49,9 +49,9 @@ def _one_pass(ex: Executor, feeds: dict, params: dict, grads: dict, names: dict,
         env[st.slot] = out
         if sv is not None:
             saved[st.slot] = sv
-    cot = [None] * ex._nslots
-    cot[ex._loss_slot] = xp.asarray(1.0, dtype=ex.dtype)
-    for bs in ex._backward:
+    cot = [None] * len(env)
+    cot[ex.loss_slot] = xp.asarray(1.0, dtype=ex.dtype)
+    for bs in ex.backward_plan:
         g, args = cot[bs.slot], [env[a] for a in bs.args]
         t0 = time.perf_counter()
         for a, fn, pname, _ in bs.grads:
@@ -73,7 +73,7 @@ def node_times(graph, rows: int = 8, dtype="float32", reps: int = 3, seed: int =
     flat = init_params(graph, np.zeros(layout.size), seed).astype(ex.dtype)
     params, grads = layout.views(flat), layout.views(np.zeros_like(flat))
     feeds = synthetic_feeds(graph, max(1, int(rows)), ex.dtype, seed)
-    names = {st.slot: st.name for st in ex._train_plan}
+    names = {st.slot: st.name for st in ex.train_plan}
     runs = []
     for _ in range(max(1, int(reps)) + 1):
         acc: dict = {}

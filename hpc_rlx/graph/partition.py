@@ -200,48 +200,62 @@ def partition(graph: Graph, stages: int | None = None, cut_points=None, cost=Non
         raise ConfigError(f"stage cost names {unknown[:5]}, which are not nodes the outputs depend on")
 
     if cut_points is not None:
-        cuts = []
-        for c in cut_points:
-            if c not in pos:
-                what = "is not a node of the graph" if c not in g.types or c in {s.name for s in g.inputs} \
-                    or c in {p.name for p in g.params} else "is a node no output depends on"
-                raise ConfigError(f"cut point '{c}' {what} '{g.name}'")
-            cuts.append(pos[c])
-        cuts.sort()
-        ends = cuts + [len(nodes) - 1]
-        for k in range(stages):
-            if k and ends[k] == ends[k - 1]:
-                raise ConfigError(f"cut points {list(cut_points)} leave stage {k + 1} of {stages} empty")
-        for c in cuts:
-            if c >= first_output:
-                out = min((r for r in g.outputs.values()), key=pos.get)
-                raise ConfigError(f"cut point '{nodes[c].name}' leaves output node '{out}' outside the last stage")
-            if c in blocked:
-                raise ConfigError(f"cut point '{nodes[c].name}' separates the readers of parameter "
-                                  f"'{blocked[c]}' (a parameter lives in one stage)")
+        cuts = _named_cuts(g, nodes, pos, cut_points, stages, first_output, blocked)
     else:
-        weights, seen = [], set()
-        for n in nodes:
-            fresh = [r for r in n.inputs if r in g.types and r not in seen and any(p.name == r for p in g.params)]
-            seen.update(fresh)
-            weights.append(float(sum(known_prod(g.types[r].shape) for r in fresh)) + float(cost.get(n.name, 0.0)))
-        last_read = {v: max(at) for v, at in readers.items()}
-        crossing, alive = [], 0
-        ends_at: dict[int, int] = {}
-        for i, n in enumerate(nodes):
-            end = last_read.get(n.name, i)
-            if end > i:
-                size = _per_sample(g.types[n.name].shape)
-                alive += size
-                ends_at[end] = ends_at.get(end, 0) + size
-            alive -= ends_at.pop(i, 0)
-            crossing.append(alive)
-        allowed = {c for c in range(len(nodes) - 1) if c < first_output and c not in blocked}
-        cuts = _balanced_cuts(weights, crossing, allowed, stages)
-        if cuts is None:
-            raise ConfigError(f"graph '{g.name}' cannot be split into {stages} stages: the outputs and the "
-                              "readers of each parameter must stay within one stage")
+        cuts = _balanced_split(g, nodes, readers, cost, first_output, blocked, stages)
     return _build(g, nodes, cuts, stages)
+
+
+def _named_cuts(g: Graph, nodes, pos, cut_points, stages, first_output, blocked) -> list:
+    """The positions of the named cut points, each checked: a node, no stage empty, the outputs
+    in the last stage, no parameter's readers separated."""
+    cuts = []
+    for c in cut_points:
+        if c not in pos:
+            what = "is not a node of the graph" if c not in g.types or c in {s.name for s in g.inputs} \
+                or c in {p.name for p in g.params} else "is a node no output depends on"
+            raise ConfigError(f"cut point '{c}' {what} '{g.name}'")
+        cuts.append(pos[c])
+    cuts.sort()
+    ends = cuts + [len(nodes) - 1]
+    for k in range(stages):
+        if k and ends[k] == ends[k - 1]:
+            raise ConfigError(f"cut points {list(cut_points)} leave stage {k + 1} of {stages} empty")
+    for c in cuts:
+        if c >= first_output:
+            out = min((r for r in g.outputs.values()), key=pos.get)
+            raise ConfigError(f"cut point '{nodes[c].name}' leaves output node '{out}' outside the last stage")
+        if c in blocked:
+            raise ConfigError(f"cut point '{nodes[c].name}' separates the readers of parameter "
+                              f"'{blocked[c]}' (a parameter lives in one stage)")
+    return cuts
+
+
+def _balanced_split(g: Graph, nodes, readers, cost, first_output, blocked, stages) -> list:
+    """The allowed cuts that balance the stages' parameters (plus ``cost``) and the values
+    crossing each cut (`_balanced_cuts`)."""
+    weights, seen = [], set()
+    for n in nodes:
+        fresh = [r for r in n.inputs if r in g.types and r not in seen and any(p.name == r for p in g.params)]
+        seen.update(fresh)
+        weights.append(float(sum(known_prod(g.types[r].shape) for r in fresh)) + float(cost.get(n.name, 0.0)))
+    last_read = {v: max(at) for v, at in readers.items()}
+    crossing, alive = [], 0
+    ends_at: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        end = last_read.get(n.name, i)
+        if end > i:
+            size = _per_sample(g.types[n.name].shape)
+            alive += size
+            ends_at[end] = ends_at.get(end, 0) + size
+        alive -= ends_at.pop(i, 0)
+        crossing.append(alive)
+    allowed = {c for c in range(len(nodes) - 1) if c < first_output and c not in blocked}
+    cuts = _balanced_cuts(weights, crossing, allowed, stages)
+    if cuts is None:
+        raise ConfigError(f"graph '{g.name}' cannot be split into {stages} stages: the outputs and the "
+                          "readers of each parameter must stay within one stage")
+    return cuts
 
 
 def _build(g: Graph, nodes, cuts, stages) -> list:

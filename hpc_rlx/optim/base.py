@@ -29,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from hpc_rlx.checks import Check, is_integral, is_real
+from hpc_rlx.device import backend
 from hpc_rlx.errors import CheckpointError, ConfigError, check_param
 from hpc_rlx.optim.groups import DEFAULT, ParamSetting, runs
 from hpc_rlx.optim.segments import check_segments, whole_array
@@ -85,9 +86,9 @@ def blocks(size: int, itemsize: int) -> list[tuple[int, int]]:
 
 
 def _to_numpy(a) -> np.ndarray:
-    # CuPy arrays expose .get(); NumPy arrays pass through (as a copy, so the state is a snapshot).
-    if hasattr(a, "get") and not isinstance(a, np.ndarray):
-        return a.get()
+    # A device array is copied to the host; a host one is copied too, so the state is a snapshot.
+    if backend.is_device_array(a):
+        return backend.to_numpy(a)
     return np.array(a, copy=True)
 
 

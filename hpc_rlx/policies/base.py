@@ -6,8 +6,8 @@ loop (`runtime.train.Run.train_epoch`) asks the policy for one step at a time an
 `StepResult`: what the step did, as every rank knows it after the step's collective. The loop
 owns the rest: the control flags, the epoch's totals, the display and the metrics records,
 checkpoints and stopping. A policy knows the loop only through `Loop`, the few things a step
-needs. Adding a policy: one module defining a `Policy` subclass, and one line in
-`registry.POLICIES`.
+needs, a typed Protocol (`loop_contract.py`). Adding a policy: one module defining a `Policy`
+subclass, and one line in `registry.POLICIES`.
 
 Nothing here touches MPI.
 """
@@ -15,11 +15,12 @@ Nothing here touches MPI.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping
 
 from hpc_rlx.comm.bucket_layout import STEP_FIELDS
 
 from ..errors import ConfigError
+from .loop_contract import Loop, LoopWorker
 
 
 @dataclass
@@ -94,29 +95,6 @@ class EpochTotals:
         return totals
 
 
-class Loop(Protocol):
-    """What a policy's step may use of the run (and nothing more)."""
-
-    worker: Any         # per-rank state: spec, comm, params, bucket, data, step/epoch position
-    lanes: Any          # the rank's lane set (`LaneSet`; a pipelined rank's `PipelineLaneSet`):
-                        # `step(x, y, seed)`, `refresh_device_params()`
-    rank: int
-    on_nonfinite: str   # train.on_nonfinite: "stop" or "skip"
-    hooks: Any          # debug.*: `injection.DebugHooks` (does nothing unless asked)
-
-    def dropout_seed(self) -> int:
-        """The seed of this step's dropout masks."""
-
-    def reduce(self, nonfinite: bool, reduction=None) -> tuple[Mapping[str, bool], float]:
-        """The step's one collective: this rank's control flags into the bucket's tail
-        (`write_flags`), then the bucket's Allreduce (by `reduction`, else the bucket's own
-        path). Returns the reduced flags and the seconds it took."""
-
-    def write_flags(self, nonfinite: bool) -> None:
-        """This rank's control flags into the bucket's tail (the only place they are written),
-        for a policy that sums the tail itself (a streaming sync, `policies/streaming.py`)."""
-
-
 class Policy:
     """Base of every policy. Subclasses set `name` and `defaults` and implement `step`.
 
@@ -177,7 +155,7 @@ class Policy:
     def load_state_dict(self, state: dict) -> None:
         pass
 
-    def rank_state(self, worker) -> dict | None:
+    def rank_state(self, worker: LoopWorker) -> dict | None:
         """What this rank alone holds and a checkpoint must keep per rank ({"arrays",
         "scalars"}), or None: every rank holds the same (`checkpoint/rank_states.py`)."""
         return None
@@ -190,7 +168,7 @@ class Policy:
         """The run survives a dead rank (`resilience.hooks.PolicyRecovery`): keep what
         `roll_back` returns to (nothing to keep where every step ends agreed)."""
 
-    def roll_back(self, worker) -> None:
+    def roll_back(self, worker: LoopWorker) -> None:
         """Back to the last state every rank agreed on, before the survivors agree where to go
         on (nothing to do where every step ends agreed)."""
 
@@ -198,21 +176,21 @@ class Policy:
         """What the survivors continue from, beyond the worker's state (None: nothing)."""
         return None
 
-    def rejoin(self, loop: "Loop", state: dict | None) -> None:
+    def rejoin(self, loop: Loop, state: dict | None) -> None:
         """The survivors go on from `state`, this policy's `state_dict` on the survivor they
         continue from (None: a policy without one), as a resume of it on their world size
         would; `loop.worker` has already re-planned the data over them."""
 
     # ---- what the loop shows and records -----------------------------------------------
-    def epoch_fraction(self, worker) -> float:
+    def epoch_fraction(self, worker: LoopWorker) -> float:
         """How much of the current epoch is trained (progress display, partial epochs)."""
         return worker.step_in_epoch / max(1, worker.steps_per_epoch)
 
-    def current_lr(self, worker) -> float | None:
+    def current_lr(self, worker: LoopWorker) -> float | None:
         """The learning rate of the step just taken."""
         return worker.lr_at(max(worker.step - 1, 0))
 
-    def step_label(self, worker) -> str:
+    def step_label(self, worker: LoopWorker) -> str:
         """The progress display's position within the epoch."""
         return f"sync {worker.step_in_epoch}"
 

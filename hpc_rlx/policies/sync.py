@@ -15,7 +15,8 @@ import time
 
 from hpc_rlx.observe import trace
 
-from .base import EpochTotals, Loop, Policy, StepResult
+from .base import EpochTotals, Policy, StepResult
+from .loop_contract import Loop, LoopWorker
 from .loss_weight import WEIGHT_FIELDS, is_weighted, mean_scale
 
 
@@ -31,7 +32,7 @@ class SyncPolicy(Policy):
         self.weighted = is_weighted(spec)
         self.bucket_fields = self.bucket_fields + (WEIGHT_FIELDS if self.weighted else ())
 
-    def step_label(self, worker) -> str:
+    def step_label(self, worker: LoopWorker) -> str:
         return f"step {worker.step_in_epoch}/{worker.steps_per_epoch}"
 
     def epoch_record(self, totals: EpochTotals) -> dict:

@@ -30,6 +30,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from hpc_rlx.comm.bucket_layout import BucketLayout
+from hpc_rlx.device import backend
 
 from .consensus import consensus_into, divergence_from, weigh_into
 
@@ -45,14 +46,6 @@ REPORT_FIELDS: tuple[str, ...] = ("steps", "samples", "compute_ms", "sync_ms", "
 - sync_ms: wall time this rank spent in the PREVIOUS sync's Allreduce (0 on the first).
 - divergence: this rank's `SyncLayout.divergence` at the PREVIOUS sync (0 on the first).
 """
-
-
-def _to_host(a) -> np.ndarray:
-    if isinstance(a, np.ndarray):
-        return a
-    if hasattr(a, "get"):  # a device array: one copy of a few dozen numbers
-        return a.get()
-    return np.asarray(a)
 
 
 def _copy_into(dst, src: np.ndarray) -> None:
@@ -215,6 +208,7 @@ class SyncLayout:
 
     def read(self, bucket) -> SyncReport:
         """The reduced bucket's summed weight and every rank's report (host float64)."""
-        tail = _to_host(self.bucket.tail_of(bucket)).astype(np.float64)
+        # a device tail: one copy of a few dozen numbers
+        tail = backend.to_numpy(self.bucket.tail_of(bucket)).astype(np.float64)
         values = {name: tail[self.bucket.rank_slice(name)].copy() for name in self.fields}
         return SyncReport(total_weight=float(tail[self._weight]), values=values)

@@ -350,7 +350,7 @@ def _raise_enospc(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-@pytest.mark.parametrize("stage", ["_write_h5", "_fsync_file", "_replace"])
+@pytest.mark.parametrize("stage", ["write_h5", "fsync_file", "replace_file"])
 def test_failed_write_leaves_previous_checkpoint(tmp_path, monkeypatch, stage):
     mgr = CheckpointManager(tmp_path, keep_last=1)
     mgr.save(state(1), 1, 1.0)
@@ -377,7 +377,7 @@ def test_failed_read_back_and_failed_first_save(tmp_path, monkeypatch):
         mgr.save(state(2), 2)
     assert "ckpt-00000001.h5" in str(info.value)
     assert_previous_intact(tmp_path)
-    monkeypatch.setattr(hf, "_write_h5", _raise_enospc)
+    monkeypatch.setattr(hf, "write_h5", _raise_enospc)
     fresh = tmp_path / "fresh"
     with pytest.raises(CheckpointError, match="disk full.*no earlier checkpoint was affected"):
         CheckpointManager(fresh).save(state(1), 1)
@@ -387,7 +387,7 @@ def test_failed_read_back_and_failed_first_save(tmp_path, monkeypatch):
 def test_failed_pointer_update_keeps_both_and_resume_finds_the_new_one(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path, keep_last=1)
     mgr.save(state(1), 1)
-    monkeypatch.setattr(hf, "_write_text_atomic", _raise_enospc)
+    monkeypatch.setattr(hf, "write_text_atomic", _raise_enospc)
     with pytest.raises(CheckpointError, match="pointer could not be updated"):
         mgr.save(state(2), 2)
     monkeypatch.undo()
@@ -455,9 +455,9 @@ def test_disk_full_under_rlimit_fsize(tmp_path):
 
 
 @pytest.mark.parametrize("stage, resumes_at, leaves_temp", [
-    ("_fsync_file", 1, True),         # killed with the temp file written, before its fsync
-    ("_replace", 1, True),            # killed after fsync and verification, before the rename
-    ("_write_text_atomic", 2, False),  # killed after the rename, before 'latest' moved
+    ("fsync_file", 1, True),         # killed with the temp file written, before its fsync
+    ("replace_file", 1, True),            # killed after fsync and verification, before the rename
+    ("write_text_atomic", 2, False),  # killed after the rename, before 'latest' moved
 ])
 def test_kill_at_any_stage_leaves_a_valid_checkpoint(tmp_path, stage, resumes_at, leaves_temp):
     proc = _run_script(f"""
