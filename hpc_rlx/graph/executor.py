@@ -32,7 +32,9 @@ class StageRun:
 
 class Executor:
     """``Executor(graph, xp=numpy, dtype="float32")``; see ``forward_backward`` and ``evaluate``.
-    ``rewrite=False`` runs the graph exactly as written (no ``rewrite.py`` rewrites)."""
+    ``rewrite=False`` runs the graph exactly as written (no ``rewrite.py`` rewrites). A tool that
+    walks the training pass itself (``node_timing``) reads ``train_plan``, ``backward_plan``
+    (``plan.Step``, ``plan.BackStep``), ``loss_slot`` and ``load_slots``."""
 
     def __init__(self, graph: Graph, xp=np, dtype="float32", rewrite=True):
         if not isinstance(graph, Graph):
@@ -88,7 +90,7 @@ class Executor:
         param_of = {slot[p.name]: p.name for p in g.params if p.trainable}
         sources = set(param_of) | {s for _, s in self._bin}
         roots = [self.loss_slot] + [s for _, s in self._bout]
-        _, reached = differentiable_reach(g, nodes, node_slot, node_args, sources, roots)
+        reached = differentiable_reach(g, nodes, node_slot, node_args, sources, roots)
         backward, kept, first_write = backward_steps(g, nodes, node_slot, node_args, reached, param_of)
         self.backward_plan = backward
         self._unreached_params = [name for s, name in param_of.items() if s not in first_write]

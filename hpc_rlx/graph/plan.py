@@ -51,10 +51,10 @@ def live_slots(node_slot, node_args, roots) -> set:
     return live
 
 
-def differentiable_reach(g, nodes, node_slot, node_args, sources, roots) -> tuple[set, set]:
-    """(requires, reached): the float values that depend on a slot in ``sources`` (the trainable
-    parameters, the float boundary inputs), and those of them that reach a slot in ``roots``
-    (the loss, the boundary outputs): the values that get a cotangent."""
+def differentiable_reach(g, nodes, node_slot, node_args, sources, roots) -> set:
+    """The values that get a cotangent: float values that depend on a slot in ``sources`` (the
+    trainable parameters, the float boundary inputs) and reach a slot in ``roots`` (the loss,
+    the boundary outputs)."""
     requires = set(sources)
     for k, n in enumerate(nodes):
         if g.types[n.name].dtype == FLOAT and any(a in requires for a in node_args[k]):
@@ -63,7 +63,7 @@ def differentiable_reach(g, nodes, node_slot, node_args, sources, roots) -> tupl
     for k in range(len(nodes) - 1, -1, -1):
         if node_slot[k] in reached:
             reached.update(a for a in node_args[k] if a in requires)
-    return requires, reached
+    return reached
 
 
 def backward_steps(g, nodes, node_slot, node_args, reached, param_of) -> tuple[list, set, set]:
