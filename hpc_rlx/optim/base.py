@@ -137,15 +137,15 @@ class Optimizer:
     def _view(self, lo: int, hi: int, setting: ParamSetting) -> "Optimizer":
         """This optimizer over [lo, hi) of its array: the same hyper-parameters and state (views
         of its arrays), without weight decay where `setting` says so."""
-        view = copy.copy(self)
-        for name, value in vars(self).items():
-            if getattr(value, "shape", None) == (self.size,):
-                setattr(view, name, value[lo:hi])
-        view.size = hi - lo
-        view._ranges = blocks(view.size, view.dtype.itemsize)
-        view.segments, view.settings, view._runs = whole_array(view.size), None, None
+        size = hi - lo
+        state = {name: value[lo:hi] for name, value in vars(self).items()
+                 if getattr(value, "shape", None) == (self.size,)}
+        state.update(size=size, _ranges=blocks(size, self.dtype.itemsize), segments=whole_array(size),
+                     settings=None, _runs=None)
         if not setting.decay:
-            view.weight_decay = 0.0
+            state["weight_decay"] = 0.0
+        view = copy.copy(self)
+        vars(view).update(state)     # this optimizer sets the view's state: its own class's
         return view
 
     def step(self, params, grads, lr: float, grad_scale: float = 1.0) -> None:
@@ -161,7 +161,7 @@ class Optimizer:
         count = self.step_count
         for lo, hi, factor, view in self._runs:
             view.step_count = count
-            view._step(params[lo:hi], grads[lo:hi], lr * factor, grad_scale)
+            view.step(params[lo:hi], grads[lo:hi], lr * factor, grad_scale)   # a view steps whole
         self.step_count = count + 1
 
     def setting_of(self, k: int) -> ParamSetting:

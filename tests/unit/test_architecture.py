@@ -849,18 +849,12 @@ def private_accesses(pkg: Path = PKG) -> set[str]:
     return found
 
 
-# comm/fragment_sync.py imports reduce's MPI loader by its old name; policies/streaming.py
-# drives the windowed policy's private members; graph/onnx/map_resample.py shares map_nn's helpers.
+# comm/fragment_sync.py imports reduce's MPI loader by its old name; graph/onnx/map_resample.py
+# shares map_nn's helpers.
 KNOWN_PRIVATE_ACCESS = {
     "comm/fragment_sync.py:_mpi",
     "graph/onnx/map_resample.py:_image",
     "graph/onnx/map_resample.py:_with_one_dim",
-    "policies/streaming.py:_local_steps",
-    "policies/streaming.py:_log",
-    "policies/streaming.py:_lr",
-    "policies/streaming.py:_lr_step",
-    "policies/streaming.py:_next_window",
-    "policies/streaming.py:_prev_sync_ms",
 }
 
 
