@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from hpc_rlx.comm.reduce import Reduced, _mpi, chunk_bounds, ring_bytes
+from hpc_rlx.comm.reduce import Reduced, chunk_bounds, mpi_module, ring_bytes
 
 
 class StagedFragment:
@@ -70,7 +70,7 @@ class FragmentSync:
         self.fragment = fragment
         self._requests, self._cancelled = [], False
         if self.path.overlappable and comm.size > 1:
-            mpi = _mpi()
+            mpi = mpi_module()
             for lo, hi in chunk_bounds(staged.buffer.size, self.chunk_elems):
                 self._requests.append(comm.Iallreduce(mpi.IN_PLACE, staged.buffer[lo:hi], op=mpi.SUM))
 
@@ -92,7 +92,7 @@ class FragmentSync:
         t0 = time.perf_counter()
         fragment, staged = self.fragment, self._staged[self.fragment]
         if self._requests:
-            _mpi().Request.Waitall(self._requests)
+            mpi_module().Request.Waitall(self._requests)
             done = Reduced(len(self._requests), ring_bytes(comm, staged.buffer.nbytes),
                            f"{self.path.path}, fragment")
         elif comm.size > 1:
@@ -110,5 +110,5 @@ class FragmentSync:
         its `sent` contribution, so a checkpoint taken now keeps it and the resumed run starts
         the same sum again."""
         if self._requests:
-            _mpi().Request.Waitall(self._requests)
+            mpi_module().Request.Waitall(self._requests)
         self._requests, self._cancelled = [], True

@@ -45,7 +45,6 @@ def mpi_module():
     return MPI
 
 
-_mpi = mpi_module   # the name comm/fragment_sync.py still imports
 
 
 @dataclass(frozen=True)

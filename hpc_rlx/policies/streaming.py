@@ -82,7 +82,7 @@ class StreamingSync:
         self.lr_at_send = None      # the inner LR of the sub-window the fragment in flight ended
 
     # ---- one sub-window --------------------------------------------------------------------
-    def window(self, loop, counts: list[int], k: int) -> StepResult:
+    def window(self, loop: Loop, counts: list[int], k: int) -> StepResult:
         policy, worker = self.policy, loop.worker
         lr = policy.window.begin(worker)
         t_window = time.perf_counter()
@@ -103,7 +103,7 @@ class StreamingSync:
         send_s = time.perf_counter() - t_send
         return self._result(work, done, send_s, t_window)
 
-    def _send(self, loop, work, counts, lr: float) -> None:
+    def _send(self, loop: Loop, work: LocalWork, counts: list[int], lr: float) -> None:
         policy, worker = self.policy, loop.worker
         j = self.streaming.fragment_of(self.started)
         lo, hi = self.bounds[j]
@@ -120,7 +120,7 @@ class StreamingSync:
         if bad:
             worker.optimizer.reset()             # its state may hold the non-finite values
 
-    def finish(self, loop, k: int):
+    def finish(self, loop: Loop, k: int):
         """Wait for the fragment in flight and apply it; returns (its report, flags, seconds)."""
         policy, worker = self.policy, loop.worker
         j, staged, done, wait_s = self.sync.wait(worker.comm)

@@ -35,7 +35,7 @@ def _ir_axis(t: Tensor, axis: int) -> int:
     return sum(len(g) for g in t.groups[:axis])
 
 
-def _plain_tensor(em, v, what: str) -> Tensor:
+def plain_tensor(em, v, what: str) -> Tensor:
     """``v`` as a Tensor with one IR dim per ONNX dim (a merged batch is not indexable)."""
     t = em.as_tensor(v)
     if any(len(g) != 1 for g in t.groups):
@@ -59,7 +59,7 @@ def as_mask(em, t: Tensor) -> Tensor:
 
 
 def cumsum(em, ins, at, n):
-    x = _plain_tensor(em, ins[0], "CumSum's input")
+    x = plain_tensor(em, ins[0], "CumSum's input")
     axis = _const_int(em, ins[1], "CumSum's axis") % x.rank
     if not x.plain(axis):
         raise em.fail(f"CumSum along axis {axis}, which holds the batch")
@@ -84,7 +84,7 @@ def fold_argmax(ins, at):
 def argmax(em, ins, at, n):
     """On data (a decoder-only classifier's last non-padding token: the largest of position
     times mask): an int64 index without gradient."""
-    x = _plain_tensor(em, ins[0], "ArgMax's input")
+    x = plain_tensor(em, ins[0], "ArgMax's input")
     axis, keep, last = _argmax_attrs(at, x.rank)
     if not x.plain(axis):
         raise em.fail(f"ArgMax along axis {axis}, which holds the batch")
@@ -104,7 +104,7 @@ def _same_kind(em, data: Tensor, v) -> Tensor:
 
 
 def _int_indices(em, v, what="indices") -> Tensor:
-    t = _plain_tensor(em, v, what)
+    t = plain_tensor(em, v, what)
     if t.dtype != INT:
         raise em.fail(f"{what} must be integers")
     return t
@@ -123,7 +123,7 @@ def gather_elements(em, ins, at, n):
     if idx.rank != data.rank or any(g != h for i, (g, h) in enumerate(zip(data.groups, idx.groups)) if i != axis):
         # a batch merged with another dim is indexable where the indices merge it alike
         # (DeBERTa's (batch*heads, T, 2k) relative-position scores)
-        data, idx = _plain_tensor(em, data, "GatherElements' data"), _plain_tensor(em, idx, "indices")
+        data, idx = plain_tensor(em, data, "GatherElements' data"), plain_tensor(em, idx, "indices")
     if idx.dtype != INT:
         raise em.fail("indices must be integers")
     if not data.plain(axis) or not idx.plain(axis):
@@ -132,7 +132,7 @@ def gather_elements(em, ins, at, n):
 
 
 def scatter_elements(em, ins, at, n):
-    data = _plain_tensor(em, ins[0], "ScatterElements' data")
+    data = plain_tensor(em, ins[0], "ScatterElements' data")
     idx = _int_indices(em, ins[1])
     axis = at.get("axis", 0) % data.rank
     if not data.plain(axis):
@@ -182,7 +182,7 @@ def _nd_indices(em, ins, data: Tensor):
 
 
 def gather_nd(em, ins, at, n):
-    data = _plain_tensor(em, ins[0], "GatherND's data")
+    data = plain_tensor(em, ins[0], "GatherND's data")
     if at.get("batch_dims", 0):
         idx = _int_indices(em, ins[1])
         b = at["batch_dims"]
@@ -194,7 +194,7 @@ def gather_nd(em, ins, at, n):
 
 
 def scatter_nd(em, ins, at, n):
-    data = _plain_tensor(em, ins[0], "ScatterND's data")
+    data = plain_tensor(em, ins[0], "ScatterND's data")
     reduction = _reduction(em, at)
     idx, b, depth = _nd_indices(em, ins, data)
     upd = _same_kind(em, data, ins[2])
@@ -253,7 +253,7 @@ def follow_hits(em, op_type: str, ins, at):
     if hits.stage == "nonzero" and op_type == "Transpose" and list(at.get("perm", [1, 0])) == [1, 0]:
         return [hits.then("transposed")]
     if hits.stage == "transposed" and op_type == "GatherND" and ins[1] is hits and not at.get("batch_dims", 0):
-        data = _plain_tensor(em, ins[0], "the pooled tensor")
+        data = plain_tensor(em, ins[0], "the pooled tensor")
         if data.rank < 2 or data.groups[0] != (None,) or data.groups[1] != hits.mask.groups[1]:
             raise em.fail(f"GatherND at a (batch, sequence) mask's hits from a tensor of dims {data.groups}")
         return [hits.then("rows", data)]

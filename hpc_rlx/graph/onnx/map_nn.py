@@ -36,7 +36,7 @@ def torch_momentum(onnx_momentum: float) -> float:
     return 1.0 - float(onnx_momentum)
 
 
-def _image(em, v, what="input", volumes=False) -> Tensor:
+def image_input(em, v, what="input", volumes=False) -> Tensor:
     """A (B, C, H, W) tensor with the batch first (with ``volumes``, also (B, C, D, H, W))."""
     x = float_tensor(em, v, what)
     ranks = (4, 5) if volumes else (4,)
@@ -97,7 +97,7 @@ def _out_size(n, k, s, p, d, ceil_mode=False) -> int:
     return (-(-span // s) if ceil_mode else span // s) + 1
 
 
-def _with_one_dim(emit, weighted: bool = False):
+def with_one_dim(emit, weighted: bool = False):
     """``emit`` for 2-D images, also taking 1-D signals (B, C, L) as (B, C, 1, L) images (and
     a ``weighted`` op's (O, C, k) kernel as (O, C, 1, k))."""
 
@@ -125,7 +125,7 @@ def _with_one_dim(emit, weighted: bool = False):
 
 def _conv2d(em, ins, at, n):
     """2-D and 3-D convolution: the IR's conv2d takes images and volumes alike."""
-    x = _image(em, ins[0], volumes=True)
+    x = image_input(em, ins[0], volumes=True)
     w = float_tensor(em, ins[1], "weight")
     if w.rank != x.rank:
         raise em.fail("only 1-D, 2-D and 3-D convolution are supported")
@@ -149,13 +149,13 @@ def _conv2d(em, ins, at, n):
     return [em.tensor("conv2d", args, ((None,), (out_c,)) + tuple((d,) for d in out), **attrs)]
 
 
-conv = _with_one_dim(_conv2d, weighted=True)
+conv = with_one_dim(_conv2d, weighted=True)
 
 
 def _pool(op: str):
     """2-D and 3-D pooling (the IR's pool ops take images and volumes alike)."""
     def emit(em, ins, at, n):
-        x = _image(em, ins[0], volumes=True)
+        x = image_input(em, ins[0], volumes=True)
         nd = x.rank - 2
         kernel = list(at["kernel_shape"])
         strides, dil = list(at.get("strides", [1] * nd)), list(at.get("dilations", [1] * nd))
@@ -178,8 +178,8 @@ def _pool(op: str):
     return emit
 
 
-max_pool = _with_one_dim(_pool("max_pool2d"))
-average_pool = _with_one_dim(_pool("avg_pool2d"))
+max_pool = with_one_dim(_pool("max_pool2d"))
+average_pool = with_one_dim(_pool("avg_pool2d"))
 
 
 def global_average_pool(em, ins, at, n):

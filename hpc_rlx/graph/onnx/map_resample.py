@@ -20,7 +20,7 @@ import numpy as np
 from hpc_rlx.graph.onnx.emit import decimal32, folded_scalar
 from hpc_rlx.graph.onnx.fold import Folded, FoldError, ints
 from hpc_rlx.graph.onnx.map_math import float_tensor
-from hpc_rlx.graph.onnx.map_nn import _image, _with_one_dim
+from hpc_rlx.graph.onnx.map_nn import image_input, with_one_dim
 from hpc_rlx.graph.shapes import FLOAT
 
 _NUMPY_PAD = {"constant": "constant", "reflect": "reflect", "edge": "edge", "wrap": "wrap"}
@@ -160,7 +160,7 @@ def resize(em, ins, at, n):
 
 
 def _conv_transpose2d(em, ins, at, n):
-    x = _image(em, ins[0])
+    x = image_input(em, ins[0])
     w = float_tensor(em, ins[1], "weight")
     if w.rank != 4:
         raise em.fail("only 1-D and 2-D transposed convolution are supported")
@@ -222,4 +222,4 @@ def _conv_transpose2d(em, ins, at, n):
                       starts=[cut[0][0], cut[1][0]], ends=[wide[0] - cut[0][1], wide[1] - cut[1][1]])]
 
 
-conv_transpose = _with_one_dim(_conv_transpose2d, weighted=True)
+conv_transpose = with_one_dim(_conv_transpose2d, weighted=True)

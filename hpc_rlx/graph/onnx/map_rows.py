@@ -125,7 +125,7 @@ def follow(em, op_type: str, ins, at):
 
 
 def _gather_tuples(em, data, mark: Tuples) -> Tensor:
-    data = ix._plain_tensor(em, data, "GatherND's data")
+    data = ix.plain_tensor(em, data, "GatherND's data")
     depth = mark.groups[-1][0] - 1
     if data.groups[0] != (None,) or data.rank < depth + 1 or not all(data.plain(k) for k in range(1, depth + 1)):
         raise em.fail(f"GatherND per sample from data of dims {data.groups}: the batch must be its first dim alone")
