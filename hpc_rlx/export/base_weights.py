@@ -25,6 +25,9 @@ def _aligned(part: np.ndarray, ndim: int) -> np.ndarray | None:
 def locate(part: np.ndarray, full: np.ndarray) -> tuple | None:
     """The index (a slice per axis) where ``full`` holds ``part`` exactly, None where it holds
     it nowhere; ExportError where it holds it in several places."""
+    if part.size == full.size and part.shape != full.shape:
+        # the whole parameter in another shape (a norm's weight written as (C, 1) for its broadcast)
+        return tuple(slice(0, n) for n in full.shape) if np.array_equal(part.reshape(full.shape), full) else None
     part = _aligned(part, full.ndim)
     if part is None or any(p > f for p, f in zip(part.shape, full.shape)):
         return None

@@ -30,3 +30,10 @@ def test_the_trained_part_goes_back_and_gathered_rows_stay_apart():
     np.testing.assert_array_equal(out["pos"][1:3], 1)
     np.testing.assert_array_equal(np.delete(out["pos"], [1, 2], axis=0), np.delete(table, [1, 2], axis=0))
     assert len(notes) == 1 and "'gathered' holds rows of 'bias_table'" in notes[0]
+
+
+def test_a_whole_parameter_in_another_shape_is_located_as_the_whole():
+    """A norm's weight written as (C, 1) for its broadcast (dynamo's GroupNorm)."""
+    full = np.arange(16, dtype=np.float32)
+    assert locate(full.reshape(16, 1), full) == (slice(0, 16),)
+    assert locate(full[::-1].reshape(16, 1).copy(), full) is None
