@@ -400,6 +400,9 @@ HF_CANNOT_EXPORT = {("llama", "torchscript"), ("t5", "dynamo"), ("t5", "dynamo-d
 HF_HEADS = {"classifier": ["bert", "distilbert", "roberta", "bart", "t5", "qwen2_cls", "llama_cls", "mistral_cls",
                            "deberta"],
             "language_model": ["gpt2", "llama"]}
+# the decoder classifiers and DeBERTa train here from their dynamo file only (CI time); every
+# form of theirs is imported and checked against PyTorch and ONNX Runtime in tests/unit/graph
+HF_ONE_FORM = {"qwen2_cls", "llama_cls", "mistral_cls", "deberta"}
 
 
 @pytest.mark.slow
@@ -418,7 +421,7 @@ def test_hugging_face_models_of_every_exporter_train_on_two_ranks(tmp_path, tmp_
     cache = run_dir(tmp_path_factory, "onnx-zoo")
     files = [onnx_zoo.export_zoo_model(name, cache, exporter, "train", optimize=optimize, weights=weights)[1]
              for name in HF_HEADS[head] for form, (exporter, optimize, weights) in HF_FORMS.items()
-             if (name, form) not in HF_CANNOT_EXPORT]
+             if (name, form) not in HF_CANNOT_EXPORT and (name not in HF_ONE_FORM or form == "dynamo")]
     # once in every row, as a tokenizer writes them: BART's end-of-sequence token (2) next to
     # last and T5's (1) last, neither anywhere else
     eos = sorted(END_OF_SEQUENCE.values())
