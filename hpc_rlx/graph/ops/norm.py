@@ -75,15 +75,22 @@ def layer_norm(xp, args, a, ctx):
     return out.reshape(x.shape), ((xhat, rstd) if ctx.need_saved else None)
 
 
-def _layer_norm_x(xp, g, args, ans, saved, a, out):
-    xhat, rstd = saved
-    gx = _rows(g, a["trailing_axes"]) * args[1].reshape(-1)
+def _normalised_rows_x(xp, gx, xhat, rstd):
+    """The input gradient of rows normalised to zero mean and unit variance, from the
+    gradient `gx` of the normalised rows `xhat` (in place in `gx`): layer norm's and instance
+    norm's rule."""
     m1 = _row_means(xp, gx)
     m2 = _row_means(xp, gx * xhat)
     gx -= m1
     gx -= xhat * m2
     gx *= rstd
-    return gx.reshape(g.shape)
+    return gx
+
+
+def _layer_norm_x(xp, g, args, ans, saved, a, out):
+    xhat, rstd = saved
+    gx = _rows(g, a["trailing_axes"]) * args[1].reshape(-1)
+    return _normalised_rows_x(xp, gx, xhat, rstd).reshape(g.shape)
 
 
 def _column_sums(xp, m, shape, out):
@@ -287,13 +294,7 @@ def _instance_norm_x(xp, g, args, ans, saved, a, out):
     xhat, rstd = saved
     k = g.ndim - 2
     gx = _rows(g * per_channel(args[1], g.ndim), k)
-    xr = _rows(xhat, k)
-    m1 = _row_means(xp, gx)
-    m2 = _row_means(xp, gx * xr)
-    gx -= m1
-    gx -= xr * m2
-    gx *= rstd
-    return gx.reshape(g.shape)
+    return _normalised_rows_x(xp, gx, _rows(xhat, k), rstd).reshape(g.shape)
 
 
 defvjp("instance_norm", _instance_norm_x,

@@ -6,8 +6,6 @@ comm.shard=optimizer with a boundary inside a parameter."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
@@ -15,7 +13,7 @@ from hpc_rlx.errors import ConfigError
 from hpc_rlx.optim import make_optimizer
 from hpc_rlx.optim.groups import DEFAULT, ParamSetting, runs, settings_for
 from hpc_rlx.optim.segments import slice_segments
-from tests.unit.optim.test_trust_ratio import _lamb_reference, _lars_reference, _Slices
+from tests.unit.optim.test_trust_ratio import _lamb_reference, _lars_reference, _Slices, step_whole_and_slices
 
 NAMES = ["encoder.0.weight", "encoder.0.bias", "norm.weight", "head.weight", "head.bias"]
 SHAPES = [(6, 5), (5,), (5,), (3, 5), (3,)]
@@ -172,16 +170,7 @@ def test_sliced_with_a_cut_parameter_equals_the_whole(name):
         opt.use_segments(segments, slices.combine_for(r, segments))
         opt.use_settings(settings_for(NAMES, NO_DECAY, LR_MULT))
         parts.append(opt)
-    p, q = p0.copy(), p0.copy()
-    for g, lr in zip(grads, lrs):
-        whole.step(p, g.copy(), lr)
-        gq = g.copy()
-        threads = [threading.Thread(target=opt.step, args=(q[lo:hi], gq[lo:hi], lr))
-                   for opt, (lo, hi) in zip(parts, bounds)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+    p, q = step_whole_and_slices(whole, parts, bounds, p0, grads, lrs)
     np.testing.assert_allclose(q, p, rtol=1e-12, atol=1e-15)
 
 

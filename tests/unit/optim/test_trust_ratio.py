@@ -209,6 +209,22 @@ class _Slices:
         return combine
 
 
+def step_whole_and_slices(whole, parts, bounds, p0, grads, lrs):
+    """(the whole array stepped by `whole`, the same stepped as slices [lo, hi) by `parts`,
+    one thread each, as ranks step their shards at once)."""
+    p, q = p0.copy(), p0.copy()
+    for g, lr in zip(grads, lrs):
+        whole.step(p, g.copy(), lr)
+        gq = g.copy()
+        threads = [threading.Thread(target=opt.step, args=(q[lo:hi], gq[lo:hi], lr))
+                   for opt, (lo, hi) in zip(parts, bounds)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    return p, q
+
+
 @pytest.mark.parametrize("name", ["lamb", "lars"])
 @pytest.mark.parametrize("starts, cut", [((28, 40), [0, 2]), ((10, 20), [0])],
                          ids=["two-cut", "one-over-three-slices"])
@@ -225,16 +241,7 @@ def test_sliced_state_with_cut_parameters_equals_the_whole(name, starts, cut):
         segments = slice_segments(spans, lo, hi)
         opt.use_segments(segments, slices.combine_for(r, segments))
         parts.append(opt)
-    p, q = p0.copy(), p0.copy()
-    for g, lr in zip(grads, lrs):
-        whole.step(p, g.copy(), lr)
-        gq = g.copy()
-        threads = [threading.Thread(target=opt.step, args=(q[lo:hi], gq[lo:hi], lr))
-                   for opt, (lo, hi) in zip(parts, bounds)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+    p, q = step_whole_and_slices(whole, parts, bounds, p0, grads, lrs)
     np.testing.assert_allclose(q, p, rtol=1e-12, atol=1e-15)
     # and without completing the norms the slices step differently: the test can see it
     first = starts[0]
