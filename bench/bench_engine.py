@@ -29,7 +29,7 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hpc_rlx.device.host_blas import host_array_module  # noqa: E402
-from hpc_rlx.errors import ConfigError  # noqa: E402
+from hpc_rlx.base.errors import ConfigError  # noqa: E402
 from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params  # noqa: E402
 
 

@@ -32,7 +32,7 @@ from _common import (fmt_table, hpc_throughput, machine_note, mpirun, one_thread
 
 
 def per_event_ns(loops: int = 200_000, rounds: int = 5) -> dict:
-    from hpc_rlx.observe import trace
+    from hpc_rlx.base import trace
 
     def best(fn) -> float:
         out = []

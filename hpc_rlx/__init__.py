@@ -7,4 +7,4 @@ Launch::
 Nothing is imported or initialised here: MPI starts only when the entry point runs.
 """
 
-__version__ = "0.1.0"
+from hpc_rlx.base.version import __version__  # noqa: F401 - the package version, one home

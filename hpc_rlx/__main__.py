@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from hpc_rlx import run_dir_names as names
+from hpc_rlx.base import run_dir_names as names
 from hpc_rlx.config import CONFIG_DIR as _CONFIG_DIR   # ./configs links there
 
 
@@ -78,9 +78,9 @@ def _error_exit(comm, failure) -> None:
     message from the failing rank (rank, host, what it was doing, step, cause) and aborts.
     `failure`: a `resilience.failure.RunFailure`."""
     from hpc_rlx.comm.collective import CollectiveError, abort
-    from hpc_rlx.comm.topology import hostname
+    from hpc_rlx.base.topology import hostname
 
-    from .errors import HpcRlxError
+    from hpc_rlx.base.errors import HpcRlxError
 
     exc, step = failure.cause, failure.step
     at = "" if step is None else f" at step {step}"
@@ -203,13 +203,13 @@ def _compose_spec(job, comm, cfg, hydra_cfg, locks: list) -> dict:
     taken before this job writes anything there, added to `locks`."""
     from omegaconf import OmegaConf
 
-    from hpc_rlx.comm.topology import hostname
+    from hpc_rlx.base.topology import hostname
     from hpc_rlx.config.overrides import unset_values
     from hpc_rlx.config.spec import build_spec
     from hpc_rlx.injection import DebugHooks
     from hpc_rlx.observe.run_lock import RunDirLock
 
-    from .errors import ConfigError
+    from hpc_rlx.base.errors import ConfigError
 
     added = _added_keys(hydra_cfg.overrides.task)
     if added:
@@ -327,7 +327,7 @@ def _lead(comm, channel, rid: str, print_only: bool) -> int:
     problem = None if print_only else config_problem(sys.argv[1:])
     if problem:
         _remove_unused_run_dir()
-        from hpc_rlx.comm.topology import hostname
+        from hpc_rlx.base.topology import hostname
         sys.stderr.write(f"hpc_rlx: error (ConfigError, reported by rank 0 on {hostname()}): {problem}\n")
         sys.stderr.flush()
         channel.end(2)

@@ -59,7 +59,7 @@ def main() -> int:
     versions = {name: version(name) for name in NEEDED + OPTIONAL}
     missing = [n for n in NEEDED if versions[n].startswith("MISSING")]
 
-    from hpc_rlx.device import backend
+    from hpc_rlx.base import backend
     gpu = "no"
     if backend.cupy_available():
         cp = backend.get_xp("cuda")
@@ -81,7 +81,7 @@ def main() -> int:
     try:
         from mpi4py import MPI
 
-        from hpc_rlx.device.cuda_mpi import doctor_summary, query_cuda_support
+        from hpc_rlx.base.cuda_mpi import doctor_summary, query_cuda_support
         answer, how = query_cuda_support()
         facts["MPI"] = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
         facts["CUDA-aware MPI"] = f"{answer} ({how})"

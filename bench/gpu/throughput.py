@@ -27,10 +27,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from hpc_rlx.device import backend  # noqa: E402
+from hpc_rlx.base import backend  # noqa: E402
 from hpc_rlx.comm.collective import FusedBucket  # noqa: E402
 from hpc_rlx.graph import ParamLayout, build_model, init_params  # noqa: E402
-from hpc_rlx.device.lanes import LaneSet  # noqa: E402
+from hpc_rlx.runtime.lanes import LaneSet  # noqa: E402
 
 LR = 1e-3
 MODELS = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hpc_rlx.data.files import plan_files
 from hpc_rlx.data.fileset import first_difference
-from hpc_rlx.errors import CheckpointError
+from hpc_rlx.base.errors import CheckpointError
 
 
 _last: list = [None, None]     # (data plan, its record): every save of a run asks for the same

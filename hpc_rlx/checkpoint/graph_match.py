@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpc_rlx import run_dir_names as names
-from hpc_rlx.errors import CheckpointError, GraphError
+from hpc_rlx.base import run_dir_names as names
+from hpc_rlx.base.errors import CheckpointError, GraphError
 from hpc_rlx.graph.ir import Graph
 
 NEW_DIR_HINT = "train the new model in a new run directory (hydra.run.dir=...)"

@@ -32,10 +32,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpc_rlx import run_dir_names as names
-from hpc_rlx import __version__
+from hpc_rlx.base import run_dir_names as names
+from hpc_rlx.base.version import __version__
 from hpc_rlx.checkpoint.graph_match import different_graph
-from hpc_rlx.errors import CheckpointError
+from hpc_rlx.base.errors import CheckpointError
 
 FORMAT = "hpc_rlx-checkpoint"
 FORMAT_VERSION = 1

@@ -22,7 +22,7 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
-from hpc_rlx import __version__
+from hpc_rlx.base.version import __version__
 from hpc_rlx.checkpoint import h5file as hf
 from hpc_rlx.checkpoint.h5file import (
     BEST_POINTER,
@@ -44,7 +44,7 @@ from hpc_rlx.checkpoint.retention import (
     usable_value,
 )
 from hpc_rlx.checkpoint.staged_file import StagedArrays, write_staged
-from hpc_rlx.errors import CheckpointError, ConfigError
+from hpc_rlx.base.errors import CheckpointError, ConfigError
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 _HISTORY_KEYS = ("metric_history", "history")  # where the training loop keeps its metric history

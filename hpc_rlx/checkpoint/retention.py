@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 MODES = ("min", "max")
 

@@ -30,7 +30,7 @@ from hpc_rlx.checkpoint.graph_match import check_run_dir_graph
 from hpc_rlx.checkpoint.staged_file import open_arrays
 from hpc_rlx.checkpoint.stages import StagedCheckpoint
 from hpc_rlx.comm import collective
-from hpc_rlx.errors import CheckpointError
+from hpc_rlx.base.errors import CheckpointError
 from hpc_rlx.policies.registry import POLICIES
 
 log = logging.getLogger(__name__)

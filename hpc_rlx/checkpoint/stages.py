@@ -21,7 +21,7 @@ from math import prod
 import numpy as np
 
 from hpc_rlx.checkpoint.staged_file import StagedArrays
-from hpc_rlx.errors import CheckpointError
+from hpc_rlx.base.errors import CheckpointError
 from hpc_rlx.graph import Graph, ParamLayout
 from hpc_rlx.graph.partition import partition
 

@@ -23,8 +23,8 @@ import numpy as np
 
 from hpc_rlx.comm.bucket_layout import BucketLayout
 from hpc_rlx.comm.finite import all_finite
-from hpc_rlx.device import backend
-from hpc_rlx.errors import HpcRlxError
+from hpc_rlx.base import backend
+from hpc_rlx.base.errors import HpcRlxError
 
 
 class BucketMemory:

@@ -18,7 +18,7 @@ from typing import Iterable
 
 import numpy as np
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 HEADER_WORDS = 2                 # the float32 scale
 _F16_TARGET_EXP = 14             # largest magnitude scaled to [2**13, 2**14]: far below 65504

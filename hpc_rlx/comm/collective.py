@@ -32,11 +32,11 @@ from hpc_rlx.comm.path_choice import (ReductionSettings, choose_reduction, exact
 from hpc_rlx.comm.reduce import ring_bytes
 from hpc_rlx.comm.registry import AUTO
 from hpc_rlx.comm.shard import ParamShard
-from hpc_rlx.comm.topology import hostname, rank_span
+from hpc_rlx.base.topology import hostname, rank_span
 from hpc_rlx.comm.wire_volume import WireCount
-from hpc_rlx.device import cuda_mpi
-from hpc_rlx.errors import HpcRlxError
-from hpc_rlx.observe import trace
+from hpc_rlx.base import cuda_mpi
+from hpc_rlx.base.errors import HpcRlxError
+from hpc_rlx.base import trace
 
 
 def world():

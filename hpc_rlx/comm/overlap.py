@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 
-from hpc_rlx.observe import trace
+from hpc_rlx.base import trace
 
 
 def _mpi():

@@ -24,7 +24,7 @@ from hpc_rlx.comm.codec import codec_for, normalize_wire
 from hpc_rlx.comm.reduce import ReductionPath, StagedSum
 from hpc_rlx.comm.registry import AUTO, exact_name, make_reduction, placement
 from hpc_rlx.comm.shard import ParamShard, ScatteredSum
-from hpc_rlx.device import cuda_mpi
+from hpc_rlx.base import cuda_mpi
 
 
 @dataclass(frozen=True)

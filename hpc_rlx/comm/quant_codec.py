@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpc_rlx.comm.codec import CODECS, Codec
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 GROUP = 128          # values per scale: 1.6% (int8) or 3.1% (int4) of the words are scales
 SCALE_WORDS = 2      # a float32 scale as two 16-bit words

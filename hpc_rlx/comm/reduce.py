@@ -32,10 +32,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hpc_rlx.comm.codec import Codec
-from hpc_rlx.comm.wire import segments
+from hpc_rlx.base.even_split import segments
 from hpc_rlx.comm.wire_volume import allreduce_bytes
-from hpc_rlx.device import backend, cuda_mpi
-from hpc_rlx.observe import trace
+from hpc_rlx.base import backend, cuda_mpi
+from hpc_rlx.base import trace
 
 
 def mpi_module():

@@ -18,8 +18,8 @@ from dataclasses import replace
 
 from hpc_rlx.comm.codec import Codec, codec_for
 from hpc_rlx.comm.reduce import CudaDirectSum, HostSum, OrderedSum, ReductionPath, Request, StagedSum, WireSum
-from hpc_rlx.device import cuda_mpi
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base import cuda_mpi
+from hpc_rlx.base.errors import ConfigError
 
 REDUCTIONS: dict[str, type[ReductionPath]] = {
     "host": HostSum,

@@ -1,6 +1,6 @@
 """`comm.shard=optimizer`: sharded optimizer state over MPI (ZeRO stage 1).
 
-Each rank owns one contiguous slice of the parameter vector (`ParamShard`: `wire.segments`
+Each rank owns one contiguous slice of the parameter vector (`ParamShard`: `base.even_split.segments`
 of the whole payload, trainable parameters then buffers). Per step:
 
 1. `ScatteredSum`, the bucket's reduction path: the tail (sample count, loss, flags) is summed
@@ -28,7 +28,7 @@ import numpy as np
 
 from hpc_rlx.comm.codec import Codec
 from hpc_rlx.comm.reduce import ReductionPath, Reduced, mpi_module
-from hpc_rlx.comm.wire import segments
+from hpc_rlx.base.even_split import segments
 from hpc_rlx.comm.wire_volume import allgather_bytes
 from hpc_rlx.optim.segments import cut_parameters
 

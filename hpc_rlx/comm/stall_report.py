@@ -3,7 +3,7 @@ for. Pure code (no sockets, no MPI), unit-tested on made-up states."""
 
 from __future__ import annotations
 
-from hpc_rlx.comm.topology import rank_span
+from hpc_rlx.base.topology import rank_span
 
 __all__ = ["alive_and_busy", "at_step", "describe_state", "stall_report", "unreachable_hosts"]
 

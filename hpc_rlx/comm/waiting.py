@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, MutableMapping
 
-from hpc_rlx.comm.topology import cores_available, layout_from_env
+from hpc_rlx.base.topology import cores_available, layout_from_env
 
 SLEEPY_WAIT = {
     "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1",

@@ -41,7 +41,7 @@ from hpc_rlx.comm.heartbeat import (
 from hpc_rlx.comm.job_abort import abort_job
 from hpc_rlx.comm.side_channel import bind_narrowly, connect_to_root, own_addresses, root_address
 from hpc_rlx.comm.stall_report import alive_and_busy, at_step, describe_state, stall_report
-from hpc_rlx.comm.topology import hostname, rank_span
+from hpc_rlx.base.topology import hostname, rank_span
 
 __all__ = ["StallWatchdog", "NullWatchdog", "current", "install", "describe_state", "stall_report"]  # the last two re-exported from stall_report
 

@@ -2,7 +2,7 @@
 
 Pure array math (no MPI). The formats themselves are `hpc_rlx.comm.codec` (one `Codec` per
 wire dtype); `reduce.WireSum` moves their words with Alltoallv/Allgatherv. This module names
-them by wire dtype, as the config does, and cuts a chunk into the ranks' segments.
+them by wire dtype, as the config does (the ranks' segments are `base.even_split`).
 
 MPI has no bfloat16 type and no SUM for 16-bit floats on host buffers, and a user-defined op
 would round every partial sum of a tree or ring back to 16 bits. Instead each rank owns one
@@ -20,7 +20,7 @@ from hpc_rlx.comm.codec import (CODECS, HEADER_WORDS, Codec, bf16_bits_to_f32, c
                                 f32_to_bf16_bits, normalize_wire)
 
 __all__ = ["WIRE_DTYPES", "UNIT_ROUNDOFF", "HEADER_WORDS", "f32_to_bf16_bits", "bf16_bits_to_f32",
-           "normalize_wire", "block_scale", "block_words", "pack_block", "unpack_block", "segments",
+           "normalize_wire", "block_scale", "block_words", "pack_block", "unpack_block",
            "error_bound"]
 
 WIRE_DTYPES = tuple(CODECS)
@@ -46,16 +46,6 @@ def unpack_block(words: np.ndarray, codec: str) -> np.ndarray:
     """The float32 values of a block (a new array)."""
     return codec_named(codec).decode(words)
 
-
-def segments(n: int, parts: int) -> list[tuple[int, int]]:
-    """``[0, n)`` cut into ``parts`` contiguous, nearly equal ranges (some empty when n < parts)."""
-    base, extra = divmod(int(n), int(parts))
-    out, lo = [], 0
-    for k in range(parts):
-        hi = lo + base + (1 if k < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
 
 
 def error_bound(codec: str, abs_sum, result, ranks: int, peak: float = 0.0) -> np.ndarray:

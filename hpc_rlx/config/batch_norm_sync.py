@@ -1,10 +1,10 @@
 """`model.sync_batch_norm`: what it runs with, and its start-up line (the sums themselves:
-`graph/ops/norm.py` and `device/batch_sync.py`)."""
+`graph/ops/norm.py` and `runtime/batch_sync.py`)."""
 
 from __future__ import annotations
 
 from hpc_rlx.config.failure_mode import on_failure_of
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.policies.registry import POLICIES
 
 

@@ -12,7 +12,7 @@ refused until it is rebuilt too.
 
 from __future__ import annotations
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.policies.fragments import Streaming
 from hpc_rlx.policies.registry import POLICIES
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hpc_rlx.checks import BOOL, INT64, Check
+from hpc_rlx.base.checks import BOOL, INT64, Check
 from hpc_rlx.optim.registry import OPTIMIZERS as _OPTIMIZERS
 from hpc_rlx.policies.registry import POLICIES
 

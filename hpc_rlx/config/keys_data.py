@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpc_rlx.checks import Check, OneOf, is_number
+from hpc_rlx.base.checks import Check, OneOf, is_number
 from hpc_rlx.config.key import DATASETS, Key, Options, every, selector
 
 DISTRIBUTIONS = ("read", "scatter")

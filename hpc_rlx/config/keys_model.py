@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpc_rlx.checks import OneOf
+from hpc_rlx.base.checks import OneOf
 from hpc_rlx.config.key import MODELS, Key, Options, every, selector
 
 BUILT = ("mlp", "cnn", "transformer_lm")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.graph.loss_options import loss_head, with_class_weighting
 
 # checkpoint.metric -> what the model must report it for, and what it needs instead

@@ -21,7 +21,7 @@ from hpc_rlx.checkpoint.h5file import read_meta
 from hpc_rlx.config import CONFIG_DIR
 from hpc_rlx.config.fingerprint import UNKNOWN, choose_job_dir, config_fingerprint, job_dir_number
 from hpc_rlx.config.schema import default
-from hpc_rlx.errors import CheckpointError
+from hpc_rlx.base.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

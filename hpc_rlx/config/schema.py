@@ -28,15 +28,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Mapping
 
-from hpc_rlx.checks import BOOL, INT64, Check, OneOf, Via, integer, is_int, is_number, number
+from hpc_rlx.base.checks import BOOL, INT64, Check, OneOf, Via, integer, is_int, is_number, number
 from hpc_rlx.comm.registry import check_settings as _check_reduction, choices as _reductions
 from hpc_rlx.config.failure_mode import ON_FAILURE
 from hpc_rlx.config.key import DATASETS, DEVICES, GROUPS, MODELS, OPTIMIZERS, Key, Options, every, selector
 from hpc_rlx.config.keys_data import DATA_KEYS, CACHES, DISTRIBUTIONS
 from hpc_rlx.config.keys_model import BUILT, MODEL_KEYS
 from hpc_rlx.device.host_blas import CPU_BLAS
-from hpc_rlx.errors import ConfigError
-from hpc_rlx.observe.tensorboard_log import enabled as tensorboard_enabled
+from hpc_rlx.base.errors import ConfigError
+from hpc_rlx.config.tensorboard_setting import enabled as tensorboard_enabled
 from hpc_rlx.pipeline.grid import check_world
 from hpc_rlx.pipeline.schedule import PIPELINE_SCHEDULES
 from hpc_rlx.optim.registry import OPTIMIZERS as _OPTIMIZERS
@@ -45,7 +45,7 @@ from hpc_rlx.policies.registry import POLICIES
 from hpc_rlx.injection import FAIL_MODES, FAIL_POINTS
 from hpc_rlx.injection.slowdown import parse_slowdown
 
-# The checkers are `hpc_rlx.checks` (one family for the whole package): a test of one value
+# The checkers are `hpc_rlx.base.checks` (one family for the whole package): a test of one value
 # and the message that names the key and the value. Here: the checks of two keys only.
 
 

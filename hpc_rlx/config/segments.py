@@ -17,7 +17,7 @@ import json
 import re
 from pathlib import Path
 
-from hpc_rlx import run_dir_names as names
+from hpc_rlx.base import run_dir_names as names
 from hpc_rlx.config.fingerprint import changed_settings, describe_changes
 from hpc_rlx.config.schema import complete
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.policies.registry import POLICIES
 
 

@@ -27,7 +27,7 @@ from hpc_rlx.config.sharding import check_shard
 from hpc_rlx.data import hdf5
 from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.data.resolve import data_sources, num_classes, prepare_missing_data
-from hpc_rlx.errors import ConfigError, DataError, phase
+from hpc_rlx.base.errors import ConfigError, DataError, phase
 from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, init_params, trainable_user_names
 from hpc_rlx.graph.onnx.importer import import_onnx
 from hpc_rlx.graph.node_timing import node_times, time_cost

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpc_rlx.errors import HpcRlxError
+from hpc_rlx.base.errors import HpcRlxError
 
 
 def _parser() -> argparse.ArgumentParser:

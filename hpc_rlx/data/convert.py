@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpc_rlx import __version__
-from hpc_rlx.errors import ConfigError, DataError
+from hpc_rlx.base.version import __version__
+from hpc_rlx.base.errors import ConfigError, DataError
 
 from .prepare import atomic_h5
 

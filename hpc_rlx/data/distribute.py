@@ -9,7 +9,7 @@ Two modes, same result:
 
 Failures never leave ranks waiting in a collective: each possible failure point is followed by
 a small pickled ``bcast``/``allgather`` of the status, and then every rank raises the same
-:class:`~hpc_rlx.errors.DataError`. This is ``comm.collective.agree`` specialised for reading:
+:class:`~hpc_rlx.base.errors.DataError`. This is ``comm.collective.agree`` specialised for reading:
 the message names the failing rank's host and, when the file is missing on some ranks only,
 says the path is not on a shared filesystem. Every collective here runs under the stall
 watchdog (``watched_call``), like the training loop's.
@@ -28,7 +28,7 @@ from hpc_rlx.data.files import Meta, meta_of
 from hpc_rlx.data.set_reader import SetReader, read_set
 from hpc_rlx.data.fileset import FileSet
 from hpc_rlx.data.hdf5 import describe
-from hpc_rlx.errors import ConfigError, DataError, HpcRlxError
+from hpc_rlx.base.errors import ConfigError, DataError, HpcRlxError
 
 __all__ = ["MODES", "load_shard", "round_rows"]
 

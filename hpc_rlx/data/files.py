@@ -24,7 +24,7 @@ from h5py import h5d, h5f, h5p, h5s
 
 from hpc_rlx.data.fileset import FileSet
 from hpc_rlx.data.hdf5 import DatasetInfo, describe, describe_open_file, open_dataset_file
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 
 __all__ = ["resolve", "read_whole", "Meta", "file_meta", "check_like", "describe_set", "meta_of", "check_files",
            "read_one_sample", "plan_files"]

@@ -2,7 +2,7 @@
 
 A dataset file holds two row-aligned datasets, inputs ``x`` (N, *sample_shape) and targets
 ``y`` (N, *label_shape); row i of both is sample i. Everything here reports user-fixable problems
-as :class:`~hpc_rlx.errors.DataError` with the path, the dataset names and the offending values.
+as :class:`~hpc_rlx.base.errors.DataError` with the path, the dataset names and the offending values.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 
 __all__ = ["DatasetInfo", "describe", "check_compatible", "read_rows", "check_values", "open_readonly",
            "guess_dataset_names"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpc_rlx.data.files import Meta, read_one_sample
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 
 __all__ = ["Layout", "OneSampleReader"]
 

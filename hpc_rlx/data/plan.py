@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 LEFTOVER_MODES = ("drop", "partial")
 

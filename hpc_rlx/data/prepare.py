@@ -28,8 +28,8 @@ from typing import Any, Callable
 import h5py
 import numpy as np
 
-from hpc_rlx import __version__
-from hpc_rlx.errors import ConfigError, DataError
+from hpc_rlx.base.version import __version__
+from hpc_rlx.base.errors import ConfigError, DataError
 
 __all__ = [
     "X_NAME",

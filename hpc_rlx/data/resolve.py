@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpc_rlx.errors import ConfigError, DataError
+from hpc_rlx.base.errors import ConfigError, DataError
 
 from .files import check_like, describe_set, meta_of, read_whole
 from .fileset import FileSet

@@ -14,7 +14,7 @@ from hpc_rlx.data.files import Meta, check_unchanged, meta_of
 from hpc_rlx.data.fileset import FileSet
 from hpc_rlx.data.hdf5 import describe_open_file, open_dataset_file
 from hpc_rlx.data.one_sample import OneSampleReader
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 
 __all__ = ["SetReader", "read_set"]
 

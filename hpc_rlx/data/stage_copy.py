@@ -8,7 +8,7 @@ import errno
 import os
 import shutil
 
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 
 __all__ = ["expand_stage_dir", "make_stage_root", "free_bytes", "copy_checked", "remove_stage_root"]
 

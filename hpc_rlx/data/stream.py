@@ -18,7 +18,7 @@ import numpy as np
 from h5py import h5d
 
 from hpc_rlx.data.hdf5 import TokenVocab, check_values, open_dataset_file
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 
 __all__ = ["RowSource", "Prefetcher", "Slot", "scan_rows"]
 

@@ -1,3 +1,4 @@
-"""Where the arithmetic runs: the array backends (NumPy, CuPy), the compute lanes of a rank,
-the GPU-aware MPI paths, and the BLAS threads each rank may use. CuPy is imported only in
-`backend`."""
+"""Where the arithmetic can run: the BLAS threads each rank may use (`host_blas`, `threads`),
+the plan of a rank's compute lanes over its devices (`lane_plan`) and the evaluation counts
+(`eval_counts`). The array backends themselves are `hpc_rlx.base.backend`; the lanes that run
+the graph are `hpc_rlx.runtime.lanes`."""

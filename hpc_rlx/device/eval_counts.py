@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpc_rlx.device import backend
+from hpc_rlx.base import backend
 
 # the scalar counts, in the order they travel (then `inter` and `union`, one per class)
 SCALARS = ("loss_sum", "weight", "correct", "labelled", "abs_error", "targets")

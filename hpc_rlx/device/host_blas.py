@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 CPU_BLAS = ("numpy", "mkl")
 

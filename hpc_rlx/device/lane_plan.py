@@ -2,13 +2,13 @@
 
 ``resolve_lanes`` turns ``device.kind``/``cpu_lanes``/``gpus_per_rank`` into (backend, index)
 lanes, taking this rank's GPUs by local rank (``assign_gpus``); ``assign_samples`` splits a
-micro-batch by the lanes' measured throughput (``device/lanes.py`` runs them).
+micro-batch by the lanes' measured throughput (``runtime/lanes.py`` runs them).
 """
 
 from __future__ import annotations
 
-from hpc_rlx.device import backend
-from hpc_rlx.errors import ConfigError, DeviceError
+from hpc_rlx.base import backend
+from hpc_rlx.base.errors import ConfigError, DeviceError
 
 # A lane whose share of a step would be under half a sample idles (it would only stall the
 # others); it gets one sample every PROBE_EVERY steps so its speed keeps being measured.

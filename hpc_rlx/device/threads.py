@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from threadpoolctl import threadpool_limits
 
-from hpc_rlx.comm.topology import cores_available, ranks_per_node  # noqa: F401 - cores_available re-exported
+from hpc_rlx.base.topology import cores_available, ranks_per_node  # noqa: F401 - cores_available re-exported
 
 
 def default_threads(cores: int, ranks_on_node: int, lanes: int = 1) -> int:

@@ -26,9 +26,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from hpc_rlx.comm.node_memory import SHM_DIR, largest_shared_bucket
-from hpc_rlx.comm.topology import node_layout, rank_span
+from hpc_rlx.base.topology import node_layout, rank_span
 from hpc_rlx.resilience.ulfm import before_mpi_starts
-from hpc_rlx.device.cuda_mpi import doctor_summary
+from hpc_rlx.base.cuda_mpi import doctor_summary
 from hpc_rlx.doctor.config import split_run_dir, training_settings
 from hpc_rlx.doctor.probe import (
     SOFTWARE_KEYS,

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from hpc_rlx.config import CONFIG_DIR
 from hpc_rlx.config.overrides import config_problem
 from hpc_rlx.config.spec import validate_config
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 
 def training_settings(overrides: list[str]) -> dict:

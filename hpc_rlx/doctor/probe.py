@@ -17,14 +17,14 @@ import h5py
 import numpy
 from threadpoolctl import threadpool_info
 
-import hpc_rlx
+from hpc_rlx.base.version import __version__
 from hpc_rlx.comm.node_memory import shm_free_bytes
 from hpc_rlx.data.files import resolve
-from hpc_rlx.device import backend
-from hpc_rlx.device.cuda_mpi import query_cuda_support
+from hpc_rlx.base import backend
+from hpc_rlx.base.cuda_mpi import query_cuda_support
 from hpc_rlx.device.lane_plan import assign_gpus, resolve_lanes
 from hpc_rlx.doctor.threads import THREAD_ENV
-from hpc_rlx.errors import DataError, HpcRlxError
+from hpc_rlx.base.errors import DataError, HpcRlxError
 
 SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_CPUS_PER_TASK", "SLURM_JOB_NODELIST",
              "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_MPI_TYPE", "SLURM_RESTART_COUNT")
@@ -151,7 +151,7 @@ def software() -> dict:
 
     info = {"python": platform.python_version(), "executable": sys.executable,
             "numpy": numpy.__version__, "h5py": h5py.__version__,
-            "hdf5": h5py.version.hdf5_version, "hpc_rlx": hpc_rlx.__version__,
+            "hdf5": h5py.version.hdf5_version, "hpc_rlx": __version__,
             "h5py_mpi": bool(safe_call(lambda: h5py.get_config().mpi, False))}
     info["hydra"] = safe_call(lambda: __import__("hydra").__version__)
     return info

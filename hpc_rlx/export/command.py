@@ -11,7 +11,7 @@ from collections import Counter
 
 import numpy as np
 
-from hpc_rlx.errors import HpcRlxError
+from hpc_rlx.base.errors import HpcRlxError
 from hpc_rlx.export.ir_to_onnx import ir_to_onnx, needed_by
 from hpc_rlx.export.onnx_source import is_imported, original_onnx, original_state_dict
 from hpc_rlx.export.onnx_writer import optional_onnx, require_onnx, save_model

@@ -10,9 +10,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpc_rlx import run_dir_names as names
+from hpc_rlx.base import run_dir_names as names
 from hpc_rlx.checkpoint import BEST_POINTER, CheckpointManager, checkpoints_dir, read_checkpoint
-from hpc_rlx.errors import CheckpointError, GraphError, HpcRlxError
+from hpc_rlx.base.errors import CheckpointError, GraphError, HpcRlxError
 from hpc_rlx.graph import Graph, ParamLayout
 
 CHECKPOINT_CHOICES = ("latest", "best")

@@ -1,6 +1,6 @@
 """The graph engine: a shippable model IR, its ops and VJPs, and an executor on NumPy or CuPy.
 
-No MPI, HDF5 or Hydra in here; ``hpc_rlx.device.backend`` picks the array module.
+No MPI, HDF5 or Hydra in here; ``hpc_rlx.base.backend`` picks the array module.
 
     g = build_model("mlp", input_shape=(64,), num_classes=10, hidden=[128])
     layout = ParamLayout(g)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph.ir import SCHEMA_VERSION, Graph
 from hpc_rlx.graph.registry import OPS
 from hpc_rlx.graph.shapes import FLOAT, ShapeError, TensorType

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpc_rlx.device import backend
-from hpc_rlx.errors import DataError, DeviceError, GraphError
+from hpc_rlx.base import backend
+from hpc_rlx.base.errors import DataError, DeviceError, GraphError
 from hpc_rlx.graph import rewrite as rewrite_mod
 from hpc_rlx.graph.ir import Graph
 from hpc_rlx.graph.params import ParamLayout

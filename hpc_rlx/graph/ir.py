@@ -26,7 +26,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph import ops as _ops  # noqa: F401  (registers the built-in ops and their VJPs)
 from hpc_rlx.graph.params import check_init
 from hpc_rlx.graph.registry import OPS

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpc_rlx.device import backend
+from hpc_rlx.base import backend
 from hpc_rlx.graph.ir import LOSS, Graph
 from hpc_rlx.graph.ops.loss import class_axis, iou_counts, label_weight, labelled_count
 

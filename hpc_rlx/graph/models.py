@@ -11,8 +11,8 @@ import inspect
 import math
 from math import prod
 
-from hpc_rlx.checks import Check, is_int
-from hpc_rlx.errors import ConfigError, check_param
+from hpc_rlx.base.checks import Check, is_int
+from hpc_rlx.base.errors import ConfigError, check_param
 from hpc_rlx.graph.builder import GraphBuilder
 from hpc_rlx.graph.ir import Graph
 from hpc_rlx.graph.shapes import INT

@@ -28,7 +28,7 @@ the boundary gradients back, gives the whole graph's loss and parameter gradient
 
 from __future__ import annotations
 
-from hpc_rlx.errors import ConfigError, GraphError
+from hpc_rlx.base.errors import ConfigError, GraphError
 from hpc_rlx.graph.ir import Graph, InputSpec
 from hpc_rlx.graph.shapes import known_prod
 

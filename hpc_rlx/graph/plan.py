@@ -5,7 +5,7 @@ releases). ``OpContext`` is what an op's forward may know about the call."""
 
 from __future__ import annotations
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph.registry import OPS, VJPS, vjp_fn
 from hpc_rlx.graph.shapes import FLOAT
 

@@ -19,7 +19,7 @@ import math
 import time
 from typing import Callable, Mapping
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 CREDIT_CAP = 0.5
 

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Callable
 
 
-from hpc_rlx import run_dir_names as names
+from hpc_rlx.base import run_dir_names as names
 from hpc_rlx.observe import tensorboard_log
+from hpc_rlx.config.tensorboard_setting import enabled as tensorboard_enabled
 from hpc_rlx.observe.metrics import Window, shown
 from hpc_rlx.observe.metrics.validation import VAL_KEYS
 from hpc_rlx.observe.progress import Snapshot, make_progress, run_fraction
@@ -61,7 +62,7 @@ class RunDisplay:
         """Rank 0: steps.jsonl, and the TensorBoard event files when report.tensorboard is on."""
         spec = self.spec
         board = None
-        if tensorboard_log.enabled(spec.report["tensorboard"]):
+        if tensorboard_enabled(spec.report["tensorboard"]):
             board = tensorboard_log.TensorBoardLog(spec.run_dir, tensorboard_log.flat_hparams(
                 config_dict(spec), spec.world_size))
         self.step_log = StepLog(spec.run_dir, steps_per_epoch, self.t_start, board,

@@ -10,7 +10,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpc_rlx import run_dir_names as names
+from hpc_rlx.base import run_dir_names as names
 from hpc_rlx.comm import watchdog
 from hpc_rlx.config import segments
 from hpc_rlx.graph import Graph

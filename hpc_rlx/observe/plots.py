@@ -22,7 +22,7 @@ import math
 import statistics
 from pathlib import Path
 
-from hpc_rlx import run_dir_names as names
+from hpc_rlx.base import run_dir_names as names
 from hpc_rlx.observe.run_files import (
     MAX_GROUPED_RANKS,
     PARTS,

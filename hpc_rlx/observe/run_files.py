@@ -12,8 +12,8 @@ import math
 import statistics
 from pathlib import Path
 
-from hpc_rlx import run_dir_names as names
-from hpc_rlx.errors import HpcRlxError
+from hpc_rlx.base import run_dir_names as names
+from hpc_rlx.base.errors import HpcRlxError
 from hpc_rlx.observe.step_log import read_steps
 from hpc_rlx.observe.sweep_table import collect
 

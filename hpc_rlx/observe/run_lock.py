@@ -19,8 +19,8 @@ import os
 import time
 from pathlib import Path
 
-from hpc_rlx import run_dir_names as names
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base import run_dir_names as names
+from hpc_rlx.base.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import math
 import os
 from pathlib import Path
 
-from hpc_rlx import run_dir_names as names
+from hpc_rlx.base import run_dir_names as names
 from hpc_rlx.observe.metrics import Window, step_values
 
 MAX_PER_EPOCH = 100

@@ -10,7 +10,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 
-from hpc_rlx import run_dir_names as names
+from hpc_rlx.base import run_dir_names as names
 from hpc_rlx.observe.sweep_table import collect, render, write_summary  # noqa: F401 - re-exported
 
 

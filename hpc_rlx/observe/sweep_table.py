@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpc_rlx import run_dir_names as names
+from hpc_rlx.base import run_dir_names as names
 from hpc_rlx.observe.metrics.validation import VAL_KEYS
 
 OPTIONAL = VAL_KEYS[1:]     # reported by some models only (val_accuracy, val_iou, val_mae)

@@ -18,67 +18,17 @@ is not), `false`.
 
 from __future__ import annotations
 
-import functools
 import json
-import sys
 from pathlib import Path
 
-from hpc_rlx import run_dir_names as names
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base import run_dir_names as names
+from hpc_rlx.config.tensorboard_setting import import_writer
 from hpc_rlx.observe.metrics import METRICS
 from hpc_rlx.observe.metrics.validation import VAL_TAGS
 
-SETTINGS = ("auto", "true", "false")
 HPARAM_GROUPS = ("model", "data", "optim", "policy", "train", "device", "comm")
 HPARAM_METRICS = ("val/loss", "val/accuracy")
 VALIDATION_TAGS = VAL_TAGS      # metrics.jsonl key: tag (val_loss: val/loss, val_iou: val/iou, ...)
-INSTALL_HINT = "pip install tensorboardX (or install hpc_rlx with the [report] extra)"
-
-
-def normalize_setting(value) -> str:
-    """report.tensorboard as one of SETTINGS (YAML gives booleans for true/false)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str) and value.lower() in SETTINGS:
-        return value.lower()
-    raise ConfigError(f"report.tensorboard={value!r} is not one of auto, true, false")
-
-
-@functools.lru_cache(maxsize=1)
-def available() -> bool:
-    try:
-        _import_writer()
-    except ImportError:
-        return False
-    return True
-
-
-def _import_writer():
-    """tensorboardX's writer and hparams, without torch. tensorboardX imports torch when it
-    can (only to accept torch tensors, which hpc_rlx never passes); in a venv that has torch
-    that costs ~5 s of rank 0's startup. A `None` entry in sys.modules makes that optional
-    import fail fast, as if torch were absent, for the duration of the import only."""
-    blocked = "torch" not in sys.modules
-    if blocked:
-        sys.modules["torch"] = None       # type: ignore[assignment]
-    try:
-        from tensorboardX import SummaryWriter
-        from tensorboardX.summary import hparams
-    finally:
-        if blocked:
-            del sys.modules["torch"]
-    return SummaryWriter, hparams
-
-
-def enabled(value) -> bool:
-    """Whether to write event files; `true` without tensorboardX is a ConfigError."""
-    setting = normalize_setting(value)
-    if setting == "false":
-        return False
-    if setting == "true" and not available():
-        raise ConfigError(f"report.tensorboard=true, but tensorboardX is not installed: "
-                          f"{INSTALL_HINT}, or set report.tensorboard=auto|false")
-    return available()
 
 
 def flat_hparams(config: dict, world_size: int) -> dict:
@@ -105,7 +55,7 @@ class TensorBoardLog:
     """Rank 0's event file writer for one run segment."""
 
     def __init__(self, run_dir, hparams: dict):
-        SummaryWriter, hparams_summary = _import_writer()
+        SummaryWriter, hparams_summary = import_writer()
         self.dir = Path(run_dir) / names.TENSORBOARD
         self.writer = SummaryWriter(logdir=str(self.dir), flush_secs=10)
         exp, ssi, self._sei = hparams_summary(hparams, {k: 0.0 for k in HPARAM_METRICS})

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from hpc_rlx.errors import check_param
+from hpc_rlx.base.errors import check_param
 from hpc_rlx.optim.base import NONNEG, POSITIVE, Hyper, Optimizer, decay_pair, nonneg
 from hpc_rlx.optim.blas import axpy, fusable, scal
 

@@ -28,15 +28,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hpc_rlx.checks import Check, is_integral, is_real
-from hpc_rlx.device import backend
-from hpc_rlx.errors import CheckpointError, ConfigError, check_param
+from hpc_rlx.base.checks import Check, is_integral, is_real
+from hpc_rlx.base import backend
+from hpc_rlx.base.errors import CheckpointError, ConfigError, check_param
 from hpc_rlx.optim.groups import DEFAULT, ParamSetting, runs
 from hpc_rlx.optim.segments import check_segments, whole_array
 
 BLOCK_BYTES = 256 * 1024     # per array: an AdamW block's 5 arrays (1.25 MiB) stay in a 2 MiB L2
 
-# the range checks of the optimizers and schedules (`hpc_rlx.checks`): a failed one names the
+# the range checks of the optimizers and schedules (`hpc_rlx.base.checks`): a failed one names the
 # parameter (`errors.check_param`: "<where>: <name> must ...", the name kept apart from the text)
 IN_UNIT = Check(lambda v: is_real(v) and 0.0 <= float(v) < 1.0, "must be a number in [0, 1)")
 NONNEG = Check(lambda v: is_real(v) and math.isfinite(float(v)) and float(v) >= 0.0,

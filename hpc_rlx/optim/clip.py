@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hpc_rlx.checks import Check, is_real
+from hpc_rlx.base.checks import Check, is_real
 
 
 def clip_grad_norm_(grads_flat, max_norm: float) -> float:

@@ -25,7 +25,7 @@ cut by a slice boundary are added across ranks (`Optimizer.segment_norms`).
 
 from __future__ import annotations
 
-from hpc_rlx.errors import check_param
+from hpc_rlx.base.errors import check_param
 from hpc_rlx.optim.base import NONNEG, POSITIVE, Hyper, Optimizer, decay_pair, nonneg
 
 

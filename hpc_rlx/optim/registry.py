@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.optim.adamw import AdamW
 from hpc_rlx.optim.base import Optimizer
 from hpc_rlx.optim.lamb import LAMB

@@ -11,8 +11,8 @@ import math
 from bisect import bisect_right
 from typing import Callable
 
-from hpc_rlx.checks import Check, is_integral, is_real
-from hpc_rlx.errors import ConfigError, check_param
+from hpc_rlx.base.checks import Check, is_integral, is_real
+from hpc_rlx.base.errors import ConfigError, check_param
 from hpc_rlx.optim.base import AT_LEAST_ONE, COUNT, nonneg
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpc_rlx.checks import BOOL
-from hpc_rlx.errors import ConfigError, check_param
+from hpc_rlx.base.checks import BOOL
+from hpc_rlx.base.errors import ConfigError, check_param
 from hpc_rlx.optim.base import IN_UNIT, NONNEG, Hyper, Optimizer, in_unit, nonneg
 from hpc_rlx.optim.blas import axpy, fusable, scal
 

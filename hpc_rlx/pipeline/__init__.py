@@ -11,6 +11,6 @@ The stages themselves are ``graph.partition`` (``StageGraph``) with the executor
   loss carried down with the gradients) and of validation;
 - stage_lanes: a stage's CPU lanes, each micro-batch's rows split over them;
 - adapters: ``PipelineLaneSet`` and ``PipelineBucket``, the engine behind the interfaces the
-  loop drives (``device.lanes.LaneSet`` and the fused bucket), with how the step's decisions
+  loop drives (``runtime.lanes.LaneSet`` and the fused bucket), with how the step's decisions
   reach every rank in the same step.
 """

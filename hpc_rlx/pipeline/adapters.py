@@ -1,5 +1,5 @@
 """The pipelined step behind the interfaces the loop already drives: ``PipelineLaneSet`` stands
-where ``device.lanes.LaneSet`` stands (``step``, ``evaluate``, ...: the stage's lanes, run by
+where ``runtime.lanes.LaneSet`` stands (``step``, ``evaluate``, ...: the stage's lanes, run by
 the engine's schedule), ``PipelineBucket`` where the fused bucket stands, so ``policy=sync``
 runs a pipelined job unchanged.
 
@@ -32,7 +32,7 @@ import numpy as np
 
 from hpc_rlx.comm.bucket_layout import CONTROL_FLAGS
 from hpc_rlx.comm.collective import watched_call
-from hpc_rlx.observe import trace
+from hpc_rlx.base import trace
 
 
 class _StageLaneTotals:

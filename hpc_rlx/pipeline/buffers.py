@@ -17,7 +17,7 @@ from math import prod
 
 import numpy as np
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.graph.shapes import FLOAT
 
 TAIL = ("loss_sum", "correct")

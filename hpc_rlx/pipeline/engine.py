@@ -33,7 +33,7 @@ import numpy as np
 
 from hpc_rlx.comm.collective import watched_call
 from hpc_rlx.graph import Executor
-from hpc_rlx.observe import trace
+from hpc_rlx.base import trace
 from hpc_rlx.pipeline.buffers import TAIL, BoundaryLayout, micro_sizes
 from hpc_rlx.pipeline.schedule import build, simulate
 from hpc_rlx.pipeline.stage_lanes import StageLanes

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ concurrently on a thread pool, and what goes to the neighbours is gathered back 
 message per micro-batch: the boundary values and their gradients, row slices along each
 value's batch axis. Each lane's backward is seeded with ``grad_scale`` = its rows, so the lanes'
 gradients, each in a buffer of its own (the first lane's is the stage's bucket), add up to the
-micro-batch's sample-weighted sum, as ``device.lanes.CpuLanes`` sums them; the engine adds the
+micro-batch's sample-weighted sum, as ``runtime.lanes.CpuLanes`` sums them; the engine adds the
 peers' buffers into the bucket once, after the step. One lane is the engine's plain path.
 """
 

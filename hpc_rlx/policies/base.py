@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from hpc_rlx.comm.bucket_layout import STEP_FIELDS
 
-from ..errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from .loop_contract import Loop, LoopWorker
 
 

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from hpc_rlx.checks import Check
+from hpc_rlx.base.checks import Check
 
 
 def work_weight(n_steps: int, gamma: float = -1.0) -> float:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from hpc_rlx.checks import OPEN_UNIT, at_least
+from hpc_rlx.base.checks import OPEN_UNIT, at_least
 
-from ..errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from .smoothing import adaptive_ema, round_half_up, valid_time
 
 HYSTERESIS = 0.10

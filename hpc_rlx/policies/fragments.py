@@ -24,17 +24,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpc_rlx.checks import checked, integer
-from hpc_rlx.comm.wire import segments
+from hpc_rlx.base.checks import checked, integer
+from hpc_rlx.base.even_split import segments
 
-from ..errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 PAPER_MIX = 0.5      # Streaming DiLoCo's mixing factor for overlapped syncs
 
 
 def fragment_bounds(n: int, fragments: int) -> list[tuple[int, int]]:
     """``[0, n)`` cut into ``fragments`` contiguous ranges, the first ones one longer when the
-    division leaves a rest (the cut of the wire's segments, `comm.wire.segments`)."""
+    division leaves a rest (the cut of the wire's segments, `base.even_split.segments`)."""
     return segments(n, fragments)
 
 

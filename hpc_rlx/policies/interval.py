@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 
-from hpc_rlx.checks import OPEN_UNIT, Check, at_least
+from hpc_rlx.base.checks import OPEN_UNIT, Check, at_least
 
 from .smoothing import valid_time
 

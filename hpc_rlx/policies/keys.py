@@ -1,9 +1,9 @@
 """The windowed policies' shared `policy.*` keys, their docs, and the `policy.*` readers every
-policy's `check_config` uses, on the package's checkers (`hpc_rlx.checks`; pure: no MPI)."""
+policy's `check_config` uses, on the package's checkers (`hpc_rlx.base.checks`; pure: no MPI)."""
 
 from __future__ import annotations
 
-from hpc_rlx.checks import INT64_MIN, Check, checked, integer
+from hpc_rlx.base.checks import INT64_MIN, Check, checked, integer
 from hpc_rlx.comm.quant_codec import normalize_outer_wire
 
 from .outer import outer_from_config

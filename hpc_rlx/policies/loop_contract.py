@@ -79,7 +79,7 @@ class LoopWorker(Protocol):
 
 
 class StepLanes(Protocol):
-    """The rank's lane set (`device.lanes.LaneSet`; a pipelined rank's `PipelineLaneSet`)."""
+    """The rank's lane set (`runtime.lanes.LaneSet`; a pipelined rank's `PipelineLaneSet`)."""
 
     counted: tuple               # a weighted loss's (label weight, labelled count) of the last step
 

@@ -2,7 +2,7 @@
 
 PyTorch's weighted cross-entropy divides the summed, weighted loss by the summed weight of the
 batch's labelled positions, not by its sample count. Each lane therefore weighs its gradient by
-its micro-batch's summed weight (`device/lanes.py`), and that weight and the labelled count
+its micro-batch's summed weight (`runtime/lanes.py`), and that weight and the labelled count
 travel in the fused bucket beside the sample count (`WEIGHT_FIELDS`), so one rank, two ranks,
 two lanes and `train.accumulate` all divide by the same global sum. Batch norm's statistics
 stay weighted by rows. Pure NumPy: no MPI.

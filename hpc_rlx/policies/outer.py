@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from ..errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 
 class OuterOptimizer:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 
-from hpc_rlx.observe import trace
+from hpc_rlx.base import trace
 
 from .base import EpochTotals, Policy, StepResult
 from .loop_contract import Loop, LoopWorker

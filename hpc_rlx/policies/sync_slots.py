@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from hpc_rlx.comm.bucket_layout import BucketLayout
-from hpc_rlx.device import backend
+from hpc_rlx.base import backend
 
 from .consensus import consensus_into, divergence_from, weigh_into
 

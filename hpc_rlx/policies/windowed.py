@@ -50,9 +50,9 @@ from hpc_rlx.comm.bucket_layout import CONTROL_FLAGS
 from hpc_rlx.comm.feedback_wire import FeedbackWireSum
 from hpc_rlx.comm.quant_codec import outer_codec_for
 from hpc_rlx.comm.reduce import HostSum, OrderedSum
-from hpc_rlx.observe import trace
+from hpc_rlx.base import trace
 
-from ..errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from .base import EpochTotals, Loop, Policy, StepResult, dropout_seed
 from .consensus import consensus_into, work_weight
 from .epochlog import EpochLog

@@ -18,9 +18,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from hpc_rlx import run_dir_names as names
-from hpc_rlx.comm.topology import rank_span
-from hpc_rlx.errors import HpcRlxError
+from hpc_rlx.base import run_dir_names as names
+from hpc_rlx.base.topology import rank_span
+from hpc_rlx.base.errors import HpcRlxError
 from hpc_rlx.observe.plots import write_plots  # noqa: F401 - re-exported (matplotlib loads on first plot)
 from hpc_rlx.observe.run_files import (
     MAX_EPOCH_GROUPS,
@@ -43,7 +43,7 @@ from hpc_rlx.observe.run_files import (
 from hpc_rlx.observe.pipeline_bubble import stage_bubbles
 from hpc_rlx.observe.metrics.validation import VAL_KEYS
 from hpc_rlx.observe.sweep_table import render
-from hpc_rlx.observe.trace import summarize
+from hpc_rlx.base.trace import summarize
 
 # --------------------------------------------------------------------------------------
 # Text

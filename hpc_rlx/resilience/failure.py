@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from hpc_rlx.errors import phase_of
+from hpc_rlx.base.errors import phase_of
 
 # The run's stages, in order: before `train` (the spec, the start-up hooks), its set-up, the
 # epochs, and its last one (the final gather and summary: debug.fail_point=finish)

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-from hpc_rlx import run_dir_names as names
+from hpc_rlx.base import run_dir_names as names
 from hpc_rlx.comm import collective, watchdog
 from hpc_rlx.comm.collective import CollectiveError
-from hpc_rlx.comm.topology import hostname, rank_span
+from hpc_rlx.base.topology import hostname, rank_span
 from hpc_rlx.data.files import plan_files
-from hpc_rlx.errors import ConfigError, phase
+from hpc_rlx.base.errors import ConfigError, phase
 from hpc_rlx.observe.display import RunDisplay
 from hpc_rlx.observe.outputs import RunOutputs
 from hpc_rlx.observe.run_lock import RunDirLock

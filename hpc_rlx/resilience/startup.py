@@ -29,7 +29,7 @@ import time
 from hpc_rlx.comm import collective
 from hpc_rlx.resilience import ulfm
 from hpc_rlx.comm.collective import CollectiveError
-from hpc_rlx.comm.topology import hostname
+from hpc_rlx.base.topology import hostname
 from hpc_rlx.config.spec import for_job_ranks
 from hpc_rlx.observe.run_lock import RunDirLock
 from hpc_rlx.resilience import plan

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpc_rlx.comm import collective
-from hpc_rlx.comm.topology import local_rank
+from hpc_rlx.base.topology import local_rank
 from hpc_rlx.device.host_blas import blas_note
 from hpc_rlx.device.lane_plan import describe_lanes, resolve_lanes
-from hpc_rlx.device.lanes import LaneSet
+from hpc_rlx.runtime.lanes import LaneSet
 from hpc_rlx.runtime import pipelined
 
 

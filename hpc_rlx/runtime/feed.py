@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from hpc_rlx.comm import collective
-from hpc_rlx.comm.topology import hostname, ranks_per_node
+from hpc_rlx.base.topology import hostname, ranks_per_node
 from hpc_rlx.data.distribute import load_shard
 from hpc_rlx.data.files import plan_files
 from hpc_rlx.data.hdf5 import Classes, TokenVocab, check_values
@@ -28,7 +28,7 @@ from hpc_rlx.data.plan import EpochOrder, eval_batch_rows, window_of, window_ste
 from hpc_rlx.data.stage_plan import rank_ranges, read_places
 from hpc_rlx.data.set_source import SetSource
 from hpc_rlx.data.stream import Prefetcher, Slot, scan_rows
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 from hpc_rlx.graph.loss_options import loss_head
 from hpc_rlx.graph.shapes import FLOAT
 

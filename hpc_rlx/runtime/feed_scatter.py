@@ -29,7 +29,7 @@ from hpc_rlx.data.distribute import load_shard
 from hpc_rlx.data.plan import window_of, window_steps
 from hpc_rlx.data.set_source import SetSource
 from hpc_rlx.data.stream import Prefetcher, Slot, scan_rows
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 from hpc_rlx.runtime.feed import RING, SLOT_BYTES, StreamFeed, row_bytes
 
 AHEAD = 1            # rounds in flight beyond the window in use

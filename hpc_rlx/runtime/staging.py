@@ -3,7 +3,7 @@ ranks read to node-local storage, and training reads the copies.
 
 The plan is `data/stage_plan.py` (which files, who copies them), the copying
 `data/stage_copy.py`; here the ranks agree on it: a node is the ranks that share memory
-(MPI's shared-memory split, as `comm/topology.py` finds nodes), each node's first rank makes
+(MPI's shared-memory split, as `base/topology.py` finds nodes), each node's first rank makes
 the run's directory and checks the free space before anything is copied, and every failure
 is one error on every rank (`collective.agree`). The copies go at the run's end unless
 `data.stage_keep=true`, also when it fails (removed by the ranks still alive; after a
@@ -16,13 +16,13 @@ import os
 import time
 
 from hpc_rlx.comm import collective
-from hpc_rlx.comm.topology import hostname
+from hpc_rlx.base.topology import hostname
 from hpc_rlx.data.stage_copy import copy_checked, expand_stage_dir, free_bytes, make_stage_root, \
     remove_stage_root
 from hpc_rlx.data.files import plan_files
 from hpc_rlx.data.stage_plan import assign_copies, describe_staging, needed_files, rank_ranges, \
     space_problem, staged_name
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 from hpc_rlx.runtime.feed import even_bounds, with_empty_ranks
 
 

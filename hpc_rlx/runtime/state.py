@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpc_rlx.errors import CheckpointError
+from hpc_rlx.base.errors import CheckpointError
 
 
 @dataclass

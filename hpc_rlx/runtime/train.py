@@ -16,19 +16,19 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hpc_rlx import run_dir_names as names
+from hpc_rlx.base import run_dir_names as names
 from hpc_rlx.checkpoint.runtime import RuntimeCheckpoints
 from hpc_rlx.checkpoint.triggers import INTERVAL_REASON
 from hpc_rlx.comm import collective
 from hpc_rlx.comm.bucket_layout import flag_values
-from hpc_rlx.comm.topology import hostname
+from hpc_rlx.base.topology import hostname
 from hpc_rlx.comm.watchdog import StallWatchdog
 from hpc_rlx.config.spec import TrainSpec
 from hpc_rlx.device.lane_plan import inventory
 from hpc_rlx.device.threads import limit_threads, thread_lanes
-from hpc_rlx.errors import CheckpointError, ConfigError, phase
+from hpc_rlx.base.errors import CheckpointError, ConfigError, phase
 from hpc_rlx.injection import DebugHooks
-from hpc_rlx.observe import trace
+from hpc_rlx.base import trace
 from hpc_rlx.observe.display import RunDisplay, Where
 from hpc_rlx.observe.metrics import Window, epoch_values
 from hpc_rlx.observe.metrics.validation import PER_CLASS, VAL_KEYS

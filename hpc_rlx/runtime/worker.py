@@ -15,14 +15,14 @@ from hpc_rlx.comm.shard import ParamShard, SplitNorms
 from hpc_rlx.config.batch_norm_sync import describe as describe_sync_batch_norm
 from hpc_rlx.config.spec import TrainSpec, initial_parameters, schedule_kwargs
 from hpc_rlx.data.plan import plan_shards
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.graph import ParamLayout
 from hpc_rlx.graph.param_names import names_by_meta
 from hpc_rlx.graph.partition import load_graph
 from hpc_rlx.runtime.feed import Feed, MemoryFeed, StreamFeed
 from hpc_rlx.runtime.feed_scatter import ScatterStreamFeed
 from hpc_rlx.device.eval_counts import pack_counts, unpack_counts
-from hpc_rlx.observe import trace
+from hpc_rlx.base import trace
 from hpc_rlx.observe.metrics.validation import val_values
 from hpc_rlx.optim import make_optimizer, make_schedule, optimizer_kwargs, scaled_lr
 from hpc_rlx.optim.clip import scale_to_norm_, squared_norm
@@ -112,7 +112,7 @@ class Worker:
         self.state = TrainState()     # step, epoch, position: advanced only through it
         self.staged: Staged | None = None     # data.stage_dir: this node's copies (runtime/staging.py)
         self.history: list[dict] = []
-        # model.sync_batch_norm: the batch-norm sums' own communicator (device/batch_sync.py)
+        # model.sync_batch_norm: the batch-norm sums' own communicator (runtime/batch_sync.py)
         self.batch_norm_comm = None
         if spec.sync_batch_norm:
             collective.agree(comm, self._check_sync_batch_norm)

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from hpc_rlx.comm.topology import layout_from_env
+from hpc_rlx.base.topology import layout_from_env
 
 from tests.support.jobs import MPI_IMPL, REPO, explain, launch_cmd, mpi_env
 from tests.support.mpi_launch import launcher_flags, rank_of, selected_mpi
@@ -44,7 +44,7 @@ def test_rank_of_reads_either_launchers_variable():
 PROBE = """
 import json, os
 from mpi4py import MPI
-from hpc_rlx.comm.topology import layout_from_env, node_layout
+from hpc_rlx.base.topology import layout_from_env, node_layout
 comm = MPI.COMM_WORLD
 row = {"rank": comm.rank, "split": node_layout(comm), "env": layout_from_env(os.environ),
        "probe": os.environ.get("HPC_RLX_PROBE")}

@@ -513,7 +513,7 @@ def test_a_part_that_survives_a_dead_rank_is_one_method(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 def test_the_innermost_phase_names_the_failure():
-    from hpc_rlx.errors import DataError, phase, phase_of
+    from hpc_rlx.base.errors import DataError, phase, phase_of
 
     def any_name_at_all():
         with phase("a training step"):
@@ -602,10 +602,10 @@ def test_only_the_bucket_reads_its_reduction_path():
 # ---------------------------------------------------------------------------------------------
 
 def test_run_directory_file_names_are_spelled_only_in_run_dir_names():
-    """Writers and readers name a run directory's files through `hpc_rlx/run_dir_names.py`, so
+    """Writers and readers name a run directory's files through `hpc_rlx/base/run_dir_names.py`, so
     a renamed file cannot leave a reader behind. (`plots` and `tensorboard` are also config
     keys, so only the names that are nothing else are held here.)"""
-    from hpc_rlx import run_dir_names as names
+    from hpc_rlx.base import run_dir_names as names
     spelled = {getattr(names, n) for n in dir(names) if n.isupper()} - {names.PLOTS, names.TENSORBOARD}
     assert {"metrics.jsonl", "summary.json", "model.h5", "checkpoints"} <= spelled
     offenders = []
@@ -642,7 +642,7 @@ def test_only_the_train_state_writes_the_position():
 
 
 def test_the_train_state_round_trips_through_a_checkpoint_meta():
-    from hpc_rlx.errors import CheckpointError
+    from hpc_rlx.base.errors import CheckpointError
     from hpc_rlx.runtime.state import TrainState
 
     s = TrainState()
@@ -667,7 +667,7 @@ def test_the_train_state_round_trips_through_a_checkpoint_meta():
 # signal handling before MPI starts and keeps `--help` and completion fast.
 LAZY_IMPORTS = {
     "mpi4py": "importing mpi4py.MPI starts MPI: only when a communicator is needed",
-    "cupy": "optional GPU backend, imported only in device/backend",
+    "cupy": "optional GPU backend, imported only in base/backend",
     "cupyx": "ships with CuPy, reached only with a CuPy array in hand",
     "matplotlib": "optional (report extra): plots load it on first use",
     "tqdm": "the progress bar's library, loaded when a bar is drawn",
@@ -726,16 +726,11 @@ def test_a_following_rank_imports_no_hydra_omegaconf_or_yaml():
 # Layers: a package imports from its own layer or lower ones
 # ---------------------------------------------------------------------------------------------
 
-# Low to high. BASE modules may be imported from anywhere (errors, trace spans, array modules).
-LAYERS = ["injection", "graph", "optim", "comm", "data", "device", "pipeline", "policies", "checkpoint", "config", "observe",
-          "resilience", "runtime", "report", "export", "rundirs", "doctor", "__main__"]
-BASE = {"hpc_rlx", "hpc_rlx.errors", "hpc_rlx.checks", "hpc_rlx.run_dir_names", "hpc_rlx.observe.trace",
-        "hpc_rlx.device.backend", "hpc_rlx.device.cuda_mpi"}
-# Known upward imports, each with its reason; the list may only shrink.
-UPWARD = {
-    ("hpc_rlx.config.schema", "hpc_rlx.observe.tensorboard_log"): "report.tensorboard's check "
-                                                                    "lives with its writer",
-}
+# Low to high, one layer per folder, no exemptions. `base` holds what every layer uses (errors,
+# value checks, run-directory names, array backends, CUDA-aware MPI detection, trace spans,
+# topology, even ranges) and imports nothing else of hpc_rlx; the root package is the top.
+LAYERS = ["base", "device", "injection", "graph", "optim", "comm", "data", "pipeline", "policies", "checkpoint",
+          "config", "observe", "resilience", "runtime", "report", "export", "rundirs", "doctor", "__main__"]
 
 
 def _layer(module: str) -> str:
@@ -743,16 +738,33 @@ def _layer(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__main__"
 
 
-def test_layers_import_downward_only():
-    graph = import_graph()
-    offenders = []
-    for module, targets in graph.items():
+def _package_imports() -> dict[tuple[str, str], list[str]]:
+    """(importing layer, imported layer) -> the module imports behind it, between layers only."""
+    pairs: dict[tuple[str, str], list[str]] = {}
+    for module, targets in import_graph().items():
         for target in targets:
-            if target in BASE or (module, target) in UPWARD:
-                continue
-            if LAYERS.index(_layer(target)) > LAYERS.index(_layer(module)):
-                offenders.append(f"{module} -> {target}")
+            if _layer(module) != _layer(target):
+                pairs.setdefault((_layer(module), _layer(target)), []).append(f"{module} -> {target}")
+    return pairs
+
+
+def test_every_package_has_its_layer():
+    packages = {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()}
+    modules = {p.stem for p in PKG.glob("*.py") if p.stem != "__init__"}
+    assert packages | modules <= set(LAYERS), sorted((packages | modules) - set(LAYERS))
+
+
+def test_layers_import_downward_only():
+    offenders = [edge for (low, high), edges in _package_imports().items()
+                 if LAYERS.index(high) > LAYERS.index(low) for edge in edges]
     assert not offenders, offenders
+
+
+def test_base_imports_no_other_package_and_no_two_packages_import_each_other():
+    pairs = _package_imports()
+    assert not [edges for (low, _), edges in pairs.items() if low == "base"]
+    mutual = sorted({tuple(sorted(p)) for p in pairs if p[::-1] in pairs})
+    assert not mutual, [(p, pairs[p][:2], pairs[p[::-1]][:2]) for p in mutual]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -917,7 +929,7 @@ ARRAY_PROBES = {"get", "device", "__cuda_array_interface__", "__array_interface_
 
 def array_type_probes(pkg: Path = PKG) -> set[str]:
     """`file:line` for each `hasattr(x, NAME)` or `getattr(x, NAME, default)` with NAME in
-    ARRAY_PROBES: a guess at the array's kind where `device.backend` knows it (`is_host(xp)`,
+    ARRAY_PROBES: a guess at the array's kind where `base.backend` knows it (`is_host(xp)`,
     `is_device_array(a)`, `to_numpy(a)`)."""
     found = set()
     for path in pkg.rglob("*.py"):
@@ -939,7 +951,7 @@ def test_the_array_probe_finder_finds_hasattr_and_getattr(tmp_path):
 
 
 def test_no_code_probes_array_types_with_hasattr():
-    """Host or device is asked of `device.backend` (`is_host`, `is_device_array`, `to_numpy`),
+    """Host or device is asked of `base.backend` (`is_host`, `is_device_array`, `to_numpy`),
     never guessed from what attributes an array happens to have."""
     assert array_type_probes() == set()
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from hpc_rlx.errors import GraphError, HpcRlxError
+from hpc_rlx.base.errors import GraphError, HpcRlxError
 from hpc_rlx.graph import Graph, build_model
 
 FAST = settings(max_examples=300, deadline=1000, suppress_health_check=[HealthCheck.function_scoped_fixture,

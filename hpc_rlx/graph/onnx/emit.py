@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph.builder import GraphBuilder
 from hpc_rlx.graph.onnx.fold import TRACE_BATCHES, Folded
 from hpc_rlx.graph.onnx.scopes import module_of

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph.onnx import fold as f
 from hpc_rlx.graph.onnx import loss as loss_head
 from hpc_rlx.graph.onnx import map_index as ix

@@ -14,7 +14,7 @@ fed ``x``, the second ``y``) and a float scalar output, which must be the mean o
 
 from __future__ import annotations
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph.onnx.emit import Emitter, Tensor
 from hpc_rlx.graph.ops.loss import class_axis as find_class_axis
 from hpc_rlx.graph.shapes import FLOAT, INT, ShapeError, fmt_shape

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph.onnx.emit import Tensor, dims_at, single
 from hpc_rlx.graph.onnx.fold import TRACE_BATCHES, Folded
 from hpc_rlx.graph.shapes import INT

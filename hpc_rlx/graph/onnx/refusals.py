@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph.onnx.scopes import describe
 
 # What a user most likely has behind an op type, where the op alone does not say.

@@ -3,7 +3,7 @@ in ``hpc_rlx.graph.ops``)."""
 
 from __future__ import annotations
 
-from hpc_rlx.device import backend
+from hpc_rlx.base import backend
 from hpc_rlx.graph.ops.common import same_float
 from hpc_rlx.graph.registry import REQUIRED, defop, defvjp
 from hpc_rlx.graph.shapes import ShapeError

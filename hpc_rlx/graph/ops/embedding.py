@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpc_rlx.device import backend
+from hpc_rlx.base import backend
 from hpc_rlx.graph.registry import defop, defvjp
 from hpc_rlx.graph.shapes import FLOAT, TensorType, require_float, require_int, require_ndim
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpc_rlx.device import backend
+from hpc_rlx.base import backend
 
 # erfc(z) = t * exp(-z^2 + P(t)), t = 1 / (1 + z / 2), for z >= 0; P's coefficients from t^0 up
 _ERFC_POLY = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from hpc_rlx.device import backend
+from hpc_rlx.base import backend
 from hpc_rlx.graph.registry import defop, defvjp
 from hpc_rlx.graph.shapes import ShapeError, TensorType, axis_index, fmt_shape, require_int
 

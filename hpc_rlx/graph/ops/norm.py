@@ -229,7 +229,7 @@ def global_moments(xp, x, shift, allsum):
     part[c + 1:] = (xc * xc).sum(axis=axes).astype(xp.float64) + n * d * d
     total = allsum(part)
     count = float(total[0])
-    dm = total[1:c + 1] / max(count, 1.0)      # 0: stand-ins alone (device/batch_sync.py)
+    dm = total[1:c + 1] / max(count, 1.0)      # 0: stand-ins alone (runtime/batch_sync.py)
     var = xp.maximum(total[c + 1:] / max(count, 1.0) - dm * dm, 0.0)
     xc += per_channel((d - dm).astype(x.dtype), x.ndim)    # x - the global mean
     return (shift + dm).astype(x.dtype), var.astype(x.dtype), count, xc

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from hpc_rlx.device import backend
+from hpc_rlx.base import backend
 from hpc_rlx.graph.registry import REQUIRED, defop, defvjp
 from hpc_rlx.graph.shapes import FLOAT, ShapeError, TensorType, require_float
 

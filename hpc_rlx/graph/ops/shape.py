@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpc_rlx.device import backend
+from hpc_rlx.base import backend
 from hpc_rlx.graph.ops.common import unbroadcast
 from hpc_rlx.graph.registry import REQUIRED, defop, defvjp
 from hpc_rlx.graph.shapes import (

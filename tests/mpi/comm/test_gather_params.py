@@ -18,7 +18,7 @@ from mpi4py import MPI
 from hpc_rlx.comm.collective import FusedBucket
 from hpc_rlx.comm.node_params import NodeSharedParams
 from hpc_rlx.comm.shard import ParamShard
-from hpc_rlx.device import cuda_mpi
+from hpc_rlx.base import cuda_mpi
 
 comm = MPI.COMM_WORLD
 n = 10_007

@@ -14,8 +14,8 @@ from hpc_rlx.comm import codec as codecs
 from hpc_rlx.comm import registry, wire
 from hpc_rlx.comm.collective import FusedBucket
 from hpc_rlx.config import schema
-from hpc_rlx.device import cuda_mpi
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base import cuda_mpi
+from hpc_rlx.base.errors import ConfigError
 
 from tests.support.jobs import REPO, explain, mpirun, train_job
 

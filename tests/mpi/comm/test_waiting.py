@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_rlx.comm.topology import cores_available
+from hpc_rlx.base.topology import cores_available
 from hpc_rlx.comm.waiting import SLEEPY_WAIT, oversubscribed, sleepy_wait_settings
 
 from tests.support.jobs import read_log, train_job

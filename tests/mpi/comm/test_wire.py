@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpc_rlx.comm import wire
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.even_split import segments
+from hpc_rlx.base.errors import ConfigError
 
 from tests.support.jobs import REPO, explain, mpirun, train_job
 
@@ -84,8 +85,8 @@ def test_empty_block_and_segments():
     words = np.empty(wire.block_words(0), np.uint16)
     wire.pack_block(np.empty(0, np.float32), "bfloat16", words)
     assert wire.unpack_block(words, "bfloat16").size == 0
-    assert wire.segments(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
-    assert wire.segments(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    assert segments(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert segments(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
     with pytest.raises(ValueError, match="need 5 words"):
         wire.pack_block(np.ones(3, np.float32), "bfloat16", np.empty(4, np.uint16))
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from hpc_rlx.config.rundirs import claim_timestamp_dir
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.observe.run_lock import RunDirLock
-from hpc_rlx.run_dir_names import LOCK as LOCK_NAME
+from hpc_rlx.base.run_dir_names import LOCK as LOCK_NAME
 
 from tests.support.jobs import (PYTHON, REPO, explain, launch_cmd, mpi_env, read_metrics, train_job,
                                 write_small_classification)

@@ -13,7 +13,7 @@ import pytest
 
 from hpc_rlx.data import convert as cv
 from hpc_rlx.data.hdf5 import describe, read_rows
-from hpc_rlx.errors import ConfigError, DataError
+from hpc_rlx.base.errors import ConfigError, DataError
 
 from tests.support.jobs import PYTHON, REPO, explain, mpi_env, read_metrics, train_job
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hpc_rlx.data.distribute import load_shard, round_rows
-from hpc_rlx.errors import ConfigError, DataError
+from hpc_rlx.base.errors import ConfigError, DataError
 
 from tests.support.jobs import launch_cmd
 

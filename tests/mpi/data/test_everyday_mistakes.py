@@ -68,7 +68,7 @@ def test_missing_data_path_with_the_default_group_is_an_error(tmp_path):
 
 def test_prepare_decision_is_by_the_groups_own_path(tmp_path, monkeypatch):
     from hpc_rlx.data.resolve import prepare_missing_data
-    from hpc_rlx.errors import DataError
+    from hpc_rlx.base.errors import DataError
 
     monkeypatch.chdir(tmp_path)
     d = {"name": "synthetic", "path": "data/synthetic.h5", "prepare": "synthetic"}
@@ -169,7 +169,7 @@ def test_num_classes_attribute_of_the_label_dataset(tmp_path):
 
 
 def test_num_classes_attributes_that_disagree_are_an_error(tmp_path):
-    from hpc_rlx.errors import DataError
+    from hpc_rlx.base.errors import DataError
     from hpc_rlx.config.spec import build_spec
 
     x, y = _classification(classes=5)
@@ -179,7 +179,7 @@ def test_num_classes_attributes_that_disagree_are_an_error(tmp_path):
 
 
 def test_num_classes_inference_refuses_bad_labels(tmp_path):
-    from hpc_rlx.errors import DataError
+    from hpc_rlx.base.errors import DataError
     from hpc_rlx.config.spec import build_spec
 
     x, y = _classification(classes=5)

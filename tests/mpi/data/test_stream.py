@@ -19,7 +19,7 @@ from hpc_rlx.data import hdf5
 from hpc_rlx.data.hdf5 import check_values, read_rows
 from hpc_rlx.data.plan import EpochOrder, plan_shards, window_of, window_steps
 from hpc_rlx.data.stream import Prefetcher, RowSource, Slot, scan_rows
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 
 from tests.support.jobs import REPO, explain, launch_cmd, mpi_env, read_metrics, train_job
 from tests.support.memory_limit import memory_limit_or_skip

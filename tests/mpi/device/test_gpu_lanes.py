@@ -2,7 +2,7 @@
 
 Two halves:
 - Simulated GPUs (`FakeGPUs`, runs everywhere): "device arrays" are NumPy arrays registered
-  with a GPU id, and every transfer helper of `hpc_rlx.device.backend` is replaced by one that checks
+  with a GPU id, and every transfer helper of `hpc_rlx.base.backend` is replaced by one that checks
   its direction and counts it. This exercises the lanes' and the bucket's device logic (where
   gradients are summed, which copies happen, stale parameters, both Allreduce paths, the whole
   training loop under mpirun) without CUDA. It cannot catch a wrong CuPy call.
@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpc_rlx.device import backend, cuda_mpi
+from hpc_rlx.base import backend, cuda_mpi
 from hpc_rlx.comm import collective as mpi_comm
-from hpc_rlx.errors import DeviceError
+from hpc_rlx.base.errors import DeviceError
 from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params
 from hpc_rlx.device.lane_plan import resolve_lanes
-from hpc_rlx.device.lanes import CpuLanes, GpuLanes, GpuLanesToHost, LaneSet, MixedLanes
+from hpc_rlx.runtime.lanes import CpuLanes, GpuLanes, GpuLanesToHost, LaneSet, MixedLanes
 
 from tests.support.jobs import REPO, explain, mpirun, read_metrics
 
@@ -375,7 +375,7 @@ import numpy as np
 from mpi4py import MPI
 from tests.mpi.device.test_gpu_lanes import FakeGPUs, small_model
 from hpc_rlx.comm import collective as mpi_comm
-from hpc_rlx.device.lanes import LaneSet
+from hpc_rlx.runtime.lanes import LaneSet
 fake = FakeGPUs(2).install()
 comm = MPI.COMM_WORLD
 g, layout, params, x, y = small_model()

@@ -13,8 +13,10 @@ import os
 import numpy as np
 import pytest
 
-from hpc_rlx.device import backend, host_blas
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base import backend
+
+from hpc_rlx.device import host_blas
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params
 
 from tests.support.jobs import explain, train_job

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpc_rlx.device import backend, cuda_mpi
+from hpc_rlx.base import backend, cuda_mpi
 from hpc_rlx.comm.collective import FusedBucket
-from hpc_rlx.errors import ConfigError, DeviceError
+from hpc_rlx.base.errors import ConfigError, DeviceError
 from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params
 from hpc_rlx.device.lane_plan import MIN_SHARE, PROBE_EVERY, assign_gpus, assign_samples, resolve_lanes, split_by_throughput
-from hpc_rlx.device.lanes import LaneSet
+from hpc_rlx.runtime.lanes import LaneSet
 
 from tests.support.jobs import REPO, explain, mpirun, train_job
 
@@ -199,7 +199,7 @@ LOCAL = r'''
 import json
 from mpi4py import MPI
 from hpc_rlx.comm.collective import by_rank
-from hpc_rlx.comm.topology import node_layout
+from hpc_rlx.base.topology import node_layout
 comm = MPI.COMM_WORLD
 layout = node_layout(comm)
 note = by_rank(comm, "same")

@@ -180,7 +180,7 @@ def test_a_gpu_that_cannot_run_kernels_is_named_with_its_ranks():
 
 
 def test_gpu_check_without_cupy_is_skipped_and_the_smoke_test_says_why():
-    from hpc_rlx.device import backend
+    from hpc_rlx.base import backend
     if backend.cupy_available():
         pytest.skip("CuPy sees a GPU here: the GPU tests cover the smoke test")
     assert doctor_probe.gpu_check(0) is None
@@ -384,7 +384,7 @@ def test_ranks_whose_lanes_cannot_start_are_named_once_per_reason():
 def test_doctor_finds_that_device_cuda_has_no_gpu_here(tmp_path):
     """Training with device=cuda on a machine without a GPU stops at start-up with a
     DeviceError: the doctor, given the same override, says so instead of 'No problems found.'"""
-    from hpc_rlx.device import backend
+    from hpc_rlx.base import backend
     if backend.gpu_count():
         pytest.skip("this machine has a GPU: device=cuda can start here")
     proc = _doctor(2, ["device=cuda"], tmp_path, _without_thread_vars())

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from hpc_rlx.observe import tensorboard_log
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.config import tensorboard_setting
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.observe.step_log import TENSORBOARD_INTERVAL_S, read_steps
 
 from tests.support.jobs import explain, mpirun, read_metrics, train_job
@@ -101,10 +102,10 @@ def test_a_bad_tensorboard_value_is_a_config_error(tmp_path, digits_h5):
 
 
 def test_settings_and_hparams_are_flat():
-    assert tensorboard_log.normalize_setting(True) == "true"
-    assert tensorboard_log.normalize_setting("AUTO") == "auto"
+    assert tensorboard_setting.normalize_setting(True) == "true"
+    assert tensorboard_setting.normalize_setting("AUTO") == "auto"
     with pytest.raises(ConfigError):
-        tensorboard_log.normalize_setting("yes")
+        tensorboard_setting.normalize_setting("yes")
     hp = tensorboard_log.flat_hparams({"optim": {"lr": 0.1, "betas": [0.9, 0.99]}, "model": {"hidden": None},
                                        "hydra": {"x": 1}}, 4)
     assert hp == {"world_size": 4, "optim.lr": 0.1, "optim.betas": json.dumps([0.9, 0.99]),
@@ -130,7 +131,7 @@ def test_the_writer_does_not_import_torch(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from hpc_rlx.observe.tensorboard_log import TensorBoardLog, available; "
+    code = ("import sys; from hpc_rlx.observe.tensorboard_log import TensorBoardLog; from hpc_rlx.config.tensorboard_setting import available; "
             f"assert available(); b = TensorBoardLog({str(tmp_path)!r}, {{'optim.lr': 0.1}}); "
             "b.step(1, {'loss': 1.0}); b.close(); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

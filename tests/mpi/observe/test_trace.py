@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpc_rlx.observe import trace
+from hpc_rlx.base import trace
 
 from tests.support.jobs import REPO, explain, mpirun, train_job
 
@@ -221,7 +221,7 @@ SKEW_SCRIPT = textwrap.dedent("""
     import json, sys, time
     import numpy as np
     from mpi4py import MPI
-    from hpc_rlx.observe import trace
+    from hpc_rlx.base import trace
 
     comm = MPI.COMM_WORLD
     r = comm.rank

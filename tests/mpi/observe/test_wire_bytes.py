@@ -14,7 +14,7 @@ import pytest
 
 from hpc_rlx.comm.bucket_layout import BucketLayout
 from hpc_rlx.comm.codec import Codec
-from hpc_rlx.comm.wire import segments
+from hpc_rlx.base.even_split import segments
 from hpc_rlx.graph import ParamLayout
 from hpc_rlx.graph.ir import Graph
 from hpc_rlx.policies.registry import POLICIES

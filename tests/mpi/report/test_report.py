@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpc_rlx.report import text as report
-from hpc_rlx.errors import HpcRlxError
+from hpc_rlx.base.errors import HpcRlxError
 
 from tests.support.jobs import REPO, explain, mpirun, read_metrics, with_read_only
 

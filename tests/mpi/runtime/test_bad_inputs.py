@@ -349,7 +349,7 @@ def _damage(src: Path, dst: Path, how: str) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_clear_error(case: Case, inputs, request, tmp_path):
     if case.skip_with_gpu:
-        from hpc_rlx.device.backend import gpu_count
+        from hpc_rlx.base.backend import gpu_count
         if gpu_count() > 0:
             pytest.skip("a GPU is usable here")
     run = tmp_path / "run"

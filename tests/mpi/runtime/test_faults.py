@@ -214,7 +214,7 @@ def test_skip_fails_when_the_model_only_produces_non_finite_steps(tmp_path, smal
 def test_a_checkpoint_of_non_finite_parameters_is_refused():
     from types import SimpleNamespace
 
-    from hpc_rlx.errors import CheckpointError
+    from hpc_rlx.base.errors import CheckpointError
     from hpc_rlx.runtime.train import Run
 
     fake = SimpleNamespace(worker=SimpleNamespace(params=np.array([1.0, np.inf, np.nan], np.float32), step=7),

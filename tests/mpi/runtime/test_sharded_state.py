@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hpc_rlx.comm.codec import CODECS
-from hpc_rlx.comm.wire import segments
+from hpc_rlx.base.even_split import segments
 
 from tests.mpi.runtime.test_end_to_end import load_params, max_rel_diff
 from tests.support.jobs import explain, mpirun, train_job

@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpc_rlx.comm.wire import segments as slices
+from hpc_rlx.base.even_split import segments as slices
 from hpc_rlx.optim.segments import cut_parameters
 
 from tests.support.jobs import explain, read_metrics, train_job

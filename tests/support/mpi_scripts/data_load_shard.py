@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpc_rlx.data import distribute
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 
 
 def _forbidden(*args, **kwargs):

@@ -35,7 +35,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from hpc_rlx.comm.reduce import HostSum, OrderedSum  # noqa: E402
 from hpc_rlx.config.spec import build_spec  # noqa: E402
-from hpc_rlx.device.lanes import CpuLanes  # noqa: E402
+from hpc_rlx.runtime.lanes import CpuLanes  # noqa: E402
 from hpc_rlx.policies.fragments import Streaming  # noqa: E402
 from hpc_rlx.policies.streaming import StreamingSync  # noqa: E402
 from hpc_rlx.policies.windowed import WindowedPolicy  # noqa: E402

@@ -28,7 +28,7 @@ from hpc_rlx.checkpoint import (
 )
 from hpc_rlx.checkpoint import h5file as hf
 from hpc_rlx.checkpoint import manager as mg
-from hpc_rlx.errors import CheckpointError, ConfigError
+from hpc_rlx.base.errors import CheckpointError, ConfigError
 
 REPO = Path(__file__).resolve().parents[3]
 FP = "graph-sha256:0123abcd"
@@ -413,7 +413,7 @@ def _run_script(body: str, cwd: Path, timeout: float = 60) -> subprocess.Complet
         import numpy as np
         from hpc_rlx.checkpoint import CheckpointManager, CheckpointState
         from hpc_rlx.checkpoint import h5file as hf
-        from hpc_rlx.errors import CheckpointError
+        from hpc_rlx.base.errors import CheckpointError
         def state(step, n):
             return CheckpointState({"params": np.full(n, step, dtype=np.float64)}, {"step": step})
     """)

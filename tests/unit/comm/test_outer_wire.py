@@ -11,7 +11,7 @@ import pytest
 from hpc_rlx.comm.feedback_wire import FeedbackWireSum
 from hpc_rlx.comm.quant_codec import GROUP, OUTER_WIRE_CODECS, Int4Codec, Int8Codec, IntCodec, normalize_outer_wire
 from hpc_rlx.comm.reduce import OrderedSum, WireSum
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 
 @pytest.mark.parametrize("codec, qmax", [(Int8Codec(), 127), (Int4Codec(), 7)])

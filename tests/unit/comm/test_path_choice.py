@@ -18,8 +18,8 @@ from hpc_rlx.comm.node_scatter import NodeScatteredSum
 from hpc_rlx.comm.path_choice import (ReductionSettings, choose_reduction, exact_path, placement_for,
                                       shared_memory_refusal)
 from hpc_rlx.comm.shard import ParamShard, ScatteredSum
-from hpc_rlx.device import cuda_mpi
-from hpc_rlx.errors import HpcRlxError
+from hpc_rlx.base import cuda_mpi
+from hpc_rlx.base.errors import HpcRlxError
 
 HOST = cuda_mpi.PathChoice(cuda_mpi.HOST, "no GPU lane on this rank")
 STAGED = cuda_mpi.PathChoice(cuda_mpi.STAGED, "MPI is not known to be CUDA-aware")

@@ -9,7 +9,7 @@ from hpc_rlx.config import schema
 from hpc_rlx.config.failure_mode import check_on_failure, shrink_refusal, training_ranks
 from hpc_rlx.config.section import SECTIONS
 from hpc_rlx.config.spec import DataPlan, TrainSpec, for_job_ranks
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.injection import DebugHooks, fail_keys_from_command_line, spec_failure_hooks
 
 

@@ -13,7 +13,7 @@ from hpc_rlx.checkpoint.retention import metric_mode
 from hpc_rlx.config.loss_keys import apply_loss_keys, check_checkpoint_metric
 from hpc_rlx.data.hdf5 import Classes, check_values
 from hpc_rlx.data.resolve import label_classes
-from hpc_rlx.errors import ConfigError, DataError
+from hpc_rlx.base.errors import ConfigError, DataError
 from hpc_rlx.graph import Graph, build_model
 from hpc_rlx.graph.loss_options import loss_head
 from hpc_rlx.observe.metrics.validation import val_values

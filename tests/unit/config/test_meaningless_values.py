@@ -8,7 +8,7 @@ import pytest
 
 from hpc_rlx.config.schema import BY_PATH
 from hpc_rlx.config.spec import check_accumulate
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.injection import FAIL_POINTS
 
 

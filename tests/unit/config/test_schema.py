@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from hpc_rlx.config import schema as schema
 from hpc_rlx.__main__ import _CONFIG_DIR
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.policies.registry import POLICIES
 from hpc_rlx.config.spec import validate_config
 
@@ -165,7 +165,7 @@ def test_bool_keys_take_only_true_or_false():
 def test_integer_keys_are_bounded_at_2_63_minus_1():
     """A Python int past 64 bits passed every range check, then crashed the run at step 0 (in
     TensorBoard's hyper-parameter log): every key refuses it, with the bound in the message."""
-    from hpc_rlx.checks import INT64_MAX
+    from hpc_rlx.base.checks import INT64_MAX
     from hpc_rlx.config.schema import KEYS
     too_large = INT64_MAX + 1
     for key in KEYS:

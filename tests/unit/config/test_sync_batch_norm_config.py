@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from hpc_rlx.__main__ import _CONFIG_DIR
 from hpc_rlx.config.batch_norm_sync import batch_norm_channels, check_sync_batch_norm, describe
 from hpc_rlx.config.spec import validate_config
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.graph import GraphBuilder, build_model
 
 

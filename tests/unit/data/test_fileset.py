@@ -17,7 +17,7 @@ from hpc_rlx.data.fileset import FileSet, first_difference, files_of_ranges, ran
 from hpc_rlx.data.resolve import data_sources, label_classes
 from hpc_rlx.data.set_source import SetSource
 from hpc_rlx.data.stream import scan_rows
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 
 
 # ---- the math ------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def test_a_resume_checks_the_training_files_and_not_a_separate_validation_set():
     from types import SimpleNamespace
 
     from hpc_rlx.checkpoint.data_files import check_data_files, data_files_record
-    from hpc_rlx.errors import CheckpointError
+    from hpc_rlx.base.errors import CheckpointError
 
     def plan(files, val_files=None):
         return SimpleNamespace(path="/d", val_path="/v" if val_files else "/d", files=files, val_files=val_files,

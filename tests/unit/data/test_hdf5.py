@@ -6,7 +6,7 @@ import pytest
 
 from hpc_rlx.data import hdf5
 from hpc_rlx.data.hdf5 import DatasetInfo, check_compatible, check_values, describe, read_rows
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 
 
 def _write(path, **datasets):

@@ -13,7 +13,7 @@ from hpc_rlx.data.files import Meta
 from hpc_rlx.data.fileset import FileSet
 from hpc_rlx.data.one_sample import Layout, OneSampleReader
 from hpc_rlx.data.set_reader import read_set
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 
 SHAPE = (4, 5, 3)
 

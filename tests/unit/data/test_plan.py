@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hpc_rlx.data.plan import EVAL_BATCH_CAP, EpochOrder, eval_batch_rows, plan_shards
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 
 def global_batches(n, batch, world, leftover, epoch=0, seed=7, shuffle=True):

@@ -14,7 +14,7 @@ from hpc_rlx.data import prepare as prep
 from hpc_rlx.data.__main__ import main as cli_main
 from hpc_rlx.data.hdf5 import describe
 from hpc_rlx.data.prepare import ensure_prepared, prepare
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -13,7 +13,7 @@ from hpc_rlx.data.plan import EpochOrder, plan_shards
 from hpc_rlx.data.stage_copy import PART, copy_checked, expand_stage_dir, make_stage_root, remove_stage_root
 from hpc_rlx.data.stage_plan import (assign_copies, describe_staging, needed_files, rank_ranges,
                                      space_problem, staged_name)
-from hpc_rlx.errors import DataError
+from hpc_rlx.base.errors import DataError
 
 
 def _one_sample_files(n: int) -> FileSet:

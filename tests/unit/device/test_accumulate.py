@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hpc_rlx.comm.collective import FusedBucket
-from hpc_rlx.device.lanes import LaneSet, micro_batch_seed, micro_batches
+from hpc_rlx.runtime.lanes import LaneSet, micro_batch_seed, micro_batches
 from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params
 
 

@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from hpc_rlx.device.batch_sync import BatchStatSum, results_of
-from hpc_rlx.device.lanes import LaneSet, micro_batches
+from hpc_rlx.runtime.batch_sync import BatchStatSum, results_of
+from hpc_rlx.runtime.lanes import LaneSet, micro_batches
 from hpc_rlx.graph import Executor, GraphBuilder, ParamLayout
 
 

@@ -11,7 +11,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.export.command import main
 from hpc_rlx.export.onnx_source import SOURCE_FILE
 from hpc_rlx.graph import Executor

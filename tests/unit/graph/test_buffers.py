@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph import Executor, Graph, GraphBuilder, ParamLayout, build_model, register_op, unregister_op
 from hpc_rlx.graph.registry import defvjp
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph import Executor, GraphBuilder, ParamLayout
 from hpc_rlx.graph.gradcheck import check_grads
 from hpc_rlx.graph.ops.loss import iou_counts, label_weight

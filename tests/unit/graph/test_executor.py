@@ -10,7 +10,7 @@ import weakref
 import numpy as np
 import pytest
 
-from hpc_rlx.errors import DataError, DeviceError, GraphError
+from hpc_rlx.base.errors import DataError, DeviceError, GraphError
 from hpc_rlx.graph import OPS, Executor, GraphBuilder, ParamLayout, build_model, init_params
 
 R = np.random.default_rng(3)

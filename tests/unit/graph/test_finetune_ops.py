@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph import Executor, GraphBuilder
 
 from tests.unit.graph.test_onnx_ops import run_op

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.device import backend
-from hpc_rlx.errors import DeviceError
+from hpc_rlx.base import backend
+from hpc_rlx.base.errors import DeviceError
 from hpc_rlx.graph import Executor, ParamLayout, build_model, init_params
 
 pytestmark = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.device import backend
+from hpc_rlx.base import backend
 from hpc_rlx.graph import Executor, GraphBuilder, ParamLayout
 from hpc_rlx.graph.ops.loss import iou_counts
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.device import backend
+from hpc_rlx.base import backend
 from hpc_rlx.graph import OPS, Executor, GraphBuilder, ParamLayout, build_model
 from hpc_rlx.graph.ops import conv_dense, conv_winograd, elementwise, fast_erf
 from hpc_rlx.graph.ops import loss as loss_ops

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph.onnx.importer import import_onnx
 
 onnx = pytest.importorskip("onnx")

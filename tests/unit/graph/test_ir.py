@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph import Graph, build_model
 from hpc_rlx.graph.ir import SCHEMA_VERSION
 

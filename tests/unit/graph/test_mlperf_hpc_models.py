@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph import Executor
 
 torch = pytest.importorskip("torch")

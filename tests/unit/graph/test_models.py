@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.errors import ConfigError, GraphError
+from hpc_rlx.base.errors import ConfigError, GraphError
 from hpc_rlx.graph import Executor, Graph, ParamLayout, build_model, init_params
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.device import backend
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base import backend
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph import OPS, Executor, Graph, GraphBuilder, ParamLayout
 from hpc_rlx.graph.gradcheck import check_op, op_graph
 from hpc_rlx.graph.registry import VJPS

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph import OPS, Executor, GraphBuilder, ParamLayout, build_model, init_params, register_op, unregister_op
 from hpc_rlx.graph.gradcheck import GradCheckError, check_grads, check_op
 from hpc_rlx.graph.registry import defvjp

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.errors import ConfigError, GraphError
+from hpc_rlx.base.errors import ConfigError, GraphError
 from hpc_rlx.graph import Executor, GraphBuilder, ParamLayout, build_model, init_params
 from hpc_rlx.graph.partition import StageGraph, partition
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph import OPS, Executor, ParamLayout
 from hpc_rlx.graph.gradcheck import check_grads, check_op
 from hpc_rlx.graph.shapes import ShapeError, TensorType

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpc_rlx.device import backend
-from hpc_rlx.errors import GraphError
+from hpc_rlx.base import backend
+from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph import Executor, GraphBuilder, ParamLayout
 from hpc_rlx.graph.gradcheck import check_op
 from hpc_rlx.graph.params import default_fans

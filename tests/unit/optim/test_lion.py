@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hpc_rlx.config.schema import GROUPS, keys_of
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.optim import OPTIMIZERS, make_optimizer, optimizer_kwargs, parameter_copies
 from hpc_rlx.optim.lion import Lion
 

@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
-from hpc_rlx.errors import CheckpointError, ConfigError
+from hpc_rlx.base.errors import CheckpointError, ConfigError
 from hpc_rlx.optim import clip_grad_norm_, make_optimizer, make_schedule, scaled_lr
 from hpc_rlx.optim.adamw import AdamW
 from hpc_rlx.optim.sgd import SGD

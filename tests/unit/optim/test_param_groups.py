@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.optim import make_optimizer
 from hpc_rlx.optim.groups import DEFAULT, ParamSetting, runs, settings_for
 from hpc_rlx.optim.segments import slice_segments

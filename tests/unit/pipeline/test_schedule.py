@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.pipeline.schedule import Action, build, gpipe, one_f_one_b, simulate
 
 GRID = [(S, M) for S in (1, 2, 3, 4, 6) for M in (1, 2, 3, 4, 8, 13)]

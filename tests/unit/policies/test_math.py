@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.policies import (
     DiLoCo, ElcheScheduler, IntervalController, OuterAverage, SlowMo,
     SyncLayout, make_outer, plan_window, work_weight,

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from hpc_rlx.errors import DataError, phase
+from hpc_rlx.base.errors import DataError, phase
 from hpc_rlx.resilience.failure import PHASES, RunFailed, RunFailure, failure_of
 from hpc_rlx.resilience.hooks import PolicyRecovery, RankLossHook, Survivors, rank_loss_hooks
 from hpc_rlx.resilience.mode import FailureMode, is_spare

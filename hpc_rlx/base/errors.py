@@ -45,7 +45,7 @@ class ConfigError(HpcRlxError):
 
 
 def check_param(check, key: str, value, where: str = "", qualifier: str = ""):
-    """`value` after `check` (an `hpc_rlx.checks.Check` that tests the value) passed it, else
+    """`value` after `check` (an `hpc_rlx.base.checks.Check` that tests the value) passed it, else
     `ConfigError.bad_param(key, <qualifier><the check's message after its label>, where)`:
     `sgd: momentum must be a number in [0, 1), got 2`; with ``qualifier="[0]"``,
     `adamw: betas[0] must be ...`; with ``qualifier=" (C, H, W)"``, `input_shape (C, H, W) must ...`."""

@@ -31,16 +31,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpc_rlx.comm.wire import segments
-from hpc_rlx.device import backend, cuda_mpi
-from hpc_rlx.device.batch_sync import BatchStatSum, results_of, run_stand_in
+from hpc_rlx.base.even_split import segments
+from hpc_rlx.base import backend, cuda_mpi
+from hpc_rlx.runtime.batch_sync import BatchStatSum, results_of, run_stand_in
 from hpc_rlx.device.eval_counts import evaluate_counts
 from hpc_rlx.device.host_blas import host_array_module
 from hpc_rlx.device.lane_plan import assign_samples, split_by_throughput
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.graph import Executor
 from hpc_rlx.graph.loss_options import loss_head
-from hpc_rlx.observe import trace
+from hpc_rlx.base import trace
 
 
 @dataclass

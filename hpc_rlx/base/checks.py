@@ -14,7 +14,7 @@ import math
 import numbers
 from typing import Any, Callable
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 
 # Every integer setting ends up in a 64-bit slot somewhere (NumPy, HDF5 attributes, TensorBoard's

@@ -8,8 +8,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from hpc_rlx.device import backend
-from hpc_rlx.errors import DeviceError
+from hpc_rlx.base import backend
+from hpc_rlx.base.errors import DeviceError
 
 PKG = pathlib.Path(__file__).resolve().parents[3] / "hpc_rlx"
 
@@ -75,7 +75,7 @@ def test_cupy_imported_only_in_backend():
     """The one guarded import: no other module under hpc_rlx/ imports cupy."""
     offenders = []
     for path in PKG.rglob("*.py"):
-        if path.name == "backend.py" and path.parent == PKG / "device":
+        if path.name == "backend.py" and path.parent == PKG / "base":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
@@ -90,7 +90,7 @@ def test_cupy_imported_only_in_backend():
 
 def test_graph_engine_imports_no_mpi_hdf5_hydra():
     banned = {"mpi4py", "h5py", "hydra", "omegaconf", "torch"}
-    files = [PKG / "device" / "backend.py", *sorted((PKG / "graph").rglob("*.py"))]
+    files = [PKG / "base" / "backend.py", *sorted((PKG / "graph").rglob("*.py"))]
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):

@@ -15,7 +15,7 @@ import threading
 
 import numpy as np
 
-from hpc_rlx.errors import DeviceError
+from hpc_rlx.base.errors import DeviceError
 
 _lock = threading.Lock()
 _probed = False

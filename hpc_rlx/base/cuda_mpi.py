@@ -20,7 +20,7 @@ import ctypes
 import os
 from dataclasses import dataclass
 
-from hpc_rlx.errors import ConfigError
+from hpc_rlx.base.errors import ConfigError
 
 SETTINGS = ("auto", "true", "false")
 
