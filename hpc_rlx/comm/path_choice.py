@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpc_rlx.comm.codec import codec_for, normalize_wire
-from hpc_rlx.comm.reduce import ReductionPath, StagedSum
-from hpc_rlx.comm.registry import AUTO, exact_name, make_reduction, placement
-from hpc_rlx.comm.shard import ParamShard, ScatteredSum
+from hpc_rlx.comm.reduce import ReductionPath, Request, StagedSum
+from hpc_rlx.comm.registry import AUTO, exact_name, make_reduction, path_class, placement
+from hpc_rlx.comm.shard import ParamShard
 from hpc_rlx.base import cuda_mpi
 
 
@@ -66,8 +66,11 @@ def choose_reduction(settings: ReductionSettings, where: cuda_mpi.PathChoice | N
     if settings.shard is None:
         return make_reduction(settings.chunk_elems, settings.deterministic, settings.wire, where,
                               name=settings.reduction_name)
-    scattered = ScatteredSum(settings.shard, settings.chunk_elems, codec_for(settings.wire),
-                             settings.shared_params)
+    # the sharded step: the built-in reduce-scatter (auto) or a named path that gathers its own way
+    codec = codec_for(settings.wire)
+    path = path_class(settings.reduction_name, settings.deterministic, codec, sharded=True)
+    scattered = path.build(Request(settings.chunk_elems, cuda_mpi.HOST, settings.deterministic, codec,
+                                   settings.shard, settings.shared_params))
     return scattered if on_host else StagedSum(scattered)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -61,12 +62,16 @@ class Request:
     """What a path is built for: the chunk size, the array it sums (``where``: `cuda_mpi.HOST`
     for a host bucket, STAGED for the host side of a device twin, DIRECT for the device
     buffer itself), whether the run needs a fixed order (``comm.deterministic``) and the
-    16-bit codec of ``comm.wire_dtype`` (None: none)."""
+    16-bit codec of ``comm.wire_dtype`` (None: none); under ``comm.shard=optimizer``, for a
+    path that `gathers_params`, this rank's slice (``shard``, a `shard.ParamShard`) and the
+    node's one parameter array (``shared_params``, ``comm.node_shared_params``; None: none)."""
 
     chunk_elems: int
     where: str = cuda_mpi.HOST
     deterministic: bool = False
     codec: Codec | None = None
+    shard: Any = None
+    shared_params: Any = None
 
 
 def chunk_bounds(n: int, chunk_elems: int) -> list[tuple[int, int]]:
@@ -101,9 +106,10 @@ class ReductionPath:
       it sums a device bucket's host side (staged);
     - ``takes_codec``: it can carry the payload in a 16-bit codec (``comm.wire_dtype``);
       ``needs_codec``: only with one;
-    - ``gathers_params``: it also gathers the sharded parameters (``comm.shard=optimizer``)
-      after the step, its own way, by its method ``gather_params(comm, params)``, which returns
-      the bytes sent;
+    - ``gathers_params``: a path for ``comm.shard=optimizer``: it sums only this rank's slice
+      of the payload (the `Request`'s ``shard``) and gathers the parameters back after the
+      step, its own way, by its method ``gather_params(comm, params)``, which returns the bytes
+      sent; ``comm.reduction`` may name such a path only under ``comm.shard=optimizer``;
     - ``keeps_state_by_index``: it keeps state per payload index (the outer wire's error
       feedback), so a sum of a slice of the payload (a fragment) first sets ``offset``, where
       the slice starts.

@@ -10,6 +10,10 @@ without one) is refused with a `ConfigError` naming ``comm.reduction``. Where th
 (the lanes' `cuda_mpi.PathChoice`) is a placement around it: a device bucket is summed on the
 device (`reduce.CudaDirectSum`) by a path that can (`ReductionPath.sums_on_device`), else staged
 through its host side (`reduce.StagedSum`).
+
+Under ``comm.shard=optimizer`` ``auto`` is the built-in reduce-scatter (`shard.ScatteredSum`), and
+a named path must be one for the sharded step (`ReductionPath.gathers_params`: it sums this
+rank's slice and gathers the parameters its own way); such a path serves nothing else.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import replace
 
 from hpc_rlx.comm.codec import Codec, codec_for
 from hpc_rlx.comm.reduce import CudaDirectSum, HostSum, OrderedSum, ReductionPath, Request, StagedSum, WireSum
+from hpc_rlx.comm.shard import ScatteredSum
 from hpc_rlx.base import cuda_mpi
 from hpc_rlx.base.errors import ConfigError
 
@@ -39,8 +44,12 @@ def _auto(deterministic: bool, codec: Codec | None) -> str:
     return "wire" if codec is not None else "ordered" if deterministic else "host"
 
 
-def refusal(path: type[ReductionPath], deterministic: bool, codec: Codec | None) -> str | None:
-    """Why ``path`` cannot serve these settings, in words; None when it can."""
+def refusal(path: type[ReductionPath], deterministic: bool, codec: Codec | None,
+            sharded: bool = False) -> str | None:
+    """Why ``path`` cannot serve these settings, in words; None when it can. (A path that does
+    not gather under ``sharded`` is `sharded_refusal`'s to refuse.)"""
+    if path.gathers_params and not sharded:
+        return "sums a sharded optimizer's slices, which needs comm.shard=optimizer"
     if deterministic and not path.ordered:
         return "does not add in a fixed order, which comm.deterministic=true needs"
     if codec is not None and not path.takes_codec:
@@ -50,31 +59,47 @@ def refusal(path: type[ReductionPath], deterministic: bool, codec: Codec | None)
     return None
 
 
-def path_class(name: str, deterministic: bool, codec: Codec | None) -> type[ReductionPath]:
+def path_class(name: str, deterministic: bool, codec: Codec | None, sharded: bool = False) -> type[ReductionPath]:
     """The registered class ``comm.reduction=name`` selects for these settings; a
     `ConfigError` naming the key when there is none or it cannot serve them."""
     if name is None or name == AUTO:
-        return REDUCTIONS[_auto(deterministic, codec)]
+        return ScatteredSum if sharded else REDUCTIONS[_auto(deterministic, codec)]
     path = REDUCTIONS.get(name) if isinstance(name, str) else None
     if path is None:
         raise ConfigError(f"comm.reduction={name!r} is not one of {choices()}")
-    why = refusal(path, deterministic, codec)
+    why = sharded_refusal(name) if sharded else None
+    if why is not None:
+        raise ConfigError(f"comm.shard=optimizer does not run with {why}")
+    why = refusal(path, deterministic, codec, sharded)
     if why is not None:
         raise ConfigError(f"comm.reduction={name} {why}")
     return path
 
 
-def check_settings(name, deterministic: bool, wire_dtype) -> None:
-    """The schema's check of ``comm.reduction`` against the other ``comm.*`` settings."""
-    if name is not None and name != AUTO:
-        path_class(name, bool(deterministic), codec_for(wire_dtype))
+def sharded_refusal(name) -> str | None:
+    """Why ``comm.shard=optimizer`` does not run with ``comm.reduction=name`` (a path that does
+    not gather the parameters), in words; None when it does."""
+    path = REDUCTIONS.get(name) if isinstance(name, str) else None
+    if name is None or name == AUTO or path is None or path.gathers_params:
+        return None
+    return f"comm.reduction={name}: the reduce-scatter is the sharded step's own path"
+
+
+def check_settings(name, deterministic: bool, wire_dtype, shard: str = "none") -> None:
+    """The schema's check of ``comm.reduction`` against the other ``comm.*`` settings (a path
+    that does not gather under ``comm.shard=optimizer``: `config.sharding.check_shard`)."""
+    sharded = shard == "optimizer"
+    if name is not None and name != AUTO and (not sharded or sharded_refusal(name) is None):
+        path_class(name, bool(deterministic), codec_for(wire_dtype), sharded)
 
 
 def exact_name(name: str) -> str:
     """The name of the exact path for a use that must sum the host array as it is: the
-    selected path when it is exact and runs without a codec, else `AUTO`."""
+    selected path when it is exact, runs without a codec and sums the whole array (not a
+    sharded step's slice), else `AUTO`."""
     path = REDUCTIONS.get(name)
-    return name if path is not None and path.exact and not path.needs_codec else AUTO
+    whole = path is not None and path.exact and not path.needs_codec and not path.gathers_params
+    return name if whole else AUTO
 
 
 def placement(name: str, deterministic: bool, codec: Codec | None,

@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from hpc_rlx.comm.codec import Codec
-from hpc_rlx.comm.reduce import ReductionPath, Reduced, mpi_module
+from hpc_rlx.comm.reduce import ReductionPath, Reduced, Request, mpi_module
 from hpc_rlx.base.even_split import segments
 from hpc_rlx.comm.wire_volume import allgather_bytes
 from hpc_rlx.optim.segments import cut_parameters
@@ -154,10 +154,13 @@ class ScatteredSum(ReductionPath):
     rank, the payload summed only in this rank's slice (`ParamShard`), by one Alltoallv per
     round and additions in rank order. It gathers the parameters back (`gather_params`): MPI's
     rounds (`ParamShard.allgather`), or, with ``comm.node_shared_params``, the node's one array
-    (`node_params.NodeSharedParams`: only other nodes' slices travel)."""
+    (`node_params.NodeSharedParams`: only other nodes' slices travel). A path that
+    ``comm.reduction`` names under ``comm.shard=optimizer`` may subclass it (`build` passes
+    the `Request`'s shard) and gather its own way."""
 
     exact = True
     ordered = True
+    takes_codec = True
     gathers_params = True
 
     def __init__(self, shard: ParamShard, chunk_elems: int, codec: Codec | None = None, shared_params=None):
@@ -168,6 +171,10 @@ class ScatteredSum(ReductionPath):
         self.shared_params = shared_params  # comm.node_shared_params: the node's parameter array
         self._rounds = None
         self._scratch = None
+
+    @classmethod
+    def build(cls, request: Request) -> ScatteredSum:
+        return cls(request.shard, request.chunk_elems, request.codec, request.shared_params)
 
     def gather_params(self, comm, params) -> int:
         if self.shared_params is not None:

@@ -192,7 +192,8 @@ KEYS: tuple[Key, ...] = (
         "the compute dtype (checked by the bucket)"),
     Key("comm.reduction", str, "auto", "the bucket's reduction path by name (`hpc_rlx/comm/registry.py`): "
         "`auto` picks `wire` under comm.wire_dtype, `ordered` under comm.deterministic, else `host` "
-        "(MPI's SUM); a named path must serve those settings", OneOf(*_reductions())),
+        "(MPI's SUM), under comm.shard=optimizer the reduce-scatter; a named path must serve those "
+        "settings (under comm.shard=optimizer: one that gathers the parameters its own way)", OneOf(*_reductions())),
     Key("comm.shard", str, "none", "`optimizer`: each rank holds the optimizer state of one slice of "
         "the parameters (ZeRO-1): the gradients are reduce-scattered, each rank steps its slice, the "
         "parameters are all-gathered (with pipeline stages, among each stage's replicas); policy=sync, "
@@ -334,7 +335,7 @@ def _comm_rule(c: Mapping[str, Any]) -> None:
     if not (stall_abort in (None, "auto") or (is_number(warn) and warn > 0)):
         raise ConfigError(f"comm.stall_abort_s={stall_abort!r} needs the watchdog on: "
                           f"comm.stall_warning_s > 0, got {warn!r}")
-    _check_reduction(c["reduction"], c["deterministic"], c["wire_dtype"])
+    _check_reduction(c["reduction"], c["deterministic"], c["wire_dtype"], c["shard"])
 
 
 def _check_option_keys(section: str, values: Mapping[str, Any]) -> None:

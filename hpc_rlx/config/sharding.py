@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from hpc_rlx.base.errors import ConfigError
+from hpc_rlx.comm.registry import AUTO, sharded_refusal
 from hpc_rlx.policies.registry import POLICIES
 
 
@@ -23,7 +24,10 @@ def check_node_shared_params(cfg: dict) -> None:
         if cfg["device"]["kind"] != "cpu" else
         f"parallel.pipeline_stages={stages}: not with pipeline stages" if stages > 1 else
         next((f"comm.{key}={c[key]}: the node's shared-memory path does not serve it"
-              for key in ("deterministic", "wire_dtype", "overlap") if c.get(key)), None))
+              for key in ("deterministic", "wire_dtype", "overlap") if c.get(key)), None) or
+        (f"comm.reduction={c['reduction']}: a named path gathers the parameters its own way, not into "
+         f"the node's one copy" if c.get("reduction", AUTO) != AUTO and sharded_refusal(c["reduction"]) is None
+         else None))
     if refusal is not None:
         raise ConfigError(f"comm.node_shared_params=true does not run with {refusal}")
 
@@ -40,7 +44,7 @@ def check_shard(cfg: dict) -> None:
         f"each needs its whole optimizer state; use policy=sync")
     if refusal is None and c.get("overlap"):
         refusal = "comm.overlap=true: not yet; the reduce-scatter runs after backward"
-    if refusal is None and c.get("reduction", "auto") != "auto":
-        refusal = f"comm.reduction={c['reduction']}: the reduce-scatter is the sharded step's own path"
+    if refusal is None:
+        refusal = sharded_refusal(c.get("reduction", AUTO))
     if refusal is not None:
         raise ConfigError(f"comm.shard=optimizer does not run with {refusal}")

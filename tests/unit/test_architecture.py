@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 
 from hpc_rlx.policies.registry import POLICIES
@@ -252,9 +254,16 @@ def _add_line_after(path: Path, anchor: str, line: str) -> None:
     path.write_text(text.replace(anchor, anchor + line, 1))
 
 
-def _train_copy(copy: Path, tmp_path: Path, overrides: list[str]):
+def _changed_files(copy: Path) -> set[str]:
+    """The files of the package copy that are not the package's own: added or changed."""
+    mine = copy / "hpc_rlx"
+    return {rel.as_posix() for p in mine.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+            and not ((PKG / (rel := p.relative_to(mine))).is_file() and (PKG / rel).read_bytes() == p.read_bytes())}
+
+
+def _train_copy(copy: Path, tmp_path: Path, overrides: list[str], run_name: str = "run"):
     data = write_small_classification(tmp_path / "d.h5", rows=800, seed=3)
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / run_name
     cmd = launch_cmd(2, ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "data=file", f"data.path={data}",
                          "train.epochs=3", "report.plots=false", "report.tensorboard=false",
                          "checkpoint=off", *overrides])
@@ -814,6 +823,64 @@ def test_a_new_reduction_path_is_one_file_and_one_registry_line(tmp_path):
     assert "comm.reduction=float64 does not add in a fixed order" in bad.stderr, explain(bad)
     assert bad.stderr.count("hpc_rlx: error") == 1, explain(bad)
     assert not (PKG / "comm" / "float64_sum.py").exists()
+
+
+BCAST_GATHER = '''
+"""`comm.reduction=bcast_gather` (with `comm.shard=optimizer`): the sharded step's reduce-scatter,
+then the parameters gathered by one Bcast from each slice's owner instead of Allgather rounds."""
+
+from __future__ import annotations
+
+from hpc_rlx.comm.shard import ScatteredSum
+
+
+class BcastGather(ScatteredSum):
+    name = "bcast_gather"
+    said = False
+
+    def gather_params(self, comm, params) -> int:
+        for owner, (lo, hi) in enumerate(self.shard.bounds):
+            comm.Bcast(params[lo:hi], root=owner)
+        if comm.rank == 0 and not self.said:        # once, so a test sees that it ran
+            print("parameters gathered by a Bcast per owner", flush=True)
+            self.said = True
+        lo, hi = self.shard.bounds[comm.rank]
+        return (hi - lo) * params.itemsize * (comm.size - 1)
+'''
+
+
+@pytest.mark.mpi
+def test_a_reduction_path_that_gathers_parameters_its_own_way_is_one_file_and_one_line(tmp_path):
+    """In a copy of the package: `comm/bcast_gather.py`, a sharded step's path that gathers the
+    parameters its own way (`ReductionPath.gathers_params`, `gather_params`), and its line in
+    `comm/registry.py`; nothing else changes (the worker calls the bucket's `gather_params`).
+    `comm.shard=optimizer comm.reduction=bcast_gather` trains with it, names it at start-up and
+    ends with the parameters of the built-in reduce-scatter and allgather, bitwise; without
+    `comm.shard=optimizer` the registry refuses it."""
+    copy = _copy_package(tmp_path)
+    (copy / "hpc_rlx" / "comm" / "bcast_gather.py").write_text(textwrap.dedent(BCAST_GATHER))
+    _add_line_after(copy / "hpc_rlx" / "comm" / "registry.py", '    "wire": WireSum,\n',
+                    '    "bcast_gather": __import__("hpc_rlx.comm.bcast_gather", fromlist=["BcastGather"]).BcastGather,\n')
+    assert _changed_files(copy) == {"comm/bcast_gather.py", "comm/registry.py"}
+    proc, run_dir = _train_copy(copy, tmp_path, ["comm.shard=optimizer", "comm.reduction=bcast_gather"])
+    assert proc.returncode == 0, explain(proc)
+    epochs = read_metrics(run_dir)
+    assert len(epochs) == 3 and epochs[-1]["train_loss"] < epochs[0]["train_loss"], epochs
+    assert "reduction bcast_gather, reduce-scatter (comm.shard=optimizer)" in proc.stdout, explain(proc)
+    assert proc.stdout.count("parameters gathered by a Bcast per owner") == 1, explain(proc)
+    builtin, builtin_dir = _train_copy(copy, tmp_path, ["comm.shard=optimizer"], run_name="builtin")
+    assert builtin.returncode == 0, explain(builtin)
+    assert "parameters gathered by a Bcast per owner" not in builtin.stdout, explain(builtin)
+    with h5py.File(run_dir / "model.h5", "r") as mine, h5py.File(builtin_dir / "model.h5", "r") as theirs:
+        assert sorted(mine) == sorted(theirs) and len(mine) > 0
+        for name in mine:
+            assert np.array_equal(mine[name][...], theirs[name][...]), name
+    bad, _ = _train_copy(copy, tmp_path, ["comm.reduction=bcast_gather"], run_name="bad")
+    assert bad.returncode == 2, explain(bad)
+    assert "comm.reduction=bcast_gather sums a sharded optimizer's slices, which needs comm.shard=optimizer" \
+        in bad.stderr, explain(bad)
+    assert _changed_files(copy) == {"comm/bcast_gather.py", "comm/registry.py"}
+    assert not (PKG / "comm" / "bcast_gather.py").exists()
 
 
 # ---------------------------------------------------------------------------------------------
