@@ -160,3 +160,43 @@ def test_the_bucket_reads_its_memory_and_settings_under_their_old_names():
     assert bucket.chunk_elems == 13 and bucket.deterministic and bucket.shard is SHARD and bucket.wire is None
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         bucket.nothing
+
+
+class GathersByBcast(ScatteredSum):
+    """A sharded step's path registered by name (no MPI here: built, never run)."""
+
+    name = "gathers"
+
+
+def test_a_named_path_that_gathers_is_the_sharded_steps_path(monkeypatch):
+    from hpc_rlx.config.sharding import check_shard
+    from hpc_rlx.errors import ConfigError
+    monkeypatch.setitem(registry.REDUCTIONS, "gathers", GathersByBcast)
+    node_params = object()
+    settings = ReductionSettings(1000, wire="bfloat16", reduction_name="gathers", shard=SHARD,
+                                 shared_params=node_params)
+    path = choose_reduction(settings, HOST, None)
+    assert _shape(path) == "GathersByBcast" and path.shard is SHARD and path.shared_params is node_params
+    assert path.codec is codec_for("bfloat16") and path.chunk_elems == 1000
+    assert _shape(choose_reduction(settings, STAGED, None)) == "StagedSum[GathersByBcast]"
+    assert registry.path_class("auto", False, None, sharded=True) is ScatteredSum
+    # it serves nothing but the sharded step; a path that does not gather, not that
+    message = "comm.reduction=gathers sums a sharded optimizer's slices, which needs comm.shard=optimizer"
+    with pytest.raises(ConfigError, match=message):
+        choose_reduction(ReductionSettings(1000, reduction_name="gathers"), HOST, None)
+    with pytest.raises(ConfigError, match=message):
+        registry.check_settings("gathers", False, None, "none")
+    registry.check_settings("gathers", True, "float16", "optimizer")
+    with pytest.raises(ConfigError, match="comm.shard=optimizer does not run with comm.reduction=host: "
+                                          "the reduce-scatter is the sharded step's own path"):
+        choose_reduction(ReductionSettings(1000, reduction_name="host", shard=SHARD), HOST, None)
+    registry.check_settings("host", False, None, "optimizer")     # check_shard's to refuse, as before
+    assert registry.exact_name("gathers") == "auto" and registry.exact_name("ordered") == "ordered"
+    cfg = {"comm": {"shard": "optimizer", "reduction": "gathers", "node_shared_params": False},
+           "policy": {"name": "sync"}, "parallel": {"pipeline_stages": 1}, "device": {"kind": "cpu"}}
+    check_shard(cfg)
+    with pytest.raises(ConfigError, match="comm.shard=optimizer does not run with comm.reduction=host"):
+        check_shard({**cfg, "comm": dict(cfg["comm"], reduction="host")})
+    with pytest.raises(ConfigError, match="comm.node_shared_params=true does not run with comm.reduction=gathers: "
+                                          "a named path gathers the parameters its own way"):
+        check_shard({**cfg, "comm": dict(cfg["comm"], node_shared_params=True)})
