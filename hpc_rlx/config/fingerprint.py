@@ -21,6 +21,8 @@ import os
 import re
 from collections.abc import Iterable
 
+from hpc_rlx.policies.fragment_schedule import DEFAULT as DEFAULT_SCHEDULE
+
 # keys of `train` and `data` that decide what is trained; whole `model`, `optim`, `policy`
 _TRAIN_KEYS = ("batch_size", "seed", "dtype")
 _DATA_KEYS = ("path", "val_path", "x", "y", "val_fraction", "leftover", "shuffle")
@@ -64,13 +66,16 @@ def fingerprint_record(cfg: dict, cwd: str | None = None, graph_text: str | None
     for key in ("no_decay", "lr_mult"):
         if not optim.get(key):
             optim.pop(key, None)            # unset: fingerprints stay as they were
+    policy = dict(cfg.get("policy") or {})
+    if policy.get("fragment_schedule") == DEFAULT_SCHEDULE:
+        policy.pop("fragment_schedule")     # the default: fingerprints stay as they were
     if graph_text is not None:
         model["graph_sha256"] = hashlib.sha256(graph_text.encode("utf-8")).hexdigest()
     return {
         "model": model,
         "data": data,
         "optim": optim,
-        "policy": dict(cfg.get("policy") or {}),
+        "policy": policy,
         "train": {k: (cfg.get("train") or {}).get(k) for k in _TRAIN_KEYS},
     }
 

@@ -10,6 +10,8 @@ record describes the whole cluster. Keys:
 - K: cadence: the anchor (steps of the slowest rank per sync); async: the interval.
 - k_trace: the K each window of the epoch ran with (async: stretched so that the epoch
   splits into equal windows, `window.stretch_to_epoch`).
+- fragment_trace: with streaming syncs (`policy.fragments`), the fragment each sync of the
+  epoch carried, in the order they were applied (`policy.fragment_schedule`); absent otherwise.
 - divergence: the largest max-over-ranks `||W_i - W|| / ||W||` reported in the epoch.
 - comm_share: summed sync cost / summed window compute wall. The sync cost is the smallest
   time any rank spent in a sync (the last rank to arrive waits for nobody), the window wall
@@ -34,15 +36,19 @@ class EpochLog:
         self.syncs = 0
         self.local_steps = [0] * self.world_size
         self.k_trace: list[int] = []
+        self.fragment_trace: list[int] = []
         self.divergence: float | None = None
         self.comm_ms = 0.0
         self.window_ms = 0.0
         self.idle_syncs = 0
         self.nonfinite_windows = 0
 
-    def add(self, report: SyncReport, k: int, nonfinite_ranks: int = 0) -> None:
-        """One sync: its reduced report and the K its window ran with."""
+    def add(self, report: SyncReport, k: int, nonfinite_ranks: int = 0, fragment: int | None = None) -> None:
+        """One sync: its reduced report, the K its window ran with and the fragment it carried
+        (None: the whole model)."""
         self.syncs += 1
+        if fragment is not None:
+            self.fragment_trace.append(int(fragment))
         for r, s in enumerate(report.steps):
             self.local_steps[r] += s
         self.k_trace.append(int(k))
@@ -92,6 +98,8 @@ class EpochLog:
             "idle_syncs": self.idle_syncs,
             "nonfinite_windows": self.nonfinite_windows,
         }
+        if self.fragment_trace:
+            rec["fragment_trace"] = list(self.fragment_trace)
         rec.update(extra)
         return rec
 

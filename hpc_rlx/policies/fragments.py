@@ -3,7 +3,9 @@
 `policy.fragments=F` cuts the parameter vector into F contiguous fragments of nearly equal size.
 With K local steps per sync (`policy.anchor`), every rank runs sub-windows of K / F steps, and
 the sync that ends sub-window j carries fragment ``j mod F`` (and the report every sync carries):
-each fragment syncs every K steps, offset by K / F from the fragment before it. Its sum is
+each fragment syncs every K steps, offset by K / F from the fragment before it. That order is
+the default schedule, ``policy.fragment_schedule=round_robin``; another reorders each cycle of
+F syncs (`fragment_schedule`). Its sum is
 started without blocking and applied ``policy.fragment_delay`` (tau) steps into the next
 sub-window, while those steps run: the fragment's outer step, then the rank's own copy of the
 fragment merged with the new global one, ``local = mix * local + (1 - mix) * global``
@@ -29,6 +31,8 @@ from hpc_rlx.base.even_split import segments
 
 from hpc_rlx.base.errors import ConfigError
 
+from .fragment_schedule import DEFAULT as DEFAULT_SCHEDULE, check_schedule
+
 PAPER_MIX = 0.5      # Streaming DiLoCo's mixing factor for overlapped syncs
 
 
@@ -45,6 +49,7 @@ class Streaming:
     fragments: int = 1
     delay: int = 0
     mix: float = 0.0
+    schedule: str = DEFAULT_SCHEDULE    # the order of the fragments (`fragment_schedule`)
 
     @property
     def active(self) -> bool:
@@ -55,18 +60,15 @@ class Streaming:
         """Local steps between two fragment syncs."""
         return int(k) // self.fragments
 
-    def fragment_of(self, sync_index: int) -> int:
-        """The fragment the `sync_index`-th sync (counted from the run's start) carries."""
-        return int(sync_index) % self.fragments
-
 
 _COUNT = integer(1, must="must be an integer >= 1")
 _DELAY = integer(0, must="must be an integer >= 0")
 
 
 def check_streaming(cfg: dict, policy: str) -> dict:
-    """``policy.fragments``, ``policy.fragment_delay`` and ``policy.fragment_mix`` checked against
-    the policy they run under; returns them normalised (the mix resolved)."""
+    """``policy.fragments``, ``policy.fragment_delay``, ``policy.fragment_mix`` and
+    ``policy.fragment_schedule`` checked against the policy they run under; returns them
+    normalised (the mix resolved)."""
     fragments = checked(_COUNT, "policy.fragments", _integral(cfg.get("fragments", 1)))
     delay = checked(_DELAY, "policy.fragment_delay", _integral(cfg.get("fragment_delay", 0)))
     mix = cfg.get("fragment_mix")
@@ -75,7 +77,8 @@ def check_streaming(cfg: dict, policy: str) -> dict:
             raise ConfigError(f"policy.fragment_mix must be a number in [0, 1] or null, got {mix!r}")
         mix = float(mix)
     out = {"fragments": fragments, "fragment_delay": delay,
-           "fragment_mix": (PAPER_MIX if delay > 0 else 0.0) if mix is None else mix}
+           "fragment_mix": (PAPER_MIX if delay > 0 else 0.0) if mix is None else mix,
+           "fragment_schedule": check_schedule(cfg.get("fragment_schedule", DEFAULT_SCHEDULE))}
     if fragments == 1 and delay == 0:
         return out
     what = f"policy.fragments={fragments} policy.fragment_delay={delay}"

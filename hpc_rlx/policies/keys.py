@@ -6,6 +6,7 @@ from __future__ import annotations
 from hpc_rlx.base.checks import INT64_MIN, Check, checked, integer
 from hpc_rlx.comm.quant_codec import normalize_outer_wire
 
+from .fragment_schedule import DEFAULT as DEFAULT_SCHEDULE
 from .outer import outer_from_config
 
 SHARED_DEFAULTS = {
@@ -22,6 +23,7 @@ SHARED_DEFAULTS = {
     "fragments": 1,
     "fragment_delay": 0,
     "fragment_mix": None,
+    "fragment_schedule": DEFAULT_SCHEDULE,
 }
 SHARED_DOCS = {
     "anchor": "initial local steps per sync (cadence: of the slowest rank; async: K)",
@@ -48,6 +50,9 @@ SHARED_DOCS = {
                       "overlapping them (at most K/F)",
     "fragment_mix": "a rank's fragment after the sum arrives = mix * its own + (1 - mix) * the "
                     "global one; null = 0.5 with a delay (the paper's), else 0",
+    "fragment_schedule": "the order in which the fragment syncs carry the fragments, each once every K "
+                         "steps: `round_robin` (0, 1, ..., F-1; the schedules: "
+                         "hpc_rlx/policies/fragment_schedule.py)",
 }
 
 

@@ -31,6 +31,7 @@ from hpc_rlx.comm.fragment_sync import FragmentSync
 
 from .base import Loop, StepResult
 from .consensus import weigh_into
+from .fragment_schedule import cycle_order
 from .fragments import Streaming, fragment_bounds
 from .sync_slots import SyncReport
 from .window import LocalWork, WindowState
@@ -63,8 +64,8 @@ class WindowHost(Protocol):
                         fragment: int = 0, mix: float = 0.0, out=None) -> bool:
         """The summed `payload` of `part` made the agreed model; False when nobody worked."""
 
-    def note_sync(self, worker, report: SyncReport, k: int) -> None:
-        """A sync done: skips, the step count, the epoch log."""
+    def note_sync(self, worker, report: SyncReport, k: int, fragment: int | None = None) -> None:
+        """A sync done: skips, the step count, the epoch log (a fragment's: which one)."""
 
 
 class StreamingSync:
@@ -75,6 +76,7 @@ class StreamingSync:
         self.streaming = streaming
         bucket = worker.bucket      # the policy's sync bucket: its report rides in the tail
         self.bounds = fragment_bounds(bucket.layout.payload_size, streaming.fragments)
+        self.order = cycle_order(streaming.schedule, self.bounds)   # the fragments of one cycle of syncs
         self.sync = FragmentSync(path, bucket.chunk_elems, self.bounds, bucket.layout.tail_size,
                                  worker.params.dtype)
         self.consensus = np.empty(max(hi - lo for lo, hi in self.bounds), worker.params.dtype)
@@ -105,7 +107,7 @@ class StreamingSync:
 
     def _send(self, loop: Loop, work: LocalWork, counts: list[int], lr: float) -> None:
         policy, worker = self.policy, loop.worker
-        j = self.streaming.fragment_of(self.started)
+        j = self.order[self.started % len(self.order)]
         lo, hi = self.bounds[j]
         staged = self.sync.stage(j)
         # the report and the flags go into the bucket's tail (its one layout), then with the
@@ -136,7 +138,7 @@ class StreamingSync:
                                fragment=j, mix=self.streaming.mix, out=self.consensus[:hi - lo])
         loop.lanes.refresh_device_params()
         policy.window.waited(wait_s)
-        policy.note_sync(worker, report, k)
+        policy.note_sync(worker, report, k, fragment=j)
         return report, flags, wait_s, done
 
     def _result(self, work, done, send_s: float, t_window: float) -> StepResult:

@@ -112,7 +112,7 @@ class WindowedPolicy(WindowedState, Policy):
         self._pending = None                     # loaded state waiting for the arrays to exist
         self._ready = False
         self.streaming = Streaming(self.cfg["fragments"], self.cfg["fragment_delay"],
-                                   self.cfg["fragment_mix"])
+                                   self.cfg["fragment_mix"], self.cfg["fragment_schedule"])
         self.stream: StreamingSync | None = None    # the fragment syncs, when they stream
         # a run that survives a dead rank keeps the inner optimizer state of the last sync
         # (roll_back): `keep_restore_points`, asked by hpc_rlx/resilience
@@ -422,12 +422,12 @@ class WindowedPolicy(WindowedState, Policy):
         self.note_sync(loop.worker, report, k)
         self._observe(report, trimmed)
 
-    def note_sync(self, worker, report, k: int) -> None:
-        """A sync done (a whole one, or a fragment's): skips, the step count, the epoch log."""
+    def note_sync(self, worker, report, k: int, fragment: int | None = None) -> None:
+        """A sync done (a whole one, or `fragment`'s): skips, the step count, the epoch log."""
         bad_ranks = int(np.count_nonzero(report["nonfinite"] > 0))
         if bad_ranks:
             worker.note_skip()          # counts, and stops after train.max_consecutive_skips in a row
         elif report.applied:
             worker.apply_gradient_ok()
         worker.state.step_taken()
-        self.window.log.add(report, k, bad_ranks)
+        self.window.log.add(report, k, bad_ranks, fragment)

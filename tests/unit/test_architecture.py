@@ -884,6 +884,46 @@ def test_a_reduction_path_that_gathers_parameters_its_own_way_is_one_file_and_on
 
 
 # ---------------------------------------------------------------------------------------------
+# A fragment schedule is one function and one registry line
+# ---------------------------------------------------------------------------------------------
+
+REVERSE_SCHEDULE = '''
+"""`policy.fragment_schedule=reverse`: the fragments synced last to first, a schedule added as one file."""
+
+from __future__ import annotations
+
+
+def reverse(sizes: list[int]) -> list[int]:
+    return list(range(len(sizes)))[::-1]
+'''
+
+STREAMING = ["policy=async", "policy.tune=false", "policy.anchor=6", "policy.fragments=3"]
+
+
+@pytest.mark.mpi
+def test_a_fragment_schedule_is_one_file_and_one_registry_line(tmp_path):
+    """In a copy of the package: `policies/reverse_schedule.py` and its line in
+    `policies/fragment_schedule.py`; `policy.fragment_schedule=reverse` trains, and the epoch
+    records' `fragment_trace` shows the fragments synced 2, 1, 0, 2, ... where the default
+    schedule syncs them 0, 1, 2, 0, ..."""
+    copy = _copy_package(tmp_path)
+    (copy / "hpc_rlx" / "policies" / "reverse_schedule.py").write_text(textwrap.dedent(REVERSE_SCHEDULE))
+    _add_line_after(copy / "hpc_rlx" / "policies" / "fragment_schedule.py", '    "round_robin": round_robin,\n',
+                    '    "reverse": __import__("hpc_rlx.policies.reverse_schedule", fromlist=["reverse"]).reverse,\n')
+    assert _changed_files(copy) == {"policies/reverse_schedule.py", "policies/fragment_schedule.py"}
+    for schedule, cycle, run_name in (("reverse", [2, 1, 0], "run"), ("round_robin", [0, 1, 2], "default")):
+        proc, run_dir = _train_copy(copy, tmp_path, STREAMING + [f"policy.fragment_schedule={schedule}"],
+                                    run_name=run_name)
+        assert proc.returncode == 0, explain(proc)
+        epochs = read_metrics(run_dir)
+        assert len(epochs) == 3 and epochs[-1]["train_loss"] < epochs[0]["train_loss"], epochs
+        synced = [j for r in epochs for j in r["fragment_trace"]]
+        assert len(synced) >= 6 and synced == [cycle[i % 3] for i in range(len(synced))], (schedule, synced)
+        assert f"fragment_schedule: {schedule}" in (run_dir / "config.yaml").read_text()
+    assert not (PKG / "policies" / "reverse_schedule.py").exists()
+
+
+# ---------------------------------------------------------------------------------------------
 # Small habits: no private access across modules, short functions, capabilities instead of
 # probing array types, a typed policy/loop contract
 # ---------------------------------------------------------------------------------------------

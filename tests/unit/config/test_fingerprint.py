@@ -62,6 +62,18 @@ def test_a_key_added_at_its_unset_default_keeps_older_fingerprints(default_cfg):
     assert config_fingerprint(older, cwd="/work") == fp(default_cfg)
 
 
+def test_the_fragment_schedule_at_its_default_keeps_older_fingerprints():
+    """policy.fragment_schedule came after runs were fingerprinted: at round_robin, it is left
+    out (a checkpoint of an async run from before it resumes in its own directory); another
+    schedule trains otherwise."""
+    cfg = compose_config(["policy=async"])
+    assert cfg["policy"]["fragment_schedule"] == "round_robin"
+    older = copy.deepcopy(cfg)
+    del older["policy"]["fragment_schedule"]
+    assert config_fingerprint(older, cwd="/work") == fp(cfg)
+    assert fp(cfg, policy__fragment_schedule="reverse") != fp(cfg)
+
+
 def test_a_graph_file_counts_by_content():
     cfg = {"model": {"name": "graph", "path": "g.json"}, "data": {}, "optim": {}, "policy": {}, "train": {}}
     assert config_fingerprint(cfg, graph_text="{}") != config_fingerprint(cfg, graph_text='{"a": 1}')

@@ -881,6 +881,38 @@ def test_epoch_log_record():
     assert other.local_steps == [0, 0, 0] and other.syncs == 3
 
 
+def test_the_epoch_log_records_the_fragment_each_streaming_sync_carried():
+    from hpc_rlx.policies import EpochLog
+
+    whole = EpochLog(2)
+    whole.add(_report([4, 4], [4.0, 4.0], [0.0, 0.0], [0.0, 0.0]), k=4)
+    assert "fragment_trace" not in whole.record(4, [4, 4])      # whole syncs: as before
+    log = EpochLog(2)
+    for j in (2, 1, 0, 2):
+        log.add(_report([2, 2], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0]), k=6, fragment=j)
+    assert log.record(6, [2, 2])["fragment_trace"] == [2, 1, 0, 2]
+    again = EpochLog.from_state(json.loads(json.dumps(log.state_dict())), 2)
+    assert again.record(6, [2, 2]) == log.record(6, [2, 2])
+    older = {k: v for k, v in log.state_dict().items() if k != "fragment_trace"}   # a checkpoint from before
+    assert "fragment_trace" not in EpochLog.from_state(older, 2).record(6, [2, 2])
+
+
+def test_fragment_schedules_give_each_fragment_once_per_cycle(monkeypatch):
+    from hpc_rlx.policies import fragment_schedule, validate_policy_config
+    from hpc_rlx.policies.fragments import fragment_bounds
+
+    bounds = fragment_bounds(10, 3)
+    assert fragment_schedule.cycle_order("round_robin", bounds) == (0, 1, 2)
+    cfg = validate_policy_config({"name": "async", "tune": False, "anchor": 6, "fragments": 3})
+    assert cfg["fragment_schedule"] == "round_robin"
+    with pytest.raises(ConfigError, match=r"policy.fragment_schedule must be one of \('round_robin',\), "
+                                          r"got 'largest_first'"):
+        validate_policy_config({"name": "async", "fragment_schedule": "largest_first"})
+    monkeypatch.setitem(fragment_schedule.SCHEDULES, "twice", lambda sizes: [0] * len(sizes))
+    with pytest.raises(ConfigError, match=r"policy.fragment_schedule=twice gave \[0, 0, 0\] for 3 fragments"):
+        fragment_schedule.cycle_order("twice", bounds)
+
+
 def test_recent_min_ignores_one_off_spikes():
     from hpc_rlx.policies import RecentMin
 
