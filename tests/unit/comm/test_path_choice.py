@@ -170,7 +170,7 @@ class GathersByBcast(ScatteredSum):
 
 def test_a_named_path_that_gathers_is_the_sharded_steps_path(monkeypatch):
     from hpc_rlx.config.sharding import check_shard
-    from hpc_rlx.errors import ConfigError
+    from hpc_rlx.base.errors import ConfigError
     monkeypatch.setitem(registry.REDUCTIONS, "gathers", GathersByBcast)
     node_params = object()
     settings = ReductionSettings(1000, wire="bfloat16", reduction_name="gathers", shard=SHARD,
