@@ -208,6 +208,7 @@ def _compose_spec(job, comm, cfg, hydra_cfg, locks: list) -> dict:
     from hpc_rlx.config.spec import build_spec
     from hpc_rlx.injection import DebugHooks
     from hpc_rlx.observe.run_lock import RunDirLock
+    from hpc_rlx.resilience.mode import check_on_failure
 
     from hpc_rlx.base.errors import ConfigError
 
@@ -221,8 +222,8 @@ def _compose_spec(job, comm, cfg, hydra_cfg, locks: list) -> dict:
     locks.append(RunDirLock.acquire(job.run_dir, hostname()))
     container = OmegaConf.to_container(cfg, resolve=True)
     DebugHooks.from_section(container.get("debug") or {}, 0).fail_at("spec")   # debug.fail_point=spec
-    return build_spec(container, job.run_dir, comm.size,
-                      config_yaml=OmegaConf.to_yaml(cfg, resolve=True)).to_dict()
+    return build_spec(container, job.run_dir, comm.size, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+                      refusals=check_on_failure).to_dict()      # comm.on_failure's, before anything is read
 
 
 def _is_agreed(exc: BaseException) -> bool:

@@ -30,7 +30,6 @@ from typing import Any, Callable, Iterator, Mapping
 
 from hpc_rlx.base.checks import BOOL, INT64, Check, OneOf, Via, integer, is_int, is_number, number
 from hpc_rlx.comm.registry import check_settings as _check_reduction, choices as _reductions
-from hpc_rlx.config.failure_mode import ON_FAILURE
 from hpc_rlx.config.key import DATASETS, DEVICES, GROUPS, MODELS, OPTIMIZERS, Key, Options, every, selector
 from hpc_rlx.config.keys_data import DATA_KEYS, CACHES, DISTRIBUTIONS
 from hpc_rlx.config.keys_model import BUILT, MODEL_KEYS
@@ -44,6 +43,10 @@ from hpc_rlx.policies.config import validate_policy_config
 from hpc_rlx.policies.registry import POLICIES
 from hpc_rlx.injection import FAIL_MODES, FAIL_POINTS
 from hpc_rlx.injection.slowdown import parse_slowdown
+
+# comm.on_failure's choices; what each means, and what shrink and spare cannot run with:
+# hpc_rlx/resilience/mode.py
+ON_FAILURE = ("abort", "shrink", "spare")
 
 # The checkers are `hpc_rlx.base.checks` (one family for the whole package): a test of one value
 # and the message that names the key and the value. Here: the checks of two keys only.

@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import h5py
 import numpy as np
@@ -21,7 +21,6 @@ from hpc_rlx.config import schema as schema
 from hpc_rlx.config.batch_norm_sync import check_sync_batch_norm
 from hpc_rlx.config.rundirs import fingerprint_of
 from hpc_rlx.config.section import SECTIONS, section
-from hpc_rlx.config.failure_mode import check_on_failure, training_ranks
 from hpc_rlx.config.loss_keys import apply_loss_keys, check_checkpoint_metric
 from hpc_rlx.config.sharding import check_shard
 from hpc_rlx.data import hdf5
@@ -330,16 +329,17 @@ def _num_classes(model_cfg: dict, info, n_train: int) -> int | None:
     return n
 
 
-def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") -> TrainSpec:
-    """Rank 0: validate the config, inspect the data, build the graph and the shard plan."""
-
+def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "",
+               refusals: Callable[[dict, int], None] = lambda cfg, world_size: None) -> TrainSpec:
+    """Rank 0: validate the config, inspect the data, build the graph and the shard plan; first,
+    what the layers above refuse of the completed config (`resilience.mode.check_on_failure`)."""
     completed = validate_config(cfg, world_size)
     # of the config as composed (before the defaults are filled in): what rundirs sees
     fingerprint = fingerprint_of(cfg)
     cfg = completed
-    check_on_failure(cfg, world_size)    # before anything is read: a combination comm.on_failure refuses
-    spares = world_size - training_ranks(cfg["comm"], world_size)
-    world_size -= spares        # comm.on_failure=spare: the data is planned over the ranks that train
+    refusals(cfg, world_size)
+    spares = int(cfg["comm"]["spares"] or 0)
+    world_size -= spares        # comm.spares wait to replace a dead rank: the data is planned over the others
     check_run_dir_writable(run_dir)
     d = cfg["data"]
     prepare_missing_data(d)
@@ -410,7 +410,7 @@ def for_job_ranks(spec: TrainSpec, job_ranks: int, spares: int | None = None) ->
     comm.on_failure), with `spares` spare ranks left (None: as before): the ranks that train and
     the plan's line for them; the data, the batch and everything else unchanged."""
     c = spec.comm if spares is None else dict(spec.comm, spares=spares)
-    world = training_ranks(c, job_ranks)
+    world = job_ranks - int(c.get("spares") or 0)
     plan = plan_shards(spec.data.n_train, spec.train["batch_size"], world, spec.data.leftover)
     return replace(spec, comm=c, world_size=world,
                    plan=_plan_line(plan, int(spec.parallel["pipeline_stages"]), job_ranks - world))

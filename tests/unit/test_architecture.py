@@ -411,14 +411,19 @@ def test_a_new_config_key_is_one_schema_line_and_its_yaml_default(tmp_path):
 # Fault tolerance is one package; a part that survives a dead rank is one method
 # ---------------------------------------------------------------------------------------------
 
-# The one home of what `comm.on_failure` means (hpc_rlx/resilience/), and the config's own
-# checks of what it runs with (the schema's: config/failure_mode.py's `on_failure_of` reads it)
-ON_FAILURE_READERS = ("resilience/", "config/schema.py", "config/failure_mode.py")
+# The one home of what `comm.on_failure` means and of what it cannot run with
+# (hpc_rlx/resilience/), and the schema that declares the key and its choices
+ON_FAILURE_READERS = ("resilience/", "config/schema.py")
 
 
 def _reads_on_failure(node) -> bool:
-    """`x["on_failure"]`, `x.get("on_failure", ...)`, `getattr(x, "on_failure")`, `x.on_failure`;
-    or a comparison with one of its values that only a mode test would make."""
+    """`x["on_failure"]`, `x.get("on_failure", ...)`, `getattr(x, "on_failure")`, `x.on_failure`,
+    `dict(x, on_failure=...)`, the key's name as any string, a reader of its own (`def
+    on_failure_of`); or a comparison with one of its values that only a mode test would make."""
+    if isinstance(node, ast.Constant):
+        return node.value == "on_failure"
+    if isinstance(node, ast.keyword):
+        return node.arg == "on_failure"
     if isinstance(node, ast.Subscript):
         return isinstance(node.slice, ast.Constant) and node.slice.value == "on_failure"
     if isinstance(node, ast.Call) and node.args:
@@ -426,29 +431,50 @@ def _reads_on_failure(node) -> bool:
         key = node.args[1] if name == "getattr" and len(node.args) > 1 else node.args[0]
         return (name == "getattr" or name.endswith(".get")) and getattr(key, "value", None) == "on_failure"
     if isinstance(node, ast.Attribute):
-        return node.attr == "on_failure"
+        return "on_failure" in node.attr
+    if isinstance(node, ast.FunctionDef):
+        return "on_failure" in node.name
     if isinstance(node, ast.Compare):
         consts = [c for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
         return any(c.value in ("shrink", "spare") for c in consts)
     return False
 
 
-def test_comm_on_failure_is_read_only_by_the_resilience_package_and_the_schema():
-    """Other parts offer a hook (`resilience.hooks`) and never test the mode themselves."""
+def on_failure_reads(pkg: Path = PKG) -> list[str]:
+    """`file:line code` for each read of `comm.on_failure` outside ON_FAILURE_READERS."""
     offenders = []
-    for path in PKG.rglob("*.py"):
-        rel = str(path.relative_to(PKG))
+    for path in pkg.rglob("*.py"):
+        rel = path.relative_to(pkg).as_posix()
         if rel.startswith(ON_FAILURE_READERS):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if _reads_on_failure(node):
-                offenders.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
-    assert not offenders, offenders
-    # the check finds each way of reading it
+                offenders.append(f"{rel}:{getattr(node, 'lineno', '?')} {ast.unparse(node).splitlines()[0]}")
+    return offenders
+
+
+def test_the_on_failure_finder_finds_each_way_of_reading_it(tmp_path):
     for text in ('c["on_failure"]', 'c.get("on_failure", "abort")', 'getattr(c, "on_failure")',
-                 "c.on_failure", 'mode == "spare"'):
+                 "c.on_failure", 'mode == "spare"', 'dict(c, on_failure="shrink")', 'key = "on_failure"',
+                 "def on_failure_of(c): pass"):
         assert any(_reads_on_failure(n) for n in ast.walk(ast.parse(text))), text
-    assert not any(_reads_on_failure(n) for n in ast.walk(ast.parse('c.get("spares")')))
+    for text in ('c.get("spares")', '"comm.on_failure=abort: ..."', "# on_failure"):
+        assert not any(_reads_on_failure(n) for n in ast.walk(ast.parse(text))), text
+    # where it may be read: the resilience package and the schema, not the rest of config/
+    for rel in ("resilience/mode.py", "config/schema.py", "config/batch_norm_sync.py", "runtime/worker.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text('def mode(c):\n    return c["comm"].get("on_failure", "abort")\n')
+    assert sorted(on_failure_reads(tmp_path)) == [
+        'config/batch_norm_sync.py:2 \'on_failure\'', 'config/batch_norm_sync.py:2 c[\'comm\'].get(\'on_failure\', \'abort\')',
+        'runtime/worker.py:2 \'on_failure\'', 'runtime/worker.py:2 c[\'comm\'].get(\'on_failure\', \'abort\')']
+
+
+def test_comm_on_failure_is_read_only_by_the_resilience_package_and_the_schema():
+    """What the mode means (`resilience.mode.FailureMode`) and what it cannot run with
+    (`resilience.mode.check_on_failure`, which `config.spec.build_spec` runs as it is handed
+    it) are the resilience package's; the schema declares the key. Other parts offer a hook
+    (`resilience.hooks`) and never test the mode themselves."""
+    assert on_failure_reads() == []
 
 
 FAILURE_FIELDS = ("step", "before_training", "abandon")

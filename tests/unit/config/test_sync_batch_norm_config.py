@@ -44,10 +44,10 @@ def test_off_by_default_and_on_with_sync_on_cpu(base):
 @pytest.mark.parametrize("keys,names", [
     ({"parallel__pipeline_stages": 2}, "parallel.pipeline_stages"),
     ({"policy__name": "cadence"}, "policy=cadence"),
-    ({"comm__on_failure": "shrink"}, "comm.on_failure=shrink"),
     ({"device__kind": "cuda"}, "device=cuda"),
 ])
 def test_what_it_cannot_run_with_is_one_error(base, keys, names):
+    """(Under comm.on_failure=shrink|spare: resilience's refusal, tests/unit/resilience/test_on_failure_refusals.py.)"""
     with pytest.raises(ConfigError) as e:
         check_sync_batch_norm(_with(base, model__sync_batch_norm=True, **keys), 2)
     assert "model.sync_batch_norm=true" in str(e.value) and names in str(e.value)

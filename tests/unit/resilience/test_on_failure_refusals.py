@@ -1,16 +1,17 @@
-"""`comm.on_failure` / `comm.spares`: what `shrink` runs with so far, one refusal line each; the
-spec for the survivors of a start; the debug keys a rank reads before the spec (pure)."""
+"""`comm.on_failure` / `comm.spares`: what `shrink` runs with so far, one refusal line each
+(`resilience/mode.py`); the keys' declaration; the spec for the survivors of a start; the debug
+keys a rank reads before the spec (pure)."""
 
 from __future__ import annotations
 
 import pytest
 
 from hpc_rlx.config import schema
-from hpc_rlx.config.failure_mode import check_on_failure, shrink_refusal, training_ranks
 from hpc_rlx.config.section import SECTIONS
 from hpc_rlx.config.spec import DataPlan, TrainSpec, for_job_ranks
 from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.injection import DebugHooks, fail_keys_from_command_line, spec_failure_hooks
+from hpc_rlx.resilience.mode import MODES, FailureMode, check_on_failure, shrink_refusal
 
 
 BASE = {"device": {"kind": "cpu"}, "data": {"name": "digits"}, "model": {"name": "mlp"},
@@ -65,8 +66,8 @@ def test_spare_needs_spares_and_spares_need_spare():
                                           r"than the ranks that train \(mpirun -n N\+2\)"):
         check_on_failure(config(comm__on_failure="spare", comm__spares=2), world_size=2)
     check_on_failure(config(comm__on_failure="spare", comm__spares=1), world_size=2)
-    assert training_ranks({"on_failure": "spare", "spares": 1}, 3) == 2
-    assert training_ranks({"on_failure": "shrink", "spares": 0}, 3) == 3
+    assert FailureMode.of({"on_failure": "spare", "spares": 1}).training_ranks(3) == 2
+    assert FailureMode.of({"on_failure": "shrink", "spares": 0}).training_ranks(3) == 3
 
 
 def test_spare_refuses_what_shrink_refuses_and_the_windowed_policies():
@@ -84,7 +85,23 @@ def test_spare_refuses_what_shrink_refuses_and_the_windowed_policies():
                                     policy__reset_inner=True, policy__outer_wire_dtype="int8"))
 
 
+def test_sync_batch_norm_is_refused_under_shrink_and_spare_with_its_own_line():
+    """A rank lost inside a forward's batch-norm sum: resilience's refusal, in the words
+    `model.sync_batch_norm`'s other refusals use (`config/batch_norm_sync.py`)."""
+    for mode, spares in (("shrink", 0), ("spare", 1)):
+        with pytest.raises(ConfigError) as e:
+            check_on_failure(config(comm__on_failure=mode, comm__spares=spares, model__sync_batch_norm=True))
+        assert str(e.value) == (f"model.sync_batch_norm=true does not run with comm.on_failure={mode}: a rank "
+                                f"lost inside a forward's batch-norm sum cannot be recovered from yet (use "
+                                f"comm.on_failure=abort)")
+    check_on_failure(config(model__sync_batch_norm=True))      # abort: as before
+    # what shrink refuses first names the other key, as it did
+    with pytest.raises(ConfigError, match=r"^comm\.on_failure=shrink does not run with parallel\.pipeline_stages=2"):
+        check_on_failure(config(comm__on_failure="shrink", model__sync_batch_norm=True, parallel__pipeline_stages=2))
+
+
 def test_the_keys_are_declared_with_their_choices():
+    assert tuple(MODES) == schema.ON_FAILURE      # each choice the schema takes has its meaning here
     schema.validate({**BASE, "comm": {"on_failure": "shrink", "spares": 0}, "debug": {"fail_mode": "kill"}})
     with pytest.raises(ConfigError, match=r"comm\.on_failure='restart' is not one of"):
         schema.validate({**BASE, "comm": {"on_failure": "restart"}})
