@@ -70,7 +70,7 @@ def child(sizes_mb: list[float], repeats: int | None, cap_mb: float) -> None:
         if not shared.share_node_memory(comm, cpu_only=True):
             raise SystemExit("bucket shm: the ranks cannot share a node's memory here")
         shared.payload[...] = flat
-        chunk = bucket.chunk_elems
+        chunk = bucket.settings.chunk_elems
 
         def raw1():
             comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)

@@ -74,7 +74,7 @@ def hpc_variant(graph, lanes_spec, x, y, warmup, steps) -> dict:
         t1 = time.perf_counter()
         n, _, _, _ = lanes.step(x, y, seed=i)
         t2 = time.perf_counter()
-        bucket.payload_to_host()               # a device bucket comes down here
+        bucket.memory.payload_to_host()        # a device bucket comes down here
         grad = bucket.payload
         t3 = time.perf_counter()
         grad /= n

@@ -102,11 +102,11 @@ class RuntimeCheckpoints:
         self.resumed_config_yaml: str | None = None   # what the resumed checkpoint trained with
 
     def rebuild(self, survivors) -> None:     # after a dead rank: resilience.hooks.RankLossHook
+        """Where rank 0 died, the survivors' rank 0 writes the checkpoints from here on (the best
+        epoch rank 0 held in memory only, not yet on disk, is lost with it)."""
         self.comm = survivors.comm
-
-    def take_over(self) -> None:
-        """After rank 0 died, on the survivors' rank 0: this rank writes the checkpoints now (the
-        best epoch rank 0 held in memory only, not yet on disk, is lost with it)."""
+        if not survivors.new_writer:
+            return
         cfg = self.spec.checkpoint
         self.is_root = True
         self.manager = CheckpointManager(self.directory, keep_last=int(cfg["keep_last"]), metric=cfg["metric"])

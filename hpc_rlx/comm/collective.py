@@ -143,8 +143,10 @@ class FusedBucket:
 
     The bucket's memory is one `bucket_memory.BucketMemory` (`memory`): the layout, the host
     arrays (`buffer`, `payload`, `tail`), the device twin on the lead GPU (`attach_device`) and
-    the explicit transfers between the two (`payload_to_host`, ...); the bucket's users read
-    them under those names here (`MEMORY_NAMES`). The bucket itself holds how it is summed.
+    the explicit transfers between the two (`memory.payload_to_host()`, ...); its settings are
+    `settings` (`settings.chunk_elems`, ...). What a step writes and reads of it, the bucket
+    declares itself: the layout, the host arrays and the named fields (`bucket["samples"]`,
+    `put`, `flags`, `zero_tail`). The bucket itself holds how it is summed.
 
     How the Allreduce runs is one `hpc_rlx.comm.reduce` path (`reduction`), which
     `path_choice.choose_reduction` picks again whenever the memory or the world changes
@@ -158,13 +160,6 @@ class FusedBucket:
 
     overlap_progress = True     # comm.overlap: MPI Test calls from the executor's callback
                                 # (measured by bench/bench_overlap.py, which turns it off)
-
-    # what the bucket's users read of its memory and of its settings, by these names
-    MEMORY_NAMES = frozenset({"layout", "buffer", "payload", "tail", "payload_size", "device", "device_buffer",
-                              "device_payload", "device_tail", "device_is_newest", "put", "flags",
-                              "zero_tail", "mark_device_fresh", "payload_to_host", "tail_to_device",
-                              "tail_to_host"})
-    SETTING_NAMES = frozenset({"chunk_elems", "deterministic", "wire", "reduction_name", "shard"})
 
     def __init__(self, payload_size: int, tail_fields: Sequence[str], dtype, xp=np,
                  cap_mb: float = 16.0, deterministic: bool = False, wire_dtype: str | None = None,
@@ -191,13 +186,26 @@ class FusedBucket:
         self._overlap_step = None
         self._choose()
 
-    def __getattr__(self, name: str):
-        # only names not set on the bucket itself arrive here: the memory's and the settings'
-        if name in FusedBucket.MEMORY_NAMES:
-            return getattr(self.memory, name)
-        if name in FusedBucket.SETTING_NAMES:
-            return getattr(self.settings, name)
-        raise AttributeError(f"'FusedBucket' object has no attribute '{name}'")
+    # ---- what a step writes and reads: the memory's layout, host arrays and named fields ------
+    # (properties: the memory moves its arrays, into page-locked memory or a shared window)
+    @property
+    def layout(self) -> BucketLayout:
+        return self.memory.layout
+
+    @property
+    def buffer(self):
+        """The whole host array: payload, then tail."""
+        return self.memory.buffer
+
+    @property
+    def payload(self):
+        """The host payload: gradients or weighted parameters."""
+        return self.memory.payload
+
+    @property
+    def tail(self):
+        """The named fields, on the host."""
+        return self.memory.tail
 
     def __getitem__(self, field: str):
         """A summed field as a float; a per-rank field as its slots (a view of the tail)."""
@@ -205,6 +213,23 @@ class FusedBucket:
 
     def __setitem__(self, field: str, value: float) -> None:
         self.memory[field] = value
+
+    def put(self, field: str, value: float, rank: int) -> None:
+        """This rank's slot of a per-rank field (or a summed field: `rank` is ignored)."""
+        self.memory.put(field, value, rank)
+
+    def flags(self) -> dict[str, bool]:
+        """The control flags, as the last sum left them."""
+        return self.memory.flags()
+
+    def zero_tail(self) -> None:
+        self.memory.zero_tail()
+
+    @property
+    def communicators(self) -> tuple:
+        """The communicators its path made of its own (the node's shared window's), where a dead
+        rank may show first (`resilience.in_run`)."""
+        return self.reduction.communicators
 
     def _choose(self) -> None:
         """The memory or the world changed: the reduction path again (the only place it is set)."""

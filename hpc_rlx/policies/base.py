@@ -163,23 +163,13 @@ class Policy:
     def load_rank_state(self, state: dict | None) -> None:
         """This rank's own `rank_state` back from a checkpoint (None: another world size)."""
 
-    # ---- after a dead rank (comm.on_failure=shrink: resilience/in_run.py) ----------------
-    def keep_restore_points(self) -> None:
-        """The run survives a dead rank (`resilience.hooks.PolicyRecovery`): keep what
-        `roll_back` returns to (nothing to keep where every step ends agreed)."""
-
-    def roll_back(self, worker: LoopWorker) -> None:
-        """Back to the last state every rank agreed on, before the survivors agree where to go
-        on (nothing to do where every step ends agreed)."""
-
-    def recovery_state(self) -> dict | None:
-        """What the survivors continue from, beyond the worker's state (None: nothing)."""
-        return None
-
-    def rejoin(self, loop: Loop, state: dict | None) -> None:
-        """The survivors go on from `state`, this policy's `state_dict` on the survivor they
-        continue from (None: a policy without one), as a resume of it on their world size
-        would; `loop.worker` has already re-planned the data over them."""
+    # ---- after a dead rank (resilience/in_run.py) ----------------------------------------
+    def rebuild(self, survivors) -> None:
+        """`resilience.hooks.RankLossHook`, collective over `survivors.comm` once the worker
+        re-planned the data over them: go on as a resume on that many ranks would, from the
+        state of the survivor they continue from (`survivors.source`). Nothing here: every
+        step ends agreed, and the worker holds all of it. (A policy whose ranks step apart
+        marks where they agree, `Loop.restore_point`: what the recovery goes back to.)"""
 
     # ---- what the loop shows and records -----------------------------------------------
     def epoch_fraction(self, worker: LoopWorker) -> float:

@@ -119,6 +119,11 @@ class Loop(Protocol):
         (`write_flags`), then the bucket's Allreduce (by `reduction`, else the bucket's own
         path). Returns the reduced flags and the seconds it took."""
 
+    def restore_point(self, agreed: np.ndarray) -> None:
+        """Every rank holds the same model here (a windowed sync's end): `agreed`, the array that
+        holds it until the next one. Where the run survives a dead rank, a recovery goes back to
+        it and to this rank's optimizer state as it is now; elsewhere nothing is kept."""
+
     def write_flags(self, nonfinite: bool) -> None:
         """This rank's control flags into the bucket's tail (the only place they are written),
         for a policy that sums the tail itself (a streaming sync, `policies/streaming.py`)."""

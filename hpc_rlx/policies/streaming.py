@@ -77,7 +77,7 @@ class StreamingSync:
         bucket = worker.bucket      # the policy's sync bucket: its report rides in the tail
         self.bounds = fragment_bounds(bucket.layout.payload_size, streaming.fragments)
         self.order = cycle_order(streaming.schedule, self.bounds)   # the fragments of one cycle of syncs
-        self.sync = FragmentSync(path, bucket.chunk_elems, self.bounds, bucket.layout.tail_size,
+        self.sync = FragmentSync(path, bucket.settings.chunk_elems, self.bounds, bucket.layout.tail_size,
                                  worker.params.dtype)
         self.consensus = np.empty(max(hi - lo for lo, hi in self.bounds), worker.params.dtype)
         self.started = 0            # fragment syncs started since the run began

@@ -62,7 +62,7 @@ class SyncPolicy(Policy):
         if self.weighted:
             bucket["loss_weight"], bucket["labelled"] = loop.lanes.counted
         if loop.hooks.poisons_gradient(worker.step):
-            bucket.payload_to_host()            # GPU-only lanes left the gradient on the GPU
+            bucket.memory.payload_to_host()     # GPU-only lanes left the gradient on the GPU
             bucket.payload[0] = float("nan")    # debug.nan_*: a non-finite gradient, on purpose
         bad = not math.isfinite(loss_sum) or not bucket.payload_finite()   # on the GPU for a device bucket
         flags, comm_s = loop.reduce(nonfinite=bad)
@@ -76,7 +76,7 @@ class SyncPolicy(Policy):
             worker.note_skip()      # a skipped step's loss may be NaN: kept out of the epoch's means
         else:
             if total_n > 0:
-                bucket.payload_to_host()      # a CUDA-aware Allreduce leaves the sum on the GPU
+                bucket.memory.payload_to_host()      # a CUDA-aware Allreduce leaves the sum on the GPU
                 scale = (mean_scale(bucket.payload, worker.n_trainable, bucket["loss_weight"], total_n)
                          if self.weighted else 1.0 / total_n)
                 with trace.span("optimizer", "optim"):

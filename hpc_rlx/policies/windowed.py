@@ -114,10 +114,7 @@ class WindowedPolicy(WindowedState, Policy):
         self.streaming = Streaming(self.cfg["fragments"], self.cfg["fragment_delay"],
                                    self.cfg["fragment_mix"], self.cfg["fragment_schedule"])
         self.stream: StreamingSync | None = None    # the fragment syncs, when they stream
-        # a run that survives a dead rank keeps the inner optimizer state of the last sync
-        # (roll_back): `keep_restore_points`, asked by hpc_rlx/resilience
-        self._recovers = False
-        self._agreed_inner = None
+        self._loop: Loop | None = None      # the run it was set up in: `rebuild` sets it up again there
 
     def _start_fresh(self, world: int) -> None:
         """The controls of a process that starts (or, after a dead rank, restarts) on `world`
@@ -168,12 +165,13 @@ class WindowedPolicy(WindowedState, Policy):
         self.coded = None           # the coded outer wire, which sends differences from global_params
         if codec is not None:
             self.coded = self.reduction = FeedbackWireSum(
-                codec, self.bucket.chunk_elems, self.layout.n_params, worker.params.dtype,
-                self.bucket.deterministic)
+                codec, self.bucket.settings.chunk_elems, self.layout.n_params, worker.params.dtype,
+                self.bucket.settings.deterministic)
         self.buf = self.bucket.buffer
         self.global_params = worker.params.copy()   # the last agreed model (restore point)
         if self.streaming.active:
-            path = self.coded or (OrderedSum if self.bucket.deterministic else HostSum)(self.bucket.chunk_elems)
+            settings = self.bucket.settings
+            path = self.coded or (OrderedSum if settings.deterministic else HostSum)(settings.chunk_elems)
             self.stream = StreamingSync(self, worker, self.streaming, path)
         self.outer.begin(worker.params[:worker.n_trainable])   # buffers: the plain average
         if self._pending is not None:
@@ -195,8 +193,8 @@ class WindowedPolicy(WindowedState, Policy):
         if w.cursors is None:
             w.cursors = [worker.epoch * worker.steps_per_epoch] * self.world
         self.slow = loop.hooks.slowdown      # debug.slowdown: owed per step, slept before the sync
-        self._keep_restore_point(worker)
-        self._ready = True
+        loop.restore_point(self.global_params)      # the ranks agree: what a recovery goes back to
+        self._loop, self._ready = loop, True
 
     def epoch_fraction(self, worker) -> float:
         """How much of the current epoch is trained: samples consumed over the epoch's."""
@@ -299,7 +297,7 @@ class WindowedPolicy(WindowedState, Policy):
                 if not math.isfinite(ls):
                     work.bad = True
                 else:
-                    worker.bucket.payload_to_host()      # GPU-only lanes sum on the GPU
+                    worker.bucket.memory.payload_to_host()      # GPU-only lanes sum on the GPU
                     scale = 1.0 / n
                     if weighted:        # a weighted loss: this rank's own batch mean (loss_weight.py)
                         scale, ls, corr = local_mean(worker.bucket.payload, worker.n_trainable, lanes.counted,
@@ -352,7 +350,7 @@ class WindowedPolicy(WindowedState, Policy):
             self.restore_agreed(worker, whole)      # nobody worked: the model stays as it was
         if bad:
             worker.optimizer.reset()                     # its state may hold the non-finite values
-        self._keep_restore_point(worker)
+        loop.restore_point(self.global_params)
         loop.lanes.refresh_device_params()
         return flags, report
 

@@ -9,11 +9,11 @@ as if never stopped. On another world size the shard plan and the segments chang
 starts from rank 0's inner state and the agreed model, the residuals are dropped and the
 fragment in flight is not sent again.
 
-After a dead rank (`comm.on_failure=shrink`, `resilience/in_run.py`) the survivors go on exactly
-as that resume would, from the last sync: every survivor drops the window in flight
-(`roll_back`: the agreed model, and its inner optimizer state as that sync left it, which it
-keeps a copy of under `shrink`), all take the state of the survivor furthest on and rank 0's
-inner state, and `rejoin` sets the policy up again for their world size.
+After a dead rank (`resilience/in_run.py`) the survivors go on exactly as that resume would,
+from the last sync: every survivor drops the window in flight (back to the restore point the
+policy marks at each sync, `Loop.restore_point`: the agreed model, and its inner optimizer state
+as that sync left it), all take the state of the survivor furthest on and rank 0's inner
+state, and the policy's one hook, `rebuild`, sets it up again for their world size.
 """
 
 from __future__ import annotations
@@ -109,41 +109,17 @@ class WindowedState:
             self.stream.load(streaming, own["arrays"] if own else None, worker.comm)
 
 
-    # ---- after a dead rank (comm.on_failure=shrink) ----------------------------------------
-    def keep_restore_points(self) -> None:
-        """The run survives a dead rank: keep each sync's inner optimizer state."""
-        self._recovers = True
-
-    def _keep_restore_point(self, worker) -> None:
-        """Under comm.on_failure=shrink: this rank's inner optimizer state as the last sync left
-        it, what `roll_back` returns to (one copy of it per window)."""
-        if self._recovers:
-            opt = worker.optimizer.state_dict()
-            self._agreed_inner = {"arrays": {k: np.array(v, copy=True) for k, v in opt["arrays"].items()},
-                                  "scalars": dict(opt["scalars"])}
-
-    def roll_back(self, worker) -> None:
-        """The window in flight dropped, the same way on every survivor: the last agreed model
-        (`global_params`) and this rank's inner optimizer state as that sync left it."""
-        if not self._ready:
-            return      # no window ran yet
-        worker.params[...] = self.global_params
-        worker.optimizer.load_state_dict(self._agreed_inner)     # copied in
-
-    def recovery_state(self) -> dict:
-        """What the survivors continue from (`state_dict`), and the record of an epoch whose
-        windows are done but whose validation is not (the failure hit it)."""
-        state = self.state_dict()
-        if self._ready and self.window.log is None and self.window.epoch_log is not None:
-            state["meta"]["finished_epoch"] = self.window.epoch_log.state_dict()
-        return state
-
-    def rejoin(self, loop: Loop, state: dict | None) -> None:
-        """As a resume of `state` on the survivors' world size: the controller and the outer
-        optimizer loaded from it (the controller's measurements restart), every rank a fresh
-        local pass over its new shard from the epoch's start, the coded wire's residuals
-        dropped, the bucket's slots read for the new world size. The recovery has already
-        given every survivor the same parameters and rank 0's inner optimizer state."""
+    # ---- after a dead rank (resilience/in_run.py) ------------------------------------------
+    def rebuild(self, survivors) -> None:
+        """`resilience.hooks.RankLossHook`: as a resume, on the survivors' world size, of the
+        state of the survivor they go on from (`survivors.source`, broadcast): the controller and
+        the outer optimizer loaded from it (the controller's measurements restart), every rank a
+        fresh local pass over its new shard from the epoch's start, the coded wire's residuals
+        dropped, the bucket's slots read for the new world size. The recovery has already given
+        every survivor the same parameters and rank 0's inner optimizer state."""
+        source = survivors.source
+        state = survivors.comm.bcast(self._survivors_state() if survivors.rank == source else None, root=source)
+        loop = self._loop       # the run this policy was set up in (its worker re-planned the data)
         worker, meta, w = loop.worker, state["meta"], self.window
         self._start_fresh(worker.world)
         self.load_state_dict(state)
@@ -156,3 +132,11 @@ class WindowedState:
         else:
             w.log = w.log or EpochLog(self.world)
             w.epoch_log = w.log
+
+    def _survivors_state(self) -> dict:
+        """What the survivors continue from (`state_dict`), and the record of an epoch whose
+        windows are done but whose validation is not (the failure hit it)."""
+        state = self.state_dict()
+        if self._ready and self.window.log is None and self.window.epoch_log is not None:
+            state["meta"]["finished_epoch"] = self.window.epoch_log.state_dict()
+        return state

@@ -1,9 +1,10 @@
-"""What a component offers the recovery when the ranks change. A component that holds state
-shaped by the ranks (a shard of the data, per-rank slots, a communicator) implements
-`RankLossHook.rebuild`; the recovery calls it on every survivor, in the order the run lists
-them (`rank_loss_hooks`: the parts of the run's context that offer it), once the survivors
-hold the state they go on from. It does not ask `comm.on_failure`: it is called only where a
-dead rank was survived. A new part that must survive a dead rank is that one method."""
+"""What a component offers the recovery when the ranks change: one method. A component that
+holds state shaped by the ranks (a shard of the data, per-rank slots, a communicator, a
+policy's window) implements `RankLossHook.rebuild`; the recovery calls it on every survivor,
+in the order the run lists them (`rank_loss_hooks`: the parts of the run's context that offer
+it), once the survivors hold the state they go on from. It does not ask `comm.on_failure`: it
+is called only where a dead rank was survived. A new part that must survive a dead rank is
+that one method."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ from typing import Any, Protocol, runtime_checkable
 
 @dataclass(frozen=True)
 class Survivors:
-    """The ranks that go on: their communicator (this rank's number in it: `comm.rank`) and how
-    many of them train (the first `training`; the rest are spares)."""
+    """The ranks that go on: their communicator (this rank's number in it: `comm.rank`), how
+    many of them train (the first `training`; the rest are spares), the survivor whose state
+    they all go on from (`source`, a rank of `comm`), and whether this rank writes the run
+    directory from here on in place of a dead rank 0 (`new_writer`)."""
     comm: Any
     training: int
+    source: int = 0
+    new_writer: bool = False
 
     @property
     def rank(self) -> int:
@@ -30,23 +35,6 @@ class RankLossHook(Protocol):
     def rebuild(self, survivors: Survivors) -> None:
         """Collective over `survivors.comm`: go on over the survivors as a resume on that many
         ranks would."""
-
-
-@runtime_checkable
-class PolicyRecovery(Protocol):
-    """The policy's side (`policies.base.Policy`): its state in a window in flight."""
-
-    def keep_restore_points(self) -> None:
-        """The run survives a dead rank: keep what `roll_back` returns to."""
-
-    def roll_back(self, worker) -> None:
-        """Back to the last state every rank agreed on."""
-
-    def recovery_state(self) -> dict | None:
-        """What the survivors go on from, beyond the worker's state (None: nothing)."""
-
-    def rejoin(self, loop, state: dict | None) -> None:
-        """Go on from `state` as a resume of it on the survivors' world size would."""
 
 
 def rank_loss_hooks(context) -> tuple[RankLossHook, ...]:

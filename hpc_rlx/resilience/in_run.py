@@ -10,12 +10,14 @@ A recovery, on every survivor, from the step whose collective reported the failu
 2. revoke, acknowledge, agree, shrink (`ulfm.shrink`): the survivors' communicator;
 3. the survivors agree on the step to continue from (`plan.adoption`: forward) and
    the ones behind take that state by broadcast; under `cadence` and `async` every survivor
-   first drops the window in flight (back to the last sync) and all then take rank 0's inner
-   optimizer state (`policies/windowed_state.py`);
-4. the data is re-planned over the survivors exactly as a resume on that many ranks does (the
-   same global batch; the learning rate scaled for the new world size), each rank reads its
-   new shard, and training goes on from the state in memory (a windowed policy set up again
-   as a resume of the adopted state on that many ranks: `Policy.rejoin`).
+   first drops the window in flight (back to the last sync: the restore point the policy
+   marks at each, `Loop.restore_point`) and all then take rank 0's inner optimizer state;
+4. each part of the run that survives a dead rank rebuilds over the survivors by its one
+   method (`hooks.RankLossHook.rebuild`): the worker re-plans the data exactly as a resume on
+   that many ranks does (the same global batch; the learning rate scaled for the new world
+   size) and reads its new shard, a windowed policy is set up again as a resume of the
+   adopted survivor's state on that many ranks, the checkpoints follow the new writer; and
+   training goes on from the state in memory.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from hpc_rlx.observe.display import RunDisplay
 from hpc_rlx.observe.outputs import RunOutputs
 from hpc_rlx.observe.run_lock import RunDirLock
 from hpc_rlx.resilience import plan, ulfm
-from hpc_rlx.resilience.hooks import PolicyRecovery, RankLossHook, Survivors, rank_loss_hooks
+from hpc_rlx.resilience.hooks import RankLossHook, Survivors, rank_loss_hooks
 from hpc_rlx.resilience.mode import FailureMode
 
 class FailureHandling:
@@ -57,6 +59,9 @@ class FailureHandling:
         self.lock = None            # the run directory's lock, once this rank took it over
         self.watchdog = None        # the stall watchdog over the survivors, once rebuilt
         self.latest = comm          # the newest communicator of the survivors
+        # what a recovery goes back to (`keep`): the agreed model's array and a copy of this
+        # rank's optimizer state then; None where no agreement was marked (lockstep policies)
+        self.restore: tuple | None = None
 
     @property
     def active(self) -> bool:
@@ -83,10 +88,22 @@ class FailureHandling:
             collective.agree(comm, self.check_launch)     # shrink only where ULFM is active
             self.hosts = comm.allgather(hostname())
 
-    def protect(self, policy: PolicyRecovery) -> None:
-        """Where active: the policy keeps what it rolls back to (`hooks.PolicyRecovery`)."""
+    def keep(self, agreed, optimizer) -> None:
+        """Where active: the restore point a recovery goes back to, marked where every rank
+        holds the same model (a windowed sync): `agreed`, the array that holds that model until
+        the next one, and this rank's optimizer state now (copied)."""
         if self.active:
-            policy.keep_restore_points()
+            state = optimizer.state_dict()
+            self.restore = (agreed, {"arrays": {k: np.array(v, copy=True) for k, v in state["arrays"].items()},
+                                     "scalars": dict(state["scalars"])})
+
+    def _roll_back(self, worker) -> None:
+        """Back to the restore point, the same way on every survivor (the window in flight
+        dropped); nothing where every step ends agreed."""
+        if self.restore is not None:
+            agreed, optimizer = self.restore
+            worker.params[...] = agreed
+            worker.optimizer.load_state_dict(optimizer)     # copied in
 
     @property
     def spares(self) -> int:
@@ -122,17 +139,18 @@ class FailureHandling:
         return self.active and ulfm.failure_known(exc, comm, others=others)
 
     # ---- one recovery ------------------------------------------------------------------
-    def recover(self, comm, worker, policy: PolicyRecovery, totals, hooks=None,
+    def recover(self, comm, worker, policy, totals, hooks=None,
                 components: tuple[RankLossHook, ...] = ()) -> "Recovered":
         """Collective over the survivors of `comm`, after `handles` took an error. A rank that
         dies during the recovery is shrunk away too, and the recovery starts over (one record
         for all). `hooks`: this rank's debug.* (`injection.DebugHooks`): a failure injected into
         the recovery, the stall plan for the watchdog over the survivors. `components`
-        (`hooks.RankLossHook`, the worker first) rebuild over the survivors, in order."""
+        (`hooks.RankLossHook`, the worker first) rebuild over the survivors, in order; of the
+        policy, only what it declares is read (`own_optimizer_state`, `name`)."""
         t0 = time.perf_counter()
         world_before, writer = worker.world, self.world_ranks[0]
         shared_off = worker.bucket.abandon_node_memory()
-        policy.roll_back(worker)        # a windowed policy: the window in flight is dropped
+        self._roll_back(worker)         # a windowed policy: the window in flight is dropped
         watchdog.current().close("a rank failed")     # its side channel knew the old ranks
         dead: list[tuple[int, str]] = []
         replaced: list[tuple[int, str, int]] = []
@@ -142,8 +160,9 @@ class FailureHandling:
                 if hooks is not None:
                     hooks.fail_at("recovery")     # debug.fail_point=recovery: a second failure here
                 adopted = self._continue(new, worker, writer, dead)
-                totals, policy_state = _adopt(new, adopted, worker, policy, totals)
-                survivors = Survivors(new, len(self.roles) - self.spares)
+                totals = _adopt(new, adopted, worker, policy.own_optimizer_state, totals)
+                survivors = Survivors(new, len(self.roles) - self.spares, adopted.source,
+                                      new_writer=writer not in self.world_ranks and new.rank == 0)
                 for component in components:
                     component.rebuild(survivors)
                 self._watch(new, worker, None if hooks is None else hooks.stall)
@@ -170,7 +189,7 @@ class FailureHandling:
         if shared_off:
             notes.append("the node's shared-memory sum is off for the rest of the run (its window is "
                          "abandoned after the failure); the bucket is summed by MPI's Allreduce")
-        return Recovered(new, totals, policy_state, record, tuple(notes), writer_failed=writer_failed)
+        return Recovered(new, totals, record, tuple(notes), writer_failed=writer_failed)
 
     def _shrink(self, comm, dead: list, replaced: list):
         """The survivors' communicator, renumbered where a spare took a dead rank's shard (the
@@ -219,12 +238,10 @@ class FailureHandling:
 
 @dataclass(frozen=True)
 class Recovered:
-    """What a recovery leaves the run: the survivors' communicator, the epoch's totals and the
-    policy's state to go on with, the failure's record, the lines to log, and whether rank 0
-    (the writer) died."""
+    """What a recovery leaves the run: the survivors' communicator, the epoch's totals to go on
+    with, the failure's record, the lines to log, and whether rank 0 (the writer) died."""
     comm: object
     totals: object
-    policy_state: dict | None
     record: dict
     notes: tuple[str, ...]
     writer_failed: bool
@@ -244,8 +261,7 @@ class Survives:
             except Exception as exc:
                 if not self.failure.active:      # comm.on_failure=abort: as it always was
                     raise
-                path = getattr(self.worker.bucket, "reduction", None)
-                if not self.failure.handles(exc, self.comm, getattr(path, "communicators", ())):
+                if not self.failure.handles(exc, self.comm, self.worker.bucket.communicators):
                     raise
                 totals = self._recover(totals)
 
@@ -254,7 +270,6 @@ class Survives:
             done = self.failure.recover(self.comm, self.worker, self.policy, totals, self.hooks,
                                         components=rank_loss_hooks(self.ctx))
         self.ctx = self._survivors_context(done)
-        self.policy.rejoin(self, done.policy_state)
         self.current_totals = done.totals
         if done.writer_failed and self.rank == 0:
             self._take_over()
@@ -277,13 +292,17 @@ class Survives:
         return replace(ctx, comm=done.comm, rank=rank, is_root=True, outputs=outputs,
                        display=RunDisplay(self.spec, True, self.t_start))
 
+    def restore_point(self, agreed) -> None:
+        """`policies.base.Loop.restore_point`: where the run survives a dead rank, what a
+        recovery goes back to (`FailureHandling.keep`)."""
+        self.failure.keep(agreed, self.worker.optimizer)
+
     def _take_over(self) -> None:
-        """Rank 0 died; this rank, the survivors' rank 0, starts the display's epoch again and
-        takes over the checkpoints and the run lock."""
+        """Rank 0 died; this rank, the survivors' rank 0 (whose checkpoints took over as they
+        rebuilt), starts the display's epoch again and takes the run lock."""
         worker = self.worker
         self.display.open_step_log(worker.steps_per_epoch, worker.step)
         self.display.epoch_start(worker, self._where(), self.current_totals)
-        self.checkpoints.take_over()
         self.failure.lock = RunDirLock.acquire(self.spec.run_dir, hostname())   # the dead rank's is gone
 
 
@@ -308,11 +327,11 @@ def survivors_of(old, new) -> list[int]:
         g_new.Free()
 
 
-def _adopt(comm, adopted: plan.Adoption, worker, policy, totals):
+def _adopt(comm, adopted: plan.Adoption, worker, own_optimizer_state: bool, totals):
     """The survivors behind take the state of `adopted.source` (parameters, optimizer state,
-    position, the epoch's totals and history); under a windowed policy every survivor then takes
-    rank 0's inner optimizer state, as a resume on another world size does. Returns the totals
-    to go on with and the policy's state to rejoin from (`Policy.recovery_state`). What a rank
+    position, the epoch's totals and history); where the policy's optimizer state is each
+    rank's own (a windowed policy's local steps) every survivor then takes rank 0's, as a
+    resume on another world size does. Returns the totals to go on with. What a rank
     receives is taken only once all of it has arrived: where the sender dies half-way, the
     rank keeps its own state, and the next round of the recovery adopts again."""
     src = adopted.source
@@ -329,11 +348,11 @@ def _adopt(comm, adopted: plan.Adoption, worker, policy, totals):
             worker.state.restore(meta, worker.steps_per_epoch, f"survivor {src}'s state")
             worker.history = list(history)
         totals = their_totals
-    if policy.own_optimizer_state:
+    if own_optimizer_state:
         inner = _optimizer_state_of(comm, worker, 0)
         if inner is not None:
             worker.optimizer.load_state_dict(inner)
-    return totals, comm.bcast(policy.recovery_state() if mine else None, root=src)
+    return totals
 
 
 def _optimizer_state_of(comm, worker, root: int) -> dict | None:

@@ -208,8 +208,8 @@ class LaneSet:
     # ---- shared ---------------------------------------------------------------------------
     def _path_choice(self, cuda_aware, on_device: bool, query_cuda_support):
         kw = {} if query_cuda_support is None else {"query": query_cuda_support}
-        return cuda_mpi.choose_path(cuda_aware, on_device, wire_dtype=self.bucket.wire,
-                                    deterministic=self.bucket.deterministic, **kw)
+        return cuda_mpi.choose_path(cuda_aware, on_device, wire_dtype=self.bucket.settings.wire,
+                                    deterministic=self.bucket.settings.deterministic, **kw)
 
     def _new_lane(self, graph, dtype: str, kind: str, idx: int, grad) -> Lane:
         """A lane on backend ``kind``; ``grad`` is the bucket array it writes into, or None for
@@ -254,7 +254,7 @@ class LaneSet:
             self.refresh_device_params()
 
     def split(self, n: int) -> list[int]:
-        if self.bucket is not None and self.bucket.deterministic:
+        if self.bucket is not None and self.bucket.settings.deterministic:
             # Measured rates vary run to run; a fixed split keeps each lane's partial sum, and
             # so the whole run, bitwise reproducible (comm.deterministic=true).
             return split_by_throughput(n, [1.0] * len(self.lanes))
@@ -387,11 +387,11 @@ class GpuLanes(_WithGpuLanes):
         self.bucket.attach_device(self.lead_device, self._path_choice(cuda_aware, True, query_cuda_support))
 
     def _gradient_homes(self) -> dict:
-        return {"cuda": self.bucket.device_payload}
+        return {"cuda": self.bucket.memory.device_payload}
 
     def _combine(self, busy: set[int]) -> None:
         self._sum_on_lead(busy)
-        self.bucket.mark_device_fresh()       # the lead lane's gradient IS the device bucket
+        self.bucket.memory.mark_device_fresh()       # the lead lane's gradient IS the device bucket
 
 
 class MixedLanes(_WithGpuLanes):

@@ -235,7 +235,6 @@ class Run(Survives):
         self.tracer = trace.start(comm, bool(spec.trace["enabled"]), host=hostname(),
                                   max_events=spec.trace["max_events"])
         parts.policy = policy = make_policy(spec)
-        self.failure.protect(policy)
         # a pipelined rank's Worker holds its stage, among the stage's replicas (else: as given)
         self.place = place = pipelined.for_rank(spec, comm)
         self.hooks.fail_at("broadcast")     # the initial weights' broadcast follows

@@ -507,6 +507,54 @@ def test_the_run_and_the_job_each_read_in_under_80_lines():
     assert len(lengths) == 3 and max(lengths.values()) < 80, lengths
 
 
+# The parts of the run's context that hold state shaped by the ranks, rebuilt in place after a
+# dead rank; the recovery may call `rebuild` on them and nothing else (it reads what they
+# declare: `Policy.own_optimizer_state`, `name`)
+RANK_SHAPED_PARTS = ("worker", "policy", "lanes", "checkpoints")
+
+
+def recovery_calls(pkg: Path = PKG) -> set[str]:
+    """`file:line call` for each method other than `rebuild` that `resilience/` calls on a part
+    in RANK_SHAPED_PARTS (`policy.roll_back(worker)`, `self.checkpoints.take_over()`; a config
+    section's `policy.get(...)` is not a part's)."""
+    found = set()
+    for path in (pkg / "resilience").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr not in ("rebuild", "get") \
+                    and ast.unparse(node.func.value).split(".")[-1] in RANK_SHAPED_PARTS:
+                found.add(f"{path.relative_to(pkg).as_posix()}:{node.lineno} {ast.unparse(node.func)}")
+    return found
+
+
+def test_the_recovery_call_finder_finds_a_second_hook(tmp_path):
+    (tmp_path / "resilience").mkdir()
+    (tmp_path / "resilience" / "in_run.py").write_text(
+        "def recover(self, policy, parts):\n    policy.roll_back(self.worker)\n    self.checkpoints.take_over()\n"
+        "    for part in parts:\n        part.rebuild(None)\n    self.policy.rebuild(None)\n"
+        "    self.worker.bucket.abandon_node_memory()\n    return policy.own_optimizer_state\n")
+    assert recovery_calls(tmp_path) == {"resilience/in_run.py:2 policy.roll_back",
+                                        "resilience/in_run.py:3 self.checkpoints.take_over"}
+
+
+def test_a_part_that_survives_a_dead_rank_has_one_hook():
+    """`resilience.hooks.RankLossHook` is the one protocol a part of the run offers the
+    recovery, with one method, `rebuild(survivors)`; the policy and the checkpoints offer it
+    like the worker (a windowed policy's restore point is what it marks at each sync,
+    `Loop.restore_point`, which the recovery goes back to), and the recovery calls them
+    nothing else."""
+    tree = ast.parse((PKG / "resilience" / "hooks.py").read_text())
+    protocols = {c.name: [f.name for f in c.body if isinstance(f, ast.FunctionDef)]
+                 for c in tree.body if isinstance(c, ast.ClassDef) and "Protocol" in map(ast.unparse, c.bases)}
+    assert protocols == {"RankLossHook": ["rebuild"]}, protocols
+    from hpc_rlx.checkpoint.runtime import RuntimeCheckpoints
+    from hpc_rlx.policies.base import Policy
+    from hpc_rlx.resilience.hooks import RankLossHook
+    from hpc_rlx.runtime.worker import Worker
+    assert all(issubclass(cls, RankLossHook) for cls in (Worker, RuntimeCheckpoints, *POLICIES.values(), Policy))
+    assert recovery_calls() == set()
+
+
 REBUILT_DISPLAY = '''
     def rebuild(self, survivors) -> None:
         """After a dead rank: go on over the survivors (here: say so)."""
@@ -630,6 +678,76 @@ def test_only_the_bucket_reads_its_reduction_path():
                     and ast.unparse(node.value).split(".")[-1].endswith("bucket"):
                 offenders.append(f"{path.relative_to(PKG)}:{node.lineno} {ast.unparse(node)}")
     assert not offenders, offenders
+
+
+def getattr_forwarders(pkg: Path = PKG) -> set[str]:
+    """`file:Class` for each class in comm/ that defines `__getattr__` or `__getattribute__`:
+    names answered by another object (the bucket's memory, its settings) that no one declared."""
+    found = set()
+    for path in (pkg / "comm").glob("*.py"):
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if isinstance(cls, ast.ClassDef) and any(isinstance(f, ast.FunctionDef) and f.name in (
+                    "__getattr__", "__getattribute__") for f in cls.body):
+                found.add(f"{path.relative_to(pkg).as_posix()}:{cls.name}")
+    return found
+
+
+def test_the_forwarder_finder_finds_getattr(tmp_path):
+    (tmp_path / "comm").mkdir()
+    (tmp_path / "comm" / "a.py").write_text("class Hub:\n    def __getattr__(self, name):\n"
+                                            "        return getattr(self.memory, name)\n"
+                                            "class Plain:\n    def get(self, name):\n        return name\n")
+    assert getattr_forwarders(tmp_path) == {"comm/a.py:Hub"}
+
+
+def test_the_bucket_forwards_no_names_it_does_not_declare():
+    """`FusedBucket` declares what its users read (the layout, the host arrays, the named
+    fields, `communicators`); its memory's device twin and transfers and its settings are read
+    where they live (`bucket.memory`, `bucket.settings`), so what the bucket offers is written
+    in one place."""
+    assert getattr_forwarders() == set()
+
+
+def _bucket_and_path_members() -> set[str]:
+    from hpc_rlx.comm.collective import FusedBucket
+    from hpc_rlx.comm.reduce import ReductionPath
+    bucket = FusedBucket(4, ("samples",), np.float64)
+    return {n for obj in (bucket, ReductionPath) for n in dir(obj) if not n.startswith("_")} | \
+        {"memory", "settings", "reduction"}
+
+
+def bucket_probes(pkg: Path = PKG, members: set[str] | None = None) -> set[str]:
+    """`file:line call` for each `getattr(x, "name", ...)` / `hasattr(x, "name")` in resilience/
+    that asks the bucket or its reduction path for a member by name: `x` names a bucket, a path
+    or a reduction, or `name` is one of theirs (what they offer is declared: ask it)."""
+    members = _bucket_and_path_members() if members is None else members
+    found = set()
+    for path in (pkg / "resilience").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr") \
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+                subject = ast.unparse(node.args[0]).lower()
+                if any(w in subject for w in ("bucket", "path", "reduction")) or node.args[1].value in members:
+                    found.add(f"{path.relative_to(pkg).as_posix()}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_the_bucket_probe_finder_finds_a_probe(tmp_path):
+    (tmp_path / "resilience").mkdir()
+    (tmp_path / "resilience" / "in_run.py").write_text(
+        "def others(self, MPI, x):\n    path = getattr(self.worker.bucket, 'reduction', None)\n"
+        "    found = getattr(x, 'communicators', ())\n    pending = getattr(MPI, 'ERR_PROC_FAILED_PENDING', None)\n"
+        "    return self.worker.bucket.communicators, getattr(x, 'name_of_its_own', None)\n")
+    assert bucket_probes(tmp_path, {"communicators", "reduction"}) == {
+        "resilience/in_run.py:2 getattr(self.worker.bucket, 'reduction', None)",
+        "resilience/in_run.py:3 getattr(x, 'communicators', ())"}
+
+
+def test_the_resilience_package_asks_the_bucket_what_it_declares():
+    """Where a dead rank may show first is the bucket's declared `communicators` (its path's),
+    not a `getattr` probe that a renamed member would silently turn into `()`."""
+    assert "communicators" in _bucket_and_path_members()
+    assert bucket_probes() == set()
 
 
 # ---------------------------------------------------------------------------------------------

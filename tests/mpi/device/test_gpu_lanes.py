@@ -188,9 +188,9 @@ def make_lanes(spec, g, layout, params, cuda_aware="auto", answer="no", payload_
 def test_gpu_lanes_sum_on_the_lead_device_and_come_down_once(fake2):
     g, layout, params, x, y = small_model()
     lanes, bucket = make_lanes([("cuda", 0), ("cuda", 1)], g, layout, params)
-    assert bucket.device == 0
+    assert bucket.memory.device == 0
     assert fake2.device_of(lanes.lanes[0].grad_flat) == 0 and fake2.device_of(lanes.lanes[1].grad_flat) == 1
-    assert fake2.device_of(bucket.device_payload) == 0
+    assert fake2.device_of(bucket.memory.device_payload) == 0
     fake2.counts.clear()
     n, loss_sum, correct, _ = lanes.step(x, y, seed=0)
     assert n == 24
@@ -198,11 +198,11 @@ def test_gpu_lanes_sum_on_the_lead_device_and_come_down_once(fake2):
     # and nothing came down yet: the sum stays on the device until payload_to_host()
     assert fake2.counts["h2d"] == 2 and fake2.counts["d2d"] == 1 and fake2.counts["d2h"] == 0
     assert bucket.payload_finite() and fake2.counts["d2h"] == 0
-    bucket.payload_to_host()
+    bucket.memory.payload_to_host()
     got = bucket.payload.copy()
     assert fake2.counts["d2h"] == 1
     np.testing.assert_allclose(got, reference_grad(g, layout, params, x, y), rtol=1e-12, atol=1e-12)
-    bucket.payload_to_host()              # already on the host: no second copy
+    bucket.memory.payload_to_host()              # already on the host: no second copy
     assert fake2.counts["d2h"] == 1
     assert "GPU 0" in lanes.bucket_path and "staged" in lanes.bucket_path
 
@@ -215,14 +215,14 @@ def test_parameters_are_never_stale(fake2):
     fake2.counts.clear()
     lanes.step(x, y, seed=0)              # nobody called refresh: the step copies them itself
     assert fake2.counts["h2d"] == 2
-    bucket.payload_to_host()
+    bucket.memory.payload_to_host()
     np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-12, atol=1e-12)
     params += 0.1
     lanes.refresh_device_params()         # a policy refreshes right after its update ...
     fake2.counts.clear()
     lanes.step(x, y, seed=0)              # ... so the step does not copy again
     assert fake2.counts["h2d"] == 0
-    bucket.payload_to_host()
+    bucket.memory.payload_to_host()
     np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-12, atol=1e-12)
     params -= 0.2                         # evaluation also sees the newest parameters
     loss_sum, _ = lanes.evaluate(x, y)
@@ -233,7 +233,7 @@ def test_parameters_are_never_stale(fake2):
 def test_mixed_lanes_keep_the_bucket_on_the_host(fake2):
     g, layout, params, x, y = small_model()
     lanes, bucket = make_lanes([("cuda", 0), ("cuda", 1), ("cpu", 0)], g, layout, params)
-    assert bucket.device is None and bucket.choice.path == cuda_mpi.HOST
+    assert bucket.memory.device is None and bucket.choice.path == cuda_mpi.HOST
     assert lanes.lanes[2].grad_flat is bucket.payload           # the CPU lane writes in place
     fake2.counts.clear()
     lanes.step(x, y, seed=0)
@@ -307,7 +307,7 @@ def test_a_rank_on_gpu_1_never_makes_a_context_on_gpu_0(fake2, spec):
     for _ in range(2):
         lanes.step(x, y, seed=0)
         assert bucket.payload_finite()
-        bucket.payload_to_host()
+        bucket.memory.payload_to_host()
         params *= 0.9
         lanes.refresh_device_params()
     lanes.evaluate(x, y)
@@ -395,7 +395,7 @@ for name, spec, setting in [("host", [("cpu", 0)], "auto"), ("staged", [("cuda",
     out[name] = {"path": bucket.last_path, "chunks": bucket.last_chunks, "samples": bucket["samples"],
                  "d2h_in_allreduce": fake.counts["d2h"] - before.get("d2h", 0),
                  "h2d_in_allreduce": fake.counts["h2d"] - before.get("h2d", 0)}
-    bucket.payload_to_host()
+    bucket.memory.payload_to_host()
     np.save(os.path.join(os.environ["OUT"], f"{name}_{comm.rank}.npy"), bucket.payload)
 if comm.rank == 0:
     print("RESULT " + json.dumps(out))
@@ -519,11 +519,11 @@ def test_real_gpu_lanes_match_numpy(spec):
     for _ in range(3):                    # warm-up, then rated splits
         lanes.step(x, y, seed=0)
     assert bucket.payload_finite()
-    bucket.payload_to_host()
+    bucket.memory.payload_to_host()
     np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-9, atol=1e-10)
     params *= 0.9
     lanes.step(x, y, seed=0)
-    bucket.payload_to_host()
+    bucket.memory.payload_to_host()
     np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-9, atol=1e-10)
     lanes.close()
 
@@ -535,8 +535,8 @@ def test_real_two_gpus_combine_on_the_lead():
     g, layout, params, x, y = small_model()
     lanes, bucket = make_lanes([("cuda", 0), ("cuda", 1)], g, layout, params)
     lanes.step(x, y, seed=0)
-    assert backend.device_of(bucket.device_payload) == 0
-    bucket.payload_to_host()
+    assert backend.device_of(bucket.memory.device_payload) == 0
+    bucket.memory.payload_to_host()
     np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-9, atol=1e-10)
 
 
@@ -551,7 +551,7 @@ def test_real_rank_on_gpu_1_keeps_gpu_1_current():
         assert cp.cuda.runtime.getDevice() == 1      # the main thread works for the rank's GPU
         lanes.step(x, y, seed=0)
         assert cp.cuda.runtime.getDevice() == 1
-        bucket.payload_to_host()
+        bucket.memory.payload_to_host()
         np.testing.assert_allclose(bucket.payload, reference_grad(g, layout, params, x, y), rtol=1e-9, atol=1e-10)
         lanes.close()
     finally:

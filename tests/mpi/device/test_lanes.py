@@ -135,7 +135,7 @@ def test_cpu_lanes_sum_to_the_one_lane_gradient():
                                                 grad_scale=30.0, seed=0)
     bucket = FusedBucket(layout.size, ("samples",), np.float64)
     lanes = LaneSet(g, [("cpu", 0), ("cpu", 1), ("cpu", 2)], "float64", params, bucket, layout)
-    assert bucket.device is None and bucket.choice.path == cuda_mpi.HOST
+    assert bucket.memory.device is None and bucket.choice.path == cuda_mpi.HOST
     assert lanes.lanes[0].grad_flat is bucket.payload
     for _ in range(4):                           # warm-up, then splits by measured rate
         n, loss_sum, correct, _ = lanes.step(x, y, seed=0)

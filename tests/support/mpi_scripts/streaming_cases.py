@@ -74,7 +74,8 @@ def _fixed_setup(self, loop):
     _setup(self, loop)
     if Fixed.force_streaming:
         # F = 1, tau = 0 through the fragment path, the whole sync's config otherwise
-        path = self.coded or (OrderedSum if self.bucket.deterministic else HostSum)(self.bucket.chunk_elems)
+        settings = self.bucket.settings
+        path = self.coded or (OrderedSum if settings.deterministic else HostSum)(settings.chunk_elems)
         self.stream = StreamingSync(self, loop.worker, Streaming(1, 0, 0.0), path)
 
 

@@ -56,7 +56,7 @@ def paths(comm, out_dir: Path) -> None:
         whole = FusedBucket(N, ("samples",), np.float64, cap_mb=cap_mb, wire_dtype=codec)
         shard = ParamShard(N, N, comm.rank, comm.size)
         sharded = FusedBucket(N, ("samples",), np.float64, cap_mb=cap_mb)
-        path = ScatteredSum(shard, sharded.chunk_elems, codec_for(codec))
+        path = ScatteredSum(shard, sharded.settings.chunk_elems, codec_for(codec))
         for bucket in (whole, sharded):
             bucket.payload[...] = rank_values(comm.rank)
         whole.allreduce(comm)

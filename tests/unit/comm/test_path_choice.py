@@ -154,12 +154,22 @@ def test_the_memory_moves_into_a_window_and_out_with_its_values():
         memory.mark_device_fresh()
 
 
-def test_the_bucket_reads_its_memory_and_settings_under_their_old_names():
+def test_the_bucket_declares_what_a_step_reads_and_forwards_nothing_else():
+    """The layout, the host arrays and the named fields are the bucket's own surface (read live
+    from its memory, which moves its arrays); the device twin, the transfers and the settings
+    are read where they live, `bucket.memory` and `bucket.settings`."""
     bucket = FusedBucket(4, ("samples",), np.float64, cap_mb=1e-4, deterministic=True, shard=SHARD)
     assert bucket.buffer is bucket.memory.buffer and bucket.layout is bucket.memory.layout
-    assert bucket.chunk_elems == 13 and bucket.deterministic and bucket.shard is SHARD and bucket.wire is None
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        bucket.nothing
+    assert bucket.payload is bucket.memory.payload and bucket.tail is bucket.memory.tail
+    bucket.zero_tail()
+    bucket.put("samples", 3.0, 0)
+    assert bucket["samples"] == 3.0 == bucket.memory["samples"] and not any(bucket.flags().values())
+    settings = bucket.settings
+    assert settings.chunk_elems == 13 and settings.deterministic and settings.shard is SHARD and settings.wire is None
+    assert bucket.communicators == ()
+    for name in ("chunk_elems", "deterministic", "shard", "payload_to_host", "device_payload", "nothing"):
+        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+            getattr(bucket, name)
 
 
 class GathersByBcast(ScatteredSum):

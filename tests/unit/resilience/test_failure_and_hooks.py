@@ -4,12 +4,16 @@ parts of a run's context rebuild over the survivors: pure, no MPI."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from hpc_rlx.base.errors import DataError, phase
+from hpc_rlx.optim import make_optimizer
 from hpc_rlx.resilience.failure import PHASES, RunFailed, RunFailure, failure_of
-from hpc_rlx.resilience.hooks import PolicyRecovery, RankLossHook, Survivors, rank_loss_hooks
+from hpc_rlx.resilience.hooks import RankLossHook, Survivors, rank_loss_hooks
+from hpc_rlx.resilience.in_run import FailureHandling
 from hpc_rlx.resilience.mode import FailureMode, is_spare
 from hpc_rlx.runtime.context import RunContext
 
@@ -82,12 +86,43 @@ def test_the_parts_of_a_context_that_rebuild_are_found_by_their_one_method_in_or
     assert seen == [(worker, 1, 2), (outputs, 1, 2)]
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.rank = 0
-    # the run's own parts: the worker and the checkpoints rebuild; the policy rolls back instead
+    # the run's own parts: the worker, the policy and the checkpoints each rebuild, by that one method
     from hpc_rlx.checkpoint.runtime import RuntimeCheckpoints
     from hpc_rlx.policies.base import Policy
+    from hpc_rlx.policies.windowed import WindowedPolicy
     from hpc_rlx.runtime.worker import Worker
-    assert all(callable(getattr(cls, "rebuild", None)) for cls in (Worker, RuntimeCheckpoints))
-    assert all(callable(getattr(Policy, name)) for name in ("keep_restore_points", "roll_back",
-                                                             "recovery_state", "rejoin"))
+    assert all(callable(getattr(cls, "rebuild", None)) for cls in (Worker, RuntimeCheckpoints, Policy, WindowedPolicy))
     assert isinstance(_Rebuilt(seen), RankLossHook) and not isinstance(object(), RankLossHook)
-    assert not isinstance(object(), PolicyRecovery)
+    comm = _Comm()
+    assert Survivors(comm, training=2) == Survivors(comm, 2, source=0, new_writer=False)
+
+
+def _handling(on_failure: str) -> FailureHandling:
+    spec = SimpleNamespace(comm={"on_failure": on_failure, "spares": 0})
+    return FailureHandling(spec, SimpleNamespace(size=2))
+
+
+def test_a_recovery_goes_back_to_the_last_restore_point_and_abort_keeps_none():
+    """The restore point a windowed policy marks at each sync (`Loop.restore_point`): the agreed
+    model's array as it is when the recovery starts, and this rank's optimizer state as it was
+    when marked (copied); under abort nothing is kept, and a lockstep run has nothing to undo."""
+    params = np.arange(4.0)
+    worker = SimpleNamespace(params=params, optimizer=make_optimizer("sgd", 4, np, np.float64, momentum=0.9))
+    worker.optimizer.step(params.copy(), np.ones(4), lr=0.1)
+    agreed, marked = params.copy(), worker.optimizer.state_dict()
+    shrink = _handling("shrink")
+    shrink.keep(agreed, worker.optimizer)
+    worker.optimizer.step(params, np.ones(4), lr=0.1)     # the window in flight moves on
+    params += 1.0
+    shrink._roll_back(worker)
+    assert np.array_equal(worker.params, agreed) and worker.params is params
+    now = worker.optimizer.state_dict()
+    assert now["scalars"] == marked["scalars"]
+    assert all(np.array_equal(now["arrays"][k], v) for k, v in marked["arrays"].items())
+    abort = _handling("abort")
+    abort.keep(agreed, worker.optimizer)
+    assert abort.restore is None
+    params += 1.0
+    abort._roll_back(worker)
+    _handling("shrink")._roll_back(worker)      # nothing marked: nothing to undo
+    assert np.array_equal(worker.params, agreed + 1.0)
