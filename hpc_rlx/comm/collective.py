@@ -202,6 +202,12 @@ class FusedBucket:
         """The host payload: gradients or weighted parameters."""
         return self.memory.payload
 
+    @payload.setter
+    def payload(self, value) -> None:
+        # `bucket.payload /= n` works in place, then assigns the same array back: nothing else
+        if value is not self.memory.payload:
+            raise AttributeError("a bucket's payload is written in place (bucket.payload[...] = ...)")
+
     @property
     def tail(self):
         """The named fields, on the host."""

@@ -161,9 +161,14 @@ def test_the_bucket_declares_what_a_step_reads_and_forwards_nothing_else():
     bucket = FusedBucket(4, ("samples",), np.float64, cap_mb=1e-4, deterministic=True, shard=SHARD)
     assert bucket.buffer is bucket.memory.buffer and bucket.layout is bucket.memory.layout
     assert bucket.payload is bucket.memory.payload and bucket.tail is bucket.memory.tail
+    view = bucket.payload
+    bucket.payload += 2.0       # in place, as a policy divides it
+    assert bucket.payload is view and np.all(view == 2.0)
+    with pytest.raises(AttributeError, match="written in place"):
+        bucket.payload = np.zeros(4)
     bucket.zero_tail()
     bucket.put("samples", 3.0, 0)
-    assert bucket["samples"] == 3.0 == bucket.memory["samples"] and not any(bucket.flags().values())
+    assert bucket["samples"] == 3.0 == bucket.memory["samples"]
     settings = bucket.settings
     assert settings.chunk_elems == 13 and settings.deterministic and settings.shard is SHARD and settings.wire is None
     assert bucket.communicators == ()
