@@ -97,7 +97,7 @@ class FailureHandling:
             self.restore = (agreed, {"arrays": {k: np.array(v, copy=True) for k, v in state["arrays"].items()},
                                      "scalars": dict(state["scalars"])})
 
-    def _roll_back(self, worker) -> None:
+    def roll_back(self, worker) -> None:
         """Back to the restore point, the same way on every survivor (the window in flight
         dropped); nothing where every step ends agreed."""
         if self.restore is not None:
@@ -150,7 +150,7 @@ class FailureHandling:
         t0 = time.perf_counter()
         world_before, writer = worker.world, self.world_ranks[0]
         shared_off = worker.bucket.abandon_node_memory()
-        self._roll_back(worker)         # a windowed policy: the window in flight is dropped
+        self.roll_back(worker)         # a windowed policy: the window in flight is dropped
         watchdog.current().close("a rank failed")     # its side channel knew the old ranks
         dead: list[tuple[int, str]] = []
         replaced: list[tuple[int, str, int]] = []

@@ -114,7 +114,7 @@ def test_a_recovery_goes_back_to_the_last_restore_point_and_abort_keeps_none():
     shrink.keep(agreed, worker.optimizer)
     worker.optimizer.step(params, np.ones(4), lr=0.1)     # the window in flight moves on
     params += 1.0
-    shrink._roll_back(worker)
+    shrink.roll_back(worker)
     assert np.array_equal(worker.params, agreed) and worker.params is params
     now = worker.optimizer.state_dict()
     assert now["scalars"] == marked["scalars"]
@@ -123,6 +123,6 @@ def test_a_recovery_goes_back_to_the_last_restore_point_and_abort_keeps_none():
     abort.keep(agreed, worker.optimizer)
     assert abort.restore is None
     params += 1.0
-    abort._roll_back(worker)
-    _handling("shrink")._roll_back(worker)      # nothing marked: nothing to undo
+    abort.roll_back(worker)
+    _handling("shrink").roll_back(worker)      # nothing marked: nothing to undo
     assert np.array_equal(worker.params, agreed + 1.0)
