@@ -22,8 +22,10 @@ DATA_KEYS: tuple[Key, ...] = (
     Key("data.one_sample_per_file", bool, every(DATASETS, False), "each file of `path` holds one "
         "sample, without a sample axis (DeepCAM's and CosmoFlow's layout); else each file's first "
         "axis is its samples"),
-    Key("data.x", str, every(DATASETS, "x"), "input dataset name (a path inside the file: `climate/data`)",
-        _DATASET),
+    Key("data.x", (str, list), every(DATASETS, "x"), "input dataset name (a path inside the file: "
+        "`climate/data`), or a list of them for a model with several inputs (`[input_ids,attention_mask]`: "
+        "docs/pytorch.md)", Check(lambda v: _DATASET.test(v) or (isinstance(v, list) and bool(v) and all(
+            _DATASET.test(n) for n in v)), "must be a dataset name or a list of them")),
     Key("data.y", str, every(DATASETS, "y"), "label dataset name", _DATASET),
     Key("data.val_path", str, every(DATASETS, None), "a separate validation file (same dataset names)"),
     Key("data.val_fraction", _NUMBER, Options(digits=0.2, synthetic=0.2, text=0.1, file=0.2),

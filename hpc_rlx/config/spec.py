@@ -25,7 +25,8 @@ from hpc_rlx.config.loss_keys import apply_loss_keys, check_checkpoint_metric
 from hpc_rlx.config.sharding import check_shard
 from hpc_rlx.data import hdf5
 from hpc_rlx.data.plan import plan_shards
-from hpc_rlx.data.resolve import data_sources, num_classes, prepare_missing_data
+from hpc_rlx.config.model_inputs import input_sources
+from hpc_rlx.data.resolve import num_classes, prepare_missing_data
 from hpc_rlx.base.errors import ConfigError, DataError, phase
 from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, init_params, trainable_user_names
 from hpc_rlx.graph.onnx.importer import import_onnx
@@ -59,6 +60,7 @@ class DataPlan:
     files: list | None = None      # [[file, samples], ...] of `path` in order (data/fileset.py)
     val_files: list | None = None  # ... of `val_path`; None: validation is the tail of `files`
     one_sample: bool = False       # data.one_sample_per_file
+    inputs: list | None = None     # data.x of several: [[dataset, row shape, dtype]] (packed: data/model_inputs.py)
 
 
 @dataclass
@@ -282,8 +284,8 @@ def _import_onnx(model_cfg: dict, info):
     if not os.path.isfile(path):
         raise ConfigError(f"model.path={path}: no such file")
     label_dtype = "int64" if np.dtype(info.y_dtype).kind in "iub" else "float"
-    imported = import_onnx(path, loss=model_cfg["loss"], label_dtype=label_dtype,
-                           label_shape=tuple(info.y_shape), class_axis=model_cfg.get("class_axis"))
+    imported = import_onnx(path, loss=model_cfg["loss"], label_dtype=label_dtype, label_shape=tuple(info.y_shape),
+                           class_axis=model_cfg.get("class_axis"), inputs=model_cfg.get("_inputs"))
     for warning in imported.warnings:
         print(f"[hpc_rlx] warning: {path}: {warning}", flush=True)   # rank 0 only (build_spec)
     _IMPORTED[os.path.abspath(path)] = imported.initial
@@ -320,7 +322,6 @@ def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes
 
 
 def _num_classes(model_cfg: dict, info, n_train: int) -> int | None:
-
     n, source = num_classes(model_cfg, info, n_train)
     if n is not None and source.startswith("the training labels"):
         # rank 0 only (build_spec); every rank gets the number inside the spec
@@ -343,16 +344,15 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "",
     check_run_dir_writable(run_dir)
     d = cfg["data"]
     prepare_missing_data(d)
-    src = data_sources(d)      # a file, a directory or a glob: the files and their counts
+    src, inputs = input_sources(cfg)     # a file, a directory or a glob: the files and their counts
     info, vinfo, n_train, val_start, val_stop = src.info, src.vinfo, src.n_train, src.val_start, src.val_stop
     val_path = d["val_path"] or d["path"]
 
     n_classes = _num_classes(cfg["model"], info, n_train) if cfg["model"]["name"] in schema.BUILDER_KEYS else None
-    graph = _build_graph(cfg["model"], info.x_shape, info.x_dtype, n_classes, info)
+    graph = _build_graph({**cfg["model"], "_inputs": inputs}, info.x_shape, info.x_dtype, n_classes, info)
     graph = apply_loss_keys(graph, cfg["model"], int(cfg["parallel"]["pipeline_stages"]))
     check_checkpoint_metric(cfg["checkpoint"]["metric"], graph)
-    x_in = next(i for i in graph.inputs if i.name == "x")
-    y_in = next(i for i in graph.inputs if i.name == "y")
+    x_in, y_in = (next(i for i in graph.inputs if i.name == n) for n in ("x", "y"))
     expect = dict(input_shape=tuple(x_in.shape[1:]),
                   input_dtype_kind="int" if x_in.dtype == "int64" else "float",
                   label_kind="class" if y_in.dtype == "int64" else "float",
@@ -391,7 +391,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "",
         sample_shape=list(info.x_shape), x_dtype=str(info.x_dtype), y_dtype=str(info.y_dtype),
         cache=d["cache"], y_shape=list(info.y_shape), stage_dir=d.get("stage_dir"),
         stage_keep=bool(d.get("stage_keep")), files=src.files.pairs(), one_sample=src.files.one_sample,
-        val_files=src.val_files.pairs() if src.val_files else None)
+        val_files=src.val_files.pairs() if src.val_files else None, inputs=inputs and [list(i) for i in inputs])
     return TrainSpec(
         graph=graph.to_dict(), param_source=source, data=data_plan, train=dict(cfg["train"]),
         optim=dict(cfg["optim"]), policy=dict(cfg["policy"]), device=dict(cfg["device"]),

@@ -24,6 +24,7 @@ from hpc_rlx.data.distribute import load_shard
 from hpc_rlx.data.files import plan_files
 from hpc_rlx.data.hdf5 import Classes, TokenVocab, check_values
 from hpc_rlx.data.memory_room import rank_room, shard_problem
+from hpc_rlx.data.model_inputs import load_packed
 from hpc_rlx.data.plan import EpochOrder, eval_batch_rows, window_of, window_steps
 from hpc_rlx.data.stage_plan import rank_ranges, read_places
 from hpc_rlx.data.set_source import SetSource
@@ -192,8 +193,7 @@ class MemoryFeed(Feed):
         def _train():
             if d.distribution == "scatter":
                 self.fail_at("scatter", 0)       # the load's scatter: before the first step
-            x, y = load_shard(comm, d.distribution, self.files, d.x, d.y, self.train_bounds, x_dtype=want,
-                              expect=self.expect)
+            x, y = self._load(self.files, self.train_bounds, want)
             check_values(x, y, self.num_classes, d.check_finite, first_row=self.train_bounds[self.rank][0],
                          vocab=self.vocab)
             return x, y
@@ -204,13 +204,19 @@ class MemoryFeed(Feed):
         def _val():
             if d.val_stop == d.val_start:
                 return self.x[:0], self.y[:0]
-            x, y = load_shard(comm, d.distribution, self.val_files, d.x, d.y, self.val_bounds, x_dtype=want,
-                              expect=self.expect)
+            x, y = self._load(self.val_files, self.val_bounds, want)
             check_values(x, y, self.num_classes, d.check_finite, first_row=self.val_bounds[self.rank][0],
                          vocab=self.vocab)
             return x, y
         self.vx, self.vy = collective.agree(comm, _val)
         self.announce(t0)
+
+    def _load(self, files, bounds, want) -> tuple:
+        """This rank's (x, y) of `files`; a model of several inputs gets them packed (data/model_inputs.py)."""
+        d = self.d
+        if getattr(d, "inputs", None):
+            return load_packed(self.comm, d.distribution, files, d.inputs, d.y, bounds, self.expect)
+        return load_shard(self.comm, d.distribution, files, d.x, d.y, bounds, x_dtype=want, expect=self.expect)
 
     def _check_room(self, x_dtype: np.dtype, on_node: int) -> None:
         """DataError where this rank's shard and validation slice, as held, exceed its room."""

@@ -38,6 +38,7 @@ from hpc_rlx.graph.onnx import fold as f
 from hpc_rlx.graph.onnx import loss as loss_head
 from hpc_rlx.graph.onnx import map_index as ix
 from hpc_rlx.graph.onnx import map_math as m
+from hpc_rlx.graph.onnx.packed_inputs import pack_inputs
 from hpc_rlx.graph.onnx import map_nn as nn
 from hpc_rlx.graph.onnx import map_random as r
 from hpc_rlx.graph.onnx import map_recurrent as rc
@@ -378,16 +379,17 @@ def _prune(d: dict) -> dict:
 
 
 def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, label_shape=None,
-                class_axis=None) -> ImportedModel:
+                class_axis=None, inputs: list | None = None) -> ImportedModel:
     """The trainable IR graph of an ONNX file (a path or its bytes).
 
     ``loss``: "auto", "cross_entropy" or "mse" (see ``onnx.loss``); ``label_dtype`` ("int64"
     or "float") and ``label_shape`` (one sample's label dims) describe the labels when known;
     ``class_axis`` (1, -1 or None: from the shapes) places a cross-entropy's classes.
-    A graph with two data inputs and a float scalar output is trained on that output as is.
+    ``inputs``: [(dataset, row shape, dtype)] of data.x's K datasets, fed packed (packed_inputs.py).
+    A graph with one data input more than the model's and a float scalar output trains on that output.
     """
     loss_head.check_loss_args(loss, label_dtype, label_shape)
-    model = load_model(source)
+    model = pack_inputs(load_model(source), inputs) if inputs else load_model(source)
     warnings: list = []
     untied = untie_merged_initializers(model)
     if untied:

@@ -1,0 +1,133 @@
+"""data.x=[input_ids,attention_mask] in real mpirun jobs: a PyTorch model of two inputs (ids and a
+padding mask that its attention and its pooling read) exported to ONNX trains on padded rows as
+PyTorch does (float64, to 1e-10) on 1 rank, on 2 ranks, and with data.distribution=scatter; a
+count, dtype or mask-length mismatch is one error on every rank."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.mpi.runtime.test_onnx_training import max_rel_diff, params_of
+from tests.support.jobs import explain, train_job
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.mpi
+
+N, TRAIN, T, VOCAB, CLASSES, STEPS, LR, WD = 40, 32, 6, 20, 3, 3, 0.01, 0.1
+COMMON = ["model=onnx", "data=file", "train.dtype=float64", f"train.epochs={STEPS}", f"train.batch_size={TRAIN}",
+          "data.val_fraction=0.2", "data.shuffle=false", "optim=adamw", f"optim.lr={LR}",
+          f"optim.weight_decay={WD}", "optim.schedule=constant", "checkpoint=off", "report.tensorboard=false",
+          "data.y=labels"]
+IDS_MASK = "data.x=[input_ids,attention_mask]"
+
+
+class MaskedAttentionClassifier(torch.nn.Module):
+    """Embedding, one self-attention whose padded keys are masked out, a mean over the unpadded
+    positions, a classifier. No weight is square, so a transposed one shows in its shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 8)
+        self.q, self.k, self.v = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4), torch.nn.Linear(8, 5)
+        self.head = torch.nn.Linear(5, CLASSES)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.emb(input_ids)
+        m = attention_mask.to(h.dtype)
+        scores = self.q(h) @ self.k(h).transpose(1, 2) / 2.0 + (1.0 - m[:, None, :]) * -1e4
+        mixed = torch.softmax(scores, -1) @ self.v(h)
+        return self.head((mixed * m[..., None]).sum(1) / m.sum(1, keepdim=True))
+
+
+def _export(module, path):
+    ids, mask = torch.zeros(2, T, dtype=torch.long), torch.ones(2, T, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (ids, mask), str(path), dynamo=False, input_names=["input_ids", "attention_mask"],
+                          output_names=["logits"], dynamic_axes={n: {0: "batch"} for n in
+                                                                 ("input_ids", "attention_mask", "logits")})
+    return path
+
+
+def _padded_rows(rng):
+    """Rows of 2 to T tokens, padded with id 0 and mask 0 after their length."""
+    lengths = rng.integers(2, T + 1, N)
+    mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.int64)
+    ids = rng.integers(1, VOCAB, (N, T)) * mask
+    return ids.astype(np.int64), mask, rng.integers(0, CLASSES, N).astype(np.int64)
+
+
+def _torch_reference(module, ids, mask, y) -> dict:
+    """STEPS full-batch AdamW steps of the module in float64 on the training rows."""
+    module = module.double()
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WD)
+    args = (torch.from_numpy(ids), torch.from_numpy(mask))
+    for _ in range(STEPS):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(module(*args), torch.from_numpy(y)).backward()
+        opt.step()
+    return {n: p.detach().numpy() for n, p in module.named_parameters()}
+
+
+def _as_torch(got: dict, want: dict) -> dict:
+    """model.h5's parameters (the import keeps the PyTorch names) as PyTorch holds them: a weight
+    that the file keeps transposed for MatMul comes back transposed."""
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    return {k: v if v.shape == want[k].shape else v.T for k, v in got.items()}
+
+
+def test_a_masked_two_input_model_trains_as_pytorch_on_one_and_two_ranks_and_scattered(tmp_path):
+    torch.manual_seed(0)
+    module = MaskedAttentionClassifier()
+    onnx_file = _export(module, tmp_path / "masked.onnx")
+    ids, mask, y = _padded_rows(np.random.default_rng(0))
+    data = tmp_path / "d.h5"
+    with h5py.File(data, "w") as f:
+        f["input_ids"], f["attention_mask"], f["labels"] = ids, mask, y
+    base = COMMON + [f"model.path={onnx_file}", f"data.path={data}"]
+    runs = {}
+    # the scattered run names them in the other order: each goes to the graph input of its name
+    for name, n, extra in [("one", 1, [IDS_MASK]), ("two", 2, [IDS_MASK]),
+                           ("scatter", 2, ["data.distribution=scatter", "data.x=[attention_mask,input_ids]"])]:
+        runs[name] = tmp_path / name
+        proc = train_job(n, runs[name], base + extra, timeout=120)
+        assert proc.returncode == 0, explain(proc)
+    want = _torch_reference(module, ids[:TRAIN], mask[:TRAIN], y[:TRAIN])
+    one = params_of(runs["one"])
+    got = _as_torch(one, want)
+    assert max_rel_diff(want, got) <= 1e-10, max_rel_diff(want, got)
+    for name in ("two", "scatter"):
+        assert max_rel_diff(one, params_of(runs[name])) <= 1e-10, name
+
+
+BAD = {   # the file's datasets (name: what differs) -> the words the one error must hold
+    "count": ({}, ["data.x=[input_ids,attention_mask,token_type_ids]"],
+              r"data\.x names 3 datasets .* the ONNX graph has 2 data inputs"),
+    "dtype": ({"attention_mask": np.float64}, [IDS_MASK],
+              r"data\.x dataset 'attention_mask' holds float64, but the ONNX input 'attention_mask'"),
+    "mask length": ({"attention_mask": T - 1}, [IDS_MASK],
+                    rf"data\.x dataset 'attention_mask' has rows of shape \({T - 1},\), but the ONNX input "
+                    rf"'attention_mask' it feeds takes \({T},\)"),
+}
+
+
+def test_inputs_that_do_not_fit_the_graph_are_one_error_on_every_rank(tmp_path):
+    torch.manual_seed(0)
+    onnx_file = _export(MaskedAttentionClassifier(), tmp_path / "masked.onnx")
+    ids, mask, y = _padded_rows(np.random.default_rng(1))
+    for case, (change, extra, message) in BAD.items():
+        data = tmp_path / f"{case.replace(' ', '_')}.h5"
+        with h5py.File(data, "w") as f:
+            f["input_ids"], f["labels"], f["token_type_ids"] = ids, y, np.zeros_like(ids)
+            m = change.get("attention_mask")
+            f["attention_mask"] = (mask.astype(m) if isinstance(m, type) else mask[:, :m] if m else mask)
+        proc = train_job(2, tmp_path / case.replace(" ", "_"),
+                         COMMON + [f"model.path={onnx_file}", f"data.path={data}"] + extra, timeout=60)
+        assert proc.returncode == 2, (case, explain(proc))
+        assert proc.stderr.count("hpc_rlx: error") == 1, (case, explain(proc))
+        assert re.search(message, proc.stderr), (case, explain(proc))
