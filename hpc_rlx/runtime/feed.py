@@ -24,7 +24,7 @@ from hpc_rlx.data.distribute import load_shard
 from hpc_rlx.data.files import plan_files
 from hpc_rlx.data.hdf5 import Classes, TokenVocab, check_values
 from hpc_rlx.data.memory_room import rank_room, shard_problem
-from hpc_rlx.data.model_inputs import load_packed
+from hpc_rlx.data.model_inputs import PackedSource, load_packed
 from hpc_rlx.data.plan import EpochOrder, eval_batch_rows, window_of, window_steps
 from hpc_rlx.data.stage_plan import rank_ranges, read_places
 from hpc_rlx.data.set_source import SetSource
@@ -131,10 +131,19 @@ class Feed:
         print(f"[hpc_rlx] data: {self.files.describe()} ({self.d.path}){val}; checked"
               f"{' and read' if self.cache == 'memory' else ''} in {time.perf_counter() - t0:.2f} s", flush=True)
 
-    def source(self, files) -> SetSource:
+    def source(self, files) -> SetSource | PackedSource:
         """A reader of `files` (this feed's training or validation set) for one thread; the
         one-sample files' offsets that any of them found serve them all (`SetSource`)."""
+        if getattr(self.d, "inputs", None):
+            return PackedSource(files, self.d.inputs, self.d.y, *self.expect)
         return SetSource(files, self.d.x, self.d.y, *self.expect, offsets=self._offsets)
+
+    def _load(self, files, bounds, want=None, mode: str | None = None) -> tuple:
+        """This rank's (x, y) of `files`; a model of several inputs gets them packed (data/model_inputs.py)."""
+        d, mode = self.d, mode or self.d.distribution
+        if getattr(d, "inputs", None):
+            return load_packed(self.comm, mode, files, d.inputs, d.y, bounds, self.expect)
+        return load_shard(self.comm, mode, files, d.x, d.y, bounds, x_dtype=want, expect=self.expect)
 
     def order(self, epoch: int, rank: int | None = None) -> EpochOrder:
         return EpochOrder(self.plan, self.rank if rank is None else rank, epoch, self.seed, self.shuffle)
@@ -211,13 +220,6 @@ class MemoryFeed(Feed):
         self.vx, self.vy = collective.agree(comm, _val)
         self.announce(t0)
 
-    def _load(self, files, bounds, want) -> tuple:
-        """This rank's (x, y) of `files`; a model of several inputs gets them packed (data/model_inputs.py)."""
-        d = self.d
-        if getattr(d, "inputs", None):
-            return load_packed(self.comm, d.distribution, files, d.inputs, d.y, bounds, self.expect)
-        return load_shard(self.comm, d.distribution, files, d.x, d.y, bounds, x_dtype=want, expect=self.expect)
-
     def _check_room(self, x_dtype: np.dtype, on_node: int) -> None:
         """DataError where this rank's shard and validation slice, as held, exceed its room."""
         d = self.d
@@ -257,10 +259,10 @@ class StreamFeed(Feed):
     _cur: Slot | None = None
 
     def load(self) -> None:
-        d, comm, t0 = self.d, self.comm, time.perf_counter()
+        comm, t0 = self.comm, time.perf_counter()
         empty = [(0, 0)] * self.world
         # the shapes and stored dtypes; the files are opened and checked by _scan_mine
-        x0, y0 = load_shard(comm, "read", self.files, d.x, d.y, empty, expect=self.expect)
+        x0, y0 = self._load(self.files, empty, mode="read")
         self.row_bytes = row_bytes(x0.dtype, x0.shape[1:], y0)
         self._geometry(x0, y0)
         collective.agree(comm, self._scan_mine)

@@ -25,7 +25,6 @@ import time
 import numpy as np
 
 from hpc_rlx.comm import collective
-from hpc_rlx.data.distribute import load_shard
 from hpc_rlx.data.plan import window_of, window_steps
 from hpc_rlx.data.set_source import SetSource
 from hpc_rlx.data.stream import Prefetcher, Slot, scan_rows
@@ -53,7 +52,7 @@ class ScatterStreamFeed(StreamFeed):
         d, comm, t0 = self.d, self.comm, time.perf_counter()
         empty = [(0, 0)] * self.world
         # rank 0 checks the files; every rank learns the shapes and stored dtypes
-        x0, y0 = load_shard(comm, "scatter", self.files, d.x, d.y, empty, expect=self.expect)
+        x0, y0 = self._load(self.files, empty, mode="scatter")
         self.row_bytes = row_bytes(x0.dtype, x0.shape[1:], y0)
         self._geometry(x0, y0)
         # one window size for all: rank 0's send buffer holds the whole global batch's rows

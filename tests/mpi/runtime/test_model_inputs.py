@@ -1,7 +1,7 @@
 """data.x=[input_ids,attention_mask] in real mpirun jobs: a PyTorch model of two inputs (ids and a
 padding mask that its attention and its pooling read) exported to ONNX trains on padded rows as
-PyTorch does (float64, to 1e-10) on 1 rank, on 2 ranks, and with data.distribution=scatter; a
-count, dtype or mask-length mismatch is one error on every rank."""
+PyTorch does (float64, to 1e-10) on 1 rank, and on 2 ranks with either cache and either
+distribution; a count, dtype or mask-length mismatch is one error on every rank."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.mpi.runtime.test_onnx_training import max_rel_diff, params_of
-from tests.support.jobs import explain, train_job
+from tests.support.jobs import explain, mpirun, train_job
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.mpi
@@ -81,7 +81,7 @@ def _as_torch(got: dict, want: dict) -> dict:
     return {k: v if v.shape == want[k].shape else v.T for k, v in got.items()}
 
 
-def test_a_masked_two_input_model_trains_as_pytorch_on_one_and_two_ranks_and_scattered(tmp_path):
+def test_a_masked_two_input_model_trains_as_pytorch_on_one_and_two_ranks_in_every_data_mode(tmp_path):
     torch.manual_seed(0)
     module = MaskedAttentionClassifier()
     onnx_file = _export(module, tmp_path / "masked.onnx")
@@ -90,19 +90,22 @@ def test_a_masked_two_input_model_trains_as_pytorch_on_one_and_two_ranks_and_sca
     with h5py.File(data, "w") as f:
         f["input_ids"], f["attention_mask"], f["labels"] = ids, mask, y
     base = COMMON + [f"model.path={onnx_file}", f"data.path={data}"]
-    runs = {}
-    # the scattered run names them in the other order: each goes to the graph input of its name
-    for name, n, extra in [("one", 1, [IDS_MASK]), ("two", 2, [IDS_MASK]),
-                           ("scatter", 2, ["data.distribution=scatter", "data.x=[attention_mask,input_ids]"])]:
-        runs[name] = tmp_path / name
-        proc = train_job(n, runs[name], base + extra, timeout=120)
-        assert proc.returncode == 0, explain(proc)
+    # one rank names the inputs in the other order: each goes to the graph input of its name
+    proc = train_job(1, tmp_path / "one", base + ["data.x=[attention_mask,input_ids]"], timeout=120)
+    assert proc.returncode == 0, explain(proc)
     want = _torch_reference(module, ids[:TRAIN], mask[:TRAIN], y[:TRAIN])
-    one = params_of(runs["one"])
-    got = _as_torch(one, want)
-    assert max_rel_diff(want, got) <= 1e-10, max_rel_diff(want, got)
-    for name in ("two", "scatter"):
-        assert max_rel_diff(one, params_of(runs[name])) <= 1e-10, name
+    one = params_of(tmp_path / "one")
+    assert max_rel_diff(want, _as_torch(one, want)) <= 1e-10, max_rel_diff(want, _as_torch(one, want))
+    # two ranks, both caches and both distributions: one launch, a Hydra sweep of four points
+    sweep = tmp_path / "sweep"
+    proc = mpirun(2, ["-m", "hpc_rlx", "-m", IDS_MASK, "data.cache=memory,stream", "data.distribution=read,scatter",
+                      f"hydra.sweep.dir={sweep}", "report.plots=false"] + base, timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    points = {" ".join(o for o in (sweep / str(p) / "overrides.txt").read_text().split() if "data.cache" in o
+                       or "data.distribution" in o): params_of(sweep / str(p)) for p in range(4)}
+    assert len(points) == 4, sorted(points)
+    for point, got in points.items():
+        assert max_rel_diff(one, got) <= 1e-10, (point, max_rel_diff(one, got))
 
 
 BAD = {   # the file's datasets (name: what differs) -> the words the one error must hold
