@@ -7,6 +7,7 @@ import numpy as np
 
 from hpc_rlx.export.trained import ExportError, TrainedModel
 from hpc_rlx.graph import Executor
+from hpc_rlx.graph.onnx.packed_inputs import unpacked
 
 CHECK_BATCH = 3  # not 1 or 2, the batch sizes files are commonly traced with
 CHECK_TOLERANCE = 1e-4  # float32 ONNX against the run's dtype (float64 runs too)
@@ -101,6 +102,9 @@ def check_with_runtime(model, trained: TrainedModel, output_node: str, input_nam
         session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         ort_feeds = {input_names.get(k, k): (v.astype(np.float32) if v.dtype.kind == "f" else v)
                      for k, v in feeds.items()}
+        layout = graph.meta.get("onnx", {}).get("packed_inputs")
+        if layout:       # data.x of several inputs: the file takes them apart (graph/onnx/packed_inputs.py)
+            ort_feeds.update(unpacked(ort_feeds.pop(input_names.get("x", "x")), layout))
         got = session.run(None, ort_feeds)[0]
     except Exception as e:  # noqa: BLE001 - ONNX Runtime's errors have no common base class
         raise ExportError(f"ONNX Runtime cannot run the exported model: {str(e).splitlines()[0]}") from None

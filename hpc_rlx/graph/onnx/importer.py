@@ -38,7 +38,7 @@ from hpc_rlx.graph.onnx import fold as f
 from hpc_rlx.graph.onnx import loss as loss_head
 from hpc_rlx.graph.onnx import map_index as ix
 from hpc_rlx.graph.onnx import map_math as m
-from hpc_rlx.graph.onnx.packed_inputs import pack_inputs
+from hpc_rlx.graph.onnx.packed_inputs import pack_inputs, packed_layout
 from hpc_rlx.graph.onnx import map_nn as nn
 from hpc_rlx.graph.onnx import map_random as r
 from hpc_rlx.graph.onnx import map_recurrent as rc
@@ -385,8 +385,8 @@ def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, labe
     ``loss``: "auto", "cross_entropy" or "mse" (see ``onnx.loss``); ``label_dtype`` ("int64"
     or "float") and ``label_shape`` (one sample's label dims) describe the labels when known;
     ``class_axis`` (1, -1 or None: from the shapes) places a cross-entropy's classes.
-    ``inputs``: [(dataset, row shape, dtype)] of data.x's K datasets, fed packed (packed_inputs.py).
-    A graph with one data input more than the model's and a float scalar output trains on that output.
+    ``inputs``: data.x's K [(dataset, row shape, dtype)], fed packed (packed_inputs.py). A graph with
+    one data input more (two without ``inputs``) and a float scalar output trains on that output.
     """
     loss_head.check_loss_args(loss, label_dtype, label_shape)
     model = pack_inputs(load_model(source), inputs) if inputs else load_model(source)
@@ -434,7 +434,7 @@ def import_onnx(source, loss: str = "auto", label_dtype: str | None = None, labe
     for name, ref in outputs.items():
         em.b.output(name, ref)
     form = _form_warnings(em, plan, warnings)
-    meta.update(form=form, input=inputs[0][0], output=out_name, output_node=out.name)
+    meta.update(form=form, input=inputs[0][0], output=out_name, output_node=out.name, **packed_layout(model))
     if plan.state_consts:
         meta["state_constants"] = sorted(plan.state_consts)
     if em.expectations:

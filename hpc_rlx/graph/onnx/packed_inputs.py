@@ -14,11 +14,14 @@ own loss (that input takes the labels; `loss.own_loss` wants a float scalar outp
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from hpc_rlx.base.errors import GraphError
 
 PACKED = "packed_inputs"
+_LAYOUT = "hpc_rlx.packed_inputs"     # the model's metadata entry that carries the layout to the import
 _INT64, _DOUBLE = 7, 11
 _FLOAT_TYPES = {1, 10, 11, 16}
 
@@ -73,7 +76,7 @@ def pack_inputs(model, datasets: list):
     # as data/model_inputs.py packs them: int64 when every dataset holds integers, else float64
     all_int = all(np.dtype(d[2]).kind in "iub" for _, d in pairs)
     width = sum(int(np.prod(d[1], dtype=np.int64)) for _, d in pairs)
-    nodes, consts, at = [], [], 0
+    nodes, consts, at, layout = [], [], 0, []
     for k, (vi, (_, shape, _)) in enumerate(pairs):
         size = int(np.prod(shape, dtype=np.int64))
         bounds = {"starts": [at], "ends": [at + size], "axes": [1], "shape": [-1, *shape]}
@@ -86,6 +89,7 @@ def pack_inputs(model, datasets: list):
         nodes.append(helper.make_node("Reshape", [flat, names["shape"]], [f"{out}.int" if cast else out]))
         if cast:
             nodes.append(helper.make_node("Cast", [f"{out}.int"], [out], to=elem))
+        layout.append([vi.name, at, list(shape), elem not in _FLOAT_TYPES])
         at += size
     packed = helper.make_tensor_value_info(PACKED, TensorProto.INT64 if all_int else TensorProto.DOUBLE,
                                            ["batch", width])
@@ -97,4 +101,22 @@ def pack_inputs(model, datasets: list):
     old = list(g.node)
     del g.node[:]
     g.node.extend([*nodes, *old])
+    model.metadata_props.add(key=_LAYOUT, value=json.dumps(layout))
     return model
+
+
+def packed_layout(model) -> dict:
+    """{"packed_inputs": [[ONNX input, first column, row shape, integer]]} of a packed model
+    (graph.meta["onnx"]: the export feeds ONNX Runtime the inputs the file takes), else {}."""
+    found = [p.value for p in model.metadata_props if p.key == _LAYOUT]
+    return {"packed_inputs": json.loads(found[0])} if found else {}
+
+
+def unpacked(x: np.ndarray, layout: list) -> dict:
+    """{ONNX input: its rows} cut from packed rows `x` (integer inputs as int64)."""
+    out = {}
+    for name, at, shape, integer in layout:
+        size = int(np.prod(shape, dtype=np.int64))
+        rows = x[:, at:at + size].reshape(len(x), *shape)
+        out[name] = rows.astype(np.int64) if integer else rows
+    return out

@@ -6,6 +6,7 @@ distribution; a count, dtype or mask-length mismatch is one error on every rank.
 from __future__ import annotations
 
 import re
+import subprocess
 import warnings
 
 import h5py
@@ -13,9 +14,11 @@ import numpy as np
 import pytest
 
 from tests.mpi.runtime.test_onnx_training import max_rel_diff, params_of
-from tests.support.jobs import explain, mpirun, train_job
+from tests.support.jobs import PYTHON, REPO, explain, mpi_env, mpirun, train_job
 
 torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+load_file = pytest.importorskip("safetensors.numpy").load_file
 pytestmark = pytest.mark.mpi
 
 N, TRAIN, T, VOCAB, CLASSES, STEPS, LR, WD = 40, 32, 6, 20, 3, 3, 0.01, 0.1
@@ -96,6 +99,16 @@ def test_a_masked_two_input_model_trains_as_pytorch_on_one_and_two_ranks_in_ever
     want = _torch_reference(module, ids[:TRAIN], mask[:TRAIN], y[:TRAIN])
     one = params_of(tmp_path / "one")
     assert max_rel_diff(want, _as_torch(one, want)) <= 1e-10, max_rel_diff(want, _as_torch(one, want))
+    # exported back: the file takes the model's own two inputs (checked in ONNX Runtime against
+    # hpc_rlx on them), and the state dict holds the trained parameters under their PyTorch names
+    out_onnx, out_sd = tmp_path / "trained.onnx", tmp_path / "trained.safetensors"
+    cli = subprocess.run([PYTHON, "-m", "hpc_rlx.export", str(tmp_path / "one"), "--onnx", str(out_onnx),
+                          "--state-dict", str(out_sd)], cwd=REPO, env=mpi_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert cli.returncode == 0 and "checked in ONNX Runtime" in cli.stdout, explain(cli)
+    assert [i.name for i in onnx.load(str(out_onnx)).graph.input] == ["input_ids", "attention_mask"]
+    exported = {k: v.astype(np.float64) for k, v in load_file(str(out_sd)).items()}
+    assert max_rel_diff(want, exported) <= 1e-6, max_rel_diff(want, exported)
     # two ranks, both caches and both distributions: one launch, a Hydra sweep of four points
     sweep = tmp_path / "sweep"
     proc = mpirun(2, ["-m", "hpc_rlx", "-m", IDS_MASK, "data.cache=memory,stream", "data.distribution=read,scatter",
