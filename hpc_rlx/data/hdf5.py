@@ -299,9 +299,11 @@ def _blocks(a: np.ndarray):
 
 @dataclass(frozen=True)
 class TokenVocab:
-    """The ids a token input may hold: [0, size), the rows of the embedding table `table`."""
+    """The ids a token input may hold: [0, size), the rows of the embedding table `table`; in
+    `columns` [a, b) of the packed rows only, for one of several inputs (data/model_inputs.py)."""
     size: int
     table: str | None = None
+    columns: tuple | None = None
 
     def out_of_range(self, token: int, row: int) -> str:
         where = f" of the embedding '{self.table}'" if self.table else ""
@@ -315,16 +317,13 @@ def check_values(x: np.ndarray, y: np.ndarray, num_classes, check_finite: bool, 
     integer inputs outside its range (token ids that index an embedding).
 
     ``first_row`` is the global index of row 0 of this shard, so messages name the row in the
-    file. ``num_classes=None`` skips the label check (regression targets).
+    file. ``num_classes=None`` skips the label check (regression targets). ``vocab`` may be a
+    list: one per packed input that indexes an embedding.
     """
     if num_classes is not None and y.size:
         _check_labels(y, num_classes, first_row)
-    if vocab is not None and x.dtype.kind in "iu" and x.size:
-        for s, xb in _blocks(x):
-            bad = (xb < 0) | (xb >= vocab.size)
-            if bad.any():
-                row = int(np.flatnonzero(bad.reshape(len(xb), -1).any(axis=1))[0])
-                raise DataError(vocab.out_of_range(int(xb[row][bad[row]].flat[0]), first_row + s + row))
+    for v in (vocab if isinstance(vocab, list) else [] if vocab is None else [vocab]):
+        _check_ids(x if v.columns is None else x[:, v.columns[0]:v.columns[1]], v, first_row)
     if check_finite and x.dtype.kind == "f" and x.size:
         for s, xb in _blocks(x):
             ok = np.isfinite(xb).reshape(len(xb), -1).all(axis=1)
@@ -335,6 +334,15 @@ def check_values(x: np.ndarray, y: np.ndarray, num_classes, check_finite: bool, 
                     f"input row {first_row + r} contains a non-finite value ({bad_vals.flat[0]}); "
                     "drop or repair that row in the file (a NaN or Inf input makes the loss NaN)"
                 )
+
+
+def _check_ids(x: np.ndarray, vocab: TokenVocab, first_row: int) -> None:
+    if x.dtype.kind in "iu" and x.size:
+        for s, xb in _blocks(x):
+            bad = (xb < 0) | (xb >= vocab.size)
+            if bad.any():
+                row = int(np.flatnonzero(bad.reshape(len(xb), -1).any(axis=1))[0])
+                raise DataError(vocab.out_of_range(int(xb[row][bad[row]].flat[0]), first_row + s + row))
 
 
 class Classes(int):

@@ -300,7 +300,7 @@ class Prefetcher:
 
 
 def scan_rows(source, start: int, stop: int, num_classes, check_finite: bool,
-              vocab: TokenVocab | None, block_bytes: int) -> None:
+              vocab: TokenVocab | list | None, block_bytes: int) -> None:
     """check_values over rows [start, stop) of a RowSource or SetSource, read in blocks of about
     block_bytes; x is read only when a check needs it (labels alone are small)."""
     need_x = ((check_finite and source.x_dtype.kind == "f")

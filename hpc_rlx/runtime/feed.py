@@ -31,6 +31,7 @@ from hpc_rlx.data.set_source import SetSource
 from hpc_rlx.data.stream import Prefetcher, Slot, scan_rows
 from hpc_rlx.base.errors import DataError
 from hpc_rlx.graph.loss_options import loss_head
+from hpc_rlx.graph.onnx.packed_inputs import input_vocabs
 from hpc_rlx.graph.shapes import FLOAT
 
 CACHES = ("memory", "stream")
@@ -104,6 +105,8 @@ class Feed:
         # is the embedding table's size, not the head's classes (a token classifier has both).
         token = None if self.float_input else graph.token_vocab
         self.vocab = TokenVocab(*token) if token else None
+        if getattr(self.d, "inputs", None) and not self.float_input:    # each packed input: its own table
+            self.vocab = [TokenVocab(rows, table, (a, b)) for a, b, rows, table in input_vocabs(graph)] or None
         self.seed, self.shuffle = int(spec.train["seed"]), bool(self.d.shuffle)
         self.train_bounds = with_empty_ranks(plan.all_bounds(), comm.size)
         # the files of data.path / data.val_path as one set each, and what every file must hold

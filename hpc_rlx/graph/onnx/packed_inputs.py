@@ -19,6 +19,7 @@ import json
 import numpy as np
 
 from hpc_rlx.base.errors import GraphError
+from hpc_rlx.graph.ir import ID_MOVING_OPS
 
 PACKED = "packed_inputs"
 _LAYOUT = "hpc_rlx.packed_inputs"     # the model's metadata entry that carries the layout to the import
@@ -120,3 +121,25 @@ def unpacked(x: np.ndarray, layout: list) -> dict:
         rows = x[:, at:at + size].reshape(len(x), *shape)
         out[name] = rows.astype(np.int64) if integer else rows
     return out
+
+
+def input_vocabs(graph) -> list:
+    """[(first column, stop column, rows, table)] for each packed input whose ids index an
+    embedding directly (as `Graph.token_vocab` finds them for one input `x`): its smallest
+    table. A mask, read through arithmetic, bounds nothing."""
+    found = []
+    for cut in (graph.nodes[i] for i in graph.order):
+        if cut.op != "slice" or cut.inputs[0] != "x" or list(cut.attrs.get("axes", ())) != [1]:
+            continue
+        reached, best = {cut.name}, None
+        for node in (graph.nodes[i] for i in graph.order):
+            if not node.inputs or node.inputs[0] not in reached:
+                continue
+            if node.op == "embedding":
+                rows = graph.types[node.inputs[1]].shape[0]
+                best = (rows, node.inputs[1]) if best is None or rows < best[0] else best
+            elif node.op in ID_MOVING_OPS:
+                reached.add(node.name)
+        if best:
+            found.append((int(cut.attrs["starts"][0]), int(cut.attrs["ends"][0]), *best))
+    return found

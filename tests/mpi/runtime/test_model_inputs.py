@@ -121,14 +121,23 @@ def test_a_masked_two_input_model_trains_as_pytorch_on_one_and_two_ranks_in_ever
         assert max_rel_diff(one, got) <= 1e-10, (point, max_rel_diff(one, got))
 
 
-BAD = {   # the file's datasets (name: what differs) -> the words the one error must hold
+def _past_vocabulary(ids):
+    ids = ids.copy()
+    ids[3, 2] = VOCAB
+    return ids
+
+
+BAD = {   # case -> (the file's datasets changed, overrides, the words of the one error)
     "count": ({}, ["data.x=[input_ids,attention_mask,token_type_ids]"],
               r"data\.x names 3 datasets .* the ONNX graph has 2 data inputs"),
-    "dtype": ({"attention_mask": np.float64}, [IDS_MASK],
+    "dtype": ({"attention_mask": lambda m: m.astype(np.float64)}, [IDS_MASK],
               r"data\.x dataset 'attention_mask' holds float64, but the ONNX input 'attention_mask'"),
-    "mask length": ({"attention_mask": T - 1}, [IDS_MASK],
+    "mask length": ({"attention_mask": lambda m: m[:, :T - 1]}, [IDS_MASK],
                     rf"data\.x dataset 'attention_mask' has rows of shape \({T - 1},\), but the ONNX input "
                     rf"'attention_mask' it feeds takes \({T},\)"),
+    "token id": ({"input_ids": _past_vocabulary}, [IDS_MASK],
+                 rf"input token id {VOCAB} at row 3 is outside the vocabulary \[0, {VOCAB}\) of the embedding "
+                 r"'[^']*emb[^']*'"),
 }
 
 
@@ -138,10 +147,10 @@ def test_inputs_that_do_not_fit_the_graph_are_one_error_on_every_rank(tmp_path):
     ids, mask, y = _padded_rows(np.random.default_rng(1))
     for case, (change, extra, message) in BAD.items():
         data = tmp_path / f"{case.replace(' ', '_')}.h5"
+        datasets = {"input_ids": ids, "attention_mask": mask, "labels": y, "token_type_ids": np.zeros_like(ids)}
         with h5py.File(data, "w") as f:
-            f["input_ids"], f["labels"], f["token_type_ids"] = ids, y, np.zeros_like(ids)
-            m = change.get("attention_mask")
-            f["attention_mask"] = (mask.astype(m) if isinstance(m, type) else mask[:, :m] if m else mask)
+            for name, value in datasets.items():
+                f[name] = change[name](value) if name in change else value
         proc = train_job(2, tmp_path / case.replace(" ", "_"),
                          COMMON + [f"model.path={onnx_file}", f"data.path={data}"] + extra, timeout=60)
         assert proc.returncode == 2, (case, explain(proc))

@@ -4,6 +4,8 @@ scalar output is a graph with its own loss; what does not fit is one GraphError 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -94,3 +96,42 @@ def test_one_input_more_and_a_scalar_output_is_a_graph_with_its_own_loss():
 def test_a_count_shape_or_dtype_that_does_not_fit_is_one_error_naming_both_sides(datasets, message):
     with pytest.raises(GraphError, match=message):
         import_onnx(_model(), inputs=datasets)
+
+
+def test_each_packed_input_that_indexes_an_embedding_is_checked_against_its_own_table(tmp_path):
+    """BERT's three inputs: token ids (a 20-row table), token types (a 2-row table) and a mask
+    (read through arithmetic): the ids and the types each against their own table, the mask
+    against none."""
+    torch = pytest.importorskip("torch")
+    from hpc_rlx.base.errors import DataError
+    from hpc_rlx.data.hdf5 import TokenVocab, check_values
+    from hpc_rlx.graph.onnx.packed_inputs import input_vocabs
+
+    class ThreeInputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens, self.types, self.head = (torch.nn.Embedding(20, 4), torch.nn.Embedding(2, 4),
+                                                  torch.nn.Linear(4, 3))
+
+        def forward(self, input_ids, token_type_ids, attention_mask):
+            h = (self.tokens(input_ids) + self.types(token_type_ids)) * attention_mask[..., None].float()
+            return self.head(h.sum(1))
+
+    names = ["input_ids", "token_type_ids", "attention_mask"]
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    path = tmp_path / "three.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(ThreeInputs(), (ids, ids, ids), str(path), dynamo=False, input_names=names,
+                          output_names=["logits"], dynamic_axes={n: {0: "batch"} for n in names})
+    imported = import_onnx(str(path), label_dtype="int64", label_shape=(),
+                           inputs=[(n, (6,), "int64") for n in names])
+    vocabs = [TokenVocab(rows, table, (a, b)) for a, b, rows, table in input_vocabs(imported.graph)]
+    assert [(v.columns, v.size) for v in vocabs] == [((0, 6), 20), ((6, 12), 2)]
+    rows = np.zeros((4, 18), np.int64)
+    rows[:, :6], rows[:, 12:] = 19, 7          # ids inside the 20 rows; the mask bounds nothing
+    check_values(rows, np.zeros(4, np.int64), None, False, vocab=vocabs)
+    rows[2, 8] = 2                             # a token type past the 2-row table
+    with pytest.raises(DataError, match=r"token id 2 at row 12 is outside the vocabulary \[0, 2\) of the "
+                                        r"embedding '[^']*types[^']*'"):
+        check_values(rows, np.zeros(4, np.int64), None, False, first_row=10, vocab=vocabs)
