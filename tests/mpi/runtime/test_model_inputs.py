@@ -33,8 +33,9 @@ class MaskedAttentionClassifier(torch.nn.Module):
     """Embedding, one self-attention whose padded keys are masked out, a mean over the unpadded
     positions, a classifier. No weight is square, so a transposed one shows in its shape."""
 
-    def __init__(self):
+    def __init__(self, per_token: bool = False):
         super().__init__()
+        self.per_token = per_token      # logits for every position (B, T, C): a token classifier
         self.emb = torch.nn.Embedding(VOCAB, 8)
         self.q, self.k, self.v = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4), torch.nn.Linear(8, 5)
         self.head = torch.nn.Linear(5, CLASSES)
@@ -44,6 +45,8 @@ class MaskedAttentionClassifier(torch.nn.Module):
         m = attention_mask.to(h.dtype)
         scores = self.q(h) @ self.k(h).transpose(1, 2) / 2.0 + (1.0 - m[:, None, :]) * -1e4
         mixed = torch.softmax(scores, -1) @ self.v(h)
+        if self.per_token:
+            return self.head(mixed)
         return self.head((mixed * m[..., None]).sum(1) / m.sum(1, keepdim=True))
 
 
@@ -66,13 +69,16 @@ def _padded_rows(rng):
 
 
 def _torch_reference(module, ids, mask, y) -> dict:
-    """STEPS full-batch AdamW steps of the module in float64 on the training rows."""
+    """STEPS full-batch AdamW steps of the module in float64 on the training rows (per token:
+    the classes on the last axis, the positions labelled -100 left out of the mean)."""
     module = module.double()
     opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WD)
     args = (torch.from_numpy(ids), torch.from_numpy(mask))
     for _ in range(STEPS):
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(module(*args), torch.from_numpy(y)).backward()
+        logits = module(*args)
+        logits = logits.transpose(1, 2) if logits.ndim == 3 else logits
+        torch.nn.functional.cross_entropy(logits, torch.from_numpy(y), ignore_index=-100).backward()
         opt.step()
     return {n: p.detach().numpy() for n, p in module.named_parameters()}
 
@@ -119,6 +125,29 @@ def test_a_masked_two_input_model_trains_as_pytorch_on_one_and_two_ranks_in_ever
     assert len(points) == 4, sorted(points)
     for point, got in points.items():
         assert max_rel_diff(one, got) <= 1e-10, (point, max_rel_diff(one, got))
+
+
+def test_padded_positions_labelled_minus_100_are_left_out_of_one_mean_over_the_global_batch(tmp_path):
+    """A token classifier: the labels of padded positions are -100 (as transformers writes them)
+    and model.ignore_index=-100; the two ranks' rows hold different numbers of labelled tokens,
+    and the loss is the mean over all the labelled tokens of the global batch, as PyTorch's."""
+    torch.manual_seed(0)
+    module = MaskedAttentionClassifier(per_token=True)
+    onnx_file = _export(module, tmp_path / "tokens.onnx")
+    ids, mask, _ = _padded_rows(np.random.default_rng(2))
+    labels = np.where(mask == 1, np.random.default_rng(3).integers(0, CLASSES, (N, T)), -100)
+    per_rank = [int((labels[:TRAIN // 2] != -100).sum()), int((labels[TRAIN // 2:TRAIN] != -100).sum())]
+    assert per_rank[0] != per_rank[1], per_rank       # a mean of the ranks' means would differ
+    data = tmp_path / "tokens.h5"
+    with h5py.File(data, "w") as f:
+        f["input_ids"], f["attention_mask"], f["labels"] = ids, mask, labels.astype(np.int64)
+    proc = train_job(2, tmp_path / "run", COMMON + [IDS_MASK, f"model.path={onnx_file}", f"data.path={data}",
+                                                    "model.ignore_index=-100"],
+                     timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    want = _torch_reference(module, ids[:TRAIN], mask[:TRAIN], labels[:TRAIN])
+    got = _as_torch(params_of(tmp_path / "run"), want)
+    assert max_rel_diff(want, got) <= 1e-10, max_rel_diff(want, got)
 
 
 def _past_vocabulary(ids):
