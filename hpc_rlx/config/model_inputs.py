@@ -19,7 +19,7 @@ def input_sources(cfg: dict):
         return data_sources(d), None
     names = list(d["x"])
     if len(set(names)) != len(names) or d["y"] in names:
-        raise ConfigError(f"data.x={names} names a dataset twice, or the labels (data.y={d['y']})")
+        raise ConfigError(f"data.x={names}: each dataset may be named once, and not the labels (data.y={d['y']})")
     refused = [(cfg["model"]["name"] != "onnx", f"model={cfg['model']['name']} (an ONNX file takes them: model=onnx)"),
                (bool(d.get("one_sample_per_file")), "data.one_sample_per_file=true"),
                (int(cfg["parallel"]["pipeline_stages"]) > 1,
