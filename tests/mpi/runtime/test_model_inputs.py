@@ -1,7 +1,10 @@
 """data.x=[input_ids,attention_mask] in real mpirun jobs: a PyTorch model of two inputs (ids and a
 padding mask that its attention and its pooling read) exported to ONNX trains on padded rows as
-PyTorch does (float64, to 1e-10) on 1 rank, and on 2 ranks with either cache and either
-distribution; a count, dtype or mask-length mismatch is one error on every rank."""
+PyTorch does (float64, to 1e-10) on 1 rank, and on 2 ranks with either cache, either
+distribution, from one file and from a directory; exports back with its own inputs; a token
+classifier's padded positions labelled -100 leave one mean over the global batch's labelled
+tokens; a count, dtype or mask-length mismatch and a token id past the embedding are each one
+error on every rank."""
 
 from __future__ import annotations
 
@@ -95,9 +98,11 @@ def test_a_masked_two_input_model_trains_as_pytorch_on_one_and_two_ranks_in_ever
     module = MaskedAttentionClassifier()
     onnx_file = _export(module, tmp_path / "masked.onnx")
     ids, mask, y = _padded_rows(np.random.default_rng(0))
-    data = tmp_path / "d.h5"
-    with h5py.File(data, "w") as f:
-        f["input_ids"], f["attention_mask"], f["labels"] = ids, mask, y
+    data, parts = tmp_path / "d.h5", tmp_path / "parts"     # one file, and the same rows in a directory
+    parts.mkdir()
+    for path, (a, b) in [(data, (0, N)), (parts / "a.h5", (0, 13)), (parts / "b.h5", (13, N))]:
+        with h5py.File(path, "w") as f:
+            f["input_ids"], f["attention_mask"], f["labels"] = ids[a:b], mask[a:b], y[a:b]
     base = COMMON + [f"model.path={onnx_file}", f"data.path={data}"]
     # one rank names the inputs in the other order: each goes to the graph input of its name
     proc = train_job(1, tmp_path / "one", base + ["data.x=[attention_mask,input_ids]"], timeout=120)
@@ -115,14 +120,16 @@ def test_a_masked_two_input_model_trains_as_pytorch_on_one_and_two_ranks_in_ever
     assert [i.name for i in onnx.load(str(out_onnx)).graph.input] == ["input_ids", "attention_mask"]
     exported = {k: v.astype(np.float64) for k, v in load_file(str(out_sd)).items()}
     assert max_rel_diff(want, exported) <= 1e-6, max_rel_diff(want, exported)
-    # two ranks, both caches and both distributions: one launch, a Hydra sweep of four points
+    # two ranks, both caches, both distributions, the file and the directory: one launch, a
+    # Hydra sweep of eight points
     sweep = tmp_path / "sweep"
     proc = mpirun(2, ["-m", "hpc_rlx", "-m", IDS_MASK, "data.cache=memory,stream", "data.distribution=read,scatter",
-                      f"hydra.sweep.dir={sweep}", "report.plots=false"] + base, timeout=180)
+                      f"data.path={data},{parts}", f"hydra.sweep.dir={sweep}", "report.plots=false"]
+                  + COMMON + [f"model.path={onnx_file}"], timeout=180)
     assert proc.returncode == 0, explain(proc)
-    points = {" ".join(o for o in (sweep / str(p) / "overrides.txt").read_text().split() if "data.cache" in o
-                       or "data.distribution" in o): params_of(sweep / str(p)) for p in range(4)}
-    assert len(points) == 4, sorted(points)
+    points = {" ".join(o for o in (sweep / str(p) / "overrides.txt").read_text().split() if o.startswith("data.")
+                       and "data.x" not in o): params_of(sweep / str(p)) for p in range(8)}
+    assert len(points) == 8, sorted(points)
     for point, got in points.items():
         assert max_rel_diff(one, got) <= 1e-10, (point, max_rel_diff(one, got))
 
