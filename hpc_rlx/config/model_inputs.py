@@ -21,7 +21,6 @@ def input_sources(cfg: dict):
     if len(set(names)) != len(names) or d["y"] in names:
         raise ConfigError(f"data.x={names}: each dataset may be named once, and not the labels (data.y={d['y']})")
     refused = [(cfg["model"]["name"] != "onnx", f"model={cfg['model']['name']} (an ONNX file takes them: model=onnx)"),
-               (bool(d.get("one_sample_per_file")), "data.one_sample_per_file=true"),
                (int(cfg["parallel"]["pipeline_stages"]) > 1,
                 f"parallel.pipeline_stages={cfg['parallel']['pipeline_stages']} (only the first stage would "
                 f"read them: use 1)")]

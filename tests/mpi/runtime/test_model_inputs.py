@@ -1,7 +1,7 @@
 """data.x=[input_ids,attention_mask] in real mpirun jobs: a PyTorch model of two inputs (ids and a
 padding mask that its attention and its pooling read) exported to ONNX trains on padded rows as
 PyTorch does (float64, to 1e-10) on 1 rank, and on 2 ranks with either cache, either
-distribution, from one file and from a directory; exports back with its own inputs; a token
+distribution, from one file, a directory and files of one sample each; exports back with its own inputs; a token
 classifier's padded positions labelled -100 leave one mean over the global batch's labelled
 tokens; a count, dtype or mask-length mismatch and a token id past the embedding are each one
 error on every rank."""
@@ -103,6 +103,11 @@ def test_a_masked_two_input_model_trains_as_pytorch_on_one_and_two_ranks_in_ever
     for path, (a, b) in [(data, (0, N)), (parts / "a.h5", (0, 13)), (parts / "b.h5", (13, N))]:
         with h5py.File(path, "w") as f:
             f["input_ids"], f["attention_mask"], f["labels"] = ids[a:b], mask[a:b], y[a:b]
+    samples = tmp_path / "samples"       # one sample a file, without a sample axis
+    samples.mkdir()
+    for k in range(N):
+        with h5py.File(samples / f"{k:03d}.h5", "w") as f:
+            f["input_ids"], f["attention_mask"], f["labels"] = ids[k], mask[k], y[k]
     base = COMMON + [f"model.path={onnx_file}", f"data.path={data}"]
     # one rank names the inputs in the other order: each goes to the graph input of its name
     proc = train_job(1, tmp_path / "one", base + ["data.x=[attention_mask,input_ids]"], timeout=120)
@@ -130,6 +135,11 @@ def test_a_masked_two_input_model_trains_as_pytorch_on_one_and_two_ranks_in_ever
     points = {" ".join(o for o in (sweep / str(p) / "overrides.txt").read_text().split() if o.startswith("data.")
                        and "data.x" not in o): params_of(sweep / str(p)) for p in range(8)}
     assert len(points) == 8, sorted(points)
+    proc = mpirun(2, ["-m", "hpc_rlx", "-m", IDS_MASK, "data.cache=memory,stream", f"data.path={samples}",
+                      "data.one_sample_per_file=true", f"hydra.sweep.dir={tmp_path / 'samples_sweep'}",
+                      "report.plots=false"] + COMMON + [f"model.path={onnx_file}"], timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    points.update({f"one sample a file {p}": params_of(tmp_path / "samples_sweep" / str(p)) for p in range(2)})
     for point, got in points.items():
         assert max_rel_diff(one, got) <= 1e-10, (point, max_rel_diff(one, got))
 

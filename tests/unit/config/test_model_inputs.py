@@ -30,7 +30,6 @@ def h5(tmp_path):
 
 @pytest.mark.parametrize("over, message", [
     ({"stages": 2}, r"not supported with parallel\.pipeline_stages=2"),
-    ({"data": {"one_sample_per_file": True}}, r"not supported with data\.one_sample_per_file=true"),
     ({"model": "mlp"}, r"not supported with model=mlp \(an ONNX file takes them: model=onnx\)"),
     ({"data": {"x": ["input_ids", "input_ids"]}},
      r"each dataset may be named once, and not the labels \(data\.y=labels\)"),
