@@ -91,7 +91,8 @@ def own_loss(outputs: list) -> tuple:
     output, and the first other output (the loss itself when there is none)."""
     scalars = [t for t in outputs if isinstance(t, Tensor) and t.ir_shape == () and t.dtype == FLOAT]
     if not scalars:
-        raise GraphError("the ONNX graph has two inputs, so it is read as computing its own loss (x, y -> loss), "
-                         "but no output is a float scalar")
+        raise GraphError("the ONNX graph has one data input more than data.x names, so it is read as computing its "
+                         "own loss (x, y -> loss), but no output is a float scalar; a model of several inputs "
+                         "(input_ids, attention_mask) takes them all named: data.x=[input_ids,attention_mask]")
     rest = [t for t in outputs if isinstance(t, Tensor) and t is not scalars[0] and t.ir_shape != ()]
     return scalars[0], (rest[0] if rest else scalars[0])

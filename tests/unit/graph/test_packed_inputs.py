@@ -135,3 +135,9 @@ def test_each_packed_input_that_indexes_an_embedding_is_checked_against_its_own_
     with pytest.raises(DataError, match=r"token id 2 at row 12 is outside the vocabulary \[0, 2\) of the "
                                         r"embedding '[^']*types[^']*'"):
         check_values(rows, np.zeros(4, np.int64), None, False, first_row=10, vocab=vocabs)
+
+
+def test_a_model_of_two_inputs_imported_for_one_says_to_name_both_in_data_x():
+    with pytest.raises(GraphError, match=r"no output is a float scalar; a model of several inputs .* takes them "
+                                         r"all named: data\.x=\[input_ids,attention_mask\]"):
+        import_onnx(_model())
