@@ -28,7 +28,7 @@ from hpc_rlx.data import hdf5
 from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.data.resolve import data_sources, num_classes, prepare_missing_data
 from hpc_rlx.base.errors import ConfigError, DataError, phase
-from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, init_params, trainable_user_names
+from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, freeze_params, init_params, trainable_user_names
 from hpc_rlx.graph.onnx.importer import import_onnx
 from hpc_rlx.graph.node_timing import node_times, time_cost
 from hpc_rlx.graph.partition import partition
@@ -321,7 +321,6 @@ def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes
 
 
 def _num_classes(model_cfg: dict, info, n_train: int) -> int | None:
-
     n, source = num_classes(model_cfg, info, n_train)
     if n is not None and source.startswith("the training labels"):
         # rank 0 only (build_spec); every rank gets the number inside the spec
@@ -350,6 +349,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "") 
     n_classes = _num_classes(cfg["model"], info, n_train) if cfg["model"]["name"] in schema.BUILDER_KEYS else None
     graph = _build_graph(cfg["model"], info.x_shape, info.x_dtype, n_classes, info)
     graph = apply_loss_keys(graph, cfg["model"], int(cfg["parallel"]["pipeline_stages"]))
+    graph = freeze_params(graph, cfg["model"]["freeze"], cfg["model"]["train_only"])   # model.freeze / train_only
     check_checkpoint_metric(cfg["checkpoint"]["metric"], graph)
     x_in = next(i for i in graph.inputs if i.name == "x")
     y_in = next(i for i in graph.inputs if i.name == "y")
