@@ -418,5 +418,6 @@ def test_every_issue_case_is_in_the_table():
                    "unknown_device_option", "cuda_without_gpu", "unwritable_run_dir",
                    "graph_unknown_op", "graph_malformed_json", "graph_shape_mismatch", "graph_cycle",
                    "checkpoint_other_model", "checkpoint_truncated", "checkpoint_corrupt",
-                   "disk_full_checkpoint"):
+                   "disk_full_checkpoint", "freeze_and_train_only", "freeze_glob_matching_nothing",
+                   "freeze_leaving_nothing_to_train", "resume_with_another_frozen_set"):
         assert needed in ids, needed
