@@ -94,9 +94,9 @@ def describe(layout, graph) -> str | None:
     """The start-up line of a model with frozen parameters (None without)."""
     if not layout.frozen_names:
         return None
-    names = user_names(graph)
+    names, tensors = user_names(graph), len(layout.frozen_names) + len(layout.trainable_names)
     frozen = layout.size - layout.grad_size
-    return (f"frozen parameters: {len(layout.frozen_names)} of {len(layout.frozen_names) + len(layout.trainable_names)} "
-            f"parameter tensors frozen ({frozen:,} values: no gradient, no optimizer state, not in the bucket), "
+    return (f"frozen parameters: {len(layout.frozen_names)} of {tensors} parameter tensors frozen "
+            f"({frozen:,} values: no gradient, no optimizer state, not in the bucket), "
             f"{layout.trainable_size:,} values train; the bucket's payload is {layout.grad_size:,} values "
             f"instead of {layout.size:,}; frozen: {_listed([names[n] for n in layout.frozen_names])}")
