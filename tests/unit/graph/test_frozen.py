@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_rlx.errors import ConfigError, GraphError
+from hpc_rlx.base.errors import ConfigError, GraphError
 from hpc_rlx.graph import Executor, Graph, GraphBuilder, ParamLayout, build_model, init_params
 from hpc_rlx.graph.frozen import freeze_params, frozen_by, frozen_user_names
 
