@@ -15,7 +15,7 @@ from tests.mpi.runtime.test_onnx_training import SmallMlp, export, max_rel_diff,
 from tests.support.jobs import explain, read_log, read_metrics, train_job
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]      # 7 jobs: about 24 s on 2 cores
 
 N, TRAIN, STEPS, LR, WD = 48, 40, 5, 0.01, 0.1
 FROZEN = ("fc1.bias", "fc2.weight")         # fc2's input gradient still reaches fc1.weight
