@@ -5,6 +5,10 @@ directory without checkpoints (checkpoint=off) has its `graph.json`, which descr
 `model.h5`, `config.yaml` and `metrics.jsonl` beside it. A run with another graph would
 replace the first model's files and mix two models' epochs in one metrics file: both cases
 are refused with the same message.
+
+A checkpoint of a run with frozen parameters (`model.freeze`, `model.train_only`) records
+them (`frozen_record`); a resume that freezes another set is refused naming the difference,
+before the graph fingerprints (which count the frozen marks) are compared.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from pathlib import Path
 
 from hpc_rlx.base import run_dir_names as names
 from hpc_rlx.base.errors import CheckpointError, GraphError
+from hpc_rlx.graph.frozen import frozen_user_names
 from hpc_rlx.graph.ir import Graph
 
 NEW_DIR_HINT = "train the new model in a new run directory (hydra.run.dir=...)"
@@ -42,3 +47,28 @@ def check_run_dir_graph(run_dir, fingerprint: str) -> None:
                               f"the same model; {NEW_DIR_HINT}") from None
     if have != fingerprint:
         raise different_graph(f"run directory {run_dir}", names.GRAPH, have, fingerprint, "run")
+
+
+def frozen_record(graph_dict: dict) -> dict:
+    """The checkpoint meta's entry of the frozen parameters, by their user-facing names; {}
+    without any, so a run without them writes the meta it always wrote."""
+    frozen = frozen_user_names(graph_dict)
+    return {"frozen": frozen} if frozen else {}
+
+
+def _names(names) -> str:
+    return ", ".join(names[:8]) + (f", and {len(names) - 8} more" if len(names) > 8 else "") if names else "none"
+
+
+def check_frozen(where: str, meta: dict, record: dict) -> None:
+    """Refuse a checkpoint whose frozen parameters are not this run's (`record`: `frozen_record`
+    of this run's graph): the optimizer state, the bucket and what is trained would differ."""
+    had, now = list(meta.get("frozen") or []), list(record.get("frozen") or [])
+    if set(had) == set(now):
+        return
+    only_then, only_now = [n for n in had if n not in now], [n for n in now if n not in had]
+    raise CheckpointError(
+        f"checkpoint {where} was trained with {len(had)} frozen parameter(s), this run freezes {len(now)} "
+        f"(model.freeze / model.train_only): frozen only in the checkpoint: {_names(only_then)}; frozen only "
+        f"in this run: {_names(only_now)}. Resume with the setting it was trained with, or start a fine-tune "
+        f"from its weights in a new run directory with model.init_from=<its run directory>/model.h5")

@@ -34,7 +34,7 @@ import numpy as np
 
 from hpc_rlx.base import run_dir_names as names
 from hpc_rlx.base.version import __version__
-from hpc_rlx.checkpoint.graph_match import different_graph
+from hpc_rlx.checkpoint.graph_match import check_frozen, different_graph
 from hpc_rlx.base.errors import CheckpointError
 
 FORMAT = "hpc_rlx-checkpoint"
@@ -410,9 +410,12 @@ def verify_checkpoint(path) -> dict:
     return _info(_read(path, keep_arrays=False)[0])
 
 
-def check_compatible(state: CheckpointState, graph_fingerprint: str) -> None:
-    """Refuse a checkpoint written for another model graph (the world size may differ)."""
+def check_compatible(state: CheckpointState, graph_fingerprint: str, frozen: dict | None = None) -> None:
+    """Refuse a checkpoint written for another model graph (the world size may differ), or with
+    other frozen parameters than `frozen` (`graph_match.frozen_record`; None: not checked)."""
     where = state.path if state.path is not None else "(in memory)"
+    if frozen is not None and isinstance(state.meta, dict):
+        check_frozen(str(where), state.meta, frozen)
     have = state.meta.get("graph_fingerprint") if isinstance(state.meta, dict) else None
     if have is None:
         raise CheckpointError(f"checkpoint {where} records no model graph fingerprint, so it cannot "

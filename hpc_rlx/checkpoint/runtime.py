@@ -26,7 +26,7 @@ from hpc_rlx.checkpoint import CheckpointManager, CheckpointState, check_compati
 from hpc_rlx.checkpoint.data_files import check_data_files, data_files_record
 from hpc_rlx.checkpoint.triggers import BestWatch, SaveTriggers
 from hpc_rlx.checkpoint import rank_states
-from hpc_rlx.checkpoint.graph_match import check_run_dir_graph
+from hpc_rlx.checkpoint.graph_match import check_run_dir_graph, frozen_record
 from hpc_rlx.checkpoint.staged_file import open_arrays
 from hpc_rlx.checkpoint.stages import StagedCheckpoint
 from hpc_rlx.comm import collective
@@ -202,7 +202,7 @@ class RuntimeCheckpoints:
             "epoch_totals": self._totals(),
             "history": worker.history,
             "world_size": self.comm.size,
-            "graph_fingerprint": self.fingerprint,
+            "graph_fingerprint": self.fingerprint, **frozen_record(spec.graph),     # and its frozen parameters
             "config_yaml": spec.config_yaml,
             # which training this is (hpc_rlx.config.fingerprint): decides which runs continue it
             "config_fingerprint": spec.config_fingerprint,
@@ -306,7 +306,7 @@ class RuntimeCheckpoints:
         """Rank 0: refuse a checkpoint this run cannot continue exactly."""
 
         worker = self.worker
-        check_compatible(state, self.fingerprint)
+        check_compatible(state, self.fingerprint, frozen_record(self.spec.graph))
         check_data_files(state.meta, self.spec.data, state.path)
         if self.staged is not None:
             self.staged.check({name: tuple(shape) for name, _, shape in state.info["arrays"]},

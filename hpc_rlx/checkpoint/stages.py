@@ -54,8 +54,7 @@ class StagedCheckpoint:
         self.layouts = [ParamLayout(p) for p in partition(graph, comms.stages, cut_points=cut_points)]
         self.comms, self.world = comms, world
         self.param_runs = [runs(lay, self.whole, lay.names) for lay in self.layouts]
-        self.opt_runs = [runs(lay, self.whole, [n for n in lay.names if n not in set(lay.buffer_names)])
-                         for lay in self.layouts]
+        self.opt_runs = [runs(lay, self.whole, lay.trainable_names) for lay in self.layouts]
         self.held_bytes = 0     # rank 0: the most bytes of other stages it held at once (a save)
 
     # ---- save ---------------------------------------------------------------------------

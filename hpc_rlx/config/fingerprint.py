@@ -69,6 +69,9 @@ def fingerprint_record(cfg: dict, cwd: str | None = None, graph_text: str | None
     policy = dict(cfg.get("policy") or {})
     if policy.get("fragment_schedule") == DEFAULT_SCHEDULE:
         policy.pop("fragment_schedule")     # the default: fingerprints stay as they were
+    for key in ("freeze", "train_only"):
+        if not model.get(key):
+            model.pop(key, None)            # unset: fingerprints stay as they were
     if graph_text is not None:
         model["graph_sha256"] = hashlib.sha256(graph_text.encode("utf-8")).hexdigest()
     return {

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from hpc_rlx.base.checks import OneOf
+from hpc_rlx.base.checks import Check, OneOf
 from hpc_rlx.config.key import MODELS, Key, Options, every, selector
 
 BUILT = ("mlp", "cnn", "transformer_lm")
 _NUMBER = (int, float)
+_GLOBS = Check(lambda v: v is None or (isinstance(v, list) and all(isinstance(g, str) and g for g in v)),
+               "must be a list of parameter-name globs")
 
 MODEL_KEYS: tuple[Key, ...] = (
     selector("model", "name", MODELS),
@@ -42,4 +44,10 @@ MODEL_KEYS: tuple[Key, ...] = (
         OneOf(None, 1, -1)),
     Key("model.init_from", str, every(MODELS, None), "HDF5 file of initial parameters (e.g. a "
         "previous run's `model.h5`)"),
+    Key("model.freeze", list, every(MODELS, []), "parameter-name globs (PyTorch names for `model=onnx`, "
+        "the `model.h5` names otherwise) of parameters that do not train: no gradient, no optimizer state, "
+        "no place in the bucket; batch-norm running statistics still update (docs/pytorch.md, \"Frozen "
+        "parameters\")", _GLOBS),
+    Key("model.train_only", list, every(MODELS, []), "parameter-name globs of the only parameters that "
+        "train: every other one is frozen as by `model.freeze` (not both)", _GLOBS),
 )

@@ -268,10 +268,13 @@ KEYS: tuple[Key, ...] = (
     *MODEL_KEYS,
 )
 # the model keys a builder of graph.models takes from the config (the rest come from the data;
-# the loss keys weigh the built graph's cross-entropy: config/loss_keys.py)
+# the loss keys weigh the built graph's cross-entropy: config/loss_keys.py; the freeze keys mark
+# its frozen parameters: graph/frozen.py)
 LOSS_KEYS = ("class_weights", "ignore_index", "class_axis")
+FREEZE_KEYS = ("freeze", "train_only")
 BUILDER_KEYS = {m: tuple(k.name for k in KEYS if k.section == "model" and m in (k.options() or ())
-                         and k.name not in ("name", "num_classes", "init_from", "path", *LOSS_KEYS)) for m in BUILT}
+                         and k.name not in ("name", "num_classes", "init_from", "path", *LOSS_KEYS, *FREEZE_KEYS))
+                for m in BUILT}
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}
 SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS if "." in k.path))
 TOP_LEVEL = tuple(k.path for k in KEYS if "." not in k.path)

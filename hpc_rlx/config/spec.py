@@ -28,7 +28,7 @@ from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.config.model_inputs import input_sources
 from hpc_rlx.data.resolve import num_classes, prepare_missing_data
 from hpc_rlx.base.errors import ConfigError, DataError, phase
-from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, init_params, trainable_user_names
+from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, freeze_params, init_params, trainable_user_names
 from hpc_rlx.graph.onnx.importer import import_onnx
 from hpc_rlx.graph.node_timing import node_times, time_cost
 from hpc_rlx.graph.partition import partition
@@ -351,6 +351,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "",
     n_classes = _num_classes(cfg["model"], info, n_train) if cfg["model"]["name"] in schema.BUILDER_KEYS else None
     graph = _build_graph({**cfg["model"], "_inputs": inputs}, info.x_shape, info.x_dtype, n_classes, info)
     graph = apply_loss_keys(graph, cfg["model"], int(cfg["parallel"]["pipeline_stages"]))
+    graph = freeze_params(graph, cfg["model"]["freeze"], cfg["model"]["train_only"])   # model.freeze / train_only
     check_checkpoint_metric(cfg["checkpoint"]["metric"], graph)
     x_in, y_in = (next(i for i in graph.inputs if i.name == n) for n in ("x", "y"))
     expect = dict(input_shape=tuple(x_in.shape[1:]),

@@ -1,7 +1,8 @@
 """`python -m hpc_rlx.export RUN_DIR [--onnx OUT.onnx] [--state-dict OUT.safetensors]
 [--checkpoint latest|best|PATH]`: a run's trained model as an inference ONNX file and/or a
-safetensors state dict. `python -m hpc_rlx.export --check MODEL.onnx`: whether a file imports
-for training, before a job is submitted. Errors go to stderr with exit status 2."""
+safetensors state dict. `python -m hpc_rlx.export --check MODEL.onnx [--freeze GLOB ...]
+[--train-only GLOB ...]`: whether a file imports for training, and what trains, before a job
+is submitted. Errors go to stderr with exit status 2."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from hpc_rlx.export.onnx_writer import optional_onnx, require_onnx, save_model
 from hpc_rlx.export.safetensors_file import read_float_tensors, write_safetensors
 from hpc_rlx.export.trained import ExportError, TrainedModel, load_trained, model_output
 from hpc_rlx.export.verify import check_with_runtime
+from hpc_rlx.graph.frozen import freeze_params
 from hpc_rlx.graph.onnx.importer import import_onnx
 from hpc_rlx.graph.param_names import user_names
 
@@ -93,26 +95,36 @@ def _parser() -> argparse.ArgumentParser:
                    help="the graph node to export as the ONNX output (default: what the loss reads)")
     p.add_argument("--no-check", action="store_true",
                    help="skip running the ONNX file in ONNX Runtime against hpc_rlx's forward")
+    p.add_argument("--freeze", metavar="GLOB", nargs="+", default=[],
+                   help="with --check: the parameters model.freeze=[GLOB,...] would freeze")
+    p.add_argument("--train-only", metavar="GLOB", nargs="+", default=[],
+                   help="with --check: the only parameters that train, as model.train_only=[GLOB,...]")
     return p
 
 
-def check_onnx_file(path) -> list[str]:
-    """What `--check` prints for an ONNX file that imports (raises GraphError otherwise)."""
+def check_onnx_file(path, freeze=(), train_only=()) -> list[str]:
+    """What `--check` prints for an ONNX file that imports (raises GraphError otherwise), with
+    the parameters `model.freeze` / `model.train_only` globs would freeze (ConfigError if they
+    match nothing or leave nothing to train)."""
     imported = import_onnx(path)
-    g, meta = imported.graph, imported.graph.meta["onnx"]
+    g, meta = freeze_params(imported.graph, list(freeze), list(train_only)), imported.graph.meta["onnx"]
     ops = Counter(n.op for n in g.nodes)
     x = g.input("x")
     lines = [f"{path}: imports for training ({meta['exporter']} exporter, opset {meta['opset']}, "
              f"{meta['form']} form)",
              f"input {meta['input']!r}: {x.dtype} {list(x.shape)} (null: the batch); "
-             f"{g.num_params:,} trainable parameters in {sum(p.trainable for p in g.params)} tensors",
+             f"{g.num_params:,} trainable parameters in {sum(p.trainable and not p.frozen for p in g.params)} "
+             f"tensors",
              "ops: " + ", ".join(f"{op} x{k}" for op, k in sorted(ops.items()))]
     lines += [f"warning: {w}" for w in imported.warnings]
     # every parameter the import will train, by its PyTorch name: one that PyTorch keeps fixed
     # (requires_grad=False) is an initializer like the others in the file and shows up here
     names = user_names(g)
     lines.append("trains: " + ", ".join(f"{names[p.name]} ({int(np.prod(p.shape)):,})" for p in g.params
-                                        if p.trainable))
+                                        if p.trainable and not p.frozen))
+    frozen = [f"{names[p.name]} ({int(np.prod(p.shape)):,})" for p in g.params if p.frozen]
+    if frozen:      # model.freeze / model.train_only: used as they are, never changed
+        lines.append("frozen: " + ", ".join(frozen))
     return lines
 
 
@@ -121,17 +133,21 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.check:
         if args.run_dir or args.onnx or args.state_dict:
-            print(f"{PROG}: error: --check takes the ONNX file alone", file=sys.stderr)
+            print(f"{PROG}: error: --check takes the ONNX file alone (and --freeze or --train-only)", file=sys.stderr)
             return EXIT_ERROR
         try:
             require_onnx()
-            print("\n".join(check_onnx_file(args.check)))
+            print("\n".join(check_onnx_file(args.check, args.freeze, args.train_only)))
         except HpcRlxError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return EXIT_ERROR
         return 0
     if not args.run_dir:
         print(f"{PROG}: error: give the run directory to export from (or --check MODEL.onnx)", file=sys.stderr)
+        return EXIT_ERROR
+    if args.freeze or args.train_only:
+        print(f"{PROG}: error: --freeze and --train-only go with --check MODEL.onnx (a run's frozen parameters "
+              f"are in its graph)", file=sys.stderr)
         return EXIT_ERROR
     if args.base and not args.state_dict:
         print(f"{PROG}: error: --base goes with --state-dict (the weights it completes)", file=sys.stderr)

@@ -12,6 +12,7 @@ No MPI, HDF5 or Hydra in here; ``hpc_rlx.base.backend`` picks the array module.
 
 from hpc_rlx.graph.builder import GraphBuilder
 from hpc_rlx.graph.executor import Executor
+from hpc_rlx.graph.frozen import freeze_params
 from hpc_rlx.graph.ir import SCHEMA_VERSION, Graph, InputSpec, Node, ParamSpec
 from hpc_rlx.graph.models import BUILDERS, build_model, cnn, mlp, transformer_lm
 from hpc_rlx.graph.param_names import trainable_user_names
@@ -20,6 +21,7 @@ from hpc_rlx.graph.registry import OPS, defvjp, register_op, unregister_op
 
 __all__ = [
     "trainable_user_names",
+    "freeze_params",
     "BUILDERS",
     "Executor",
     "Graph",

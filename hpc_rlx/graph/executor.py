@@ -55,6 +55,8 @@ class Executor:
         self._g, self._plain = g, None
         self._inputs = [(s.name, s.shape, s.dtype) for s in g.inputs]
         self._params = [(p.name, tuple(p.shape)) for p in g.params]
+        # the gradient views: every parameter and buffer but the frozen (model.freeze) ones
+        self._grad_params = [(p.name, tuple(p.shape)) for p in g.params if not p.frozen]
         self._slot_values(g)
         self._plan_steps(g)
 
@@ -87,7 +89,9 @@ class Executor:
         node_args = [[slot[r] for r in n.inputs] for n in nodes]
         # Only nodes some output depends on run at all.
         live = live_slots(node_slot, node_args, [s for _, s in self._outputs + self._bout])
-        param_of = {slot[p.name]: p.name for p in g.params if p.trainable}
+        # a frozen parameter is no source: the VJPs of its argument positions (a weight's
+        # gradient products) are never planned, those of the values it meets still are
+        param_of = {slot[p.name]: p.name for p in g.params if p.trainable and not p.frozen}
         sources = set(param_of) | {s for _, s in self._bin}
         roots = [self.loss_slot] + [s for _, s in self._bout]
         reached = differentiable_reach(g, nodes, node_slot, node_args, sources, roots)
@@ -126,11 +130,12 @@ class Executor:
             raise DeviceError(f"{what} is a {type(a).__module__}.{type(a).__name__}, but this executor runs "
                               f"on {self.xp.__name__}; move it explicitly")
 
-    def _check_arrays(self, arrays, what: str, device=None):
-        """Validate a param/grad dict; returns the GPU id the arrays live on (None on the host)."""
+    def _check_arrays(self, arrays, what: str, device=None, params=None):
+        """Validate a param/grad dict (``params``: the names and shapes it must hold, default
+        every parameter); returns the GPU id the arrays live on (None on the host)."""
         if not isinstance(arrays, dict):
             raise TypeError(f"{what} must be a dict of name -> array")
-        for name, shape in self._params:
+        for name, shape in self._params if params is None else params:
             v = arrays.get(name)
             if v is None:
                 raise GraphError(f"{what}: parameter '{name}' is missing")
@@ -213,7 +218,7 @@ class Executor:
             raise GraphError("forward_backward: this graph has no loss (a pipeline stage before the last: "
                              "use stage_forward and stage_backward)")
         device = self._check_arrays(param_views, "param_views")
-        device = self._check_arrays(grad_views, "grad_views", device)
+        device = self._check_arrays(grad_views, "grad_views", device, self._grad_params)
         env = [None] * self._nslots
         device = self._load(env, feeds, param_views, device)
         with backend.use_device(device):
@@ -311,7 +316,7 @@ class Executor:
         very arrays passed in ``boundary_grads`` (a value carried through unchanged)."""
         if run.env is None:
             raise GraphError("stage_backward: this StageRun's backward already ran")
-        self._check_arrays(grad_views, "grad_views", run.device)
+        self._check_arrays(grad_views, "grad_views", run.device, self._grad_params)
         xp, env, cot = self.xp, run.env, [None] * self._nslots
         if self.loss_slot is not None:
             cot[self.loss_slot] = xp.asarray(grad_scale, dtype=self.dtype)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from hpc_rlx.base.errors import GraphError
 from hpc_rlx.graph import ops as _ops  # noqa: F401  (registers the built-in ops and their VJPs)
-from hpc_rlx.graph.params import check_init
+from hpc_rlx.graph.params import check_init, param_dict, param_flags
 from hpc_rlx.graph.registry import OPS
 from hpc_rlx.graph.shapes import DTYPES, FLOAT, INT, ShapeError, TensorType, fmt_shape, known_prod
 
@@ -52,6 +52,7 @@ class ParamSpec:
     init: dict
     dtype: str = FLOAT  # parameters are always trained in the executor's compute dtype
     trainable: bool = True  # False: a buffer (batch-norm running statistics), never differentiated
+    frozen: bool = False  # True: a parameter used as it is (model.freeze), never differentiated or stepped
 
 
 @dataclass(frozen=True, eq=True)
@@ -111,7 +112,7 @@ def _json_copy(value, where):
 
 
 def _read_param(i: int, obj, claim) -> ParamSpec:
-    _check_keys(obj, ["name", "shape", "init"], ["dtype", "trainable"], f"parameter #{i}")
+    _check_keys(obj, ["name", "shape", "init"], ["dtype", "trainable", "frozen"], f"parameter #{i}")
     name = _name(obj, f"parameter #{i}")
     claim(name, "parameter")
     where = f"parameter '{name}'"
@@ -119,14 +120,12 @@ def _read_param(i: int, obj, claim) -> ParamSpec:
     init = _json_copy(obj["init"], where + " init")
     try:
         check_init(init, shape)
+        trainable, frozen = param_flags(obj)
     except ValueError as exc:
         raise _err(where, str(exc)) from None
     if obj.get("dtype", FLOAT) != FLOAT:
         raise _err(where, f"dtype must be 'float' (the compute dtype), got {obj['dtype']!r}")
-    trainable = obj.get("trainable", True)
-    if not isinstance(trainable, bool):
-        raise _err(where, f"trainable must be true or false, got {trainable!r}")
-    return ParamSpec(name, shape, init, trainable=trainable)
+    return ParamSpec(name, shape, init, trainable=trainable, frozen=frozen)
 
 
 def _read_node(i: int, obj, claim) -> Node:
@@ -320,12 +319,7 @@ class Graph:
             "schema_version": SCHEMA_VERSION,
             "name": self.name,
             "inputs": [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype} for s in self.inputs],
-            # "trainable" only when false: graphs without buffers keep their JSON (and fingerprint)
-            "params": [
-                {"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "init": copy.deepcopy(p.init),
-                 **({} if p.trainable else {"trainable": False})}
-                for p in self.params
-            ],
+            "params": [param_dict(p) for p in self.params],
             "nodes": [
                 {
                     "name": n.name,
@@ -392,8 +386,8 @@ class Graph:
 
     @property
     def num_params(self) -> int:
-        """Trainable parameter elements (buffers are state, not parameters)."""
-        return sum(known_prod(p.shape) for p in self.params if p.trainable)
+        """Trainable parameter elements (buffers are state, frozen ones are not trained)."""
+        return sum(known_prod(p.shape) for p in self.params if p.trainable and not p.frozen)
 
     @property
     def buffers(self) -> list:

@@ -1,11 +1,17 @@
 """The names users know a model's parameters by: an imported ONNX model's PyTorch state-dict
 keys (recorded by the import in the graph's ``meta.onnx``), otherwise the graph's own names (a
 builder's or a graph file's, as `model.h5` stores them). What `optim.no_decay` and
-`optim.lr_mult` select by, and what `export --state-dict` writes."""
+`optim.lr_mult`, `model.freeze` and `model.train_only` select by, and what `export
+--state-dict` writes."""
 
 from __future__ import annotations
 
-__all__ = ["pytorch_name", "user_names", "names_by_meta", "trainable_user_names"]
+import difflib
+from typing import Sequence
+
+from hpc_rlx.base.errors import ConfigError
+
+__all__ = ["pytorch_name", "user_names", "names_by_meta", "trainable_user_names", "unmatched_glob"]
 
 
 def pytorch_name(meta: dict, ir_name: str) -> str | None:
@@ -34,6 +40,13 @@ def user_names(graph) -> dict[str, str]:
 
 
 def trainable_user_names(graph) -> list[str]:
-    """The trainable parameters' user-facing names, in the graph's order."""
+    """The trained parameters' user-facing names (neither buffers nor frozen), in the graph's order."""
     names = user_names(graph)
-    return [names[p.name] for p in graph.params if p.trainable]
+    return [names[p.name] for p in graph.params if p.trainable and not p.frozen]
+
+
+def unmatched_glob(key: str, glob: str, names: Sequence[str]) -> ConfigError:
+    """`<key>: <glob> matches no trainable parameter`, naming the closest of ``names``."""
+    close = difflib.get_close_matches(glob, list(names), n=3, cutoff=0.3) or list(names)[:3]
+    return ConfigError(f"{key}: {glob!r} matches no trainable parameter; the closest names: "
+                       f"{', '.join(repr(n) for n in close)} ({len(names)} in all)")

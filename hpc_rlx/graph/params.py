@@ -9,6 +9,7 @@ values whatever the buffer's dtype or the other parameters.
 
 from __future__ import annotations
 
+import copy
 import math
 from math import prod
 
@@ -97,17 +98,44 @@ def draw_init(init: dict, shape, rng: np.random.Generator) -> np.ndarray:
     raise ValueError(f"unknown init scheme {scheme!r}")
 
 
+def param_flags(obj: dict) -> tuple[bool, bool]:
+    """(trainable, frozen) of a parameter's JSON form; ValueError if they are not booleans or a
+    buffer is marked frozen. Three kinds: a trainable parameter; a frozen one (`model.freeze`,
+    `model.train_only`: used as it is, never differentiated or stepped); a buffer
+    (``trainable: false``, batch-norm running statistics, which an op updates)."""
+    trainable, frozen = obj.get("trainable", True), obj.get("frozen", False)
+    for key, flag in (("trainable", trainable), ("frozen", frozen)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{key} must be true or false, got {flag!r}")
+    if frozen and not trainable:
+        raise ValueError("a buffer (trainable: false) cannot be frozen: an op updates it")
+    return trainable, frozen
+
+
+def param_dict(p) -> dict:
+    """A ParamSpec's JSON form. "trainable" only when false and "frozen" only when true: graphs
+    without buffers or frozen parameters keep their JSON (and fingerprint)."""
+    return {"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "init": copy.deepcopy(p.init),
+            **({} if p.trainable else {"trainable": False}), **({"frozen": True} if p.frozen else {})}
+
+
 class ParamLayout:
     """Where each parameter lives in a flat buffer: the trainable parameters in declaration
-    order, densely packed, then the buffers (non-trainable: batch-norm running statistics).
+    order, densely packed, then the buffers (non-trainable: batch-norm running statistics),
+    then the frozen parameters.
 
     The optimizer steps ``flat[:trainable_size]``; the buffers ride in the same flat vector so
-    that broadcasting, averaging, checkpointing and the fused bucket carry them unchanged."""
+    that broadcasting, averaging, checkpointing and the fused bucket carry them unchanged. The
+    gradient vector (the bucket's payload) is ``flat[:grad_size]``: trainable parameters and
+    buffers; the frozen parameters have no place in it, so they are in the parameter vector
+    (broadcast, checkpoints, ``model.h5``) but never summed, averaged or stepped."""
 
     def __init__(self, graph):
-        ordered = [p for p in graph.params if p.trainable] + [p for p in graph.params if not p.trainable]
+        ordered = ([p for p in graph.params if p.trainable and not p.frozen]
+                   + [p for p in graph.params if not p.trainable] + [p for p in graph.params if p.frozen])
         self.names = [p.name for p in ordered]
         self.buffer_names = [p.name for p in ordered if not p.trainable]
+        self.frozen_names = [p.name for p in ordered if p.frozen]
         self.shapes = {p.name: tuple(p.shape) for p in ordered}
         self.offsets = {}
         off = 0
@@ -115,22 +143,35 @@ class ParamLayout:
             self.offsets[p.name] = off
             off += prod(p.shape)
         self.size = off
-        self.trainable_size = off - sum(prod(p.shape) for p in ordered if not p.trainable)
+        self.grad_size = off - sum(prod(p.shape) for p in ordered if p.frozen)
+        self.trainable_size = self.grad_size - sum(prod(p.shape) for p in ordered if not p.trainable)
+
+    @property
+    def trainable_names(self) -> list:
+        """The parameters the optimizer steps, in flat order."""
+        return self.names[:len(self.names) - len(self.buffer_names) - len(self.frozen_names)]
 
     def __repr__(self) -> str:
         return f"ParamLayout({len(self.names)} params, {self.size} elements)"
 
-    def views(self, flat) -> dict:
+    def views(self, flat, size: int | None = None) -> dict:
         """name -> view into ``flat`` (NumPy or CuPy, 1-D, contiguous, at least ``size`` long)."""
+        size = self.size if size is None else size
         if getattr(flat, "ndim", None) != 1 or not flat.flags.c_contiguous:
             raise ValueError(f"parameter buffer must be a contiguous 1-D array, got shape {getattr(flat, 'shape', None)}")
-        if flat.shape[0] < self.size:
-            raise ValueError(f"parameter buffer holds {flat.shape[0]} elements, the layout needs {self.size}")
+        if flat.shape[0] < size:
+            raise ValueError(f"parameter buffer holds {flat.shape[0]} elements, the layout needs {size}")
         out = {}
         for name in self.names:
             off, shape = self.offsets[name], self.shapes[name]
-            out[name] = flat[off : off + prod(shape)].reshape(shape)
+            if off < size:
+                out[name] = flat[off : off + prod(shape)].reshape(shape)
         return out
+
+    def grad_views(self, flat) -> dict:
+        """name -> view into the gradient vector ``flat`` (at least ``grad_size`` long): every
+        parameter and buffer but the frozen ones."""
+        return self.views(flat, self.grad_size)
 
     def pack(self, arrays: dict, out):
         """Copy per-parameter arrays into the flat buffer ``out`` (e.g. when loading a checkpoint)."""

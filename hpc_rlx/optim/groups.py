@@ -17,13 +17,13 @@ globs (`fnmatch`, case-sensitive: `*bias`, `classifier.*`, `*.LayerNorm.weight`)
 
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Mapping, Sequence
 
 from hpc_rlx.base.errors import ConfigError
+from hpc_rlx.graph.param_names import unmatched_glob
 
 __all__ = ["ParamSetting", "DEFAULT", "settings_for", "runs", "check_group_keys"]
 
@@ -51,12 +51,6 @@ def check_group_keys(no_decay, lr_mult) -> None:
             raise ConfigError(f"optim.lr_mult: the factor of {glob!r} must be a finite number >= 0, got {factor!r}")
 
 
-def _unmatched(key: str, glob: str, names: Sequence[str]) -> ConfigError:
-    close = difflib.get_close_matches(glob, list(names), n=3, cutoff=0.3) or list(names)[:3]
-    return ConfigError(f"{key}: {glob!r} matches no trainable parameter; the closest names: "
-                       f"{', '.join(repr(n) for n in close)} ({len(names)} in all)")
-
-
 def settings_for(names: Sequence[str], no_decay: Sequence[str] = (),
                  lr_mult: Mapping[str, float] | None = None, every_glob_matches: bool = True) -> list[ParamSetting]:
     """Each trainable parameter's setting, by its user-facing name. ``every_glob_matches``: a
@@ -67,7 +61,7 @@ def settings_for(names: Sequence[str], no_decay: Sequence[str] = (),
     for key, globs in (("optim.no_decay", no_decay), ("optim.lr_mult", list(lr_mult))):
         for glob in globs if every_glob_matches else ():
             if not any(fnmatchcase(n, glob) for n in names):
-                raise _unmatched(key, glob, names)
+                raise unmatched_glob(key, glob, names)
     out = []
     for n in names:
         factor = next((float(f) for g, f in lr_mult.items() if fnmatchcase(n, g)), 1.0)

@@ -54,13 +54,13 @@ class PipelineLaneSet:
         self.params = params_flat
         self.param_views = layout.views(params_flat)
         self.bucket = bucket
-        self.grad_views = layout.views(bucket.payload)
+        self.grad_views = layout.grad_views(bucket.payload)
         k = len(engine.lanes)
         name = f"cpu{'0' if k == 1 else f'0-{k - 1}'} (stage {engine.stage}/{engine.stages})"
         self.lanes = [_StageLaneTotals(name)]
         self.names = [name]
         # lanes after the first: a gradient buffer each, added into the bucket after the step
-        self._peers = [(buf, layout.views(buf)) for buf in (np.zeros_like(bucket.payload) for _ in range(k - 1))]
+        self._peers = [(buf, layout.grad_views(buf)) for buf in (np.zeros_like(bucket.payload) for _ in range(k - 1))]
         self.bucket_path = (f"pipeline stage {engine.stage} of {engine.stages}, {engine.schedule}, "
                             f"{engine.micro} micro-batches, {engine.slots} buffer slot(s) per direction"
                             + (f", {k} CPU lanes splitting each micro-batch" if k > 1 else "")

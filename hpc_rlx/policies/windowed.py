@@ -337,14 +337,14 @@ class WindowedPolicy(WindowedState, Policy):
         if worker.is_spare:
             self.buf[...] = 0       # no weight, no report slot: it adds nothing to the sums
         else:
-            self.layout.pack(self.buf, worker.params, weight, worker.rank, self.report_of(work, bad),
+            self.layout.pack(self.buf, worker.params[whole], weight, worker.rank, self.report_of(work, bad),
                              reference=ref)
         flags, _ = loop.reduce(nonfinite=bad, reduction=self.reduction)
         report = self.read_report()
         if flags["nonfinite"] and loop.on_nonfinite == "stop":
             self.restore_agreed(worker, whole)      # the last agreed model, not this rank's window
             return flags, None
-        self.window.divergence = self.layout.divergence(worker.params, self.buf, weight, reference=ref)
+        self.window.divergence = self.layout.divergence(worker.params[whole], self.buf, weight, reference=ref)
         payload, total = self.layout.bucket.payload_of(self.buf), self.layout.total_weight(self.buf)
         if not self.apply_consensus(worker, payload, total, whole, lr):
             self.restore_agreed(worker, whole)      # nobody worked: the model stays as it was

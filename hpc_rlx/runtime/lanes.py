@@ -214,17 +214,17 @@ class LaneSet:
     def _new_lane(self, graph, dtype: str, kind: str, idx: int, grad) -> Lane:
         """A lane on backend ``kind``; ``grad`` is the bucket array it writes into, or None for
         a buffer of its own."""
-        host = self.host_params
+        host, n_grad = self.host_params, self.layout.grad_size     # frozen parameters have no gradient
         if kind == "cpu":
             xp, device, device_params, params = self.host_xp, None, None, host
-            grad = np.zeros_like(host) if grad is None else grad
+            grad = np.zeros(n_grad, host.dtype) if grad is None else grad
         else:
             xp, device = backend.get_xp("cuda", device=idx), idx
             device_params = params = backend.device_zeros(host.shape[0], host.dtype, idx)
-            grad = backend.device_zeros(host.shape[0], host.dtype, idx) if grad is None else grad
+            grad = backend.device_zeros(n_grad, host.dtype, idx) if grad is None else grad
         with backend.use_device(device):
             ex = Executor(graph, xp=xp, dtype=dtype)
-            pviews, gviews = self.layout.views(params), self.layout.views(grad)
+            pviews, gviews = self.layout.views(params), self.layout.grad_views(grad)
         return Lane(name=f"{kind}{idx}", kind=kind, xp=xp, executor=ex, device=device,
                     param_views=pviews, grad_flat=grad, grad_views=gviews,
                     host_params=host, device_params=device_params)
@@ -348,7 +348,7 @@ class _WithGpuLanes(LaneSet):
         self._lead = self._gpus[0]
         # both allocated once: the parameters' pinned stage, the peers' stage on the lead GPU
         self._params_stage = backend.pinned_empty(params_flat.shape[0], params_flat.dtype)
-        self._peer_stage = (backend.device_zeros(params_flat.shape[0], params_flat.dtype, self.lead_device)
+        self._peer_stage = (backend.device_zeros(self.layout.grad_size, params_flat.dtype, self.lead_device)
                             if len(self._gpus) > 1 else None)
 
     def refresh_device_params(self) -> None:
@@ -404,7 +404,7 @@ class MixedLanes(_WithGpuLanes):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._host_stage = backend.pinned_empty(self.host_params.shape[0], self.host_params.dtype)
+        self._host_stage = backend.pinned_empty(self.layout.grad_size, self.host_params.dtype)
 
     def _place_bucket(self, cuda_aware, query_cuda_support) -> None:
         if self.bucket is not None:

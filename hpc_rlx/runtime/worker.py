@@ -17,6 +17,7 @@ from hpc_rlx.config.spec import TrainSpec, initial_parameters, schedule_kwargs
 from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.graph import ParamLayout
+from hpc_rlx.graph.frozen import describe as describe_frozen
 from hpc_rlx.graph.param_names import names_by_meta
 from hpc_rlx.graph.partition import load_graph
 from hpc_rlx.runtime.feed import Feed, MemoryFeed, StreamFeed
@@ -76,14 +77,14 @@ class Worker:
         self.plan = plan_shards(spec.data.n_train, spec.train["batch_size"], self.world, spec.data.leftover)
         # comm.shard=optimizer: this rank steps, and holds the optimizer state of, one slice
         self.n_trainable = self.layout.trainable_size
-        self.shard = (ParamShard(self.layout.size, self.n_trainable, self.rank, self.world)
+        self.shard = (ParamShard(self.n_synced, self.n_trainable, self.rank, self.world)
                       if spec.comm.get("shard", "none") == "optimizer" else None)
         self.steps_per_epoch = self.plan.steps_per_epoch
         # The one parameter-sized bucket: gradients (or a windowed sync's weighted parameters),
         # then the tail slots the policy declares (`Policy.bucket_fields`, `bucket_rank_fields`).
         # agreed: a bad comm.wire_dtype is one clear error on every rank
         self.bucket = collective.agree(comm, lambda: collective.FusedBucket(
-            self.layout.size, tuple(fields), self.dtype, rank_fields=tuple(rank_fields),
+            self.n_synced, tuple(fields), self.dtype, rank_fields=tuple(rank_fields),
             world_size=self.world,
             cap_mb=float(spec.comm["bucket_cap_mb"]), deterministic=bool(spec.comm["deterministic"]),
             wire_dtype=spec.comm["wire_dtype"], overlap=bool(spec.comm["overlap"]),
@@ -91,7 +92,7 @@ class Worker:
             shard=self.shard, shared_params=self.node_params))
         # comm.overlap: where each gradient sits, so a chunk can start once backward finished it
         self.bucket.set_overlap_spans({name: (off, off + int(np.prod(self.layout.shapes[name], dtype=np.int64)))
-                                       for name, off in self.layout.offsets.items()})
+                                       for name, off in self.layout.offsets.items() if off < self.n_synced})
         opt = dict(spec.optim)
         # The optimizer steps the trainable prefix; the buffers after it (batch-norm running
         # statistics) move towards the step's mean statistic, carried in the same bucket slots.
@@ -132,7 +133,7 @@ class Worker:
         """Tell the optimizer where each trainable parameter lies in what it steps; sharded,
         the parameters a slice boundary cuts have their norms completed across ranks."""
         spans = [(name, self.layout.offsets[name], int(np.prod(self.layout.shapes[name], dtype=np.int64)))
-                 for name in self.layout.names if name not in self.layout.buffer_names]
+                 for name in self.layout.trainable_names]
         if self.shard is None:
             self.optimizer.use_segments(slice_segments(spans, 0, self.n_trainable))
         else:
@@ -144,6 +145,15 @@ class Worker:
             names = names_by_meta(self.spec.graph.get("meta"), [name for name, _, _ in spans])
             self.optimizer.use_settings(settings_for(names, opt.get("no_decay") or (), opt.get("lr_mult") or {},
                                                      every_glob_matches=False))
+        if self.layout.frozen_names:        # model.freeze / model.train_only: neither stepped nor in the bucket
+            self.log(describe_frozen(self.layout, self.graph))
+
+    @property
+    def n_synced(self) -> int:
+        """The gradient vector's (the bucket payload's) size: the trainable parameters, then the
+        buffers. The frozen parameters (model.freeze) follow in `params` only: not summed, not
+        sliced under comm.shard=optimizer, never stepped."""
+        return self.layout.grad_size
 
     # ---- the position (read-only views of `state`) --------------------------------------
     @property
@@ -227,9 +237,9 @@ class Worker:
 
     def _buffer_rates(self):
         """Per buffer element, the rate of its running update (None without buffers)."""
-        if self.n_trainable == self.layout.size:
+        if self.n_trainable == self.n_synced:
             return None
-        rates = np.zeros(self.layout.size - self.n_trainable, dtype=self.dtype)
+        rates = np.zeros(self.n_synced - self.n_trainable, dtype=self.dtype)
         momentum = self.graph.buffer_momentum()
         for name in self.layout.buffer_names:
             off = self.layout.offsets[name] - self.n_trainable
@@ -255,8 +265,8 @@ class Worker:
         else:
             self.optimizer.step(self.params[:n], grad[:n], lr, grad_scale=grad_scale)
         if self.buffer_rates is not None:
-            buffers = self.params[n:]
-            buffers += self.buffer_rates * (grad[n:] * grad_scale - buffers)
+            buffers = self.params[n:self.n_synced]
+            buffers += self.buffer_rates * (grad[n:self.n_synced] * grad_scale - buffers)
         return 0.0
 
     def _global_norm(self, mine) -> float:

@@ -271,6 +271,16 @@ CASES = [
          kind="DeviceError", skip_with_gpu=True),
     Case("unwritable_run_dir", ("hydra.run.dir={a_file}/run",), r"run directory .*plain_file/run is not writable",
          kind="ConfigError"),
+    # ---- frozen parameters (model.freeze, model.train_only)
+    Case("freeze_and_train_only", ("model.freeze=[fc0.*]", "model.train_only=[head.*]"),
+         r"model\.freeze=\['fc0\.\*'\] and model\.train_only=\['head\.\*'\] are both set: set one",
+         kind="ConfigError"),
+    Case("freeze_glob_matching_nothing", ("model.freeze=[fc0.wieght]",),
+         r"model\.freeze: 'fc0\.wieght' matches no trainable parameter; the closest names: 'fc0\.weight', .*"
+         r"\(4 in all\)", kind="ConfigError"),
+    Case("freeze_leaving_nothing_to_train", ("model.freeze=[fc0.*,head.*]",),
+         r"model\.freeze=\['fc0\.\*', 'head\.\*'\] freezes every trainable parameter \(fc0\.weight, fc0\.bias, "
+         r"head\.weight, head\.bias\), which leaves nothing to train", kind="ConfigError"),
     # ---- graph file
     Case("graph_unknown_op", ("model=graph", "model.path={graph_unknown_op}"),
          r"graph_unknown_op\.json': node '.*': unknown op 'conv9d'", kind="GraphError"),
@@ -283,6 +293,11 @@ CASES = [
     Case("checkpoint_other_model", ("model.hidden=[12]",),
          r"checkpoint .*ckpt-\d+\.h5 was written for a different model graph",
          kind="CheckpointError", seed_run=True),
+    Case("resume_with_another_frozen_set", ("model.freeze=[fc0.*]",),
+         r"checkpoint .*ckpt-\d+\.h5 was trained with 0 frozen parameter\(s\), this run freezes 2 \(model\.freeze / "
+         r"model\.train_only\): frozen only in the checkpoint: none; frozen only in this run: fc0\.weight, fc0\.bias\. "
+         r"Resume with the setting it was trained with, or start a fine-tune from its weights in a new run "
+         r"directory with model\.init_from=", kind="CheckpointError", seed_run=True),
     Case("checkpoint_truncated", ("resume={ckpt}",),
          r"truncate\.h5 is unreadable \(partial write or corrupt file\)",
          kind="CheckpointError", seed_run=True, corrupt="truncate"),
@@ -403,5 +418,6 @@ def test_every_issue_case_is_in_the_table():
                    "unknown_device_option", "cuda_without_gpu", "unwritable_run_dir",
                    "graph_unknown_op", "graph_malformed_json", "graph_shape_mismatch", "graph_cycle",
                    "checkpoint_other_model", "checkpoint_truncated", "checkpoint_corrupt",
-                   "disk_full_checkpoint"):
+                   "disk_full_checkpoint", "freeze_and_train_only", "freeze_glob_matching_nothing",
+                   "freeze_leaving_nothing_to_train", "resume_with_another_frozen_set"):
         assert needed in ids, needed

@@ -29,6 +29,7 @@ def fp(cfg: dict, **changes) -> str:
 @pytest.mark.parametrize("change", [
     {"optim__lr": 0.05}, {"optim__schedule": "constant"}, {"optim__momentum": 0.5}, {"optim__milestones": [5]},
     {"policy__name": "cadence"}, {"model__hidden": [64]}, {"model__activation": "tanh"},
+    {"model__freeze": ["fc0.*"]}, {"model__train_only": ["head.*"]},
     {"data__path": "data/other.h5"}, {"data__val_fraction": 0.1}, {"data__leftover": "partial"},
     {"train__batch_size": 32}, {"train__seed": 1}, {"train__dtype": "float64"},
 ])
@@ -59,6 +60,10 @@ def test_a_key_added_at_its_unset_default_keeps_older_fingerprints(default_cfg):
     older = copy.deepcopy(default_cfg)
     del older["optim"]["milestones"]
     assert default_cfg["optim"]["milestones"] == []
+    assert config_fingerprint(older, cwd="/work") == fp(default_cfg)
+    # model.freeze and model.train_only came later still: empty, they are left out too
+    assert default_cfg["model"]["freeze"] == default_cfg["model"]["train_only"] == []
+    del older["model"]["freeze"], older["model"]["train_only"]
     assert config_fingerprint(older, cwd="/work") == fp(default_cfg)
 
 
