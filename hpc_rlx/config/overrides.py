@@ -14,7 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hpc_rlx.config import CONFIG_DIR
 from hpc_rlx.config.hints import flatten_keys, group_option_keys, suggest_keys
 from hpc_rlx.config.schema import BY_PATH, GROUPS
-from hpc_rlx.config.spec import check_run_dir_writable
+from hpc_rlx.config.run_dir_check import check_run_dir_writable
 
 
 def config_problem(argv: list[str]) -> str | None:

@@ -11,7 +11,6 @@ import inspect
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Callable, Mapping
 
 import h5py
@@ -22,6 +21,7 @@ from hpc_rlx.config.batch_norm_sync import check_sync_batch_norm
 from hpc_rlx.config.rundirs import fingerprint_of
 from hpc_rlx.config.section import SECTIONS, section
 from hpc_rlx.config.loss_keys import apply_loss_keys, check_checkpoint_metric
+from hpc_rlx.config.run_dir_check import check_run_dir_writable
 from hpc_rlx.config.sharding import check_shard
 from hpc_rlx.data import hdf5
 from hpc_rlx.data.plan import plan_shards
@@ -257,17 +257,6 @@ def check_pipeline(cfg: dict, graph, world_size: int) -> tuple:
                                   f"{stage.index}; only floating-point values can cross a cut: move the "
                                   f"cut (parallel.cut_points)")
     return world_size // S, max(stages, key=lambda st: ParamLayout(st).size)
-
-
-def check_run_dir_writable(run_dir: str) -> None:
-    path = Path(run_dir)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"run directory {run_dir} is not writable: {e.strerror or e}") from e
 
 
 # what a builder of graph.models needs of the data's samples: (dimensions, what they are)
