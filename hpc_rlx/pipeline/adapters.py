@@ -65,7 +65,7 @@ class PipelineLaneSet:
                             f"{engine.micro} micro-batches, {engine.slots} buffer slot(s) per direction"
                             + (f", {k} CPU lanes splitting each micro-batch" if k > 1 else "")
                             + (", state sliced among the stage's replicas, reduce-scatter (comm.shard=optimizer)"
-                               if getattr(bucket, "shard", None) is not None else ""))
+                               if bucket.settings.shard is not None else ""))
 
     def step(self, x, y, seed: int, on_grad_ready=None):
         t0 = time.perf_counter()

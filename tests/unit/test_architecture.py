@@ -750,6 +750,20 @@ def test_the_resilience_package_asks_the_bucket_what_it_declares():
     assert bucket_probes() == set()
 
 
+def test_no_module_probes_a_bucket_for_a_member_by_name():
+    """Anywhere in the package: `getattr(bucket, "shard", None)` on a bucket that no longer
+    forwards `shard` reads None silently (a pipeline stage's start-up line lost its
+    reduce-scatter that way); a bucket's members are declared, so they are read, not probed."""
+    found = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr") \
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                    and "bucket" in ast.unparse(node.args[0]).lower():
+                found.append(f"{path.relative_to(PKG).as_posix()}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found
+
+
 # ---------------------------------------------------------------------------------------------
 # A run directory's file names have one home
 # ---------------------------------------------------------------------------------------------
