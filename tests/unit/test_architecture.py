@@ -716,6 +716,15 @@ def _bucket_and_path_members() -> set[str]:
         {"memory", "settings", "reduction"}
 
 
+def _literal_probe(node: ast.AST) -> tuple[str, object]:
+    """(the object, lower-cased, and the member name) of `getattr(x, "name", ...)` or
+    `hasattr(x, "name")` with a literal name; ("", None) for any other node."""
+    if isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr") \
+            and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+        return ast.unparse(node.args[0]).lower(), node.args[1].value
+    return "", None
+
+
 def bucket_probes(pkg: Path = PKG, members: set[str] | None = None) -> set[str]:
     """`file:line call` for each `getattr(x, "name", ...)` / `hasattr(x, "name")` in resilience/
     that asks the bucket or its reduction path for a member by name: `x` names a bucket, a path
@@ -724,11 +733,9 @@ def bucket_probes(pkg: Path = PKG, members: set[str] | None = None) -> set[str]:
     found = set()
     for path in (pkg / "resilience").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr") \
-                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
-                subject = ast.unparse(node.args[0]).lower()
-                if any(w in subject for w in ("bucket", "path", "reduction")) or node.args[1].value in members:
-                    found.add(f"{path.relative_to(pkg).as_posix()}:{node.lineno} {ast.unparse(node)}")
+            subject, name = _literal_probe(node)
+            if any(w in subject for w in ("bucket", "path", "reduction")) or name in members:
+                found.add(f"{path.relative_to(pkg).as_posix()}:{node.lineno} {ast.unparse(node)}")
     return found
 
 
@@ -757,9 +764,7 @@ def test_no_module_probes_a_bucket_for_a_member_by_name():
     found = []
     for path in PKG.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr") \
-                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
-                    and "bucket" in ast.unparse(node.args[0]).lower():
+            if "bucket" in _literal_probe(node)[0]:
                 found.append(f"{path.relative_to(PKG).as_posix()}:{node.lineno} {ast.unparse(node)}")
     assert not found, found
 

@@ -7,11 +7,10 @@ fixed, from a trained run's model.h5 (model.init_from)."""
 
 from __future__ import annotations
 
-import h5py
 import numpy as np
 import pytest
 
-from tests.mpi.runtime.test_onnx_training import SmallMlp, export, max_rel_diff, params_of
+from tests.mpi.runtime.test_onnx_training import full_batch_steps, max_rel_diff, params_of, small_mlp_job_files
 from tests.support.jobs import explain, read_log, read_metrics, train_job
 
 torch = pytest.importorskip("torch")
@@ -33,12 +32,7 @@ def torch_reference(module, x: np.ndarray, y: np.ndarray) -> tuple[dict, dict]:
     for n, p in module.named_parameters():
         p.requires_grad_(n not in FROZEN)
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
-    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    for _ in range(STEPS):
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(module(xt), yt).backward()
-        opt.step()
-    return initial, {n: p.detach().numpy() for n, p in module.named_parameters()}
+    return initial, full_batch_steps(module, opt, x, y, STEPS)
 
 
 def _as_torch(params: dict, like: dict) -> dict:
@@ -53,14 +47,8 @@ def _run(tmp_path, name: str, n: int, overrides: list[str]):
 
 
 def test_frozen_parameters_train_as_torch_with_requires_grad_false_and_never_move(tmp_path):
-    torch.manual_seed(0)
-    module = SmallMlp()
-    onnx_file = export(module, tmp_path / "mlp.onnx")
-    rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((N, 1, 8, 8)), rng.integers(0, 10, N)
-    with h5py.File(tmp_path / "d.h5", "w") as f:
-        f["x"], f["y"] = x, y
-    base = COMMON + [f"model.path={onnx_file}", f"data.path={tmp_path / 'd.h5'}"]
+    module, onnx_file, x, y, data = small_mlp_job_files(tmp_path, N)
+    base = COMMON + [f"model.path={onnx_file}", f"data.path={data}"]
     one = _run(tmp_path, "one", 1, base + [FREEZE, "checkpoint=off"])
     two = _run(tmp_path, "two", 2, base + [FREEZE, "checkpoint=off"])
     sharded = _run(tmp_path, "sharded", 2, base + [FREEZE, "comm.shard=optimizer", "checkpoint.every_epochs=1"])

@@ -57,6 +57,29 @@ def export(module: nn.Module, path: Path, exporter: str = "dynamo", train: bool 
                            optimize=False)
 
 
+def small_mlp_job_files(tmp_path: Path, samples: int) -> tuple:
+    """(module, its ONNX file, x, y, an HDF5 file of them): the seeded SmallMlp and digits-shaped
+    float64 samples that the equivalence tests against torch.optim train on."""
+    torch.manual_seed(0)
+    module = SmallMlp()
+    onnx_file = export(module, tmp_path / "mlp.onnx")
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((samples, 1, 8, 8)), rng.integers(0, 10, samples)
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["x"], f["y"] = x, y
+    return module, onnx_file, x, y, tmp_path / "d.h5"
+
+
+def full_batch_steps(module, opt, x: np.ndarray, y: np.ndarray, steps: int) -> dict:
+    """`steps` full-batch cross-entropy steps of `opt` on `module`; its parameters after them."""
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(module(xt), yt).backward()
+        opt.step()
+    return {n: p.detach().numpy() for n, p in module.named_parameters()}
+
+
 def params_of(run_dir: Path) -> dict:
     with h5py.File(run_dir / "model.h5", "r") as f:
         return {k: f[k][...] for k in f.keys()}

@@ -5,11 +5,10 @@ optimizer state sharded (a slice boundary inside fc1.weight)."""
 
 from __future__ import annotations
 
-import h5py
 import numpy as np
 import pytest
 
-from tests.mpi.runtime.test_onnx_training import SmallMlp, export, max_rel_diff, params_of
+from tests.mpi.runtime.test_onnx_training import full_batch_steps, max_rel_diff, params_of, small_mlp_job_files
 from tests.support.jobs import explain, train_job
 
 torch = pytest.importorskip("torch")
@@ -29,23 +28,12 @@ def torch_reference(module, x: np.ndarray, y: np.ndarray) -> dict:
     groups = [{"params": [p], "lr": LR * factor[n], "weight_decay": 0.0 if n.endswith("bias") else WD}
               for n, p in module.named_parameters()]
     opt = torch.optim.AdamW(groups, lr=LR)
-    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    for _ in range(STEPS):
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(module(xt), yt).backward()
-        opt.step()
-    return {n: p.detach().numpy() for n, p in module.named_parameters()}
+    return full_batch_steps(module, opt, x, y, STEPS)
 
 
 def test_adamw_parameter_groups_equal_torchs_on_one_and_two_ranks_and_sharded(tmp_path):
-    torch.manual_seed(0)
-    module = SmallMlp()
-    onnx_file = export(module, tmp_path / "mlp.onnx")
-    rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((N, 1, 8, 8)), rng.integers(0, 10, N)
-    with h5py.File(tmp_path / "d.h5", "w") as f:
-        f["x"], f["y"] = x, y
-    base = COMMON + GROUPS + [f"model.path={onnx_file}", f"data.path={tmp_path / 'd.h5'}"]
+    module, onnx_file, x, y, data = small_mlp_job_files(tmp_path, N)
+    base = COMMON + GROUPS + [f"model.path={onnx_file}", f"data.path={data}"]
     runs = {}
     for name, n, extra in [("one", 1, []), ("two", 2, []), ("sharded", 2, ["comm.shard=optimizer"])]:
         runs[name] = tmp_path / name
