@@ -267,14 +267,14 @@ SAMPLE_DIMS = {"cnn": (3, "(C, H, W) images"), "transformer_lm": (1, "token sequ
 _IMPORTED: dict[str, dict] = {}
 
 
-def _import_onnx(model_cfg: dict, info):
+def _import_onnx(model_cfg: dict, info, inputs=None):
     """model=onnx: the file's graph with the loss head the config and the labels ask for."""
     path = model_cfg["path"]
     if not os.path.isfile(path):
         raise ConfigError(f"model.path={path}: no such file")
     label_dtype = "int64" if np.dtype(info.y_dtype).kind in "iub" else "float"
     imported = import_onnx(path, loss=model_cfg["loss"], label_dtype=label_dtype, label_shape=tuple(info.y_shape),
-                           class_axis=model_cfg.get("class_axis"), inputs=model_cfg.get("_inputs"))
+                           class_axis=model_cfg.get("class_axis"), inputs=inputs)
     for warning in imported.warnings:
         print(f"[hpc_rlx] warning: {path}: {warning}", flush=True)   # rank 0 only (build_spec)
     _IMPORTED[os.path.abspath(path)] = imported.initial
@@ -282,17 +282,17 @@ def _import_onnx(model_cfg: dict, info):
 
 
 def _build_graph(model_cfg: dict, sample_shape: tuple, x_dtype: str, num_classes: int | None,
-                 info=None):
+                 info=None, inputs=None):
     """The model graph: a builder of `graph.models.BUILDERS` with the option's keys
     (`config.schema.BUILDER_KEYS`) and what the data says, a graph file (`model=graph`) or an
-    ONNX file (`model=onnx`)."""
+    ONNX file (`model=onnx`; `inputs`: the packed model inputs of a `data.x` list)."""
     name = model_cfg["name"]
     if name in ("graph", "onnx") and model_cfg.get("path") in (None, "", "???"):
         raise ConfigError(f"model={name} needs model.path=<a {'graph JSON' if name == 'graph' else 'ONNX'} file>")
     if name == "graph":
         return Graph.from_file(model_cfg["path"])
     if name == "onnx":
-        return _import_onnx(model_cfg, info)
+        return _import_onnx(model_cfg, info, inputs)
     if name not in schema.BUILDER_KEYS:
         raise ConfigError(f"model={name!r} is not one of {', '.join(schema.MODELS)}")
     takes = inspect.signature(BUILDERS[name]).parameters
@@ -338,7 +338,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "",
     val_path = d["val_path"] or d["path"]
 
     n_classes = _num_classes(cfg["model"], info, n_train) if cfg["model"]["name"] in schema.BUILDER_KEYS else None
-    graph = _build_graph({**cfg["model"], "_inputs": inputs}, info.x_shape, info.x_dtype, n_classes, info)
+    graph = _build_graph(cfg["model"], info.x_shape, info.x_dtype, n_classes, info, inputs)
     graph = apply_loss_keys(graph, cfg["model"], int(cfg["parallel"]["pipeline_stages"]))
     graph = freeze_params(graph, cfg["model"]["freeze"], cfg["model"]["train_only"])   # model.freeze / train_only
     check_checkpoint_metric(cfg["checkpoint"]["metric"], graph)
