@@ -20,6 +20,7 @@ from hpc_rlx.base import run_dir_names as names
 from hpc_rlx.base.errors import CheckpointError, GraphError
 from hpc_rlx.graph.frozen import frozen_user_names
 from hpc_rlx.graph.ir import Graph
+from hpc_rlx.graph.lora import adapters_of
 
 NEW_DIR_HINT = "train the new model in a new run directory (hydra.run.dir=...)"
 
@@ -53,7 +54,16 @@ def frozen_record(graph_dict: dict) -> dict:
     """The checkpoint meta's entry of the frozen parameters, by their user-facing names; {}
     without any, so a run without them writes the meta it always wrote."""
     frozen = frozen_user_names(graph_dict)
-    return {"frozen": frozen} if frozen else {}
+    lora = adapters_of(graph_dict.get("meta"))
+    adapters = {"lora": {"rank": lora["rank"], "alpha": lora["alpha"],
+                         "adapted": [r["name"] for r in lora["adapters"]]}} if lora else {}
+    return {"frozen": frozen, **adapters} if frozen else adapters
+
+
+def _lora_line(lora) -> str:
+    if not lora:
+        return "none"
+    return f"rank {lora['rank']}, alpha {lora['alpha']} on {_names(list(lora['adapted']))}"
 
 
 def _names(names) -> str:
@@ -63,6 +73,12 @@ def _names(names) -> str:
 def check_frozen(where: str, meta: dict, record: dict) -> None:
     """Refuse a checkpoint whose frozen parameters are not this run's (`record`: `frozen_record`
     of this run's graph): the optimizer state, the bucket and what is trained would differ."""
+    if (meta.get("lora") or None) != (record.get("lora") or None):
+        raise CheckpointError(
+            f"checkpoint {where} was trained with other LoRA adapters (model.lora.*): the checkpoint's "
+            f"{_lora_line(meta.get('lora'))}; this run's {_lora_line(record.get('lora'))}. Resume with the "
+            f"model.lora keys it was trained with, or start a new run directory (model.init_from=<its run "
+            f"directory>/model.h5 takes its weights, adapters included)")
     had, now = list(meta.get("frozen") or []), list(record.get("frozen") or [])
     if set(had) == set(now):
         return

@@ -72,6 +72,8 @@ def fingerprint_record(cfg: dict, cwd: str | None = None, graph_text: str | None
     for key in ("freeze", "train_only"):
         if not model.get(key):
             model.pop(key, None)            # unset: fingerprints stay as they were
+    if not (model.get("lora") or {}).get("rank"):
+        model.pop("lora", None)             # LoRA off: fingerprints stay as they were
     if graph_text is not None:
         model["graph_sha256"] = hashlib.sha256(graph_text.encode("utf-8")).hexdigest()
     return {

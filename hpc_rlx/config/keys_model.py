@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from hpc_rlx.base.checks import Check, OneOf
+from hpc_rlx.base.checks import Check, OneOf, integer, number
 from hpc_rlx.config.key import MODELS, Key, Options, every, selector
 
 BUILT = ("mlp", "cnn", "transformer_lm")
 _NUMBER = (int, float)
+_PROBABILITY = Check(lambda v: v is not None and not isinstance(v, bool) and isinstance(v, (int, float))
+                     and 0 <= v < 1, "must be a probability in [0, 1)")
 _GLOBS = Check(lambda v: v is None or (isinstance(v, list) and all(isinstance(g, str) and g for g in v)),
                "must be a list of parameter-name globs")
 
@@ -50,4 +52,15 @@ MODEL_KEYS: tuple[Key, ...] = (
         "parameters\")", _GLOBS),
     Key("model.train_only", list, every(MODELS, []), "parameter-name globs of the only parameters that "
         "train: every other one is frozen as by `model.freeze` (not both)", _GLOBS),
+    # LoRA adapters (graph/lora.py; docs/finetuning.md): the schema's nested keys, `model.lora.*`
+    Key("model.lora.rank", int, every(MODELS, 0), "LoRA rank r: each `model.lora.targets` weight W "
+        "trains as W + (alpha/r)·B·A with A (r, in) and B (out, r) while W and every other base "
+        "parameter stay frozen; 0 = off", integer(0)),
+    Key("model.lora.alpha", _NUMBER, every(MODELS, 8), "LoRA scale numerator: the update is "
+        "(alpha/r)·B·A, as PEFT's `lora_alpha`", number(0, above=True, must="must be a number > 0")),
+    Key("model.lora.dropout", _NUMBER, every(MODELS, 0.0), "dropout on the adapters' input only, as "
+        "PEFT's `lora_dropout` (not `model.dropout`, the builders' dropout)", _PROBABILITY),
+    Key("model.lora.targets", list, every(MODELS, []), "globs of the weights that get adapters, matched "
+        "against a weight's name or its module's (the name without `.weight`), e.g. `[*query,*value]`; "
+        "2-D weights read by MatMul/Gemm only", _GLOBS),
 )

@@ -273,7 +273,8 @@ KEYS: tuple[Key, ...] = (
 LOSS_KEYS = ("class_weights", "ignore_index", "class_axis")
 FREEZE_KEYS = ("freeze", "train_only")
 BUILDER_KEYS = {m: tuple(k.name for k in KEYS if k.section == "model" and m in (k.options() or ())
-                         and k.name not in ("name", "num_classes", "init_from", "path", *LOSS_KEYS, *FREEZE_KEYS))
+                         and k.name not in ("name", "num_classes", "init_from", "path", *LOSS_KEYS, *FREEZE_KEYS)
+                         and "." not in k.name)     # nested keys (model.lora.*) are not a builder's
                 for m in BUILT}
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}
 SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS if "." in k.path))
@@ -300,7 +301,41 @@ def defaults(section: str, option: str | None = None) -> dict[str, Any]:
     if section == "policy":
         return {"name": option or "sync", **POLICIES[option or "sync"].defaults}
     option = option or (GROUPS[section][2] if section in GROUPS else None)
-    return {k.name: k.default_for(option) for k in keys_of(section, option)}
+    out: dict[str, Any] = {}
+    for k in keys_of(section, option):
+        head, _, leaf = k.name.partition(".")
+        if leaf:        # a nested key (model.lora.rank): a mapping under its head
+            out.setdefault(head, {})[leaf] = k.default_for(option)
+        else:
+            out[k.name] = k.default_for(option)
+    return out
+
+
+def nested_heads(section: str) -> frozenset[str]:
+    """The heads of a section's nested keys (`lora` of `model.lora.rank`)."""
+    return frozenset(k.name.partition(".")[0] for k in keys_of(section) if "." in k.name)
+
+
+def _over_defaults(section: str, base: dict, given: Mapping[str, Any]) -> dict:
+    """`given` over `base`, a nested mapping (`model.lora`) merged key by key."""
+    out = {**base, **given}
+    for head in nested_heads(section):
+        if isinstance(base.get(head), dict) and isinstance(given.get(head), Mapping):
+            out[head] = {**base[head], **given[head]}
+    return out
+
+
+ABSENT = object()
+
+
+def value_of(values: Mapping[str, Any], name: str):
+    """A key's value in a section by its name (`lora.rank` reads `values["lora"]["rank"]`), or
+    `ABSENT`."""
+    head, _, leaf = name.partition(".")
+    if not leaf:
+        return values.get(name, ABSENT)
+    inner = values.get(head)
+    return inner.get(leaf, ABSENT) if isinstance(inner, Mapping) else ABSENT
 
 
 def default(path: str):
@@ -322,9 +357,9 @@ def complete(cfg: Mapping[str, Any]) -> dict:
             if chosen not in options:
                 out[section] = given      # an unknown option: whoever reads it reports it
                 continue
-            out[section] = {**defaults(section, chosen), **given}
+            out[section] = _over_defaults(section, defaults(section, chosen), given)
         else:
-            out[section] = {**defaults(section), **given}
+            out[section] = _over_defaults(section, defaults(section), given)
     for path in TOP_LEVEL:
         out.setdefault(path, BY_PATH[path].default)
     return out
@@ -352,10 +387,22 @@ def _check_option_keys(section: str, values: Mapping[str, Any]) -> None:
     selector, options, _ = GROUPS[section]
     chosen = values.get(selector)
     if chosen in options:
-        extra = sorted(set(values) - {k.name for k in keys_of(section, chosen)})
+        extra = sorted(set(values) - {k.name.partition(".")[0] for k in keys_of(section, chosen)})
         if extra:
             raise ConfigError(f"{section}.{selector}={chosen!r} does not take {extra} (keys of "
                               f"another {section} option); select the option itself: {section}={chosen}")
+
+
+def _check_nested(section: str, values: Mapping[str, Any]) -> None:
+    """A nested mapping (`model.lora`) is a mapping of its declared keys only."""
+    for head in sorted(nested_heads(section)):
+        inner = values.get(head, {})
+        names = {k.name.partition(".")[2] for k in keys_of(section) if k.name.startswith(head + ".")}
+        if not isinstance(inner, Mapping):
+            raise ConfigError(f"{section}.{head} must be a mapping of {sorted(names)}, got {inner!r}")
+        extra = sorted(set(inner) - names)
+        if extra:
+            raise ConfigError(f"{section}.{head} does not take {extra}; its keys: {sorted(names)}")
 
 
 RULES: dict[str, Callable[[Mapping[str, Any]], None]] = {"device": _device_rule, "comm": _comm_rule}
@@ -376,9 +423,11 @@ def validate(cfg: Mapping[str, Any], world_size: int | None = None) -> dict:
             continue
         values = cfg[section]
         _check_option_keys(section, values)
+        _check_nested(section, values)
         for key in keys_of(section):
-            if key.name in values:
-                key.validate(values[key.name], world_size)
+            value = value_of(values, key.name)
+            if value is not ABSENT:
+                key.validate(value, world_size)
         if section in RULES:
             RULES[section](values)
     return cfg

@@ -29,6 +29,7 @@ from hpc_rlx.config.model_inputs import input_sources
 from hpc_rlx.data.resolve import num_classes, prepare_missing_data
 from hpc_rlx.base.errors import ConfigError, DataError, phase
 from hpc_rlx.graph import BUILDERS, Graph, ParamLayout, build_model, freeze_params, init_params, trainable_user_names
+from hpc_rlx.graph.lora import add_adapters, adapter_ir_names, initial_adapters, lora_settings
 from hpc_rlx.graph.onnx.importer import import_onnx
 from hpc_rlx.graph.node_timing import node_times, time_cost
 from hpc_rlx.graph.partition import partition
@@ -340,6 +341,7 @@ def build_spec(cfg: dict, run_dir: str, world_size: int, config_yaml: str = "",
     n_classes = _num_classes(cfg["model"], info, n_train) if cfg["model"]["name"] in schema.BUILDER_KEYS else None
     graph = _build_graph(cfg["model"], info.x_shape, info.x_dtype, n_classes, info, inputs)
     graph = apply_loss_keys(graph, cfg["model"], int(cfg["parallel"]["pipeline_stages"]))
+    graph = add_adapters(graph, lora_settings(cfg["model"]["lora"]))                  # model.lora.*
     graph = freeze_params(graph, cfg["model"]["freeze"], cfg["model"]["train_only"])   # model.freeze / train_only
     check_checkpoint_metric(cfg["checkpoint"]["metric"], graph)
     x_in, y_in = (next(i for i in graph.inputs if i.name == n) for n in ("x", "y"))
@@ -422,12 +424,16 @@ def initial_parameters(spec: TrainSpec, graph, layout) -> np.ndarray:
         initial = _IMPORTED.get(src["path"])
         if initial is None:     # build_spec ran in another process (a test, a tool)
             initial = import_onnx(src["path"]).initial
-        layout.pack(initial, flat)
+        layout.pack({**initial, **initial_adapters(graph, int(spec.train["seed"]))}, flat)
     else:
         try:
             with h5py.File(src["path"], "r") as f:
                 views = layout.views(flat)
                 for p in graph.params:
+                    if p.name not in f and p.name in adapter_ir_names(graph.meta):
+                        raise ConfigError(f"model.init_from={src['path']} holds no LoRA adapters (no dataset "
+                                          f"{p.name!r}) and model.lora.rank adds them: start from a run trained "
+                                          f"with these model.lora keys, or from base weights in an ONNX file")
                     if p.name not in f:
                         raise ConfigError(f"model.init_from={src['path']} has no dataset {p.name!r}")
                     arr = f[p.name][...]

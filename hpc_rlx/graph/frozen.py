@@ -13,6 +13,7 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 
 from hpc_rlx.base.errors import ConfigError
+from hpc_rlx.graph.lora import adapter_ir_names
 from hpc_rlx.graph.param_names import names_by_meta, unmatched_glob, user_names
 
 __all__ = ["check_freeze_keys", "frozen_by", "with_frozen", "freeze_params", "frozen_user_names", "describe"]
@@ -78,9 +79,27 @@ def freeze_params(graph, freeze=(), train_only=()):
     """Rank 0, once: the graph with the parameters `model.freeze` / `model.train_only` select
     marked frozen (unchanged when both are empty)."""
     check_freeze_keys(freeze, train_only)
+    adapters = set(adapter_ir_names(graph.meta))
+    if adapters:
+        return with_frozen(graph, _lora_frozen(graph, freeze, train_only, adapters))
     if not freeze and not train_only and not any(p.frozen for p in graph.params):
         return graph
     return with_frozen(graph, frozen_by(graph, freeze, train_only))
+
+
+def _lora_frozen(graph, freeze, train_only, adapters: set) -> list[str]:
+    """Under LoRA every base parameter is frozen but those `model.train_only` names (PEFT's
+    `modules_to_save`); the adapters train."""
+    if freeze:
+        raise ConfigError(f"model.freeze={list(freeze)} with model.lora.rank > 0: LoRA freezes every base "
+                          f"parameter already; name the base parameters that train beside the adapters "
+                          f"with model.train_only=[globs]")
+    names = user_names(graph)
+    base = [p for p in graph.params if p.trainable and p.name not in adapters]
+    for glob in train_only:
+        if not any(fnmatchcase(names[p.name], glob) for p in base):
+            raise unmatched_glob("model.train_only", glob, [names[p.name] for p in base])
+    return [p.name for p in base if not any(fnmatchcase(names[p.name], g) for g in train_only)]
 
 
 def frozen_user_names(graph_dict: dict) -> list[str]:

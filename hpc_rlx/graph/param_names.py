@@ -11,7 +11,10 @@ from typing import Sequence
 
 from hpc_rlx.base.errors import ConfigError
 
-__all__ = ["pytorch_name", "user_names", "names_by_meta", "trainable_user_names", "unmatched_glob"]
+__all__ = ["LORA_META", "pytorch_name", "user_names", "names_by_meta", "trainable_user_names", "unmatched_glob"]
+
+
+LORA_META = "lora"      # a graph meta's LoRA record (graph/lora.py): the adapters' names among it
 
 
 def pytorch_name(meta: dict, ir_name: str) -> str | None:
@@ -26,11 +29,14 @@ def pytorch_name(meta: dict, ir_name: str) -> str | None:
 
 
 def names_by_meta(meta, ir_names) -> list[str]:
-    """The user-facing names of `ir_names`, from a graph's ``meta`` dict (its ``onnx`` entry)."""
-    onnx = meta.get("onnx") if isinstance(meta, dict) else None
+    """The user-facing names of `ir_names`, from a graph's ``meta`` dict (its ``onnx`` entry;
+    LoRA adapters by the names its ``lora`` entry gives them)."""
+    meta = meta if isinstance(meta, dict) else {}
+    adapters = (meta.get(LORA_META) or {}).get("names") or {}
+    onnx = meta.get("onnx")
     if not isinstance(onnx, dict) or not isinstance(onnx.get("params"), dict):
-        return list(ir_names)
-    return [pytorch_name(onnx, n) or n for n in ir_names]
+        return [adapters.get(n, n) for n in ir_names]
+    return [adapters.get(n) or pytorch_name(onnx, n) or n for n in ir_names]
 
 
 def user_names(graph) -> dict[str, str]:

@@ -18,6 +18,7 @@ from hpc_rlx.data.plan import plan_shards
 from hpc_rlx.base.errors import ConfigError
 from hpc_rlx.graph import ParamLayout
 from hpc_rlx.graph.frozen import describe as describe_frozen
+from hpc_rlx.graph.lora import describe as adapters_line
 from hpc_rlx.graph.param_names import names_by_meta
 from hpc_rlx.graph.partition import load_graph
 from hpc_rlx.runtime.feed import Feed, MemoryFeed, StreamFeed
@@ -145,6 +146,8 @@ class Worker:
             names = names_by_meta(self.spec.graph.get("meta"), [name for name, _, _ in spans])
             self.optimizer.use_settings(settings_for(names, opt.get("no_decay") or (), opt.get("lr_mult") or {},
                                                      every_glob_matches=False))
+        if adapters_line(self.graph):       # model.lora.*: the adapters train, the base is frozen
+            self.log(adapters_line(self.graph))
         if self.layout.frozen_names:        # model.freeze / model.train_only: neither stepped nor in the bucket
             self.log(describe_frozen(self.layout, self.graph))
 
