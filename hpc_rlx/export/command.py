@@ -1,6 +1,7 @@
 """`python -m hpc_rlx.export RUN_DIR [--onnx OUT.onnx] [--state-dict OUT.safetensors]
-[--checkpoint latest|best|PATH]`: a run's trained model as an inference ONNX file and/or a
-safetensors state dict. `python -m hpc_rlx.export --check MODEL.onnx [--freeze GLOB ...]
+[--adapters DIR] [--checkpoint latest|best|PATH]`: a run's trained model as an inference ONNX
+file and/or a safetensors state dict (a LoRA run's merged), and a LoRA run's adapters in PEFT's
+layout. `python -m hpc_rlx.export --check MODEL.onnx [--freeze GLOB ...]
 [--train-only GLOB ...]`: whether a file imports for training, and what trains, before a job
 is submitted. Errors go to stderr with exit status 2."""
 
@@ -13,6 +14,7 @@ from collections import Counter
 import numpy as np
 
 from hpc_rlx.base.errors import HpcRlxError
+from hpc_rlx.export.adapters import export_adapters, merge_adapters
 from hpc_rlx.export.ir_to_onnx import ir_to_onnx, needed_by
 from hpc_rlx.export.onnx_source import is_imported, original_onnx, original_state_dict
 from hpc_rlx.export.onnx_writer import optional_onnx, require_onnx, save_model
@@ -86,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--onnx", metavar="OUT.onnx", help="write the inference ONNX model here")
     p.add_argument("--state-dict", metavar="OUT.safetensors", help="write the parameters and "
                    "batch-norm running statistics here (float32, the original model's names)")
+    p.add_argument("--adapters", metavar="DIR", default=None,
+                   help="a LoRA run's adapters (and model.train_only modules) in PEFT's layout: "
+                   "peft.PeftModel.from_pretrained(base_model, DIR) loads them")
     p.add_argument("--base", metavar="ORIGINAL.safetensors", default=None,
                    help="the PyTorch module's original weights: with --state-dict, a parameter dynamo's "
                    "optimizer sliced (a position table) goes back whole, its untrained rest from here")
@@ -132,7 +137,7 @@ def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.check:
-        if args.run_dir or args.onnx or args.state_dict:
+        if args.run_dir or args.onnx or args.state_dict or args.adapters:
             print(f"{PROG}: error: --check takes the ONNX file alone (and --freeze or --train-only)", file=sys.stderr)
             return EXIT_ERROR
         try:
@@ -152,20 +157,25 @@ def main(argv=None) -> int:
     if args.base and not args.state_dict:
         print(f"{PROG}: error: --base goes with --state-dict (the weights it completes)", file=sys.stderr)
         return EXIT_ERROR
-    if not args.onnx and not args.state_dict:
-        print(f"{PROG}: error: nothing to write: give --onnx OUT.onnx and/or --state-dict OUT.safetensors",
-              file=sys.stderr)
+    if not args.onnx and not args.state_dict and not args.adapters:
+        print(f"{PROG}: error: nothing to write: give --onnx OUT.onnx, --state-dict OUT.safetensors "
+              f"and/or --adapters DIR", file=sys.stderr)
         return EXIT_ERROR
     try:
         if args.onnx:
             require_onnx()  # before any work: a missing install is the first thing to hear
-        trained = load_trained(args.run_dir, args.checkpoint, warn=lambda m: print(m, file=sys.stderr))
-        print(f"model '{trained.graph.name}' from {trained.source}")
+        run = load_trained(args.run_dir, args.checkpoint, warn=lambda m: print(m, file=sys.stderr))
+        print(f"model '{run.graph.name}' from {run.source}")
+        trained = merge_adapters(run)       # a LoRA run's: W + (alpha/r)·B·A, as the original model has it
+        if args.adapters:       # first: a run without adapters is refused before anything is written
+            written = export_adapters(run, args.adapters, state_dict(trained, args.base))
+            print(f"LoRA adapters in PEFT's layout: {', '.join(written)}")
         if args.onnx:
             print(f"{export_onnx(trained, args.onnx, args.output, not args.no_check)}: {args.onnx}")
         if args.state_dict:
             count = export_state_dict(trained, args.state_dict, args.base)
-            print(f"state dict ({count} tensors, float32): {args.state_dict}")
+            what = "merged LoRA, " if trained is not run else ""
+            print(f"state dict ({count} tensors, {what}float32): {args.state_dict}")
     except HpcRlxError as e:  # ExportError and the graph's, checkpoint's errors
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_ERROR

@@ -30,7 +30,7 @@ from hpc_rlx.graph.param_names import LORA_META, unmatched_glob, user_names
 from hpc_rlx.graph.params import draw_init
 
 __all__ = ["LoraSettings", "lora_settings", "add_adapters", "adapters_of", "adapter_ir_names",
-           "initial_adapters", "merged", "module_name", "describe"]
+           "initial_adapters", "merged", "without_adapters", "module_name", "describe"]
 
 _MAX_NAME = 128     # the IR's name limit (graph/ir.py)
 
@@ -151,9 +151,11 @@ def add_adapters(graph, settings: LoraSettings | None):
     nodes, records, user = [], [], {}
     adapter_of = {w: _adapter_names(w) for w in targets}
     layouts: dict[str, str] = {}
+    rewritten: dict[str, list] = {}
     for n in d["nodes"]:
         if n["op"] == "linear" and n["inputs"][1] in adapter_of:
             layouts.setdefault(n["inputs"][1], n["attrs"].get("weight_layout", "in_out"))
+            rewritten.setdefault(n["inputs"][1], []).append(n["name"])
             nodes += _rewrite(n, *adapter_of[n["inputs"][1]], settings, shapes)
         else:
             nodes.append(n)
@@ -167,7 +169,7 @@ def add_adapters(graph, settings: LoraSettings | None):
         module = module_name(names[w])
         user |= {a: f"{module}.lora_A.weight", b: f"{module}.lora_B.weight"}
         # in_out: W is stored (in, out), as GPT-2's Conv1D is (PEFT's fan_in_fan_out)
-        records.append({"weight": w, "name": names[w], "a": a, "b": b, "layout": layouts[w]})
+        records.append({"weight": w, "name": names[w], "a": a, "b": b, "layout": layouts[w], "nodes": rewritten[w]})
     d["nodes"] = nodes
     d["meta"] = dict(d.get("meta") or {}, **{LORA_META: {
         "rank": settings.rank, "alpha": settings.alpha, "dropout": settings.dropout,
@@ -209,6 +211,25 @@ def merged(meta: dict | None, values: dict) -> dict:
         delta = scale * (np.asarray(values[r["b"]], np.float64) @ np.asarray(values[r["a"]], np.float64))
         out[r["weight"]] = (w + (delta.T if r["layout"] == "in_out" else delta)).astype(w.dtype)
     return out
+
+
+def without_adapters(graph):
+    """The graph as it was before `add_adapters`: the adapters, their nodes and the record
+    removed (what an export of merged weights writes from; the graph itself without LoRA)."""
+    record = adapters_of(graph.meta)
+    if record is None:
+        return graph
+    d = graph.to_dict()
+    drop = set(adapter_ir_names(graph.meta))
+    rewritten = {n for r in record["adapters"] for n in r["nodes"]}
+    side = {f"{n}.{part}" for n in rewritten for part in ("lora_dropout", "lora_a", "lora_b", "lora_scaled")}
+    # the merged weights train again as a whole model would: no frozen marks
+    d["params"] = [{k: v for k, v in p.items() if k != "frozen"} for p in d["params"] if p["name"] not in drop]
+    d["nodes"] = [dict(n, name=n["name"][: -len(".lora_base")]) if n["name"].endswith(".lora_base")
+                  and n["name"][: -len(".lora_base")] in rewritten else n
+                  for n in d["nodes"] if n["name"] not in side and n["name"] not in rewritten]
+    d["meta"] = {k: v for k, v in d["meta"].items() if k != LORA_META}
+    return type(graph).from_dict(d)
 
 
 def describe(graph) -> str | None:
