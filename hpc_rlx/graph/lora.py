@@ -178,8 +178,10 @@ def add_adapters(graph, settings: LoraSettings | None):
 
 
 def adapters_of(meta: dict | None) -> dict | None:
-    """A graph meta's LoRA record (`add_adapters`), or None without adapters."""
-    record = (meta or {}).get(LORA_META)
+    """A graph meta's LoRA record (`add_adapters`), or None without adapters; a pipeline
+    stage's is in the meta of the graph it was cut from (``meta["source"]``)."""
+    meta = meta or {}
+    record = meta.get(LORA_META) or (meta.get("source") or {}).get(LORA_META) if "stage" in meta else meta.get(LORA_META)
     return record if isinstance(record, dict) and record.get("adapters") else None
 
 
@@ -192,7 +194,7 @@ def adapter_ir_names(meta: dict | None) -> list[str]:
 def initial_adapters(graph, seed: int) -> dict:
     """The adapters' initial values (float64, by IR name), drawn as `init_params` draws them
     from `train.seed`: a run that starts from an ONNX file's weights gets these."""
-    wanted = set(adapter_ir_names(graph.meta))
+    wanted = set(adapter_ir_names(graph.meta)) & {p.name for p in graph.params}     # a stage holds some
     streams = graph.param_seeds or range(len(graph.params))
     return {p.name: draw_init(p.init, tuple(p.shape), np.random.default_rng([int(seed), i]))
             for i, p in zip(streams, graph.params) if p.name in wanted}
