@@ -129,9 +129,12 @@ def _resumed(ref: Path, data: Path, n: int, survivors: int, step: int, extra: li
     # the 16-bit wire (its segments re-planned over the survivors)
     (3, 1, "step", 16, ["comm.shared_memory=false", "comm.overlap=true"]),
     (3, 2, "allreduce", 16, ["comm.shared_memory=false", "comm.wire_dtype=bfloat16"]),
+    # LoRA adapters (model.lora.*): the frozen base and the adapters' bucket carry over to the survivors
+    (3, 1, "step", 16, ["comm.shared_memory=false", "model.lora.rank=2", "model.lora.targets=[fc*]",
+                        "model.train_only=[head.*]"]),
 ], ids=["kill_two_ranks_in_forward_backward", "kill_a_rank_during_the_recovery", "kill_at_the_allreduce", "kill_rank_0", "kill_before_validation",
         "kill_before_a_checkpoint", "kill_rank_0_that_scatters_streamed_rows", "kill_with_the_allreduce_overlapped",
-        "kill_with_the_16_bit_wire"])
+        "kill_with_the_16_bit_wire", "kill_with_lora_adapters"])
 def test_shrink_survives_a_killed_rank_and_ends_as_a_resume_on_the_survivors(tmp_path, data, n, rank,
                                                                              point, step, extra):
     run = tmp_path / "run"
