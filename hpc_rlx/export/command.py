@@ -22,6 +22,7 @@ from hpc_rlx.export.safetensors_file import read_float_tensors, write_safetensor
 from hpc_rlx.export.trained import ExportError, TrainedModel, load_trained, model_output
 from hpc_rlx.export.verify import check_with_runtime
 from hpc_rlx.graph.frozen import freeze_params
+from hpc_rlx.graph.lora import add_adapters, describe as describe_adapters, lora_settings
 from hpc_rlx.graph.onnx.importer import import_onnx
 from hpc_rlx.graph.param_names import user_names
 
@@ -104,24 +105,57 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --check: the parameters model.freeze=[GLOB,...] would freeze")
     p.add_argument("--train-only", metavar="GLOB", nargs="+", default=[],
                    help="with --check: the only parameters that train, as model.train_only=[GLOB,...]")
+    p.add_argument("--inputs", metavar="NAME", nargs="+", default=[],
+                   help="with --check: the model's inputs, as data.x=[NAME,...] names them (e.g. input_ids "
+                   "attention_mask); their row shapes are the file's declared ones")
+    p.add_argument("--lora-rank", metavar="R", type=int, default=0,
+                   help="with --check: LoRA adapters of rank R on the --lora-targets weights, as model.lora.rank")
+    p.add_argument("--lora-targets", metavar="GLOB", nargs="+", default=[],
+                   help="with --check: the weights that get adapters, as model.lora.targets=[GLOB,...]")
     return p
 
 
-def check_onnx_file(path, freeze=(), train_only=()) -> list[str]:
+def declared_inputs(path, names) -> list | None:
+    """data.x's [(name, row shape, dtype)] for `--check --inputs`: each named input's row shape
+    as the file declares it (ExportError when a row dimension is not fixed there)."""
+    if not names:
+        return None
+    onnx = require_onnx()
+    graph = onnx.load(str(path), load_external_data=False).graph
+    declared = {i.name: i.type.tensor_type for i in graph.input}
+    out = []
+    for name in names:
+        if name not in declared:
+            raise ExportError(f"--inputs: {path} has no input {name!r} (its inputs: {', '.join(declared)})")
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in declared[name].shape.dim][1:]
+        if any(d is None for d in dims):
+            raise ExportError(f"--inputs: input {name!r} of {path} declares no fixed row shape; check it with "
+                              f"a training run's first lines instead")
+        kind = "float64" if declared[name].elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE) else "int64"
+        out.append((name, tuple(dims), kind))
+    return out
+
+
+def check_onnx_file(path, freeze=(), train_only=(), inputs=(), lora_rank=0, lora_targets=()) -> list[str]:
     """What `--check` prints for an ONNX file that imports (raises GraphError otherwise), with
-    the parameters `model.freeze` / `model.train_only` globs would freeze (ConfigError if they
-    match nothing or leave nothing to train)."""
-    imported = import_onnx(path)
-    g, meta = freeze_params(imported.graph, list(freeze), list(train_only)), imported.graph.meta["onnx"]
+    the parameters `model.freeze` / `model.train_only` globs would freeze and the LoRA adapters
+    `model.lora.*` would add (ConfigError if they match nothing or leave nothing to train)."""
+    imported = import_onnx(path, inputs=declared_inputs(path, list(inputs)))
+    lora = lora_settings({"rank": lora_rank, "targets": list(lora_targets)})
+    g = freeze_params(add_adapters(imported.graph, lora), list(freeze), list(train_only))
+    meta = imported.graph.meta["onnx"]
     ops = Counter(n.op for n in g.nodes)
     x = g.input("x")
     lines = [f"{path}: imports for training ({meta['exporter']} exporter, opset {meta['opset']}, "
              f"{meta['form']} form)",
-             f"input {meta['input']!r}: {x.dtype} {list(x.shape)} (null: the batch); "
+             (f"inputs {', '.join(repr(n) for n in inputs)}: packed into one {x.dtype} row of {x.shape[1]}; "
+              if inputs else f"input {meta['input']!r}: {x.dtype} {list(x.shape)} (null: the batch); ") +
              f"{g.num_params:,} trainable parameters in {sum(p.trainable and not p.frozen for p in g.params)} "
              f"tensors",
              "ops: " + ", ".join(f"{op} x{k}" for op, k in sorted(ops.items()))]
     lines += [f"warning: {w}" for w in imported.warnings]
+    if lora is not None:
+        lines.append(describe_adapters(g))
     # every parameter the import will train, by its PyTorch name: one that PyTorch keeps fixed
     # (requires_grad=False) is an initializer like the others in the file and shows up here
     names = user_names(g)
@@ -142,7 +176,8 @@ def main(argv=None) -> int:
             return EXIT_ERROR
         try:
             require_onnx()
-            print("\n".join(check_onnx_file(args.check, args.freeze, args.train_only)))
+            print("\n".join(check_onnx_file(args.check, args.freeze, args.train_only, args.inputs,
+                                             args.lora_rank, args.lora_targets)))
         except HpcRlxError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return EXIT_ERROR
@@ -150,9 +185,9 @@ def main(argv=None) -> int:
     if not args.run_dir:
         print(f"{PROG}: error: give the run directory to export from (or --check MODEL.onnx)", file=sys.stderr)
         return EXIT_ERROR
-    if args.freeze or args.train_only:
-        print(f"{PROG}: error: --freeze and --train-only go with --check MODEL.onnx (a run's frozen parameters "
-              f"are in its graph)", file=sys.stderr)
+    if args.freeze or args.train_only or args.inputs or args.lora_rank or args.lora_targets:
+        print(f"{PROG}: error: --freeze, --train-only, --inputs and --lora-* go with --check MODEL.onnx (a run's "
+              f"frozen parameters and adapters are in its graph)", file=sys.stderr)
         return EXIT_ERROR
     if args.base and not args.state_dict:
         print(f"{PROG}: error: --base goes with --state-dict (the weights it completes)", file=sys.stderr)

@@ -45,6 +45,8 @@ RUN_BY_TESTS: dict[tuple[str, str], list[str]] = {
         f"{EXAMPLES}::test_a_slow_rank_under_cadence"],
     ("README.md", ".venv/bin/python hf_bert.py"): [
         f"{EXAMPLES}::test_a_hugging_face_model_through_onnx_and_back"],
+    ("docs/finetuning.md", ".venv/bin/python hf_lora.py"): [
+        f"{EXAMPLES}::test_fine_tuning_with_lora_and_an_attention_mask"],
     ("docs/pytorch.md", ".venv/bin/python net.py"): [
         f"{EXAMPLES}::test_pytorch_model_through_onnx_and_back"],
     ("docs/pytorch.md", ".venv/bin/mpirun -n 2 .venv/bin/python -m hpc_rlx hydra.run.dir=runs/mlp"): [

@@ -49,6 +49,8 @@ RUNS = {
         ("docs/pytorch.md", ".venv/bin/python net.py")],
     "test_a_hugging_face_model_through_onnx_and_back": [
         ("README.md", ".venv/bin/python hf_bert.py")],
+    "test_fine_tuning_with_lora_and_an_attention_mask": [
+        ("docs/finetuning.md", ".venv/bin/python hf_lora.py")],
     "test_export_a_trained_run": [
         ("docs/pytorch.md", ".venv/bin/mpirun -n 2 .venv/bin/python -m hpc_rlx hydra.run.dir=runs/mlp")],
     "test_a_graph_written_with_graph_builder": [
@@ -235,6 +237,34 @@ def test_a_hugging_face_model_through_onnx_and_back(workdir):
     assert "bert.onnx: imports for training" in proc.stdout, proc.stdout
     completed(workdir / "runs" / "bert")
     assert proc.stdout.strip().splitlines()[-1] == "<All keys matched successfully>", proc.stdout[-2000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_fine_tuning_with_lora_and_an_attention_mask(workdir):
+    """docs/finetuning.md end to end: a BERT of (input_ids, attention_mask) exported, padded data,
+    the check, a LoRA run on 2 ranks, the exports, and the adapters loaded back with PEFT onto the
+    original weights equal the merged state dict, which loads with every key."""
+    for module in ("torch", "onnx", "onnxscript", "safetensors", "transformers", "peft"):
+        pytest.importorskip(module)
+    for first_line, name in (
+            ("# hf_lora.py: a BERT classifier that reads token ids and an attention mask", "hf_lora.py"),
+            ("# padded.py: padded token ids, their attention mask and labels in HDF5 (a tokenizer's output)",
+             "padded.py"),
+            ("# load_adapters.py: the fine-tuned model back in transformers and PEFT", "load_adapters.py")):
+        write_block("docs/finetuning.md", first_line, workdir / name)
+    proc = run_commands(page_commands("test_fine_tuning_with_lora_and_an_attention_mask")
+                        + [".venv/bin/python load_adapters.py"], workdir)
+    assert "LoRA: rank 4, alpha 8 (scale 2), dropout 0: adapters on 4 weight(s)" in proc.stdout, proc.stdout
+    assert "trains: model.classifier.weight (128), model.classifier.bias (4)" in proc.stdout, proc.stdout
+    completed(workdir / "runs" / "lora")
+    log = (workdir / "runs" / "lora" / "hpc_rlx.log").read_text()
+    assert "the bucket's payload is 1,156 values instead of 53,476" in log, log
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (workdir / "adapters" / name).is_file(), name
+    *_, loaded, difference = proc.stdout.strip().splitlines()
+    assert loaded == "<All keys matched successfully>", proc.stdout[-2000:]
+    assert difference.startswith("max difference: ") and float(difference.split(": ")[1]) < 1e-5, difference
 
 
 @pytest.mark.mpi
