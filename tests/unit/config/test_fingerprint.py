@@ -30,6 +30,7 @@ def fp(cfg: dict, **changes) -> str:
     {"optim__lr": 0.05}, {"optim__schedule": "constant"}, {"optim__momentum": 0.5}, {"optim__milestones": [5]},
     {"policy__name": "cadence"}, {"model__hidden": [64]}, {"model__activation": "tanh"},
     {"model__freeze": ["fc0.*"]}, {"model__train_only": ["head.*"]},
+    {"model__lora": {"rank": 2, "alpha": 8, "dropout": 0.0, "targets": ["fc0"]}},
     {"data__path": "data/other.h5"}, {"data__val_fraction": 0.1}, {"data__leftover": "partial"},
     {"train__batch_size": 32}, {"train__seed": 1}, {"train__dtype": "float64"},
 ])
@@ -123,3 +124,12 @@ def test_which_directory_a_run_of_the_job_uses(existing, mine, requeued, auto, e
     name, why = choose_job_dir(BASE, existing, mine, requeued, auto)
     assert name == expected, why
     assert why
+
+
+def test_lora_off_keeps_older_fingerprints(default_cfg):
+    """model.lora came after runs were fingerprinted: at rank 0 (off) it is left out."""
+    older = copy.deepcopy(default_cfg)
+    older["model"].pop("lora", None)
+    off = copy.deepcopy(default_cfg)
+    off["model"]["lora"] = {"rank": 0, "alpha": 16, "dropout": 0.1, "targets": ["x"]}
+    assert config_fingerprint(off, cwd="/work") == config_fingerprint(older, cwd="/work")

@@ -128,12 +128,30 @@ def test_every_option_of_every_group_composes_and_validates(group, option):
 
 def test_validation_fails_on_a_bad_value_of_each_checked_key():
     cfg = _compose([])
+    checked = []
     for key in schema.KEYS:
-        if key.check is None or key.section not in cfg or key.name not in cfg[key.section]:
+        if key.check is None or key.section not in cfg or schema.value_of(cfg[key.section], key.name) is schema.ABSENT:
             continue
-        bad = dict(cfg, **{key.section: dict(cfg[key.section], **{key.name: [object()]})})
-        with pytest.raises(ConfigError, match=key.label or key.path):
-            validate_config(bad, world_size=2)
+        head, _, leaf = key.name.partition(".")
+        section = dict(cfg[key.section])
+        section[head] = dict(section[head], **{leaf: [object()]}) if leaf else [object()]   # model.lora.rank
+        with pytest.raises(ConfigError, match=re.escape(key.label or key.path)):
+            validate_config(dict(cfg, **{key.section: section}), world_size=2)
+        checked.append(key.path)
+    assert {"model.lora.rank", "model.lora.alpha", "model.lora.dropout", "model.lora.targets"} <= set(checked)
+
+
+def test_a_nested_section_takes_a_mapping_of_its_declared_keys_only():
+    cfg = _compose([])
+    assert validate_config(dict(cfg, model=dict(cfg["model"], lora={"rank": 2})))["model"]["lora"] == {
+        "rank": 2, "alpha": 8, "dropout": 0.0, "targets": []}          # completed key by key
+    with pytest.raises(ConfigError, match=r"model.lora does not take \['rnk'\]; its keys: "
+                                          r"\['alpha', 'dropout', 'rank', 'targets'\]"):
+        validate_config(dict(cfg, model=dict(cfg["model"], lora={"rnk": 2})))
+    with pytest.raises(ConfigError, match=r"model.lora must be a mapping of"):
+        validate_config(dict(cfg, model=dict(cfg["model"], lora=4)))
+    with pytest.raises(ConfigError, match=r"model.lora.dropout must be a probability in \[0, 1\)"):
+        validate_config(dict(cfg, model=dict(cfg["model"], lora={"rank": 2, "dropout": 1.0})))
 
 
 def test_a_hand_made_config_is_completed_with_the_declared_defaults():

@@ -142,3 +142,43 @@ def test_a_bad_lora_setting_is_one_error_naming_the_key(exported, lora, freeze, 
     _, imported = exported
     with pytest.raises(ConfigError, match=match):
         freeze_params(add_adapters(imported.graph, lora_settings({"alpha": 8, "dropout": 0.0, **lora})), freeze)
+
+
+def test_lora_dropout_drops_the_adapters_input_only():
+    """model.lora.dropout: a dropout on the adapters' side path only. With B at zero the adapted
+    layer's output is the base's whatever the mask (the base path is never dropped), while A's
+    gradient sees the dropped input; in eval mode nothing is dropped; the merge undoes it too."""
+    g0 = build_model("mlp", input_shape=(6,), num_classes=3, hidden=[8])
+    g = add_adapters(g0, lora_settings({"rank": 2, "alpha": 2, "dropout": 0.5, "targets": ["fc0"]}))
+    assert [n.op for n in g.nodes if n.name.startswith("fc0.")] == ["linear", "dropout", "linear", "linear", "scale"]
+    layout = ParamLayout(g)
+    flat = init_params(g, np.zeros(layout.size), 1)
+    x, y = np.random.default_rng(0).normal(size=(16, 6)), np.arange(16) % 3
+    plain = ParamLayout(g0)
+    base_flat = plain.pack({k: v for k, v in layout.views(flat).items() if "lora" not in k}, np.zeros(plain.size))
+    want = Executor(g0, np, "float64").forward(plain.views(base_flat), {"x": x, "y": y}, train=True, seed=3)
+    ex = Executor(g, np, "float64")
+    assert ex.forward(layout.views(flat), {"x": x, "y": y}, train=True, seed=3)["loss"] == want["loss"]
+    grads = {}
+    for p in (0.5, 0.0):
+        gp = add_adapters(g0, lora_settings({"rank": 2, "alpha": 2, "dropout": p, "targets": ["fc0"]}))
+        gv = np.zeros(layout.size)
+        b = layout.views(flat)["fc0.weight.lora_B"]
+        b[...] = 0.3                                   # a non-zero B: A gets a gradient
+        Executor(gp, np, "float64").forward_backward(layout.views(flat), layout.grad_views(gv), {"x": x, "y": y}, seed=3)
+        grads[p] = layout.grad_views(gv)["fc0.weight.lora_A"].copy()
+    assert not np.allclose(grads[0.5], grads[0.0])
+    assert without_adapters(g).to_dict() == g0.to_dict()
+
+
+def test_a_checkpoint_with_other_adapters_is_refused_naming_both():
+    from hpc_rlx.base.errors import CheckpointError
+    from hpc_rlx.checkpoint.graph_match import check_frozen, frozen_record
+    g0 = build_model("mlp", input_shape=(6,), num_classes=3, hidden=[8])
+    mine = frozen_record(freeze_params(add_adapters(g0, _settings(targets=["fc0"]))).to_dict())
+    assert mine["lora"] == {"rank": 2, "alpha": 3.0, "adapted": ["fc0.weight"]}
+    check_frozen("c.h5", mine, mine)
+    with pytest.raises(CheckpointError, match=r"checkpoint c.h5 was trained with other LoRA adapters \(model.lora.\*\): "
+                                              r"the checkpoint's rank 2, alpha 3.0 on fc0.weight; this run's none"):
+        check_frozen("c.h5", mine, frozen_record(g0.to_dict()))
+    assert frozen_record(g0.to_dict()) == {}            # without LoRA or a frozen set: the meta as before
