@@ -186,4 +186,4 @@ def test_export_check_lists_what_trains_and_what_the_globs_freeze(tmp_path, caps
     assert main(["--check", str(model), "--freeze", "w3"]) == 2
     assert "model.freeze: 'w3' matches no trainable parameter; the closest names: 'w2', 'w1'" in capsys.readouterr().err
     assert main([str(tmp_path), "--onnx", str(tmp_path / "o.onnx"), "--freeze", "w1"]) == 2
-    assert "--freeze and --train-only go with --check" in capsys.readouterr().err
+    assert "--freeze, --train-only, --inputs and --lora-* go with --check" in capsys.readouterr().err
