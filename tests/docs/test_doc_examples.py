@@ -260,6 +260,9 @@ def test_fine_tuning_with_lora_and_an_attention_mask(workdir):
     completed(workdir / "runs" / "lora")
     log = (workdir / "runs" / "lora" / "hpc_rlx.log").read_text()
     assert "the bucket's payload is 1,156 values instead of 53,476" in log, log
+    # the merged model's ONNX file, run in ONNX Runtime against hpc_rlx's forward by the export
+    assert re.search(r"checked in ONNX Runtime against hpc_rlx \(max relative difference [0-9.e+-]+\): merged.onnx",
+                     proc.stdout), proc.stdout[-2000:]
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         assert (workdir / "adapters" / name).is_file(), name
     *_, loaded, difference = proc.stdout.strip().splitlines()
