@@ -14,6 +14,7 @@ row), to 1e-10:
 from __future__ import annotations
 
 import copy
+import json
 import os
 import warnings
 
@@ -27,6 +28,7 @@ from tests.support.jobs import explain, train_job
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("onnxscript")
+peft = pytest.importorskip("peft")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # one worker holds the module's exports; about 30 s on 2 cores
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.xdist_group("peft-equivalence")]
@@ -42,6 +44,7 @@ STEPS = TRAIN // BATCH               # one epoch: each of the BATCH rows holds S
 # attention key's bias, ~1e-18), which eps=1e-8 would turn into steps of ~lr * 1e-10 that differ
 # between any two implementations
 LR, WD, ADAM_EPS, HEAD_MULT = 0.01, 0.1, 1e-6, 10.0
+RANK, ALPHA, SGD_LR, MOMENTUM = 4, 6, 0.5, 0.9     # alpha/r = 1.5, not the default's 2
 COMMON = ["model=onnx", "data=file", "data.x=[input_ids,attention_mask]", "data.y=labels",
           "data.val_fraction=0.1667", "data.shuffle=false", "train.dtype=float64", "train.epochs=1",
           f"train.batch_size={BATCH}", "optim.schedule=constant", "checkpoint=off", "report.tensorboard=false"]
@@ -65,13 +68,15 @@ def _gpt2():
 # name -> the model, and which of its PyTorch names are the embeddings, the parameters
 # transformers' recipe leaves undecayed, and the head; globs for hpc_rlx, predicates for PyTorch
 MODELS = {
-    "bert": dict(build=_bert, freeze="[bert.embeddings.*]", no_decay="[*bias,*LayerNorm.weight]",
-                 lr_mult="{classifier.*:10}",
+    "bert": dict(build=_bert, padding="right", freeze="[bert.embeddings.*]", no_decay="[*bias,*LayerNorm.weight]",
+                 lr_mult="{classifier.*:10}", lora="[*query,*value]", peft=dict(target_modules=["query", "value"],
+                                                                               modules_to_save=["classifier"]),
                  frozen=lambda n: n.startswith("bert.embeddings."),
                  undecayed=lambda n: n.endswith(".bias") or n.endswith("LayerNorm.weight"),
                  head=lambda n: n.startswith("classifier.")),
-    "gpt2": dict(build=_gpt2, freeze="[transformer.wte.*,transformer.wpe.*]", no_decay="[*bias,*ln_*.weight]",
-                 lr_mult="{score.*:10}",
+    "gpt2": dict(build=_gpt2, padding="left", freeze="[transformer.wte.*,transformer.wpe.*]", no_decay="[*bias,*ln_*.weight]",
+                 lr_mult="{score.*:10}", lora="[*c_attn]",    # Conv1D, stored (in, out): PEFT's fan_in_fan_out
+                 peft=dict(target_modules=["c_attn"], modules_to_save=["score"], fan_in_fan_out=True),
                  frozen=lambda n: n.startswith(("transformer.wte.", "transformer.wpe.")),
                  undecayed=lambda n: n.endswith(".bias") or ".ln_" in n,
                  head=lambda n: n.startswith("score.")),
@@ -88,13 +93,21 @@ def _padded_rows(rng):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """The padded rows (input_ids, attention_mask, labels) and the HDF5 file that holds them."""
+    """side -> (an HDF5 file, input_ids, attention_mask, labels): the same padded rows padded on
+    the right (BERT pools at the first token) and on the left (GPT-2 is causal: padded on the
+    right, its tokens would never see the pads, and the mask would change nothing)."""
     ids, mask, y = _padded_rows(np.random.default_rng(0))
     assert len(set(mask.sum(1).tolist())) > 3          # rows of many lengths
-    path = tmp_path_factory.mktemp("peft-data") / "padded.h5"
-    with h5py.File(path, "w") as f:
-        f["input_ids"], f["attention_mask"], f["labels"] = ids, mask, y
-    return path, ids, mask, y
+    shift = T - mask.sum(1)
+    left = np.array([np.roll(row, k) for row, k in zip(ids, shift)]), np.array([np.roll(row, k) for row, k in
+                                                                               zip(mask, shift)])
+    folder, sides = tmp_path_factory.mktemp("peft-data"), {}
+    for side, (i, m) in {"right": (ids, mask), "left": left}.items():
+        path = folder / f"padded-{side}.h5"
+        with h5py.File(path, "w") as f:
+            f["input_ids"], f["attention_mask"], f["labels"] = i, m, y
+        sides[side] = (path, i, m, y)
+    return sides
 
 
 def _pretrain(module, ids, mask, y):
@@ -112,9 +125,10 @@ def _pretrain(module, ids, mask, y):
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def pretrained(request, data, tmp_path_factory):
     """(name, the pretrained float32 module, its dynamo export with inputs input_ids and
-    attention_mask), shared by the tests of the module."""
+    attention_mask, its padded rows as `data` gives them), shared by the tests of the module."""
     name = request.param
-    _, ids, mask, y = data
+    rows = data[MODELS[name]["padding"]]
+    _, ids, mask, y = rows
     torch.manual_seed(0)
     module = MODELS[name]["build"]().train()
     # biases start off zero too, as a pretrained model's are: an attention key's bias gets no
@@ -136,7 +150,7 @@ def pretrained(request, data, tmp_path_factory):
                           dynamo=True, optimize=False, verbose=False, input_names=["input_ids", "attention_mask"],
                           output_names=["logits"], dynamic_shapes={"input_ids": {0: torch.export.Dim("batch")},
                                                                    "attention_mask": {0: torch.export.Dim("batch")}})
-    return name, module, path
+    return name, module, path, rows
 
 
 def plan_batches() -> list[list[int]]:
@@ -178,9 +192,8 @@ def _train(tmp_path, name: str, overrides: list[str]) -> dict:
     return runs
 
 
-def test_freeze_no_decay_and_lr_mult_with_adamw_equal_torch_param_groups_on_padded_batches(tmp_path, data,
-                                                                                       pretrained):
-    name, module, onnx_file = pretrained
+def test_freeze_no_decay_and_lr_mult_with_adamw_equal_torch_param_groups_on_padded_batches(tmp_path, pretrained):
+    name, module, onnx_file, data = pretrained
     spec = MODELS[name]
     runs = _train(tmp_path, name, [f"model.path={onnx_file}", f"data.path={data[0]}", "optim=adamw",
                                    f"optim.lr={LR}", f"optim.eps={ADAM_EPS}", f"optim.weight_decay={WD}", f"model.freeze={spec['freeze']}",
@@ -203,3 +216,49 @@ def test_freeze_no_decay_and_lr_mult_with_adamw_equal_torch_param_groups_on_padd
         assert max_rel_diff(want, got) <= 1e-10, (ranks, _worst(want, got))
         for n in want:        # the frozen ones bit for bit as the file held them, the others moved
             assert np.array_equal(got[n], initial[n]) == spec["frozen"](n), (ranks, n)
+
+
+def _peft_names(ir_name: str) -> str:
+    """PEFT's state-dict key of an adapter the run names `<weight>.lora_A` (or `_B`)."""
+    weight, which = ir_name.rsplit(".", 1)
+    return f"base_model.model.{weight.removesuffix('.weight')}.{which}.default.weight"
+
+
+def test_lora_with_a_trained_head_equals_peft_from_the_same_initial_adapters(tmp_path, pretrained):
+    name, module, onnx_file, data = pretrained
+    spec = MODELS[name]
+    runs = _train(tmp_path, f"{name}-lora", [
+        f"model.path={onnx_file}", f"data.path={data[0]}", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}",
+        "model.lora.dropout=0", f"model.lora.targets={spec['lora']}", f"model.train_only=[{spec['peft']['modules_to_save'][0]}.*]",
+        "optim=sgd", f"optim.lr={SGD_LR}", f"optim.momentum={MOMENTUM}"])
+    from hpc_rlx.graph import Graph
+    from hpc_rlx.graph.lora import initial_adapters
+    graph = Graph.from_dict(json.loads((tmp_path / f"{name}-lora-1" / "graph.json").read_text()))
+    initial = initial_adapters(graph, 0)                      # train.seed's draw, as the run made it
+    assert len(initial) == 2 * 2 * len(spec["peft"]["target_modules"]), sorted(initial)
+
+    reference = peft.get_peft_model(copy.deepcopy(module).double(), peft.LoraConfig(
+        r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, **spec["peft"]))
+    state = dict(reference.named_parameters())
+    with torch.no_grad():
+        for ir_name, value in initial.items():
+            state[_peft_names(ir_name)].copy_(torch.from_numpy(value))
+    trained = [n for n, p in reference.named_parameters() if p.requires_grad]
+    opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=SGD_LR, momentum=MOMENTUM)
+    after = torch_steps(reference, opt, data)
+    head = spec["peft"]["modules_to_save"][0]
+    want = {ir_name: after[_peft_names(ir_name)] for ir_name in initial}
+    want |= {n.replace(f"base_model.model.{head}.modules_to_save.default.", f"{head}."): after[n]
+             for n in trained if ".modules_to_save." in n}
+    assert len(want) == len(trained), (sorted(want), trained)        # the adapters and the head, nothing else
+
+    base = {n: p.detach().double().numpy() for n, p in module.named_parameters()}
+    for ranks, params in runs.items():
+        got = {k: params[k] if params[k].shape == want[k].shape else params[k].T for k in want}
+        assert max_rel_diff(want, got) <= 1e-10, (ranks, _worst(want, got))
+        for k in initial:                     # every adapter moved from where it started
+            assert not np.array_equal(params[k], initial[k]), (ranks, k)
+        assert set(params) == set(base) | set(initial), sorted(set(params) ^ (set(base) | set(initial)))
+        for k in set(base) - set(want):       # the base: bit for bit what the file held
+            value = params[k] if params[k].shape == base[k].shape else params[k].T
+            assert np.array_equal(value, base[k]), (ranks, k)
