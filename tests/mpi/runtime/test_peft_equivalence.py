@@ -1,15 +1,19 @@
 """Fine-tuning a Hugging Face model as transformers and PEFT do, in real mpirun jobs: a small BERT
 and a small GPT-2 sequence classifier, built from their config classes and "pretrained" by a few
 PyTorch steps (so no parameter is at its initial value), exported by dynamo with two inputs
-(input_ids, attention_mask) and trained on padded rows for 5 steps on 1 and on 2 ranks in
-float64. Each test's reference is PyTorch on the batches hpc_rlx's plan gives (data.shuffle=false:
-the training samples are cut into one row per batch slot and step s takes sample s of every
-row), to 1e-10:
+(input_ids, attention_mask), train on padded rows (BERT's padded on the right, GPT-2's on the
+left) for 5 steps on 1 and on 2 ranks in float64. Each reference is PyTorch in float64 on the
+batches hpc_rlx's plan gives (data.shuffle=false: the training samples are cut into one row per
+batch slot and step s takes sample s of every row), to 1e-10:
 
 - model.freeze (the embeddings), optim.no_decay (biases and LayerNorm weights, transformers'
   recipe) and optim.lr_mult (the head at 10x) together with AdamW equal torch.optim.AdamW with
   one parameter group per parameter and the frozen ones requires_grad=False; those stay bitwise
-  what the file held."""
+  what the file held.
+- LoRA (r=4 on BERT's query and value, on GPT-2's Conv1D c_attn) with the head in
+  model.train_only and SGD with momentum equals peft.get_peft_model (modules_to_save the head)
+  started from the run's own initial adapters (hpc_rlx.graph.lora.initial_adapters); every base
+  weight stays bitwise what the file held."""
 
 from __future__ import annotations
 
@@ -30,13 +34,14 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("onnxscript")
 peft = pytest.importorskip("peft")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# one worker holds the module's exports; about 30 s on 2 cores
+# one worker holds the module's two exports; 8 jobs: about 55 s on 2 busy cores
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.xdist_group("peft-equivalence")]
 
 VOCAB, T, CLASSES, PAD = 40, 8, 3, 0
 # Head dim 4: the import folds the attention scale's square root (applied to the queries and to
-# the keys) from the file's float32 constant, and a float64 run meets PyTorch's float64 only where
-# that root comes out exact or is one the import recognises (sqrt(0.5) is; 8 ** -0.25 is not)
+# the keys) from the file's float32 constant, so a float64 run meets PyTorch's float64 only where
+# that root is exact or one the import recognises: sqrt(0.5) is; 8 ** -0.25 (head dim 8) is not,
+# and scales every score by 1 + 6e-8
 HIDDEN, HEADS = 16, 4
 N, TRAIN, BATCH = 48, 40, 8          # 8 validation rows after the 40 training ones
 STEPS = TRAIN // BATCH               # one epoch: each of the BATCH rows holds STEPS samples
@@ -44,7 +49,7 @@ STEPS = TRAIN // BATCH               # one epoch: each of the BATCH rows holds S
 # attention key's bias, ~1e-18), which eps=1e-8 would turn into steps of ~lr * 1e-10 that differ
 # between any two implementations
 LR, WD, ADAM_EPS, HEAD_MULT = 0.01, 0.1, 1e-6, 10.0
-RANK, ALPHA, SGD_LR, MOMENTUM = 4, 6, 0.5, 0.9     # alpha/r = 1.5, not the default's 2
+LORA_RANK, ALPHA, SGD_LR, MOMENTUM = 4, 6, 0.5, 0.9     # alpha/r = 1.5, not the default's 2
 COMMON = ["model=onnx", "data=file", "data.x=[input_ids,attention_mask]", "data.y=labels",
           "data.val_fraction=0.1667", "data.shuffle=false", "train.dtype=float64", "train.epochs=1",
           f"train.batch_size={BATCH}", "optim.schedule=constant", "checkpoint=off", "report.tensorboard=false"]
@@ -61,21 +66,22 @@ def _gpt2():
     # no key-value cache (an export cannot return it); the classifier pools at the last non-pad token
     return transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=16, n_embd=HIDDEN, n_layer=2, n_head=HEADS, num_labels=CLASSES, pad_token_id=PAD,
-        bos_token_id=1, eos_token_id=1, use_cache=False, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0))
+        bos_token_id=1, eos_token_id=1, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
-# name -> the model, and which of its PyTorch names are the embeddings, the parameters
-# transformers' recipe leaves undecayed, and the head; globs for hpc_rlx, predicates for PyTorch
+# name -> the model, its padding side, and which of its PyTorch names are the embeddings, the
+# parameters transformers' recipe leaves undecayed, the head and the LoRA targets: globs for
+# hpc_rlx, predicates and PEFT's LoraConfig for the reference
 MODELS = {
-    "bert": dict(build=_bert, padding="right", freeze="[bert.embeddings.*]", no_decay="[*bias,*LayerNorm.weight]",
-                 lr_mult="{classifier.*:10}", lora="[*query,*value]", peft=dict(target_modules=["query", "value"],
-                                                                               modules_to_save=["classifier"]),
+    "bert": dict(build=_bert, padding="right", freeze="[bert.embeddings.*]",
+                 no_decay="[*bias,*LayerNorm.weight]", lr_mult="{classifier.*:10}", lora="[*query,*value]",
+                 peft=dict(target_modules=["query", "value"], modules_to_save=["classifier"]),
                  frozen=lambda n: n.startswith("bert.embeddings."),
                  undecayed=lambda n: n.endswith(".bias") or n.endswith("LayerNorm.weight"),
                  head=lambda n: n.startswith("classifier.")),
-    "gpt2": dict(build=_gpt2, padding="left", freeze="[transformer.wte.*,transformer.wpe.*]", no_decay="[*bias,*ln_*.weight]",
-                 lr_mult="{score.*:10}", lora="[*c_attn]",    # Conv1D, stored (in, out): PEFT's fan_in_fan_out
+    "gpt2": dict(build=_gpt2, padding="left", freeze="[transformer.wte.*,transformer.wpe.*]",
+                 no_decay="[*bias,*ln_*.weight]", lr_mult="{score.*:10}",
+                 lora="[*c_attn]",    # a Conv1D, stored (in, out): PEFT's fan_in_fan_out
                  peft=dict(target_modules=["c_attn"], modules_to_save=["score"], fan_in_fan_out=True),
                  frozen=lambda n: n.startswith(("transformer.wte.", "transformer.wpe.")),
                  undecayed=lambda n: n.endswith(".bias") or ".ln_" in n,
@@ -131,9 +137,9 @@ def pretrained(request, data, tmp_path_factory):
     _, ids, mask, y = rows
     torch.manual_seed(0)
     module = MODELS[name]["build"]().train()
-    # biases start off zero too, as a pretrained model's are: an attention key's bias gets no
+    # biases start away from zero, as a pretrained model's are: an attention key's bias gets no
     # gradient (softmax ignores what adds the same to every key), only rounding noise, which a
-    # comparison relative to a zero bias would measure
+    # comparison relative to a bias of zero would measure
     with torch.no_grad():
         for n, p in module.named_parameters():
             if n.endswith(".bias"):
@@ -143,7 +149,9 @@ def pretrained(request, data, tmp_path_factory):
     unmoved = [n for n, p in module.named_parameters() if torch.equal(p.detach(), initial[n])]
     assert not unmoved, unmoved
     path = tmp_path_factory.mktemp(f"peft-{name}") / f"{name}.onnx"
-    sample = (torch.from_numpy(ids[:2]),)
+    sample = (torch.from_numpy(ids[:2]),)     # GPT-2 takes the mask by keyword only
+    # dynamo: the import refuses either model's TorchScript export ("Gather: dynamic shape (a
+    # value that varies along the batch) cannot be made static")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(module, sample, str(path), kwargs={"attention_mask": torch.from_numpy(mask[:2])},
@@ -195,9 +203,10 @@ def _train(tmp_path, name: str, overrides: list[str]) -> dict:
 def test_freeze_no_decay_and_lr_mult_with_adamw_equal_torch_param_groups_on_padded_batches(tmp_path, pretrained):
     name, module, onnx_file, data = pretrained
     spec = MODELS[name]
-    runs = _train(tmp_path, name, [f"model.path={onnx_file}", f"data.path={data[0]}", "optim=adamw",
-                                   f"optim.lr={LR}", f"optim.eps={ADAM_EPS}", f"optim.weight_decay={WD}", f"model.freeze={spec['freeze']}",
-                                   f"optim.no_decay={spec['no_decay']}", f"optim.lr_mult={spec['lr_mult']}"])
+    runs = _train(tmp_path, name, [
+        f"model.path={onnx_file}", f"data.path={data[0]}", "optim=adamw", f"optim.lr={LR}", f"optim.eps={ADAM_EPS}",
+        f"optim.weight_decay={WD}", f"model.freeze={spec['freeze']}", f"optim.no_decay={spec['no_decay']}",
+        f"optim.lr_mult={spec['lr_mult']}"])
 
     reference = copy.deepcopy(module).double()
     initial = {n: p.detach().numpy().copy() for n, p in reference.named_parameters()}
@@ -227,10 +236,11 @@ def _peft_names(ir_name: str) -> str:
 def test_lora_with_a_trained_head_equals_peft_from_the_same_initial_adapters(tmp_path, pretrained):
     name, module, onnx_file, data = pretrained
     spec = MODELS[name]
+    head = spec["peft"]["modules_to_save"][0]
     runs = _train(tmp_path, f"{name}-lora", [
-        f"model.path={onnx_file}", f"data.path={data[0]}", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}",
-        "model.lora.dropout=0", f"model.lora.targets={spec['lora']}", f"model.train_only=[{spec['peft']['modules_to_save'][0]}.*]",
-        "optim=sgd", f"optim.lr={SGD_LR}", f"optim.momentum={MOMENTUM}"])
+        f"model.path={onnx_file}", f"data.path={data[0]}", f"model.lora.rank={LORA_RANK}", f"model.lora.alpha={ALPHA}",
+        "model.lora.dropout=0", f"model.lora.targets={spec['lora']}", f"model.train_only=[{head}.*]", "optim=sgd",
+        f"optim.lr={SGD_LR}", f"optim.momentum={MOMENTUM}"])
     from hpc_rlx.graph import Graph
     from hpc_rlx.graph.lora import initial_adapters
     graph = Graph.from_dict(json.loads((tmp_path / f"{name}-lora-1" / "graph.json").read_text()))
@@ -238,7 +248,7 @@ def test_lora_with_a_trained_head_equals_peft_from_the_same_initial_adapters(tmp
     assert len(initial) == 2 * 2 * len(spec["peft"]["target_modules"]), sorted(initial)
 
     reference = peft.get_peft_model(copy.deepcopy(module).double(), peft.LoraConfig(
-        r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, **spec["peft"]))
+        r=LORA_RANK, lora_alpha=ALPHA, lora_dropout=0.0, **spec["peft"]))
     state = dict(reference.named_parameters())
     with torch.no_grad():
         for ir_name, value in initial.items():
@@ -246,7 +256,6 @@ def test_lora_with_a_trained_head_equals_peft_from_the_same_initial_adapters(tmp
     trained = [n for n, p in reference.named_parameters() if p.requires_grad]
     opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=SGD_LR, momentum=MOMENTUM)
     after = torch_steps(reference, opt, data)
-    head = spec["peft"]["modules_to_save"][0]
     want = {ir_name: after[_peft_names(ir_name)] for ir_name in initial}
     want |= {n.replace(f"base_model.model.{head}.modules_to_save.default.", f"{head}."): after[n]
              for n in trained if ".modules_to_save." in n}
