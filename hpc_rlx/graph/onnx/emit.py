@@ -31,7 +31,8 @@ _BAD_CHARS = re.compile(r"[^A-Za-z0-9_.\-]")
 # scales its scores by head_dim ** -0.5
 _IRRATIONAL = {np.float32(v): v for v in (math.sqrt(2), 1 / math.sqrt(2), math.sqrt(2 / math.pi), math.pi,
                                           1 / 6, 1 / 3)}
-_IRRATIONAL.update({np.float32(v): v for d in range(2, 1025) for v in (d ** -0.5, d ** 0.5)
+# d ** -0.25: attention's scale split over the query and the key (dynamo's sqrt of 1/sqrt(head dim))
+_IRRATIONAL.update({np.float32(v): v for d in range(2, 1025) for v in (d ** -0.5, d ** 0.5, d ** -0.25)
                     if np.float32(v) not in _IRRATIONAL and float(np.float32(v)) != v})
 
 

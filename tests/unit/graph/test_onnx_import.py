@@ -494,3 +494,17 @@ def test_a_dropout_the_exporter_left_without_its_flag_in_a_training_export_is_na
     assert "Export from module.train()" not in warning
     assert imported.graph.meta["onnx"]["form"] == "training"
     assert [n.op for n in imported.graph.nodes].count("dropout") == 1
+
+
+def test_attentions_split_scale_folds_to_the_head_dims_fourth_root_in_float64():
+    """Dynamo writes scaled dot-product attention's scale as Sqrt(1/sqrt(head dim)) on the query
+    and on the key. Folded in float32 that is 0.59460354 for a head dim of 8; a float64 run sees
+    8 ** -0.25 itself, as PyTorch's float64 module does (the short decimal was 6e-8 off)."""
+    h = onnx.helper
+    scale = onnx.numpy_helper.from_array(np.array(1 / np.sqrt(8), dtype=np.float32), "inv_sqrt_d")
+    w = onnx.numpy_helper.from_array(np.eye(3, 2, dtype=np.float32), "w")
+    nodes = [h.make_node("Sqrt", ["inv_sqrt_d"], ["s"]), h.make_node("Mul", ["x", "s"], ["xs"]),
+             h.make_node("MatMul", ["xs", "w"], ["logits"])]
+    g = import_onnx(_tiny(nodes, [_info("x", ["batch", 3])], [_info("logits", ["batch", 2])], [scale, w])).graph
+    (constant,) = [n for n in g.nodes if n.op == "constant"]
+    assert constant.attrs["value"] == 8 ** -0.25
