@@ -33,6 +33,7 @@ __all__ = ["LoraSettings", "lora_settings", "add_adapters", "adapters_of", "adap
            "initial_adapters", "merged", "without_adapters", "module_name", "describe"]
 
 _MAX_NAME = 128     # the IR's name limit (graph/ir.py)
+SIDE_NODES = ("lora_dropout", "lora_a", "lora_b", "lora_scaled")     # an adapted node's side path
 
 
 @dataclass(frozen=True)
@@ -98,13 +99,18 @@ def _targets(graph, settings: LoraSettings, names: dict, uses: dict) -> list:
     return [p.name for p in chosen]
 
 
+def _named(base: str, suffix: str) -> str:
+    """`base.suffix`, within the IR's name limit: a very long name is cut and made unique again
+    by a digest of the whole."""
+    name = f"{base}.{suffix}"
+    if len(name) <= _MAX_NAME:
+        return name
+    digest = hashlib.sha256(base.encode()).hexdigest()[:8]
+    return f"{base[:_MAX_NAME - len(suffix) - 10]}.{digest}.{suffix}"
+
+
 def _adapter_names(weight: str) -> tuple[str, str]:
-    a, b = f"{weight}.lora_A", f"{weight}.lora_B"
-    if len(a) > _MAX_NAME:      # a very long initializer name: keep the IR's limit, stay unique
-        digest = hashlib.sha256(weight.encode()).hexdigest()[:8]
-        a = f"{weight[:_MAX_NAME - 16]}.{digest}.lora_A"
-        b = a[:-1] + "B"
-    return a, b
+    return _named(weight, "lora_A"), _named(weight, "lora_B")
 
 
 def _rewrite(node: dict, a: str, b: str, settings: LoraSettings, shapes: dict) -> list:
@@ -112,21 +118,22 @@ def _rewrite(node: dict, a: str, b: str, settings: LoraSettings, shapes: dict) -
     node's name, so every consumer reads the sum."""
     name, x = node["name"], node["inputs"][0]
     x_shape, out_shape = shapes[x], node["shape"]
-    base = dict(node, name=f"{name}.lora_base")
+    part = {p: _named(name, p) for p in SIDE_NODES + ("lora_base",)}
+    base = dict(node, name=part["lora_base"])
     side, nodes = x, [base]
     if settings.dropout:
-        side = f"{name}.lora_dropout"
+        side = part["lora_dropout"]
         nodes.append({"name": side, "op": "dropout", "inputs": [x], "attrs": {"p": settings.dropout},
                       "shape": x_shape, "dtype": node["dtype"]})
     low = list(x_shape[:-1]) + [settings.rank]
     nodes += [
-        {"name": f"{name}.lora_a", "op": "linear", "inputs": [side, a], "attrs": {"weight_layout": "out_in"},
+        {"name": part["lora_a"], "op": "linear", "inputs": [side, a], "attrs": {"weight_layout": "out_in"},
          "shape": low, "dtype": node["dtype"]},
-        {"name": f"{name}.lora_b", "op": "linear", "inputs": [f"{name}.lora_a", b],
+        {"name": part["lora_b"], "op": "linear", "inputs": [part["lora_a"], b],
          "attrs": {"weight_layout": "out_in"}, "shape": out_shape, "dtype": node["dtype"]},
-        {"name": f"{name}.lora_scaled", "op": "scale", "inputs": [f"{name}.lora_b"],
+        {"name": part["lora_scaled"], "op": "scale", "inputs": [part["lora_b"]],
          "attrs": {"value": settings.scale}, "shape": out_shape, "dtype": node["dtype"]},
-        {"name": name, "op": "add", "inputs": [base["name"], f"{name}.lora_scaled"], "attrs": {},
+        {"name": name, "op": "add", "inputs": [base["name"], part["lora_scaled"]], "attrs": {},
          "shape": out_shape, "dtype": node["dtype"]},
     ]
     return nodes
@@ -224,11 +231,11 @@ def without_adapters(graph):
     d = graph.to_dict()
     drop = set(adapter_ir_names(graph.meta))
     rewritten = {n for r in record["adapters"] for n in r["nodes"]}
-    side = {f"{n}.{part}" for n in rewritten for part in ("lora_dropout", "lora_a", "lora_b", "lora_scaled")}
+    side = {_named(n, part) for n in rewritten for part in SIDE_NODES}
     # the merged weights train again as a whole model would: no frozen marks
     d["params"] = [{k: v for k, v in p.items() if k != "frozen"} for p in d["params"] if p["name"] not in drop]
-    d["nodes"] = [dict(n, name=n["name"][: -len(".lora_base")]) if n["name"].endswith(".lora_base")
-                  and n["name"][: -len(".lora_base")] in rewritten else n
+    base_of = {_named(n, "lora_base"): n for n in rewritten}
+    d["nodes"] = [dict(n, name=base_of[n["name"]]) if n["name"] in base_of else n
                   for n in d["nodes"] if n["name"] not in side and n["name"] not in rewritten]
     d["meta"] = {k: v for k, v in d["meta"].items() if k != LORA_META}
     return type(graph).from_dict(d)
