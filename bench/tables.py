@@ -1,6 +1,6 @@
-"""The raw results of bench_streaming.py and bench_policies.py (JSON lines, one record per job,
-kept under bench/results/) and the Markdown tables made from them: means over the seeds, with
-the spread (lowest-highest) beside each mean.
+"""The raw results of bench_streaming.py, bench_policies.py and bench_lora.py (JSON lines, one
+record per job, kept under bench/results/) and the Markdown tables made from them: means over
+the seeds (bench_lora.py: the rounds), with the spread (lowest-highest) beside each mean.
 
     .venv/bin/python bench/tables.py bench/results/streaming_n2.jsonl   # print the tables
     .venv/bin/python bench/tables.py --readme bench/README.md           # rewrite its tables
@@ -158,10 +158,101 @@ def policies_table(records: list[dict]) -> str:
     return "\n".join(out)
 
 
+# ---- bench_lora.py ----------------------------------------------------------------------------
+
+LORA_SIDES = {"full": "hpc_rlx, full fine-tuning", "lora": "hpc_rlx, LoRA",
+              "torch_full": "PyTorch, full fine-tuning", "torch_lora": "PyTorch + PEFT, LoRA"}
+
+
+def _per_round(rows: dict, num: str, den: str) -> list[float]:
+    """`num`'s step time over `den`'s, in each round that ran both."""
+    return [rows[num][r]["step_ms"] / rows[den][r]["step_ms"] for r in sorted(rows.get(num, {}))
+            if r in rows.get(den, {})]
+
+
+def _opt_bytes(rec: dict) -> int:
+    """A record's optimizer bytes per rank: the largest rank's (hpc_rlx), or the process's (PyTorch)."""
+    b = rec["optimizer_bytes"]
+    return max(b) if isinstance(b, list) else b
+
+
+def lora_table(records: list[dict]) -> str:
+    """Per setting: each side's trainable values, step time (mean over the rounds, lowest-highest),
+    bytes on the wire per step and optimizer bytes per rank; then the ratios against the goals,
+    each step-time ratio taken within a round."""
+    out = []
+    for recs in _groups(records).values():
+        s = recs[0]["setting"]
+        rows: dict[str, dict[int, dict]] = {}
+        for r in recs:
+            rows.setdefault(r["side"], {})[r["round"]] = r
+        rounds = sorted({r["round"] for r in recs})
+        head = (f"BERT (hidden {s['hidden_size']}, {s['num_hidden_layers']} layers, {s['num_attention_heads']} heads, "
+                f"intermediate {s['intermediate_size']}, vocabulary {s['vocab_size']:,}), sequence {s['seq']}, "
+                f"{s['batch_per_rank']} rows per rank ({s['ranks']} ranks for hpc_rlx, one thread a rank; PyTorch: one "
+                f"process, one thread, the same {s['batch_per_rank']} rows), {s['optim']}, {s['dtype']}; LoRA r "
+                f"{s['rank']}, alpha {s['alpha']} on {s['targets'].strip('[]').replace(',', ', ')}, the classifier "
+                f"trained whole; {s['steps'] * s['timed_epochs']} timed steps a job after {s['steps']} warm-up "
+                f"steps, {len(rounds)} rounds" + (f", {' '.join(s['extra'])}" if s.get("extra") else "")
+                + _when(recs) + ":\n\n")
+        table = []
+        for side in [k for k in LORA_SIDES if k in rows]:
+            rs = list(rows[side].values())
+            wire = [r["wire_bytes_per_step"] for r in rs if "wire_bytes_per_step" in r]
+            table.append([LORA_SIDES[side], f"{rs[0]['trainable']:,}", spread([r["step_ms"] for r in rs], ".0f"),
+                          f"{statistics.mean(wire) / 2**20:.2f}" if wire else "-",
+                          f"{_opt_bytes(rs[0]) / 2**20:.2f}"])
+        out.append(head + _md(["side", "trainable values", "step ms", "wire MiB per step", "optimizer MiB per rank"],
+                              table))
+        goals = []
+
+        def first(side, key):
+            return next(iter(rows[side].values()))[key] if side in rows else None
+
+        if first("full", "wire_bytes_per_step") and first("lora", "wire_bytes_per_step"):
+            x = first("full", "wire_bytes_per_step") / first("lora", "wire_bytes_per_step")
+            goals.append(["bytes on the wire per step, full / LoRA", f"{x:.0f}x", ">= 50x", "yes" if x >= 50 else "no"])
+        if "full" in rows and "lora" in rows:
+            x = _opt_bytes(rows["full"][min(rows["full"])]) / _opt_bytes(rows["lora"][min(rows["lora"])])
+            goals.append(["optimizer bytes per rank, full / LoRA", f"{x:.0f}x", "-", "-"])
+        for num, den, name, goal in (("lora", "full", "step time, LoRA / full (hpc_rlx)", 0.75),
+                                     ("lora", "torch_lora", "step time, LoRA: hpc_rlx / PyTorch + PEFT", 1.0),
+                                     ("full", "torch_full", "step time, full: hpc_rlx / PyTorch", None),
+                                     ("torch_lora", "torch_full", "step time, LoRA / full (PyTorch + PEFT)", None)):
+            ratios = _per_round(rows, num, den)
+            if ratios:
+                mean = statistics.mean(ratios)
+                goals.append([name, spread(ratios, ".2f"), f"<= {goal}" if goal else "-",
+                              ("yes" if mean <= goal else "no") if goal else "-"])
+        out.append("\n" + _md(["figure", "mean (lowest-highest over the rounds)", "goal", "met"], goals))
+    return "\n".join(out)
+
+
+def lora_profile_table(records: list[dict], top: int = 10) -> str:
+    """The profiled jobs: hpc_rlx's step parts (rank 0's mean ms per timed step in each traced
+    span), the engine's ms per op type (forward + backward) and PyTorch's self CPU ms per aten op
+    and step, the `top` largest of each; one column per side, the last record of each side."""
+    sides = {r["side"]: r for r in records}
+    out = []
+    for title, key, group in (("step parts, hpc_rlx (rank 0's trace, ms per step)", "spans_ms", ("full", "lora")),
+                              ("engine forward + backward by op type (ms, one thread, the step's rows)", "ops_ms",
+                               ("full", "lora")),
+                              ("PyTorch by aten op (self CPU ms per step, one thread)", "ops_ms",
+                               ("torch_full", "torch_lora"))):
+        cols = [sides[k] for k in group if k in sides and key in sides[k]]
+        if not cols:
+            continue
+        names = sorted({n for r in cols for n in r[key]}, key=lambda n: -max(r[key].get(n, 0.0) for r in cols))
+        rows = [[n] + [f"{r[key][n]:.1f}" if n in r[key] else "-" for r in cols] for n in names[:top]]
+        out.append(f"{title}{_when(cols)}:\n\n" + _md(["", *(LORA_SIDES[r['side']] for r in cols)], rows))
+    return "\n".join(out)
+
+
 def tables_for(path: Path) -> str:
     records = read_records(path)
     kinds = {r["bench"] for r in records}
-    make = {"streaming": streaming_table, "policies": policies_table}
+    make = {"streaming": streaming_table, "policies": policies_table, "lora": lora_table,
+            "lora_profile": lora_profile_table}
     return "\n".join(make[k]([r for r in records if r["bench"] == k]) for k in sorted(kinds))
 
 
