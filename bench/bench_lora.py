@@ -25,10 +25,13 @@ them in turn (the order reversed every other round, so background load hits them
   rank's `optimizer_bytes` in summary.json (read, not computed). LoRA: `model.lora.rank=8
   model.lora.alpha=16 model.lora.targets=[*query,*key,*value,*attention.output.dense]` and the
   classifier head in `model.train_only`.
-- `torch_lora` and `torch_full`: one process, `torch.set_num_threads(1)`, the same model, batch
-  (`--batch` rows: one rank's share), optimizer and steps, with PEFT's LoraConfig (r 8, alpha 16,
-  dropout 0, the same four projections, the classifier in `modules_to_save`) for `torch_lora`;
-  the mean step time over the steps after the warm-up epoch's.
+- `torch_lora` and `torch_full`: PyTorch on one thread (`torch.set_num_threads(1)`), the same
+  model, batch (`--batch` rows: one rank's share), optimizer and steps, with PEFT's LoraConfig
+  (r 8, alpha 16, dropout 0, the same four projections, the classifier in `modules_to_save`)
+  for `torch_lora`; the mean step time over the steps after the warm-up epoch's. No process
+  group: `--torch-copies` (default 2) independent processes run at once, so that on a machine
+  of few cores both sides share them alike (hpc_rlx's 2 ranks take 2 cores); the figure is the
+  mean of the copies' step times.
 Ratios: LoRA / full in hpc_rlx (goal <= 0.75), LoRA in hpc_rlx / PyTorch + PEFT (goal <= 1.0),
 wire bytes full / LoRA (goal >= 50x). Each record goes to `--out` as one JSON line;
 `bench/tables.py` makes bench/README.md's table from them.
@@ -37,7 +40,7 @@ wire bytes full / LoRA (goal >= 50x). Each record goes to `--out` as one JSON li
 `lora_profile` record: for hpc_rlx a traced job (`trace.enabled=true`), rank 0's mean time per
 timed step in each span (forward/backward, Allreduce, optimizer, data), and the engine's forward
 + backward per op type on that run's graph (`graph/node_timing.py`, `--batch` synthetic rows, one
-thread); for PyTorch its profiler's self CPU time per aten op and step.
+thread, one process); for PyTorch its profiler's self CPU time per aten op and step (one process).
 """
 
 from __future__ import annotations
@@ -54,11 +57,12 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import PYTHON, REPO, hpc_throughput, machine_note, mpirun, one_thread_env, result_line, run  # noqa: E402
+from _common import PYTHON, REPO, hpc_throughput, machine_note, mpirun, one_thread_env, result_line  # noqa: E402
 from tables import append_record, lora_profile_table, lora_table  # noqa: E402
 
 BERT = dict(vocab_size=30522, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048,
@@ -131,7 +135,7 @@ def hpc_overrides(side: str, run_dir: Path, onnx: Path, data: Path, args, val_ro
            "report.plots=false", "report.tensorboard=false", "comm.shared_memory=false"]
     if side == "lora":
         out += [f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}", f"model.lora.targets={TARGET_GLOBS}",
-                "model.train_only=[classifier.*]"]
+                "model.train_only=[*classifier.*]"]
     return out + list(args.extra)
 
 
@@ -201,10 +205,28 @@ def torch_child(side: str, data: Path, batch: int, steps: int, epochs: int, prof
 
 
 def torch_job(side: str, data: Path, args, profile: bool = False) -> dict:
-    out = run([PYTHON, str(Path(__file__).resolve()), "--torch-child", side, "--data", str(data), "--batch",
-               str(args.batch), "--steps", str(args.steps), "--epochs", str(args.epochs)]
-              + (["--profile"] if profile else []), timeout=args.timeout, env=one_thread_env())
-    return result_line(out)
+    """`args.torch_copies` PyTorch processes at once (each its own one thread and batch, as the
+    hpc_rlx ranks run side by side): the mean of their step times, each copy's kept. Profiled:
+    one process, as the engine's op profile runs."""
+    cmd = [PYTHON, str(Path(__file__).resolve()), "--torch-child", side, "--data", str(data), "--batch",
+           str(args.batch), "--steps", str(args.steps), "--epochs", str(args.epochs)] + (["--profile"] if profile else [])
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=one_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(1 if profile else args.torch_copies)]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=args.timeout)
+            if proc.returncode != 0:
+                raise SystemExit(f"failed (rc={proc.returncode}): {' '.join(cmd)}\n{out[-2000:]}\n{err[-3000:]}")
+            outs.append(result_line(out))
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"timed out after {args.timeout}s: {' '.join(cmd)}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return dict(outs[0], step_ms=statistics.mean(o["step_ms"] for o in outs), copies_step_ms=[o["step_ms"] for o in outs])
 
 
 def span_profile(run_dir: Path, steps_per_epoch: int) -> dict:
@@ -226,7 +248,7 @@ def span_profile(run_dir: Path, steps_per_epoch: int) -> dict:
 
 def engine_ops(run_dir: Path, rows: int) -> dict:
     """The engine's forward + backward per op type on the run's own graph (its frozen parameters
-    and adapters as trained), `rows` synthetic rows, one thread: {op: ms}."""
+    and adapters as trained), `rows` synthetic rows, one thread: {op: ms}, {op: nodes}."""
     from threadpoolctl import threadpool_limits
 
     from hpc_rlx.graph.ir import Graph
@@ -238,7 +260,7 @@ def engine_ops(run_dir: Path, rows: int) -> dict:
     out: dict = {}
     for name, t in times.items():
         out[ops.get(name, name)] = out.get(ops.get(name, name), 0.0) + 1e3 * t
-    return {k: round(v, 2) for k, v in out.items()}
+    return {k: round(v, 2) for k, v in out.items()}, dict(Counter(ops[n] for n in times if n in ops))
 
 
 def torch_ops(model, opt, ids, mask, y, steps: int) -> dict:
@@ -259,8 +281,11 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=3, help="epochs per job, the first one warm-up (not timed)")
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {','.join(SIDES)}")
     ap.add_argument("--profile", action="store_true", help="after the rounds, one profiled job per side")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON lines, one record per job (appended)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON lines, one record per job (the file is "
+                    "rewritten: it holds one run)")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the export, data and runs here")
+    ap.add_argument("--torch-copies", type=int, default=RANKS,
+                    help="PyTorch processes run at once, each on one thread (default: as many as hpc_rlx's ranks)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per job")
     ap.add_argument("--extra", nargs="*", default=[], help="more hpc_rlx overrides for both hpc_rlx sides")
     ap.add_argument("--torch-child", choices=("torch_full", "torch_lora"), help=argparse.SUPPRESS)
@@ -273,8 +298,9 @@ def main(argv=None) -> int:
     unknown = sorted(set(sides) - set(SIDES))
     if unknown or not sides:
         ap.error(f"--sides: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(SIDES)}")
-    if args.epochs < 2 or args.steps < 1 or args.batch < 1 or args.rounds < 1:
-        ap.error("--epochs must be at least 2 (the first is warm-up), --steps, --batch and --rounds at least 1")
+    if args.epochs < 2 or min(args.steps, args.batch, args.rounds, args.torch_copies) < 1:
+        ap.error("--epochs must be at least 2 (the first is warm-up); --steps, --batch, --rounds and --torch-copies "
+                 "at least 1")
     with tempfile.TemporaryDirectory() as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -293,8 +319,9 @@ def measure(args, sides: list, work: Path) -> int:
                                                          "intermediate_size", "vocab_size")},
                "seq": SEQ, "ranks": RANKS, "batch_per_rank": args.batch, "steps": args.steps,
                "timed_epochs": args.epochs - 1, "rank": RANK, "alpha": ALPHA, "targets": TARGET_GLOBS,
-               "optim": "adamw", "dtype": "float32", "extra": list(args.extra)}
+               "optim": "adamw", "dtype": "float32", "torch_copies": args.torch_copies, "extra": list(args.extra)}
     stamp = {"bench": "lora", "setting": setting, "commit": commit(), "torch": torch.__version__}
+    args.out.unlink(missing_ok=True)
     records = []
     for r in range(args.rounds):
         order = sides if r % 2 == 0 else sides[::-1]
@@ -322,7 +349,8 @@ def measure(args, sides: list, work: Path) -> int:
             else:
                 run_dir = work / f"profile_{side}"
                 rec.update(hpc_job(side, run_dir, onnx, data, args, val_rows, extra=["trace.enabled=true"]),
-                           spans_ms=span_profile(run_dir, args.steps), ops_ms=engine_ops(run_dir, args.batch))
+                           spans_ms=span_profile(run_dir, args.steps))
+                rec["ops_ms"], rec["op_nodes"] = engine_ops(run_dir, args.batch)
                 print(f"  profile {side}: " + ", ".join(f"{k} {v} ms" for k, v in sorted(rec["spans_ms"].items())))
             append_record(args.out, rec)
             profiles.append(rec)

@@ -189,8 +189,9 @@ def lora_table(records: list[dict]) -> str:
         rounds = sorted({r["round"] for r in recs})
         head = (f"BERT (hidden {s['hidden_size']}, {s['num_hidden_layers']} layers, {s['num_attention_heads']} heads, "
                 f"intermediate {s['intermediate_size']}, vocabulary {s['vocab_size']:,}), sequence {s['seq']}, "
-                f"{s['batch_per_rank']} rows per rank ({s['ranks']} ranks for hpc_rlx, one thread a rank; PyTorch: one "
-                f"process, one thread, the same {s['batch_per_rank']} rows), {s['optim']}, {s['dtype']}; LoRA r "
+                f"{s['batch_per_rank']} rows per rank ({s['ranks']} ranks for hpc_rlx, one thread a rank; PyTorch: "
+                f"{s.get('torch_copies', 1)} independent processes at once, each one thread and {s['batch_per_rank']} "
+                f"rows), {s['optim']}, {s['dtype']}; LoRA r "
                 f"{s['rank']}, alpha {s['alpha']} on {s['targets'].strip('[]').replace(',', ', ')}, the classifier "
                 f"trained whole; {s['steps'] * s['timed_epochs']} timed steps a job after {s['steps']} warm-up "
                 f"steps, {len(rounds)} rounds" + (f", {' '.join(s['extra'])}" if s.get("extra") else "")
@@ -228,6 +229,14 @@ def lora_table(records: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _ms_nodes(rec: dict, key: str, name: str) -> str:
+    """'ms' of one profile row, with '(k nodes)' where the record counts the op's nodes."""
+    if name not in rec[key]:
+        return "-"
+    nodes = rec.get("op_nodes", {}).get(name) if key == "ops_ms" else None
+    return f"{rec[key][name]:.1f}" + (f" ({nodes} nodes)" if nodes else "")
+
+
 def lora_profile_table(records: list[dict], top: int = 10) -> str:
     """The profiled jobs: hpc_rlx's step parts (rank 0's mean ms per timed step in each traced
     span), the engine's ms per op type (forward + backward) and PyTorch's self CPU ms per aten op
@@ -235,15 +244,15 @@ def lora_profile_table(records: list[dict], top: int = 10) -> str:
     sides = {r["side"]: r for r in records}
     out = []
     for title, key, group in (("step parts, hpc_rlx (rank 0's trace, ms per step)", "spans_ms", ("full", "lora")),
-                              ("engine forward + backward by op type (ms, one thread, the step's rows)", "ops_ms",
+                              ("engine forward + backward by op type (ms per step, one process, one thread)", "ops_ms",
                                ("full", "lora")),
-                              ("PyTorch by aten op (self CPU ms per step, one thread)", "ops_ms",
+                              ("PyTorch by aten op (self CPU ms per step, one process, one thread)", "ops_ms",
                                ("torch_full", "torch_lora"))):
         cols = [sides[k] for k in group if k in sides and key in sides[k]]
         if not cols:
             continue
         names = sorted({n for r in cols for n in r[key]}, key=lambda n: -max(r[key].get(n, 0.0) for r in cols))
-        rows = [[n] + [f"{r[key][n]:.1f}" if n in r[key] else "-" for r in cols] for n in names[:top]]
+        rows = [[n] + [_ms_nodes(r, key, n) for r in cols] for n in names[:top]]
         out.append(f"{title}{_when(cols)}:\n\n" + _md(["", *(LORA_SIDES[r['side']] for r in cols)], rows))
     return "\n".join(out)
 

@@ -1,6 +1,7 @@
-"""bench/README.md's streaming and policy tables are bench/tables.py's output on the raw files
-kept under bench/results/ (one JSON line a job): a hand-edited figure, or a raw file changed
-without the tables regenerated, fails here; so does a table over fewer than three seeds."""
+"""bench/README.md's streaming, policy and LoRA tables are bench/tables.py's output on the raw
+files kept under bench/results/ (one JSON line a job): a hand-edited figure, or a raw file changed
+without the tables regenerated, fails here; so does a table over fewer than three seeds (LoRA's:
+rounds)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ def test_the_readme_tables_are_made_from_their_raw_files():
         records = tables.read_records(REPO / name)
         seeds: dict[tuple, set] = {}
         for r in records:
-            key = (str(r["setting"]), r.get("row") or r.get("policy"), r.get("slowdown"))
-            seeds.setdefault(key, set()).add(r["seed"])
+            if r["bench"] == "lora_profile":       # one profiled job a side, beside the rounds
+                continue
+            key = (str(r["setting"]), r.get("row") or r.get("policy") or r.get("side"), r.get("slowdown"))
+            seeds.setdefault(key, set()).add(r["round"] if r["bench"] == "lora" else r["seed"])
         thin = {k: s for k, s in seeds.items() if len(s) < 3}
-        assert not thin, f"{name}: rows with fewer than 3 seeds: {thin}"
+        assert not thin, f"{name}: rows with fewer than 3 seeds (rounds): {thin}"
 
 
 def _streaming(row, seed, loss, wire=100, curve=((1.0, 9.0), (1.0, 1.0))):
@@ -52,3 +55,34 @@ def test_means_spread_and_ratios_against_sync_of_the_same_seed():
     assert tables.time_to([(1.0, 3.0), (1.0, 1.0)], 2.0) == pytest.approx(1.5)
     assert tables.time_to([(1.0, 3.0)], 2.0) is None
     assert tables.spread([1.0], ".2f") == "1.00"
+
+
+def _lora(side, rnd, step_ms, trainable=1000, wire=None, opt=None):
+    rec = {"bench": "lora", "round": rnd, "side": side, "step_ms": step_ms, "trainable": trainable,
+           "setting": {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 16,
+                       "vocab_size": 30, "seq": 4, "ranks": 2, "batch_per_rank": 2, "steps": 2, "timed_epochs": 1,
+                       "rank": 8, "alpha": 16, "targets": "[*query]", "optim": "adamw", "dtype": "float32",
+                       "torch_copies": 2, "extra": []}}
+    if side in ("full", "lora"):
+        rec.update(wire_bytes_per_step=wire, optimizer_bytes=[opt, opt])
+    else:
+        rec.update(optimizer_bytes=opt)
+    return rec
+
+
+def test_lora_ratios_are_taken_within_each_round_and_judged_against_their_goals():
+    records = []
+    for rnd, (full, lora, peft) in enumerate([(100.0, 50.0, 40.0), (200.0, 160.0, 200.0), (100.0, 60.0, 60.0)]):
+        records += [_lora("full", rnd, full, wire=6000, opt=1200), _lora("lora", rnd, lora, wire=100, opt=12),
+                    _lora("torch_lora", rnd, peft, opt=8)]
+    text = tables.lora_table(records)
+    cells = {row[0]: row[1:] for row in ([c.strip() for c in line.strip("|").split("|")]
+                                         for line in text.splitlines() if line.startswith("| "))}
+    assert cells["hpc_rlx, LoRA"] == ["1,000", "90 (50-160)", "0.00", "0.00"]
+    assert cells["bytes on the wire per step, full / LoRA"] == ["60x", ">= 50x", "yes"]
+    assert cells["optimizer bytes per rank, full / LoRA"] == ["100x", "-", "-"]
+    # 0.5, 0.8 and 0.6 in their rounds: mean 0.63 (not 270 / 400 = 0.675 from the sums); against PEFT
+    # 1.25, 0.8 and 1.0: mean 1.017, over the goal
+    assert cells["step time, LoRA / full (hpc_rlx)"] == ["0.63 (0.50-0.80)", "<= 0.75", "yes"]
+    assert cells["step time, LoRA: hpc_rlx / PyTorch + PEFT"] == ["1.02 (0.80-1.25)", "<= 1.0", "no"]
+    assert "step time, full: hpc_rlx / PyTorch" not in cells      # no PyTorch full fine-tuning rounds
