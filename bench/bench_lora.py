@@ -32,8 +32,12 @@ them in turn (the order reversed every other round, so background load hits them
   group: `--torch-copies` (default 2) independent processes run at once, so that on a machine
   of few cores both sides share them alike (hpc_rlx's 2 ranks take 2 cores); the figure is the
   mean of the copies' step times.
-Ratios: LoRA / full in hpc_rlx (goal <= 0.75), LoRA in hpc_rlx / PyTorch + PEFT (goal <= 1.0),
-wire bytes full / LoRA (goal >= 50x). Each record goes to `--out` as one JSON line;
+- `lora_1rank` and `torch_lora_alone`: the LoRA job on one rank alone (`--batch` rows a step)
+  and one PyTorch + PEFT process alone: each side's step with the cores to itself, so that the
+  engine's own speed shows apart from what two processes sharing the cores cost.
+Ratios: LoRA / full in hpc_rlx (goal <= 0.75), LoRA in hpc_rlx / PyTorch + PEFT (goal <= 1.0:
+2 ranks against the 2 copies, 2 ranks against one process alone, and 1 rank against one process
+alone), wire bytes full / LoRA (goal >= 50x). Each record goes to `--out` as one JSON line;
 `bench/tables.py` makes bench/README.md's table from them.
 
 `--profile` adds, after the rounds, one profiled job per side, each kept in `--out` as a
@@ -73,7 +77,8 @@ RANK, ALPHA = 8, 16
 TARGETS = ["query", "key", "value", "attention.output.dense"]       # PEFT's suffixes
 TARGET_GLOBS = "[" + ",".join("*" + t for t in TARGETS) + "]"       # the same modules as hpc_rlx globs
 LR, WEIGHT_DECAY = 1e-4, 0.01
-SIDES = ("full", "lora", "torch_full", "torch_lora")
+SIDES = ("full", "lora", "torch_full", "torch_lora", "lora_1rank", "torch_lora_alone")
+PROFILED = ("full", "lora", "torch_full", "torch_lora")
 DEFAULT_OUT = REPO / "bench" / "results" / "lora" / "rounds.jsonl"
 
 
@@ -125,15 +130,21 @@ def write_data(path: Path, rows: int) -> Path:
     return path
 
 
+def ranks_of(side: str) -> int:
+    """`lora_1rank`: the LoRA job on one rank alone (its engine against one PyTorch process alone)."""
+    return 1 if side == "lora_1rank" else RANKS
+
+
 def hpc_overrides(side: str, run_dir: Path, onnx: Path, data: Path, args, val_rows: int) -> list:
-    train_rows = RANKS * args.batch * args.steps
+    train_rows = RANKS * args.batch * args.steps        # the file's rows, whatever the job's ranks
     out = ["-m", "hpc_rlx", f"hydra.run.dir={run_dir}", "model=onnx", f"model.path={onnx}", "data=file",
            f"data.path={data}", "data.x=[input_ids,attention_mask]", "data.y=labels",
            f"data.val_fraction={val_rows / (train_rows + val_rows)}", "optim=adamw", f"optim.lr={LR}",
-           f"optim.weight_decay={WEIGHT_DECAY}", "optim.schedule=constant", f"train.batch_size={RANKS * args.batch}",
+           f"optim.weight_decay={WEIGHT_DECAY}", "optim.schedule=constant",
+           f"train.batch_size={ranks_of(side) * args.batch}",
            f"train.epochs={args.epochs}", "train.threads_per_rank=1", "train.dtype=float32", "checkpoint=off",
            "report.plots=false", "report.tensorboard=false", "comm.shared_memory=false"]
-    if side == "lora":
+    if side.startswith("lora"):
         out += [f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}", f"model.lora.targets={TARGET_GLOBS}",
                 "model.train_only=[*classifier.*]"]
     return out + list(args.extra)
@@ -141,13 +152,14 @@ def hpc_overrides(side: str, run_dir: Path, onnx: Path, data: Path, args, val_ro
 
 def hpc_job(side: str, run_dir: Path, onnx: Path, data: Path, args, val_rows: int, extra=()) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)      # a fresh run, never a resume of a kept one
-    mpirun(RANKS, hpc_overrides(side, run_dir, onnx, data, args, val_rows) + list(extra), timeout=args.timeout,
-           env=one_thread_env())
-    tput = hpc_throughput(run_dir, RANKS * args.batch)
+    mpirun(ranks_of(side), hpc_overrides(side, run_dir, onnx, data, args, val_rows) + list(extra),
+           timeout=args.timeout, env=one_thread_env())
+    tput = hpc_throughput(run_dir, ranks_of(side) * args.batch)
     epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     epochs = [e for e in epochs if "epoch" in e and "event" not in e][1:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"trainable": trainable_values(run_dir), "step_ms": tput["step_ms"], "comm_frac": tput["comm_frac"], "steps": tput["steps"],
+    return {"trainable": trainable_values(run_dir), "step_ms": tput["step_ms"], "comm_frac": tput["comm_frac"],
+            "steps": tput["steps"],
             "wire_bytes_per_step": sum(e["wire_bytes"] for e in epochs) / sum(e["steps"] for e in epochs),
             "optimizer_bytes": [r["optimizer_bytes"] for r in summary["ranks"]],
             "param_bytes": [r["param_bytes"] for r in summary["ranks"]]}
@@ -180,7 +192,7 @@ def torch_child(side: str, data: Path, batch: int, steps: int, epochs: int, prof
     import torch
     torch.set_num_threads(1)
     model = bert_module().train()
-    if side == "torch_lora":
+    if side.startswith("torch_lora"):
         import peft
         model.model = peft.get_peft_model(model.model, peft.LoraConfig(
             r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS, modules_to_save=["classifier"]))
@@ -206,12 +218,14 @@ def torch_child(side: str, data: Path, batch: int, steps: int, epochs: int, prof
 
 def torch_job(side: str, data: Path, args, profile: bool = False) -> dict:
     """`args.torch_copies` PyTorch processes at once (each its own one thread and batch, as the
-    hpc_rlx ranks run side by side): the mean of their step times, each copy's kept. Profiled:
-    one process, as the engine's op profile runs."""
+    hpc_rlx ranks run side by side): the mean of their step times, each copy's kept. Profiled,
+    and `torch_lora_alone`: one process."""
+    alone = profile or side == "torch_lora_alone"
     cmd = [PYTHON, str(Path(__file__).resolve()), "--torch-child", side, "--data", str(data), "--batch",
-           str(args.batch), "--steps", str(args.steps), "--epochs", str(args.epochs)] + (["--profile"] if profile else [])
+           str(args.batch), "--steps", str(args.steps), "--epochs", str(args.epochs)]
+    cmd += ["--profile"] if profile else []
     procs = [subprocess.Popen(cmd, cwd=REPO, env=one_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(1 if profile else args.torch_copies)]
+                              text=True) for _ in range(1 if alone else args.torch_copies)]
     outs = []
     try:
         for proc in procs:
@@ -226,7 +240,8 @@ def torch_job(side: str, data: Path, args, profile: bool = False) -> dict:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return dict(outs[0], step_ms=statistics.mean(o["step_ms"] for o in outs), copies_step_ms=[o["step_ms"] for o in outs])
+    return dict(outs[0], step_ms=statistics.mean(o["step_ms"] for o in outs),
+                copies_step_ms=[o["step_ms"] for o in outs])
 
 
 def span_profile(run_dir: Path, steps_per_epoch: int) -> dict:
@@ -288,7 +303,8 @@ def main(argv=None) -> int:
                     help="PyTorch processes run at once, each on one thread (default: as many as hpc_rlx's ranks)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per job")
     ap.add_argument("--extra", nargs="*", default=[], help="more hpc_rlx overrides for both hpc_rlx sides")
-    ap.add_argument("--torch-child", choices=("torch_full", "torch_lora"), help=argparse.SUPPRESS)
+    ap.add_argument("--torch-child", choices=("torch_full", "torch_lora", "torch_lora_alone"),
+                    help=argparse.SUPPRESS)
     ap.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.torch_child:
@@ -341,7 +357,7 @@ def measure(args, sides: list, work: Path) -> int:
                   flush=True)
     profiles = []
     if args.profile:
-        for side in sides:
+        for side in [s for s in sides if s in PROFILED]:
             rec = dict(stamp, bench="lora_profile", side=side, load_before=round(os.getloadavg()[0], 2),
                        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"))
             if side.startswith("torch"):

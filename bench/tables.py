@@ -161,7 +161,8 @@ def policies_table(records: list[dict]) -> str:
 # ---- bench_lora.py ----------------------------------------------------------------------------
 
 LORA_SIDES = {"full": "hpc_rlx, full fine-tuning", "lora": "hpc_rlx, LoRA",
-              "torch_full": "PyTorch, full fine-tuning", "torch_lora": "PyTorch + PEFT, LoRA"}
+              "torch_full": "PyTorch, full fine-tuning", "torch_lora": "PyTorch + PEFT, LoRA",
+              "lora_1rank": "hpc_rlx, LoRA, 1 rank alone", "torch_lora_alone": "PyTorch + PEFT, LoRA, 1 process alone"}
 
 
 def _per_round(rows: dict, num: str, den: str) -> list[float]:
@@ -191,7 +192,7 @@ def lora_table(records: list[dict]) -> str:
                 f"intermediate {s['intermediate_size']}, vocabulary {s['vocab_size']:,}), sequence {s['seq']}, "
                 f"{s['batch_per_rank']} rows per rank ({s['ranks']} ranks for hpc_rlx, one thread a rank; PyTorch: "
                 f"{s.get('torch_copies', 1)} independent processes at once, each one thread and {s['batch_per_rank']} "
-                f"rows), {s['optim']}, {s['dtype']}; LoRA r "
+                f"rows; the sides marked alone: one process alone), {s['optim']}, {s['dtype']}; LoRA r "
                 f"{s['rank']}, alpha {s['alpha']} on {s['targets'].strip('[]').replace(',', ', ')}, the classifier "
                 f"trained whole; {s['steps'] * s['timed_epochs']} timed steps a job after {s['steps']} warm-up "
                 f"steps, {len(rounds)} rounds" + (f", {' '.join(s['extra'])}" if s.get("extra") else "")
@@ -216,8 +217,14 @@ def lora_table(records: list[dict]) -> str:
         if "full" in rows and "lora" in rows:
             x = _opt_bytes(rows["full"][min(rows["full"])]) / _opt_bytes(rows["lora"][min(rows["lora"])])
             goals.append(["optimizer bytes per rank, full / LoRA", f"{x:.0f}x", "-", "-"])
+        copies = s.get("torch_copies", 1)
         for num, den, name, goal in (("lora", "full", "step time, LoRA / full (hpc_rlx)", 0.75),
-                                     ("lora", "torch_lora", "step time, LoRA: hpc_rlx / PyTorch + PEFT", 1.0),
+                                     ("lora", "torch_lora", f"step time, LoRA: hpc_rlx {s['ranks']} ranks / PyTorch + "
+                                                            f"PEFT, {copies} processes at once", 1.0),
+                                     ("lora", "torch_lora_alone", f"step time, LoRA: hpc_rlx {s['ranks']} ranks / "
+                                                                  "PyTorch + PEFT, 1 process alone", 1.0),
+                                     ("lora_1rank", "torch_lora_alone", "step time, LoRA: hpc_rlx 1 rank alone / "
+                                                                        "PyTorch + PEFT, 1 process alone", 1.0),
                                      ("full", "torch_full", "step time, full: hpc_rlx / PyTorch", None),
                                      ("torch_lora", "torch_full", "step time, LoRA / full (PyTorch + PEFT)", None)):
             ratios = _per_round(rows, num, den)
