@@ -244,10 +244,11 @@ def _ms_nodes(rec: dict, key: str, name: str) -> str:
     return f"{rec[key][name]:.1f}" + (f" ({nodes} nodes)" if nodes else "")
 
 
-def lora_profile_table(records: list[dict], top: int = 10) -> str:
+def lora_profile_table(records: list[dict], top: int = 12) -> str:
     """The profiled jobs: hpc_rlx's step parts (rank 0's mean ms per timed step in each traced
     span), the engine's ms per op type (forward + backward) and PyTorch's self CPU ms per aten op
-    and step, the `top` largest of each; one column per side, the last record of each side."""
+    and step, the `top` largest of each and the sum of all; one column per side, the last record
+    of each side."""
     sides = {r["side"]: r for r in records}
     out = []
     for title, key, group in (("step parts, hpc_rlx (rank 0's trace, ms per step)", "spans_ms", ("full", "lora")),
@@ -260,6 +261,10 @@ def lora_profile_table(records: list[dict], top: int = 10) -> str:
             continue
         names = sorted({n for r in cols for n in r[key]}, key=lambda n: -max(r[key].get(n, 0.0) for r in cols))
         rows = [[n] + [_ms_nodes(r, key, n) for r in cols] for n in names[:top]]
+        if key == "ops_ms":
+            rows.append([f"all {len(names)} op types"] + [f"{sum(r[key].values()):.1f}" for r in cols])
+        if group[0].startswith("torch"):     # the same process's timed steps, before its profiler ran
+            rows.append(["step, timed without the profiler"] + [f"{r['step_ms']:.1f}" for r in cols])
         out.append(f"{title}{_when(cols)}:\n\n" + _md(["", *(LORA_SIDES[r['side']] for r in cols)], rows))
     return "\n".join(out)
 
