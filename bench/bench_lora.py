@@ -2,9 +2,9 @@
 optimizer bytes per rank and step time, in hpc_rlx on 2 ranks and in PyTorch (+ PEFT) on one
 thread.
 
-    .venv/bin/python bench/bench_lora.py                          # 3 rounds, raw results kept
-    .venv/bin/python bench/bench_lora.py --rounds 1 --steps 2 --out /tmp/lora.jsonl   # a quick look
-    .venv/bin/python bench/bench_lora.py --profile                # and where each side's step goes
+    .venv/bin/python bench/bench_lora.py --profile   # 3 rounds and the profiles (bench/README.md's run)
+    .venv/bin/python bench/bench_lora.py --rounds 1 --steps 2 --sides full,lora --out /tmp/lora.jsonl
+                                                     # a quick look; --out: the raw file it rewrites
 
 The model: transformers' BertForSequenceClassification built from BertConfig (hidden 512, 4
 layers, 8 heads, intermediate 2048, a 30,522-token vocabulary, 128 positions, 2 labels, dropout
@@ -13,8 +13,9 @@ logits, exported once to ONNX (dynamo, `optimize=False`). The data: padded rows 
 ids (each row 64 to 128 tokens long, the rest id 0 with mask 0) and a label, in one HDF5 file
 (`input_ids`, `attention_mask`, `labels`).
 
-Four sides, float32, AdamW (lr 1e-4, weight decay 0.01, constant schedule), each round running
-them in turn (the order reversed every other round, so background load hits them alike):
+Six sides (`--sides` picks), float32, AdamW (lr 1e-4, weight decay 0.01, constant schedule), each
+round running them in turn (the order reversed every other round, so background load hits them
+alike):
 - `full` and `lora`: hpc_rlx under `mpirun -n 2`, one BLAS thread per rank, `--batch` rows per
   rank (`train.batch_size` = 2 x batch), `--steps` steps an epoch, `--epochs` epochs of which
   the first is warm-up and not timed; the step time is hpc_rlx's own `samples_per_s` (rank 0's
@@ -24,7 +25,8 @@ them in turn (the order reversed every other round, so background load hits them
   memory on one node it would be 0 (docs/observe.md). The optimizer bytes per rank are each
   rank's `optimizer_bytes` in summary.json (read, not computed). LoRA: `model.lora.rank=8
   model.lora.alpha=16 model.lora.targets=[*query,*key,*value,*attention.output.dense]` and the
-  classifier head in `model.train_only`.
+  classifier head in `model.train_only=[*classifier.*]` (the wrapper puts the transformers
+  model under `model.`).
 - `torch_lora` and `torch_full`: PyTorch on one thread (`torch.set_num_threads(1)`), the same
   model, batch (`--batch` rows: one rank's share), optimizer and steps, with PEFT's LoraConfig
   (r 8, alpha 16, dropout 0, the same four projections, the classifier in `modules_to_save`)
@@ -32,19 +34,21 @@ them in turn (the order reversed every other round, so background load hits them
   group: `--torch-copies` (default 2) independent processes run at once, so that on a machine
   of few cores both sides share them alike (hpc_rlx's 2 ranks take 2 cores); the figure is the
   mean of the copies' step times.
-- `lora_1rank` and `torch_lora_alone`: the LoRA job on one rank alone (`--batch` rows a step)
-  and one PyTorch + PEFT process alone: each side's step with the cores to itself, so that the
-  engine's own speed shows apart from what two processes sharing the cores cost.
+- `lora_1rank` and `torch_lora_alone`: the LoRA job on one rank alone (`--batch` rows a step, so
+  twice the steps of an epoch on the same file) and one PyTorch + PEFT process alone: each
+  side's step with the cores to itself, so that the engine's own speed shows apart from what
+  two processes sharing the cores cost.
 Ratios: LoRA / full in hpc_rlx (goal <= 0.75), LoRA in hpc_rlx / PyTorch + PEFT (goal <= 1.0:
 2 ranks against the 2 copies, 2 ranks against one process alone, and 1 rank against one process
 alone), wire bytes full / LoRA (goal >= 50x). Each record goes to `--out` as one JSON line;
 `bench/tables.py` makes bench/README.md's table from them.
 
-`--profile` adds, after the rounds, one profiled job per side, each kept in `--out` as a
-`lora_profile` record: for hpc_rlx a traced job (`trace.enabled=true`), rank 0's mean time per
-timed step in each span (forward/backward, Allreduce, optimizer, data), and the engine's forward
-+ backward per op type on that run's graph (`graph/node_timing.py`, `--batch` synthetic rows, one
-thread, one process); for PyTorch its profiler's self CPU time per aten op and step (one process).
+`--profile` adds, after the rounds, one profiled job per side of `full`, `lora`, `torch_full`
+and `torch_lora`, each kept in `--out` as a `lora_profile` record: for hpc_rlx a traced job
+(`trace.enabled=true`), rank 0's mean time per timed step in each span (forward/backward,
+Allreduce, optimizer, data), and the engine's forward + backward per op type on that run's
+graph (`graph/node_timing.py`, `--batch` synthetic rows, one thread, one process); for PyTorch
+its profiler's self CPU time per aten op and step (one process).
 """
 
 from __future__ import annotations
