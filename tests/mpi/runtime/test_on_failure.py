@@ -121,20 +121,20 @@ def _resumed(ref: Path, data: Path, n: int, survivors: int, step: int, extra: li
     (3, 0, "step", 16, ["comm.shared_memory=false"]),
     # before the validation of epoch 1: the survivors redo it over themselves
     (3, 2, "validation", 16, ["comm.shared_memory=false"]),
-    # before the checkpoint of step 16 (checkpoint.every_steps=16, the shrunk job only)
-    (3, 1, "checkpoint", 16, ["comm.shared_memory=false"]),
+    # before the checkpoint of step 16 (checkpoint.every_steps=16, the shrunk job only), with LoRA
+    # adapters (model.lora.*): the frozen base, the adapters' bucket and their checkpoint record
+    # carry over to the survivors
+    (3, 1, "checkpoint", 16, ["comm.shared_memory=false", "model.lora.rank=2", "model.lora.targets=[fc*]",
+                              "model.train_only=[head.*]"]),
     # rank 0, which scatters the rows and streams them: the survivors' rank 0 reads and sends them
     (3, 0, "step", 16, ["comm.shared_memory=false", "data.distribution=scatter", "data.cache=stream"]),
     # the step's Allreduce overlapped with backward (chunks in flight when the rank dies), and
     # the 16-bit wire (its segments re-planned over the survivors)
     (3, 1, "step", 16, ["comm.shared_memory=false", "comm.overlap=true"]),
     (3, 2, "allreduce", 16, ["comm.shared_memory=false", "comm.wire_dtype=bfloat16"]),
-    # LoRA adapters (model.lora.*): the frozen base and the adapters' bucket carry over to the survivors
-    (3, 1, "step", 16, ["comm.shared_memory=false", "model.lora.rank=2", "model.lora.targets=[fc*]",
-                        "model.train_only=[head.*]"]),
 ], ids=["kill_two_ranks_in_forward_backward", "kill_a_rank_during_the_recovery", "kill_at_the_allreduce", "kill_rank_0", "kill_before_validation",
-        "kill_before_a_checkpoint", "kill_rank_0_that_scatters_streamed_rows", "kill_with_the_allreduce_overlapped",
-        "kill_with_the_16_bit_wire", "kill_with_lora_adapters"])
+        "kill_before_a_checkpoint_with_lora_adapters", "kill_rank_0_that_scatters_streamed_rows", "kill_with_the_allreduce_overlapped",
+        "kill_with_the_16_bit_wire"])
 def test_shrink_survives_a_killed_rank_and_ends_as_a_resume_on_the_survivors(tmp_path, data, n, rank,
                                                                              point, step, extra):
     run = tmp_path / "run"
