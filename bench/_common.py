@@ -144,6 +144,15 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
+def git_commit() -> str:
+    """The checkout's short commit, for a raw result's record ("?" outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
 def machine_note() -> str:
     import platform
     try:

@@ -70,7 +70,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import PYTHON, REPO, hpc_throughput, machine_note, mpirun, one_thread_env, result_line  # noqa: E402
+from _common import PYTHON, REPO, git_commit, hpc_throughput, machine_note, mpirun, one_thread_env, result_line  # noqa: E402
 from tables import append_record, lora_profile_table, lora_table  # noqa: E402
 
 BERT = dict(vocab_size=30522, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048,
@@ -340,7 +340,7 @@ def measure(args, sides: list, work: Path) -> int:
                "seq": SEQ, "ranks": RANKS, "batch_per_rank": args.batch, "steps": args.steps,
                "timed_epochs": args.epochs - 1, "rank": RANK, "alpha": ALPHA, "targets": TARGET_GLOBS,
                "optim": "adamw", "dtype": "float32", "torch_copies": args.torch_copies, "extra": list(args.extra)}
-    stamp = {"bench": "lora", "setting": setting, "commit": commit(), "torch": torch.__version__}
+    stamp = {"bench": "lora", "setting": setting, "commit": git_commit(), "torch": torch.__version__}
     args.out.unlink(missing_ok=True)
     records = []
     for r in range(args.rounds):
@@ -379,14 +379,6 @@ def measure(args, sides: list, work: Path) -> int:
     if profiles:
         print(lora_profile_table(profiles))
     return 0
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "?"
 
 
 if __name__ == "__main__":

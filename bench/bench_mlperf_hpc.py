@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +34,7 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _common import git_commit  # noqa: E402
 from bench_engine import LR, engine_step_fn, print_profile, race  # noqa: E402
 
 from hpc_rlx.device.host_blas import host_array_module  # noqa: E402
@@ -88,14 +88,6 @@ def case(name: str, batch: int, tmp: Path):
     return f"{title}, {params} parameters", imported, module.train(), x, y, loss
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -112,7 +104,7 @@ def main(argv=None):
 
     torch.set_num_threads(1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    stamp = {"bench": "mlperf_hpc", "commit": commit(),
+    stamp = {"bench": "mlperf_hpc", "commit": git_commit(),
              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
              "batch": args.batch, "threads": 1, "dtype": "float32", "numpy": np.__version__,
              "torch": torch.__version__, "load_before": round(os.getloadavg()[0], 2)}
