@@ -13,7 +13,7 @@ import numpy as np
 
 from hpc_rlx.export.safetensors_file import write_safetensors
 from hpc_rlx.export.trained import ExportError, TrainedModel
-from hpc_rlx.graph.lora import adapters_of, merged, module_name, without_adapters
+from hpc_rlx.graph.lora import adapter_ir_names, adapters_of, merged, module_name, without_adapters
 from hpc_rlx.graph.param_names import user_names
 
 PREFIX = "base_model.model."      # PEFT's keys: the wrapped model's names under this prefix
@@ -33,7 +33,7 @@ def _modules_to_save(trained: TrainedModel) -> list[str]:
     """The modules of the base parameters that trained beside the adapters (`model.train_only`),
     each whole: PEFT's `modules_to_save` saves and trains a module with all its parameters."""
     names = user_names(trained.graph)
-    lora_names = {n for r in adapters_of(trained.graph.meta)["adapters"] for n in (r["a"], r["b"])}
+    lora_names = set(adapter_ir_names(trained.graph.meta))
     base = [p for p in trained.graph.params if p.name not in lora_names and p.trainable]
     trained_modules = {module_of(names[p.name]) for p in base if not p.frozen}
     for module in sorted(trained_modules):

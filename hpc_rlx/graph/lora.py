@@ -188,7 +188,7 @@ def adapters_of(meta: dict | None) -> dict | None:
     """A graph meta's LoRA record (`add_adapters`), or None without adapters; a pipeline
     stage's is in the meta of the graph it was cut from (``meta["source"]``)."""
     meta = meta or {}
-    record = meta.get(LORA_META) or (meta.get("source") or {}).get(LORA_META) if "stage" in meta else meta.get(LORA_META)
+    record = ((meta.get("source") or {}) if "stage" in meta else meta).get(LORA_META)
     return record if isinstance(record, dict) and record.get("adapters") else None
 
 
@@ -214,7 +214,8 @@ def merged(meta: dict | None, values: dict) -> dict:
     if record is None:
         return values
     scale = float(record["alpha"]) / int(record["rank"])
-    out = {k: v for k, v in values.items() if k not in set(adapter_ir_names(meta))}
+    adapters = set(adapter_ir_names(meta))
+    out = {k: v for k, v in values.items() if k not in adapters}
     for r in record["adapters"]:
         w = np.asarray(values[r["weight"]])
         delta = scale * (np.asarray(values[r["b"]], np.float64) @ np.asarray(values[r["a"]], np.float64))
